@@ -1,0 +1,12 @@
+//! The billet node agent as a library: `billet node` is a thin `main` over
+//! this. See ARCHITECTURE.md for the codemap and invariants.
+
+pub mod model;
+pub mod plane;
+pub mod provider;
+pub mod runner;
+pub mod server;
+pub mod session;
+pub mod slot;
+pub mod tls;
+pub mod wire;

@@ -1,0 +1,186 @@
+//! `billet`: parse, set up tracing, load and check configuration, bind, run,
+//! and map the error to an exit code (README "Exit codes").
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use billet_agent::server::{self, NodeConfig, NodeError};
+use billet_agent::tls::TlsPaths;
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+/// Exit codes, one table (README "Exit codes").
+mod exit {
+    pub const CONFIG: u8 = 2;
+    pub const TLS: u8 = 3;
+    pub const BIND: u8 = 4;
+    pub const PROVIDER: u8 = 5;
+    pub const STATE: u8 = 6;
+    pub const SERVE: u8 = 1;
+}
+
+#[derive(Debug, Parser)]
+#[command(name = "billet", version, about = "billet: GitHub Actions jobs on hardware you control")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the node agent: serve the control plane over mTLS gRPC.
+    Node(NodeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct NodeArgs {
+    /// Address to listen on, such as 0.0.0.0:7443.
+    #[arg(long, env = "BILLET_LISTEN")]
+    listen: SocketAddr,
+    /// The node's certificate (PEM); its DNS name is the node's name.
+    #[arg(long, env = "BILLET_CERT")]
+    cert: PathBuf,
+    /// The node's private key (PEM).
+    #[arg(long, env = "BILLET_KEY")]
+    key: PathBuf,
+    /// The deployment CA bundle (PEM) the plane's certificate must chain to.
+    #[arg(long, env = "BILLET_CA")]
+    ca: PathBuf,
+    /// The DNS name the plane's client certificate must carry.
+    #[arg(long, env = "BILLET_PLANE_NAME", default_value = "plane")]
+    plane_name: String,
+    /// The deployment this node belongs to.
+    #[arg(long, env = "BILLET_DEPLOYMENT", default_value = "dev")]
+    deployment: String,
+    /// Where the node keeps its state (created with mode 0700).
+    #[arg(long, env = "BILLET_STATE_DIR", default_value = "/var/lib/billet")]
+    state_dir: PathBuf,
+    /// The Docker engine's Unix socket.
+    #[arg(long, env = "BILLET_DOCKER_SOCKET", default_value = "/var/run/docker.sock")]
+    docker_socket: PathBuf,
+    /// vCPUs to offer; defaults to the host's.
+    #[arg(long, env = "BILLET_VCPU")]
+    vcpu: Option<u32>,
+    /// Memory to offer, in bytes; defaults to the host's.
+    #[arg(long, env = "BILLET_MEMORY_BYTES")]
+    memory_bytes: Option<u64>,
+    /// Destroy and release compute held in custody longer than this many
+    /// seconds. Off by default: time alone never kills a job.
+    #[arg(long, env = "BILLET_MAX_CUSTODY_SECS")]
+    max_custody_secs: Option<u64>,
+}
+
+fn host_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
+    if args.deployment.is_empty() {
+        return Err("--deployment (BILLET_DEPLOYMENT) must not be empty".into());
+    }
+    let vcpu = args.vcpu.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1))
+    });
+    if vcpu == 0 {
+        return Err("--vcpu (BILLET_VCPU) must be at least 1".into());
+    }
+    let memory_bytes = args.memory_bytes.unwrap_or_else(host_memory_bytes);
+    if memory_bytes == 0 {
+        return Err("--memory-bytes (BILLET_MEMORY_BYTES) must be positive".into());
+    }
+    Ok((
+        NodeConfig {
+            tls: TlsPaths {
+                cert: args.cert,
+                key: args.key,
+                ca: args.ca,
+            },
+            plane_name: args.plane_name,
+            deployment: args.deployment,
+            state_dir: args.state_dir,
+            docker_socket: args.docker_socket,
+            vcpu,
+            memory_bytes,
+            max_custody: args.max_custody_secs.map(Duration::from_secs),
+        },
+        args.listen,
+    ))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BILLET_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let Command::Node(args) = cli.command;
+    let (config, listen) = match config(args) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("configuration: {e}");
+            return ExitCode::from(exit::CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            error!("cannot start the async runtime: {e}");
+            return ExitCode::from(exit::SERVE);
+        }
+    };
+    runtime.block_on(async move {
+        let (tls, provider) = match server::prepare(&config).await {
+            Ok(p) => p,
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::from(match e {
+                    NodeError::Tls(_) => exit::TLS,
+                    NodeError::StateDir { .. } => exit::STATE,
+                    NodeError::Provider(_) => exit::PROVIDER,
+                    NodeError::Serve(_) => exit::SERVE,
+                });
+            }
+        };
+        let listener = match tokio::net::TcpListener::bind(listen).await {
+            Ok(l) => l,
+            Err(e) => {
+                error!("cannot listen on {listen}: {e}");
+                return ExitCode::from(exit::BIND);
+            }
+        };
+        let shutdown = CancellationToken::new();
+        {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                info!("stopping");
+                shutdown.cancel();
+            });
+        }
+        match server::run(config, tls, provider, listener, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                error!("{e}");
+                ExitCode::from(exit::SERVE)
+            }
+        }
+    })
+}

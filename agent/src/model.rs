@@ -1,0 +1,441 @@
+//! The node's own types for what travels on the wire: ids as newtypes, the
+//! lease phase with its transition table, tier specs and the JIT config as a
+//! credential with a redacting `Debug`.
+//!
+//! Proto messages are converted into these at the edge (`wire.rs`); nothing
+//! past the gRPC layer sees a generated type.
+
+use std::fmt;
+
+use thiserror::Error;
+
+/// Longest id accepted for a lease, a command or a runner name, in bytes.
+pub const MAX_ID_LEN: usize = 128;
+
+/// A malformed value, naming the field that carried it.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[error("{field}: {problem}")]
+pub struct InvalidField {
+    /// Dotted path of the offending field, such as `launch.lease.id`.
+    pub field: String,
+    /// What is wrong and what would be right.
+    pub problem: String,
+}
+
+impl InvalidField {
+    /// An error for `field`.
+    pub fn new(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Checks an id: non-empty, at most [`MAX_ID_LEN`] bytes, only ASCII
+/// letters, digits, `-`, `_` and `.`.
+///
+/// # Errors
+///
+/// [`InvalidField`] naming `field` when the id breaks a rule.
+pub fn check_id(field: &str, value: &str) -> Result<(), InvalidField> {
+    if value.is_empty() {
+        return Err(InvalidField::new(field, "must not be empty"));
+    }
+    if value.len() > MAX_ID_LEN {
+        return Err(InvalidField::new(
+            field,
+            format!("is {} bytes; at most {MAX_ID_LEN} are allowed", value.len()),
+        ));
+    }
+    if let Some(c) = value
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(InvalidField::new(
+            field,
+            format!("contains {c:?}; use only ASCII letters, digits, '-', '_' and '.'"),
+        ));
+    }
+    Ok(())
+}
+
+macro_rules! string_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(String);
+
+        impl $name {
+            /// Checks and wraps an id (see [`check_id`]).
+            ///
+            /// # Errors
+            ///
+            /// [`InvalidField`] naming `field`.
+            pub fn parse(field: &str, value: &str) -> Result<Self, InvalidField> {
+                check_id(field, value)?;
+                Ok(Self(value.to_owned()))
+            }
+
+            /// The id as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({:?})", stringify!($name), self.0)
+            }
+        }
+    };
+}
+
+string_id!(
+    /// A lease id, unique in the ledger. The instance for it is
+    /// `billet-<lease id>`.
+    LeaseId
+);
+string_id!(
+    /// A command id: random 128-bit hex chosen by the plane, never reused.
+    CommandId
+);
+string_id!(
+    /// A node name, as its certificate carries it.
+    NodeName
+);
+
+/// The fencing token of a lease. Only a reclaim bumps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Epoch(pub u64);
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The scheduler request (GitHub job request id) a launch was made for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub i64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Prefix of every instance billet names.
+pub const INSTANCE_PREFIX: &str = "billet-";
+
+/// The name of a lease's instance and of its runner: `billet-<lease id>`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct InstanceName(String);
+
+impl InstanceName {
+    /// `billet-<lease>`.
+    pub fn for_lease(lease: &LeaseId) -> Self {
+        Self(format!("{INSTANCE_PREFIX}{lease}"))
+    }
+
+    /// The lease a name belongs to, or `None` for a name billet did not
+    /// assign (which billet never touches).
+    pub fn lease(name: &str) -> Option<LeaseId> {
+        let rest = name.strip_prefix('/').unwrap_or(name);
+        let lease = rest.strip_prefix(INSTANCE_PREFIX)?;
+        LeaseId::parse("instance name", lease).ok()
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for InstanceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A size in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+/// A single-use runner registration, as encoded for `actions/runner`.
+///
+/// A credential until the runner consumes it: `Debug` and `Display` print
+/// `<redacted>`, and the only way to the text is [`JitConfig::expose`], which
+/// only the provider calls, to hand it to the instance.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JitConfig(String);
+
+impl JitConfig {
+    /// Wraps an encoded config.
+    pub fn new(encoded: String) -> Self {
+        Self(encoded)
+    }
+
+    /// The encoded config, for the instance that consumes it and nothing else.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for JitConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("JitConfig(<redacted>)")
+    }
+}
+
+/// A lease phase. Travels on the wire as its lowercase name.
+///
+/// Edges follow the reference ledger (spec/ledger-and-github.md §1.4):
+/// `capacity → assigned → launching → online → busy`, any live phase with
+/// compute may go to `custody`, `teardown` or `quarantine`, and everything
+/// live may end in `done` or `failed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Escrowed capacity.
+    Capacity,
+    /// GitHub gave it a job.
+    Assigned,
+    /// A node is creating compute.
+    Launching,
+    /// The runner registered.
+    Online,
+    /// The runner is executing a job.
+    Busy,
+    /// A node is preserving compute nobody else manages.
+    Custody,
+    /// A node asked for compute to be removed and has not proven it gone.
+    Teardown,
+    /// The holder stopped heartbeating while compute may exist.
+    Quarantine,
+    /// Terminal: finished.
+    Done,
+    /// Terminal: failed.
+    Failed,
+}
+
+impl Phase {
+    /// Every phase, for exhaustive tests.
+    pub const ALL: [Phase; 10] = [
+        Phase::Capacity,
+        Phase::Assigned,
+        Phase::Launching,
+        Phase::Online,
+        Phase::Busy,
+        Phase::Custody,
+        Phase::Teardown,
+        Phase::Quarantine,
+        Phase::Done,
+        Phase::Failed,
+    ];
+
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Capacity => "capacity",
+            Phase::Assigned => "assigned",
+            Phase::Launching => "launching",
+            Phase::Online => "online",
+            Phase::Busy => "busy",
+            Phase::Custody => "custody",
+            Phase::Teardown => "teardown",
+            Phase::Quarantine => "quarantine",
+            Phase::Done => "done",
+            Phase::Failed => "failed",
+        }
+    }
+
+    /// Parses the wire spelling exactly (lowercase, no spaces).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidField`] naming `field` for anything else.
+    pub fn parse(field: &str, value: &str) -> Result<Self, InvalidField> {
+        Phase::ALL
+            .into_iter()
+            .find(|p| p.as_str() == value)
+            .ok_or_else(|| {
+                InvalidField::new(field, format!("{value:?} is not a lease phase"))
+            })
+    }
+
+    /// `done` or `failed`.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Phase::Done | Phase::Failed)
+    }
+
+    /// Phases in which compute may exist (the reaper quarantines these).
+    pub fn had_compute(self) -> bool {
+        matches!(
+            self,
+            Phase::Launching | Phase::Online | Phase::Busy | Phase::Custody | Phase::Teardown
+        )
+    }
+
+    /// Whether `self → to` is a legal edge. Pure; staying in place is not an
+    /// edge (the ledger treats it as idempotent separately).
+    pub fn can_move_to(self, to: Phase) -> bool {
+        use Phase::*;
+        match self {
+            Capacity => matches!(to, Assigned | Done | Failed),
+            Assigned => matches!(to, Launching | Done | Failed),
+            Launching => matches!(to, Online | Custody | Teardown | Quarantine | Done | Failed),
+            Online => matches!(to, Busy | Custody | Teardown | Quarantine | Done | Failed),
+            Busy => matches!(to, Custody | Teardown | Quarantine | Done | Failed),
+            Custody => matches!(to, Teardown | Quarantine | Done | Failed),
+            Teardown => matches!(to, Quarantine | Done | Failed),
+            Quarantine => matches!(to, Done | Failed),
+            Done | Failed => false,
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A lease as a launch command carries it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    /// Lease id.
+    pub id: LeaseId,
+    /// Epoch the holder presents on every write.
+    pub epoch: Epoch,
+    /// Tier label.
+    pub tier: String,
+    /// Current phase.
+    pub phase: Phase,
+    /// vCPUs the guest is sized with.
+    pub vcpu: u32,
+    /// Memory the guest is sized with.
+    pub memory: ByteSize,
+    /// The request that caused the launch.
+    pub request_id: RequestId,
+    /// Provider kinds acceptable for this lease.
+    pub providers: Vec<String>,
+    /// A recorded reason the job will fail, if any.
+    pub failure_reason: Option<String>,
+}
+
+/// Whether a tier's jobs may run on a provider that shares the host kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trust {
+    /// Code from people with write access.
+    Trusted,
+    /// Code from anyone (pull requests from forks).
+    Untrusted,
+}
+
+/// How to run one tier's runner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierSpec {
+    /// Tier label.
+    pub label: String,
+    /// Image reference.
+    pub image: String,
+    /// Runner argv; never empty.
+    pub command: Vec<String>,
+    /// Trust class.
+    pub trust: Trust,
+    /// `/dev/shm` size; zero for the provider default.
+    pub shm: ByteSize,
+    /// Container network mode, if not the provider default.
+    pub network: Option<String>,
+    /// Plain environment (`KEY`, `value`); never a credential.
+    pub env: Vec<(String, String)>,
+}
+
+/// The GitHub job behind a launch; diagnostic only.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Job {
+    /// Job request id.
+    pub request_id: RequestId,
+    /// Workflow run id.
+    pub run_id: i64,
+    /// Triggering event.
+    pub event: String,
+    /// Repository owner.
+    pub owner: String,
+    /// Repository name.
+    pub repository: String,
+    /// Workflow reference.
+    pub workflow_ref: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_phase_edge_matches_the_reference_table() {
+        use Phase::*;
+        let table: &[(Phase, &[Phase])] = &[
+            (Capacity, &[Assigned, Done, Failed]),
+            (Assigned, &[Launching, Done, Failed]),
+            (Launching, &[Online, Custody, Teardown, Quarantine, Done, Failed]),
+            (Online, &[Busy, Custody, Teardown, Quarantine, Done, Failed]),
+            (Busy, &[Custody, Teardown, Quarantine, Done, Failed]),
+            (Custody, &[Teardown, Quarantine, Done, Failed]),
+            (Teardown, &[Quarantine, Done, Failed]),
+            (Quarantine, &[Done, Failed]),
+            (Done, &[]),
+            (Failed, &[]),
+        ];
+        for (from, allowed) in table {
+            for to in Phase::ALL {
+                assert_eq!(
+                    from.can_move_to(to),
+                    allowed.contains(&to),
+                    "{from} -> {to}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn phases_round_trip_through_their_wire_spelling_and_nothing_else_parses() {
+        for p in Phase::ALL {
+            assert_eq!(Phase::parse("phase", p.as_str()), Ok(p));
+        }
+        assert!(Phase::parse("phase", "Launching").is_err());
+        assert!(Phase::parse("phase", " done").is_err());
+    }
+
+    #[test]
+    fn a_jit_config_never_shows_in_debug_output() {
+        let jit = JitConfig::new("c2VjcmV0".into());
+        assert_eq!(format!("{jit:?}"), "JitConfig(<redacted>)");
+        assert!(!format!("{:?}", Some(jit)).contains("c2VjcmV0"));
+    }
+
+    #[test]
+    fn only_names_billet_assigned_map_back_to_a_lease() {
+        let lease = LeaseId::parse("l", "abc-1").unwrap();
+        let name = InstanceName::for_lease(&lease);
+        assert_eq!(name.as_str(), "billet-abc-1");
+        assert_eq!(InstanceName::lease("billet-abc-1"), Some(lease.clone()));
+        assert_eq!(InstanceName::lease("/billet-abc-1"), Some(lease));
+        assert_eq!(InstanceName::lease("billet-"), None);
+        assert_eq!(InstanceName::lease("postgres"), None);
+    }
+
+    #[test]
+    fn ids_name_the_field_that_is_wrong() {
+        let err = LeaseId::parse("launch.lease.id", "a b").unwrap_err();
+        assert_eq!(err.field, "launch.lease.id");
+        assert!(LeaseId::parse("x", "").is_err());
+        assert!(LeaseId::parse("x", &"a".repeat(MAX_ID_LEN + 1)).is_err());
+    }
+}

@@ -1,0 +1,466 @@
+//! The node's view of the plane: the two seams the runner calls through
+//! ([`LeaseStore`] for the ledger, [`JitSource`] for runner registrations)
+//! and their one real implementation, [`PlaneLink`], which sends each call up
+//! the current session as a `NodeCall` and waits for the `PlaneReply`.
+//!
+//! The node never dials: with no session open every call fails at once with
+//! [`PlaneError::Unavailable`], and the runner treats that like any other
+//! transient ledger failure.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use billet_proto::v1 as pb;
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
+
+/// A refusal or failure of a plane call. The variants are the wire's typed
+/// codes, because the runner branches on them.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PlaneError {
+    /// The presented epoch is stale.
+    #[error("fenced: {0}")]
+    Fenced(String),
+    /// The lease is gone or terminal.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// Not a legal phase change.
+    #[error("bad transition: {0}")]
+    BadTransition(String),
+    /// The lease belongs to another node.
+    #[error("wrong node: {0}")]
+    WrongNode(String),
+    /// The plane is unreachable or busy; retry.
+    #[error("plane unavailable: {0}")]
+    Unavailable(String),
+    /// An operator asked the holder to give the lease up.
+    #[error("force release: {0}")]
+    ForceRelease(String),
+    /// The plane refused the request for good.
+    #[error("refused: {0}")]
+    Refused(String),
+}
+
+impl PlaneError {
+    /// Converts a wire error.
+    pub fn from_wire(error: pb::Error) -> Self {
+        let m = error.message;
+        match pb::ErrorCode::try_from(error.code).unwrap_or(pb::ErrorCode::Unspecified) {
+            pb::ErrorCode::Fenced => Self::Fenced(m),
+            pb::ErrorCode::NotFound => Self::NotFound(m),
+            pb::ErrorCode::BadTransition => Self::BadTransition(m),
+            pb::ErrorCode::WrongNode => Self::WrongNode(m),
+            pb::ErrorCode::Unavailable => Self::Unavailable(m),
+            pb::ErrorCode::ForceRelease => Self::ForceRelease(m),
+            pb::ErrorCode::Unspecified
+            | pb::ErrorCode::InvalidArgument
+            | pb::ErrorCode::Refused
+            | pb::ErrorCode::Internal => Self::Refused(m),
+        }
+    }
+
+    /// Fenced or not found: the lease is no longer ours at this epoch.
+    pub fn is_gone(&self) -> bool {
+        matches!(self, Self::Fenced(_) | Self::NotFound(_))
+    }
+}
+
+/// The ledger leases that are bound to this node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LaunchedSet {
+    /// In launching, online, busy, custody or teardown.
+    pub launched: Vec<LeaseId>,
+    /// In quarantine.
+    pub quarantined: Vec<LeaseId>,
+}
+
+/// A minted runner registration.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    /// The encoded config, a credential.
+    pub config: JitConfig,
+    /// GitHub's runner id.
+    pub runner_id: i64,
+    /// The name GitHub registered (use it for removal).
+    pub runner_name: String,
+}
+
+/// The part of the capacity ledger the runner uses. Every write presents
+/// the epoch the node holds; the plane fences it.
+#[async_trait]
+pub trait LeaseStore: Send + Sync + std::fmt::Debug {
+    /// Binds the lease to this node (idempotent for the same node).
+    async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError>;
+    /// Moves the lease to `phase` (idempotent for the phase it has).
+    async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError>;
+    /// Renews every listed lease in one call; one result per lease, in order.
+    async fn heartbeat(
+        &self,
+        leases: &[(LeaseId, Epoch)],
+    ) -> Result<Vec<Result<(), PlaneError>>, PlaneError>;
+    /// Ends the lease with `done` or `failed`.
+    async fn release(&self, lease: &LeaseId, epoch: Epoch, outcome: Phase)
+    -> Result<(), PlaneError>;
+    /// Reads a lease.
+    async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError>;
+    /// The leases bound to this node that may have compute.
+    async fn launched(&self) -> Result<LaunchedSet, PlaneError>;
+    /// Reports this node's complete inventory; answers how many quarantined
+    /// leases it freed.
+    async fn reconcile(&self, running: &[LeaseId]) -> Result<u32, PlaneError>;
+    /// The lease TTL the plane dictated; zero before any session.
+    fn lease_ttl(&self) -> Duration;
+}
+
+/// Mints and removes runner registrations through the plane, which holds the
+/// GitHub credential.
+#[async_trait]
+pub trait JitSource: Send + Sync + std::fmt::Debug {
+    /// Mints a single-use registration named `runner_name` for a lease this
+    /// node holds.
+    async fn mint(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_name: &InstanceName,
+    ) -> Result<Registration, PlaneError>;
+    /// Removes the exact registration (`runner_id` 0 and an empty name: the
+    /// one recorded for the lease). Already gone is success.
+    async fn remove_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError>;
+}
+
+/// How long a node call waits for its reply.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The plane side of one open session, as the node uses it: where to send
+/// messages, and who waits for which reply or acknowledgement.
+#[derive(Debug)]
+pub struct SessionLink {
+    /// Distinguishes sessions within this process.
+    pub id: u64,
+    out: mpsc::Sender<Result<pb::NodeMessage, tonic::Status>>,
+    calls: Mutex<HashMap<u64, oneshot::Sender<pb::PlaneReply>>>,
+    acks: Mutex<HashMap<String, oneshot::Sender<pb::AckVerdict>>>,
+    /// Fires when the session ends, for any reason.
+    pub closed: CancellationToken,
+}
+
+impl SessionLink {
+    /// A session that sends through `out`.
+    pub fn new(id: u64, out: mpsc::Sender<Result<pb::NodeMessage, tonic::Status>>) -> Self {
+        Self {
+            id,
+            out,
+            calls: Mutex::new(HashMap::new()),
+            acks: Mutex::new(HashMap::new()),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    /// Sends one message; fails when the session has ended.
+    ///
+    /// # Errors
+    ///
+    /// [`PlaneError::Unavailable`] when the session is closed.
+    pub async fn send(&self, body: pb::node_message::Body) -> Result<(), PlaneError> {
+        if self.closed.is_cancelled() {
+            return Err(PlaneError::Unavailable("the session has ended".into()));
+        }
+        self.out
+            .send(Ok(pb::NodeMessage { body: Some(body) }))
+            .await
+            .map_err(|_| PlaneError::Unavailable("the session has ended".into()))
+    }
+
+    /// Registers interest in the acknowledgement of result `id`. The
+    /// receiver errs if the session ends first.
+    pub fn expect_ack(&self, id: &str) -> oneshot::Receiver<pb::AckVerdict> {
+        let (tx, rx) = oneshot::channel();
+        self.acks.lock().expect("acks").insert(id.to_owned(), tx);
+        rx
+    }
+
+    /// Delivers an acknowledgement from the plane.
+    pub fn on_ack(&self, ack: pb::ResultAck) {
+        let verdict = pb::AckVerdict::try_from(ack.verdict).unwrap_or(pb::AckVerdict::Unspecified);
+        if let Some(tx) = self.acks.lock().expect("acks").remove(&ack.id) {
+            let _ = tx.send(verdict);
+        }
+    }
+
+    /// Delivers a reply from the plane.
+    pub fn on_reply(&self, reply: pb::PlaneReply) {
+        if let Some(tx) = self.calls.lock().expect("calls").remove(&reply.call_id) {
+            let _ = tx.send(reply);
+        }
+    }
+
+    /// Ends the session: every waiter sees it closed.
+    pub fn close(&self) {
+        self.closed.cancel();
+        self.calls.lock().expect("calls").clear();
+        self.acks.lock().expect("acks").clear();
+    }
+}
+
+/// [`LeaseStore`] and [`JitSource`] over whichever session is current.
+#[derive(Debug)]
+pub struct PlaneLink {
+    current: Mutex<Option<Arc<SessionLink>>>,
+    ttl: watch::Sender<Duration>,
+    next_call: AtomicU64,
+    call_timeout: Duration,
+}
+
+impl Default for PlaneLink {
+    fn default() -> Self {
+        Self::new(CALL_TIMEOUT)
+    }
+}
+
+impl PlaneLink {
+    /// A link with no session yet.
+    pub fn new(call_timeout: Duration) -> Self {
+        Self {
+            current: Mutex::new(None),
+            ttl: watch::Sender::new(Duration::ZERO),
+            next_call: AtomicU64::new(1),
+            call_timeout,
+        }
+    }
+
+    /// Makes `session` current and records the TTL it opened with; returns
+    /// the session it replaces, which the caller closes.
+    pub fn install(&self, session: Arc<SessionLink>, lease_ttl: Duration) -> Option<Arc<SessionLink>> {
+        self.ttl.send_replace(lease_ttl);
+        self.current.lock().expect("current").replace(session)
+    }
+
+    /// Forgets `session` if it is still current.
+    pub fn remove(&self, session: &SessionLink) {
+        let mut current = self.current.lock().expect("current");
+        if current.as_ref().is_some_and(|s| s.id == session.id) {
+            *current = None;
+        }
+    }
+
+    /// The current session, if any.
+    pub fn current(&self) -> Option<Arc<SessionLink>> {
+        self.current.lock().expect("current").clone()
+    }
+
+    /// Watches the lease TTL.
+    pub fn ttl_watch(&self) -> watch::Receiver<Duration> {
+        self.ttl.subscribe()
+    }
+
+    async fn call(
+        &self,
+        call: pb::node_call::Call,
+    ) -> Result<Option<pb::plane_reply::Result>, PlaneError> {
+        let session = self
+            .current()
+            .ok_or_else(|| PlaneError::Unavailable("no plane session is open".into()))?;
+        let call_id = self.next_call.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        session.calls.lock().expect("calls").insert(call_id, tx);
+        let sent = session
+            .send(pb::node_message::Body::Call(pb::NodeCall {
+                call_id,
+                call: Some(call),
+            }))
+            .await;
+        if let Err(e) = sent {
+            session.calls.lock().expect("calls").remove(&call_id);
+            return Err(e);
+        }
+        let reply = tokio::select! {
+            reply = rx => reply.map_err(|_| PlaneError::Unavailable("the session ended before the plane answered".into())),
+            () = tokio::time::sleep(self.call_timeout) => {
+                session.calls.lock().expect("calls").remove(&call_id);
+                Err(PlaneError::Unavailable(format!("the plane did not answer within {:?}", self.call_timeout)))
+            }
+        }?;
+        match reply.error {
+            Some(error) => Err(PlaneError::from_wire(error)),
+            None => Ok(reply.result),
+        }
+    }
+}
+
+fn lease_epoch(lease: &LeaseId, epoch: Epoch) -> (String, u64) {
+    (lease.as_str().to_owned(), epoch.0)
+}
+
+fn unexpected(what: &str) -> PlaneError {
+    PlaneError::Refused(format!("the plane answered {what} with the wrong kind of reply"))
+}
+
+#[async_trait]
+impl LeaseStore for PlaneLink {
+    async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::Bind(pb::Bind { lease_id, epoch }))
+            .await
+            .map(drop)
+    }
+
+    async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::Advance(pb::Advance {
+            lease_id,
+            epoch,
+            phase: phase.as_str().into(),
+        }))
+        .await
+        .map(drop)
+    }
+
+    async fn heartbeat(
+        &self,
+        leases: &[(LeaseId, Epoch)],
+    ) -> Result<Vec<Result<(), PlaneError>>, PlaneError> {
+        let call = pb::Heartbeat {
+            leases: leases
+                .iter()
+                .map(|(l, e)| pb::LeaseEpoch {
+                    lease_id: l.as_str().into(),
+                    epoch: e.0,
+                })
+                .collect(),
+        };
+        match self.call(pb::node_call::Call::Heartbeat(call)).await? {
+            Some(pb::plane_reply::Result::Heartbeats(h)) if h.results.len() == leases.len() => Ok(h
+                .results
+                .into_iter()
+                .map(|r| r.error.map_or(Ok(()), |e| Err(PlaneError::from_wire(e))))
+                .collect()),
+            _ => Err(unexpected("a heartbeat")),
+        }
+    }
+
+    async fn release(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::Release(pb::Release {
+            lease_id,
+            epoch,
+            outcome: outcome.as_str().into(),
+        }))
+        .await
+        .map(drop)
+    }
+
+    async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
+        let reply = self
+            .call(pb::node_call::Call::GetLease(pb::GetLease {
+                lease_id: lease.as_str().into(),
+            }))
+            .await?;
+        match reply {
+            Some(pb::plane_reply::Result::Lease(l)) => crate::wire::lease(l, "lease")
+                .map_err(|e| PlaneError::Refused(format!("the plane sent a malformed lease: {e}"))),
+            _ => Err(unexpected("a lease read")),
+        }
+    }
+
+    async fn launched(&self) -> Result<LaunchedSet, PlaneError> {
+        match self
+            .call(pb::node_call::Call::Launched(pb::LaunchedLeases {}))
+            .await?
+        {
+            Some(pb::plane_reply::Result::Launched(set)) => {
+                let ids = |v: Vec<String>| {
+                    v.iter()
+                        .filter_map(|s| LeaseId::parse("launched", s).ok())
+                        .collect()
+                };
+                Ok(LaunchedSet {
+                    launched: ids(set.launched),
+                    quarantined: ids(set.quarantined),
+                })
+            }
+            _ => Err(unexpected("a launched-set read")),
+        }
+    }
+
+    async fn reconcile(&self, running: &[LeaseId]) -> Result<u32, PlaneError> {
+        match self
+            .call(pb::node_call::Call::Reconcile(pb::Reconcile {
+                lease_ids: running.iter().map(|l| l.as_str().into()).collect(),
+            }))
+            .await?
+        {
+            Some(pb::plane_reply::Result::Reconciled(r)) => Ok(r.freed),
+            _ => Err(unexpected("a reconcile")),
+        }
+    }
+
+    fn lease_ttl(&self) -> Duration {
+        *self.ttl.borrow()
+    }
+}
+
+#[async_trait]
+impl JitSource for PlaneLink {
+    async fn mint(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_name: &InstanceName,
+    ) -> Result<Registration, PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        match self
+            .call(pb::node_call::Call::MintJit(pb::MintJit {
+                lease_id,
+                epoch,
+                runner_name: runner_name.as_str().into(),
+                work_folder: "_work".into(),
+            }))
+            .await?
+        {
+            Some(pb::plane_reply::Result::Jit(jit)) if !jit.encoded_jit_config.is_empty() => {
+                Ok(Registration {
+                    config: JitConfig::new(jit.encoded_jit_config),
+                    runner_id: jit.runner_id,
+                    runner_name: jit.runner_name,
+                })
+            }
+            _ => Err(unexpected("a JIT mint")),
+        }
+    }
+
+    async fn remove_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::RemoveRunner(pb::RemoveRunner {
+            lease_id,
+            epoch,
+            runner_id,
+            runner_name: runner_name.into(),
+        }))
+        .await
+        .map(drop)
+    }
+}

@@ -1,0 +1,697 @@
+//! The runner: owns this host's lease state and turns commands into compute.
+//!
+//! Behaviour follows the reference's `node.Runner` (seed/node-package.md,
+//! spec/node.md §2). The launch order is fixed: Bind and Advance(launching)
+//! are durable in the ledger before the provider is asked to create anything,
+//! so a sweep can never mistake a starting instance for an orphan. A failed
+//! launch removes the exact runner registration before touching compute, and
+//! holds the lease in custody while anything it may have started is not
+//! proven gone. Nothing is retried blindly: no second mint, no second create.
+//!
+//! State lives in one mutex held only for short, non-async sections. The
+//! single command slot serialises launches and destroys; [`Runner::keep_alive`]
+//! and [`Runner::tend`] may run beside them and touch only what they own.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::model::{Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust};
+use crate::plane::{JitSource, LeaseStore, PlaneError};
+use crate::provider::{InstanceSpec, Provider, ProviderError, Teardown};
+
+/// Without evidence the instance ever existed, how long it must stay absent
+/// before absence counts as proof (spec/node.md §2.0, `strayGrace`).
+pub const STRAY_GRACE: Duration = Duration::from_secs(300);
+/// After this long in custody every tend warns, naming the lease.
+pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
+/// How often KeepAlive wakes to see whether renewal is due.
+pub const KEEPALIVE_WAKE: Duration = Duration::from_millis(500);
+
+/// Why a runner operation did not succeed.
+#[derive(Debug, Error)]
+pub enum RunnerError {
+    /// Nothing was started, or everything started is proven gone: the caller
+    /// may release the lease.
+    #[error("{0}")]
+    Failed(String),
+    /// This node holds the lease: something may be running that is not yet
+    /// proven gone. The caller must not release it.
+    #[error("held in custody: {0}")]
+    Custody(String),
+    /// The node refuses this command outright (draining, no updater).
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl RunnerError {
+    /// Whether the node holds the lease.
+    pub fn is_custody(&self) -> bool {
+        matches!(self, RunnerError::Custody(_))
+    }
+}
+
+/// Compute started for a request and managed normally.
+#[derive(Debug, Clone)]
+struct Running {
+    lease: LeaseId,
+    epoch: Epoch,
+    instance: InstanceName,
+}
+
+/// Compute the node holds on its own clock until it is proven gone
+/// (spec/node.md §2.1).
+#[derive(Debug, Clone)]
+struct CustodyEntry {
+    epoch: Epoch,
+    instance: InstanceName,
+    request_id: RequestId,
+    /// A registration still to be removed: (runner id, runner name).
+    registration: Option<(i64, String)>,
+    /// What Release will record.
+    outcome: Phase,
+    /// Ledger phase to report each tick; `None` once quarantined.
+    phase: Option<Phase>,
+    /// Destroy on sight, rather than let a running job finish.
+    discard: bool,
+    /// The provider has seen this instance exist.
+    observed: bool,
+    /// Start of the current run of absences.
+    absent_since: Option<Instant>,
+    /// Not yet proven gone.
+    unconfirmed: bool,
+    since: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    running: HashMap<RequestId, Running>,
+    launching: HashMap<LeaseId, Epoch>,
+    custody: HashMap<LeaseId, CustodyEntry>,
+    draining: bool,
+}
+
+/// Options the operator sets.
+#[derive(Debug, Clone, Default)]
+pub struct RunnerOptions {
+    /// Destroy and release custody older than this. `None` (the default)
+    /// means time alone never kills a job; it only drives a warning.
+    pub max_custody: Option<Duration>,
+}
+
+/// Starts and stops the compute for assigned leases on this host.
+#[derive(Debug)]
+pub struct Runner {
+    provider: Arc<dyn Provider>,
+    ledger: Arc<dyn LeaseStore>,
+    jit: Arc<dyn JitSource>,
+    options: RunnerOptions,
+    state: Mutex<State>,
+}
+
+fn now_plus(grace: Duration, since: Instant) -> bool {
+    since.elapsed() >= grace
+}
+
+impl Runner {
+    /// A runner over a provider, the ledger and a JIT source.
+    pub fn new(
+        provider: Arc<dyn Provider>,
+        ledger: Arc<dyn LeaseStore>,
+        jit: Arc<dyn JitSource>,
+        options: RunnerOptions,
+    ) -> Self {
+        Self {
+            provider,
+            ledger,
+            jit,
+            options,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("runner state")
+    }
+
+    /// The provider kind this runner launches on.
+    pub fn provider_kind(&self) -> &'static str {
+        self.provider.kind()
+    }
+
+    /// Stops taking launches (destroys, sweeps and tends still run).
+    pub fn start_draining(&self) {
+        self.state().draining = true;
+    }
+
+    /// Whether this node is still responsible for compute.
+    pub fn holding(&self) -> bool {
+        let s = self.state();
+        !(s.running.is_empty() && s.launching.is_empty() && s.custody.is_empty())
+    }
+
+    /// Lease ids this node holds in custody, for tests and status.
+    pub fn custody_leases(&self) -> Vec<LeaseId> {
+        self.state().custody.keys().cloned().collect()
+    }
+
+    /// Launches compute for a lease: Bind, Advance(launching), mint the JIT
+    /// config, create the instance.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when nothing was started (the caller releases
+    /// the lease); [`RunnerError::Custody`] when something may have started
+    /// and this node now holds the lease.
+    pub async fn launch(&self, lease: Lease, tier: TierSpec, job: Job) -> Result<(), RunnerError> {
+        let kind = self.provider.kind();
+        if !lease.providers.is_empty() && !lease.providers.iter().any(|p| p == kind) {
+            return Err(RunnerError::Failed(format!(
+                "lease {} may run on {:?}, and this node's provider is {kind}",
+                lease.id, lease.providers
+            )));
+        }
+        if tier.trust == Trust::Untrusted && self.provider.runs_on_host() {
+            return Err(RunnerError::Failed(format!(
+                "tier {} is untrusted, and {kind} shares this host's kernel; run untrusted tiers on an isolating provider",
+                tier.label
+            )));
+        }
+        {
+            let s = self.state();
+            if s.draining {
+                return Err(RunnerError::Refused(
+                    "this node is draining and takes no new launches".into(),
+                ));
+            }
+            if s.custody.values().any(|e| e.request_id == lease.request_id)
+                || s.running.contains_key(&lease.request_id)
+            {
+                return Err(RunnerError::Failed(format!(
+                    "request {} already has compute on this node; release lease {}",
+                    lease.request_id, lease.id
+                )));
+            }
+        }
+        let name = InstanceName::for_lease(&lease.id);
+        self.ledger
+            .bind(&lease.id, lease.epoch)
+            .await
+            .map_err(|e| RunnerError::Failed(format!("bind {}: {e}", lease.id)))?;
+        self.ledger
+            .advance(&lease.id, lease.epoch, Phase::Launching)
+            .await
+            .map_err(|e| RunnerError::Failed(format!("advance {} to launching: {e}", lease.id)))?;
+        self.state().launching.insert(lease.id.clone(), lease.epoch);
+        let result = self.launch_bound(&lease, &tier, &name, &job).await;
+        self.state().launching.remove(&lease.id);
+        result
+    }
+
+    async fn launch_bound(
+        &self,
+        lease: &Lease,
+        tier: &TierSpec,
+        name: &InstanceName,
+        job: &Job,
+    ) -> Result<(), RunnerError> {
+        let registration = self
+            .jit
+            .mint(&lease.id, lease.epoch, name)
+            .await
+            .map_err(|e| RunnerError::Failed(format!("mint a JIT config for {name}: {e}")))?;
+        let spec = InstanceSpec {
+            name: name.clone(),
+            lease: lease.id.clone(),
+            epoch: lease.epoch,
+            request_id: lease.request_id,
+            image: tier.image.clone(),
+            command: tier.command.clone(),
+            vcpu: lease.vcpu,
+            memory: lease.memory,
+            shm: tier.shm,
+            network: tier.network.clone(),
+            env: tier.env.clone(),
+            jit_config: registration.config,
+        };
+        match self.provider.create(spec).await {
+            Ok(instance) => {
+                info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
+                      repository = %job.repository, "launched");
+                self.state().running.insert(
+                    lease.request_id,
+                    Running {
+                        lease: lease.id.clone(),
+                        epoch: lease.epoch,
+                        instance: name.clone(),
+                    },
+                );
+                Ok(())
+            }
+            Err(create_error) => {
+                warn!(lease = %lease.id, error = %create_error, "create failed; removing the registration, then any stray");
+                self.fail_launch(
+                    lease,
+                    name,
+                    (registration.runner_id, registration.runner_name),
+                    create_error,
+                )
+                .await
+            }
+        }
+    }
+
+    /// spec/node.md §2.2 step 14: routing first, then compute, and hold
+    /// whatever is not proven gone.
+    async fn fail_launch(
+        &self,
+        lease: &Lease,
+        name: &InstanceName,
+        registration: (i64, String),
+        create_error: ProviderError,
+    ) -> Result<(), RunnerError> {
+        let mut entry = CustodyEntry {
+            epoch: lease.epoch,
+            instance: name.clone(),
+            request_id: lease.request_id,
+            registration: None,
+            outcome: Phase::Failed,
+            phase: Some(Phase::Teardown),
+            discard: true,
+            observed: false,
+            absent_since: None,
+            unconfirmed: true,
+            since: Instant::now(),
+        };
+        if let Err(e) = self
+            .jit
+            .remove_runner(&lease.id, lease.epoch, registration.0, &registration.1)
+            .await
+        {
+            entry.registration = Some(registration);
+            self.hold(lease.id.clone(), entry);
+            return Err(RunnerError::Custody(format!(
+                "create {name} failed ({create_error}) and its registration could not be removed ({e}); holding the lease until both are cleaned up"
+            )));
+        }
+        match self.provider.find(name).await {
+            Ok(None) => {
+                entry.absent_since = Some(Instant::now());
+            }
+            Ok(Some(instance)) => {
+                entry.observed = true;
+                if !instance.terminal {
+                    match self.provider.destroy(name).await {
+                        Ok(Teardown::Stopped) => entry.unconfirmed = false,
+                        Ok(Teardown::Requested) | Err(_) => {}
+                    }
+                } else {
+                    entry.unconfirmed = false;
+                }
+            }
+            Err(_) => {}
+        }
+        if entry.unconfirmed {
+            self.hold(lease.id.clone(), entry);
+            return Err(RunnerError::Custody(format!(
+                "create {name} failed ({create_error}); holding the lease until the instance is proven gone"
+            )));
+        }
+        Err(RunnerError::Failed(format!("create {name}: {create_error}")))
+    }
+
+    fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
+        info!(%lease, instance = %entry.instance, "holding the lease in custody");
+        self.state().custody.insert(lease, entry);
+    }
+
+    /// Removes whatever was started for a request. Idempotent: a request
+    /// nothing was started for, or whose compute is proven gone, is success.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Custody`] while anything for the request is not proven
+    /// gone; [`RunnerError::Failed`] when the provider refused (retry).
+    pub async fn destroy(
+        &self,
+        request_id: RequestId,
+        job_result: Option<&str>,
+    ) -> Result<(), RunnerError> {
+        // Custody entries for this request: tear down now, on their own clock.
+        let held: Vec<LeaseId> = {
+            let mut s = self.state();
+            s.custody
+                .iter_mut()
+                .filter(|(_, e)| e.request_id == request_id)
+                .map(|(l, e)| {
+                    e.discard = true;
+                    if e.phase.is_some() {
+                        e.phase = Some(Phase::Teardown);
+                    }
+                    l.clone()
+                })
+                .collect()
+        };
+        for lease in held {
+            if let Err(e) = self.tend_one(&lease).await {
+                warn!(%lease, error = %e, "tending a held lease during destroy");
+            }
+        }
+        let running = self.state().running.get(&request_id).cloned();
+        let Some(running) = running else {
+            let unconfirmed = self
+                .state()
+                .custody
+                .values()
+                .any(|e| e.request_id == request_id && e.unconfirmed);
+            return if unconfirmed {
+                Err(RunnerError::Custody(format!(
+                    "request {request_id}: held until its instance is confirmed gone"
+                )))
+            } else {
+                Ok(())
+            };
+        };
+        match self.provider.destroy(&running.instance).await {
+            Err(e) => Err(RunnerError::Failed(format!(
+                "destroy {}: {e}",
+                running.instance
+            ))),
+            Ok(teardown) => {
+                self.state().running.remove(&request_id);
+                info!(lease = %running.lease, request = %request_id, instance = %running.instance,
+                      result = job_result.unwrap_or("-"), ?teardown, "destroyed");
+                if teardown == Teardown::Requested {
+                    self.hold(
+                        running.lease.clone(),
+                        CustodyEntry {
+                            epoch: running.epoch,
+                            instance: running.instance.clone(),
+                            request_id,
+                            registration: None,
+                            outcome: Phase::Done,
+                            phase: Some(Phase::Teardown),
+                            discard: true,
+                            observed: self.provider.runs_on_host(),
+                            absent_since: None,
+                            unconfirmed: true,
+                            since: Instant::now(),
+                        },
+                    );
+                    return Err(RunnerError::Custody(format!(
+                        "{} was asked to stop and is not yet gone",
+                        running.instance
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes responsibility for a lease whose successful launch the plane
+    /// did not acknowledge. Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Custody`] when the entry is held but its first renewal
+    /// failed (KeepAlive retries).
+    pub async fn assume_custody(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        request_id: RequestId,
+    ) -> Result<(), RunnerError> {
+        let instance = {
+            let mut s = self.state();
+            let Some(running) = s.running.get(&request_id).cloned() else {
+                return Ok(());
+            };
+            if running.lease != *lease {
+                return Ok(());
+            }
+            let entry = CustodyEntry {
+                epoch: epoch.max(running.epoch),
+                instance: running.instance.clone(),
+                request_id,
+                registration: None,
+                outcome: Phase::Done,
+                phase: Some(Phase::Custody),
+                discard: false,
+                observed: self.provider.runs_on_host(),
+                absent_since: None,
+                unconfirmed: true,
+                since: Instant::now(),
+            };
+            s.custody.insert(lease.clone(), entry);
+            running.instance
+        };
+        info!(%lease, %instance, "assumed custody");
+        match self.ledger.heartbeat(&[(lease.clone(), epoch)]).await {
+            Ok(results) => match results.into_iter().next() {
+                Some(Err(e)) => Err(RunnerError::Custody(format!(
+                    "custody of {lease} is held; its renewal was refused ({e}) and the next tend decides"
+                ))),
+                _ => Ok(()),
+            },
+            Err(e) => Err(RunnerError::Custody(format!(
+                "custody of {lease} is held; renewal will be retried ({e})"
+            ))),
+        }
+    }
+
+    /// Moves every running request into custody: another process owns this
+    /// node's name now, so completions will not reach this one.
+    pub fn superseded(&self) {
+        let mut s = self.state();
+        let running: Vec<_> = s.running.drain().collect();
+        for (request_id, r) in running {
+            s.custody.entry(r.lease.clone()).or_insert(CustodyEntry {
+                epoch: r.epoch,
+                instance: r.instance,
+                request_id,
+                registration: None,
+                outcome: Phase::Done,
+                phase: Some(Phase::Custody),
+                discard: false,
+                observed: self.provider.runs_on_host(),
+                absent_since: None,
+                unconfirmed: true,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// The lease ids of the billet instances the provider runs, from the
+    /// provider, never from the ledger.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the provider cannot be listed.
+    pub async fn instances(&self) -> Result<Vec<LeaseId>, ProviderError> {
+        Ok(self
+            .provider
+            .list()
+            .await?
+            .iter()
+            .filter_map(crate::provider::Instance::lease)
+            .collect())
+    }
+
+    /// Renews held and launching leases every third of the TTL until
+    /// `cancel`, touching only the ledger.
+    pub async fn keep_alive(&self, cancel: CancellationToken) {
+        let mut last = Instant::now();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(KEEPALIVE_WAKE) => {}
+            }
+            let ttl = self.ledger.lease_ttl();
+            if ttl.is_zero() || last.elapsed() < ttl / 3 {
+                continue;
+            }
+            last = Instant::now();
+            let held: Vec<(LeaseId, Epoch)> = {
+                let s = self.state();
+                s.custody
+                    .iter()
+                    .map(|(l, e)| (l.clone(), e.epoch))
+                    .chain(s.launching.iter().map(|(l, e)| (l.clone(), *e)))
+                    .collect()
+            };
+            if held.is_empty() {
+                continue;
+            }
+            match self.ledger.heartbeat(&held).await {
+                Ok(results) => {
+                    for ((lease, _), r) in held.iter().zip(results) {
+                        if let Err(e) = r {
+                            if !e.is_gone() && !matches!(e, PlaneError::ForceRelease(_)) {
+                                warn!(%lease, error = %e, "renewal refused");
+                            }
+                        }
+                    }
+                }
+                Err(e) => warn!(error = %e, leases = held.len(), "renewal failed"),
+            }
+        }
+    }
+
+    /// Advances every custody entry by one step.
+    ///
+    /// # Errors
+    ///
+    /// The joined messages of the entries that could not progress.
+    pub async fn tend(&self) -> Result<(), RunnerError> {
+        let leases: Vec<LeaseId> = self.state().custody.keys().cloned().collect();
+        let mut errors = Vec::new();
+        for lease in leases {
+            if let Err(e) = self.tend_one(&lease).await {
+                errors.push(format!("{lease}: {e}"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(RunnerError::Failed(errors.join("; ")))
+        }
+    }
+
+    /// One step for one custody entry (spec/node.md §2.7).
+    async fn tend_one(&self, lease: &LeaseId) -> Result<(), String> {
+        let Some(mut entry) = self.state().custody.get(lease).cloned() else {
+            return Ok(());
+        };
+        let age = entry.since.elapsed();
+        if let Some(max) = self.options.max_custody {
+            if age > max && !entry.discard {
+                error!(%lease, ?age, "custody exceeded max_custody; destroying and releasing as failed");
+                entry.discard = true;
+                entry.outcome = Phase::Failed;
+                if entry.phase.is_some() {
+                    entry.phase = Some(Phase::Teardown);
+                }
+            }
+        } else if age > CUSTODY_WARN_AFTER {
+            warn!(%lease, age_s = age.as_secs(), "billet has held this lease in custody for over an hour");
+        }
+
+        let mut renewed = false;
+        match self.ledger.heartbeat(&[(lease.clone(), entry.epoch)]).await {
+            Ok(mut r) => match r.pop() {
+                Some(Ok(())) => renewed = true,
+                Some(Err(PlaneError::ForceRelease(_))) => {
+                    entry.discard = true;
+                    entry.outcome = Phase::Failed;
+                }
+                Some(Err(e)) if e.is_gone() => match self.ledger.lease(lease).await {
+                    Ok(l) if l.phase == Phase::Quarantine => {
+                        entry.epoch = l.epoch;
+                        entry.phase = None;
+                    }
+                    Ok(_) | Err(PlaneError::NotFound(_)) => entry.discard = true,
+                    Err(e) => return Err(format!("read after a refused renewal: {e}")),
+                },
+                Some(Err(e)) => return Err(format!("renew: {e}")),
+                None => return Err("renew: no answer for the lease".into()),
+            },
+            Err(e) => return Err(format!("renew: {e}")),
+        }
+        if renewed {
+            if let Some(phase) = entry.phase {
+                match self.ledger.advance(lease, entry.epoch, phase).await {
+                    Ok(()) | Err(PlaneError::BadTransition(_)) => {}
+                    Err(e) => {
+                        self.update(lease, entry);
+                        return Err(format!("report {phase}: {e}"));
+                    }
+                }
+            }
+        }
+        if let Some((id, name)) = entry.registration.clone() {
+            if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+                self.update(lease, entry);
+                return Err(format!("remove registration {name}: {e}"));
+            }
+            entry.registration = None;
+        }
+        let found = match self.provider.find(&entry.instance).await {
+            Ok(found) => found,
+            Err(e) => {
+                entry.absent_since = None;
+                self.update(lease, entry);
+                return Err(format!("find {}: {e}", lease));
+            }
+        };
+        match found {
+            None => {
+                let grace = if entry.observed && self.provider.runs_on_host() {
+                    Duration::ZERO
+                } else {
+                    STRAY_GRACE
+                };
+                let since = *entry.absent_since.get_or_insert_with(Instant::now);
+                if !now_plus(grace, since) {
+                    self.update(lease, entry);
+                    return Ok(());
+                }
+                entry.unconfirmed = false;
+                self.finish(lease, entry).await
+            }
+            Some(instance) => {
+                entry.absent_since = None;
+                entry.observed = true;
+                if instance.terminal {
+                    entry.unconfirmed = false;
+                    return self.finish(lease, entry).await;
+                }
+                if !entry.discard && instance.running {
+                    self.update(lease, entry);
+                    return Ok(());
+                }
+                match self.provider.destroy(&entry.instance).await {
+                    Err(e) => {
+                        self.update(lease, entry);
+                        Err(format!("destroy: {e}"))
+                    }
+                    Ok(Teardown::Requested) => {
+                        self.update(lease, entry);
+                        Ok(())
+                    }
+                    Ok(Teardown::Stopped) => {
+                        entry.unconfirmed = false;
+                        info!(%lease, instance = %entry.instance, "held instance destroyed");
+                        self.finish(lease, entry).await
+                    }
+                }
+            }
+        }
+    }
+
+    fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
+        let mut s = self.state();
+        if let Some(slot) = s.custody.get_mut(lease) {
+            *slot = entry;
+        }
+    }
+
+    async fn finish(&self, lease: &LeaseId, entry: CustodyEntry) -> Result<(), String> {
+        match self.ledger.release(lease, entry.epoch, entry.outcome).await {
+            Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
+                debug!(%lease, outcome = %entry.outcome, "custody ended");
+                let mut s = self.state();
+                s.custody.remove(lease);
+                s.running.retain(|_, r| r.lease != *lease);
+                Ok(())
+            }
+            Err(e) => {
+                self.update(lease, entry);
+                Err(format!("release: {e}"))
+            }
+        }
+    }
+}

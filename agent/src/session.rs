@@ -1,0 +1,441 @@
+//! The gRPC face of the node: `Node.Attach`. A thin handler that checks the
+//! plane's `Open`, answers `Hello`, and then routes: commands to the single
+//! slot, acknowledgements and replies to whoever waits for them. The
+//! executor ([`execute_commands`]) takes commands off the slot one at a time
+//! and answers each on the session it came from.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use billet_proto::v1 as pb;
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::model::{NodeName, RequestId};
+use crate::plane::{PlaneLink, SessionLink};
+use crate::runner::{Runner, RunnerError};
+use crate::slot::{Admission, CommandSlot, Queued};
+use crate::wire::{self, NodeCommand};
+
+/// How long the plane has to send `Open` after the stream starts.
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a result waits for its acknowledgement before the node assumes
+/// the plane missed it.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// Messages buffered toward the plane per session.
+const OUTBOUND_BUFFER: usize = 256;
+
+/// What the node says about itself in `Hello`.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// From the node's certificate.
+    pub node_name: NodeName,
+    /// The deployment this node belongs to.
+    pub deployment: String,
+    /// Random per process.
+    pub incarnation: String,
+    /// vCPUs offered.
+    pub vcpu: u32,
+    /// Memory offered, in bytes.
+    pub memory_bytes: u64,
+    /// The billet release.
+    pub version: String,
+}
+
+/// The `Node` service.
+#[derive(Debug, Clone)]
+pub struct NodeService {
+    identity: Arc<Identity>,
+    runner: Arc<Runner>,
+    link: Arc<PlaneLink>,
+    slot: Arc<CommandSlot>,
+    next_session: Arc<AtomicU64>,
+}
+
+impl NodeService {
+    /// A service over a runner, the plane link it calls through, and the slot
+    /// its commands queue in.
+    pub fn new(
+        identity: Identity,
+        runner: Arc<Runner>,
+        link: Arc<PlaneLink>,
+        slot: Arc<CommandSlot>,
+    ) -> Self {
+        Self {
+            identity: Arc::new(identity),
+            runner,
+            link,
+            slot,
+            next_session: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    async fn hello(&self) -> pb::Hello {
+        let (instances, inventory_known) = match self.runner.instances().await {
+            Ok(ids) => (ids.into_iter().map(|l| l.as_str().to_owned()).collect(), true),
+            Err(e) => {
+                warn!(error = %e, "cannot list the provider; reporting the inventory as unknown");
+                (Vec::new(), false)
+            }
+        };
+        let id = &self.identity;
+        pb::Hello {
+            protocol_version: billet_proto::PROTOCOL_VERSION,
+            deployment: id.deployment.clone(),
+            node_name: id.node_name.as_str().to_owned(),
+            incarnation: id.incarnation.clone(),
+            provider: self.runner.provider_kind().to_owned(),
+            capacity: Some(pb::Capacity {
+                vcpu: id.vcpu,
+                memory_bytes: id.memory_bytes,
+            }),
+            instances,
+            inventory_known,
+            version: id.version.clone(),
+        }
+    }
+
+    fn check_open(&self, open: &pb::Open) -> Result<std::time::Duration, Status> {
+        let pb::Open {
+            protocol_version,
+            deployment,
+            lease_ttl_ms,
+        } = open;
+        if *protocol_version != billet_proto::PROTOCOL_VERSION {
+            let ours = billet_proto::PROTOCOL_VERSION;
+            let which = if *protocol_version > ours { "this node" } else { "the plane" };
+            return Err(Status::failed_precondition(format!(
+                "the plane speaks wire protocol {protocol_version} and this node speaks {ours}; upgrade {which} so both speak the same version"
+            )));
+        }
+        if *deployment != self.identity.deployment {
+            return Err(Status::permission_denied(format!(
+                "this node belongs to deployment {:?}, not {deployment:?}; dial the node from its own deployment's plane",
+                self.identity.deployment
+            )));
+        }
+        if *lease_ttl_ms == 0 {
+            return Err(Status::invalid_argument(
+                "open.lease_ttl_ms: must be positive; the node renews held leases every third of it",
+            ));
+        }
+        Ok(Duration::from_millis(*lease_ttl_ms))
+    }
+}
+
+type NodeStream = Pin<Box<dyn Stream<Item = Result<pb::NodeMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::node_server::Node for NodeService {
+    type AttachStream = NodeStream;
+
+    async fn attach(
+        &self,
+        request: Request<Streaming<pb::PlaneMessage>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        let peer = request.remote_addr();
+        let mut inbound = request.into_inner();
+        let first = tokio::time::timeout(OPEN_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no Open within 10s of attaching"))??;
+        let open = match first.and_then(|m| m.body) {
+            Some(pb::plane_message::Body::Open(open)) => open,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first message of a session must be Open",
+                ));
+            }
+        };
+        let ttl = self.check_open(&open).inspect_err(|status| {
+            warn!(?peer, reason = status.message(), "refused a session");
+        })?;
+
+        let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER);
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let session = Arc::new(SessionLink::new(id, tx));
+        session
+            .send(pb::node_message::Body::Hello(self.hello().await))
+            .await
+            .map_err(|_| Status::unavailable("session closed during Hello"))?;
+        if let Some(old) = self.link.install(Arc::clone(&session), ttl) {
+            info!(old = old.id, new = id, "a newer session replaces the older one");
+            old.close();
+        }
+        info!(session = id, ?peer, lease_ttl_ms = ttl.as_millis() as u64, "plane session open");
+
+        let this = self.clone();
+        tokio::spawn(
+            async move {
+                loop {
+                    let message = tokio::select! {
+                        () = session.closed.cancelled() => break,
+                        m = inbound.message() => m,
+                    };
+                    match message {
+                        Ok(Some(pb::PlaneMessage { body: Some(body) })) => this.route(&session, body).await,
+                        Ok(Some(pb::PlaneMessage { body: None })) => {
+                            warn!("ignored an empty message from the plane");
+                        }
+                        Ok(None) => break,
+                        Err(status) => {
+                            debug!(error = %status, "session stream ended");
+                            break;
+                        }
+                    }
+                }
+                session.close();
+                this.link.remove(&session);
+                info!(session = session.id, "plane session closed");
+            }
+            .instrument(info_span!("session", id)),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+impl NodeService {
+    async fn route(&self, session: &Arc<SessionLink>, body: pb::plane_message::Body) {
+        match body {
+            pb::plane_message::Body::Command(command) => {
+                let incoming = wire::command(command);
+                match incoming.command {
+                    Err(invalid) => {
+                        warn!(id = %incoming.id, %invalid, "refused a malformed command");
+                        let result = pb::CommandResult {
+                            id: incoming.id,
+                            outcome: pb::Outcome::InvalidArgument.into(),
+                            custody: false,
+                            error: Some(pb::Error {
+                                code: pb::ErrorCode::InvalidArgument.into(),
+                                message: invalid.to_string(),
+                            }),
+                            instances: None,
+                        };
+                        let _ = session.send(pb::node_message::Body::Result(result)).await;
+                    }
+                    Ok((id, command)) => {
+                        let admission = self.slot.push(Queued {
+                            id: id.clone(),
+                            deadline_unix_ms: incoming.deadline_unix_ms,
+                            command,
+                            session: Arc::clone(session),
+                        });
+                        match admission {
+                            Admission::Queued | Admission::Duplicate => {}
+                            Admission::Replay(result) => {
+                                debug!(%id, "answering a redelivered command from its recorded result");
+                                let _ = session.send(pb::node_message::Body::Result(result)).await;
+                            }
+                            Admission::Full => {
+                                let result = failure(
+                                    id.as_str(),
+                                    pb::Outcome::Refused,
+                                    pb::ErrorCode::Unavailable,
+                                    "the node's command queue is full; retry later".into(),
+                                );
+                                let _ = session.send(pb::node_message::Body::Result(result)).await;
+                            }
+                        }
+                    }
+                }
+            }
+            pb::plane_message::Body::ResultAck(ack) => session.on_ack(ack),
+            pb::plane_message::Body::Reply(reply) => session.on_reply(reply),
+            pb::plane_message::Body::Open(_) => {
+                warn!("ignored a second Open on an open session");
+            }
+        }
+    }
+}
+
+fn failure(id: &str, outcome: pb::Outcome, code: pb::ErrorCode, message: String) -> pb::CommandResult {
+    pb::CommandResult {
+        id: id.to_owned(),
+        outcome: outcome.into(),
+        custody: false,
+        error: Some(pb::Error {
+            code: code.into(),
+            message,
+        }),
+        instances: None,
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// Runs commands off the slot one at a time until `cancel`.
+pub async fn execute_commands(runner: Arc<Runner>, slot: Arc<CommandSlot>, cancel: CancellationToken) {
+    loop {
+        let queued = tokio::select! {
+            () = cancel.cancelled() => return,
+            q = slot.next() => q,
+        };
+        let Queued {
+            id,
+            deadline_unix_ms,
+            command,
+            session,
+        } = queued;
+        let kind = command.kind();
+        let span = info_span!("command", %id, kind);
+        let (result, launched) = async {
+            if now_unix_ms() > deadline_unix_ms {
+                info!("expired before it started; doing nothing");
+                return (
+                    failure(
+                        id.as_str(),
+                        pb::Outcome::Expired,
+                        pb::ErrorCode::Unspecified,
+                        format!("command {id} ({kind}) expired in the queue before it started; nothing was done"),
+                    ),
+                    None,
+                );
+            }
+            execute(&runner, id.as_str(), command).await
+        }
+        .instrument(span.clone())
+        .await;
+        slot.record(&id, &result);
+        deliver(&runner, session, result, launched).instrument(span).await;
+    }
+}
+
+/// A successful launch, for custody if its result goes unacknowledged.
+#[derive(Debug)]
+struct Launched {
+    lease: crate::model::LeaseId,
+    epoch: crate::model::Epoch,
+    request_id: RequestId,
+}
+
+async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::CommandResult, Option<Launched>) {
+    let ok = || pb::CommandResult {
+        id: id.to_owned(),
+        outcome: pb::Outcome::Ok.into(),
+        custody: false,
+        error: None,
+        instances: None,
+    };
+    let from_runner = |r: Result<(), RunnerError>| match r {
+        Ok(()) => ok(),
+        Err(e) => {
+            let (outcome, code) = match &e {
+                RunnerError::Refused(_) => (pb::Outcome::Refused, pb::ErrorCode::Refused),
+                RunnerError::Custody(_) | RunnerError::Failed(_) => {
+                    (pb::Outcome::Failed, pb::ErrorCode::Unspecified)
+                }
+            };
+            let mut result = failure(id, outcome, code, e.to_string());
+            result.custody = e.is_custody();
+            result
+        }
+    };
+    match command {
+        NodeCommand::Launch { lease, tier, job } => {
+            let launched = Launched {
+                lease: lease.id.clone(),
+                epoch: lease.epoch,
+                request_id: lease.request_id,
+            };
+            let r = runner.launch(lease, tier, job).await;
+            let success = r.is_ok();
+            (from_runner(r), success.then_some(launched))
+        }
+        NodeCommand::Destroy {
+            request_id,
+            job_result,
+        } => (from_runner(runner.destroy(request_id, job_result.as_deref()).await), None),
+        NodeCommand::AssumeCustody { lease, request_id } => (
+            from_runner(runner.assume_custody(&lease.id, lease.epoch, request_id).await),
+            None,
+        ),
+        NodeCommand::StartUpgrade(spec) => (
+            failure(
+                id,
+                pb::Outcome::Refused,
+                pb::ErrorCode::Refused,
+                format!(
+                    "this node has no transactional updater, so it cannot install {}; upgrade it out of band (replace the billet binary and restart the service)",
+                    spec.version
+                ),
+            ),
+            None,
+        ),
+        NodeCommand::Instances => match runner.instances().await {
+            Ok(ids) => {
+                let mut r = ok();
+                r.instances = Some(pb::InstanceReport {
+                    lease_ids: ids.into_iter().map(|l| l.as_str().to_owned()).collect(),
+                    inventory_known: true,
+                });
+                (r, None)
+            }
+            Err(e) => {
+                let mut r = failure(id, pb::Outcome::Failed, pb::ErrorCode::Unavailable, e.to_string());
+                r.instances = Some(pb::InstanceReport {
+                    lease_ids: Vec::new(),
+                    inventory_known: false,
+                });
+                (r, None)
+            }
+        },
+        NodeCommand::Sweep => (
+            failure(
+                id,
+                pb::Outcome::Refused,
+                pb::ErrorCode::Refused,
+                "sweep is not supported by this node yet".into(),
+            ),
+            None,
+        ),
+        NodeCommand::Tend => (from_runner(runner.tend().await), None),
+        NodeCommand::Superseded => {
+            runner.superseded();
+            (ok(), None)
+        }
+    }
+}
+
+/// Sends a result on the session its command came from and, for a
+/// successful launch, takes custody unless the plane accepts it.
+async fn deliver(runner: &Arc<Runner>, session: Arc<SessionLink>, result: pb::CommandResult, launched: Option<Launched>) {
+    let ack = session.expect_ack(&result.id);
+    let sent = session.send(pb::node_message::Body::Result(result)).await;
+    let Some(launched) = launched else {
+        return;
+    };
+    let runner = Arc::clone(runner);
+    tokio::spawn(
+        async move {
+            let verdict = if sent.is_err() {
+                None
+            } else {
+                tokio::select! {
+                    v = ack => v.ok(),
+                    () = tokio::time::sleep(ACK_TIMEOUT) => None,
+                }
+            };
+            if verdict == Some(pb::AckVerdict::Accepted) {
+                return;
+            }
+            info!(?verdict, "the plane did not accept this launch's result; taking custody");
+            if let Err(e) = runner
+                .assume_custody(&launched.lease, launched.epoch, launched.request_id)
+                .await
+            {
+                warn!(error = %e, "custody after an unacknowledged launch");
+            }
+        }
+        .instrument(info_span!("launch_ack")),
+    );
+}

@@ -1,0 +1,185 @@
+//! The single command slot: one command at a time, in arrival order.
+//!
+//! Semantics (DESIGN.md "The wire: one session, one slot"):
+//! - commands run strictly one at a time in the order they arrived, whichever
+//!   session carried them;
+//! - a command id seen before is never run twice: while the first copy waits
+//!   or runs, the second is dropped (the first one's result answers both);
+//!   once it has run, the recorded result is sent again;
+//! - the queue is bounded: past [`MAX_QUEUED`] waiting commands a new one is
+//!   refused at once rather than held;
+//! - the last [`RESULT_MEMORY`] results are remembered for redelivery.
+//!
+//! Deadlines are the executor's business: the slot only orders.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use billet_proto::v1 as pb;
+use tokio::sync::Notify;
+
+use crate::model::CommandId;
+use crate::plane::SessionLink;
+use crate::wire::NodeCommand;
+
+/// Most commands waiting at once.
+pub const MAX_QUEUED: usize = 1024;
+/// How many results are remembered for redelivery.
+pub const RESULT_MEMORY: usize = 4096;
+
+/// A command waiting for the slot, with the session it came on.
+#[derive(Debug)]
+pub struct Queued {
+    /// Its id.
+    pub id: CommandId,
+    /// When it expires, in unix milliseconds.
+    pub deadline_unix_ms: i64,
+    /// What to do.
+    pub command: NodeCommand,
+    /// Where to answer.
+    pub session: Arc<SessionLink>,
+}
+
+/// What happened to a pushed command.
+#[derive(Debug)]
+pub enum Admission {
+    /// Queued; it will be answered when it runs.
+    Queued,
+    /// Already queued or running; the first copy will answer.
+    Duplicate,
+    /// Already run: send this recorded result again.
+    Replay(pb::CommandResult),
+    /// The queue is full.
+    Full,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    queue: VecDeque<Queued>,
+    /// Ids queued or running.
+    pending: HashMap<CommandId, ()>,
+    results: HashMap<CommandId, pb::CommandResult>,
+    order: VecDeque<CommandId>,
+}
+
+/// The single-item operation queue. Cheap to share behind an `Arc`.
+#[derive(Debug, Default)]
+pub struct CommandSlot {
+    inner: Mutex<Inner>,
+    ready: Notify,
+}
+
+impl CommandSlot {
+    /// An empty slot.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Offers a command; see [`Admission`].
+    pub fn push(&self, queued: Queued) -> Admission {
+        let mut inner = self.inner.lock().expect("slot");
+        if let Some(result) = inner.results.get(&queued.id) {
+            return Admission::Replay(result.clone());
+        }
+        if inner.pending.contains_key(&queued.id) {
+            return Admission::Duplicate;
+        }
+        if inner.queue.len() >= MAX_QUEUED {
+            return Admission::Full;
+        }
+        inner.pending.insert(queued.id.clone(), ());
+        inner.queue.push_back(queued);
+        drop(inner);
+        self.ready.notify_one();
+        Admission::Queued
+    }
+
+    /// Waits for the next command in arrival order.
+    pub async fn next(&self) -> Queued {
+        loop {
+            let notified = self.ready.notified();
+            if let Some(q) = self.inner.lock().expect("slot").queue.pop_front() {
+                return q;
+            }
+            notified.await;
+        }
+    }
+
+    /// Records the result of a command that has run, for redelivery.
+    pub fn record(&self, id: &CommandId, result: &pb::CommandResult) {
+        let mut inner = self.inner.lock().expect("slot");
+        inner.pending.remove(id);
+        inner.results.insert(id.clone(), result.clone());
+        inner.order.push_back(id.clone());
+        while inner.order.len() > RESULT_MEMORY {
+            if let Some(old) = inner.order.pop_front() {
+                inner.results.remove(&old);
+            }
+        }
+    }
+
+    /// How many commands wait.
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("slot").queue.len()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queued(id: &str) -> Queued {
+        let (tx, _rx) = tokio::sync::mpsc::channel(1);
+        Queued {
+            id: CommandId::parse("id", id).unwrap(),
+            deadline_unix_ms: 1,
+            command: NodeCommand::Tend,
+            session: Arc::new(SessionLink::new(1, tx)),
+        }
+    }
+
+    #[tokio::test]
+    async fn commands_come_out_in_arrival_order() {
+        let slot = CommandSlot::new();
+        for id in ["a", "b", "c"] {
+            assert!(matches!(slot.push(queued(id)), Admission::Queued));
+        }
+        for id in ["a", "b", "c"] {
+            assert_eq!(slot.next().await.id.as_str(), id);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_redelivered_id_is_never_run_twice() {
+        let slot = CommandSlot::new();
+        assert!(matches!(slot.push(queued("a")), Admission::Queued));
+        assert!(matches!(slot.push(queued("a")), Admission::Duplicate));
+        let q = slot.next().await;
+        assert!(matches!(slot.push(queued("a")), Admission::Duplicate));
+        let result = pb::CommandResult {
+            id: "a".into(),
+            outcome: pb::Outcome::Ok.into(),
+            ..Default::default()
+        };
+        slot.record(&q.id, &result);
+        match slot.push(queued("a")) {
+            Admission::Replay(r) => assert_eq!(r, result),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        assert!(slot.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_refuses_rather_than_grows() {
+        let slot = CommandSlot::new();
+        for i in 0..MAX_QUEUED {
+            assert!(matches!(slot.push(queued(&format!("c{i}"))), Admission::Queued));
+        }
+        assert!(matches!(slot.push(queued("one-more")), Admission::Full));
+    }
+}

@@ -1,0 +1,486 @@
+//! The edge between generated proto types and the node's own: every command
+//! field is checked here, and a malformed one is reported naming the field,
+//! before anything is queued or done. Messages are destructured field by
+//! field so that a new proto field is a compile error here until handled.
+
+use billet_proto::v1 as pb;
+
+use crate::model::{
+    ByteSize, CommandId, Epoch, InvalidField, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
+    Trust,
+};
+
+/// Largest memory a lease may ask for (16 TiB): anything above is a typo.
+const MAX_MEMORY_BYTES: u64 = 16 << 40;
+/// Most vCPUs a lease may ask for.
+const MAX_VCPU: u32 = 1024;
+
+/// What the node was asked to do, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeCommand {
+    /// Start compute for a lease.
+    Launch {
+        /// The lease, at the epoch the plane holds.
+        lease: Lease,
+        /// How to run it.
+        tier: TierSpec,
+        /// The job behind it.
+        job: Job,
+    },
+    /// Tear down whatever was started for a request.
+    Destroy {
+        /// The request.
+        request_id: RequestId,
+        /// GitHub's result, when a completion triggered this.
+        job_result: Option<String>,
+    },
+    /// Take responsibility for a launch whose result the plane missed.
+    AssumeCustody {
+        /// The lease.
+        lease: Lease,
+        /// The request it was launched for.
+        request_id: RequestId,
+    },
+    /// Hand the node to its updater.
+    StartUpgrade(UpgradeSpec),
+    /// Report what the provider runs.
+    Instances,
+    /// Destroy what no open lease accounts for.
+    Sweep,
+    /// Advance everything in custody by one step.
+    Tend,
+    /// Another process took this node's name.
+    Superseded,
+}
+
+impl NodeCommand {
+    /// A short name for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NodeCommand::Launch { .. } => "launch",
+            NodeCommand::Destroy { .. } => "destroy",
+            NodeCommand::AssumeCustody { .. } => "assume_custody",
+            NodeCommand::StartUpgrade(_) => "start_upgrade",
+            NodeCommand::Instances => "instances",
+            NodeCommand::Sweep => "sweep",
+            NodeCommand::Tend => "tend",
+            NodeCommand::Superseded => "superseded",
+        }
+    }
+}
+
+/// The release an upgrade names, and its fences.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpgradeSpec {
+    /// An exact release.
+    pub version: String,
+    /// The pinned manifest digest, if any.
+    pub manifest_sha256: Option<String>,
+    /// The rollout, if any.
+    pub rollout_id: Option<String>,
+    /// The rollout generation; zero when absent.
+    pub generation: u64,
+}
+
+/// A command off the wire: its id, its deadline, and the checked command or
+/// the reason it is malformed.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The command id, as sent (echoed in the result even when invalid).
+    pub id: String,
+    /// When the command expires, in unix milliseconds.
+    pub deadline_unix_ms: i64,
+    /// The checked command.
+    pub command: Result<(CommandId, NodeCommand), InvalidField>,
+}
+
+/// Checks a command from the wire.
+pub fn command(cmd: pb::Command) -> Incoming {
+    let pb::Command {
+        id,
+        deadline_unix_ms,
+        kind,
+    } = cmd;
+    let checked = (|| {
+        let command_id = CommandId::parse("command.id", &id)?;
+        if deadline_unix_ms <= 0 {
+            return Err(InvalidField::new(
+                "command.deadline_unix_ms",
+                "must be a positive unix time in milliseconds",
+            ));
+        }
+        let kind = kind.ok_or_else(|| InvalidField::new("command.kind", "is missing"))?;
+        Ok((command_id, node_command(kind)?))
+    })();
+    Incoming {
+        id,
+        deadline_unix_ms,
+        command: checked,
+    }
+}
+
+fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
+    use pb::command::Kind;
+    Ok(match kind {
+        Kind::Launch(pb::Launch { lease, tier, job }) => {
+            let lease = lease.ok_or_else(|| InvalidField::new("launch.lease", "is missing"))?;
+            let lease = self::lease(lease, "launch.lease")?;
+            let tier = tier_spec(
+                tier.ok_or_else(|| InvalidField::new("launch.tier", "is missing"))?,
+            )?;
+            let job = job.map(self::job).unwrap_or_default();
+            if job.request_id != lease.request_id && job.request_id.0 != 0 {
+                return Err(InvalidField::new(
+                    "launch.job.request_id",
+                    format!(
+                        "is {} but the lease was reserved for request {}",
+                        job.request_id, lease.request_id
+                    ),
+                ));
+            }
+            NodeCommand::Launch { lease, tier, job }
+        }
+        Kind::Destroy(pb::Destroy {
+            request_id,
+            job_result,
+        }) => {
+            if request_id <= 0 {
+                return Err(InvalidField::new(
+                    "destroy.request_id",
+                    "must be a positive request id",
+                ));
+            }
+            if let Some(r) = &job_result {
+                if r.is_empty() || r.len() > 64 {
+                    return Err(InvalidField::new(
+                        "destroy.job_result",
+                        "must be a GitHub result word such as \"succeeded\"",
+                    ));
+                }
+            }
+            NodeCommand::Destroy {
+                request_id: RequestId(request_id),
+                job_result,
+            }
+        }
+        Kind::AssumeCustody(pb::AssumeCustody { lease, request_id }) => {
+            let lease = lease.ok_or_else(|| InvalidField::new("assume_custody.lease", "is missing"))?;
+            let lease = self::lease(lease, "assume_custody.lease")?;
+            let request_id = if request_id > 0 {
+                RequestId(request_id)
+            } else {
+                lease.request_id
+            };
+            NodeCommand::AssumeCustody { lease, request_id }
+        }
+        Kind::StartUpgrade(pb::StartUpgrade {
+            version,
+            manifest_sha256,
+            rollout_id,
+            generation,
+        }) => {
+            if version.is_empty() {
+                return Err(InvalidField::new(
+                    "start_upgrade.version",
+                    "must name an exact release",
+                ));
+            }
+            crate::model::check_id("start_upgrade.version", &version)?;
+            let manifest_sha256 = (!manifest_sha256.is_empty()).then_some(manifest_sha256);
+            if let Some(d) = &manifest_sha256 {
+                if d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit()) {
+                    return Err(InvalidField::new(
+                        "start_upgrade.manifest_sha256",
+                        "must be 64 hex digits",
+                    ));
+                }
+            }
+            let rollout_id = (!rollout_id.is_empty()).then_some(rollout_id);
+            if let Some(r) = &rollout_id {
+                crate::model::check_id("start_upgrade.rollout_id", r)?;
+            }
+            NodeCommand::StartUpgrade(UpgradeSpec {
+                version,
+                manifest_sha256,
+                rollout_id,
+                generation,
+            })
+        }
+        Kind::Instances(pb::Instances {}) => NodeCommand::Instances,
+        Kind::Sweep(pb::Sweep {}) => NodeCommand::Sweep,
+        Kind::Tend(pb::Tend {}) => NodeCommand::Tend,
+        Kind::Superseded(pb::Superseded {}) => NodeCommand::Superseded,
+    })
+}
+
+/// Checks a lease; `field` prefixes the names in errors.
+///
+/// # Errors
+///
+/// [`InvalidField`] naming the field at fault.
+pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
+    let pb::Lease {
+        id,
+        epoch,
+        tier,
+        phase,
+        vcpu,
+        memory_bytes,
+        node: _,
+        request_id,
+        providers,
+        failure_reason,
+    } = lease;
+    let f = |name: &str| format!("{field}.{name}");
+    let id = LeaseId::parse(&f("id"), &id)?;
+    if epoch == 0 {
+        return Err(InvalidField::new(f("epoch"), "must be at least 1"));
+    }
+    if tier.is_empty() || tier.len() > 128 {
+        return Err(InvalidField::new(f("tier"), "must be a tier label of 1 to 128 bytes"));
+    }
+    let phase = Phase::parse(&f("phase"), &phase)?;
+    if vcpu > MAX_VCPU {
+        return Err(InvalidField::new(
+            f("vcpu"),
+            format!("{vcpu} is more than {MAX_VCPU}"),
+        ));
+    }
+    if memory_bytes > MAX_MEMORY_BYTES {
+        return Err(InvalidField::new(
+            f("memory_bytes"),
+            format!("{memory_bytes} bytes is more than 16 TiB"),
+        ));
+    }
+    if request_id < 0 {
+        return Err(InvalidField::new(f("request_id"), "must not be negative"));
+    }
+    for p in &providers {
+        crate::model::check_id(&f("providers"), p)?;
+    }
+    Ok(Lease {
+        id,
+        epoch: Epoch(epoch),
+        tier,
+        phase,
+        vcpu,
+        memory: ByteSize(memory_bytes),
+        request_id: RequestId(request_id),
+        providers,
+        failure_reason: (!failure_reason.is_empty()).then_some(failure_reason),
+    })
+}
+
+fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
+    let pb::TierSpec {
+        label,
+        image,
+        command,
+        trust,
+        shm_bytes,
+        network,
+        env,
+    } = tier;
+    if label.is_empty() {
+        return Err(InvalidField::new("launch.tier.label", "must not be empty"));
+    }
+    check_image(&image)?;
+    if command.is_empty() || command.iter().any(String::is_empty) {
+        return Err(InvalidField::new(
+            "launch.tier.command",
+            "must be a non-empty argv with no empty element",
+        ));
+    }
+    let trust = match trust.as_str() {
+        "trusted" => Trust::Trusted,
+        "" | "untrusted" => Trust::Untrusted,
+        other => {
+            return Err(InvalidField::new(
+                "launch.tier.trust",
+                format!("{other:?} is neither \"trusted\" nor \"untrusted\""),
+            ));
+        }
+    };
+    if shm_bytes > MAX_MEMORY_BYTES {
+        return Err(InvalidField::new("launch.tier.shm_bytes", "is more than 16 TiB"));
+    }
+    let network = (!network.is_empty()).then_some(network);
+    if let Some(n) = &network {
+        crate::model::check_id("launch.tier.network", n)?;
+    }
+    let env = env
+        .into_iter()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').ok_or_else(|| {
+                InvalidField::new("launch.tier.env", format!("{kv:?} is not KEY=value"))
+            })?;
+            if k.is_empty()
+                || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                || k == "ACTIONS_RUNNER_INPUT_JITCONFIG"
+            {
+                return Err(InvalidField::new(
+                    "launch.tier.env",
+                    format!("{k:?} is not an environment variable name the tier may set"),
+                ));
+            }
+            Ok((k.to_owned(), v.to_owned()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(TierSpec {
+        label,
+        image,
+        command,
+        trust,
+        shm: ByteSize(shm_bytes),
+        network,
+        env,
+    })
+}
+
+/// Checks an image reference: `[registry/]name[:tag][@sha256:digest]`, ASCII
+/// without spaces or control characters, at most 255 bytes.
+fn check_image(image: &str) -> Result<(), InvalidField> {
+    let field = "launch.tier.image";
+    if image.is_empty() || image.len() > 255 {
+        return Err(InvalidField::new(field, "must be an image reference of 1 to 255 bytes"));
+    }
+    if let Some(c) = image.chars().find(|c| {
+        !(c.is_ascii_lowercase()
+            || c.is_ascii_digit()
+            || matches!(c, '.' | '_' | '-' | '/' | ':' | '@')
+            || c.is_ascii_uppercase())
+    }) {
+        return Err(InvalidField::new(
+            field,
+            format!("contains {c:?}, which no image reference may"),
+        ));
+    }
+    if image.starts_with(['-', '/', ':', '@']) {
+        return Err(InvalidField::new(field, "must start with a letter or digit"));
+    }
+    Ok(())
+}
+
+fn job(job: pb::Job) -> Job {
+    let pb::Job {
+        request_id,
+        run_id,
+        event,
+        owner,
+        repository,
+        workflow_ref,
+    } = job;
+    Job {
+        request_id: RequestId(request_id),
+        run_id,
+        event,
+        owner,
+        repository,
+        workflow_ref,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch() -> pb::Command {
+        pb::Command {
+            id: "c1".into(),
+            deadline_unix_ms: 1,
+            kind: Some(pb::command::Kind::Launch(pb::Launch {
+                lease: Some(pb::Lease {
+                    id: "l1".into(),
+                    epoch: 1,
+                    tier: "linux".into(),
+                    phase: "assigned".into(),
+                    vcpu: 1,
+                    memory_bytes: 1 << 30,
+                    request_id: 7,
+                    ..Default::default()
+                }),
+                tier: Some(pb::TierSpec {
+                    label: "linux".into(),
+                    image: "billet-standin-runner:dev".into(),
+                    command: vec!["/run".into()],
+                    trust: "trusted".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: 7,
+                    ..Default::default()
+                }),
+            })),
+        }
+    }
+
+    fn field_of(cmd: pb::Command) -> String {
+        command(cmd).command.unwrap_err().field
+    }
+
+    #[test]
+    fn a_well_formed_launch_is_accepted() {
+        let incoming = command(launch());
+        let (id, cmd) = incoming.command.unwrap();
+        assert_eq!(id.as_str(), "c1");
+        assert_eq!(cmd.kind(), "launch");
+    }
+
+    #[test]
+    fn each_malformed_launch_field_is_named() {
+        let mut c = launch();
+        c.id = String::new();
+        assert_eq!(field_of(c), "command.id");
+
+        let mut c = launch();
+        c.deadline_unix_ms = 0;
+        assert_eq!(field_of(c), "command.deadline_unix_ms");
+
+        let edit = |f: &dyn Fn(&mut pb::Launch)| {
+            let mut c = launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                f(l);
+            }
+            field_of(c)
+        };
+        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().id = "a/b".into()), "launch.lease.id");
+        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().epoch = 0), "launch.lease.epoch");
+        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().phase = "Up".into()), "launch.lease.phase");
+        assert_eq!(
+            edit(&|l| l.lease.as_mut().unwrap().memory_bytes = u64::MAX),
+            "launch.lease.memory_bytes"
+        );
+        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().image = "bad image".into()), "launch.tier.image");
+        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().command.clear()), "launch.tier.command");
+        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().trust = "maybe".into()), "launch.tier.trust");
+        assert_eq!(
+            edit(&|l| l.tier.as_mut().unwrap().env = vec!["ACTIONS_RUNNER_INPUT_JITCONFIG=x".into()]),
+            "launch.tier.env"
+        );
+        assert_eq!(edit(&|l| l.job.as_mut().unwrap().request_id = 8), "launch.job.request_id");
+        assert_eq!(edit(&|l| l.tier = None), "launch.tier");
+    }
+
+    #[test]
+    fn a_destroy_needs_a_positive_request_id() {
+        let c = pb::Command {
+            id: "c".into(),
+            deadline_unix_ms: 1,
+            kind: Some(pb::command::Kind::Destroy(pb::Destroy {
+                request_id: 0,
+                job_result: None,
+            })),
+        };
+        assert_eq!(field_of(c), "destroy.request_id");
+    }
+
+    #[test]
+    fn a_command_without_a_kind_is_refused() {
+        let c = pb::Command {
+            id: "c".into(),
+            deadline_unix_ms: 1,
+            kind: None,
+        };
+        assert_eq!(field_of(c), "command.kind");
+    }
+}

@@ -1,0 +1,16 @@
+//! Generated code for the billet node wire (`billet.node.v1`).
+//!
+//! No logic lives here: the agent and the stub plane convert these messages
+//! into their own types at the edge. The protocol version both ends must
+//! agree on is [`PROTOCOL_VERSION`].
+
+#![allow(missing_docs, clippy::all, missing_debug_implementations)]
+
+/// The wire version this build speaks. Bump it for any change an older peer
+/// would misread; `Open` and `Hello` carry it and a mismatch is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// `billet.node.v1`.
+pub mod v1 {
+    tonic::include_proto!("billet.node.v1");
+}
