@@ -1,0 +1,223 @@
+//! Answers the node's calls. Every call is authorised against the identity
+//! of the session it arrived on (the name the node's certificate carries,
+//! which is the node the plane dialed): a node may touch only leases bound to
+//! it, and may mint only for a lease it holds at `launching`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use billet_proto::v1 as pb;
+use tracing::warn;
+
+use crate::github::Github;
+use crate::ledger::{Ledger, LedgerError, Phase};
+
+/// How long a quarantined lease must stay absent from a node's inventory
+/// before the ledger frees it.
+pub const QUARANTINE_GRACE: Duration = Duration::from_secs(300);
+
+/// The plane's answers to node calls.
+#[derive(Debug)]
+pub struct CallHandler {
+    ledger: Arc<Ledger>,
+    github: Arc<Github>,
+    quarantine_grace: Duration,
+}
+
+fn error(code: pb::ErrorCode, message: impl Into<String>) -> pb::Error {
+    pb::Error {
+        code: code.into(),
+        message: message.into(),
+    }
+}
+
+fn ledger_error(e: &LedgerError) -> pb::Error {
+    let code = match e {
+        LedgerError::Fenced { .. } => pb::ErrorCode::Fenced,
+        LedgerError::NotFound(_) => pb::ErrorCode::NotFound,
+        LedgerError::BadTransition { .. } => pb::ErrorCode::BadTransition,
+        LedgerError::WrongNode { .. } => pb::ErrorCode::WrongNode,
+        LedgerError::ForceRelease(_) => pb::ErrorCode::ForceRelease,
+        LedgerError::Conflict(_) => pb::ErrorCode::Refused,
+        LedgerError::Invalid(_) => pb::ErrorCode::InvalidArgument,
+        LedgerError::Storage(_) => pb::ErrorCode::Unavailable,
+    };
+    error(code, e.to_string())
+}
+
+/// A lease as the wire carries it.
+pub fn lease_to_wire(l: &crate::ledger::Lease) -> pb::Lease {
+    pb::Lease {
+        id: l.id.clone(),
+        epoch: l.epoch,
+        tier: l.tier.clone(),
+        phase: l.phase.as_str().into(),
+        vcpu: l.vcpu,
+        memory_bytes: l.memory_bytes,
+        node: l.node.clone().unwrap_or_default(),
+        request_id: l.request_id,
+        providers: Vec::new(),
+        failure_reason: l.failure_reason.clone().unwrap_or_default(),
+    }
+}
+
+type Answer = Result<Option<pb::plane_reply::Result>, pb::Error>;
+
+impl CallHandler {
+    /// A handler over the ledger and GitHub.
+    pub fn new(ledger: Arc<Ledger>, github: Arc<Github>, quarantine_grace: Duration) -> Self {
+        Self {
+            ledger,
+            github,
+            quarantine_grace,
+        }
+    }
+
+    /// Answers one call from `node`.
+    pub async fn handle(&self, node: &str, call: pb::NodeCall) -> pb::PlaneReply {
+        let pb::NodeCall { call_id, call } = call;
+        let answer = match call {
+            None => Err(error(pb::ErrorCode::InvalidArgument, "node call: the call is missing")),
+            Some(call) => self.answer(node, call).await,
+        };
+        match answer {
+            Ok(result) => pb::PlaneReply {
+                call_id,
+                error: None,
+                result,
+            },
+            Err(e) => pb::PlaneReply {
+                call_id,
+                error: Some(e),
+                result: None,
+            },
+        }
+    }
+
+    /// The lease, if it is bound to `node`; refuses and logs otherwise.
+    async fn owned(&self, node: &str, lease: &str, what: &str) -> Result<crate::ledger::Lease, pb::Error> {
+        match self.ledger.get(lease).await.map_err(|e| ledger_error(&e))? {
+            None => Err(error(pb::ErrorCode::NotFound, format!("lease {lease} is not in the ledger"))),
+            Some(l) if l.node.as_deref() == Some(node) => Ok(l),
+            Some(l) => {
+                warn!(node, lease, bound = ?l.node, what, "refused a node call on a lease bound elsewhere");
+                Err(error(
+                    pb::ErrorCode::WrongNode,
+                    format!("lease {lease} is not bound to node {node}; a node may only {what} its own leases"),
+                ))
+            }
+        }
+    }
+
+    async fn answer(&self, node: &str, call: pb::node_call::Call) -> Answer {
+        use pb::node_call::Call;
+        let now = crate::now_ms();
+        let l = &self.ledger;
+        let le = |e: LedgerError| ledger_error(&e);
+        match call {
+            Call::Bind(pb::Bind { lease_id, epoch }) => {
+                l.bind(&lease_id, epoch, node, now).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::Advance(pb::Advance { lease_id, epoch, phase }) => {
+                let phase = Phase::parse(&phase).ok_or_else(|| {
+                    error(pb::ErrorCode::InvalidArgument, format!("advance.phase: {phase:?} is not a lease phase"))
+                })?;
+                l.advance(&lease_id, epoch, node, phase, now).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::Heartbeat(pb::Heartbeat { leases }) => {
+                let mut results = Vec::with_capacity(leases.len());
+                for pb::LeaseEpoch { lease_id, epoch } in leases {
+                    let error = l.heartbeat(&lease_id, epoch, node, now).await.err().map(|e| ledger_error(&e));
+                    results.push(pb::HeartbeatResult { lease_id, error });
+                }
+                Ok(Some(pb::plane_reply::Result::Heartbeats(pb::HeartbeatResults { results })))
+            }
+            Call::Release(pb::Release { lease_id, epoch, outcome }) => {
+                let outcome = Phase::parse(&outcome).filter(|p| p.is_terminal()).ok_or_else(|| {
+                    error(pb::ErrorCode::InvalidArgument, format!("release.outcome: {outcome:?} is neither done nor failed"))
+                })?;
+                l.release(&lease_id, epoch, Some(node), outcome, now).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::MarkFailure(pb::MarkFailure { lease_id, epoch, reason }) => {
+                self.owned(node, &lease_id, "mark").await?;
+                l.mark_failure(&lease_id, epoch, &reason, now).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::GetLease(pb::GetLease { lease_id }) => {
+                let lease = self.owned(node, &lease_id, "read").await?;
+                Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
+            }
+            Call::Launched(pb::LaunchedLeases {}) => {
+                let (launched, quarantined) = l.launched(node).await.map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::Launched(pb::LaunchedSet { launched, quarantined })))
+            }
+            Call::Reconcile(pb::Reconcile { lease_ids }) => {
+                let freed = l.reconcile(node, &lease_ids, self.quarantine_grace, now).await.map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::Reconciled(pb::ReconcileResult { freed })))
+            }
+            Call::MintJit(pb::MintJit { lease_id, epoch, runner_name, work_folder: _ }) => {
+                let lease = self.owned(node, &lease_id, "mint for").await?;
+                if lease.epoch != epoch {
+                    return Err(error(pb::ErrorCode::Fenced, format!("lease {lease_id} is at epoch {}, not {epoch}", lease.epoch)));
+                }
+                if lease.phase != Phase::Launching {
+                    return Err(error(
+                        pb::ErrorCode::BadTransition,
+                        format!("lease {lease_id} is {}; a JIT config is minted only while launching", lease.phase),
+                    ));
+                }
+                let expected = format!("billet-{lease_id}");
+                if runner_name != expected {
+                    return Err(error(pb::ErrorCode::InvalidArgument, format!("mint_jit.runner_name: must be {expected}")));
+                }
+                if lease.runner_id.is_some() {
+                    return Err(error(
+                        pb::ErrorCode::Refused,
+                        format!("lease {lease_id} already had a JIT config minted; a registration is never minted twice"),
+                    ));
+                }
+                let minted = self
+                    .github
+                    .mint(&lease.tier, &runner_name)
+                    .await
+                    .map_err(|e| error(pb::ErrorCode::Unavailable, e.to_string()))?;
+                if let Err(e) = l.set_runner(&lease_id, epoch, minted.runner_id, &minted.runner_name).await {
+                    // Never hand out a registration the ledger cannot name.
+                    let _ = self.github.remove_runner(minted.runner_id, &minted.runner_name).await;
+                    return Err(ledger_error(&e));
+                }
+                Ok(Some(pb::plane_reply::Result::Jit(pb::JitConfig {
+                    encoded_jit_config: minted.config,
+                    runner_id: minted.runner_id,
+                    runner_name: minted.runner_name,
+                })))
+            }
+            Call::RemoveRunner(pb::RemoveRunner { lease_id, epoch: _, runner_id, runner_name }) => {
+                let lease = self.owned(node, &lease_id, "remove runners of").await?;
+                let (id, name) = if runner_id > 0 {
+                    if lease.runner_id.is_some_and(|r| r != runner_id) {
+                        return Err(error(
+                            pb::ErrorCode::WrongNode,
+                            format!("runner {runner_id} is not the registration of lease {lease_id}"),
+                        ));
+                    }
+                    (runner_id, runner_name)
+                } else {
+                    match (lease.runner_id, lease.runner_name.clone()) {
+                        (Some(id), Some(name)) => (id, name),
+                        (None, _) => return Ok(None),
+                        (Some(id), None) => (id, format!("billet-{lease_id}")),
+                    }
+                };
+                self.github
+                    .remove_runner(id, &name)
+                    .await
+                    .map_err(|e| error(pb::ErrorCode::Unavailable, e.to_string()))?;
+                Ok(None)
+            }
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The stand-in billet control plane as a library: enough of a plane to drive
+//! real nodes end to end in tests and in the demo. See ARCHITECTURE.md.
+//!
+//! It never depends on the agent crate: it speaks the wire like any plane.
+
+pub mod calls;
+pub mod github;
+pub mod ledger;
+pub mod node_link;
+pub mod plane;
+
+/// Now, in unix milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}

@@ -1,0 +1,433 @@
+//! The plane's side of the wire for one node: dial over mTLS (the node's
+//! certificate must name the node we meant to dial), open the session, and
+//! keep it open; send commands with a deadline fixed at queue time and wait
+//! for their results; acknowledge every result; and answer the node's
+//! calls (ledger writes, JIT minting) against the identity of the session.
+//!
+//! Lost replies move custody causally (DESIGN.md): a delivered launch that
+//! times out, or whose session breaks, is answered `Custody` to the caller
+//! and tombstoned, so a late success is acknowledged `custody` and the node
+//! takes the lease.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use billet_proto::v1 as pb;
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::calls::CallHandler;
+
+/// Most launch tombstones kept per node.
+const MAX_TOMBSTONES: usize = 1024;
+
+/// Where a node listens and what its certificate must say.
+#[derive(Debug, Clone)]
+pub struct NodeTarget {
+    /// The node's name; its certificate must carry it as a DNS name.
+    pub name: String,
+    /// Its listening address.
+    pub addr: SocketAddr,
+}
+
+/// The plane's mTLS material, in PEM.
+#[derive(Clone)]
+pub struct PlaneTls {
+    /// The deployment CA.
+    pub ca_pem: Vec<u8>,
+    /// The plane's certificate.
+    pub cert_pem: Vec<u8>,
+    /// The plane's key (a credential; never logged).
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for PlaneTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PlaneTls { key: <redacted>, .. }")
+    }
+}
+
+/// How a command ended, as the caller sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommandOutcome {
+    /// The node answered; look at the result's outcome and custody flag.
+    Answered(pb::CommandResult),
+    /// Delivered, and then the plane stopped waiting (timeout or a broken
+    /// session): for a launch the node holds the lease.
+    Lost(String),
+    /// Never delivered: nothing was started.
+    NotDelivered(String),
+}
+
+impl CommandOutcome {
+    /// Answered with `OUTCOME_OK`.
+    pub fn is_ok(&self) -> bool {
+        matches!(self, CommandOutcome::Answered(r) if r.outcome == pb::Outcome::Ok as i32)
+    }
+
+    /// The node may hold compute for it: answered with the custody flag, or
+    /// lost after delivery.
+    pub fn is_custody(&self) -> bool {
+        match self {
+            CommandOutcome::Answered(r) => r.custody,
+            CommandOutcome::Lost(_) => true,
+            CommandOutcome::NotDelivered(_) => false,
+        }
+    }
+
+    /// A line for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            CommandOutcome::Answered(r) => {
+                let outcome = pb::Outcome::try_from(r.outcome)
+                    .map_or("unknown", |o| o.as_str_name());
+                match &r.error {
+                    Some(e) => format!("{outcome}{}: {}", if r.custody { " (custody)" } else { "" }, e.message),
+                    None => outcome.to_owned(),
+                }
+            }
+            CommandOutcome::Lost(why) => format!("lost after delivery: {why}"),
+            CommandOutcome::NotDelivered(why) => format!("not delivered: {why}"),
+        }
+    }
+}
+
+/// A dial or session failure.
+#[derive(Debug, Error)]
+pub enum LinkError {
+    /// TLS material or the address is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// The node could not be reached or refused the session.
+    #[error("{0}")]
+    Session(String),
+}
+
+#[derive(Debug)]
+struct InFlight {
+    is_launch: bool,
+    reply: oneshot::Sender<CommandOutcome>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// Sender of the current session, with its id.
+    session: Option<(u64, mpsc::Sender<pb::PlaneMessage>)>,
+    in_flight: HashMap<String, (u64, InFlight)>,
+    tombstones: VecDeque<String>,
+}
+
+/// Fault injection for tests: drop what would otherwise flow.
+#[derive(Debug, Default)]
+pub struct LinkFaults {
+    /// Drop the next N launch results on receipt (the plane never sees
+    /// them and never acknowledges them).
+    pub drop_launch_results: AtomicU64,
+}
+
+/// What the node said in `Hello`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeStatus {
+    /// The session's `Hello`.
+    pub hello: pb::Hello,
+    /// The session id (per plane process).
+    pub session: u64,
+}
+
+/// One node, dialed and kept attached.
+#[derive(Debug)]
+pub struct NodeLink {
+    target: NodeTarget,
+    shared: Mutex<Shared>,
+    status: watch::Sender<Option<NodeStatus>>,
+    next_session: AtomicU64,
+    /// Fault injection.
+    pub faults: LinkFaults,
+}
+
+impl NodeLink {
+    /// A link for `target`; nothing is dialed until [`NodeLink::run`].
+    pub fn new(target: NodeTarget) -> Arc<Self> {
+        Arc::new(Self {
+            target,
+            shared: Mutex::new(Shared::default()),
+            status: watch::Sender::new(None),
+            next_session: AtomicU64::new(1),
+            faults: LinkFaults::default(),
+        })
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.target.name
+    }
+
+    /// Watches the node's status: `Some` while a session is open.
+    pub fn status(&self) -> watch::Receiver<Option<NodeStatus>> {
+        self.status.subscribe()
+    }
+
+    /// Dials and re-dials the node until `shutdown`, answering its calls with
+    /// `calls`.
+    pub async fn run(
+        self: Arc<Self>,
+        tls: PlaneTls,
+        open: pb::Open,
+        calls: Arc<CallHandler>,
+        shutdown: CancellationToken,
+    ) {
+        let mut backoff = Duration::from_millis(200);
+        loop {
+            let attempt = self.session(&tls, &open, &calls, &shutdown).await;
+            self.end_session();
+            match attempt {
+                Ok(()) => backoff = Duration::from_millis(200),
+                Err(e) => warn!(node = %self.target.name, addr = %self.target.addr, error = %e, "node session failed"),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Dials once and serves the session until it ends.
+    async fn session(
+        self: &Arc<Self>,
+        tls: &PlaneTls,
+        open: &pb::Open,
+        calls: &Arc<CallHandler>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), LinkError> {
+        let channel = dial(&self.target, tls).await?;
+        let (tx, rx) = mpsc::channel::<pb::PlaneMessage>(256);
+        tx.send(pb::PlaneMessage {
+            body: Some(pb::plane_message::Body::Open(open.clone())),
+        })
+        .await
+        .map_err(|_| LinkError::Session("session closed before Open".into()))?;
+        let mut client = pb::node_client::NodeClient::new(channel).max_decoding_message_size(4 << 20);
+        let mut inbound = client
+            .attach(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| LinkError::Session(format!("node {} refused the session: {}", self.target.name, s.message())))?
+            .into_inner();
+        let hello = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
+            Ok(Ok(Some(pb::NodeMessage { body: Some(pb::node_message::Body::Hello(h)) }))) => h,
+            Ok(Err(s)) => return Err(LinkError::Session(format!("node {} refused the session: {}", self.target.name, s.message()))),
+            _ => return Err(LinkError::Session(format!("node {} did not say Hello", self.target.name))),
+        };
+        if hello.protocol_version != billet_proto::PROTOCOL_VERSION {
+            return Err(LinkError::Session(format!(
+                "node {} speaks wire protocol {} and this plane speaks {}; upgrade whichever is older",
+                self.target.name, hello.protocol_version, billet_proto::PROTOCOL_VERSION
+            )));
+        }
+        if hello.node_name != self.target.name {
+            return Err(LinkError::Session(format!(
+                "dialed node {} but it says it is {:?}; refusing the session",
+                self.target.name, hello.node_name
+            )));
+        }
+        let session = self.next_session.fetch_add(1, Ordering::Relaxed);
+        info!(node = %self.target.name, session, incarnation = %hello.incarnation,
+              inventory_known = hello.inventory_known, instances = hello.instances.len(), "node attached");
+        self.shared.lock().expect("link").session = Some((session, tx.clone()));
+        self.status.send_replace(Some(NodeStatus { hello, session }));
+
+        loop {
+            let message = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                m = inbound.message() => m,
+            };
+            let body = match message {
+                Ok(Some(pb::NodeMessage { body: Some(body) })) => body,
+                Ok(Some(_)) => continue,
+                Ok(None) => return Ok(()),
+                Err(s) => return Err(LinkError::Session(format!("session with {} broke: {}", self.target.name, s.message()))),
+            };
+            match body {
+                pb::node_message::Body::Result(result) => self.on_result(result, &tx).await,
+                pb::node_message::Body::Call(call) => {
+                    let calls = Arc::clone(calls);
+                    let tx = tx.clone();
+                    let node = self.target.name.clone();
+                    tokio::spawn(
+                        async move {
+                            let reply = calls.handle(&node, call).await;
+                            let _ = tx.send(pb::PlaneMessage { body: Some(pb::plane_message::Body::Reply(reply)) }).await;
+                        }
+                        .instrument(info_span!("node_call")),
+                    );
+                }
+                pb::node_message::Body::Hello(_) => warn!("ignored a second Hello"),
+            }
+        }
+    }
+
+    async fn on_result(&self, result: pb::CommandResult, tx: &mpsc::Sender<pb::PlaneMessage>) {
+        let is_launch = self
+            .shared
+            .lock()
+            .expect("link")
+            .in_flight
+            .get(&result.id)
+            .is_some_and(|(_, f)| f.is_launch);
+        if is_launch
+            && self
+                .faults
+                .drop_launch_results
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            warn!(id = %result.id, "fault injection: dropping a launch result");
+            return;
+        }
+        let (verdict, waiter) = {
+            let mut shared = self.shared.lock().expect("link");
+            match shared.in_flight.remove(&result.id) {
+                Some((_, flight)) => (pb::AckVerdict::Accepted, Some(flight.reply)),
+                None if shared.tombstones.contains(&result.id) => (pb::AckVerdict::Custody, None),
+                None => (pb::AckVerdict::Accepted, None),
+            }
+        };
+        debug!(id = %result.id, ?verdict, "result");
+        let _ = tx
+            .send(pb::PlaneMessage {
+                body: Some(pb::plane_message::Body::ResultAck(pb::ResultAck {
+                    id: result.id.clone(),
+                    verdict: verdict.into(),
+                })),
+            })
+            .await;
+        if let Some(waiter) = waiter {
+            let _ = waiter.send(CommandOutcome::Answered(result));
+        }
+    }
+
+    fn end_session(&self) {
+        let mut shared = self.shared.lock().expect("link");
+        let Some((ended, _)) = shared.session.take() else {
+            return;
+        };
+        let lost: Vec<String> = shared
+            .in_flight
+            .iter()
+            .filter(|(_, (s, _))| *s == ended)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lost {
+            if let Some((_, flight)) = shared.in_flight.remove(&id) {
+                if flight.is_launch {
+                    tombstone(&mut shared, id);
+                }
+                let _ = flight.reply.send(CommandOutcome::Lost("the session broke before the node answered".into()));
+            }
+        }
+        drop(shared);
+        self.status.send_replace(None);
+    }
+
+    /// Sends a command and waits for its result until `timeout` from now
+    /// (the deadline the node enforces is fixed here, at queue time). Waits
+    /// for a session if none is open.
+    pub async fn dispatch(&self, kind: pb::command::Kind, timeout: Duration) -> CommandOutcome {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline_unix_ms = crate::now_ms() + i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        self.dispatch_until(kind, deadline, deadline_unix_ms).await
+    }
+
+    /// [`NodeLink::dispatch`] with an explicit node-side deadline, which may
+    /// already be past (to test expiry).
+    pub async fn dispatch_until(
+        &self,
+        kind: pb::command::Kind,
+        deadline: tokio::time::Instant,
+        deadline_unix_ms: i64,
+    ) -> CommandOutcome {
+        let is_launch = matches!(kind, pb::command::Kind::Launch(_));
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let mut status = self.status.subscribe();
+        let sent = tokio::time::timeout_at(deadline, async {
+            loop {
+                let session = self.shared.lock().expect("link").session.clone();
+                if let Some((session, tx)) = session {
+                    let (reply_tx, reply_rx) = oneshot::channel();
+                    self.shared.lock().expect("link").in_flight.insert(
+                        id.clone(),
+                        (session, InFlight { is_launch, reply: reply_tx }),
+                    );
+                    let command = pb::Command { id: id.clone(), deadline_unix_ms, kind: Some(kind.clone()) };
+                    if tx.send(pb::PlaneMessage { body: Some(pb::plane_message::Body::Command(command)) }).await.is_ok() {
+                        return reply_rx;
+                    }
+                    self.shared.lock().expect("link").in_flight.remove(&id);
+                }
+                let _ = status.changed().await;
+            }
+        })
+        .await;
+        let Ok(reply) = sent else {
+            return CommandOutcome::NotDelivered(format!("node {} had no open session", self.target.name));
+        };
+        match tokio::time::timeout_at(deadline, reply).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(_)) => CommandOutcome::Lost("the plane stopped waiting".into()),
+            Err(_) => {
+                let mut shared = self.shared.lock().expect("link");
+                if shared.in_flight.remove(&id).is_some() && is_launch {
+                    tombstone(&mut shared, id.clone());
+                }
+                CommandOutcome::Lost(format!("no result for command {id} before its deadline"))
+            }
+        }
+    }
+}
+
+fn tombstone(shared: &mut Shared, id: String) {
+    shared.tombstones.push_back(id);
+    while shared.tombstones.len() > MAX_TOMBSTONES {
+        shared.tombstones.pop_front();
+    }
+}
+
+/// Dials a node over mTLS. The node's certificate must chain to the CA and
+/// name `target.name`; anything else fails the handshake.
+///
+/// # Errors
+///
+/// [`LinkError`] naming the node and what went wrong.
+pub async fn dial(target: &NodeTarget, tls: &PlaneTls) -> Result<tonic::transport::Channel, LinkError> {
+    let tls_config = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&tls.ca_pem))
+        .identity(Identity::from_pem(&tls.cert_pem, &tls.key_pem))
+        .domain_name(target.name.clone());
+    Endpoint::from_shared(format!("https://{}", target.addr))
+        .map_err(|e| LinkError::Config(format!("node {} address {}: {e}", target.name, target.addr)))?
+        .tls_config(tls_config)
+        .map_err(|e| LinkError::Config(format!("plane TLS material: {e}")))?
+        .connect_timeout(Duration::from_secs(10))
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .connect()
+        .await
+        .map_err(|e| {
+            use std::error::Error as _;
+            let mut text = e.to_string();
+            let mut source = e.source();
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            LinkError::Session(format!("cannot attach to node {} at {}: {text}", target.name, target.addr))
+        })
+}
