@@ -124,6 +124,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("BILLET_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     let Command::Node(args) = cli.command;

@@ -1,0 +1,1333 @@
+//! The Docker provider: runners as containers on the local Docker engine,
+//! spoken to over its Unix socket through bollard.
+//!
+//! Behaviour follows the reference's Docker provider (spec/node.md §5.2),
+//! with the engine API in place of the CLI: containers are named
+//! `billet-<lease id>`, carry the [`labels`] of their owner and lease, and
+//! every read filters on the owner's deployment and node labels, so a node
+//! never sees (and so never removes) a container it does not own.
+//!
+//! The JIT config reaches the container only as the environment variable
+//! [`JIT_CONFIG_ENV`]: never in `Cmd`, never in a log line, and never in an
+//! error message (engine messages are scrubbed before they leave this
+//! module).
+//!
+//! Architecture Invariant: nothing forwards `log` records from the `bollard`
+//! target at debug level or finer (no `tracing-log` bridge, no
+//! `env_logger`): bollard `log::debug!`s every JSON request body, and the
+//! create body holds the JIT config.
+//!
+//! # API version
+//!
+//! bollard 0.21 speaks engine API 1.53 by default, which older engines
+//! (Docker 20.10 speaks 1.41) refuse outright, and newer engines refuse
+//! versions below their minimum (Docker 29 refuses anything below 1.44).
+//! So the first call asks the engine's unversioned `/version` endpoint which
+//! API it speaks and uses the lower of that and bollard's own; engines older
+//! than [`MIN_API_VERSION`] are refused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use bollard::errors::Error as BollardError;
+use bollard::models::{
+    ContainerCreateBody, ContainerSummary, ContainerSummaryStateEnum, HostConfig,
+};
+use bollard::query_parameters::{
+    CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+};
+use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
+use tokio::sync::OnceCell;
+
+use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
+use crate::model::InstanceName;
+
+/// The environment variable through which the runner receives its JIT
+/// config (the only way it reaches the instance).
+pub const JIT_CONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
+
+/// The oldest engine API this provider speaks: Docker 20.10.
+pub const MIN_API_VERSION: ClientVersion = ClientVersion {
+    major_version: 1,
+    minor_version: 41,
+};
+
+/// Per-request timeout for engine calls, in seconds. `docker rm -f` of a
+/// running container is the slowest call made and takes well under this.
+const REQUEST_TIMEOUT_S: u64 = 60;
+
+/// What an error message carries in place of a credential.
+const REDACTED: &str = "<redacted>";
+
+/// Runs runners as containers on the Docker engine at one Unix socket.
+///
+/// Owns only containers labelled with its [`Owner`]'s deployment and node;
+/// [`Provider::list`], [`Provider::find`] and [`Provider::destroy`] never see
+/// or touch any other container, whatever its name.
+#[derive(Debug)]
+pub struct DockerProvider {
+    socket: PathBuf,
+    owner: Owner,
+    /// The client at the negotiated API version; set by the first call that
+    /// reaches the engine.
+    client: OnceCell<Docker>,
+}
+
+impl DockerProvider {
+    /// A provider for the engine listening on `socket` (such as
+    /// `/var/run/docker.sock`), labelling and filtering by `owner`.
+    ///
+    /// Makes no call to the engine and does not require the socket to exist
+    /// yet: the first operation connects and negotiates the API version.
+    /// Call [`DockerProvider::ping`] to check the engine at start-up.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Refused`] when `socket` is not valid UTF-8 (the
+    /// client takes the path as text).
+    pub fn connect(socket: &Path, owner: Owner) -> Result<Self, ProviderError> {
+        if socket.to_str().is_none() {
+            return Err(ProviderError::Refused(format!(
+                "the Docker socket path {} is not valid UTF-8",
+                socket.display()
+            )));
+        }
+        Ok(Self {
+            socket: socket.to_owned(),
+            owner,
+            client: OnceCell::new(),
+        })
+    }
+
+    /// The socket this provider talks to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The owner whose containers this provider sees.
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    /// Checks that the engine answers (connecting and negotiating the API
+    /// version if no call has yet).
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] saying the daemon at the socket cannot be
+    /// reached, why, and what to check; [`ProviderError::Refused`] when its
+    /// API is older than [`MIN_API_VERSION`].
+    pub async fn ping(&self) -> Result<(), ProviderError> {
+        let operation = "ping Docker";
+        let docker = self.client(operation).await?;
+        docker
+            .ping()
+            .await
+            .map(drop)
+            .map_err(|err| self.engine_error(operation, &err, None))
+    }
+
+    /// The engine API version in use, once a call has negotiated one.
+    pub fn api_version(&self) -> Option<ClientVersion> {
+        self.client.get().map(Docker::client_version)
+    }
+
+    /// The client, connecting and negotiating on first use. A failed
+    /// negotiation is retried by the next call.
+    async fn client(&self, operation: &str) -> Result<&Docker, ProviderError> {
+        self.client
+            .get_or_try_init(|| self.negotiate(operation))
+            .await
+    }
+
+    /// Asks the engine's unversioned `/version` which API it speaks and
+    /// connects at the lower of that and bollard's.
+    async fn negotiate(&self, operation: &str) -> Result<Docker, ProviderError> {
+        let socket = self.socket_str();
+        let probe = Docker::connect_with_unix(socket, REQUEST_TIMEOUT_S, API_DEFAULT_VERSION)
+            .map_err(|err| self.engine_error(operation, &err, None))?
+            .with_request_modifier(unversioned);
+        let version = probe
+            .version()
+            .await
+            .map_err(|err| self.engine_error(operation, &err, None))?;
+        let spoken = version
+            .api_version
+            .as_deref()
+            .and_then(parse_api_version)
+            .ok_or_else(|| ProviderError::Engine {
+                operation: operation.to_owned(),
+                message: format!(
+                    "the Docker daemon at {} reported no usable API version ({:?})",
+                    self.socket.display(),
+                    version.api_version
+                ),
+            })?;
+        let chosen = choose_api_version(spoken).ok_or_else(|| {
+            ProviderError::Refused(format!(
+                "the Docker daemon at {} speaks engine API {spoken}; billet needs \
+                 {MIN_API_VERSION} (Docker 20.10) or newer",
+                self.socket.display()
+            ))
+        })?;
+        tracing::debug!(
+            socket = %self.socket.display(),
+            api = %chosen,
+            "negotiated Docker API version"
+        );
+        Docker::connect_with_unix(socket, REQUEST_TIMEOUT_S, &chosen)
+            .map_err(|err| self.engine_error(operation, &err, None))
+    }
+
+    fn socket_str(&self) -> &str {
+        // Checked in `connect`.
+        self.socket.to_str().unwrap_or_default()
+    }
+
+    /// A [`ProviderError::Engine`] for `err`, with `secret` scrubbed from the
+    /// message.
+    fn engine_error(
+        &self,
+        operation: &str,
+        err: &BollardError,
+        secret: Option<&str>,
+    ) -> ProviderError {
+        let message = describe(err, &self.socket);
+        ProviderError::Engine {
+            operation: operation.to_owned(),
+            message: match secret {
+                Some(secret) => redact(message, secret),
+                None => message,
+            },
+        }
+    }
+
+    /// This owner's label filter, plus a (substring) name filter.
+    fn filters(&self, name: Option<&InstanceName>) -> HashMap<String, Vec<String>> {
+        let mut filters = HashMap::new();
+        filters.insert(
+            "label".to_owned(),
+            vec![
+                format!("{}={}", labels::DEPLOYMENT, self.owner.deployment),
+                format!("{}={}", labels::NODE, self.owner.node),
+            ],
+        );
+        if let Some(name) = name {
+            filters.insert("name".to_owned(), vec![name.as_str().to_owned()]);
+        }
+        filters
+    }
+
+    /// Whether the engine-reported labels name this owner (the engine
+    /// filters already; this guards against a filter it ignored).
+    fn owns(&self, instance: &Instance) -> bool {
+        instance.labels.get(labels::DEPLOYMENT).map(String::as_str)
+            == Some(self.owner.deployment.as_str())
+            && instance.labels.get(labels::NODE).map(String::as_str)
+                == Some(self.owner.node.as_str())
+    }
+
+    /// Every container of this owner, optionally narrowed by a name filter.
+    async fn inventory(
+        &self,
+        operation: &str,
+        name: Option<&InstanceName>,
+    ) -> Result<Vec<Instance>, ProviderError> {
+        let docker = self.client(operation).await?;
+        let options = ListContainersOptions {
+            all: true,
+            filters: Some(self.filters(name)),
+            ..Default::default()
+        };
+        let summaries = docker
+            .list_containers(Some(options))
+            .await
+            .map_err(|err| self.engine_error(operation, &err, None))?;
+        let mut instances = Vec::with_capacity(summaries.len());
+        for summary in summaries {
+            let instance =
+                instance_from_summary(summary).map_err(|problem| ProviderError::Engine {
+                    operation: operation.to_owned(),
+                    message: problem,
+                })?;
+            if self.owns(&instance) {
+                instances.push(instance);
+            }
+        }
+        Ok(instances)
+    }
+}
+
+#[async_trait]
+impl Provider for DockerProvider {
+    fn kind(&self) -> &'static str {
+        "docker"
+    }
+
+    fn runs_on_host(&self) -> bool {
+        true
+    }
+
+    /// Creates the container `spec.name` from `spec.image` (never pulled:
+    /// the image must already be on the host) and starts it.
+    ///
+    /// Sets the entrypoint and `Cmd` to `spec.command` (the whole argv), the environment to `spec.env` plus
+    /// [`JIT_CONFIG_ENV`], the owner and lease [`labels`], and, where
+    /// non-zero or given, `NanoCpus`, `Memory`, `ShmSize` and `NetworkMode`.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Refused`] before anything reaches the engine when the
+    /// name is not `billet-<lease>`, the command, image or JIT config is
+    /// empty, an environment key is malformed or is [`JIT_CONFIG_ENV`], or a
+    /// size does not fit the engine's signed 64-bit field.
+    /// [`ProviderError::Engine`] when the engine refuses the create (a name
+    /// already in use, a missing image) or the start; after a failed start
+    /// the container exists, stopped, and is left for `destroy`.
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let (name, body) = self.container_for(&spec)?;
+        let operation = format!("create {name}");
+        let secret = spec.jit_config.expose();
+        let docker = self.client(&operation).await?;
+
+        let created = docker
+            .create_container(
+                Some(CreateContainerOptions {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }),
+                body,
+            )
+            .await
+            .map_err(|err| self.engine_error(&operation, &err, Some(secret)))?;
+        for warning in &created.warnings {
+            tracing::warn!(
+                instance = %name,
+                lease = %spec.lease,
+                warning = %redact(warning.clone(), secret),
+                "Docker warned on create"
+            );
+        }
+        if created.id.is_empty() {
+            return Err(ProviderError::Engine {
+                operation,
+                message: "the engine created the container but returned no id".to_owned(),
+            });
+        }
+
+        docker
+            .start_container(&created.id, None)
+            .await
+            .map_err(|err| self.engine_error(&format!("start {name}"), &err, Some(secret)))?;
+        tracing::info!(
+            instance = %name,
+            lease = %spec.lease,
+            epoch = %spec.epoch,
+            id = %created.id,
+            "started container"
+        );
+
+        Ok(Instance {
+            id: created.id,
+            name,
+            running: true,
+            terminal: false,
+            labels: self.labels_for(&spec).into_iter().collect(),
+        })
+    }
+
+    /// Removes the container `name` with its anonymous volumes, killing it
+    /// if it runs (`docker rm --force --volumes`).
+    ///
+    /// Only a container carrying this owner's labels is removed: a
+    /// container of that name that is not this owner's reads as gone.
+    /// Removal is synchronous, so success is [`Teardown::Stopped`], as is a
+    /// container that does not exist.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] when the engine cannot be read or refuses
+    /// the removal (such as a removal already in progress).
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        let operation = format!("destroy {name}");
+        let Some(instance) = self.find_exact(&operation, name).await? else {
+            return Ok(Teardown::Stopped);
+        };
+        let docker = self.client(&operation).await?;
+        let options = RemoveContainerOptions {
+            force: true,
+            v: true,
+            ..Default::default()
+        };
+        match docker.remove_container(&instance.id, Some(options)).await {
+            Ok(()) => {
+                tracing::info!(instance = %name, id = %instance.id, "removed container");
+                Ok(Teardown::Stopped)
+            }
+            Err(err) if is_no_such_container(&err) => Ok(Teardown::Stopped),
+            Err(err) => Err(self.engine_error(&operation, &err, None)),
+        }
+    }
+
+    /// Every container labelled with this owner's deployment and node,
+    /// stopped ones included. `running` is false only for the states
+    /// `created`, `exited`, `dead` and `removing`; `terminal` is never set.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] when the engine cannot be read or returns an
+    /// entry without an id or a name, or with a state bollard does not know
+    /// (never a partial list).
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.inventory("list containers", None).await
+    }
+
+    /// The container of this owner named exactly `name`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`].
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        self.find_exact(&format!("find {name}"), name).await
+    }
+}
+
+impl DockerProvider {
+    async fn find_exact(
+        &self,
+        operation: &str,
+        name: &InstanceName,
+    ) -> Result<Option<Instance>, ProviderError> {
+        // The engine's name filter matches substrings (as a regular
+        // expression), so compare exactly here.
+        Ok(self
+            .inventory(operation, Some(name))
+            .await?
+            .into_iter()
+            .find(|instance| instance.name == name.as_str()))
+    }
+
+    fn labels_for(&self, spec: &InstanceSpec) -> HashMap<String, String> {
+        HashMap::from([
+            (labels::DEPLOYMENT.to_owned(), self.owner.deployment.clone()),
+            (labels::NODE.to_owned(), self.owner.node.to_string()),
+            (labels::LEASE.to_owned(), spec.lease.to_string()),
+            (labels::EPOCH.to_owned(), spec.epoch.to_string()),
+            (labels::REQUEST.to_owned(), spec.request_id.to_string()),
+        ])
+    }
+
+    /// Checks `spec` and builds the create request. Pure.
+    fn container_for(
+        &self,
+        spec: &InstanceSpec,
+    ) -> Result<(String, ContainerCreateBody), ProviderError> {
+        let expected = InstanceName::for_lease(&spec.lease);
+        if spec.name != expected {
+            return Err(ProviderError::Refused(format!(
+                "instance name {} is not {expected}, the name of lease {}",
+                spec.name, spec.lease
+            )));
+        }
+        if spec.command.is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{}: the runner command is empty",
+                spec.name
+            )));
+        }
+        if spec.image.trim().is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{}: the image is empty",
+                spec.name
+            )));
+        }
+        let secret = spec.jit_config.expose();
+        if secret.is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{}: the JIT config is empty",
+                spec.name
+            )));
+        }
+        let mut env = Vec::with_capacity(spec.env.len() + 1);
+        for (key, value) in &spec.env {
+            if key.is_empty() || key.contains('=') || key.contains('\0') {
+                return Err(ProviderError::Refused(format!(
+                    "{}: environment key {key:?} is not a valid variable name",
+                    spec.name
+                )));
+            }
+            if key == JIT_CONFIG_ENV {
+                return Err(ProviderError::Refused(format!(
+                    "{}: the plain environment may not set {JIT_CONFIG_ENV}; the JIT config is \
+                     passed separately",
+                    spec.name
+                )));
+            }
+            env.push(format!("{key}={value}"));
+        }
+        env.push(format!("{JIT_CONFIG_ENV}={secret}"));
+
+        let bytes = |what: &str, size: u64| {
+            i64::try_from(size).map_err(|_| {
+                ProviderError::Refused(format!(
+                    "{}: {what} of {size} bytes is too large",
+                    spec.name
+                ))
+            })
+        };
+        let memory = bytes("memory", spec.memory.0)?;
+        let shm = bytes("shm size", spec.shm.0)?;
+        let host_config = HostConfig {
+            nano_cpus: (spec.vcpu > 0).then(|| i64::from(spec.vcpu) * 1_000_000_000),
+            memory: (memory > 0).then_some(memory),
+            shm_size: (shm > 0).then_some(shm),
+            network_mode: spec.network.clone(),
+            ..Default::default()
+        };
+        let body = ContainerCreateBody {
+            image: Some(spec.image.clone()),
+            // The tier's command is the whole argv: it replaces the image's
+            // entrypoint rather than becoming its arguments.
+            entrypoint: spec.command.first().map(|c| vec![c.clone()]),
+            cmd: Some(spec.command.iter().skip(1).cloned().collect()),
+            env: Some(env),
+            labels: Some(self.labels_for(spec)),
+            host_config: Some(host_config),
+            ..Default::default()
+        };
+        Ok((spec.name.as_str().to_owned(), body))
+    }
+}
+
+/// The lower of the engine's API version and bollard's, or `None` when that
+/// is older than [`MIN_API_VERSION`].
+fn choose_api_version(spoken: ClientVersion) -> Option<ClientVersion> {
+    let chosen = if spoken < *API_DEFAULT_VERSION {
+        spoken
+    } else {
+        *API_DEFAULT_VERSION
+    };
+    (chosen >= MIN_API_VERSION).then_some(chosen)
+}
+
+/// Parses `major.minor`.
+fn parse_api_version(text: &str) -> Option<ClientVersion> {
+    let (major, minor) = text.trim().split_once('.')?;
+    Some(ClientVersion {
+        major_version: major.parse().ok()?,
+        minor_version: minor.parse().ok()?,
+    })
+}
+
+/// Drops the `/v<major>.<minor>` segment bollard puts in front of every
+/// path, so the request reaches the engine's unversioned endpoint, which
+/// every engine serves whatever API versions it supports.
+fn unversioned(mut request: BollardRequest) -> BollardRequest {
+    if let Some(uri) = strip_version_segment(&request.uri().to_string())
+        && let Ok(uri) = uri.parse()
+    {
+        *request.uri_mut() = uri;
+    }
+    request
+}
+
+/// `unix://host/v1.53/version` → `unix://host/version`; `None` when the
+/// first path segment is not a version.
+fn strip_version_segment(uri: &str) -> Option<String> {
+    let after_scheme = uri.find("://")? + 3;
+    let path_start = after_scheme + uri[after_scheme..].find('/')?;
+    let rest = &uri[path_start + 1..];
+    let segment_len = rest.find(['/', '?']).unwrap_or(rest.len());
+    let segment = rest[..segment_len].strip_prefix('v')?;
+    parse_api_version(segment)?;
+    let mut stripped = uri[..path_start].to_owned();
+    let tail = &rest[segment_len..];
+    if !tail.starts_with('/') {
+        stripped.push('/');
+    }
+    stripped.push_str(tail);
+    Some(stripped)
+}
+
+/// Converts one `GET /containers/json` entry.
+///
+/// # Errors
+///
+/// A sentence when the entry has no id or no plain name.
+fn instance_from_summary(summary: ContainerSummary) -> Result<Instance, String> {
+    let id = summary
+        .id
+        .filter(|id| !id.is_empty())
+        .ok_or_else(|| "the engine listed a container without an id".to_owned())?;
+    // Names carry a leading '/'; a container reached through a legacy link
+    // also lists `/<other>/<alias>`, which is not its own name.
+    let name = summary
+        .names
+        .unwrap_or_default()
+        .iter()
+        .map(|name| name.strip_prefix('/').unwrap_or(name))
+        .find(|name| !name.is_empty() && !name.contains('/'))
+        .map(str::to_owned)
+        .ok_or_else(|| format!("the engine listed container {id} without a name"))?;
+    let running = !matches!(
+        summary.state,
+        Some(
+            ContainerSummaryStateEnum::CREATED
+                | ContainerSummaryStateEnum::EXITED
+                | ContainerSummaryStateEnum::DEAD
+                | ContainerSummaryStateEnum::REMOVING
+        )
+    );
+    let labels: BTreeMap<String, String> = summary
+        .labels
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("sh.billet."))
+        .collect();
+    Ok(Instance {
+        id,
+        name,
+        running,
+        terminal: false,
+        labels,
+    })
+}
+
+/// Whether the engine said the container does not exist.
+fn is_no_such_container(err: &BollardError) -> bool {
+    match err {
+        BollardError::DockerResponseServerError {
+            status_code,
+            message,
+        } => {
+            let message = message.to_ascii_lowercase();
+            *status_code == 404
+                || [
+                    "no such container",
+                    "no such object",
+                    "not find container",
+                    "no container with name or id",
+                ]
+                .iter()
+                .any(|needle| message.contains(needle))
+        }
+        _ => false,
+    }
+}
+
+/// One sentence for a bollard error, naming the socket when the engine
+/// could not be reached.
+fn describe(err: &BollardError, socket: &Path) -> String {
+    let socket = socket.display();
+    match err {
+        BollardError::DockerResponseServerError {
+            status_code,
+            message,
+        } => {
+            format!(
+                "the Docker daemon at {socket} answered {status_code}: {}",
+                message.trim()
+            )
+        }
+        BollardError::SocketNotFoundError(_) => format!(
+            "the Docker daemon at {socket} cannot be reached: no socket exists at that path; check \
+             that dockerd is running and that the configured socket path is right"
+        ),
+        BollardError::RequestTimeoutError => format!(
+            "the Docker daemon at {socket} did not answer within {REQUEST_TIMEOUT_S}s; check that \
+             dockerd is healthy"
+        ),
+        BollardError::IOError { .. }
+        | BollardError::HyperResponseError { .. }
+        | BollardError::HyperLegacyError { .. } => format!(
+            "the Docker daemon at {socket} cannot be reached: {}; check that dockerd is running \
+             and that this user may open the socket (root or the docker group)",
+            chain(err)
+        ),
+        other => chain(other),
+    }
+}
+
+/// An error and its sources, joined with `: `.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            let _ = write!(text, ": {cause_text}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Scrubs a credential from an engine message: every occurrence of
+/// `secret`, and anything following a mention of [`JIT_CONFIG_ENV`] (in
+/// case the engine echoed a truncated or escaped form of it).
+fn redact(message: String, secret: &str) -> String {
+    let mut message = if secret.is_empty() {
+        message
+    } else {
+        message.replace(secret, REDACTED)
+    };
+    if let Some(at) = message.find(JIT_CONFIG_ENV) {
+        message.truncate(at + JIT_CONFIG_ENV.len());
+        message.push('=');
+        message.push_str(REDACTED);
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+    use std::time::Duration;
+
+    use bollard::query_parameters::CreateImageOptions;
+    use futures::TryStreamExt as _;
+
+    use super::*;
+    use crate::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
+
+    const SOCKET: &str = "/var/run/docker.sock";
+    const TEST_IMAGE_REPO: &str = "billet-test-sleep";
+    const TEST_IMAGE: &str = "billet-test-sleep:dev";
+
+    fn owner(deployment: &str, node: &str) -> Owner {
+        Owner {
+            deployment: deployment.to_owned(),
+            node: NodeName::parse("node", node).unwrap(),
+        }
+    }
+
+    fn unique(prefix: &str) -> String {
+        format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+    }
+
+    fn spec(lease: &str, jit: &str) -> InstanceSpec {
+        let lease = LeaseId::parse("lease", lease).unwrap();
+        InstanceSpec {
+            name: InstanceName::for_lease(&lease),
+            lease,
+            epoch: Epoch(7),
+            request_id: RequestId(1234),
+            image: TEST_IMAGE.to_owned(),
+            command: vec!["/bin/sleep".to_owned(), "300".to_owned()],
+            vcpu: 1,
+            memory: ByteSize(64 << 20),
+            shm: ByteSize(16 << 20),
+            network: Some("none".to_owned()),
+            env: vec![("RUNNER_TIER".to_owned(), "small".to_owned())],
+            jit_config: JitConfig::new(jit.to_owned()),
+        }
+    }
+
+    fn offline() -> DockerProvider {
+        DockerProvider::connect(
+            Path::new("/nonexistent/docker.sock"),
+            owner("dep", "node-a"),
+        )
+        .unwrap()
+    }
+
+    // ---- pure helpers -------------------------------------------------
+
+    #[test]
+    fn the_version_segment_is_stripped_for_the_unversioned_probe() {
+        assert_eq!(
+            strip_version_segment("unix://2f7661722f72756e/v1.53/version").as_deref(),
+            Some("unix://2f7661722f72756e/version")
+        );
+        assert_eq!(
+            strip_version_segment("unix://h/v1.41/containers/json?all=true").as_deref(),
+            Some("unix://h/containers/json?all=true")
+        );
+        assert_eq!(strip_version_segment("unix://h/version"), None);
+        assert_eq!(strip_version_segment("unix://h/volumes"), None);
+    }
+
+    #[test]
+    fn the_api_version_is_the_lower_of_the_engines_and_bollards_and_never_below_1_41() {
+        let v = |text| parse_api_version(text).unwrap();
+        assert_eq!(choose_api_version(v("1.41")), Some(v("1.41")));
+        assert_eq!(choose_api_version(v("1.47")), Some(v("1.47")));
+        assert_eq!(choose_api_version(v("1.99")), Some(*API_DEFAULT_VERSION));
+        assert_eq!(choose_api_version(v("1.40")), None);
+        assert!(parse_api_version("1").is_none());
+        assert!(parse_api_version("one.two").is_none());
+    }
+
+    fn summary(
+        id: Option<&str>,
+        names: &[&str],
+        state: Option<ContainerSummaryStateEnum>,
+    ) -> ContainerSummary {
+        ContainerSummary {
+            id: id.map(str::to_owned),
+            names: Some(names.iter().map(|n| (*n).to_owned()).collect()),
+            state,
+            labels: Some(HashMap::from([
+                (labels::LEASE.to_owned(), "a".to_owned()),
+                ("com.example.other".to_owned(), "x".to_owned()),
+            ])),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn only_created_exited_dead_and_removing_containers_read_as_not_running() {
+        use ContainerSummaryStateEnum as S;
+        for (state, running) in [
+            (None, true),
+            (Some(S::EMPTY), true),
+            (Some(S::CREATED), false),
+            (Some(S::RUNNING), true),
+            (Some(S::PAUSED), true),
+            (Some(S::RESTARTING), true),
+            (Some(S::EXITED), false),
+            (Some(S::REMOVING), false),
+            (Some(S::DEAD), false),
+            (Some(S::STOPPING), true),
+        ] {
+            let instance =
+                instance_from_summary(summary(Some("abc"), &["/billet-a"], state)).unwrap();
+            assert_eq!(instance.running, running, "{state:?}");
+            assert!(!instance.terminal);
+            assert_eq!(instance.name, "billet-a");
+            assert_eq!(
+                instance.labels,
+                BTreeMap::from([(labels::LEASE.to_owned(), "a".to_owned())])
+            );
+        }
+    }
+
+    #[test]
+    fn an_entry_without_an_id_or_a_name_is_malformed() {
+        assert!(instance_from_summary(summary(None, &["/billet-a"], None)).is_err());
+        assert!(instance_from_summary(summary(Some(""), &["/billet-a"], None)).is_err());
+        assert!(instance_from_summary(summary(Some("abc"), &[], None)).is_err());
+        assert!(instance_from_summary(summary(Some("abc"), &["/"], None)).is_err());
+        // A legacy link alias is not the container's own name.
+        let linked =
+            instance_from_summary(summary(Some("abc"), &["/web/db", "/billet-a"], None)).unwrap();
+        assert_eq!(linked.name, "billet-a");
+    }
+
+    #[test]
+    fn a_jit_config_is_scrubbed_from_engine_messages() {
+        assert_eq!(
+            redact("bad value c2VjcmV0 here".to_owned(), "c2VjcmV0"),
+            "bad value <redacted> here"
+        );
+        assert_eq!(
+            redact(
+                format!("invalid env {JIT_CONFIG_ENV}=c2Vj..., more"),
+                "c2VjcmV0"
+            ),
+            format!("invalid env {JIT_CONFIG_ENV}=<redacted>")
+        );
+        assert_eq!(redact("plain".to_owned(), ""), "plain");
+    }
+
+    #[test]
+    fn only_a_not_found_answer_counts_as_already_gone() {
+        let answer = |status_code, message: &str| BollardError::DockerResponseServerError {
+            status_code,
+            message: message.to_owned(),
+        };
+        assert!(is_no_such_container(&answer(404, "page not found")));
+        assert!(is_no_such_container(&answer(
+            500,
+            "Error: No such container: billet-a"
+        )));
+        assert!(!is_no_such_container(&answer(
+            409,
+            "removal of container billet-a is already in progress"
+        )));
+        assert!(!is_no_such_container(&BollardError::RequestTimeoutError));
+    }
+
+    #[test]
+    fn the_create_request_carries_the_jit_config_only_in_the_environment() {
+        let provider = offline();
+        let (name, body) = provider
+            .container_for(&spec("lease-1", "c2VjcmV0"))
+            .unwrap();
+        assert_eq!(name, "billet-lease-1");
+        let env = body.env.clone().unwrap();
+        assert_eq!(
+            env,
+            ["RUNNER_TIER=small", &format!("{JIT_CONFIG_ENV}=c2VjcmV0")]
+        );
+        assert_eq!(body.entrypoint.clone().unwrap(), ["/bin/sleep"]);
+        assert_eq!(body.cmd.clone().unwrap(), ["300"]);
+        let host = body.host_config.clone().unwrap();
+        assert_eq!(host.nano_cpus, Some(1_000_000_000));
+        assert_eq!(host.memory, Some(64 << 20));
+        assert_eq!(host.shm_size, Some(16 << 20));
+        assert_eq!(host.network_mode.as_deref(), Some("none"));
+        let labels = body.labels.clone().unwrap();
+        assert_eq!(labels[labels::DEPLOYMENT], "dep");
+        assert_eq!(labels[labels::NODE], "node-a");
+        assert_eq!(labels[labels::LEASE], "lease-1");
+        assert_eq!(labels[labels::EPOCH], "7");
+        assert_eq!(labels[labels::REQUEST], "1234");
+        // Nothing but the environment holds the secret.
+        let mut without_env = body;
+        without_env.env = None;
+        assert!(
+            !serde_json::to_string(&without_env)
+                .unwrap()
+                .contains("c2VjcmV0")
+        );
+
+        let mut unlimited = spec("lease-1", "j");
+        unlimited.vcpu = 0;
+        unlimited.memory = ByteSize(0);
+        unlimited.shm = ByteSize(0);
+        unlimited.network = None;
+        let host = provider
+            .container_for(&unlimited)
+            .unwrap()
+            .1
+            .host_config
+            .unwrap();
+        assert_eq!(
+            (
+                host.nano_cpus,
+                host.memory,
+                host.shm_size,
+                host.network_mode
+            ),
+            (None, None, None, None)
+        );
+    }
+
+    #[tokio::test]
+    async fn create_refuses_a_bad_spec_before_reaching_the_engine() {
+        let provider = offline();
+        let mut cases = Vec::new();
+        let mut wrong_name = spec("a", "j");
+        wrong_name.name = InstanceName::for_lease(&LeaseId::parse("l", "b").unwrap());
+        cases.push(wrong_name);
+        let mut no_command = spec("a", "j");
+        no_command.command.clear();
+        cases.push(no_command);
+        cases.push(spec("a", ""));
+        let mut jit_in_env = spec("a", "j");
+        jit_in_env
+            .env
+            .push((JIT_CONFIG_ENV.to_owned(), "other".to_owned()));
+        cases.push(jit_in_env);
+        let mut bad_key = spec("a", "j");
+        bad_key.env.push(("A=B".to_owned(), "c".to_owned()));
+        cases.push(bad_key);
+        let mut huge = spec("a", "j");
+        huge.memory = ByteSize(u64::MAX);
+        cases.push(huge);
+        for case in cases {
+            let err = provider.create(case).await.unwrap_err();
+            assert!(matches!(err, ProviderError::Refused(_)), "{err}");
+        }
+        // The engine was never contacted.
+        assert!(provider.api_version().is_none());
+    }
+
+    // ---- against the real engine -------------------------------------
+
+    #[tokio::test]
+    async fn ping_names_a_socket_that_cannot_be_reached() {
+        let missing = Path::new("/nonexistent/billet-test.sock");
+        let provider = DockerProvider::connect(missing, owner("dep", "node-a")).unwrap();
+        let err = provider.ping().await.unwrap_err().to_string();
+        assert!(err.contains("/nonexistent/billet-test.sock"), "{err}");
+        assert!(err.contains("cannot be reached"), "{err}");
+
+        // A path that exists but where nothing listens.
+        let not_a_socket = std::env::temp_dir().join(unique("billet-not-a-socket"));
+        std::fs::write(&not_a_socket, b"").unwrap();
+        let provider = DockerProvider::connect(&not_a_socket, owner("dep", "node-a")).unwrap();
+        let err = provider.ping().await.unwrap_err().to_string();
+        let _ = std::fs::remove_file(&not_a_socket);
+        assert!(err.contains(&not_a_socket.display().to_string()), "{err}");
+        assert!(err.contains("cannot be reached"), "{err}");
+    }
+
+    /// Removes the named containers, whatever their labels, when dropped,
+    /// even when the test panicked.
+    struct Leftovers(Vec<String>);
+
+    impl Drop for Leftovers {
+        fn drop(&mut self) {
+            let names = std::mem::take(&mut self.0);
+            // Drop cannot await, and a runtime cannot start inside the
+            // test's own, so remove from a thread with a runtime of its own.
+            let cleanup = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime for cleanup");
+                runtime.block_on(async {
+                    let provider =
+                        DockerProvider::connect(Path::new(SOCKET), owner("cleanup", "cleanup"))
+                            .unwrap();
+                    let Ok(docker) = provider.client("clean up").await else {
+                        return;
+                    };
+                    for name in names {
+                        let options = RemoveContainerOptions {
+                            force: true,
+                            v: true,
+                            ..Default::default()
+                        };
+                        if let Err(err) = docker.remove_container(&name, Some(options)).await
+                            && !is_no_such_container(&err)
+                        {
+                            eprintln!("could not remove test container {name}: {err}");
+                        }
+                    }
+                });
+            });
+            let _ = cleanup.join();
+        }
+    }
+
+    /// A provider on the real engine, with the test image present.
+    ///
+    /// Panics (failing the test) when the engine cannot be reached.
+    async fn provider(owner: Owner) -> DockerProvider {
+        let provider = DockerProvider::connect(Path::new(SOCKET), owner).unwrap();
+        if let Err(err) = provider.ping().await {
+            panic!("these tests need the Docker engine at {SOCKET}, and it cannot be used: {err}");
+        }
+        ensure_test_image(provider.client("test").await.unwrap()).await;
+        provider
+    }
+
+    static TEST_IMAGE_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+    /// Imports `billet-test-sleep:dev` (the host's `sleep` and the shared
+    /// libraries it needs, nothing else) unless the engine has it: no
+    /// registry can be reached from here.
+    async fn ensure_test_image(docker: &Docker) {
+        TEST_IMAGE_READY
+            .get_or_init(|| async {
+                if docker.inspect_image(TEST_IMAGE).await.is_ok() {
+                    return;
+                }
+                let tar = tokio::task::spawn_blocking(sleep_rootfs_tar).await.unwrap();
+                let options = CreateImageOptions {
+                    from_src: Some("-".to_owned()),
+                    repo: Some(TEST_IMAGE_REPO.to_owned()),
+                    tag: Some("dev".to_owned()),
+                    ..Default::default()
+                };
+                docker
+                    .create_image(Some(options), Some(bollard::body_full(tar.into())), None)
+                    .try_collect::<Vec<_>>()
+                    .await
+                    .unwrap_or_else(|err| panic!("importing {TEST_IMAGE} failed: {err}"));
+                docker
+                    .inspect_image(TEST_IMAGE)
+                    .await
+                    .unwrap_or_else(|err| panic!("{TEST_IMAGE} is missing after import: {err}"));
+            })
+            .await;
+    }
+
+    /// A tar of a root file system holding `/bin/sleep` and the libraries
+    /// `ldd` says it loads, at their host paths.
+    fn sleep_rootfs_tar() -> Vec<u8> {
+        let sleep = ["/bin/sleep", "/usr/bin/sleep"]
+            .into_iter()
+            .map(Path::new)
+            .find(|path| path.exists())
+            .expect("building the test image needs a sleep binary at /bin/sleep or /usr/bin/sleep");
+        let root = std::env::temp_dir().join(unique("billet-test-rootfs"));
+        let copy = |from: &Path, to: &Path| {
+            let target = root.join(to.strip_prefix("/").unwrap());
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            std::fs::copy(from, &target).unwrap_or_else(|err| {
+                panic!("copying {} into the test image: {err}", from.display())
+            });
+        };
+        copy(sleep, Path::new("/bin/sleep"));
+        let ldd = Command::new("ldd")
+            .arg(sleep)
+            .output()
+            .expect("building the test image needs ldd to find sleep's libraries");
+        // A static binary makes ldd fail with "not a dynamic executable";
+        // then there is nothing to copy.
+        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+            if let Some(library) = line.split_whitespace().find(|word| word.starts_with('/')) {
+                copy(Path::new(library), Path::new(library));
+            }
+        }
+        let tar = Command::new("tar")
+            .arg("-C")
+            .arg(&root)
+            .args(["-cf", "-", "."])
+            .output()
+            .expect("building the test image needs tar");
+        let _ = std::fs::remove_dir_all(&root);
+        assert!(
+            tar.status.success(),
+            "tar failed: {}",
+            String::from_utf8_lossy(&tar.stderr)
+        );
+        tar.stdout
+    }
+
+    async fn inspect(
+        provider: &DockerProvider,
+        name: &str,
+    ) -> bollard::models::ContainerInspectResponse {
+        provider
+            .client("inspect")
+            .await
+            .unwrap()
+            .inspect_container(name, None)
+            .await
+            .unwrap_or_else(|err| panic!("inspect {name}: {err}"))
+    }
+
+    #[tokio::test]
+    async fn the_engine_here_is_reached_at_a_version_it_speaks() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let version = provider.api_version().expect("negotiated by ping");
+        assert!(version >= MIN_API_VERSION, "{version}");
+        assert!(version <= *API_DEFAULT_VERSION, "{version}");
+    }
+
+    #[tokio::test]
+    async fn a_created_container_is_labelled_and_holds_the_jit_config_only_in_its_env() {
+        let deployment = unique("dep");
+        let provider = provider(owner(&deployment, "node-a")).await;
+        let lease = unique("t");
+        let jit = unique("jit-secret");
+        let spec = spec(&lease, &jit);
+        let name = spec.name.clone();
+        let _leftovers = Leftovers(vec![name.to_string()]);
+
+        let created = provider.create(spec).await.unwrap();
+        assert_eq!(created.name, name.as_str());
+        assert!(created.running && !created.terminal);
+        assert!(!created.id.is_empty());
+
+        let listed = provider.list().await.unwrap();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let instance = &listed[0];
+        assert_eq!(instance.id, created.id);
+        assert_eq!(instance.name, name.as_str());
+        assert!(instance.running);
+        assert_eq!(instance.lease().unwrap().as_str(), lease);
+        assert_eq!(
+            instance.labels,
+            BTreeMap::from([
+                (labels::DEPLOYMENT.to_owned(), deployment.clone()),
+                (labels::NODE.to_owned(), "node-a".to_owned()),
+                (labels::LEASE.to_owned(), lease.clone()),
+                (labels::EPOCH.to_owned(), "7".to_owned()),
+                (labels::REQUEST.to_owned(), "1234".to_owned()),
+            ])
+        );
+        assert_eq!(instance.labels, created.labels);
+
+        let inspected = inspect(&provider, name.as_str()).await;
+        let config = inspected.config.unwrap();
+        let env = config.env.unwrap();
+        assert!(env.contains(&format!("{JIT_CONFIG_ENV}={jit}")), "{env:?}");
+        assert!(env.contains(&"RUNNER_TIER=small".to_owned()), "{env:?}");
+        assert_eq!(config.entrypoint.unwrap(), ["/bin/sleep"]);
+        assert_eq!(config.cmd.unwrap(), ["300"]);
+        let host = inspected.host_config.unwrap();
+        assert_eq!(host.nano_cpus, Some(1_000_000_000));
+        assert_eq!(host.memory, Some(64 << 20));
+        assert_eq!(host.shm_size, Some(16 << 20));
+        assert_eq!(host.network_mode.as_deref(), Some("none"));
+    }
+
+    #[tokio::test]
+    async fn find_matches_the_exact_name_and_not_a_prefix_of_another() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let lease = unique("t");
+        let longer = format!("{lease}-long");
+        let spec = spec(&longer, &unique("jit"));
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+        let created = provider.create(spec.clone()).await.unwrap();
+
+        let found = provider
+            .find(&spec.name)
+            .await
+            .unwrap()
+            .expect("found by exact name");
+        assert_eq!(found.id, created.id);
+        let prefix = InstanceName::for_lease(&LeaseId::parse("l", &lease).unwrap());
+        assert_eq!(provider.find(&prefix).await.unwrap(), None);
+        // Destroying the prefix must not remove the longer name's container.
+        assert_eq!(provider.destroy(&prefix).await.unwrap(), Teardown::Stopped);
+        assert!(provider.find(&spec.name).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn destroying_twice_answers_stopped_both_times_and_the_container_is_gone() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let spec = spec(&unique("t"), &unique("jit"));
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+        let created = provider.create(spec.clone()).await.unwrap();
+
+        assert_eq!(
+            provider.destroy(&spec.name).await.unwrap(),
+            Teardown::Stopped
+        );
+        assert_eq!(
+            provider.destroy(&spec.name).await.unwrap(),
+            Teardown::Stopped
+        );
+        assert_eq!(provider.find(&spec.name).await.unwrap(), None);
+        assert!(provider.list().await.unwrap().is_empty());
+        let docker = provider.client("test").await.unwrap();
+        let err = docker
+            .inspect_container(&created.id, None)
+            .await
+            .unwrap_err();
+        assert!(is_no_such_container(&err), "{err}");
+    }
+
+    #[tokio::test]
+    async fn another_nodes_or_deployments_containers_are_never_seen_or_removed() {
+        let deployment = unique("dep");
+        let here = provider(owner(&deployment, "node-a")).await;
+        let other_node = provider(owner(&deployment, "node-b")).await;
+        let other_deployment = provider(owner(&unique("dep"), "node-a")).await;
+        let theirs = spec(&unique("t"), &unique("jit"));
+        let ours = spec(&unique("t"), &unique("jit"));
+        let _leftovers = Leftovers(vec![theirs.name.to_string(), ours.name.to_string()]);
+        other_node.create(theirs.clone()).await.unwrap();
+        here.create(ours.clone()).await.unwrap();
+
+        let names: Vec<_> = here
+            .list()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+        assert_eq!(names, [ours.name.to_string()]);
+        assert_eq!(here.find(&theirs.name).await.unwrap(), None);
+        assert!(other_deployment.list().await.unwrap().is_empty());
+        assert_eq!(other_deployment.find(&ours.name).await.unwrap(), None);
+
+        // Not ours reads as gone, and is left alone.
+        assert_eq!(here.destroy(&theirs.name).await.unwrap(), Teardown::Stopped);
+        assert!(other_node.find(&theirs.name).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_container_without_billet_labels_is_never_listed_found_or_removed() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let lease = LeaseId::parse("l", &unique("t")).unwrap();
+        let name = InstanceName::for_lease(&lease);
+        let _leftovers = Leftovers(vec![name.to_string()]);
+        let docker = provider.client("test").await.unwrap();
+        docker
+            .create_container(
+                Some(CreateContainerOptions {
+                    name: Some(name.to_string()),
+                    ..Default::default()
+                }),
+                ContainerCreateBody {
+                    image: Some(TEST_IMAGE.to_owned()),
+                    cmd: Some(vec!["/bin/sleep".to_owned(), "300".to_owned()]),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+
+        assert!(provider.list().await.unwrap().is_empty());
+        assert_eq!(provider.find(&name).await.unwrap(), None);
+        assert_eq!(provider.destroy(&name).await.unwrap(), Teardown::Stopped);
+        docker
+            .inspect_container(name.as_str(), None)
+            .await
+            .expect("the unlabelled container is still there");
+    }
+
+    #[tokio::test]
+    async fn a_start_failure_is_an_error_and_leaves_a_stopped_container_for_destroy() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let jit = unique("jit-secret");
+        let mut spec = spec(&unique("t"), &jit);
+        spec.command = vec!["/no/such/binary".to_owned()];
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+
+        let err = provider.create(spec.clone()).await.unwrap_err().to_string();
+        assert!(err.contains(&format!("start {}", spec.name)), "{err}");
+        assert!(!err.contains(&jit), "{err}");
+        let left = provider
+            .find(&spec.name)
+            .await
+            .unwrap()
+            .expect("created before start failed");
+        assert!(!left.running, "{left:?}");
+        assert_eq!(
+            provider.destroy(&spec.name).await.unwrap(),
+            Teardown::Stopped
+        );
+        assert_eq!(provider.find(&spec.name).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_name_in_use_or_a_missing_image_is_an_error_without_the_jit_config() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let jit = unique("jit-secret");
+        let spec = spec(&unique("t"), &jit);
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+        provider.create(spec.clone()).await.unwrap();
+        let err = provider.create(spec.clone()).await.unwrap_err().to_string();
+        assert!(err.contains("409"), "{err}");
+        assert!(!err.contains(&jit), "{err}");
+
+        let mut missing = spec_with_image(&unique("t"), &jit, "billet-test-no-such-image:none");
+        missing.env.clear();
+        let err = provider.create(missing).await.unwrap_err().to_string();
+        assert!(err.contains("404"), "{err}");
+        assert!(!err.contains(&jit), "{err}");
+    }
+
+    fn spec_with_image(lease: &str, jit: &str, image: &str) -> InstanceSpec {
+        let mut spec = spec(lease, jit);
+        spec.image = image.to_owned();
+        spec
+    }
+
+    #[tokio::test]
+    async fn an_exited_container_is_listed_as_not_running() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let mut spec = spec(&unique("t"), &unique("jit"));
+        spec.command = vec!["/bin/sleep".to_owned(), "0".to_owned()];
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+        provider.create(spec.clone()).await.unwrap();
+
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let instance = provider
+                .find(&spec.name)
+                .await
+                .unwrap()
+                .expect("still there");
+            if !instance.running {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "`sleep 0` still reads as running after 30s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

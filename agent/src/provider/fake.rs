@@ -1,0 +1,623 @@
+//! A recording fake provider, for unit tests and the deterministic
+//! simulation.
+//!
+//! [`FakeProvider`] keeps its instances in memory and records every call
+//! (at entry, before any injected failure or block). Tests script it: fail
+//! the next N calls of an [`Operation`], make a create fail after the
+//! instance exists (the error that does not prove nothing started), make
+//! destroy answer [`Teardown::Requested`], hold calls of an operation until
+//! released, or change the inventory behind the runner's back.
+//!
+//! It enforces what a real provider would: the name must be
+//! `billet-<lease>`, the command non-empty, and a name already in use is a
+//! conflict. It is deterministic: ids are `fake-1`, `fake-2`, … in creation
+//! order and listings are sorted by name.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
+use crate::model::{InstanceName, JitConfig, NodeName};
+
+/// A provider operation, for injecting failures and holding calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Operation {
+    /// [`Provider::create`].
+    Create,
+    /// [`Provider::destroy`].
+    Destroy,
+    /// [`Provider::list`].
+    List,
+    /// [`Provider::find`].
+    Find,
+}
+
+/// One recorded call, in the order calls arrived.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    /// `create` of this instance (the full spec is in
+    /// [`FakeProvider::specs`]).
+    Create(InstanceName),
+    /// `destroy` of this instance.
+    Destroy(InstanceName),
+    /// `list`.
+    List,
+    /// `find` of this instance.
+    Find(InstanceName),
+}
+
+impl Call {
+    /// The operation called.
+    pub fn operation(&self) -> Operation {
+        match self {
+            Call::Create(_) => Operation::Create,
+            Call::Destroy(_) => Operation::Destroy,
+            Call::List => Operation::List,
+            Call::Find(_) => Operation::Find,
+        }
+    }
+}
+
+/// What `destroy` does and answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DestroyMode {
+    /// Removes the instance and answers [`Teardown::Stopped`], like Docker.
+    #[default]
+    Stop,
+    /// Removes the instance but answers [`Teardown::Requested`], like a
+    /// remote backend whose removal completed by the next read. A missing
+    /// instance also answers `Requested` (an eventually consistent
+    /// not-found proves nothing).
+    RequestAndRemove,
+    /// Answers [`Teardown::Requested`] and leaves the instance running, like
+    /// a remote backend that has not got round to it; remove it later with
+    /// [`FakeProvider::remove_behind_back`]. A missing instance also answers
+    /// `Requested`.
+    RequestAndKeep,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    instances: BTreeMap<String, Instance>,
+    calls: Vec<Call>,
+    specs: Vec<InstanceSpec>,
+    jit_configs: Vec<JitConfig>,
+    fail_next: BTreeMap<Operation, u32>,
+    create_fails_after_starting: u32,
+    destroy_mode: DestroyMode,
+    next_id: u64,
+}
+
+/// An in-memory [`Provider`] that records calls and can be told to fail.
+///
+/// `Debug` shows JIT configs redacted.
+#[derive(Debug)]
+pub struct FakeProvider {
+    kind: &'static str,
+    owner: Owner,
+    state: Mutex<State>,
+    /// Operations whose calls wait until released.
+    blocked: watch::Sender<BTreeSet<Operation>>,
+}
+
+impl Default for FakeProvider {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FakeProvider {
+    /// A fake of kind `docker` owned by deployment `fake-deployment`, node
+    /// `fake-node`, with no instances.
+    pub fn new() -> Self {
+        let node = NodeName::parse("node", "fake-node").expect("a valid node name");
+        Self {
+            kind: "docker",
+            owner: Owner {
+                deployment: "fake-deployment".to_owned(),
+                node,
+            },
+            state: Mutex::new(State::default()),
+            blocked: watch::Sender::new(BTreeSet::new()),
+        }
+    }
+
+    /// The same fake reporting `kind` from [`Provider::kind`].
+    pub fn with_kind(mut self, kind: &'static str) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// The same fake labelling its instances with `owner`.
+    pub fn with_owner(mut self, owner: Owner) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// The owner its instances are labelled with.
+    pub fn owner(&self) -> &Owner {
+        &self.owner
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A test that panicked while holding the lock must not hide the
+        // state from the assertions that follow.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Makes the next `times` calls of `operation` fail with
+    /// [`ProviderError::Engine`] before doing anything (a failed create
+    /// creates nothing). Adds to any failures already scheduled.
+    pub fn fail_next(&self, operation: Operation, times: u32) {
+        *self.state().fail_next.entry(operation).or_default() += times;
+    }
+
+    /// Makes the next `times` creates create and start the instance, then
+    /// fail anyway (the error that does not prove nothing started).
+    /// Failures scheduled with [`FakeProvider::fail_next`] take precedence.
+    pub fn fail_create_after_starting(&self, times: u32) {
+        self.state().create_fails_after_starting += times;
+    }
+
+    /// Sets what `destroy` does from now on.
+    pub fn set_destroy_mode(&self, mode: DestroyMode) {
+        self.state().destroy_mode = mode;
+    }
+
+    /// Holds every call of `operation`, present and future, after it is
+    /// recorded and before it does anything, until
+    /// [`FakeProvider::unblock`].
+    pub fn block(&self, operation: Operation) {
+        self.blocked.send_modify(|set| {
+            set.insert(operation);
+        });
+    }
+
+    /// Releases calls of `operation` held by [`FakeProvider::block`].
+    pub fn unblock(&self, operation: Operation) {
+        self.blocked.send_modify(|set| {
+            set.remove(&operation);
+        });
+    }
+
+    /// Removes an instance without any call, as a crash, an operator or the
+    /// instance's own exit-and-remove would. Returns whether it existed.
+    pub fn remove_behind_back(&self, name: &str) -> bool {
+        self.state().instances.remove(name).is_some()
+    }
+
+    /// Adds (or replaces) an instance without any call, as a leftover from
+    /// an earlier run would appear. Nothing about it is checked, so foreign
+    /// names and labels are possible.
+    pub fn insert_behind_back(&self, instance: Instance) {
+        self.state()
+            .instances
+            .insert(instance.name.clone(), instance);
+    }
+
+    /// Changes an instance's `running` and `terminal` flags, as its exit
+    /// would. Returns whether it existed.
+    pub fn set_state(&self, name: &str, running: bool, terminal: bool) -> bool {
+        match self.state().instances.get_mut(name) {
+            Some(instance) => {
+                instance.running = running;
+                instance.terminal = terminal;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every instance, sorted by name.
+    pub fn instances(&self) -> Vec<Instance> {
+        self.state().instances.values().cloned().collect()
+    }
+
+    /// The instance named `name`, if it exists.
+    pub fn instance(&self, name: &str) -> Option<Instance> {
+        self.state().instances.get(name).cloned()
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<Call> {
+        self.state().calls.clone()
+    }
+
+    /// Every call so far, in order, forgetting them.
+    pub fn take_calls(&self) -> Vec<Call> {
+        std::mem::take(&mut self.state().calls)
+    }
+
+    /// How many calls of `operation` arrived so far.
+    pub fn count(&self, operation: Operation) -> usize {
+        self.state()
+            .calls
+            .iter()
+            .filter(|call| call.operation() == operation)
+            .count()
+    }
+
+    /// Every spec passed to `create`, in call order, whether or not the
+    /// create succeeded.
+    pub fn specs(&self) -> Vec<InstanceSpec> {
+        self.state().specs.clone()
+    }
+
+    /// Every JIT config passed to `create`, in call order, whether or not the
+    /// create succeeded; a config appearing twice was used twice.
+    pub fn jit_configs_used(&self) -> Vec<JitConfig> {
+        self.state().jit_configs.clone()
+    }
+
+    /// Records the call, waits while its operation is blocked, then takes
+    /// an injected failure if one is scheduled.
+    async fn enter(&self, call: Call) -> Result<(), ProviderError> {
+        let operation = call.operation();
+        let description = match &call {
+            Call::Create(name) => format!("create {name}"),
+            Call::Destroy(name) => format!("destroy {name}"),
+            Call::List => "list".to_owned(),
+            Call::Find(name) => format!("find {name}"),
+        };
+        self.state().calls.push(call);
+        let mut blocked = self.blocked.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = blocked.wait_for(|set| !set.contains(&operation)).await;
+        let mut state = self.state();
+        if let Some(left) = state.fail_next.get_mut(&operation)
+            && *left > 0
+        {
+            *left -= 1;
+            return Err(ProviderError::Engine {
+                operation: description,
+                message: "injected failure".to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    fn labels_for(&self, spec: &InstanceSpec) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (labels::DEPLOYMENT.to_owned(), self.owner.deployment.clone()),
+            (labels::NODE.to_owned(), self.owner.node.to_string()),
+            (labels::LEASE.to_owned(), spec.lease.to_string()),
+            (labels::EPOCH.to_owned(), spec.epoch.to_string()),
+            (labels::REQUEST.to_owned(), spec.request_id.to_string()),
+        ])
+    }
+}
+
+#[async_trait]
+impl Provider for FakeProvider {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    fn runs_on_host(&self) -> bool {
+        true
+    }
+
+    /// Records the spec and its JIT config, then creates a running
+    /// instance `fake-<n>`.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Refused`] for a name that is not `billet-<lease>` or
+    /// an empty command; [`ProviderError::Engine`] for an injected failure
+    /// or a name already in use.
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        {
+            let mut state = self.state();
+            state.jit_configs.push(spec.jit_config.clone());
+            state.specs.push(spec.clone());
+        }
+        self.enter(Call::Create(spec.name.clone())).await?;
+        let operation = format!("create {}", spec.name);
+        if spec.name != InstanceName::for_lease(&spec.lease) {
+            return Err(ProviderError::Refused(format!(
+                "instance name {} is not the name of lease {}",
+                spec.name, spec.lease
+            )));
+        }
+        if spec.command.is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{}: the runner command is empty",
+                spec.name
+            )));
+        }
+        let labels = self.labels_for(&spec);
+        let mut state = self.state();
+        if state.instances.contains_key(spec.name.as_str()) {
+            return Err(ProviderError::Engine {
+                operation,
+                message: format!("the name {} is already in use", spec.name),
+            });
+        }
+        state.next_id += 1;
+        let instance = Instance {
+            id: format!("fake-{}", state.next_id),
+            name: spec.name.as_str().to_owned(),
+            running: true,
+            terminal: false,
+            labels,
+        };
+        state
+            .instances
+            .insert(instance.name.clone(), instance.clone());
+        if state.create_fails_after_starting > 0 {
+            state.create_fails_after_starting -= 1;
+            return Err(ProviderError::Engine {
+                operation,
+                message: "injected failure after the instance started".to_owned(),
+            });
+        }
+        Ok(instance)
+    }
+
+    /// Removes the instance as the [`DestroyMode`] says.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] for an injected failure (the instance is
+    /// untouched).
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        self.enter(Call::Destroy(name.clone())).await?;
+        let mut state = self.state();
+        match state.destroy_mode {
+            DestroyMode::Stop => {
+                state.instances.remove(name.as_str());
+                Ok(Teardown::Stopped)
+            }
+            DestroyMode::RequestAndRemove => {
+                state.instances.remove(name.as_str());
+                Ok(Teardown::Requested)
+            }
+            DestroyMode::RequestAndKeep => Ok(Teardown::Requested),
+        }
+    }
+
+    /// Every instance, sorted by name.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] for an injected failure.
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.enter(Call::List).await?;
+        Ok(self.instances())
+    }
+
+    /// The instance named exactly `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] for an injected failure.
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        self.enter(Call::Find(name.clone())).await?;
+        Ok(self.instance(name.as_str()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use futures::FutureExt as _;
+
+    use super::*;
+    use crate::model::{ByteSize, Epoch, LeaseId, RequestId};
+
+    fn spec(lease: &str, jit: &str) -> InstanceSpec {
+        let lease = LeaseId::parse("lease", lease).unwrap();
+        InstanceSpec {
+            name: InstanceName::for_lease(&lease),
+            lease,
+            epoch: Epoch(3),
+            request_id: RequestId(42),
+            image: "runner:latest".into(),
+            command: vec!["/run.sh".into()],
+            vcpu: 2,
+            memory: ByteSize(1 << 30),
+            shm: ByteSize(0),
+            network: None,
+            env: vec![],
+            jit_config: JitConfig::new(jit.into()),
+        }
+    }
+
+    fn name(lease: &str) -> InstanceName {
+        InstanceName::for_lease(&LeaseId::parse("lease", lease).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_created_instance_is_listed_found_and_labelled_with_its_lease() {
+        let fake = FakeProvider::new();
+        let created = fake.create(spec("a", "jit-a")).await.unwrap();
+        assert_eq!(created.id, "fake-1");
+        assert_eq!(created.name, "billet-a");
+        assert!(created.running && !created.terminal);
+        assert_eq!(created.lease(), Some(LeaseId::parse("l", "a").unwrap()));
+        assert_eq!(created.labels[labels::EPOCH], "3");
+        assert_eq!(created.labels[labels::REQUEST], "42");
+        assert_eq!(created.labels[labels::DEPLOYMENT], "fake-deployment");
+        assert_eq!(created.labels[labels::NODE], "fake-node");
+
+        assert_eq!(fake.list().await.unwrap(), vec![created.clone()]);
+        assert_eq!(fake.find(&name("a")).await.unwrap(), Some(created));
+        assert_eq!(fake.find(&name("b")).await.unwrap(), None);
+        assert_eq!(
+            fake.calls(),
+            vec![
+                Call::Create(name("a")),
+                Call::List,
+                Call::Find(name("a")),
+                Call::Find(name("b")),
+            ]
+        );
+        assert_eq!(fake.count(Operation::Find), 2);
+    }
+
+    #[tokio::test]
+    async fn an_injected_create_failure_creates_nothing_and_wears_off() {
+        let fake = FakeProvider::new();
+        fake.fail_next(Operation::Create, 2);
+        assert!(fake.create(spec("a", "j1")).await.is_err());
+        assert!(fake.create(spec("a", "j2")).await.is_err());
+        assert!(fake.instances().is_empty());
+        fake.create(spec("a", "j3")).await.unwrap();
+        assert_eq!(fake.instances().len(), 1);
+        assert_eq!(fake.count(Operation::Create), 3);
+    }
+
+    #[tokio::test]
+    async fn a_create_that_fails_after_starting_leaves_a_running_instance() {
+        let fake = FakeProvider::new();
+        fake.fail_create_after_starting(1);
+        let err = fake.create(spec("a", "j")).await.unwrap_err();
+        assert!(matches!(err, ProviderError::Engine { .. }), "{err}");
+        let left = fake.instance("billet-a").expect("the instance exists");
+        assert!(left.running);
+        // The failure wore off; the name is now taken, as in Docker.
+        let err = fake.create(spec("a", "j2")).await.unwrap_err();
+        assert!(err.to_string().contains("already in use"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn destroy_is_idempotent_and_answers_as_its_mode_says() {
+        let fake = FakeProvider::new();
+        fake.create(spec("a", "j")).await.unwrap();
+        assert_eq!(fake.destroy(&name("a")).await.unwrap(), Teardown::Stopped);
+        assert_eq!(fake.destroy(&name("a")).await.unwrap(), Teardown::Stopped);
+        assert!(fake.instances().is_empty());
+
+        fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+        fake.create(spec("b", "j2")).await.unwrap();
+        assert_eq!(fake.destroy(&name("b")).await.unwrap(), Teardown::Requested);
+        assert!(fake.instance("billet-b").is_some());
+        assert!(fake.remove_behind_back("billet-b"));
+        assert_eq!(fake.destroy(&name("b")).await.unwrap(), Teardown::Requested);
+
+        fake.set_destroy_mode(DestroyMode::RequestAndRemove);
+        fake.create(spec("c", "j3")).await.unwrap();
+        assert_eq!(fake.destroy(&name("c")).await.unwrap(), Teardown::Requested);
+        assert!(fake.instance("billet-c").is_none());
+    }
+
+    #[tokio::test]
+    async fn an_injected_destroy_failure_leaves_the_instance() {
+        let fake = FakeProvider::new();
+        fake.create(spec("a", "j")).await.unwrap();
+        fake.fail_next(Operation::Destroy, 1);
+        assert!(fake.destroy(&name("a")).await.is_err());
+        assert!(fake.instance("billet-a").is_some());
+        assert_eq!(fake.destroy(&name("a")).await.unwrap(), Teardown::Stopped);
+    }
+
+    #[tokio::test]
+    async fn injected_read_failures_are_errors_not_empty_inventories() {
+        let fake = FakeProvider::new();
+        fake.create(spec("a", "j")).await.unwrap();
+        fake.fail_next(Operation::List, 1);
+        fake.fail_next(Operation::Find, 1);
+        assert!(fake.list().await.is_err());
+        assert!(fake.find(&name("a")).await.is_err());
+        assert_eq!(fake.list().await.unwrap().len(), 1);
+        assert!(fake.find(&name("a")).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn create_refuses_a_name_that_is_not_the_leases_and_an_empty_command() {
+        let fake = FakeProvider::new();
+        let mut wrong_name = spec("a", "j1");
+        wrong_name.name = name("b");
+        assert!(matches!(
+            fake.create(wrong_name).await,
+            Err(ProviderError::Refused(_))
+        ));
+        let mut no_command = spec("a", "j2");
+        no_command.command.clear();
+        assert!(matches!(
+            fake.create(no_command).await,
+            Err(ProviderError::Refused(_))
+        ));
+        assert!(fake.instances().is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_inventory_can_change_behind_the_runners_back() {
+        let fake = FakeProvider::new();
+        fake.create(spec("a", "j")).await.unwrap();
+        assert!(fake.set_state("billet-a", false, true));
+        let a = fake.find(&name("a")).await.unwrap().unwrap();
+        assert!(!a.running && a.terminal);
+        assert!(!fake.set_state("billet-missing", false, false));
+
+        fake.insert_behind_back(Instance {
+            id: "other".into(),
+            name: "postgres".into(),
+            running: true,
+            terminal: false,
+            labels: BTreeMap::new(),
+        });
+        let names: Vec<_> = fake
+            .list()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+        assert_eq!(names, ["billet-a", "postgres"]);
+        assert!(fake.remove_behind_back("billet-a"));
+        assert!(!fake.remove_behind_back("billet-a"));
+        assert_eq!(fake.find(&name("a")).await.unwrap(), None);
+        // None of this was a call.
+        assert_eq!(fake.count(Operation::Destroy), 0);
+    }
+
+    #[tokio::test]
+    async fn every_jit_config_handed_to_create_is_kept_but_never_printed() {
+        let fake = FakeProvider::new();
+        fake.fail_next(Operation::Create, 1);
+        let _ = fake.create(spec("a", "secret-one")).await;
+        fake.create(spec("a", "secret-two")).await.unwrap();
+        let used = fake.jit_configs_used();
+        assert_eq!(
+            used.iter().map(JitConfig::expose).collect::<Vec<_>>(),
+            ["secret-one", "secret-two"]
+        );
+        assert_eq!(fake.specs().len(), 2);
+        let debug = format!("{fake:?} {used:?} {:?}", fake.specs());
+        assert!(!debug.contains("secret-"), "{debug}");
+    }
+
+    #[tokio::test]
+    async fn a_blocked_operation_is_recorded_and_held_until_released() {
+        let fake = FakeProvider::new();
+        fake.block(Operation::List);
+        let mut list = Box::pin(fake.list());
+        assert!(
+            (&mut list).now_or_never().is_none(),
+            "list ran while blocked"
+        );
+        assert_eq!(fake.calls(), vec![Call::List]);
+        // Other operations are not held.
+        assert_eq!(fake.find(&name("a")).await.unwrap(), None);
+        fake.unblock(Operation::List);
+        let listed = tokio::time::timeout(Duration::from_secs(5), list)
+            .await
+            .expect("list released within 5s");
+        assert_eq!(listed.unwrap(), vec![]);
+    }
+
+    #[tokio::test]
+    async fn kind_is_configurable_and_defaults_to_docker() {
+        assert_eq!(FakeProvider::new().kind(), "docker");
+        let fake = FakeProvider::new().with_kind("firecracker");
+        assert_eq!(fake.kind(), "firecracker");
+        assert!(fake.runs_on_host());
+    }
+}

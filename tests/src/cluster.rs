@@ -1,0 +1,490 @@
+//! A whole billet on this machine, for end-to-end tests and the demo: the
+//! scale-set emulator as GitHub, the stub plane in process, and real
+//! `billet node` processes over real mTLS, running the stand-in runner in
+//! real Docker containers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use billet_controlplane_stub::ledger::Charge;
+use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls};
+use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
+use bollard::Docker;
+use scaleset::testing::{Emulator, JobState};
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::image::{binary_path, build_standin_image};
+
+/// The stand-in runner image every cluster uses.
+pub const STANDIN_IMAGE: &str = "billet-standin-runner:dev";
+/// The tier (and scale-set) label.
+pub const TIER: &str = "billet-linux";
+
+/// How to start a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    /// Node names; one `billet node` each.
+    pub nodes: Vec<String>,
+    /// How long each stand-in runner works, in milliseconds.
+    pub work_ms: u64,
+    /// The node's log filter (`BILLET_LOG`).
+    pub node_log: String,
+    /// Lease TTL.
+    pub lease_ttl: Duration,
+    /// Launch timeout at the plane.
+    pub launch_timeout: Duration,
+    /// Extra environment for node processes.
+    pub node_env: Vec<(String, String)>,
+    /// The Docker socket the nodes use.
+    pub docker_socket: PathBuf,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        Self {
+            nodes: vec!["node-1".into()],
+            work_ms: 1500,
+            node_log: "info".into(),
+            lease_ttl: Duration::from_secs(15),
+            launch_timeout: Duration::from_secs(120),
+            node_env: Vec::new(),
+            docker_socket: PathBuf::from("/var/run/docker.sock"),
+        }
+    }
+}
+
+/// One `billet node` process.
+#[derive(Debug)]
+pub struct NodeProcess {
+    /// The node's name (in its certificate).
+    pub name: String,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its stderr, captured.
+    pub log: PathBuf,
+    /// The argv it was started with, to restart it.
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl NodeProcess {
+    async fn spawn(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("open {}", self.log.display()))?;
+        let mut cmd = Command::new(binary_path("billet")?);
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().context("start billet node")?);
+        Ok(())
+    }
+
+    /// Sends SIGKILL and waits for the process to go.
+    pub async fn kill(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await?;
+        }
+        Ok(())
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) -> Result<()> {
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .context("node is not running")?;
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM {pid} failed");
+        }
+        Ok(())
+    }
+
+    /// Waits for the process to exit, up to `timeout`.
+    pub async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let child = self.child.as_mut().context("node is not running")?;
+        let status = tokio::time::timeout(timeout, child.wait())
+            .await
+            .context("node did not exit in time")??;
+        self.child = None;
+        Ok(status)
+    }
+
+    /// Starts the process again with the same arguments.
+    pub async fn restart(&mut self) -> Result<()> {
+        self.kill().await?;
+        self.spawn().await
+    }
+
+    /// Everything it has logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// A running cluster. Dropping it stops the plane and kills the nodes;
+/// [`Cluster::shutdown`] does so cleanly.
+#[derive(Debug)]
+pub struct Cluster {
+    /// GitHub.
+    pub emulator: Emulator,
+    /// The plane.
+    pub plane: Arc<Plane>,
+    /// The nodes, by name.
+    pub nodes: HashMap<String, NodeProcess>,
+    /// The scratch directory (certificates, ledger, logs, state).
+    pub dir: PathBuf,
+    /// The Docker engine.
+    pub docker: Docker,
+    /// The deployment id.
+    pub deployment: String,
+    /// The development certificates.
+    pub certs: billet_certs_dev::DevCerts,
+    shutdown: CancellationToken,
+}
+
+/// A fresh scratch directory under the system temp dir.
+pub fn scratch_dir(prefix: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        uuid_like()
+    ));
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn uuid_like() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}")
+}
+
+/// A free port on 127.0.0.1 (bound and released; good enough for tests).
+pub fn free_port() -> Result<SocketAddr> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?)
+}
+
+/// Connects to Docker, failing loudly with what to check.
+///
+/// # Errors
+///
+/// When the engine does not answer a ping.
+pub async fn docker() -> Result<Docker> {
+    let docker = Docker::connect_with_unix_defaults()
+        .context("connect to the Docker engine at /var/run/docker.sock")?;
+    docker.ping().await.context(
+        "the Docker engine at /var/run/docker.sock does not answer; these tests need a running Docker daemon",
+    )?;
+    Ok(docker)
+}
+
+impl Cluster {
+    /// Builds the stand-in image, makes certificates, starts the emulator,
+    /// the nodes and the plane, and waits until every node is attached.
+    ///
+    /// # Errors
+    ///
+    /// When any part cannot start; the message says which.
+    pub async fn start(options: ClusterOptions) -> Result<Cluster> {
+        let docker = docker().await?;
+        build_standin_image(&docker, &binary_path("billet-standin-runner")?, STANDIN_IMAGE)
+            .await
+            .context("build the stand-in runner image")?;
+        let dir = scratch_dir("billet-cluster")?;
+        let deployment = format!("dep{}", &uuid_like()[..8]);
+        let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
+        let certs = billet_certs_dev::generate(&dir.join("certs"), "plane", &names)?;
+
+        let emulator = Emulator::builder()
+            .long_poll(Duration::from_millis(300))
+            .start()
+            .await;
+
+        let mut nodes = HashMap::new();
+        let mut targets = Vec::new();
+        for name in &options.nodes {
+            let files = certs.node(name).context("node certificate")?;
+            let addr = free_port()?;
+            let state_dir = dir.join(format!("state-{name}"));
+            let args = vec![
+                "node".to_owned(),
+                "--listen".into(),
+                addr.to_string(),
+                "--cert".into(),
+                files.cert.display().to_string(),
+                "--key".into(),
+                files.key.display().to_string(),
+                "--ca".into(),
+                certs.ca.cert.display().to_string(),
+                "--plane-name".into(),
+                "plane".into(),
+                "--deployment".into(),
+                deployment.clone(),
+                "--state-dir".into(),
+                state_dir.display().to_string(),
+                "--docker-socket".into(),
+                options.docker_socket.display().to_string(),
+                "--vcpu".into(),
+                "8".into(),
+                "--memory-bytes".into(),
+                (8u64 << 30).to_string(),
+            ];
+            let mut env = vec![("BILLET_LOG".to_owned(), options.node_log.clone())];
+            env.extend(options.node_env.iter().cloned());
+            let mut process = NodeProcess {
+                name: name.clone(),
+                addr,
+                log: dir.join(format!("{name}.log")),
+                args,
+                env,
+                child: None,
+            };
+            process.spawn().await?;
+            targets.push(NodeTarget {
+                name: name.clone(),
+                addr,
+            });
+            nodes.insert(name.clone(), process);
+        }
+
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("read {}", p.display()));
+        let tls = PlaneTls {
+            ca_pem: read(&certs.ca.cert)?,
+            cert_pem: read(&certs.plane.cert)?,
+            key_pem: read(&certs.plane.key)?,
+        };
+        let shutdown = CancellationToken::new();
+        let config = PlaneConfig {
+            deployment: deployment.clone(),
+            lease_ttl: options.lease_ttl,
+            ledger_path: dir.join("ledger.db"),
+            tls,
+            nodes: targets,
+            tier: Tier {
+                label: TIER.into(),
+                image: STANDIN_IMAGE.into(),
+                command: vec!["/billet-standin-runner".into()],
+                trust: "trusted".into(),
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                network: "host".into(),
+                env: vec![
+                    format!("BILLET_STANDIN_WORK_MS={}", options.work_ms),
+                    "BILLET_STANDIN_IDLE_TIMEOUT_MS=120000".into(),
+                ],
+            },
+            launch_timeout: options.launch_timeout,
+            destroy_timeout: Duration::from_secs(60),
+            reap_interval: Duration::from_secs(1),
+            max_runners: 20,
+        };
+        let plane = Plane::start(config, emulator.client(), shutdown.clone())
+            .await
+            .context("start the plane")?;
+        let cluster = Cluster {
+            emulator,
+            plane,
+            nodes,
+            dir,
+            docker,
+            deployment,
+            certs,
+            shutdown,
+        };
+        for name in &options.nodes {
+            cluster.wait_attached(name, Duration::from_secs(30)).await?;
+        }
+        Ok(cluster)
+    }
+
+    /// Waits until the plane has a session with `node`.
+    ///
+    /// # Errors
+    ///
+    /// When it does not attach in time; the node's log is included.
+    pub async fn wait_attached(&self, node: &str, timeout: Duration) -> Result<()> {
+        let link = self.plane.node(node).context("no such node")?;
+        let mut status = link.status();
+        let attached = tokio::time::timeout(timeout, status.wait_for(Option::is_some)).await;
+        if !matches!(attached, Ok(Ok(_))) {
+            let log = self.nodes.get(node).map(NodeProcess::log_text).unwrap_or_default();
+            bail!("node {node} did not attach within {timeout:?}; its log:\n{log}");
+        }
+        Ok(())
+    }
+
+    /// Queues `n` jobs on the tier's scale set.
+    pub fn queue_jobs(&self, n: usize) -> Vec<scaleset::JobRequestId> {
+        (0..n)
+            .map(|_| self.emulator.queue_job(self.plane.scale_set(), [TIER]))
+            .collect()
+    }
+
+    /// Waits until every job in `jobs` is completed in the emulator.
+    ///
+    /// # Errors
+    ///
+    /// When `timeout` passes first, with the emulator's state.
+    pub async fn wait_jobs_completed(&self, jobs: &[scaleset::JobRequestId], timeout: Duration) -> Result<()> {
+        wait_until(timeout, "jobs to complete", || {
+            let state = self.emulator.state();
+            jobs.iter().all(|id| {
+                state
+                    .jobs
+                    .iter()
+                    .any(|j| j.id == *id && j.state == JobState::Completed)
+            })
+        })
+        .await
+    }
+
+    /// Every billet container of this cluster's deployment (any state).
+    ///
+    /// # Errors
+    ///
+    /// When Docker cannot be listed.
+    pub async fn containers(&self) -> Result<Vec<String>> {
+        let filters: HashMap<String, Vec<String>> = HashMap::from([(
+            "label".to_owned(),
+            vec![format!("sh.billet.deployment={}", self.deployment)],
+        )]);
+        let list = self
+            .docker
+            .list_containers(Some(bollard::query_parameters::ListContainersOptions {
+                all: true,
+                filters: Some(filters),
+                ..Default::default()
+            }))
+            .await?;
+        Ok(list
+            .into_iter()
+            .flat_map(|c| c.names.unwrap_or_default())
+            .map(|n| n.trim_start_matches('/').to_owned())
+            .collect())
+    }
+
+    /// What the ledger still charges.
+    ///
+    /// # Errors
+    ///
+    /// When the ledger cannot be read.
+    pub async fn charged(&self) -> Result<Charge> {
+        Ok(self.plane.ledger().charged().await?)
+    }
+
+    /// Waits until no container of this deployment is left and the ledger
+    /// charges nothing.
+    ///
+    /// # Errors
+    ///
+    /// When `timeout` passes first.
+    pub async fn wait_clean(&self, timeout: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let containers = self.containers().await?;
+            let charge = self.charged().await?;
+            if containers.is_empty() && charge == Charge::default() {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "not clean after {timeout:?}: containers {containers:?}, ledger charges {charge:?}; leases {:?}",
+                    self.plane.ledger().leases().await?
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Stops the plane and the nodes and removes any container left.
+    pub async fn shutdown(mut self) -> Result<()> {
+        self.shutdown.cancel();
+        self.plane.stopped().await;
+        for node in self.nodes.values_mut() {
+            node.kill().await?;
+        }
+        self.remove_containers().await;
+        Ok(())
+    }
+
+    /// Force-removes every container of this deployment (cleanup after a
+    /// failed test).
+    pub async fn remove_containers(&self) {
+        if let Ok(names) = self.containers().await {
+            for name in names {
+                let _ = self
+                    .docker
+                    .remove_container(
+                        &name,
+                        Some(bollard::query_parameters::RemoveContainerOptions {
+                            force: true,
+                            v: true,
+                            ..Default::default()
+                        }),
+                    )
+                    .await;
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+        // Best effort: a test that failed midway leaves no container behind.
+        let names: Vec<String> = std::process::Command::new("docker")
+            .args([
+                "ps",
+                "-aq",
+                "--filter",
+                &format!("label=sh.billet.deployment={}", self.deployment),
+            ])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default();
+        if !names.is_empty() {
+            let _ = std::process::Command::new("docker")
+                .arg("rm")
+                .arg("-f")
+                .args(&names)
+                .output();
+        }
+    }
+}
+
+/// Polls `condition` every 100 ms until it holds or `timeout` passes.
+///
+/// # Errors
+///
+/// Naming `what` when the time runs out.
+pub async fn wait_until(timeout: Duration, what: &str, mut condition: impl FnMut() -> bool) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !condition() {
+        if tokio::time::Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}

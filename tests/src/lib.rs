@@ -1,0 +1,6 @@
+//! Shared harness for the end-to-end tests and the demo: build the stand-in
+//! runner image, make certificates, start the emulator, the plane and real
+//! node processes.
+
+pub mod cluster;
+pub mod image;

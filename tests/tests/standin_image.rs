@@ -1,0 +1,272 @@
+//! The stand-in runner's image, built from the real binary, plays a runner against the scaleset
+//! emulator in a real Docker container.
+//!
+//! Needs Docker and a built workspace (`cargo build --workspace`); it fails, not skips, without
+//! them. Containers run with `network_mode: host`, so the runner reaches the emulator on the
+//! host's 127.0.0.1.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use billet_tests::image::{STANDIN_BINARY, binary_path, build_standin_image, connect_docker};
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::query_parameters::{
+    CreateContainerOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptions,
+    RemoveContainerOptionsBuilder, StopContainerOptionsBuilder,
+};
+use futures::{FutureExt as _, StreamExt as _};
+use scaleset::testing::{Emulator, JobState};
+use scaleset::{
+    ExposeSecret as _, JitRunnerSetting, JobRequestId, MessageSession, RunnerScaleSetSpec,
+    ScaleSetId,
+};
+
+const TAG: &str = "billet-standin-runner:test";
+/// Bound on a container's whole run: start, poll, 300 ms of work, complete.
+const RUN_BOUND: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standin_image_runs_an_assigned_job_to_success_and_its_runner_is_gone()
+-> anyhow::Result<()> {
+    let runner = "billet-standin-image-run";
+    let docker = connect_docker().await?;
+    build_standin_image(&docker, &binary_path(STANDIN_BINARY)?, TAG).await?;
+    let gh = GitHub::start("standin-image-run").await?;
+    let job = gh.emu.queue_job(gh.set, Vec::<String>::new());
+    let acquired = gh.session.acquire_jobs(&[job]).await?;
+    ensure!(acquired == [job], "acquired {acquired:?}, expected [{job}]");
+
+    let name = container_name("run");
+    create_container(&docker, &name, gh.jit_env(runner).await?).await?;
+    let outcome = with_cleanup(
+        &docker,
+        &name,
+        run_to_success(&docker, &name, &gh, runner, job),
+    )
+    .await;
+    gh.close().await;
+    outcome
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standin_runner_waiting_for_a_job_exits_143_as_soon_as_it_is_stopped()
+-> anyhow::Result<()> {
+    let runner = "billet-standin-image-stop";
+    let docker = connect_docker().await?;
+    build_standin_image(&docker, &binary_path(STANDIN_BINARY)?, TAG).await?;
+    let gh = GitHub::start("standin-image-stop").await?;
+
+    let name = container_name("stop");
+    create_container(&docker, &name, gh.jit_env(runner).await?).await?;
+    let outcome = with_cleanup(&docker, &name, async {
+        docker.start_container(&name, None).await?;
+        // It says so once its signal handlers are installed.
+        let deadline = Instant::now() + RUN_BOUND;
+        while !logs(&docker, &name).await.contains("waiting for a job") {
+            ensure!(
+                Instant::now() < deadline,
+                "the runner did not start waiting within {RUN_BOUND:?}; logs:\n{}",
+                logs(&docker, &name).await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        let stopping = Instant::now();
+        // A runner ignoring SIGTERM would be killed after 10 s, exiting 137.
+        let stop = StopContainerOptionsBuilder::default().t(10).build();
+        docker.stop_container(&name, Some(stop)).await?;
+        let took = stopping.elapsed();
+        let inspected = docker.inspect_container(&name, None).await?;
+        let exit = inspected.state.and_then(|s| s.exit_code);
+        ensure!(
+            exit == Some(143),
+            "exit code {exit:?} after SIGTERM; logs:\n{}",
+            logs(&docker, &name).await
+        );
+        ensure!(took < Duration::from_secs(5), "stopping took {took:?}");
+        Ok(())
+    })
+    .await;
+    gh.close().await;
+    outcome
+}
+
+/// The emulator with one scale set and its message session open, as the plane would have it.
+struct GitHub {
+    emu: Emulator,
+    client: scaleset::Client,
+    set: ScaleSetId,
+    session: MessageSession,
+}
+
+impl GitHub {
+    async fn start(scale_set: &str) -> anyhow::Result<Self> {
+        let emu = Emulator::builder()
+            .long_poll(Duration::from_millis(200))
+            .bind("127.0.0.1:0".parse()?)
+            .start()
+            .await;
+        let client = emu.client();
+        let set = client
+            .create_runner_scale_set(&RunnerScaleSetSpec::new(scale_set))
+            .await?
+            .id;
+        let session = client
+            .create_message_session(set, "standin-image-test")
+            .await?;
+        Ok(Self {
+            emu,
+            client,
+            set,
+            session,
+        })
+    }
+
+    /// Registers `runner` and returns the container environment carrying its JIT config.
+    async fn jit_env(&self, runner: &str) -> anyhow::Result<Vec<String>> {
+        let jit = self
+            .client
+            .generate_jit_config(self.set, &JitRunnerSetting::new(runner))
+            .await?;
+        Ok(vec![
+            format!(
+                "ACTIONS_RUNNER_INPUT_JITCONFIG={}",
+                jit.encoded_jit_config.expose_secret()
+            ),
+            "BILLET_STANDIN_WORK_MS=300".to_owned(),
+            "BILLET_STANDIN_IDLE_TIMEOUT_MS=60000".to_owned(),
+        ])
+    }
+
+    async fn close(self) {
+        let _ = self.session.close().await;
+    }
+}
+
+/// Starts the container, waits for it to exit 0 and checks the emulator saw the job through.
+async fn run_to_success(
+    docker: &Docker,
+    name: &str,
+    gh: &GitHub,
+    runner: &str,
+    job: JobRequestId,
+) -> anyhow::Result<()> {
+    docker
+        .start_container(name, None)
+        .await
+        .context("cannot start the stand-in runner's container")?;
+
+    let waited = tokio::time::timeout(RUN_BOUND, docker.wait_container(name, None).next()).await;
+    let exit = match waited {
+        Err(_) => Err(format!("did not exit within {RUN_BOUND:?}")),
+        Ok(None) => Err("the wait stream ended without a status".to_owned()),
+        Ok(Some(Ok(status))) => Ok(status.status_code),
+        Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => Ok(code),
+        Ok(Some(Err(e))) => Err(format!("waiting failed: {e}")),
+    };
+    let logs = logs(docker, name).await;
+    match exit {
+        Ok(0) => {}
+        Ok(code) => bail!(
+            "the stand-in runner exited {code}; logs:\n{logs}\nemulator: {:#?}",
+            gh.emu.state()
+        ),
+        Err(e) => bail!(
+            "the stand-in runner's container {e}; logs:\n{logs}\nemulator: {:#?}",
+            gh.emu.state()
+        ),
+    }
+    ensure!(
+        logs.contains(&format!(
+            "runner {runner} ran job {job} with result succeeded"
+        )),
+        "the summary line is missing; logs:\n{logs}"
+    );
+
+    // The runner exits only after the emulator accepted the completion, so this holds already.
+    let state = gh.emu.state();
+    let done = state.jobs.iter().find(|j| j.id == job);
+    ensure!(
+        done.is_some_and(
+            |j| j.state == JobState::Completed && j.result.as_deref() == Some("succeeded")
+        ),
+        "job {job} is not completed with result succeeded: {state:#?}"
+    );
+    ensure!(
+        !state.runners.iter().any(|r| r.name == runner),
+        "the ephemeral runner is still registered: {state:#?}"
+    );
+    Ok(())
+}
+
+fn container_name(what: &str) -> String {
+    format!("billet-standin-image-test-{what}-{}", std::process::id())
+}
+
+fn force() -> RemoveContainerOptions {
+    RemoveContainerOptionsBuilder::default().force(true).build()
+}
+
+async fn create_container(docker: &Docker, name: &str, env: Vec<String>) -> anyhow::Result<()> {
+    // A container left by an earlier, killed run of this test would make the name conflict.
+    let _ = docker.remove_container(name, Some(force())).await;
+    docker
+        .create_container(
+            Some(CreateContainerOptionsBuilder::default().name(name).build()),
+            ContainerCreateBody {
+                image: Some(TAG.to_owned()),
+                env: Some(env),
+                labels: Some(HashMap::from([(
+                    "billet.test".to_owned(),
+                    "standin_image".to_owned(),
+                )])),
+                host_config: Some(HostConfig {
+                    network_mode: Some("host".to_owned()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .context("cannot create the stand-in runner's container")?;
+    Ok(())
+}
+
+/// Runs `body`, then removes the container `name` whether `body` succeeded, failed or panicked.
+async fn with_cleanup(
+    docker: &Docker,
+    name: &str,
+    body: impl Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    let outcome = AssertUnwindSafe(body).catch_unwind().await;
+    let removed = docker.remove_container(name, Some(force())).await;
+    match outcome {
+        Ok(result) => result?,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+    removed.with_context(|| format!("cannot remove the container {name}"))
+}
+
+/// The container's stdout and stderr, for failure messages.
+async fn logs(docker: &Docker, name: &str) -> String {
+    let options = LogsOptionsBuilder::default()
+        .stdout(true)
+        .stderr(true)
+        .build();
+    let mut stream = docker.logs(name, Some(options));
+    let mut text = String::new();
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(output) => text.push_str(&output.to_string()),
+            Err(e) => {
+                text.push_str(&format!("<cannot read the logs: {e}>"));
+                break;
+            }
+        }
+    }
+    text
+}
