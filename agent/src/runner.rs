@@ -529,11 +529,10 @@ impl Runner {
             match self.ledger.heartbeat(&held).await {
                 Ok(results) => {
                     for ((lease, _), r) in held.iter().zip(results) {
-                        if let Err(e) = r {
-                            if !e.is_gone() && !matches!(e, PlaneError::ForceRelease(_)) {
+                        if let Err(e) = r
+                            && !e.is_gone() && !matches!(e, PlaneError::ForceRelease(_)) {
                                 warn!(%lease, error = %e, "renewal refused");
                             }
-                        }
                     }
                 }
                 Err(e) => warn!(error = %e, leases = held.len(), "renewal failed"),
@@ -601,8 +600,8 @@ impl Runner {
             },
             Err(e) => return Err(format!("renew: {e}")),
         }
-        if renewed {
-            if let Some(phase) = entry.phase {
+        if renewed
+            && let Some(phase) = entry.phase {
                 match self.ledger.advance(lease, entry.epoch, phase).await {
                     Ok(()) | Err(PlaneError::BadTransition(_)) => {}
                     Err(e) => {
@@ -611,7 +610,6 @@ impl Runner {
                     }
                 }
             }
-        }
         if let Some((id, name)) = entry.registration.clone() {
             if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
                 self.update(lease, entry);

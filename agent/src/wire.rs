@@ -16,6 +16,8 @@ const MAX_MEMORY_BYTES: u64 = 16 << 40;
 const MAX_VCPU: u32 = 1024;
 
 /// What the node was asked to do, checked.
+// One command exists at a time per slot entry; boxing the launch buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeCommand {
     /// Start compute for a lease.
@@ -150,14 +152,13 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                     "must be a positive request id",
                 ));
             }
-            if let Some(r) = &job_result {
-                if r.is_empty() || r.len() > 64 {
+            if let Some(r) = &job_result
+                && (r.is_empty() || r.len() > 64) {
                     return Err(InvalidField::new(
                         "destroy.job_result",
                         "must be a GitHub result word such as \"succeeded\"",
                     ));
                 }
-            }
             NodeCommand::Destroy {
                 request_id: RequestId(request_id),
                 job_result,
@@ -187,14 +188,13 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             }
             crate::model::check_id("start_upgrade.version", &version)?;
             let manifest_sha256 = (!manifest_sha256.is_empty()).then_some(manifest_sha256);
-            if let Some(d) = &manifest_sha256 {
-                if d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit()) {
+            if let Some(d) = &manifest_sha256
+                && (d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit())) {
                     return Err(InvalidField::new(
                         "start_upgrade.manifest_sha256",
                         "must be 64 hex digits",
                     ));
                 }
-            }
             let rollout_id = (!rollout_id.is_empty()).then_some(rollout_id);
             if let Some(r) = &rollout_id {
                 crate::model::check_id("start_upgrade.rollout_id", r)?;

@@ -355,25 +355,10 @@ impl NodeLink {
     ) -> CommandOutcome {
         let is_launch = matches!(kind, pb::command::Kind::Launch(_));
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let mut status = self.status.subscribe();
-        let sent = tokio::time::timeout_at(deadline, async {
-            loop {
-                let session = self.shared.lock().expect("link").session.clone();
-                if let Some((session, tx)) = session {
-                    let (reply_tx, reply_rx) = oneshot::channel();
-                    self.shared.lock().expect("link").in_flight.insert(
-                        id.clone(),
-                        (session, InFlight { is_launch, reply: reply_tx }),
-                    );
-                    let command = pb::Command { id: id.clone(), deadline_unix_ms, kind: Some(kind.clone()) };
-                    if tx.send(pb::PlaneMessage { body: Some(pb::plane_message::Body::Command(command)) }).await.is_ok() {
-                        return reply_rx;
-                    }
-                    self.shared.lock().expect("link").in_flight.remove(&id);
-                }
-                let _ = status.changed().await;
-            }
-        })
+        let sent = tokio::time::timeout_at(
+            deadline,
+            self.send_when_attached(&id, kind, deadline_unix_ms, is_launch),
+        )
         .await;
         let Ok(reply) = sent else {
             return CommandOutcome::NotDelivered(format!("node {} had no open session", self.target.name));
@@ -388,6 +373,43 @@ impl NodeLink {
                 }
                 CommandOutcome::Lost(format!("no result for command {id} before its deadline"))
             }
+        }
+    }
+}
+
+impl NodeLink {
+    /// Sends a command on the current session, waiting for one to open;
+    /// returns where its result will arrive.
+    async fn send_when_attached(
+        &self,
+        id: &str,
+        kind: pb::command::Kind,
+        deadline_unix_ms: i64,
+        is_launch: bool,
+    ) -> oneshot::Receiver<CommandOutcome> {
+        let mut status = self.status.subscribe();
+        loop {
+            let session = self.shared.lock().expect("link").session.clone();
+            if let Some((session, tx)) = session {
+                let (reply_tx, reply_rx) = oneshot::channel();
+                self.shared.lock().expect("link").in_flight.insert(
+                    id.to_owned(),
+                    (session, InFlight { is_launch, reply: reply_tx }),
+                );
+                let command = pb::Command {
+                    id: id.to_owned(),
+                    deadline_unix_ms,
+                    kind: Some(kind.clone()),
+                };
+                let message = pb::PlaneMessage {
+                    body: Some(pb::plane_message::Body::Command(command)),
+                };
+                if tx.send(message).await.is_ok() {
+                    return reply_rx;
+                }
+                self.shared.lock().expect("link").in_flight.remove(id);
+            }
+            let _ = status.changed().await;
         }
     }
 }

@@ -129,6 +129,9 @@ pub enum PlaneError {
     Github(#[from] crate::github::GithubError),
 }
 
+/// How many leases the plane tries for one job before giving up on it.
+pub const MAX_LAUNCH_ATTEMPTS: u32 = 3;
+
 enum Work {
     Launch(crate::ledger::Lease),
     Complete { runner_name: String, result: String },
@@ -149,6 +152,8 @@ pub struct Plane {
     node_held: Mutex<HashSet<String>>,
     /// Job request ids already given a lease.
     seen: Mutex<HashSet<i64>>,
+    /// Launch attempts per job request.
+    attempts: Mutex<HashMap<i64, u32>>,
     /// Which node each launched lease went to.
     placement: Mutex<HashMap<String, String>>,
     scale_set: scaleset::ScaleSetId,
@@ -180,6 +185,7 @@ impl Plane {
             managed: Mutex::new(HashSet::new()),
             node_held: Mutex::new(HashSet::new()),
             seen: Mutex::new(HashSet::new()),
+            attempts: Mutex::new(HashMap::new()),
             placement: Mutex::new(HashMap::new()),
             scale_set,
             tasks: TaskTracker::new(),
@@ -342,7 +348,7 @@ impl Plane {
             self.node_held.lock().expect("held").insert(lease.id.clone());
             return;
         }
-        // Nothing was started: release, and let a new lease try again.
+        // Nothing was started: release, and try again with a new lease.
         if let Err(e) = self
             .ledger
             .release(&lease.id, lease.epoch, None, Phase::Failed, crate::now_ms())
@@ -351,7 +357,45 @@ impl Plane {
             warn!(error = %e, "release after a failed launch");
         }
         self.placement.lock().expect("placement").remove(&lease.id);
-        self.seen.lock().expect("seen").remove(&lease.request_id);
+        let attempt = {
+            let mut attempts = self.attempts.lock().expect("attempts");
+            let n = attempts.entry(lease.request_id).or_insert(1);
+            *n += 1;
+            *n
+        };
+        if attempt > MAX_LAUNCH_ATTEMPTS {
+            error!(request_id = lease.request_id, "giving up on this job after {MAX_LAUNCH_ATTEMPTS} launch attempts");
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        match self.reserve(lease.request_id).await {
+            Ok(next) => Box::pin(self.launch(next)).await,
+            Err(e) => error!(error = %e, "reserve a lease to retry the launch"),
+        }
+    }
+
+    /// Reserves a lease for a job request and starts renewing it.
+    async fn reserve(&self, request_id: i64) -> Result<crate::ledger::Lease, crate::ledger::LedgerError> {
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let tier = &self.config.tier;
+        let lease = self
+            .ledger
+            .reserve(
+                NewLease {
+                    id: id.clone(),
+                    tier: tier.label.clone(),
+                    request_id,
+                    vcpu: tier.vcpu,
+                    memory_bytes: tier.memory_bytes,
+                    runner_name: Some(format!("billet-{id}")),
+                },
+                crate::now_ms(),
+            )
+            .await?;
+        info!(lease = %id, request_id, "reserved a lease for an assigned job");
+        self.managed.lock().expect("managed").insert(id.clone());
+        self.emit(PlaneEvent::Reserved { request_id, lease: id });
+        Ok(lease)
     }
 
     async fn complete(&self, runner_name: String, result: String, shutdown: CancellationToken) {
@@ -483,25 +527,7 @@ impl Scaler for PlaneScaler {
             if !plane.seen.lock().expect("seen").insert(request_id) {
                 continue;
             }
-            let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-            let tier = &plane.config.tier;
-            let lease = plane
-                .ledger
-                .reserve(
-                    NewLease {
-                        id: id.clone(),
-                        tier: tier.label.clone(),
-                        request_id,
-                        vcpu: tier.vcpu,
-                        memory_bytes: tier.memory_bytes,
-                        runner_name: Some(format!("billet-{id}")),
-                    },
-                    crate::now_ms(),
-                )
-                .await?;
-            info!(lease = %id, request_id, "reserved a lease for an assigned job");
-            plane.managed.lock().expect("managed").insert(id.clone());
-            plane.emit(PlaneEvent::Reserved { request_id, lease: id });
+            let lease = plane.reserve(request_id).await?;
             let _ = self.work.send(Work::Launch(lease));
         }
         for job in message.jobs_started() {

@@ -19,7 +19,7 @@ use scaleset::testing::{Emulator, JobState};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use crate::image::{binary_path, build_standin_image};
+use crate::image::{binary_path, build_standin_image, connect_docker};
 
 /// The stand-in runner image every cluster uses.
 pub const STANDIN_IMAGE: &str = "billet-standin-runner:dev";
@@ -173,30 +173,13 @@ pub fn scratch_dir(prefix: &str) -> Result<PathBuf> {
 }
 
 fn uuid_like() -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    format!("{nanos:x}")
+    uuid::Uuid::new_v4().simple().to_string()
 }
 
 /// A free port on 127.0.0.1 (bound and released; good enough for tests).
 pub fn free_port() -> Result<SocketAddr> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?)
-}
-
-/// Connects to Docker, failing loudly with what to check.
-///
-/// # Errors
-///
-/// When the engine does not answer a ping.
-pub async fn docker() -> Result<Docker> {
-    let docker = Docker::connect_with_unix_defaults()
-        .context("connect to the Docker engine at /var/run/docker.sock")?;
-    docker.ping().await.context(
-        "the Docker engine at /var/run/docker.sock does not answer; these tests need a running Docker daemon",
-    )?;
-    Ok(docker)
 }
 
 impl Cluster {
@@ -207,10 +190,16 @@ impl Cluster {
     ///
     /// When any part cannot start; the message says which.
     pub async fn start(options: ClusterOptions) -> Result<Cluster> {
-        let docker = docker().await?;
-        build_standin_image(&docker, &binary_path("billet-standin-runner")?, STANDIN_IMAGE)
-            .await
-            .context("build the stand-in runner image")?;
+        let docker = connect_docker().await?;
+        // Once per process: parallel tests share the tag.
+        static IMAGE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        IMAGE
+            .get_or_try_init(|| async {
+                build_standin_image(&docker, &binary_path("billet-standin-runner")?, STANDIN_IMAGE)
+                    .await
+                    .context("build the stand-in runner image")
+            })
+            .await?;
         let dir = scratch_dir("billet-cluster")?;
         let deployment = format!("dep{}", &uuid_like()[..8]);
         let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();

@@ -1,0 +1,161 @@
+//! The single slot's contract as the plane sees it over the wire.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use billet_controlplane_stub::calls::lease_to_wire;
+use billet_controlplane_stub::ledger::{NewLease, Phase};
+use billet_controlplane_stub::node_link::CommandOutcome;
+use billet_controlplane_stub::now_ms;
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER};
+
+fn launch(lease: &billet_controlplane_stub::ledger::Lease) -> pb::command::Kind {
+    pb::command::Kind::Launch(pb::Launch {
+        lease: Some(lease_to_wire(lease)),
+        tier: Some(pb::TierSpec {
+            label: TIER.into(),
+            image: STANDIN_IMAGE.into(),
+            command: vec!["/billet-standin-runner".into()],
+            trust: "trusted".into(),
+            network: "host".into(),
+            ..Default::default()
+        }),
+        job: Some(pb::Job {
+            request_id: lease.request_id,
+            ..Default::default()
+        }),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_queued_past_its_deadline_is_answered_expired_and_starts_nothing() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let ledger = cluster.plane.ledger();
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "expired1".into(),
+                tier: TIER.into(),
+                request_id: 424242,
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                runner_name: Some("billet-expired1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    // The plane queued it a second ago with a deadline that has passed since.
+    let outcome = node
+        .dispatch_until(
+            launch(&lease),
+            tokio::time::Instant::now() + Duration::from_secs(10),
+            now_ms() - 1,
+        )
+        .await;
+    let CommandOutcome::Answered(result) = &outcome else {
+        panic!("expected an answer, got {outcome:?}");
+    };
+    assert_eq!(result.outcome, pb::Outcome::Expired as i32, "{result:?}");
+    assert!(!result.custody);
+    assert!(cluster.containers().await?.is_empty(), "an expired launch started a container");
+    let after = ledger.get("expired1").await?.expect("lease");
+    assert_eq!(after.phase, Phase::Assigned, "an expired launch touched the ledger");
+    assert_eq!(after.node, None);
+    assert!(cluster.emulator.state().runners.is_empty(), "an expired launch minted a runner");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_command_is_answered_invalid_argument_naming_the_field() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Destroy(pb::Destroy {
+                request_id: -5,
+                job_result: None,
+            }),
+            Duration::from_secs(10),
+        )
+        .await;
+    let CommandOutcome::Answered(result) = &outcome else {
+        panic!("expected an answer, got {outcome:?}");
+    };
+    assert_eq!(result.outcome, pb::Outcome::InvalidArgument as i32);
+    let message = &result.error.as_ref().expect("error").message;
+    assert!(message.contains("destroy.request_id"), "{message}");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroy_for_a_request_nothing_was_started_for_succeeds() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    for _ in 0..2 {
+        let outcome = node
+            .dispatch(
+                pb::command::Kind::Destroy(pb::Destroy {
+                    request_id: 99,
+                    job_result: Some("succeeded".into()),
+                }),
+                Duration::from_secs(10),
+            )
+            .await;
+        assert!(outcome.is_ok(), "{outcome:?}");
+    }
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_upgrade_without_an_updater_is_refused_with_a_sentence_an_operator_can_act_on() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::StartUpgrade(pb::StartUpgrade {
+                version: "0.2.0".into(),
+                ..Default::default()
+            }),
+            Duration::from_secs(10),
+        )
+        .await;
+    let CommandOutcome::Answered(result) = &outcome else {
+        panic!("expected an answer, got {outcome:?}");
+    };
+    assert_eq!(result.outcome, pb::Outcome::Refused as i32);
+    let message = &result.error.as_ref().expect("error").message;
+    assert!(message.contains("0.2.0") && message.contains("out of band"), "{message}");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_reports_what_docker_runs_not_what_the_ledger_believes() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        work_ms: 20_000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    let instances = |outcome: CommandOutcome| match outcome {
+        CommandOutcome::Answered(r) => {
+            let report = r.instances.expect("report");
+            assert!(report.inventory_known);
+            report.lease_ids
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(instances(node.dispatch(pb::command::Kind::Instances(pb::Instances {}), Duration::from_secs(10)).await).is_empty());
+    let jobs = cluster.queue_jobs(1);
+    billet_tests::cluster::wait_until(Duration::from_secs(30), "a launch", || {
+        cluster.emulator.state().runners.len() == 1
+    })
+    .await?;
+    let leases = cluster.plane.ledger().leases().await?;
+    let reported = instances(node.dispatch(pb::command::Kind::Instances(pb::Instances {}), Duration::from_secs(10)).await);
+    assert_eq!(reported, vec![leases[0].id.clone()]);
+    cluster.wait_jobs_completed(&jobs, Duration::from_secs(60)).await?;
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    cluster.shutdown().await
+}
