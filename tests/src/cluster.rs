@@ -19,7 +19,7 @@ use scaleset::testing::{Emulator, JobState};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use crate::image::{binary_path, build_standin_image, connect_docker};
+use crate::image::{binary_path, build_process_binaries, build_standin_image, connect_docker};
 
 /// The stand-in runner image every cluster uses.
 pub const STANDIN_IMAGE: &str = "billet-standin-runner:dev";
@@ -191,10 +191,11 @@ impl Cluster {
     /// When any part cannot start; the message says which.
     pub async fn start(options: ClusterOptions) -> Result<Cluster> {
         let docker = connect_docker().await?;
-        // Once per process: parallel tests share the tag.
+        // Once per process: parallel tests share the binaries and the tag.
         static IMAGE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
         IMAGE
             .get_or_try_init(|| async {
+                tokio::task::spawn_blocking(build_process_binaries).await??;
                 build_standin_image(&docker, &binary_path("billet-standin-runner")?, STANDIN_IMAGE)
                     .await
                     .context("build the stand-in runner image")

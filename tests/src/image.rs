@@ -285,6 +285,45 @@ pub fn binary_path(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The binaries the end-to-end tests and the demo start.
+pub const PROCESS_BINARIES: [(&str, &str); 2] = [
+    ("billet-agent", "billet"),
+    ("billet-controlplane-stub", "billet-standin-runner"),
+];
+
+/// Builds [`PROCESS_BINARIES`] with cargo, in the profile the current
+/// executable was built with, so a test or the demo never runs a missing or
+/// stale `billet`. `cargo test` does not build other packages' binaries as
+/// binaries, so without this a fresh clone would fail and an old checkout
+/// would test old code. Cargo decides what is stale; an up-to-date build
+/// costs a fraction of a second.
+///
+/// # Errors
+///
+/// When cargo cannot be run or the build fails; cargo's own output explains.
+pub fn build_process_binaries() -> anyhow::Result<()> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(other) => other.to_owned(),
+    };
+    let mut command = std::process::Command::new(cargo);
+    command
+        .arg("build")
+        .arg("--quiet")
+        .arg("--profile")
+        .arg(&profile)
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    for (package, bin) in PROCESS_BINARIES {
+        command.args(["-p", package, "--bin", bin]);
+    }
+    let status = command
+        .status()
+        .context("run cargo to build the billet binaries")?;
+    ensure!(status.success(), "cargo build of the billet binaries failed ({status})");
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
