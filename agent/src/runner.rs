@@ -501,6 +501,103 @@ impl Runner {
             .collect())
     }
 
+    /// Destroys instances no open lease on this node accounts for, and
+    /// reports the complete inventory to the plane on every pass, an empty
+    /// one included (spec/node.md §2.6). A provider that cannot be listed
+    /// reports nothing: "could not read" never reads as "running nothing".
+    ///
+    /// Safe beside launches: Bind and Advance(launching) are durable before
+    /// create, and the inventory is read before the ledger.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when the provider or the ledger cannot be read,
+    /// or when some orphans could not be destroyed (the next sweep retries).
+    pub async fn sweep(&self) -> Result<(), RunnerError> {
+        let instances = self
+            .provider
+            .list()
+            .await
+            .map_err(|e| RunnerError::Failed(format!("list instances: {e}")))?;
+        let inventory: Vec<(LeaseId, InstanceName)> = instances
+            .iter()
+            .filter_map(|i| i.lease().map(|l| (l.clone(), InstanceName::for_lease(&l))))
+            .collect();
+        let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
+        match self.ledger.reconcile(&ids).await {
+            Ok(freed) if freed > 0 => info!(freed, "the plane freed quarantined leases absent here"),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "reporting the inventory failed"),
+        }
+        if inventory.is_empty() {
+            return Ok(());
+        }
+        let set = self
+            .ledger
+            .launched()
+            .await
+            .map_err(|e| RunnerError::Failed(format!("read the launched set: {e}")))?;
+        let (custody, launching): (Vec<LeaseId>, Vec<LeaseId>) = {
+            let s = self.state();
+            (
+                s.custody.keys().cloned().collect(),
+                s.launching.keys().cloned().collect(),
+            )
+        };
+        let mut failed = 0;
+        let mut orphans = 0;
+        for (lease, name) in inventory {
+            if set.launched.contains(&lease) || custody.contains(&lease) || launching.contains(&lease) {
+                continue;
+            }
+            if set.quarantined.contains(&lease) {
+                match self.ledger.lease(&lease).await {
+                    Ok(l) => self.adopt(&l, &name, None),
+                    Err(e) => warn!(%lease, error = %e, "cannot read a quarantined lease to adopt it"),
+                }
+                continue;
+            }
+            orphans += 1;
+            match self.provider.destroy(&name).await {
+                Err(e) => {
+                    failed += 1;
+                    warn!(%lease, error = %e, "destroying an orphan failed");
+                }
+                Ok(Teardown::Requested) => {}
+                Ok(Teardown::Stopped) => {
+                    info!(%lease, instance = %name, "destroyed an orphan");
+                    self.state().running.retain(|_, r| r.lease != lease);
+                }
+            }
+        }
+        if failed > 0 {
+            return Err(RunnerError::Failed(format!(
+                "{failed} of {orphans} orphaned instances could not be destroyed"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Takes custody of compute found running under an open lease that no
+    /// request here manages: it is left to finish, and released once gone.
+    fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
+        let failing = lease.failure_reason.is_some();
+        let entry = CustodyEntry {
+            epoch: lease.epoch,
+            instance: instance.clone(),
+            request_id: lease.request_id,
+            registration: None,
+            outcome: if failing { Phase::Failed } else { Phase::Done },
+            phase: if lease.phase == Phase::Quarantine { None } else { phase },
+            discard: failing,
+            observed: true,
+            absent_since: None,
+            unconfirmed: true,
+            since: Instant::now(),
+        };
+        self.hold(lease.id.clone(), entry);
+    }
+
     /// Renews held and launching leases every third of the TTL until
     /// `cancel`, touching only the ledger.
     pub async fn keep_alive(&self, cancel: CancellationToken) {

@@ -389,15 +389,7 @@ async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::Comman
                 (r, None)
             }
         },
-        NodeCommand::Sweep => (
-            failure(
-                id,
-                pb::Outcome::Refused,
-                pb::ErrorCode::Refused,
-                "sweep is not supported by this node yet".into(),
-            ),
-            None,
-        ),
+        NodeCommand::Sweep => (from_runner(runner.sweep().await), None),
         NodeCommand::Tend => (from_runner(runner.tend().await), None),
         NodeCommand::Superseded => {
             runner.superseded();

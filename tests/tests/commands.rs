@@ -159,3 +159,54 @@ async fn instances_reports_what_docker_runs_not_what_the_ledger_believes() -> Re
     cluster.wait_clean(Duration::from_secs(30)).await?;
     cluster.shutdown().await
 }
+
+async fn run_idle_container(cluster: &Cluster, name: &str, labels: Vec<(String, String)>) -> Result<()> {
+    use bollard::models::ContainerCreateBody;
+    use bollard::query_parameters::CreateContainerOptionsBuilder;
+    let body = ContainerCreateBody {
+        image: Some(STANDIN_IMAGE.into()),
+        // Waits for a job that never comes; the JIT config is a harmless dummy.
+        env: Some(vec![
+            "ACTIONS_RUNNER_INPUT_JITCONFIG=e30=".into(),
+            "BILLET_STANDIN_IDLE_TIMEOUT_MS=600000".into(),
+        ]),
+        labels: Some(labels.into_iter().collect()),
+        ..Default::default()
+    };
+    cluster
+        .docker
+        .create_container(Some(CreateContainerOptionsBuilder::default().name(name).build()), body)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_destroys_an_orphan_and_never_touches_an_unlabelled_container() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let labels = |lease: &str| {
+        vec![
+            ("sh.billet.deployment".to_owned(), cluster.deployment.clone()),
+            ("sh.billet.node".to_owned(), "node-1".to_owned()),
+            ("sh.billet.lease".to_owned(), lease.to_owned()),
+        ]
+    };
+    let orphan = format!("billet-ghost{}", &cluster.deployment[3..9]);
+    let foreign = format!("billet-foreign{}", &cluster.deployment[3..9]);
+    run_idle_container(&cluster, &orphan, labels("ghost")).await?;
+    run_idle_container(&cluster, &foreign, Vec::new()).await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    let outcome = node.dispatch(pb::command::Kind::Sweep(pb::Sweep {}), Duration::from_secs(20)).await;
+    assert!(outcome.is_ok(), "{}", outcome.describe());
+    let orphan_left = cluster.docker.inspect_container(&orphan, None).await.is_ok();
+    let foreign_left = cluster.docker.inspect_container(&foreign, None).await.is_ok();
+    let _ = cluster
+        .docker
+        .remove_container(
+            &foreign,
+            Some(bollard::query_parameters::RemoveContainerOptions { force: true, ..Default::default() }),
+        )
+        .await;
+    assert!(!orphan_left, "sweep left an orphan whose lease is not open");
+    assert!(foreign_left, "sweep destroyed a container without billet's labels");
+    cluster.shutdown().await
+}
