@@ -23,7 +23,11 @@ mod exit {
 }
 
 #[derive(Debug, Parser)]
-#[command(name = "billet", version, about = "billet: GitHub Actions jobs on hardware you control")]
+#[command(
+    name = "billet",
+    version,
+    about = "billet: GitHub Actions jobs on hardware you control"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -59,7 +63,11 @@ struct NodeArgs {
     #[arg(long, env = "BILLET_STATE_DIR", default_value = "/var/lib/billet")]
     state_dir: PathBuf,
     /// The Docker engine's Unix socket.
-    #[arg(long, env = "BILLET_DOCKER_SOCKET", default_value = "/var/run/docker.sock")]
+    #[arg(
+        long,
+        env = "BILLET_DOCKER_SOCKET",
+        default_value = "/var/run/docker.sock"
+    )]
     docker_socket: PathBuf,
     /// vCPUs to offer; defaults to the host's.
     #[arg(long, env = "BILLET_VCPU")]
@@ -166,8 +174,9 @@ fn main() -> ExitCode {
         {
             let shutdown = shutdown.clone();
             tokio::spawn(async move {
-                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                        .expect("SIGTERM handler");
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = tokio::signal::ctrl_c() => {}

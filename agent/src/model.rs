@@ -264,9 +264,7 @@ impl Phase {
         Phase::ALL
             .into_iter()
             .find(|p| p.as_str() == value)
-            .ok_or_else(|| {
-                InvalidField::new(field, format!("{value:?} is not a lease phase"))
-            })
+            .ok_or_else(|| InvalidField::new(field, format!("{value:?} is not a lease phase")))
     }
 
     /// `done` or `failed`.
@@ -384,7 +382,10 @@ mod tests {
         let table: &[(Phase, &[Phase])] = &[
             (Capacity, &[Assigned, Done, Failed]),
             (Assigned, &[Launching, Done, Failed]),
-            (Launching, &[Online, Custody, Teardown, Quarantine, Done, Failed]),
+            (
+                Launching,
+                &[Online, Custody, Teardown, Quarantine, Done, Failed],
+            ),
             (Online, &[Busy, Custody, Teardown, Quarantine, Done, Failed]),
             (Busy, &[Custody, Teardown, Quarantine, Done, Failed]),
             (Custody, &[Teardown, Quarantine, Done, Failed]),

@@ -105,8 +105,12 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         leases: &[(LeaseId, Epoch)],
     ) -> Result<Vec<Result<(), PlaneError>>, PlaneError>;
     /// Ends the lease with `done` or `failed`.
-    async fn release(&self, lease: &LeaseId, epoch: Epoch, outcome: Phase)
-    -> Result<(), PlaneError>;
+    async fn release(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError>;
     /// Reads a lease.
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError>;
     /// The leases bound to this node that may have compute.
@@ -243,7 +247,11 @@ impl PlaneLink {
 
     /// Makes `session` current and records the TTL it opened with; returns
     /// the session it replaces, which the caller closes.
-    pub fn install(&self, session: Arc<SessionLink>, lease_ttl: Duration) -> Option<Arc<SessionLink>> {
+    pub fn install(
+        &self,
+        session: Arc<SessionLink>,
+        lease_ttl: Duration,
+    ) -> Option<Arc<SessionLink>> {
         self.ttl.send_replace(lease_ttl);
         self.current.lock().expect("current").replace(session)
     }
@@ -305,7 +313,9 @@ fn lease_epoch(lease: &LeaseId, epoch: Epoch) -> (String, u64) {
 }
 
 fn unexpected(what: &str) -> PlaneError {
-    PlaneError::Refused(format!("the plane answered {what} with the wrong kind of reply"))
+    PlaneError::Refused(format!(
+        "the plane answered {what} with the wrong kind of reply"
+    ))
 }
 
 #[async_trait]
@@ -342,11 +352,12 @@ impl LeaseStore for PlaneLink {
                 .collect(),
         };
         match self.call(pb::node_call::Call::Heartbeat(call)).await? {
-            Some(pb::plane_reply::Result::Heartbeats(h)) if h.results.len() == leases.len() => Ok(h
-                .results
-                .into_iter()
-                .map(|r| r.error.map_or(Ok(()), |e| Err(PlaneError::from_wire(e))))
-                .collect()),
+            Some(pb::plane_reply::Result::Heartbeats(h)) if h.results.len() == leases.len() => {
+                Ok(h.results
+                    .into_iter()
+                    .map(|r| r.error.map_or(Ok(()), |e| Err(PlaneError::from_wire(e))))
+                    .collect())
+            }
             _ => Err(unexpected("a heartbeat")),
         }
     }

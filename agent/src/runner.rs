@@ -321,7 +321,9 @@ impl Runner {
                 "create {name} failed ({create_error}); holding the lease until the instance is proven gone"
             )));
         }
-        Err(RunnerError::Failed(format!("create {name}: {create_error}")))
+        Err(RunnerError::Failed(format!(
+            "create {name}: {create_error}"
+        )))
     }
 
     fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
@@ -525,7 +527,9 @@ impl Runner {
             .collect();
         let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
         match self.ledger.reconcile(&ids).await {
-            Ok(freed) if freed > 0 => info!(freed, "the plane freed quarantined leases absent here"),
+            Ok(freed) if freed > 0 => {
+                info!(freed, "the plane freed quarantined leases absent here")
+            }
             Ok(_) => {}
             Err(e) => warn!(error = %e, "reporting the inventory failed"),
         }
@@ -547,13 +551,18 @@ impl Runner {
         let mut failed = 0;
         let mut orphans = 0;
         for (lease, name) in inventory {
-            if set.launched.contains(&lease) || custody.contains(&lease) || launching.contains(&lease) {
+            if set.launched.contains(&lease)
+                || custody.contains(&lease)
+                || launching.contains(&lease)
+            {
                 continue;
             }
             if set.quarantined.contains(&lease) {
                 match self.ledger.lease(&lease).await {
                     Ok(l) => self.adopt(&l, &name, None),
-                    Err(e) => warn!(%lease, error = %e, "cannot read a quarantined lease to adopt it"),
+                    Err(e) => {
+                        warn!(%lease, error = %e, "cannot read a quarantined lease to adopt it")
+                    }
                 }
                 continue;
             }
@@ -588,7 +597,11 @@ impl Runner {
             request_id: lease.request_id,
             registration: None,
             outcome: if failing { Phase::Failed } else { Phase::Done },
-            phase: if lease.phase == Phase::Quarantine { None } else { phase },
+            phase: if lease.phase == Phase::Quarantine {
+                None
+            } else {
+                phase
+            },
             discard: failing,
             observed: true,
             absent_since: None,
@@ -627,9 +640,11 @@ impl Runner {
                 Ok(results) => {
                     for ((lease, _), r) in held.iter().zip(results) {
                         if let Err(e) = r
-                            && !e.is_gone() && !matches!(e, PlaneError::ForceRelease(_)) {
-                                warn!(%lease, error = %e, "renewal refused");
-                            }
+                            && !e.is_gone()
+                            && !matches!(e, PlaneError::ForceRelease(_))
+                        {
+                            warn!(%lease, error = %e, "renewal refused");
+                        }
                     }
                 }
                 Err(e) => warn!(error = %e, leases = held.len(), "renewal failed"),
@@ -697,16 +712,15 @@ impl Runner {
             },
             Err(e) => return Err(format!("renew: {e}")),
         }
-        if renewed
-            && let Some(phase) = entry.phase {
-                match self.ledger.advance(lease, entry.epoch, phase).await {
-                    Ok(()) | Err(PlaneError::BadTransition(_)) => {}
-                    Err(e) => {
-                        self.update(lease, entry);
-                        return Err(format!("report {phase}: {e}"));
-                    }
+        if renewed && let Some(phase) = entry.phase {
+            match self.ledger.advance(lease, entry.epoch, phase).await {
+                Ok(()) | Err(PlaneError::BadTransition(_)) => {}
+                Err(e) => {
+                    self.update(lease, entry);
+                    return Err(format!("report {phase}: {e}"));
                 }
             }
+        }
         if let Some((id, name)) = entry.registration.clone() {
             if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
                 self.update(lease, entry);

@@ -140,7 +140,9 @@ pub async fn run(
     {
         let runner = runner.clone();
         let cancel = background.clone();
-        tasks.spawn(async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")));
+        tasks.spawn(
+            async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")),
+        );
     }
     tasks.close();
 
@@ -156,10 +158,7 @@ pub async fn run(
     );
     let served = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(
-            pb::node_server::NodeServer::new(service)
-                .max_decoding_message_size(4 << 20),
-        )
+        .add_service(pb::node_server::NodeServer::new(service).max_decoding_message_size(4 << 20))
         .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown.cancelled())
         .await;
     background.cancel();

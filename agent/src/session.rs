@@ -78,7 +78,10 @@ impl NodeService {
 
     async fn hello(&self) -> pb::Hello {
         let (instances, inventory_known) = match self.runner.instances().await {
-            Ok(ids) => (ids.into_iter().map(|l| l.as_str().to_owned()).collect(), true),
+            Ok(ids) => (
+                ids.into_iter().map(|l| l.as_str().to_owned()).collect(),
+                true,
+            ),
             Err(e) => {
                 warn!(error = %e, "cannot list the provider; reporting the inventory as unknown");
                 (Vec::new(), false)
@@ -109,7 +112,11 @@ impl NodeService {
         } = open;
         if *protocol_version != billet_proto::PROTOCOL_VERSION {
             let ours = billet_proto::PROTOCOL_VERSION;
-            let which = if *protocol_version > ours { "this node" } else { "the plane" };
+            let which = if *protocol_version > ours {
+                "this node"
+            } else {
+                "the plane"
+            };
             return Err(Status::failed_precondition(format!(
                 "the plane speaks wire protocol {protocol_version} and this node speaks {ours}; upgrade {which} so both speak the same version"
             )));
@@ -164,10 +171,19 @@ impl pb::node_server::Node for NodeService {
             .await
             .map_err(|_| Status::unavailable("session closed during Hello"))?;
         if let Some(old) = self.link.install(Arc::clone(&session), ttl) {
-            info!(old = old.id, new = id, "a newer session replaces the older one");
+            info!(
+                old = old.id,
+                new = id,
+                "a newer session replaces the older one"
+            );
             old.close();
         }
-        info!(session = id, ?peer, lease_ttl_ms = ttl.as_millis() as u64, "plane session open");
+        info!(
+            session = id,
+            ?peer,
+            lease_ttl_ms = ttl.as_millis() as u64,
+            "plane session open"
+        );
 
         let this = self.clone();
         tokio::spawn(
@@ -178,7 +194,9 @@ impl pb::node_server::Node for NodeService {
                         m = inbound.message() => m,
                     };
                     match message {
-                        Ok(Some(pb::PlaneMessage { body: Some(body) })) => this.route(&session, body).await,
+                        Ok(Some(pb::PlaneMessage { body: Some(body) })) => {
+                            this.route(&session, body).await
+                        }
                         Ok(Some(pb::PlaneMessage { body: None })) => {
                             warn!("ignored an empty message from the plane");
                         }
@@ -254,7 +272,12 @@ impl NodeService {
     }
 }
 
-fn failure(id: &str, outcome: pb::Outcome, code: pb::ErrorCode, message: String) -> pb::CommandResult {
+fn failure(
+    id: &str,
+    outcome: pb::Outcome,
+    code: pb::ErrorCode,
+    message: String,
+) -> pb::CommandResult {
     pb::CommandResult {
         id: id.to_owned(),
         outcome: outcome.into(),
@@ -274,7 +297,11 @@ fn now_unix_ms() -> i64 {
 }
 
 /// Runs commands off the slot one at a time until `cancel`.
-pub async fn execute_commands(runner: Arc<Runner>, slot: Arc<CommandSlot>, cancel: CancellationToken) {
+pub async fn execute_commands(
+    runner: Arc<Runner>,
+    slot: Arc<CommandSlot>,
+    cancel: CancellationToken,
+) {
     loop {
         let queued = tokio::select! {
             () = cancel.cancelled() => return,
@@ -306,7 +333,9 @@ pub async fn execute_commands(runner: Arc<Runner>, slot: Arc<CommandSlot>, cance
         .instrument(span.clone())
         .await;
         slot.record(&id, &result);
-        deliver(&runner, session, result, launched).instrument(span).await;
+        deliver(&runner, session, result, launched)
+            .instrument(span)
+            .await;
     }
 }
 
@@ -318,7 +347,11 @@ struct Launched {
     request_id: RequestId,
 }
 
-async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::CommandResult, Option<Launched>) {
+async fn execute(
+    runner: &Runner,
+    id: &str,
+    command: NodeCommand,
+) -> (pb::CommandResult, Option<Launched>) {
     let ok = || pb::CommandResult {
         id: id.to_owned(),
         outcome: pb::Outcome::Ok.into(),
@@ -354,9 +387,16 @@ async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::Comman
         NodeCommand::Destroy {
             request_id,
             job_result,
-        } => (from_runner(runner.destroy(request_id, job_result.as_deref()).await), None),
+        } => (
+            from_runner(runner.destroy(request_id, job_result.as_deref()).await),
+            None,
+        ),
         NodeCommand::AssumeCustody { lease, request_id } => (
-            from_runner(runner.assume_custody(&lease.id, lease.epoch, request_id).await),
+            from_runner(
+                runner
+                    .assume_custody(&lease.id, lease.epoch, request_id)
+                    .await,
+            ),
             None,
         ),
         NodeCommand::StartUpgrade(spec) => (
@@ -381,7 +421,12 @@ async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::Comman
                 (r, None)
             }
             Err(e) => {
-                let mut r = failure(id, pb::Outcome::Failed, pb::ErrorCode::Unavailable, e.to_string());
+                let mut r = failure(
+                    id,
+                    pb::Outcome::Failed,
+                    pb::ErrorCode::Unavailable,
+                    e.to_string(),
+                );
                 r.instances = Some(pb::InstanceReport {
                     lease_ids: Vec::new(),
                     inventory_known: false,
@@ -400,7 +445,12 @@ async fn execute(runner: &Runner, id: &str, command: NodeCommand) -> (pb::Comman
 
 /// Sends a result on the session its command came from and, for a
 /// successful launch, takes custody unless the plane accepts it.
-async fn deliver(runner: &Arc<Runner>, session: Arc<SessionLink>, result: pb::CommandResult, launched: Option<Launched>) {
+async fn deliver(
+    runner: &Arc<Runner>,
+    session: Arc<SessionLink>,
+    result: pb::CommandResult,
+    launched: Option<Launched>,
+) {
     let ack = session.expect_ack(&result.id);
     let sent = session.send(pb::node_message::Body::Result(result)).await;
     let Some(launched) = launched else {
@@ -420,7 +470,10 @@ async fn deliver(runner: &Arc<Runner>, session: Arc<SessionLink>, result: pb::Co
             if verdict == Some(pb::AckVerdict::Accepted) {
                 return;
             }
-            info!(?verdict, "the plane did not accept this launch's result; taking custody");
+            info!(
+                ?verdict,
+                "the plane did not accept this launch's result; taking custody"
+            );
             if let Err(e) = runner
                 .assume_custody(&launched.lease, launched.epoch, launched.request_id)
                 .await

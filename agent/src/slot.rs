@@ -178,7 +178,10 @@ mod tests {
     async fn a_full_queue_refuses_rather_than_grows() {
         let slot = CommandSlot::new();
         for i in 0..MAX_QUEUED {
-            assert!(matches!(slot.push(queued(&format!("c{i}"))), Admission::Queued));
+            assert!(matches!(
+                slot.push(queued(&format!("c{i}"))),
+                Admission::Queued
+            ));
         }
         assert!(matches!(slot.push(queued("one-more")), Admission::Full));
     }

@@ -173,12 +173,11 @@ impl NodeTls {
                       the node's name is taken from it"
                 .into(),
         })?;
-        let node_name = NodeName::parse("certificate DNS name", first).map_err(|e| {
-            TlsError::Content {
+        let node_name =
+            NodeName::parse("certificate DNS name", first).map_err(|e| TlsError::Content {
                 path: paths.cert.clone(),
                 problem: e.to_string(),
-            }
-        })?;
+            })?;
 
         let mut roots = RootCertStore::empty();
         for ca in load_certs(&paths.ca)? {
@@ -255,7 +254,8 @@ pub fn accept(
                 let plane_name = plane_name.clone();
                 tokio::spawn(async move {
                     let _permit = permit;
-                    if let Some(stream) = handshake(acceptor, tcp, peer, plane_name.as_deref()).await
+                    if let Some(stream) =
+                        handshake(acceptor, tcp, peer, plane_name.as_deref()).await
                     {
                         let _ = tx.send(Ok(stream)).await;
                     }

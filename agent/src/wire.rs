@@ -111,7 +111,15 @@ pub fn command(cmd: pb::Command) -> Incoming {
                 "must be a positive unix time in milliseconds",
             ));
         }
-        let kind = kind.ok_or_else(|| InvalidField::new("command.kind", "is missing"))?;
+        let kind = kind.ok_or_else(|| {
+            InvalidField::new(
+                "command.kind",
+                format!(
+                    "is missing or a kind this node does not know (it speaks wire protocol {})",
+                    billet_proto::PROTOCOL_VERSION
+                ),
+            )
+        })?;
         Ok((command_id, node_command(kind)?))
     })();
     Incoming {
@@ -127,9 +135,8 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
         Kind::Launch(pb::Launch { lease, tier, job }) => {
             let lease = lease.ok_or_else(|| InvalidField::new("launch.lease", "is missing"))?;
             let lease = self::lease(lease, "launch.lease")?;
-            let tier = tier_spec(
-                tier.ok_or_else(|| InvalidField::new("launch.tier", "is missing"))?,
-            )?;
+            let tier =
+                tier_spec(tier.ok_or_else(|| InvalidField::new("launch.tier", "is missing"))?)?;
             let job = job.map(self::job).unwrap_or_default();
             if job.request_id != lease.request_id && job.request_id.0 != 0 {
                 return Err(InvalidField::new(
@@ -153,19 +160,21 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                 ));
             }
             if let Some(r) = &job_result
-                && (r.is_empty() || r.len() > 64) {
-                    return Err(InvalidField::new(
-                        "destroy.job_result",
-                        "must be a GitHub result word such as \"succeeded\"",
-                    ));
-                }
+                && (r.is_empty() || r.len() > 64)
+            {
+                return Err(InvalidField::new(
+                    "destroy.job_result",
+                    "must be a GitHub result word such as \"succeeded\"",
+                ));
+            }
             NodeCommand::Destroy {
                 request_id: RequestId(request_id),
                 job_result,
             }
         }
         Kind::AssumeCustody(pb::AssumeCustody { lease, request_id }) => {
-            let lease = lease.ok_or_else(|| InvalidField::new("assume_custody.lease", "is missing"))?;
+            let lease =
+                lease.ok_or_else(|| InvalidField::new("assume_custody.lease", "is missing"))?;
             let lease = self::lease(lease, "assume_custody.lease")?;
             let request_id = if request_id > 0 {
                 RequestId(request_id)
@@ -189,12 +198,13 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             crate::model::check_id("start_upgrade.version", &version)?;
             let manifest_sha256 = (!manifest_sha256.is_empty()).then_some(manifest_sha256);
             if let Some(d) = &manifest_sha256
-                && (d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit())) {
-                    return Err(InvalidField::new(
-                        "start_upgrade.manifest_sha256",
-                        "must be 64 hex digits",
-                    ));
-                }
+                && (d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit()))
+            {
+                return Err(InvalidField::new(
+                    "start_upgrade.manifest_sha256",
+                    "must be 64 hex digits",
+                ));
+            }
             let rollout_id = (!rollout_id.is_empty()).then_some(rollout_id);
             if let Some(r) = &rollout_id {
                 crate::model::check_id("start_upgrade.rollout_id", r)?;
@@ -237,7 +247,10 @@ pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
         return Err(InvalidField::new(f("epoch"), "must be at least 1"));
     }
     if tier.is_empty() || tier.len() > 128 {
-        return Err(InvalidField::new(f("tier"), "must be a tier label of 1 to 128 bytes"));
+        return Err(InvalidField::new(
+            f("tier"),
+            "must be a tier label of 1 to 128 bytes",
+        ));
     }
     let phase = Phase::parse(&f("phase"), &phase)?;
     if vcpu > MAX_VCPU {
@@ -302,7 +315,10 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         }
     };
     if shm_bytes > MAX_MEMORY_BYTES {
-        return Err(InvalidField::new("launch.tier.shm_bytes", "is more than 16 TiB"));
+        return Err(InvalidField::new(
+            "launch.tier.shm_bytes",
+            "is more than 16 TiB",
+        ));
     }
     let network = (!network.is_empty()).then_some(network);
     if let Some(n) = &network {
@@ -342,7 +358,10 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
 fn check_image(image: &str) -> Result<(), InvalidField> {
     let field = "launch.tier.image";
     if image.is_empty() || image.len() > 255 {
-        return Err(InvalidField::new(field, "must be an image reference of 1 to 255 bytes"));
+        return Err(InvalidField::new(
+            field,
+            "must be an image reference of 1 to 255 bytes",
+        ));
     }
     if let Some(c) = image.chars().find(|c| {
         !(c.is_ascii_lowercase()
@@ -356,7 +375,10 @@ fn check_image(image: &str) -> Result<(), InvalidField> {
         ));
     }
     if image.starts_with(['-', '/', ':', '@']) {
-        return Err(InvalidField::new(field, "must start with a letter or digit"));
+        return Err(InvalidField::new(
+            field,
+            "must start with a letter or digit",
+        ));
     }
     Ok(())
 }
@@ -443,21 +465,44 @@ mod tests {
             }
             field_of(c)
         };
-        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().id = "a/b".into()), "launch.lease.id");
-        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().epoch = 0), "launch.lease.epoch");
-        assert_eq!(edit(&|l| l.lease.as_mut().unwrap().phase = "Up".into()), "launch.lease.phase");
+        assert_eq!(
+            edit(&|l| l.lease.as_mut().unwrap().id = "a/b".into()),
+            "launch.lease.id"
+        );
+        assert_eq!(
+            edit(&|l| l.lease.as_mut().unwrap().epoch = 0),
+            "launch.lease.epoch"
+        );
+        assert_eq!(
+            edit(&|l| l.lease.as_mut().unwrap().phase = "Up".into()),
+            "launch.lease.phase"
+        );
         assert_eq!(
             edit(&|l| l.lease.as_mut().unwrap().memory_bytes = u64::MAX),
             "launch.lease.memory_bytes"
         );
-        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().image = "bad image".into()), "launch.tier.image");
-        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().command.clear()), "launch.tier.command");
-        assert_eq!(edit(&|l| l.tier.as_mut().unwrap().trust = "maybe".into()), "launch.tier.trust");
         assert_eq!(
-            edit(&|l| l.tier.as_mut().unwrap().env = vec!["ACTIONS_RUNNER_INPUT_JITCONFIG=x".into()]),
+            edit(&|l| l.tier.as_mut().unwrap().image = "bad image".into()),
+            "launch.tier.image"
+        );
+        assert_eq!(
+            edit(&|l| l.tier.as_mut().unwrap().command.clear()),
+            "launch.tier.command"
+        );
+        assert_eq!(
+            edit(&|l| l.tier.as_mut().unwrap().trust = "maybe".into()),
+            "launch.tier.trust"
+        );
+        assert_eq!(
+            edit(
+                &|l| l.tier.as_mut().unwrap().env = vec!["ACTIONS_RUNNER_INPUT_JITCONFIG=x".into()]
+            ),
             "launch.tier.env"
         );
-        assert_eq!(edit(&|l| l.job.as_mut().unwrap().request_id = 8), "launch.job.request_id");
+        assert_eq!(
+            edit(&|l| l.job.as_mut().unwrap().request_id = 8),
+            "launch.job.request_id"
+        );
         assert_eq!(edit(&|l| l.tier = None), "launch.tier");
     }
 

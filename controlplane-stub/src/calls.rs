@@ -77,7 +77,10 @@ impl CallHandler {
     pub async fn handle(&self, node: &str, call: pb::NodeCall) -> pb::PlaneReply {
         let pb::NodeCall { call_id, call } = call;
         let answer = match call {
-            None => Err(error(pb::ErrorCode::InvalidArgument, "node call: the call is missing")),
+            None => Err(error(
+                pb::ErrorCode::InvalidArgument,
+                "node call: the call is missing",
+            )),
             Some(call) => self.answer(node, call).await,
         };
         match answer {
@@ -95,15 +98,25 @@ impl CallHandler {
     }
 
     /// The lease, if it is bound to `node`; refuses and logs otherwise.
-    async fn owned(&self, node: &str, lease: &str, what: &str) -> Result<crate::ledger::Lease, pb::Error> {
+    async fn owned(
+        &self,
+        node: &str,
+        lease: &str,
+        what: &str,
+    ) -> Result<crate::ledger::Lease, pb::Error> {
         match self.ledger.get(lease).await.map_err(|e| ledger_error(&e))? {
-            None => Err(error(pb::ErrorCode::NotFound, format!("lease {lease} is not in the ledger"))),
+            None => Err(error(
+                pb::ErrorCode::NotFound,
+                format!("lease {lease} is not in the ledger"),
+            )),
             Some(l) if l.node.as_deref() == Some(node) => Ok(l),
             Some(l) => {
                 warn!(node, lease, bound = ?l.node, what, "refused a node call on a lease bound elsewhere");
                 Err(error(
                     pb::ErrorCode::WrongNode,
-                    format!("lease {lease} is not bound to node {node}; a node may only {what} its own leases"),
+                    format!(
+                        "lease {lease} is not bound to node {node}; a node may only {what} its own leases"
+                    ),
                 ))
             }
         }
@@ -119,31 +132,63 @@ impl CallHandler {
                 l.bind(&lease_id, epoch, node, now).await.map_err(le)?;
                 Ok(None)
             }
-            Call::Advance(pb::Advance { lease_id, epoch, phase }) => {
+            Call::Advance(pb::Advance {
+                lease_id,
+                epoch,
+                phase,
+            }) => {
                 let phase = Phase::parse(&phase).ok_or_else(|| {
-                    error(pb::ErrorCode::InvalidArgument, format!("advance.phase: {phase:?} is not a lease phase"))
+                    error(
+                        pb::ErrorCode::InvalidArgument,
+                        format!("advance.phase: {phase:?} is not a lease phase"),
+                    )
                 })?;
-                l.advance(&lease_id, epoch, node, phase, now).await.map_err(le)?;
+                l.advance(&lease_id, epoch, node, phase, now)
+                    .await
+                    .map_err(le)?;
                 Ok(None)
             }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
                 let mut results = Vec::with_capacity(leases.len());
                 for pb::LeaseEpoch { lease_id, epoch } in leases {
-                    let error = l.heartbeat(&lease_id, epoch, node, now).await.err().map(|e| ledger_error(&e));
+                    let error = l
+                        .heartbeat(&lease_id, epoch, node, now)
+                        .await
+                        .err()
+                        .map(|e| ledger_error(&e));
                     results.push(pb::HeartbeatResult { lease_id, error });
                 }
-                Ok(Some(pb::plane_reply::Result::Heartbeats(pb::HeartbeatResults { results })))
+                Ok(Some(pb::plane_reply::Result::Heartbeats(
+                    pb::HeartbeatResults { results },
+                )))
             }
-            Call::Release(pb::Release { lease_id, epoch, outcome }) => {
-                let outcome = Phase::parse(&outcome).filter(|p| p.is_terminal()).ok_or_else(|| {
-                    error(pb::ErrorCode::InvalidArgument, format!("release.outcome: {outcome:?} is neither done nor failed"))
-                })?;
-                l.release(&lease_id, epoch, Some(node), outcome, now).await.map_err(le)?;
+            Call::Release(pb::Release {
+                lease_id,
+                epoch,
+                outcome,
+            }) => {
+                let outcome = Phase::parse(&outcome)
+                    .filter(|p| p.is_terminal())
+                    .ok_or_else(|| {
+                        error(
+                            pb::ErrorCode::InvalidArgument,
+                            format!("release.outcome: {outcome:?} is neither done nor failed"),
+                        )
+                    })?;
+                l.release(&lease_id, epoch, Some(node), outcome, now)
+                    .await
+                    .map_err(le)?;
                 Ok(None)
             }
-            Call::MarkFailure(pb::MarkFailure { lease_id, epoch, reason }) => {
+            Call::MarkFailure(pb::MarkFailure {
+                lease_id,
+                epoch,
+                reason,
+            }) => {
                 self.owned(node, &lease_id, "mark").await?;
-                l.mark_failure(&lease_id, epoch, &reason, now).await.map_err(le)?;
+                l.mark_failure(&lease_id, epoch, &reason, now)
+                    .await
+                    .map_err(le)?;
                 Ok(None)
             }
             Call::GetLease(pb::GetLease { lease_id }) => {
@@ -152,31 +197,55 @@ impl CallHandler {
             }
             Call::Launched(pb::LaunchedLeases {}) => {
                 let (launched, quarantined) = l.launched(node).await.map_err(le)?;
-                Ok(Some(pb::plane_reply::Result::Launched(pb::LaunchedSet { launched, quarantined })))
+                Ok(Some(pb::plane_reply::Result::Launched(pb::LaunchedSet {
+                    launched,
+                    quarantined,
+                })))
             }
             Call::Reconcile(pb::Reconcile { lease_ids }) => {
-                let freed = l.reconcile(node, &lease_ids, self.quarantine_grace, now).await.map_err(le)?;
-                Ok(Some(pb::plane_reply::Result::Reconciled(pb::ReconcileResult { freed })))
+                let freed = l
+                    .reconcile(node, &lease_ids, self.quarantine_grace, now)
+                    .await
+                    .map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::Reconciled(
+                    pb::ReconcileResult { freed },
+                )))
             }
-            Call::MintJit(pb::MintJit { lease_id, epoch, runner_name, work_folder: _ }) => {
+            Call::MintJit(pb::MintJit {
+                lease_id,
+                epoch,
+                runner_name,
+                work_folder: _,
+            }) => {
                 let lease = self.owned(node, &lease_id, "mint for").await?;
                 if lease.epoch != epoch {
-                    return Err(error(pb::ErrorCode::Fenced, format!("lease {lease_id} is at epoch {}, not {epoch}", lease.epoch)));
+                    return Err(error(
+                        pb::ErrorCode::Fenced,
+                        format!("lease {lease_id} is at epoch {}, not {epoch}", lease.epoch),
+                    ));
                 }
                 if lease.phase != Phase::Launching {
                     return Err(error(
                         pb::ErrorCode::BadTransition,
-                        format!("lease {lease_id} is {}; a JIT config is minted only while launching", lease.phase),
+                        format!(
+                            "lease {lease_id} is {}; a JIT config is minted only while launching",
+                            lease.phase
+                        ),
                     ));
                 }
                 let expected = format!("billet-{lease_id}");
                 if runner_name != expected {
-                    return Err(error(pb::ErrorCode::InvalidArgument, format!("mint_jit.runner_name: must be {expected}")));
+                    return Err(error(
+                        pb::ErrorCode::InvalidArgument,
+                        format!("mint_jit.runner_name: must be {expected}"),
+                    ));
                 }
                 if lease.runner_id.is_some() {
                     return Err(error(
                         pb::ErrorCode::Refused,
-                        format!("lease {lease_id} already had a JIT config minted; a registration is never minted twice"),
+                        format!(
+                            "lease {lease_id} already had a JIT config minted; a registration is never minted twice"
+                        ),
                     ));
                 }
                 let minted = self
@@ -184,9 +253,15 @@ impl CallHandler {
                     .mint(&lease.tier, &runner_name)
                     .await
                     .map_err(|e| error(pb::ErrorCode::Unavailable, e.to_string()))?;
-                if let Err(e) = l.set_runner(&lease_id, epoch, minted.runner_id, &minted.runner_name).await {
+                if let Err(e) = l
+                    .set_runner(&lease_id, epoch, minted.runner_id, &minted.runner_name)
+                    .await
+                {
                     // Never hand out a registration the ledger cannot name.
-                    let _ = self.github.remove_runner(minted.runner_id, &minted.runner_name).await;
+                    let _ = self
+                        .github
+                        .remove_runner(minted.runner_id, &minted.runner_name)
+                        .await;
                     return Err(ledger_error(&e));
                 }
                 Ok(Some(pb::plane_reply::Result::Jit(pb::JitConfig {
@@ -195,13 +270,20 @@ impl CallHandler {
                     runner_name: minted.runner_name,
                 })))
             }
-            Call::RemoveRunner(pb::RemoveRunner { lease_id, epoch: _, runner_id, runner_name }) => {
+            Call::RemoveRunner(pb::RemoveRunner {
+                lease_id,
+                epoch: _,
+                runner_id,
+                runner_name,
+            }) => {
                 let lease = self.owned(node, &lease_id, "remove runners of").await?;
                 let (id, name) = if runner_id > 0 {
                     if lease.runner_id.is_some_and(|r| r != runner_id) {
                         return Err(error(
                             pb::ErrorCode::WrongNode,
-                            format!("runner {runner_id} is not the registration of lease {lease_id}"),
+                            format!(
+                                "runner {runner_id} is not the registration of lease {lease_id}"
+                            ),
                         ));
                     }
                     (runner_id, runner_name)

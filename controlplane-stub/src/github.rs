@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use scaleset::{Client, ExposeSecret, JitRunnerSetting, RunnerGroupId, RunnerId, RunnerScaleSetSpec, ScaleSetId};
+use scaleset::{
+    Client, ExposeSecret, JitRunnerSetting, RunnerGroupId, RunnerId, RunnerScaleSetSpec, ScaleSetId,
+};
 use thiserror::Error;
 
 /// A GitHub call that failed.
@@ -89,7 +91,10 @@ impl Github {
                     .id
             }
         };
-        self.scale_sets.lock().expect("scale sets").insert(label.to_owned(), id);
+        self.scale_sets
+            .lock()
+            .expect("scale sets")
+            .insert(label.to_owned(), id);
         Ok(id)
     }
 
@@ -131,7 +136,11 @@ impl Github {
     /// # Errors
     ///
     /// [`GithubError`] when GitHub refuses (for example, the runner is busy).
-    pub async fn remove_runner(&self, runner_id: i64, runner_name: &str) -> Result<(), GithubError> {
+    pub async fn remove_runner(
+        &self,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), GithubError> {
         let id = if runner_id > 0 {
             RunnerId(runner_id)
         } else {

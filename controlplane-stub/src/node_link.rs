@@ -86,10 +86,14 @@ impl CommandOutcome {
     pub fn describe(&self) -> String {
         match self {
             CommandOutcome::Answered(r) => {
-                let outcome = pb::Outcome::try_from(r.outcome)
-                    .map_or("unknown", |o| o.as_str_name());
+                let outcome =
+                    pb::Outcome::try_from(r.outcome).map_or("unknown", |o| o.as_str_name());
                 match &r.error {
-                    Some(e) => format!("{outcome}{}: {}", if r.custody { " (custody)" } else { "" }, e.message),
+                    Some(e) => format!(
+                        "{outcome}{}: {}",
+                        if r.custody { " (custody)" } else { "" },
+                        e.message
+                    ),
                     None => outcome.to_owned(),
                 }
             }
@@ -189,7 +193,9 @@ impl NodeLink {
             self.end_session();
             match attempt {
                 Ok(()) => backoff = Duration::from_millis(200),
-                Err(e) => warn!(node = %self.target.name, addr = %self.target.addr, error = %e, "node session failed"),
+                Err(e) => {
+                    warn!(node = %self.target.name, addr = %self.target.addr, error = %e, "node session failed")
+                }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -214,21 +220,43 @@ impl NodeLink {
         })
         .await
         .map_err(|_| LinkError::Session("session closed before Open".into()))?;
-        let mut client = pb::node_client::NodeClient::new(channel).max_decoding_message_size(4 << 20);
+        let mut client =
+            pb::node_client::NodeClient::new(channel).max_decoding_message_size(4 << 20);
         let mut inbound = client
             .attach(ReceiverStream::new(rx))
             .await
-            .map_err(|s| LinkError::Session(format!("node {} refused the session: {}", self.target.name, s.message())))?
+            .map_err(|s| {
+                LinkError::Session(format!(
+                    "node {} refused the session: {}",
+                    self.target.name,
+                    s.message()
+                ))
+            })?
             .into_inner();
         let hello = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
-            Ok(Ok(Some(pb::NodeMessage { body: Some(pb::node_message::Body::Hello(h)) }))) => h,
-            Ok(Err(s)) => return Err(LinkError::Session(format!("node {} refused the session: {}", self.target.name, s.message()))),
-            _ => return Err(LinkError::Session(format!("node {} did not say Hello", self.target.name))),
+            Ok(Ok(Some(pb::NodeMessage {
+                body: Some(pb::node_message::Body::Hello(h)),
+            }))) => h,
+            Ok(Err(s)) => {
+                return Err(LinkError::Session(format!(
+                    "node {} refused the session: {}",
+                    self.target.name,
+                    s.message()
+                )));
+            }
+            _ => {
+                return Err(LinkError::Session(format!(
+                    "node {} did not say Hello",
+                    self.target.name
+                )));
+            }
         };
         if hello.protocol_version != billet_proto::PROTOCOL_VERSION {
             return Err(LinkError::Session(format!(
                 "node {} speaks wire protocol {} and this plane speaks {}; upgrade whichever is older",
-                self.target.name, hello.protocol_version, billet_proto::PROTOCOL_VERSION
+                self.target.name,
+                hello.protocol_version,
+                billet_proto::PROTOCOL_VERSION
             )));
         }
         if hello.node_name != self.target.name {
@@ -241,7 +269,8 @@ impl NodeLink {
         info!(node = %self.target.name, session, incarnation = %hello.incarnation,
               inventory_known = hello.inventory_known, instances = hello.instances.len(), "node attached");
         self.shared.lock().expect("link").session = Some((session, tx.clone()));
-        self.status.send_replace(Some(NodeStatus { hello, session }));
+        self.status
+            .send_replace(Some(NodeStatus { hello, session }));
 
         loop {
             let message = tokio::select! {
@@ -252,7 +281,13 @@ impl NodeLink {
                 Ok(Some(pb::NodeMessage { body: Some(body) })) => body,
                 Ok(Some(_)) => continue,
                 Ok(None) => return Ok(()),
-                Err(s) => return Err(LinkError::Session(format!("session with {} broke: {}", self.target.name, s.message()))),
+                Err(s) => {
+                    return Err(LinkError::Session(format!(
+                        "session with {} broke: {}",
+                        self.target.name,
+                        s.message()
+                    )));
+                }
             };
             match body {
                 pb::node_message::Body::Result(result) => self.on_result(result, &tx).await,
@@ -263,7 +298,11 @@ impl NodeLink {
                     tokio::spawn(
                         async move {
                             let reply = calls.handle(&node, call).await;
-                            let _ = tx.send(pb::PlaneMessage { body: Some(pb::plane_message::Body::Reply(reply)) }).await;
+                            let _ = tx
+                                .send(pb::PlaneMessage {
+                                    body: Some(pb::plane_message::Body::Reply(reply)),
+                                })
+                                .await;
                         }
                         .instrument(info_span!("node_call")),
                     );
@@ -329,7 +368,9 @@ impl NodeLink {
                 if flight.is_launch {
                     tombstone(&mut shared, id);
                 }
-                let _ = flight.reply.send(CommandOutcome::Lost("the session broke before the node answered".into()));
+                let _ = flight.reply.send(CommandOutcome::Lost(
+                    "the session broke before the node answered".into(),
+                ));
             }
         }
         drop(shared);
@@ -341,7 +382,8 @@ impl NodeLink {
     /// for a session if none is open.
     pub async fn dispatch(&self, kind: pb::command::Kind, timeout: Duration) -> CommandOutcome {
         let deadline = tokio::time::Instant::now() + timeout;
-        let deadline_unix_ms = crate::now_ms() + i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        let deadline_unix_ms =
+            crate::now_ms() + i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
         self.dispatch_until(kind, deadline, deadline_unix_ms).await
     }
 
@@ -361,7 +403,10 @@ impl NodeLink {
         )
         .await;
         let Ok(reply) = sent else {
-            return CommandOutcome::NotDelivered(format!("node {} had no open session", self.target.name));
+            return CommandOutcome::NotDelivered(format!(
+                "node {} had no open session",
+                self.target.name
+            ));
         };
         match tokio::time::timeout_at(deadline, reply).await {
             Ok(Ok(outcome)) => outcome,
@@ -394,7 +439,13 @@ impl NodeLink {
                 let (reply_tx, reply_rx) = oneshot::channel();
                 self.shared.lock().expect("link").in_flight.insert(
                     id.to_owned(),
-                    (session, InFlight { is_launch, reply: reply_tx }),
+                    (
+                        session,
+                        InFlight {
+                            is_launch,
+                            reply: reply_tx,
+                        },
+                    ),
                 );
                 let command = pb::Command {
                     id: id.to_owned(),
@@ -427,13 +478,18 @@ fn tombstone(shared: &mut Shared, id: String) {
 /// # Errors
 ///
 /// [`LinkError`] naming the node and what went wrong.
-pub async fn dial(target: &NodeTarget, tls: &PlaneTls) -> Result<tonic::transport::Channel, LinkError> {
+pub async fn dial(
+    target: &NodeTarget,
+    tls: &PlaneTls,
+) -> Result<tonic::transport::Channel, LinkError> {
     let tls_config = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&tls.ca_pem))
         .identity(Identity::from_pem(&tls.cert_pem, &tls.key_pem))
         .domain_name(target.name.clone());
     Endpoint::from_shared(format!("https://{}", target.addr))
-        .map_err(|e| LinkError::Config(format!("node {} address {}: {e}", target.name, target.addr)))?
+        .map_err(|e| {
+            LinkError::Config(format!("node {} address {}: {e}", target.name, target.addr))
+        })?
         .tls_config(tls_config)
         .map_err(|e| LinkError::Config(format!("plane TLS material: {e}")))?
         .connect_timeout(Duration::from_secs(10))
@@ -450,6 +506,9 @@ pub async fn dial(target: &NodeTarget, tls: &PlaneTls) -> Result<tonic::transpor
                 text.push_str(&s.to_string());
                 source = s.source();
             }
-            LinkError::Session(format!("cannot attach to node {} at {}: {text}", target.name, target.addr))
+            LinkError::Session(format!(
+                "cannot attach to node {} at {}: {text}",
+                target.name, target.addr
+            ))
         })
 }

@@ -200,14 +200,25 @@ impl Plane {
         for node in &plane.nodes {
             plane.tasks.spawn(
                 Arc::clone(node)
-                    .run(plane.config.tls.clone(), open.clone(), calls.clone(), shutdown.clone())
+                    .run(
+                        plane.config.tls.clone(),
+                        open.clone(),
+                        calls.clone(),
+                        shutdown.clone(),
+                    )
                     .instrument(info_span!("node", name = %node.name())),
             );
         }
         let (work_tx, work_rx) = mpsc::unbounded_channel();
-        plane.tasks.spawn(Arc::clone(&plane).work(work_rx, shutdown.clone()));
-        plane.tasks.spawn(Arc::clone(&plane).listen(work_tx, shutdown.clone()));
-        plane.tasks.spawn(Arc::clone(&plane).renew_and_reap(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).work(work_rx, shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).listen(work_tx, shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).renew_and_reap(shutdown.clone()));
         Ok(plane)
     }
 
@@ -241,16 +252,27 @@ impl Plane {
         let _ = self.events.send(event);
     }
 
-    async fn listen(self: Arc<Self>, work: mpsc::UnboundedSender<Work>, shutdown: CancellationToken) {
+    async fn listen(
+        self: Arc<Self>,
+        work: mpsc::UnboundedSender<Work>,
+        shutdown: CancellationToken,
+    ) {
         let mut scaler = PlaneScaler {
             plane: Arc::clone(&self),
             work,
         };
-        let listener = Listener::new(self.github.client().clone(), self.scale_set, self.config.max_runners)
-            .owner("billet-plane")
-            .backoff(Duration::from_millis(200), Duration::from_secs(5));
+        let listener = Listener::new(
+            self.github.client().clone(),
+            self.scale_set,
+            self.config.max_runners,
+        )
+        .owner("billet-plane")
+        .backoff(Duration::from_millis(200), Duration::from_secs(5));
         loop {
-            match listener.run(&mut scaler, shutdown.clone().cancelled_owned()).await {
+            match listener
+                .run(&mut scaler, shutdown.clone().cancelled_owned())
+                .await
+            {
                 Ok(()) => return,
                 Err(e) => {
                     error!(error = %e, "scale-set listener stopped; restarting");
@@ -263,7 +285,11 @@ impl Plane {
         }
     }
 
-    async fn work(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Work>, shutdown: CancellationToken) {
+    async fn work(
+        self: Arc<Self>,
+        mut rx: mpsc::UnboundedReceiver<Work>,
+        shutdown: CancellationToken,
+    ) {
         loop {
             let item = tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -273,13 +299,19 @@ impl Plane {
             match item {
                 Work::Launch(lease) => {
                     let span = info_span!("launch", lease = %lease.id);
-                    self.tasks.spawn(async move { plane.launch(lease).await }.instrument(span));
+                    self.tasks
+                        .spawn(async move { plane.launch(lease).await }.instrument(span));
                 }
-                Work::Complete { runner_name, result } => {
+                Work::Complete {
+                    runner_name,
+                    result,
+                } => {
                     let span = info_span!("complete", runner = %runner_name);
                     let shutdown = shutdown.clone();
-                    self.tasks
-                        .spawn(async move { plane.complete(runner_name, result, shutdown).await }.instrument(span));
+                    self.tasks.spawn(
+                        async move { plane.complete(runner_name, result, shutdown).await }
+                            .instrument(span),
+                    );
                 }
             }
         }
@@ -292,7 +324,10 @@ impl Plane {
             .iter()
             .min_by_key(|n| {
                 let attached = n.status().borrow().is_some();
-                let load = placement.values().filter(|p| p.as_str() == n.name()).count();
+                let load = placement
+                    .values()
+                    .filter(|p| p.as_str() == n.name())
+                    .count();
                 (!attached, load)
             })
             .cloned()
@@ -345,7 +380,10 @@ impl Plane {
         });
         self.managed.lock().expect("managed").remove(&lease.id);
         if custody {
-            self.node_held.lock().expect("held").insert(lease.id.clone());
+            self.node_held
+                .lock()
+                .expect("held")
+                .insert(lease.id.clone());
             return;
         }
         // Nothing was started: release, and try again with a new lease.
@@ -364,7 +402,10 @@ impl Plane {
             *n
         };
         if attempt > MAX_LAUNCH_ATTEMPTS {
-            error!(request_id = lease.request_id, "giving up on this job after {MAX_LAUNCH_ATTEMPTS} launch attempts");
+            error!(
+                request_id = lease.request_id,
+                "giving up on this job after {MAX_LAUNCH_ATTEMPTS} launch attempts"
+            );
             return;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -375,7 +416,10 @@ impl Plane {
     }
 
     /// Reserves a lease for a job request and starts renewing it.
-    async fn reserve(&self, request_id: i64) -> Result<crate::ledger::Lease, crate::ledger::LedgerError> {
+    async fn reserve(
+        &self,
+        request_id: i64,
+    ) -> Result<crate::ledger::Lease, crate::ledger::LedgerError> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let tier = &self.config.tier;
         let lease = self
@@ -394,7 +438,10 @@ impl Plane {
             .await?;
         info!(lease = %id, request_id, "reserved a lease for an assigned job");
         self.managed.lock().expect("managed").insert(id.clone());
-        self.emit(PlaneEvent::Reserved { request_id, lease: id });
+        self.emit(PlaneEvent::Reserved {
+            request_id,
+            lease: id,
+        });
         Ok(lease)
     }
 
@@ -417,12 +464,7 @@ impl Plane {
             // The node holds it: the runner exits, Tend sees it gone and releases.
             info!(lease = %lease.id, "completion for a lease its node holds; the node will release it");
         }
-        let Some(node) = lease
-            .node
-            .as_deref()
-            .and_then(|n| self.node(n))
-            .cloned()
-        else {
+        let Some(node) = lease.node.as_deref().and_then(|n| self.node(n)).cloned() else {
             warn!(lease = %lease.id, "completed lease is bound to no known node");
             return;
         };

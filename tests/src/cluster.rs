@@ -163,11 +163,7 @@ pub struct Cluster {
 
 /// A fresh scratch directory under the system temp dir.
 pub fn scratch_dir(prefix: &str) -> Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        uuid_like()
-    ));
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), uuid_like()));
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     Ok(dir)
 }
@@ -196,9 +192,13 @@ impl Cluster {
         IMAGE
             .get_or_try_init(|| async {
                 tokio::task::spawn_blocking(build_process_binaries).await??;
-                build_standin_image(&docker, &binary_path("billet-standin-runner")?, STANDIN_IMAGE)
-                    .await
-                    .context("build the stand-in runner image")
+                build_standin_image(
+                    &docker,
+                    &binary_path("billet-standin-runner")?,
+                    STANDIN_IMAGE,
+                )
+                .await
+                .context("build the stand-in runner image")
             })
             .await?;
         let dir = scratch_dir("billet-cluster")?;
@@ -318,7 +318,11 @@ impl Cluster {
         let mut status = link.status();
         let attached = tokio::time::timeout(timeout, status.wait_for(Option::is_some)).await;
         if !matches!(attached, Ok(Ok(_))) {
-            let log = self.nodes.get(node).map(NodeProcess::log_text).unwrap_or_default();
+            let log = self
+                .nodes
+                .get(node)
+                .map(NodeProcess::log_text)
+                .unwrap_or_default();
             bail!("node {node} did not attach within {timeout:?}; its log:\n{log}");
         }
         Ok(())
@@ -336,7 +340,11 @@ impl Cluster {
     /// # Errors
     ///
     /// When `timeout` passes first, with the emulator's state.
-    pub async fn wait_jobs_completed(&self, jobs: &[scaleset::JobRequestId], timeout: Duration) -> Result<()> {
+    pub async fn wait_jobs_completed(
+        &self,
+        jobs: &[scaleset::JobRequestId],
+        timeout: Duration,
+    ) -> Result<()> {
         wait_until(timeout, "jobs to complete", || {
             let state = self.emulator.state();
             jobs.iter().all(|id| {
@@ -451,7 +459,12 @@ impl Drop for Cluster {
                 &format!("label=sh.billet.deployment={}", self.deployment),
             ])
             .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().map(str::to_owned).collect())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .map(str::to_owned)
+                    .collect()
+            })
             .unwrap_or_default();
         if !names.is_empty() {
             let _ = std::process::Command::new("docker")
@@ -468,7 +481,11 @@ impl Drop for Cluster {
 /// # Errors
 ///
 /// Naming `what` when the time runs out.
-pub async fn wait_until(timeout: Duration, what: &str, mut condition: impl FnMut() -> bool) -> Result<()> {
+pub async fn wait_until(
+    timeout: Duration,
+    what: &str,
+    mut condition: impl FnMut() -> bool,
+) -> Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
     while !condition() {
         if tokio::time::Instant::now() > deadline {

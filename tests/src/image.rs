@@ -320,7 +320,10 @@ pub fn build_process_binaries() -> anyhow::Result<()> {
     let status = command
         .status()
         .context("run cargo to build the billet binaries")?;
-    ensure!(status.success(), "cargo build of the billet binaries failed ({status})");
+    ensure!(
+        status.success(),
+        "cargo build of the billet binaries failed ({status})"
+    );
     Ok(())
 }
 

@@ -59,11 +59,21 @@ async fn a_command_queued_past_its_deadline_is_answered_expired_and_starts_nothi
     };
     assert_eq!(result.outcome, pb::Outcome::Expired as i32, "{result:?}");
     assert!(!result.custody);
-    assert!(cluster.containers().await?.is_empty(), "an expired launch started a container");
+    assert!(
+        cluster.containers().await?.is_empty(),
+        "an expired launch started a container"
+    );
     let after = ledger.get("expired1").await?.expect("lease");
-    assert_eq!(after.phase, Phase::Assigned, "an expired launch touched the ledger");
+    assert_eq!(
+        after.phase,
+        Phase::Assigned,
+        "an expired launch touched the ledger"
+    );
     assert_eq!(after.node, None);
-    assert!(cluster.emulator.state().runners.is_empty(), "an expired launch minted a runner");
+    assert!(
+        cluster.emulator.state().runners.is_empty(),
+        "an expired launch minted a runner"
+    );
     cluster.shutdown().await
 }
 
@@ -109,7 +119,8 @@ async fn a_destroy_for_a_request_nothing_was_started_for_succeeds() -> Result<()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn start_upgrade_without_an_updater_is_refused_with_a_sentence_an_operator_can_act_on() -> Result<()> {
+async fn start_upgrade_without_an_updater_is_refused_with_a_sentence_an_operator_can_act_on()
+-> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let node = cluster.plane.node("node-1").expect("node");
     let outcome = node
@@ -126,7 +137,10 @@ async fn start_upgrade_without_an_updater_is_refused_with_a_sentence_an_operator
     };
     assert_eq!(result.outcome, pb::Outcome::Refused as i32);
     let message = &result.error.as_ref().expect("error").message;
-    assert!(message.contains("0.2.0") && message.contains("out of band"), "{message}");
+    assert!(
+        message.contains("0.2.0") && message.contains("out of band"),
+        "{message}"
+    );
     cluster.shutdown().await
 }
 
@@ -146,21 +160,42 @@ async fn instances_reports_what_docker_runs_not_what_the_ledger_believes() -> Re
         }
         other => panic!("{other:?}"),
     };
-    assert!(instances(node.dispatch(pb::command::Kind::Instances(pb::Instances {}), Duration::from_secs(10)).await).is_empty());
+    assert!(
+        instances(
+            node.dispatch(
+                pb::command::Kind::Instances(pb::Instances {}),
+                Duration::from_secs(10)
+            )
+            .await
+        )
+        .is_empty()
+    );
     let jobs = cluster.queue_jobs(1);
     billet_tests::cluster::wait_until(Duration::from_secs(30), "a launch", || {
         cluster.emulator.state().runners.len() == 1
     })
     .await?;
     let leases = cluster.plane.ledger().leases().await?;
-    let reported = instances(node.dispatch(pb::command::Kind::Instances(pb::Instances {}), Duration::from_secs(10)).await);
+    let reported = instances(
+        node.dispatch(
+            pb::command::Kind::Instances(pb::Instances {}),
+            Duration::from_secs(10),
+        )
+        .await,
+    );
     assert_eq!(reported, vec![leases[0].id.clone()]);
-    cluster.wait_jobs_completed(&jobs, Duration::from_secs(60)).await?;
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(60))
+        .await?;
     cluster.wait_clean(Duration::from_secs(30)).await?;
     cluster.shutdown().await
 }
 
-async fn run_idle_container(cluster: &Cluster, name: &str, labels: Vec<(String, String)>) -> Result<()> {
+async fn run_idle_container(
+    cluster: &Cluster,
+    name: &str,
+    labels: Vec<(String, String)>,
+) -> Result<()> {
     use bollard::models::ContainerCreateBody;
     use bollard::query_parameters::CreateContainerOptionsBuilder;
     let body = ContainerCreateBody {
@@ -175,7 +210,10 @@ async fn run_idle_container(cluster: &Cluster, name: &str, labels: Vec<(String, 
     };
     cluster
         .docker
-        .create_container(Some(CreateContainerOptionsBuilder::default().name(name).build()), body)
+        .create_container(
+            Some(CreateContainerOptionsBuilder::default().name(name).build()),
+            body,
+        )
         .await?;
     Ok(())
 }
@@ -185,7 +223,10 @@ async fn sweep_destroys_an_orphan_and_never_touches_an_unlabelled_container() ->
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let labels = |lease: &str| {
         vec![
-            ("sh.billet.deployment".to_owned(), cluster.deployment.clone()),
+            (
+                "sh.billet.deployment".to_owned(),
+                cluster.deployment.clone(),
+            ),
             ("sh.billet.node".to_owned(), "node-1".to_owned()),
             ("sh.billet.lease".to_owned(), lease.to_owned()),
         ]
@@ -195,18 +236,37 @@ async fn sweep_destroys_an_orphan_and_never_touches_an_unlabelled_container() ->
     run_idle_container(&cluster, &orphan, labels("ghost")).await?;
     run_idle_container(&cluster, &foreign, Vec::new()).await?;
     let node = cluster.plane.node("node-1").expect("node");
-    let outcome = node.dispatch(pb::command::Kind::Sweep(pb::Sweep {}), Duration::from_secs(20)).await;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Sweep(pb::Sweep {}),
+            Duration::from_secs(20),
+        )
+        .await;
     assert!(outcome.is_ok(), "{}", outcome.describe());
-    let orphan_left = cluster.docker.inspect_container(&orphan, None).await.is_ok();
-    let foreign_left = cluster.docker.inspect_container(&foreign, None).await.is_ok();
+    let orphan_left = cluster
+        .docker
+        .inspect_container(&orphan, None)
+        .await
+        .is_ok();
+    let foreign_left = cluster
+        .docker
+        .inspect_container(&foreign, None)
+        .await
+        .is_ok();
     let _ = cluster
         .docker
         .remove_container(
             &foreign,
-            Some(bollard::query_parameters::RemoveContainerOptions { force: true, ..Default::default() }),
+            Some(bollard::query_parameters::RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            }),
         )
         .await;
     assert!(!orphan_left, "sweep left an orphan whose lease is not open");
-    assert!(foreign_left, "sweep destroyed a container without billet's labels");
+    assert!(
+        foreign_left,
+        "sweep destroyed a container without billet's labels"
+    );
     cluster.shutdown().await
 }

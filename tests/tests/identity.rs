@@ -69,13 +69,20 @@ async fn a_plane_certificate_from_another_ca_cannot_attach() -> Result<()> {
     // Trusts the node's real CA, but presents a certificate the node's CA never issued.
     let mut tls = plane_tls(&other)?;
     tls.ca_pem = std::fs::read(&cluster.certs.ca.cert)?;
-    let target = NodeTarget { name: "node-1".into(), addr: node.addr };
+    let target = NodeTarget {
+        name: "node-1".into(),
+        addr: node.addr,
+    };
     let attempt = match dial(&target, &tls).await {
         Ok(channel) => attach(channel).await.map(|_| ()),
         Err(e) => Err(e.to_string()),
     };
     assert!(attempt.is_err(), "a foreign plane certificate attached");
-    assert!(refused_in_log(&cluster, before).await, "the node logged no refusal:\n{}", node.log_text());
+    assert!(
+        refused_in_log(&cluster, before).await,
+        "the node logged no refusal:\n{}",
+        node.log_text()
+    );
     cluster.shutdown().await
 }
 
@@ -85,7 +92,9 @@ async fn a_plane_without_a_client_certificate_cannot_attach() -> Result<()> {
     let node = &cluster.nodes["node-1"];
     let before = node.log_text().len();
     let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(std::fs::read(&cluster.certs.ca.cert)?))
+        .ca_certificate(Certificate::from_pem(std::fs::read(
+            &cluster.certs.ca.cert,
+        )?))
         .domain_name("node-1");
     let attempt = match Endpoint::from_shared(format!("https://{}", node.addr))?
         .tls_config(tls)?
@@ -96,7 +105,10 @@ async fn a_plane_without_a_client_certificate_cannot_attach() -> Result<()> {
         Err(e) => Err(e.to_string()),
     };
     assert!(attempt.is_err(), "a plane without a certificate attached");
-    assert!(refused_in_log(&cluster, before).await, "the node logged no refusal");
+    assert!(
+        refused_in_log(&cluster, before).await,
+        "the node logged no refusal"
+    );
     cluster.shutdown().await
 }
 
@@ -115,7 +127,10 @@ async fn plaintext_is_refused() -> Result<()> {
         Err(e) => Err(e.to_string()),
     };
     assert!(attempt.is_err(), "a plaintext session attached");
-    assert!(refused_in_log(&cluster, before).await, "the node logged no refusal");
+    assert!(
+        refused_in_log(&cluster, before).await,
+        "the node logged no refusal"
+    );
     cluster.shutdown().await
 }
 
@@ -124,7 +139,10 @@ async fn the_plane_refuses_a_node_whose_certificate_names_another_node() -> Resu
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let node = &cluster.nodes["node-1"];
     // The plane means to dial node-2, but node-1 answers at that address.
-    let target = NodeTarget { name: "node-2".into(), addr: node.addr };
+    let target = NodeTarget {
+        name: "node-2".into(),
+        addr: node.addr,
+    };
     let error = dial(&target, &plane_tls(&cluster.certs)?)
         .await
         .expect_err("the plane accepted a node whose certificate names another node");

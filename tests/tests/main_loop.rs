@@ -11,13 +11,19 @@ use billet_tests::cluster::{Cluster, ClusterOptions};
 async fn a_queued_job_runs_in_a_container_and_everything_is_cleaned_up() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let jobs = cluster.queue_jobs(1);
-    cluster.wait_jobs_completed(&jobs, Duration::from_secs(90)).await?;
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(90))
+        .await?;
     cluster.wait_clean(Duration::from_secs(30)).await?;
 
     let state = cluster.emulator.state();
     let job = state.jobs.iter().find(|j| j.id == jobs[0]).expect("job");
     assert_eq!(job.result.as_deref(), Some("succeeded"));
-    assert!(state.runners.is_empty(), "runner registrations left: {:?}", state.runners);
+    assert!(
+        state.runners.is_empty(),
+        "runner registrations left: {:?}",
+        state.runners
+    );
     let leases = cluster.plane.ledger().leases().await?;
     assert_eq!(leases.len(), 1, "{leases:?}");
     assert_eq!(leases[0].phase, Phase::Done);
@@ -30,7 +36,9 @@ async fn a_queued_job_runs_in_a_container_and_everything_is_cleaned_up() -> Resu
 async fn five_jobs_queued_at_once_all_run_and_all_clean_up() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let jobs = cluster.queue_jobs(5);
-    cluster.wait_jobs_completed(&jobs, Duration::from_secs(180)).await?;
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await?;
     cluster.wait_clean(Duration::from_secs(60)).await?;
 
     let state = cluster.emulator.state();
@@ -38,7 +46,11 @@ async fn five_jobs_queued_at_once_all_run_and_all_clean_up() -> Result<()> {
         let job = state.jobs.iter().find(|j| j.id == *id).expect("job");
         assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
     }
-    assert!(state.runners.is_empty(), "runner registrations left: {:?}", state.runners);
+    assert!(
+        state.runners.is_empty(),
+        "runner registrations left: {:?}",
+        state.runners
+    );
     let leases = cluster.plane.ledger().leases().await?;
     assert_eq!(leases.len(), 5, "{leases:?}");
     assert!(leases.iter().all(|l| l.phase == Phase::Done), "{leases:?}");

@@ -68,21 +68,39 @@ async fn the_jit_config_appears_in_no_log_output_even_at_trace_level() -> Result
         configs.extend(jit_configs(&cluster).await?);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(configs.len(), 2, "could not read both JIT configs from the running containers");
-    cluster.wait_jobs_completed(&jobs, Duration::from_secs(60)).await?;
+    assert_eq!(
+        configs.len(),
+        2,
+        "could not read both JIT configs from the running containers"
+    );
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(60))
+        .await?;
     cluster.wait_clean(Duration::from_secs(30)).await?;
 
     let node_log = cluster.nodes["node-1"].log_text();
     let plane_log = String::from_utf8_lossy(&plane_log.0.lock().expect("buffer")).into_owned();
-    assert!(node_log.contains("TRACE"), "the node did not log at trace level");
-    assert!(plane_log.contains("TRACE"), "the plane did not log at trace level");
+    assert!(
+        node_log.contains("TRACE"),
+        "the node did not log at trace level"
+    );
+    assert!(
+        plane_log.contains("TRACE"),
+        "the plane did not log at trace level"
+    );
     for config in &configs {
         // The config itself, and the document it encodes.
         let decoded = base64::engine::general_purpose::STANDARD.decode(config)?;
         let decoded = String::from_utf8(decoded)?;
         for (name, log) in [("node", &node_log), ("plane", &plane_log)] {
-            assert!(!log.contains(config.as_str()), "the {name} log contains a JIT config");
-            assert!(!log.contains(decoded.as_str()), "the {name} log contains a decoded JIT config");
+            assert!(
+                !log.contains(config.as_str()),
+                "the {name} log contains a JIT config"
+            );
+            assert!(
+                !log.contains(decoded.as_str()),
+                "the {name} log contains a decoded JIT config"
+            );
         }
     }
     cluster.shutdown().await

@@ -14,7 +14,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::error;
 
 #[derive(Debug, Parser)]
-#[command(name = "billet-plane", version, about = "A stand-in billet control plane")]
+#[command(
+    name = "billet-plane",
+    version,
+    about = "A stand-in billet control plane"
+)]
 struct Args {
     /// The ledger's SQLite file.
     #[arg(long, default_value = "billet-ledger.db")]
