@@ -19,6 +19,7 @@ mod exit {
     pub const BIND: u8 = 4;
     pub const PROVIDER: u8 = 5;
     pub const STATE: u8 = 6;
+    pub const JOURNAL: u8 = 7;
     pub const SERVE: u8 = 1;
 }
 
@@ -79,6 +80,18 @@ struct NodeArgs {
     /// seconds. Off by default: time alone never kills a job.
     #[arg(long, env = "BILLET_MAX_CUSTODY_SECS")]
     max_custody_secs: Option<u64>,
+    /// Seconds an instance never seen must stay absent before its absence
+    /// counts as proof it is gone.
+    #[arg(long, env = "BILLET_STRAY_GRACE_SECS", default_value_t = 300)]
+    stray_grace_secs: u64,
+    /// Seconds a launch result waits for the plane's acknowledgement before
+    /// the node takes custody of the lease.
+    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = 60)]
+    ack_timeout_secs: u64,
+    /// Seconds a drain (SIGTERM) waits for running jobs before the node
+    /// exits anyway, destroying nothing.
+    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = 21600)]
+    drain_timeout_secs: u64,
 }
 
 fn host_memory_bytes() -> u64 {
@@ -120,9 +133,22 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
             vcpu,
             memory_bytes,
             max_custody: args.max_custody_secs.map(Duration::from_secs),
+            stray_grace: Duration::from_secs(args.stray_grace_secs),
+            ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
+            drain_timeout: Duration::from_secs(args.drain_timeout_secs),
         },
         args.listen,
     ))
+}
+
+fn exit_code(e: &NodeError) -> u8 {
+    match e {
+        NodeError::Tls(_) => exit::TLS,
+        NodeError::StateDir { .. } => exit::STATE,
+        NodeError::Provider(_) => exit::PROVIDER,
+        NodeError::Journal(_) => exit::JOURNAL,
+        NodeError::Serve(_) => exit::SERVE,
+    }
 }
 
 fn main() -> ExitCode {
@@ -151,16 +177,11 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let (tls, provider) = match server::prepare(&config).await {
+        let prepared = match server::prepare(&config).await {
             Ok(p) => p,
             Err(e) => {
                 error!("{e}");
-                return ExitCode::from(match e {
-                    NodeError::Tls(_) => exit::TLS,
-                    NodeError::StateDir { .. } => exit::STATE,
-                    NodeError::Provider(_) => exit::PROVIDER,
-                    NodeError::Serve(_) => exit::SERVE,
-                });
+                return ExitCode::from(exit_code(&e));
             }
         };
         let listener = match tokio::net::TcpListener::bind(listen).await {
@@ -170,26 +191,39 @@ fn main() -> ExitCode {
                 return ExitCode::from(exit::BIND);
             }
         };
+        let drain = CancellationToken::new();
         let shutdown = CancellationToken::new();
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(e) => {
+                    error!("cannot handle SIGTERM: {e}");
+                    return ExitCode::from(exit::SERVE);
+                }
+            };
         {
-            let shutdown = shutdown.clone();
+            let (drain, shutdown) = (drain.clone(), shutdown.clone());
             tokio::spawn(async move {
-                let mut term =
-                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                        .expect("SIGTERM handler");
+                // The first signal drains; a second one hurries.
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = tokio::signal::ctrl_c() => {}
                 }
-                info!("stopping");
+                info!("stopping: draining first; signal again to stop at once");
+                drain.cancel();
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                info!("stopping at once; running compute is left for the next process to adopt");
                 shutdown.cancel();
             });
         }
-        match server::run(config, tls, provider, listener, shutdown).await {
+        match server::run(config, prepared, listener, drain, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 error!("{e}");
-                ExitCode::from(exit::SERVE)
+                ExitCode::from(exit_code(&e))
             }
         }
     })

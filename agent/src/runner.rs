@@ -14,12 +14,15 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::journal::{CustodyRecord, Journal, LaunchRecord, MemoryJournal};
 use crate::model::{Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust};
 use crate::plane::{JitSource, LeaseStore, PlaneError};
 use crate::provider::{InstanceSpec, Provider, ProviderError, Teardown};
@@ -96,11 +99,23 @@ struct State {
 }
 
 /// Options the operator sets.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct RunnerOptions {
     /// Destroy and release custody older than this. `None` (the default)
     /// means time alone never kills a job; it only drives a warning.
     pub max_custody: Option<Duration>,
+    /// How long an instance never seen must stay absent before its absence
+    /// counts as proof it is gone ([`STRAY_GRACE`] by default).
+    pub stray_grace: Duration,
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            max_custody: None,
+            stray_grace: STRAY_GRACE,
+        }
+    }
 }
 
 /// Starts and stops the compute for assigned leases on this host.
@@ -110,6 +125,7 @@ pub struct Runner {
     ledger: Arc<dyn LeaseStore>,
     jit: Arc<dyn JitSource>,
     options: RunnerOptions,
+    journal: Arc<dyn Journal>,
     state: Mutex<State>,
 }
 
@@ -130,8 +146,17 @@ impl Runner {
             ledger,
             jit,
             options,
+            journal: Arc::new(MemoryJournal::default()),
             state: Mutex::new(State::default()),
         }
+    }
+
+    /// Keeps the runner's memory in `journal`, so a restarted node knows what
+    /// it launched and what it holds.
+    #[must_use]
+    pub fn with_journal(mut self, journal: Arc<dyn Journal>) -> Self {
+        self.journal = journal;
+        self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -207,8 +232,29 @@ impl Runner {
             .await
             .map_err(|e| RunnerError::Failed(format!("advance {} to launching: {e}", lease.id)))?;
         self.state().launching.insert(lease.id.clone(), lease.epoch);
-        let result = self.launch_bound(&lease, &tier, &name, &job).await;
+        // Remembered before anything is minted or created, so a node killed
+        // from here on finds the launch again after a restart.
+        let mut record = LaunchRecord {
+            lease: lease.id.as_str().to_owned(),
+            epoch: lease.epoch.0,
+            request_id: lease.request_id.0,
+            instance: name.as_str().to_owned(),
+            runner_id: 0,
+            runner_name: String::new(),
+            created: false,
+        };
+        let result = match self.journal.put_launch(&record).await {
+            Err(e) => Err(RunnerError::Failed(format!(
+                "cannot journal the launch of {}, so nothing was started: {e}",
+                lease.id
+            ))),
+            Ok(()) => self.launch_bound(&lease, &tier, &name, &job, &mut record).await,
+        };
         self.state().launching.remove(&lease.id);
+        if matches!(result, Err(RunnerError::Failed(_) | RunnerError::Refused(_))) {
+            // Nothing started, or everything started is proven gone.
+            self.forget(&lease.id).await;
+        }
         result
     }
 
@@ -218,12 +264,18 @@ impl Runner {
         tier: &TierSpec,
         name: &InstanceName,
         job: &Job,
+        record: &mut LaunchRecord,
     ) -> Result<(), RunnerError> {
         let registration = self
             .jit
             .mint(&lease.id, lease.epoch, name)
             .await
             .map_err(|e| RunnerError::Failed(format!("mint a JIT config for {name}: {e}")))?;
+        record.runner_id = registration.runner_id;
+        record.runner_name = registration.runner_name.clone();
+        if let Err(e) = self.journal.put_launch(record).await {
+            warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
+        }
         let spec = InstanceSpec {
             name: name.clone(),
             lease: lease.id.clone(),
@@ -250,6 +302,10 @@ impl Runner {
                         instance: name.clone(),
                     },
                 );
+                record.created = true;
+                if let Err(e) = self.journal.put_launch(record).await {
+                    warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
+                }
                 Ok(())
             }
             Err(create_error) => {
@@ -293,7 +349,7 @@ impl Runner {
             .await
         {
             entry.registration = Some(registration);
-            self.hold(lease.id.clone(), entry);
+            self.hold(lease.id.clone(), entry).await;
             return Err(RunnerError::Custody(format!(
                 "create {name} failed ({create_error}) and its registration could not be removed ({e}); holding the lease until both are cleaned up"
             )));
@@ -316,7 +372,7 @@ impl Runner {
             Err(_) => {}
         }
         if entry.unconfirmed {
-            self.hold(lease.id.clone(), entry);
+            self.hold(lease.id.clone(), entry).await;
             return Err(RunnerError::Custody(format!(
                 "create {name} failed ({create_error}); holding the lease until the instance is proven gone"
             )));
@@ -326,9 +382,13 @@ impl Runner {
         )))
     }
 
-    fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
+    async fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
         info!(%lease, instance = %entry.instance, "holding the lease in custody");
+        let record = custody_record(&lease, &entry);
         self.state().custody.insert(lease, entry);
+        if let Err(e) = self.journal.put_custody(&record).await {
+            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
+        }
     }
 
     /// Removes whatever was started for a request. Idempotent: a request
@@ -403,12 +463,13 @@ impl Runner {
                             unconfirmed: true,
                             since: Instant::now(),
                         },
-                    );
+                    ).await;
                     return Err(RunnerError::Custody(format!(
                         "{} was asked to stop and is not yet gone",
                         running.instance
                     )));
                 }
+                self.forget(&running.lease).await;
                 Ok(())
             }
         }
@@ -467,11 +528,14 @@ impl Runner {
 
     /// Moves every running request into custody: another process owns this
     /// node's name now, so completions will not reach this one.
-    pub fn superseded(&self) {
-        let mut s = self.state();
-        let running: Vec<_> = s.running.drain().collect();
+    pub async fn superseded(&self) {
+        let running: Vec<_> = self.state().running.drain().collect();
         for (request_id, r) in running {
-            s.custody.entry(r.lease.clone()).or_insert(CustodyEntry {
+            if self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            let lease = r.lease.clone();
+            self.hold(lease, CustodyEntry {
                 epoch: r.epoch,
                 instance: r.instance,
                 request_id,
@@ -483,7 +547,8 @@ impl Runner {
                 absent_since: None,
                 unconfirmed: true,
                 since: Instant::now(),
-            });
+            })
+            .await;
         }
     }
 
@@ -526,6 +591,7 @@ impl Runner {
             .filter_map(|i| i.lease().map(|l| (l.clone(), InstanceName::for_lease(&l))))
             .collect();
         let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
+        self.hold_vanished(&ids).await;
         match self.ledger.reconcile(&ids).await {
             Ok(freed) if freed > 0 => {
                 info!(freed, "the plane freed quarantined leases absent here")
@@ -559,7 +625,7 @@ impl Runner {
             }
             if set.quarantined.contains(&lease) {
                 match self.ledger.lease(&lease).await {
-                    Ok(l) => self.adopt(&l, &name, None),
+                    Ok(l) => self.adopt(&l, &name, None).await,
                     Err(e) => {
                         warn!(%lease, error = %e, "cannot read a quarantined lease to adopt it")
                     }
@@ -587,9 +653,157 @@ impl Runner {
         Ok(())
     }
 
+    /// Running requests whose instance is missing from a complete inventory
+    /// lost their compute behind this node's back (removed by hand, killed
+    /// by the engine). They move to custody as failed: the next tend finds
+    /// them gone (this host's provider saw them exist, so no grace applies),
+    /// removes any registration and releases the lease.
+    async fn hold_vanished(&self, present: &[LeaseId]) {
+        let vanished: Vec<(RequestId, Running)> = {
+            let mut s = self.state();
+            let gone: Vec<RequestId> = s
+                .running
+                .iter()
+                .filter(|(_, r)| !present.contains(&r.lease))
+                .map(|(q, _)| *q)
+                .collect();
+            gone.into_iter()
+                .filter_map(|q| s.running.remove(&q).map(|r| (q, r)))
+                .collect()
+        };
+        for (request_id, r) in vanished {
+            warn!(lease = %r.lease, instance = %r.instance, "instance vanished while its job was running; releasing its lease as failed");
+            self.hold(
+                r.lease.clone(),
+                CustodyEntry {
+                    epoch: r.epoch,
+                    instance: r.instance,
+                    request_id,
+                    registration: None,
+                    outcome: Phase::Failed,
+                    phase: Some(Phase::Teardown),
+                    discard: true,
+                    observed: true,
+                    absent_since: None,
+                    unconfirmed: true,
+                    since: Instant::now(),
+                },
+            )
+            .await;
+        }
+    }
+
+    /// Decides what to do with compute an earlier process left behind, once,
+    /// before the first command runs (spec/node.md §2.5, with the journal):
+    /// custody entries the journal remembers are held again as they were;
+    /// instances whose lease is open on this node (launched or quarantined)
+    /// are adopted into custody, their job left running; instances whose
+    /// lease is not open are true orphans and are destroyed; instances
+    /// without billet's name are never touched. A launch the journal
+    /// remembers whose lease is still open but whose instance is not there
+    /// (a node killed mid-launch) is held until its registration is removed
+    /// and its absence has lasted the stray grace.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when the journal, the provider or the ledger
+    /// cannot be read (a failed read is never a licence to destroy), or when
+    /// some orphans could not be destroyed.
+    pub async fn recover(&self) -> Result<(), RunnerError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| RunnerError::Failed(format!("recover: {what}: {e}"));
+        let remembered = self.journal.custody().await.map_err(|e| fail("read the journal", &e))?;
+        let launches = self.journal.launches().await.map_err(|e| fail("read the journal", &e))?;
+        for record in &remembered {
+            match custody_entry(record) {
+                Some((lease, entry)) => {
+                    self.state().custody.entry(lease).or_insert(entry);
+                }
+                None => warn!(lease = %record.lease, "ignoring a custody record this build cannot read"),
+            }
+        }
+        let instances = self.provider.list().await.map_err(|e| fail("list instances", &e))?;
+        let set = self.ledger.launched().await.map_err(|e| fail("read the launched set", &e))?;
+        let requests: std::collections::HashMap<&str, &LaunchRecord> =
+            launches.iter().map(|l| (l.lease.as_str(), l)).collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut failed = 0;
+        for instance in &instances {
+            let Some(lease) = instance.lease() else {
+                warn!(name = %instance.name, "ignoring an instance billet did not name");
+                continue;
+            };
+            let name = InstanceName::for_lease(&lease);
+            seen.insert(lease.clone());
+            if self.state().custody.contains_key(&lease) {
+                continue;
+            }
+            if set.launched.contains(&lease) || set.quarantined.contains(&lease) {
+                match self.ledger.lease(&lease).await {
+                    Ok(mut l) => {
+                        if let Some(r) = requests.get(lease.as_str()) {
+                            l.request_id = RequestId(r.request_id);
+                        }
+                        info!(%lease, instance = %name, "adopting an instance an earlier process started");
+                        self.adopt(&l, &name, Some(Phase::Custody)).await;
+                        continue;
+                    }
+                    Err(PlaneError::NotFound(_)) => {}
+                    Err(e) => return Err(fail(&format!("read lease {lease}"), &e)),
+                }
+            }
+            match self.provider.destroy(&name).await {
+                Err(e) => {
+                    failed += 1;
+                    warn!(%lease, error = %e, "destroying an orphan failed");
+                }
+                Ok(Teardown::Requested) => {}
+                Ok(Teardown::Stopped) => {
+                    info!(%lease, instance = %name, "destroyed an orphan");
+                    self.forget(&lease).await;
+                }
+            }
+        }
+        for record in &launches {
+            let Ok(lease) = LeaseId::parse("journal.launch.lease", &record.lease) else {
+                continue;
+            };
+            if seen.contains(&lease) || self.state().custody.contains_key(&lease) {
+                continue;
+            }
+            if set.launched.contains(&lease) || set.quarantined.contains(&lease) {
+                let registration = (record.runner_id > 0)
+                    .then(|| (record.runner_id, record.runner_name.clone()))
+                    .or(Some((0, String::new())));
+                self.hold(
+                    lease.clone(),
+                    CustodyEntry {
+                        epoch: Epoch(record.epoch),
+                        instance: InstanceName::for_lease(&lease),
+                        request_id: RequestId(record.request_id),
+                        registration,
+                        outcome: Phase::Failed,
+                        phase: Some(Phase::Teardown),
+                        discard: true,
+                        observed: false,
+                        absent_since: Some(Instant::now()),
+                        unconfirmed: true,
+                        since: Instant::now(),
+                    },
+                )
+                .await;
+            } else {
+                self.forget(&lease).await;
+            }
+        }
+        if failed > 0 {
+            return Err(RunnerError::Failed(format!("recover: {failed} instances could not be destroyed")));
+        }
+        Ok(())
+    }
+
     /// Takes custody of compute found running under an open lease that no
     /// request here manages: it is left to finish, and released once gone.
-    fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
+    async fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
         let failing = lease.failure_reason.is_some();
         let entry = CustodyEntry {
             epoch: lease.epoch,
@@ -608,7 +822,7 @@ impl Runner {
             unconfirmed: true,
             since: Instant::now(),
         };
-        self.hold(lease.id.clone(), entry);
+        self.hold(lease.id.clone(), entry).await;
     }
 
     /// Renews held and launching leases every third of the TTL until
@@ -716,14 +930,14 @@ impl Runner {
             match self.ledger.advance(lease, entry.epoch, phase).await {
                 Ok(()) | Err(PlaneError::BadTransition(_)) => {}
                 Err(e) => {
-                    self.update(lease, entry);
+                    self.update(lease, entry).await;
                     return Err(format!("report {phase}: {e}"));
                 }
             }
         }
         if let Some((id, name)) = entry.registration.clone() {
             if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
-                self.update(lease, entry);
+                self.update(lease, entry).await;
                 return Err(format!("remove registration {name}: {e}"));
             }
             entry.registration = None;
@@ -732,7 +946,7 @@ impl Runner {
             Ok(found) => found,
             Err(e) => {
                 entry.absent_since = None;
-                self.update(lease, entry);
+                self.update(lease, entry).await;
                 return Err(format!("find {}: {e}", lease));
             }
         };
@@ -741,11 +955,11 @@ impl Runner {
                 let grace = if entry.observed && self.provider.runs_on_host() {
                     Duration::ZERO
                 } else {
-                    STRAY_GRACE
+                    self.options.stray_grace
                 };
                 let since = *entry.absent_since.get_or_insert_with(Instant::now);
                 if !now_plus(grace, since) {
-                    self.update(lease, entry);
+                    self.update(lease, entry).await;
                     return Ok(());
                 }
                 entry.unconfirmed = false;
@@ -759,16 +973,16 @@ impl Runner {
                     return self.finish(lease, entry).await;
                 }
                 if !entry.discard && instance.running {
-                    self.update(lease, entry);
+                    self.update(lease, entry).await;
                     return Ok(());
                 }
                 match self.provider.destroy(&entry.instance).await {
                     Err(e) => {
-                        self.update(lease, entry);
+                        self.update(lease, entry).await;
                         Err(format!("destroy: {e}"))
                     }
                     Ok(Teardown::Requested) => {
-                        self.update(lease, entry);
+                        self.update(lease, entry).await;
                         Ok(())
                     }
                     Ok(Teardown::Stopped) => {
@@ -781,10 +995,28 @@ impl Runner {
         }
     }
 
-    fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
-        let mut s = self.state();
-        if let Some(slot) = s.custody.get_mut(lease) {
+    /// Forgets a lease's launch and custody records.
+    async fn forget(&self, lease: &LeaseId) {
+        let forgot = async {
+            self.journal.forget_custody(lease.as_str()).await?;
+            self.journal.forget_launch(lease.as_str()).await
+        };
+        if let Err(e) = forgot.await {
+            warn!(%lease, error = %e, "cannot clear the journal; a restart re-checks this lease");
+        }
+    }
+
+    async fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
+        let record = custody_record(lease, &entry);
+        {
+            let mut s = self.state();
+            let Some(slot) = s.custody.get_mut(lease) else {
+                return;
+            };
             *slot = entry;
+        }
+        if let Err(e) = self.journal.put_custody(&record).await {
+            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
         }
     }
 
@@ -792,15 +1024,65 @@ impl Runner {
         match self.ledger.release(lease, entry.epoch, entry.outcome).await {
             Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
                 debug!(%lease, outcome = %entry.outcome, "custody ended");
-                let mut s = self.state();
-                s.custody.remove(lease);
-                s.running.retain(|_, r| r.lease != *lease);
+                {
+                    let mut s = self.state();
+                    s.custody.remove(lease);
+                    s.running.retain(|_, r| r.lease != *lease);
+                }
+                self.forget(lease).await;
                 Ok(())
             }
             Err(e) => {
-                self.update(lease, entry);
+                self.update(lease, entry).await;
                 Err(format!("release: {e}"))
             }
         }
     }
+}
+
+fn custody_record(lease: &LeaseId, e: &CustodyEntry) -> CustodyRecord {
+    let since = e.since.elapsed();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    CustodyRecord {
+        lease: lease.as_str().to_owned(),
+        epoch: e.epoch.0,
+        instance: e.instance.as_str().to_owned(),
+        request_id: e.request_id.0,
+        registration: e.registration.clone(),
+        outcome: e.outcome.as_str().to_owned(),
+        phase: e.phase.map(|p| p.as_str().to_owned()),
+        discard: e.discard,
+        observed: e.observed,
+        since_unix_ms: now_ms - i64::try_from(since.as_millis()).unwrap_or(0),
+    }
+}
+
+/// Rebuilds a custody entry from the journal; `None` for a record this build
+/// cannot read (it is then re-derived from the ledger and the provider).
+fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)> {
+    let lease = LeaseId::parse("journal.custody.lease", &r.lease).ok()?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let age = Duration::from_millis(u64::try_from(now_ms - r.since_unix_ms).unwrap_or(0));
+    let phase = match &r.phase {
+        Some(p) => Some(Phase::parse("journal.custody.phase", p).ok()?),
+        None => None,
+    };
+    let entry = CustodyEntry {
+        epoch: Epoch(r.epoch),
+        instance: InstanceName::for_lease(&lease),
+        request_id: RequestId(r.request_id),
+        registration: r.registration.clone(),
+        outcome: Phase::parse("journal.custody.outcome", &r.outcome).ok()?,
+        phase,
+        discard: r.discard,
+        observed: r.observed,
+        absent_since: None,
+        unconfirmed: true,
+        since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
+    };
+    Some((lease, entry))
 }

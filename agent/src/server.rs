@@ -14,13 +14,14 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info, info_span};
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::plane::PlaneLink;
 use crate::provider::docker::DockerProvider;
 use crate::provider::{Owner, Provider};
 use crate::runner::{Runner, RunnerOptions};
-use crate::session::{Identity, NodeService, execute_commands};
+use crate::journal::{Journal, SqliteJournal};
+use crate::session::{Executor, Identity, NodeService, Recovery, execute_commands};
 use crate::slot::CommandSlot;
 use crate::tls::{NodeTls, TlsError, TlsPaths};
 
@@ -43,6 +44,14 @@ pub struct NodeConfig {
     pub memory_bytes: u64,
     /// See [`RunnerOptions::max_custody`].
     pub max_custody: Option<Duration>,
+    /// See [`RunnerOptions::stray_grace`].
+    pub stray_grace: Duration,
+    /// How long a successful launch's result waits for the plane's
+    /// acknowledgement before the node takes custody.
+    pub ack_timeout: Duration,
+    /// How long a drain (first SIGTERM) waits for held compute to finish
+    /// before the node exits anyway, destroying nothing.
+    pub drain_timeout: Duration,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -62,6 +71,9 @@ pub enum NodeError {
     /// The provider cannot be reached.
     #[error(transparent)]
     Provider(#[from] crate::provider::ProviderError),
+    /// The node journal cannot be used.
+    #[error(transparent)]
+    Journal(#[from] crate::journal::JournalError),
     /// The gRPC server failed.
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -83,9 +95,10 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
 /// # Errors
 ///
 /// [`NodeError`] naming what is wrong.
-pub async fn prepare(config: &NodeConfig) -> Result<(NodeTls, Arc<dyn Provider>), NodeError> {
+pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     let tls = NodeTls::load(&config.tls)?;
     prepare_state_dir(&config.state_dir)?;
+    let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
     let docker = DockerProvider::connect(
         &config.docker_socket,
         Owner {
@@ -94,31 +107,64 @@ pub async fn prepare(config: &NodeConfig) -> Result<(NodeTls, Arc<dyn Provider>)
         },
     )?;
     docker.ping().await?;
-    Ok((tls, Arc::new(docker)))
+    Ok(Prepared {
+        tls,
+        provider: Arc::new(docker),
+        journal,
+    })
 }
 
-/// Serves the node on `listener` until `shutdown` fires.
+/// What [`prepare`] loaded and checked.
+#[derive(Debug)]
+pub struct Prepared {
+    /// TLS material.
+    pub tls: NodeTls,
+    /// The provider, reachable.
+    pub provider: Arc<dyn Provider>,
+    /// The node journal, readable.
+    pub journal: Arc<dyn Journal>,
+}
+
+/// Serves the node on `listener` until `shutdown` fires. When `drain`
+/// fires first, the node stops taking launches, keeps serving destroys,
+/// sweeps and tends, and stops once it holds nothing or the drain timeout
+/// passes; a drain that times out destroys nothing (the next process adopts).
 ///
 /// # Errors
 ///
-/// [`NodeError::Serve`] when the gRPC server fails.
+/// [`NodeError::Serve`] when the gRPC server fails; [`NodeError::Journal`]
+/// when the journal's recorded results cannot be read.
 pub async fn run(
     config: NodeConfig,
-    tls: NodeTls,
-    provider: Arc<dyn Provider>,
+    prepared: Prepared,
     listener: TcpListener,
+    drain: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), NodeError> {
-    let link = Arc::new(PlaneLink::default());
-    let runner = Arc::new(Runner::new(
+    let Prepared {
+        tls,
         provider,
-        link.clone(),
-        link.clone(),
-        RunnerOptions {
-            max_custody: config.max_custody,
-        },
-    ));
+        journal,
+    } = prepared;
+    let link = Arc::new(PlaneLink::default());
+    let runner = Arc::new(
+        Runner::new(
+            provider,
+            link.clone(),
+            link.clone(),
+            RunnerOptions {
+                max_custody: config.max_custody,
+                stray_grace: config.stray_grace,
+            },
+        )
+        .with_journal(journal.clone()),
+    );
     let slot = Arc::new(CommandSlot::new());
+    slot.preload(journal.results().await?.into_iter().filter_map(|(id, bytes)| {
+        let id = crate::model::CommandId::parse("journal.result", &id).ok()?;
+        let result = <pb::CommandResult as prost::Message>::decode(bytes.as_slice()).ok()?;
+        Some((id, result))
+    }));
     let identity = Identity {
         node_name: tls.node_name.clone(),
         deployment: config.deployment.clone(),
@@ -129,19 +175,56 @@ pub async fn run(
     };
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
-    let service = NodeService::new(identity, runner.clone(), link, slot.clone());
+    let recovery = Arc::new(Recovery::default());
+    let service = NodeService::new(identity, runner.clone(), link, slot.clone(), recovery.clone());
 
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
     tasks.spawn(
-        execute_commands(runner.clone(), slot, background.clone())
-            .instrument(info_span!("executor")),
+        execute_commands(
+            runner.clone(),
+            slot,
+            Executor {
+                recovery,
+                journal,
+                ack_timeout: config.ack_timeout,
+            },
+            background.clone(),
+        )
+        .instrument(info_span!("executor")),
     );
     {
         let runner = runner.clone();
         let cancel = background.clone();
+        tasks.spawn(async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")));
+    }
+    {
+        let runner = runner.clone();
+        let shutdown = shutdown.clone();
+        let timeout = config.drain_timeout;
         tasks.spawn(
-            async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")),
+            async move {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = drain.cancelled() => {}
+                }
+                runner.start_draining();
+                info!(timeout_s = timeout.as_secs(), "draining: no new launches; waiting for held compute to finish");
+                let deadline = tokio::time::Instant::now() + timeout;
+                while runner.holding() {
+                    if tokio::time::Instant::now() >= deadline {
+                        warn!("drain timed out; exiting without destroying anything (the next process adopts what runs)");
+                        break;
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+                info!("drained");
+                shutdown.cancel();
+            }
+            .instrument(info_span!("drain")),
         );
     }
     tasks.close();

@@ -6,17 +6,18 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use billet_proto::v1 as pb;
 use futures::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use crate::journal::Journal;
 use crate::model::{NodeName, RequestId};
 use crate::plane::{PlaneLink, SessionLink};
 use crate::runner::{Runner, RunnerError};
@@ -48,6 +49,65 @@ pub struct Identity {
     pub version: String,
 }
 
+/// Start-up recovery: run once, on the first session (it needs the plane),
+/// before the executor takes the first command.
+#[derive(Debug)]
+pub struct Recovery {
+    done: watch::Sender<bool>,
+    running: AtomicBool,
+}
+
+impl Default for Recovery {
+    fn default() -> Self {
+        Self {
+            done: watch::Sender::new(false),
+            running: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Recovery {
+    /// Resolves once recovery has succeeded.
+    pub async fn wait(&self) {
+        let mut done = self.done.subscribe();
+        let _ = done.wait_for(|d| *d).await;
+    }
+
+    /// Whether recovery has succeeded.
+    pub fn is_done(&self) -> bool {
+        *self.done.borrow()
+    }
+
+    /// Runs recovery on `session` unless it is done or already running;
+    /// retries every two seconds while the session lasts.
+    fn start(self: &Arc<Self>, runner: Arc<Runner>, session: Arc<SessionLink>) {
+        if self.is_done() || self.running.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(
+            async move {
+                loop {
+                    match runner.recover().await {
+                        Ok(()) => {
+                            info!("recovered; taking commands");
+                            this.done.send_replace(true);
+                            break;
+                        }
+                        Err(e) => warn!(error = %e, "recovery failed; retrying"),
+                    }
+                    tokio::select! {
+                        () = session.closed.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    }
+                }
+                this.running.store(false, Ordering::SeqCst);
+            }
+            .instrument(info_span!("recover")),
+        );
+    }
+}
+
 /// The `Node` service.
 #[derive(Debug, Clone)]
 pub struct NodeService {
@@ -55,6 +115,7 @@ pub struct NodeService {
     runner: Arc<Runner>,
     link: Arc<PlaneLink>,
     slot: Arc<CommandSlot>,
+    recovery: Arc<Recovery>,
     next_session: Arc<AtomicU64>,
 }
 
@@ -66,12 +127,14 @@ impl NodeService {
         runner: Arc<Runner>,
         link: Arc<PlaneLink>,
         slot: Arc<CommandSlot>,
+        recovery: Arc<Recovery>,
     ) -> Self {
         Self {
             identity: Arc::new(identity),
             runner,
             link,
             slot,
+            recovery,
             next_session: Arc::new(AtomicU64::new(1)),
         }
     }
@@ -184,6 +247,8 @@ impl pb::node_server::Node for NodeService {
             lease_ttl_ms = ttl.as_millis() as u64,
             "plane session open"
         );
+        self.recovery
+            .start(Arc::clone(&self.runner), Arc::clone(&session));
 
         let this = self.clone();
         tokio::spawn(
@@ -296,12 +361,29 @@ fn now_unix_ms() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-/// Runs commands off the slot one at a time until `cancel`.
+/// What the executor needs besides the runner and the slot.
+#[derive(Debug, Clone)]
+pub struct Executor {
+    /// Gates the first command.
+    pub recovery: Arc<Recovery>,
+    /// Where results are remembered across restarts.
+    pub journal: Arc<dyn Journal>,
+    /// How long a launch result waits for its acknowledgement.
+    pub ack_timeout: Duration,
+}
+
+/// Runs commands off the slot one at a time until `cancel`, once start-up
+/// recovery has succeeded.
 pub async fn execute_commands(
     runner: Arc<Runner>,
     slot: Arc<CommandSlot>,
+    executor: Executor,
     cancel: CancellationToken,
 ) {
+    tokio::select! {
+        () = cancel.cancelled() => return,
+        () = executor.recovery.wait() => {}
+    }
     loop {
         let queued = tokio::select! {
             () = cancel.cancelled() => return,
@@ -333,7 +415,14 @@ pub async fn execute_commands(
         .instrument(span.clone())
         .await;
         slot.record(&id, &result);
-        deliver(&runner, session, result, launched)
+        if let Err(e) = executor
+            .journal
+            .put_result(id.as_str(), &prost::Message::encode_to_vec(&result))
+            .await
+        {
+            warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
+        }
+        deliver(&runner, session, result, launched, executor.ack_timeout)
             .instrument(span)
             .await;
     }
@@ -437,7 +526,7 @@ async fn execute(
         NodeCommand::Sweep => (from_runner(runner.sweep().await), None),
         NodeCommand::Tend => (from_runner(runner.tend().await), None),
         NodeCommand::Superseded => {
-            runner.superseded();
+            runner.superseded().await;
             (ok(), None)
         }
     }
@@ -450,6 +539,7 @@ async fn deliver(
     session: Arc<SessionLink>,
     result: pb::CommandResult,
     launched: Option<Launched>,
+    ack_timeout: Duration,
 ) {
     let ack = session.expect_ack(&result.id);
     let sent = session.send(pb::node_message::Body::Result(result)).await;
@@ -464,7 +554,7 @@ async fn deliver(
             } else {
                 tokio::select! {
                     v = ack => v.ok(),
-                    () = tokio::time::sleep(ACK_TIMEOUT) => None,
+                    () = tokio::time::sleep(ack_timeout) => None,
                 }
             };
             if verdict == Some(pb::AckVerdict::Accepted) {

@@ -118,6 +118,14 @@ impl CommandSlot {
         }
     }
 
+    /// Remembers results recorded by an earlier process (oldest first), so
+    /// a command redelivered across a restart is answered, not run again.
+    pub fn preload(&self, results: impl IntoIterator<Item = (CommandId, pb::CommandResult)>) {
+        for (id, result) in results {
+            self.record(&id, &result);
+        }
+    }
+
     /// How many commands wait.
     pub fn len(&self) -> usize {
         self.inner.lock().expect("slot").queue.len()

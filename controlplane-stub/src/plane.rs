@@ -16,10 +16,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, error, info, info_span, warn};
 
-use crate::calls::{CallHandler, QUARANTINE_GRACE, lease_to_wire};
+use crate::calls::{CallHandler, lease_to_wire};
 use crate::github::Github;
 use crate::ledger::{Ledger, NewLease, Phase};
-use crate::node_link::{NodeLink, NodeTarget, PlaneTls};
+use crate::node_link::{CommandOutcome, NodeLink, NodeTarget, PlaneTls};
 
 /// A tier: which scale set, and how to run its runner.
 #[derive(Debug, Clone)]
@@ -65,6 +65,11 @@ pub struct PlaneConfig {
     pub reap_interval: Duration,
     /// How many runners the scale set may have at once.
     pub max_runners: u32,
+    /// How often every attached node is sent Tend and then Sweep.
+    pub maintenance_interval: Duration,
+    /// How long a quarantined lease must be absent from its node's inventory
+    /// before the ledger frees it.
+    pub quarantine_grace: Duration,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -191,7 +196,7 @@ impl Plane {
             tasks: TaskTracker::new(),
             config,
         });
-        let calls = Arc::new(CallHandler::new(ledger, github, QUARANTINE_GRACE));
+        let calls = Arc::new(CallHandler::new(ledger, github, plane.config.quarantine_grace));
         let open = pb::Open {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: plane.config.deployment.clone(),
@@ -219,6 +224,7 @@ impl Plane {
         plane
             .tasks
             .spawn(Arc::clone(&plane).renew_and_reap(shutdown.clone()));
+        plane.tasks.spawn(Arc::clone(&plane).maintain(shutdown.clone()));
         Ok(plane)
     }
 
@@ -482,11 +488,14 @@ impl Plane {
             if outcome.is_ok() {
                 break;
             }
-            if outcome.is_custody() {
+            if let CommandOutcome::Answered(result) = &outcome
+                && result.custody
+            {
                 info!(lease = %lease.id, "the node holds the lease until its instance is gone");
                 self.managed.lock().expect("managed").remove(&lease.id);
                 return;
             }
+            // A lost or failed destroy is repeated: destroys are idempotent.
             warn!(lease = %lease.id, outcome = %outcome.describe(), "destroy failed; retrying");
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -510,6 +519,30 @@ impl Plane {
                 });
             }
             Err(e) => warn!(lease = %lease.id, error = %e, "release after destroy"),
+        }
+    }
+
+    /// Sends Tend, then Sweep, to every attached node on each tick.
+    async fn maintain(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.config.maintenance_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            for node in &self.nodes {
+                if node.status().borrow().is_none() {
+                    continue;
+                }
+                let timeout = self.config.maintenance_interval.max(Duration::from_secs(10));
+                for kind in [pb::command::Kind::Tend(pb::Tend {}), pb::command::Kind::Sweep(pb::Sweep {})] {
+                    let outcome = node.dispatch(kind, timeout).await;
+                    if !outcome.is_ok() {
+                        warn!(node = node.name(), outcome = %outcome.describe(), "maintenance command");
+                    }
+                }
+            }
         }
     }
 

@@ -43,6 +43,10 @@ pub struct ClusterOptions {
     pub node_env: Vec<(String, String)>,
     /// The Docker socket the nodes use.
     pub docker_socket: PathBuf,
+    /// How often the plane sends Tend and Sweep.
+    pub maintenance_interval: Duration,
+    /// How long a quarantined lease must be absent before it is freed.
+    pub quarantine_grace: Duration,
 }
 
 impl Default for ClusterOptions {
@@ -55,6 +59,8 @@ impl Default for ClusterOptions {
             launch_timeout: Duration::from_secs(120),
             node_env: Vec::new(),
             docker_socket: PathBuf::from("/var/run/docker.sock"),
+            maintenance_interval: Duration::from_secs(2),
+            quarantine_grace: Duration::from_secs(300),
         }
     }
 }
@@ -288,6 +294,8 @@ impl Cluster {
             destroy_timeout: Duration::from_secs(60),
             reap_interval: Duration::from_secs(1),
             max_runners: 20,
+            maintenance_interval: options.maintenance_interval,
+            quarantine_grace: options.quarantine_grace,
         };
         let plane = Plane::start(config, emulator.client(), shutdown.clone())
             .await

@@ -152,6 +152,8 @@ async fn main() -> ExitCode {
         destroy_timeout: Duration::from_secs(120),
         reap_interval: Duration::from_secs(5),
         max_runners: args.max_runners,
+        maintenance_interval: Duration::from_secs(30),
+        quarantine_grace: billet_controlplane_stub::calls::QUARANTINE_GRACE,
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {

@@ -1,0 +1,459 @@
+//! The node journal: the node's memory across its own restarts. The ledger
+//! stays the authority; the journal remembers what only this node knows:
+//! each launch (lease, epoch, request id, runner registration, instance),
+//! each custody entry with why it is held, and recent command results for
+//! redelivery.
+//!
+//! [`SqliteJournal`] keeps it in `journal.db` in the state directory (mode
+//! 0600, through sqlx); [`MemoryJournal`] is the seam's fake. A journal that
+//! cannot be read stops start-up with a message naming the file: it is never
+//! silently recreated, because a node that forgot its custody would let a
+//! held instance's lease lapse.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use sqlx::Row;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use thiserror::Error;
+
+/// Journal file name inside the state directory.
+pub const JOURNAL_FILE: &str = "journal.db";
+/// How many command results are kept.
+pub const RESULTS_KEPT: i64 = 4096;
+
+/// A journal operation that failed.
+#[derive(Debug, Error)]
+pub enum JournalError {
+    /// The file cannot be opened or is not a journal.
+    #[error("node journal {path}: {message}; move it aside only if this node holds no compute, or restore it")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A read or write failed.
+    #[error("node journal: {0}")]
+    Io(String),
+}
+
+fn io(e: sqlx::Error) -> JournalError {
+    JournalError::Io(e.to_string())
+}
+
+/// One launch, recorded before the provider is asked to create anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchRecord {
+    /// Lease id.
+    pub lease: String,
+    /// Epoch at launch.
+    pub epoch: u64,
+    /// The request it was launched for.
+    pub request_id: i64,
+    /// `billet-<lease>`.
+    pub instance: String,
+    /// GitHub's runner id, once minted (0 before).
+    pub runner_id: i64,
+    /// The registered runner name, once minted (empty before).
+    pub runner_name: String,
+    /// Whether the instance was created (false while launching).
+    pub created: bool,
+}
+
+/// A custody entry as persisted: why the node holds a lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CustodyRecord {
+    /// Lease id.
+    pub lease: String,
+    /// Epoch held.
+    pub epoch: u64,
+    /// `billet-<lease>`.
+    pub instance: String,
+    /// The request it was launched for.
+    pub request_id: i64,
+    /// A registration still to remove: (runner id, runner name).
+    pub registration: Option<(i64, String)>,
+    /// "done" or "failed": what Release will record.
+    pub outcome: String,
+    /// Ledger phase reported each tick, or `None` once quarantined.
+    pub phase: Option<String>,
+    /// Destroy on sight.
+    pub discard: bool,
+    /// The provider has seen the instance.
+    pub observed: bool,
+    /// When custody began, unix milliseconds.
+    pub since_unix_ms: i64,
+}
+
+/// The node's memory. Every method is idempotent.
+#[async_trait]
+pub trait Journal: Send + Sync + std::fmt::Debug {
+    /// Records (or replaces) a launch.
+    async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError>;
+    /// Forgets a launch.
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError>;
+    /// Every recorded launch.
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError>;
+    /// Records (or replaces) a custody entry.
+    async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError>;
+    /// Forgets a custody entry.
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError>;
+    /// Every custody entry.
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError>;
+    /// Records a command's encoded result; old ones are dropped.
+    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError>;
+    /// Recent results, oldest first.
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError>;
+}
+
+/// The journal in SQLite.
+#[derive(Debug)]
+pub struct SqliteJournal {
+    pool: SqlitePool,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS launches (
+    lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, request_id INTEGER NOT NULL,
+    instance TEXT NOT NULL, runner_id INTEGER NOT NULL, runner_name TEXT NOT NULL,
+    created INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS custody (
+    lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, instance TEXT NOT NULL,
+    request_id INTEGER NOT NULL, registration_id INTEGER, registration_name TEXT,
+    outcome TEXT NOT NULL, phase TEXT, discard INTEGER NOT NULL, observed INTEGER NOT NULL,
+    since_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS results (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, command TEXT NOT NULL UNIQUE, encoded BLOB NOT NULL
+);
+";
+
+impl SqliteJournal {
+    /// Opens (or creates) `journal.db` in `state_dir` with mode 0600 and
+    /// checks it can be read.
+    ///
+    /// # Errors
+    ///
+    /// [`JournalError::Open`] naming the file when it is unreadable,
+    /// corrupt, or not a journal.
+    pub async fn open(state_dir: &Path) -> Result<Self, JournalError> {
+        let path = state_dir.join(JOURNAL_FILE);
+        let fail = |message: String| JournalError::Open {
+            path: path.clone(),
+            message,
+        };
+        if !path.exists() {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(|e| fail(format!("cannot create: {e}")))?;
+        }
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(std::time::Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .map_err(|e| fail(format!("cannot open: {e}")))?;
+        let check: String = sqlx::query_scalar("PRAGMA quick_check")
+            .fetch_one(&pool)
+            .await
+            .map_err(|e| fail(format!("cannot read: {e}")))?;
+        if check != "ok" {
+            return Err(fail(format!("failed its integrity check: {check}")));
+        }
+        sqlx::raw_sql(SCHEMA)
+            .execute(&pool)
+            .await
+            .map_err(|e| fail(format!("is not a billet node journal: {e}")))?;
+        for (table, probe) in [
+            ("launches", "SELECT * FROM launches LIMIT 1"),
+            ("custody", "SELECT * FROM custody LIMIT 1"),
+            ("results", "SELECT * FROM results LIMIT 1"),
+        ] {
+            sqlx::query(probe)
+                .fetch_optional(&pool)
+                .await
+                .map_err(|e| fail(format!("table {table} is unreadable: {e}")))?;
+        }
+        Ok(Self { pool })
+    }
+}
+
+#[async_trait]
+impl Journal for SqliteJournal {
+    async fn put_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        sqlx::query(
+            "INSERT OR REPLACE INTO launches (lease, epoch, request_id, instance, runner_id, runner_name, created)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&l.lease)
+        .bind(i64::try_from(l.epoch).unwrap_or(i64::MAX))
+        .bind(l.request_id)
+        .bind(&l.instance)
+        .bind(l.runner_id)
+        .bind(&l.runner_name)
+        .bind(l.created)
+        .execute(&self.pool)
+        .await
+        .map_err(io)?;
+        Ok(())
+    }
+
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        sqlx::query("DELETE FROM launches WHERE lease = ?")
+            .bind(lease)
+            .execute(&self.pool)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
+        let rows = sqlx::query("SELECT * FROM launches ORDER BY lease")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| {
+                Ok(LaunchRecord {
+                    lease: r.try_get("lease").map_err(io)?,
+                    epoch: u64::try_from(r.try_get::<i64, _>("epoch").map_err(io)?).unwrap_or(0),
+                    request_id: r.try_get("request_id").map_err(io)?,
+                    instance: r.try_get("instance").map_err(io)?,
+                    runner_id: r.try_get("runner_id").map_err(io)?,
+                    runner_name: r.try_get("runner_name").map_err(io)?,
+                    created: r.try_get("created").map_err(io)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn put_custody(&self, c: &CustodyRecord) -> Result<(), JournalError> {
+        let (rid, rname) = c
+            .registration
+            .clone()
+            .map_or((None, None), |(i, n)| (Some(i), Some(n)));
+        sqlx::query(
+            "INSERT OR REPLACE INTO custody (lease, epoch, instance, request_id, registration_id,
+             registration_name, outcome, phase, discard, observed, since_unix_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&c.lease)
+        .bind(i64::try_from(c.epoch).unwrap_or(i64::MAX))
+        .bind(&c.instance)
+        .bind(c.request_id)
+        .bind(rid)
+        .bind(rname)
+        .bind(&c.outcome)
+        .bind(&c.phase)
+        .bind(c.discard)
+        .bind(c.observed)
+        .bind(c.since_unix_ms)
+        .execute(&self.pool)
+        .await
+        .map_err(io)?;
+        Ok(())
+    }
+
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
+        sqlx::query("DELETE FROM custody WHERE lease = ?")
+            .bind(lease)
+            .execute(&self.pool)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
+        let rows = sqlx::query("SELECT * FROM custody ORDER BY lease")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| {
+                let rid: Option<i64> = r.try_get("registration_id").map_err(io)?;
+                let rname: Option<String> = r.try_get("registration_name").map_err(io)?;
+                Ok(CustodyRecord {
+                    lease: r.try_get("lease").map_err(io)?,
+                    epoch: u64::try_from(r.try_get::<i64, _>("epoch").map_err(io)?).unwrap_or(0),
+                    instance: r.try_get("instance").map_err(io)?,
+                    request_id: r.try_get("request_id").map_err(io)?,
+                    registration: rid.zip(rname),
+                    outcome: r.try_get("outcome").map_err(io)?,
+                    phase: r.try_get("phase").map_err(io)?,
+                    discard: r.try_get("discard").map_err(io)?,
+                    observed: r.try_get("observed").map_err(io)?,
+                    since_unix_ms: r.try_get("since_unix_ms").map_err(io)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+        sqlx::query("INSERT OR REPLACE INTO results (command, encoded) VALUES (?, ?)")
+            .bind(command)
+            .bind(encoded)
+            .execute(&self.pool)
+            .await
+            .map_err(io)?;
+        sqlx::query("DELETE FROM results WHERE seq <= (SELECT MAX(seq) FROM results) - ?")
+            .bind(RESULTS_KEPT)
+            .execute(&self.pool)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
+        let rows = sqlx::query("SELECT command, encoded FROM results ORDER BY seq")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| Ok((r.try_get("command").map_err(io)?, r.try_get("encoded").map_err(io)?)))
+            .collect()
+    }
+}
+
+/// A journal in memory: the seam's fake, and what a runner without a state
+/// directory uses. Survives a [`crate::runner::Runner`] being rebuilt over
+/// it, which is how tests model a restart.
+#[derive(Debug, Default)]
+pub struct MemoryJournal {
+    launches: Mutex<BTreeMap<String, LaunchRecord>>,
+    custody: Mutex<BTreeMap<String, CustodyRecord>>,
+    results: Mutex<Vec<(String, Vec<u8>)>>,
+}
+
+#[async_trait]
+impl Journal for MemoryJournal {
+    async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        self.launches.lock().expect("journal").insert(launch.lease.clone(), launch.clone());
+        Ok(())
+    }
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        self.launches.lock().expect("journal").remove(lease);
+        Ok(())
+    }
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
+        Ok(self.launches.lock().expect("journal").values().cloned().collect())
+    }
+    async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
+        self.custody.lock().expect("journal").insert(entry.lease.clone(), entry.clone());
+        Ok(())
+    }
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
+        self.custody.lock().expect("journal").remove(lease);
+        Ok(())
+    }
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
+        Ok(self.custody.lock().expect("journal").values().cloned().collect())
+    }
+    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+        let mut results = self.results.lock().expect("journal");
+        results.retain(|(c, _)| c != command);
+        results.push((command.to_owned(), encoded.to_vec()));
+        let excess = results.len().saturating_sub(RESULTS_KEPT as usize);
+        results.drain(..excess);
+        Ok(())
+    }
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
+        Ok(self.results.lock().expect("journal").clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("billet-journal-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn launch(lease: &str) -> LaunchRecord {
+        LaunchRecord {
+            lease: lease.into(),
+            epoch: 2,
+            request_id: 7,
+            instance: format!("billet-{lease}"),
+            runner_id: 11,
+            runner_name: format!("billet-{lease}"),
+            created: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reopened_journal_remembers_launches_custody_and_results() {
+        let d = dir();
+        {
+            let j = SqliteJournal::open(&d).await.unwrap();
+            j.put_launch(&launch("a")).await.unwrap();
+            j.put_launch(&launch("b")).await.unwrap();
+            j.forget_launch("b").await.unwrap();
+            j.put_custody(&CustodyRecord {
+                lease: "a".into(),
+                epoch: 3,
+                instance: "billet-a".into(),
+                request_id: 7,
+                registration: Some((11, "billet-a".into())),
+                outcome: "failed".into(),
+                phase: Some("teardown".into()),
+                discard: true,
+                observed: false,
+                since_unix_ms: 5,
+            })
+            .await
+            .unwrap();
+            j.put_result("c1", b"xyz").await.unwrap();
+        }
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(j.launches().await.unwrap(), vec![launch("a")]);
+        let custody = j.custody().await.unwrap();
+        assert_eq!(custody.len(), 1);
+        assert_eq!(custody[0].registration, Some((11, "billet-a".into())));
+        assert!(custody[0].discard);
+        assert_eq!(j.results().await.unwrap(), vec![("c1".to_owned(), b"xyz".to_vec())]);
+    }
+
+    #[tokio::test]
+    async fn the_journal_file_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir();
+        SqliteJournal::open(&d).await.unwrap();
+        let mode = std::fs::metadata(d.join(JOURNAL_FILE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[tokio::test]
+    async fn a_corrupt_journal_stops_start_up_naming_the_file() {
+        let d = dir();
+        std::fs::write(d.join(JOURNAL_FILE), b"this is not a database, just bytes ".repeat(200)).unwrap();
+        let err = SqliteJournal::open(&d).await.unwrap_err().to_string();
+        assert!(err.contains(JOURNAL_FILE), "{err}");
+        // Never silently recreated.
+        assert!(std::fs::read(d.join(JOURNAL_FILE)).unwrap().starts_with(b"this is not"));
+    }
+
+    #[tokio::test]
+    async fn only_the_most_recent_results_are_kept() {
+        let j = MemoryJournal::default();
+        for i in 0..(RESULTS_KEPT + 10) {
+            j.put_result(&format!("c{i}"), b"r").await.unwrap();
+        }
+        let results = j.results().await.unwrap();
+        assert_eq!(results.len(), RESULTS_KEPT as usize);
+        assert_eq!(results[0].0, "c10");
+    }
+}
