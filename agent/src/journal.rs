@@ -28,7 +28,9 @@ pub const RESULTS_KEPT: i64 = 4096;
 #[derive(Debug, Error)]
 pub enum JournalError {
     /// The file cannot be opened or is not a journal.
-    #[error("node journal {path}: {message}; move it aside only if this node holds no compute, or restore it")]
+    #[error(
+        "node journal {path}: {message}; move it aside only if this node holds no compute, or restore it"
+    )]
     Open {
         /// The file.
         path: PathBuf,
@@ -320,7 +322,12 @@ impl Journal for SqliteJournal {
             .await
             .map_err(io)?;
         rows.iter()
-            .map(|r| Ok((r.try_get("command").map_err(io)?, r.try_get("encoded").map_err(io)?)))
+            .map(|r| {
+                Ok((
+                    r.try_get("command").map_err(io)?,
+                    r.try_get("encoded").map_err(io)?,
+                ))
+            })
             .collect()
     }
 }
@@ -338,7 +345,10 @@ pub struct MemoryJournal {
 #[async_trait]
 impl Journal for MemoryJournal {
     async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
-        self.launches.lock().expect("journal").insert(launch.lease.clone(), launch.clone());
+        self.launches
+            .lock()
+            .expect("journal")
+            .insert(launch.lease.clone(), launch.clone());
         Ok(())
     }
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
@@ -346,10 +356,19 @@ impl Journal for MemoryJournal {
         Ok(())
     }
     async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
-        Ok(self.launches.lock().expect("journal").values().cloned().collect())
+        Ok(self
+            .launches
+            .lock()
+            .expect("journal")
+            .values()
+            .cloned()
+            .collect())
     }
     async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
-        self.custody.lock().expect("journal").insert(entry.lease.clone(), entry.clone());
+        self.custody
+            .lock()
+            .expect("journal")
+            .insert(entry.lease.clone(), entry.clone());
         Ok(())
     }
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
@@ -357,7 +376,13 @@ impl Journal for MemoryJournal {
         Ok(())
     }
     async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
-        Ok(self.custody.lock().expect("journal").values().cloned().collect())
+        Ok(self
+            .custody
+            .lock()
+            .expect("journal")
+            .values()
+            .cloned()
+            .collect())
     }
     async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
         let mut results = self.results.lock().expect("journal");
@@ -377,7 +402,8 @@ mod tests {
     use super::*;
 
     fn dir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("billet-journal-{}", uuid::Uuid::new_v4().simple()));
+        let d =
+            std::env::temp_dir().join(format!("billet-journal-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&d).unwrap();
         d
     }
@@ -424,7 +450,10 @@ mod tests {
         assert_eq!(custody.len(), 1);
         assert_eq!(custody[0].registration, Some((11, "billet-a".into())));
         assert!(custody[0].discard);
-        assert_eq!(j.results().await.unwrap(), vec![("c1".to_owned(), b"xyz".to_vec())]);
+        assert_eq!(
+            j.results().await.unwrap(),
+            vec![("c1".to_owned(), b"xyz".to_vec())]
+        );
     }
 
     #[tokio::test]
@@ -432,18 +461,29 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let d = dir();
         SqliteJournal::open(&d).await.unwrap();
-        let mode = std::fs::metadata(d.join(JOURNAL_FILE)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(d.join(JOURNAL_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
     }
 
     #[tokio::test]
     async fn a_corrupt_journal_stops_start_up_naming_the_file() {
         let d = dir();
-        std::fs::write(d.join(JOURNAL_FILE), b"this is not a database, just bytes ".repeat(200)).unwrap();
+        std::fs::write(
+            d.join(JOURNAL_FILE),
+            b"this is not a database, just bytes ".repeat(200),
+        )
+        .unwrap();
         let err = SqliteJournal::open(&d).await.unwrap_err().to_string();
         assert!(err.contains(JOURNAL_FILE), "{err}");
         // Never silently recreated.
-        assert!(std::fs::read(d.join(JOURNAL_FILE)).unwrap().starts_with(b"this is not"));
+        assert!(
+            std::fs::read(d.join(JOURNAL_FILE))
+                .unwrap()
+                .starts_with(b"this is not")
+        );
     }
 
     #[tokio::test]

@@ -248,10 +248,16 @@ impl Runner {
                 "cannot journal the launch of {}, so nothing was started: {e}",
                 lease.id
             ))),
-            Ok(()) => self.launch_bound(&lease, &tier, &name, &job, &mut record).await,
+            Ok(()) => {
+                self.launch_bound(&lease, &tier, &name, &job, &mut record)
+                    .await
+            }
         };
         self.state().launching.remove(&lease.id);
-        if matches!(result, Err(RunnerError::Failed(_) | RunnerError::Refused(_))) {
+        if matches!(
+            result,
+            Err(RunnerError::Failed(_) | RunnerError::Refused(_))
+        ) {
             // Nothing started, or everything started is proven gone.
             self.forget(&lease.id).await;
         }
@@ -463,7 +469,8 @@ impl Runner {
                             unconfirmed: true,
                             since: Instant::now(),
                         },
-                    ).await;
+                    )
+                    .await;
                     return Err(RunnerError::Custody(format!(
                         "{} was asked to stop and is not yet gone",
                         running.instance
@@ -535,19 +542,22 @@ impl Runner {
                 continue;
             }
             let lease = r.lease.clone();
-            self.hold(lease, CustodyEntry {
-                epoch: r.epoch,
-                instance: r.instance,
-                request_id,
-                registration: None,
-                outcome: Phase::Done,
-                phase: Some(Phase::Custody),
-                discard: false,
-                observed: self.provider.runs_on_host(),
-                absent_since: None,
-                unconfirmed: true,
-                since: Instant::now(),
-            })
+            self.hold(
+                lease,
+                CustodyEntry {
+                    epoch: r.epoch,
+                    instance: r.instance,
+                    request_id,
+                    registration: None,
+                    outcome: Phase::Done,
+                    phase: Some(Phase::Custody),
+                    discard: false,
+                    observed: self.provider.runs_on_host(),
+                    absent_since: None,
+                    unconfirmed: true,
+                    since: Instant::now(),
+                },
+            )
             .await;
         }
     }
@@ -710,19 +720,39 @@ impl Runner {
     /// cannot be read (a failed read is never a licence to destroy), or when
     /// some orphans could not be destroyed.
     pub async fn recover(&self) -> Result<(), RunnerError> {
-        let fail = |what: &str, e: &dyn std::fmt::Display| RunnerError::Failed(format!("recover: {what}: {e}"));
-        let remembered = self.journal.custody().await.map_err(|e| fail("read the journal", &e))?;
-        let launches = self.journal.launches().await.map_err(|e| fail("read the journal", &e))?;
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            RunnerError::Failed(format!("recover: {what}: {e}"))
+        };
+        let remembered = self
+            .journal
+            .custody()
+            .await
+            .map_err(|e| fail("read the journal", &e))?;
+        let launches = self
+            .journal
+            .launches()
+            .await
+            .map_err(|e| fail("read the journal", &e))?;
         for record in &remembered {
             match custody_entry(record) {
                 Some((lease, entry)) => {
                     self.state().custody.entry(lease).or_insert(entry);
                 }
-                None => warn!(lease = %record.lease, "ignoring a custody record this build cannot read"),
+                None => {
+                    warn!(lease = %record.lease, "ignoring a custody record this build cannot read")
+                }
             }
         }
-        let instances = self.provider.list().await.map_err(|e| fail("list instances", &e))?;
-        let set = self.ledger.launched().await.map_err(|e| fail("read the launched set", &e))?;
+        let instances = self
+            .provider
+            .list()
+            .await
+            .map_err(|e| fail("list instances", &e))?;
+        let set = self
+            .ledger
+            .launched()
+            .await
+            .map_err(|e| fail("read the launched set", &e))?;
         let requests: std::collections::HashMap<&str, &LaunchRecord> =
             launches.iter().map(|l| (l.lease.as_str(), l)).collect();
         let mut seen = std::collections::HashSet::new();
@@ -796,7 +826,9 @@ impl Runner {
             }
         }
         if failed > 0 {
-            return Err(RunnerError::Failed(format!("recover: {failed} instances could not be destroyed")));
+            return Err(RunnerError::Failed(format!(
+                "recover: {failed} instances could not be destroyed"
+            )));
         }
         Ok(())
     }

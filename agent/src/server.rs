@@ -16,11 +16,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
+use crate::journal::{Journal, SqliteJournal};
 use crate::plane::PlaneLink;
 use crate::provider::docker::DockerProvider;
 use crate::provider::{Owner, Provider};
 use crate::runner::{Runner, RunnerOptions};
-use crate::journal::{Journal, SqliteJournal};
 use crate::session::{Executor, Identity, NodeService, Recovery, execute_commands};
 use crate::slot::CommandSlot;
 use crate::tls::{NodeTls, TlsError, TlsPaths};
@@ -160,11 +160,18 @@ pub async fn run(
         .with_journal(journal.clone()),
     );
     let slot = Arc::new(CommandSlot::new());
-    slot.preload(journal.results().await?.into_iter().filter_map(|(id, bytes)| {
-        let id = crate::model::CommandId::parse("journal.result", &id).ok()?;
-        let result = <pb::CommandResult as prost::Message>::decode(bytes.as_slice()).ok()?;
-        Some((id, result))
-    }));
+    slot.preload(
+        journal
+            .results()
+            .await?
+            .into_iter()
+            .filter_map(|(id, bytes)| {
+                let id = crate::model::CommandId::parse("journal.result", &id).ok()?;
+                let result =
+                    <pb::CommandResult as prost::Message>::decode(bytes.as_slice()).ok()?;
+                Some((id, result))
+            }),
+    );
     let identity = Identity {
         node_name: tls.node_name.clone(),
         deployment: config.deployment.clone(),
@@ -176,7 +183,13 @@ pub async fn run(
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
     let recovery = Arc::new(Recovery::default());
-    let service = NodeService::new(identity, runner.clone(), link, slot.clone(), recovery.clone());
+    let service = NodeService::new(
+        identity,
+        runner.clone(),
+        link.clone(),
+        slot.clone(),
+        recovery.clone(),
+    );
 
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
@@ -196,7 +209,9 @@ pub async fn run(
     {
         let runner = runner.clone();
         let cancel = background.clone();
-        tasks.spawn(async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")));
+        tasks.spawn(
+            async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")),
+        );
     }
     {
         let runner = runner.clone();
@@ -226,6 +241,17 @@ pub async fn run(
             }
             .instrument(info_span!("drain")),
         );
+    }
+    {
+        // Stopping ends the open session, so the server's graceful shutdown
+        // is not held by a stream that never ends.
+        let (link, shutdown) = (link.clone(), shutdown.clone());
+        tasks.spawn(async move {
+            shutdown.cancelled().await;
+            if let Some(session) = link.current() {
+                session.close();
+            }
+        });
     }
     tasks.close();
 

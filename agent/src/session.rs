@@ -250,6 +250,7 @@ impl pb::node_server::Node for NodeService {
         self.recovery
             .start(Arc::clone(&self.runner), Arc::clone(&session));
 
+        let session_closed = session.closed.clone();
         let this = self.clone();
         tokio::spawn(
             async move {
@@ -278,7 +279,12 @@ impl pb::node_server::Node for NodeService {
             }
             .instrument(info_span!("session", id)),
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        // The stream ends when the session closes: replaced, or the node stopping.
+        let closed = session_closed.cancelled_owned();
+        Ok(Response::new(Box::pin(futures::StreamExt::take_until(
+            ReceiverStream::new(rx),
+            closed,
+        ))))
     }
 }
 

@@ -117,6 +117,7 @@ pub enum LinkError {
 #[derive(Debug)]
 struct InFlight {
     is_launch: bool,
+    is_destroy: bool,
     reply: oneshot::Sender<CommandOutcome>,
 }
 
@@ -134,6 +135,9 @@ pub struct LinkFaults {
     /// Drop the next N launch results on receipt (the plane never sees
     /// them and never acknowledges them).
     pub drop_launch_results: AtomicU64,
+    /// Break the session instead of taking the next N destroy results (the
+    /// node ran the destroy; the plane never hears how it went).
+    pub cut_on_destroy_results: AtomicU64,
 }
 
 /// What the node said in `Hello`.
@@ -290,7 +294,14 @@ impl NodeLink {
                 }
             };
             match body {
-                pb::node_message::Body::Result(result) => self.on_result(result, &tx).await,
+                pb::node_message::Body::Result(result) => {
+                    if self.cut_here(&result) {
+                        return Err(LinkError::Session(
+                            "fault injection: session cut on a destroy result".into(),
+                        ));
+                    }
+                    self.on_result(result, &tx).await;
+                }
                 pb::node_message::Body::Call(call) => {
                     let calls = Arc::clone(calls);
                     let tx = tx.clone();
@@ -310,6 +321,22 @@ impl NodeLink {
                 pb::node_message::Body::Hello(_) => warn!("ignored a second Hello"),
             }
         }
+    }
+
+    fn cut_here(&self, result: &pb::CommandResult) -> bool {
+        let is_destroy = self
+            .shared
+            .lock()
+            .expect("link")
+            .in_flight
+            .get(&result.id)
+            .is_some_and(|(_, f)| f.is_destroy);
+        is_destroy
+            && self
+                .faults
+                .cut_on_destroy_results
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
     }
 
     async fn on_result(&self, result: pb::CommandResult, tx: &mpsc::Sender<pb::PlaneMessage>) {
@@ -443,6 +470,7 @@ impl NodeLink {
                         session,
                         InFlight {
                             is_launch,
+                            is_destroy: matches!(kind, pb::command::Kind::Destroy(_)),
                             reply: reply_tx,
                         },
                     ),

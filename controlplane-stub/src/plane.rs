@@ -196,7 +196,11 @@ impl Plane {
             tasks: TaskTracker::new(),
             config,
         });
-        let calls = Arc::new(CallHandler::new(ledger, github, plane.config.quarantine_grace));
+        let calls = Arc::new(CallHandler::new(
+            ledger,
+            github,
+            plane.config.quarantine_grace,
+        ));
         let open = pb::Open {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: plane.config.deployment.clone(),
@@ -224,7 +228,9 @@ impl Plane {
         plane
             .tasks
             .spawn(Arc::clone(&plane).renew_and_reap(shutdown.clone()));
-        plane.tasks.spawn(Arc::clone(&plane).maintain(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).maintain(shutdown.clone()));
         Ok(plane)
     }
 
@@ -535,8 +541,14 @@ impl Plane {
                 if node.status().borrow().is_none() {
                     continue;
                 }
-                let timeout = self.config.maintenance_interval.max(Duration::from_secs(10));
-                for kind in [pb::command::Kind::Tend(pb::Tend {}), pb::command::Kind::Sweep(pb::Sweep {})] {
+                let timeout = self
+                    .config
+                    .maintenance_interval
+                    .max(Duration::from_secs(10));
+                for kind in [
+                    pb::command::Kind::Tend(pb::Tend {}),
+                    pb::command::Kind::Sweep(pb::Sweep {}),
+                ] {
                     let outcome = node.dispatch(kind, timeout).await;
                     if !outcome.is_ok() {
                         warn!(node = node.name(), outcome = %outcome.describe(), "maintenance command");

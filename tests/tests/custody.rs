@@ -1,0 +1,449 @@
+//! Custody end to end, with real Docker and the stub's fault injection: the
+//! node never loses, leaks or wrongly kills compute across lost replies,
+//! restarts, cut sessions and an engine that goes away. Every scenario ends
+//! with no billet container left and the lease terminal with the right
+//! outcome.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use billet_controlplane_stub::ledger::{Lease, NewLease, Phase};
+use billet_controlplane_stub::node_link::CommandOutcome;
+use billet_controlplane_stub::now_ms;
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, TIER, scratch_dir, wait_until};
+use scaleset::testing::{Endpoint, Fault, JobState};
+
+fn options(work_ms: u64) -> ClusterOptions {
+    ClusterOptions {
+        work_ms,
+        node_env: vec![
+            ("BILLET_ACK_TIMEOUT_SECS".into(), "2".into()),
+            ("BILLET_STRAY_GRACE_SECS".into(), "2".into()),
+        ],
+        ..ClusterOptions::default()
+    }
+}
+
+async fn only_lease(cluster: &Cluster) -> Result<Lease> {
+    let leases = cluster.plane.ledger().leases().await?;
+    match leases.as_slice() {
+        [one] => Ok(one.clone()),
+        other => bail!("expected one lease, found {other:?}"),
+    }
+}
+
+async fn wait_lease_phase(cluster: &Cluster, phase: Phase, timeout: Duration) -> Result<Lease> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(l) = cluster
+            .plane
+            .ledger()
+            .leases()
+            .await?
+            .into_iter()
+            .find(|l| l.phase == phase)
+        {
+            return Ok(l);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "no lease reached {phase} within {timeout:?}: {:?}",
+                cluster.plane.ledger().leases().await?
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_job_running(cluster: &Cluster, timeout: Duration) -> Result<()> {
+    wait_until(timeout, "a job to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .any(|j| j.state == JobState::Running)
+    })
+    .await
+}
+
+async fn container_id(cluster: &Cluster, name: &str) -> Option<String> {
+    cluster
+        .docker
+        .inspect_container(name, None)
+        .await
+        .ok()
+        .and_then(|c| c.id)
+}
+
+async fn end_done(cluster: &Cluster, jobs: &[scaleset::JobRequestId]) -> Result<()> {
+    cluster
+        .wait_jobs_completed(jobs, Duration::from_secs(90))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    let state = cluster.emulator.state();
+    for id in jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+    }
+    assert!(
+        state.runners.is_empty(),
+        "registrations left: {:?}",
+        state.runners
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_launch_result_leaves_the_lease_with_the_node_until_the_job_completes()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        launch_timeout: Duration::from_secs(4),
+        ..options(8000)
+    })
+    .await?;
+    let node = cluster.plane.node("node-1").context("node")?;
+    node.faults.drop_launch_results.store(1, Ordering::SeqCst);
+    let jobs = cluster.queue_jobs(1);
+    // The plane gives up on the launch; the node must hold the lease.
+    wait_until(
+        Duration::from_secs(30),
+        "the node to report custody",
+        || {
+            cluster.nodes["node-1"]
+                .log_text()
+                .contains("assumed custody")
+        },
+    )
+    .await?;
+    end_done(&cluster, &jobs).await?;
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_while_a_job_runs_adopts_the_container_after_restart() -> Result<()> {
+    let mut cluster = Cluster::start(options(10_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    let before = container_id(&cluster, &name).await.context("container")?;
+
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.kill().await?;
+    node.restart().await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    wait_until(Duration::from_secs(30), "adoption", || {
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("adopting an instance")
+    })
+    .await?;
+    // Adopted, not killed: the same container keeps running its job.
+    assert_eq!(
+        container_id(&cluster, &name).await.as_deref(),
+        Some(before.as_str())
+    );
+    end_done(&cluster, &jobs).await?;
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_mid_launch_leaks_nothing_and_starts_at_most_one_container() -> Result<()> {
+    let mut cluster = Cluster::start(options(2000)).await?;
+    // Minting takes three seconds: the node dies while it waits.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GenerateJitConfig, Duration::from_secs(3)).times(1));
+    let _jobs = cluster.queue_jobs(1);
+    let lease = wait_lease_phase(&cluster, Phase::Launching, Duration::from_secs(30)).await?;
+    let name = format!("billet-{}", lease.id);
+    let ids: Arc<std::sync::Mutex<BTreeSet<String>>> = Arc::default();
+    let watching = Arc::new(AtomicBool::new(true));
+    let watcher = {
+        let (docker, ids, watching, name) = (
+            cluster.docker.clone(),
+            ids.clone(),
+            watching.clone(),
+            name.clone(),
+        );
+        tokio::spawn(async move {
+            while watching.load(Ordering::SeqCst) {
+                if let Ok(c) = docker.inspect_container(&name, None).await
+                    && let Some(id) = c.id
+                {
+                    ids.lock().expect("ids").insert(id);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.kill().await?;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    node.restart().await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let l = cluster
+            .plane
+            .ledger()
+            .get(&lease.id)
+            .await?
+            .context("lease")?;
+        if l.phase.is_terminal() {
+            assert_eq!(
+                l.phase,
+                Phase::Failed,
+                "a launch that never finished must end failed"
+            );
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("lease {} still {} after the restart", l.id, l.phase);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    watching.store(false, Ordering::SeqCst);
+    watcher.await?;
+    assert!(
+        ids.lock().expect("ids").len() <= 1,
+        "more than one container existed for the lease"
+    );
+    assert!(cluster.containers().await?.is_empty(), "a container leaked");
+    let runners = cluster.emulator.state().runners;
+    assert!(
+        runners.iter().all(|r| r.name != name),
+        "the registration minted for the dead launch was left behind: {runners:?}"
+    );
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_cut_during_a_destroy_is_re_established_and_the_destroy_completes() -> Result<()>
+{
+    let cluster = Cluster::start(options(1500)).await?;
+    cluster
+        .plane
+        .node("node-1")
+        .context("node")?
+        .faults
+        .cut_on_destroy_results
+        .store(1, Ordering::SeqCst);
+    let jobs = cluster.queue_jobs(1);
+    end_done(&cluster, &jobs).await?;
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    assert_eq!(
+        cluster
+            .plane
+            .node("node-1")
+            .context("node")?
+            .faults
+            .cut_on_destroy_results
+            .load(Ordering::SeqCst),
+        0,
+        "the fault never fired"
+    );
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_removed_behind_the_nodes_back_ends_its_lease_failed() -> Result<()> {
+    let cluster = Cluster::start(options(60_000)).await?;
+    let _jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    let lease = only_lease(&cluster).await?;
+    cluster
+        .docker
+        .remove_container(
+            &format!("billet-{}", lease.id),
+            Some(bollard::query_parameters::RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            }),
+        )
+        .await?;
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Failed);
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_job_running_drains_lets_the_job_finish_and_exits_cleanly() -> Result<()> {
+    let mut cluster = Cluster::start(options(6000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    cluster.nodes["node-1"].terminate()?;
+    wait_until(Duration::from_secs(10), "the drain to start", || {
+        cluster.nodes["node-1"].log_text().contains("draining")
+    })
+    .await?;
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(60))
+        .await?;
+    let status = cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node")?
+        .wait(Duration::from_secs(60))
+        .await?;
+    assert!(status.success(), "the node exited with {status}");
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    let state = cluster.emulator.state();
+    assert_eq!(state.jobs[0].result.as_deref(), Some("succeeded"));
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quarantined_lease_whose_container_is_gone_is_freed_only_after_the_grace_period()
+-> Result<()> {
+    let grace = Duration::from_secs(4);
+    let cluster = Cluster::start(ClusterOptions {
+        lease_ttl: Duration::from_secs(2),
+        quarantine_grace: grace,
+        maintenance_interval: Duration::from_millis(500),
+        ..options(1000)
+    })
+    .await?;
+    let ledger = cluster.plane.ledger();
+    // A lease node-1 launched and then stopped renewing, with no container.
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "quarantined1".into(),
+                tier: TIER.into(),
+                request_id: 777,
+                vcpu: 1,
+                memory_bytes: 1 << 28,
+                runner_name: Some("billet-quarantined1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    ledger
+        .bind(&lease.id, lease.epoch, "node-1", now_ms())
+        .await?;
+    let launched = ledger
+        .advance(&lease.id, lease.epoch, "node-1", Phase::Launching, now_ms())
+        .await?;
+    let quarantined =
+        wait_lease_phase(&cluster, Phase::Quarantine, Duration::from_secs(20)).await?;
+    assert_eq!(
+        quarantined.epoch,
+        lease.epoch + 1,
+        "the reaper bumps the epoch"
+    );
+    // Still charged while the grace runs, though every sweep reports it absent.
+    let free_at = launched.expires_at_ms + i64::try_from(grace.as_millis())?;
+    while now_ms() < free_at - 700 {
+        let l = ledger.get(&lease.id).await?.context("lease")?;
+        assert_eq!(
+            l.phase,
+            Phase::Quarantine,
+            "freed {} ms before the grace ended",
+            free_at - now_ms()
+        );
+        assert!(cluster.charged().await?.leases >= 1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let freed = wait_lease_phase(&cluster, Phase::Failed, Duration::from_secs(20)).await?;
+    assert_eq!(freed.id, lease.id);
+    cluster.wait_clean(Duration::from_secs(10)).await?;
+    cluster.shutdown().await
+}
+
+/// A Unix-socket proxy in front of the Docker engine that can be told to
+/// refuse: the engine "cannot be reached" while it is down.
+struct EngineProxy {
+    path: PathBuf,
+    up: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl EngineProxy {
+    async fn start() -> Result<Self> {
+        let path = scratch_dir("engine-proxy")?.join("docker.sock");
+        let listener = tokio::net::UnixListener::bind(&path)?;
+        let up = Arc::new(AtomicBool::new(true));
+        let flag = up.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !flag.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
+                tokio::spawn(async move {
+                    if let Ok(mut engine) =
+                        tokio::net::UnixStream::connect("/var/run/docker.sock").await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut engine).await;
+                    }
+                });
+            }
+        });
+        Ok(Self { path, up, task })
+    }
+}
+
+impl Drop for EngineProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity_is_freed()
+-> Result<()> {
+    let proxy = EngineProxy::start().await?;
+    let cluster = Cluster::start(ClusterOptions {
+        docker_socket: proxy.path.clone(),
+        maintenance_interval: Duration::from_millis(500),
+        quarantine_grace: Duration::from_secs(1),
+        ..options(12_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    let charged = cluster.charged().await?;
+    proxy.up.store(false, Ordering::SeqCst);
+
+    let node = cluster.plane.node("node-1").context("node")?;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Instances(pb::Instances {}),
+            Duration::from_secs(10),
+        )
+        .await;
+    let CommandOutcome::Answered(result) = &outcome else {
+        bail!("{outcome:?}")
+    };
+    let report = result.instances.clone().context("report")?;
+    assert!(
+        !report.inventory_known,
+        "an unreadable engine was reported as a known inventory"
+    );
+    // Several sweeps and tends pass; nothing may be freed.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            cluster.charged().await?,
+            charged,
+            "capacity was freed while the engine was unreachable"
+        );
+    }
+    proxy.up.store(true, Ordering::SeqCst);
+    end_done(&cluster, &jobs).await?;
+    cluster.shutdown().await
+}
