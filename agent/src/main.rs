@@ -92,6 +92,13 @@ struct NodeArgs {
     /// exits anyway, destroying nothing.
     #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = 21600)]
     drain_timeout_secs: u64,
+    /// Seconds between checks of the certificate, key and CA files for a
+    /// replacement (SIGHUP checks at once).
+    #[arg(long, env = "BILLET_TLS_RELOAD_SECS", default_value_t = 10)]
+    tls_reload_secs: u64,
+    /// Warn daily when the node's certificate expires within this many days.
+    #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7)]
+    cert_expiry_warning_days: u64,
 }
 
 fn host_memory_bytes() -> u64 {
@@ -136,6 +143,10 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
             stray_grace: Duration::from_secs(args.stray_grace_secs),
             ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
             drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+            tls_reload: billet_agent::tls::ReloadPolicy {
+                interval: Duration::from_secs(args.tls_reload_secs.max(1)),
+                expiry_warning: Duration::from_secs(args.cert_expiry_warning_days * 86_400),
+            },
         },
         args.listen,
     ))

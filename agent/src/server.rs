@@ -52,6 +52,8 @@ pub struct NodeConfig {
     /// How long a drain (first SIGTERM) waits for held compute to finish
     /// before the node exits anyway, destroying nothing.
     pub drain_timeout: Duration,
+    /// How the TLS files are watched for rotation.
+    pub tls_reload: crate::tls::ReloadPolicy,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -259,9 +261,10 @@ pub async fn run(
     health
         .set_serving::<pb::node_server::NodeServer<NodeService>>()
         .await;
+    let tls_config = crate::tls::watch_files(config.tls.clone(), &tls, config.tls_reload, shutdown.clone());
     let incoming = crate::tls::accept(
         listener,
-        tls.config.clone(),
+        tls_config,
         Some(config.plane_name.clone()),
         shutdown.clone(),
     );

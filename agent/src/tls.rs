@@ -8,18 +8,19 @@ use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rustls::RootCertStore;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use thiserror::Error;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::model::NodeName;
 
@@ -68,6 +69,8 @@ pub struct NodeTls {
     pub config: Arc<rustls::ServerConfig>,
     /// The node's name, from the DNS SAN of its certificate.
     pub node_name: NodeName,
+    /// When the certificate expires, if readable.
+    pub not_after: Option<SystemTime>,
 }
 
 /// Where the node's TLS material lives.
@@ -186,7 +189,37 @@ impl NodeTls {
                 source,
             })?;
         }
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), crypto())
+        let roots = Arc::new(roots);
+        // The node's own certificate must chain to the deployment CA, carry
+        // its name and be valid now: a plane would refuse it otherwise.
+        let own = rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), crypto())
+            .build()
+            .map_err(|e| TlsError::Content {
+                path: paths.ca.clone(),
+                problem: format!("cannot verify certificates with this CA: {e}"),
+            })?;
+        let server_name = rustls::pki_types::ServerName::try_from(node_name.as_str().to_owned())
+            .map_err(|e| TlsError::Content {
+                path: paths.cert.clone(),
+                problem: format!("the DNS name is not a valid server name: {e}"),
+            })?;
+        rustls::client::danger::ServerCertVerifier::verify_server_cert(
+            own.as_ref(),
+            &certs[0],
+            &certs[1..],
+            &server_name,
+            &[],
+            rustls::pki_types::UnixTime::now(),
+        )
+        .map_err(|e| TlsError::Content {
+            path: paths.cert.clone(),
+            problem: format!(
+                "does not verify against the CA bundle {} for name {node_name}: {e}",
+                paths.ca.display()
+            ),
+        })?;
+        let not_after = not_after(&certs[0]);
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots, crypto())
             .build()
             .map_err(|e| TlsError::Content {
                 path: paths.ca.clone(),
@@ -212,8 +245,127 @@ impl NodeTls {
         Ok(Self {
             config: Arc::new(config),
             node_name,
+            not_after,
         })
     }
+}
+
+/// When a certificate stops being valid, if it can be read.
+fn not_after(cert: &CertificateDer<'_>) -> Option<SystemTime> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    let secs = parsed.validity().not_after.timestamp();
+    Some(UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?))
+}
+
+/// How often the TLS files are checked for changes, and how early an
+/// approaching expiry is warned about.
+#[derive(Debug, Clone, Copy)]
+pub struct ReloadPolicy {
+    /// Time between checks of the files (SIGHUP checks at once).
+    pub interval: Duration,
+    /// Warn (daily) when the certificate expires within this.
+    pub expiry_warning: Duration,
+}
+
+impl Default for ReloadPolicy {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(10),
+            expiry_warning: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+fn read_all(paths: &TlsPaths) -> Option<[Vec<u8>; 3]> {
+    Some([
+        std::fs::read(&paths.cert).ok()?,
+        std::fs::read(&paths.key).ok()?,
+        std::fs::read(&paths.ca).ok()?,
+    ])
+}
+
+fn warn_if_expiring(tls: &NodeTls, paths: &TlsPaths, policy: &ReloadPolicy) -> bool {
+    let Some(not_after) = tls.not_after else {
+        return false;
+    };
+    let left = not_after.duration_since(SystemTime::now()).unwrap_or_default();
+    if left <= policy.expiry_warning {
+        warn!(
+            cert = %paths.cert.display(),
+            days_left = left.as_secs() / 86_400,
+            hours_left = left.as_secs() / 3600,
+            "the node's certificate expires soon; put a renewed one in place (it is picked up without a restart)"
+        );
+        return true;
+    }
+    false
+}
+
+/// Re-reads the certificate, key and CA when they change (checked every
+/// `policy.interval`, and at once on SIGHUP) and publishes each new
+/// configuration that validates: new connections use it at once, sessions
+/// already open keep theirs. A replacement that fails validation (a key that
+/// does not match, a chain that does not verify, an expired or not yet valid
+/// certificate, another node's name) leaves the current configuration in
+/// place, with a warning naming the file. Warns daily while the certificate
+/// is within `policy.expiry_warning` of expiring.
+pub fn watch_files(
+    paths: TlsPaths,
+    initial: &NodeTls,
+    policy: ReloadPolicy,
+    cancel: CancellationToken,
+) -> watch::Receiver<Arc<rustls::ServerConfig>> {
+    let (tx, rx) = watch::channel(initial.config.clone());
+    let node_name = initial.node_name.clone();
+    let mut warned_at = warn_if_expiring(initial, &paths, &policy).then(Instant::now);
+    let mut current = initial.clone();
+    tokio::spawn(
+        async move {
+            let mut seen = read_all(&paths);
+            let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+            loop {
+                let hup = async {
+                    match hangup.as_mut() {
+                        Some(h) => {
+                            h.recv().await;
+                        }
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = cancel.cancelled() => return,
+                    () = tokio::time::sleep(policy.interval) => {}
+                    () = hup => info!("SIGHUP: checking the TLS files"),
+                }
+                let now = read_all(&paths);
+                if now.is_some() && now != seen {
+                    seen = now;
+                    match NodeTls::load(&paths) {
+                        Ok(fresh) if fresh.node_name != node_name => warn!(
+                            cert = %paths.cert.display(),
+                            old = %node_name,
+                            new = %fresh.node_name,
+                            "refused a replacement certificate for another node; still serving the old one"
+                        ),
+                        Ok(fresh) => {
+                            info!(cert = %paths.cert.display(), "TLS material replaced; new connections use it");
+                            tx.send_replace(fresh.config.clone());
+                            current = fresh;
+                            warned_at = None;
+                        }
+                        Err(e) => warn!(error = %e, "refused the replacement TLS material; still serving the old one"),
+                    }
+                }
+                if warned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(86_400))
+                    && warn_if_expiring(&current, &paths, &policy)
+                {
+                    warned_at = Some(Instant::now());
+                }
+            }
+        }
+        .instrument(info_span!("tls_reload")),
+    );
+    rx
 }
 
 /// Accepts TCP connections and completes mTLS handshakes off the accept
@@ -224,12 +376,11 @@ impl NodeTls {
 /// The returned channel closes when `cancel` fires.
 pub fn accept(
     listener: TcpListener,
-    config: Arc<rustls::ServerConfig>,
+    config: watch::Receiver<Arc<rustls::ServerConfig>>,
     plane_name: Option<String>,
     cancel: CancellationToken,
 ) -> mpsc::Receiver<Result<TlsStream<TcpStream>, io::Error>> {
     let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
-    let acceptor = TlsAcceptor::from(config);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
     tokio::spawn(
         async move {
@@ -249,7 +400,9 @@ pub fn accept(
                 let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
                     return;
                 };
-                let acceptor = acceptor.clone();
+                // The configuration in force now: a rotation applies to the
+                // next connection, never to one already open.
+                let acceptor = TlsAcceptor::from(config.borrow().clone());
                 let tx = tx.clone();
                 let plane_name = plane_name.clone();
                 tokio::spawn(async move {
