@@ -1,0 +1,140 @@
+//! Start-up refuses bad configuration with a message naming what to fix and
+//! the documented exit code (README "Exit codes").
+
+use std::path::Path;
+use std::process::Output;
+
+use anyhow::Result;
+use billet_tests::cluster::{free_port, scratch_dir};
+use billet_tests::image::{binary_path, build_process_binaries};
+
+fn node(args: &[&str], certs: &billet_certs_dev::DevCerts, state: &Path, socket: &str) -> Result<Output> {
+    build_process_binaries()?;
+    let files = certs.node("node-1").expect("node files");
+    let listen = free_port()?.to_string();
+    let mut flags: Vec<(String, String)> = vec![
+        ("--listen".into(), listen),
+        ("--cert".into(), files.cert.display().to_string()),
+        ("--key".into(), files.key.display().to_string()),
+        ("--ca".into(), certs.ca.cert.display().to_string()),
+        ("--state-dir".into(), state.display().to_string()),
+        ("--docker-socket".into(), socket.into()),
+    ];
+    // `args` are flag/value pairs that replace or add to the defaults above.
+    for pair in args.chunks(2) {
+        let (flag, value) = (pair[0].to_owned(), pair[1].to_owned());
+        match flags.iter_mut().find(|(f, _)| *f == flag) {
+            Some(slot) => slot.1 = value,
+            None => flags.push((flag, value)),
+        }
+    }
+    let mut all = vec!["node".to_owned()];
+    for (flag, value) in flags {
+        all.push(flag);
+        all.push(value);
+    }
+    // A valid configuration would serve forever; every case here must exit.
+    let child = std::process::Command::new(binary_path("billet")?)
+        .args(&all)
+        .env("BILLET_LOG", "info")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let pid = child.id();
+    let watchdog = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(20));
+        let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    });
+    let out = child.wait_with_output()?;
+    drop(watchdog);
+    Ok(out)
+}
+
+fn setup() -> Result<(billet_certs_dev::DevCerts, std::path::PathBuf)> {
+    let dir = scratch_dir("startup")?;
+    let certs = billet_certs_dev::generate(&dir.join("certs"), "plane", &["node-1"])?;
+    Ok((certs, dir.join("state")))
+}
+
+fn assert_exit(out: &Output, code: i32, mentions: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "stderr:\n{stderr}");
+    assert!(stderr.contains(mentions), "stderr should mention {mentions:?}:\n{stderr}");
+}
+
+#[test]
+fn an_unreadable_certificate_exits_3_naming_the_file() -> Result<()> {
+    let (certs, state) = setup()?;
+    let out = node(&["--cert", "/nonexistent/node.pem"], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 3, "/nonexistent/node.pem");
+    Ok(())
+}
+
+#[test]
+fn an_expired_node_certificate_exits_3_naming_the_file() -> Result<()> {
+    let (certs, state) = setup()?;
+    let expired = billet_certs_dev::generate_with(
+        &scratch_dir("expired")?,
+        "plane",
+        &["node-1"],
+        &billet_certs_dev::Options {
+            validity: billet_certs_dev::Validity::expired(),
+            ca_dir: Some(certs.dir.clone()),
+        },
+    )?;
+    let files = expired.node("node-1").expect("files");
+    let cert = files.cert.display().to_string();
+    let key = files.key.display().to_string();
+    let out = node(&["--cert", &cert, "--key", &key], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 3, &cert);
+    Ok(())
+}
+
+#[test]
+fn a_key_that_does_not_match_the_certificate_exits_3() -> Result<()> {
+    let (certs, state) = setup()?;
+    let other = billet_certs_dev::generate(&scratch_dir("other")?, "plane", &["node-1"])?;
+    let key = other.node("node-1").expect("files").key.display().to_string();
+    let out = node(&["--key", &key], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 3, &key);
+    Ok(())
+}
+
+#[test]
+fn an_unreachable_docker_engine_exits_5_naming_the_socket() -> Result<()> {
+    let (certs, state) = setup()?;
+    let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
+    Ok(())
+}
+
+#[test]
+fn a_corrupt_journal_exits_7_naming_the_file_and_is_not_recreated() -> Result<()> {
+    let (certs, state) = setup()?;
+    std::fs::create_dir_all(&state)?;
+    let journal = state.join("journal.db");
+    std::fs::write(&journal, b"not a journal ".repeat(300))?;
+    let out = node(&[], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 7, &journal.display().to_string());
+    assert!(std::fs::read(&journal)?.starts_with(b"not a journal"));
+    Ok(())
+}
+
+#[test]
+fn an_invalid_value_exits_2_naming_the_flag() -> Result<()> {
+    let (certs, state) = setup()?;
+    let out = node(&["--vcpu", "0"], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 2, "--vcpu");
+    Ok(())
+}
+
+#[test]
+fn the_state_directory_is_created_private() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let (certs, state) = setup()?;
+    // Fails later on the engine, after the state directory is prepared.
+    let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+    assert_eq!(out.status.code(), Some(5));
+    assert_eq!(std::fs::metadata(&state)?.permissions().mode() & 0o777, 0o700);
+    Ok(())
+}
