@@ -89,11 +89,16 @@ impl CallHandler {
                 error: None,
                 result,
             },
-            Err(e) => pb::PlaneReply {
-                call_id,
-                error: Some(e),
-                result: None,
-            },
+            Err(e) => {
+                if e.code == pb::ErrorCode::WrongNode as i32 {
+                    warn!(node, error = %e.message, "refused a node call on a lease that is not the node's");
+                }
+                pb::PlaneReply {
+                    call_id,
+                    error: Some(e),
+                    result: None,
+                }
+            }
         }
     }
 
@@ -301,5 +306,130 @@ impl CallHandler {
                 Ok(None)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::NewLease;
+
+    async fn handler() -> (CallHandler, Arc<Ledger>, scaleset::testing::Emulator) {
+        let emulator = scaleset::testing::Emulator::builder().start().await;
+        let ledger = Arc::new(Ledger::open_in_memory(Duration::from_secs(60)).await.unwrap());
+        let github = Arc::new(Github::new(emulator.client()));
+        let handler = CallHandler::new(ledger.clone(), github, QUARANTINE_GRACE);
+        (handler, ledger, emulator)
+    }
+
+    async fn launching_on(ledger: &Ledger, id: &str, node: &str) -> crate::ledger::Lease {
+        let now = crate::now_ms();
+        let l = ledger
+            .reserve(
+                NewLease {
+                    id: id.into(),
+                    tier: "linux".into(),
+                    request_id: 1,
+                    vcpu: 1,
+                    memory_bytes: 1 << 20,
+                    runner_name: Some(format!("billet-{id}")),
+                },
+                now,
+            )
+            .await
+            .unwrap();
+        ledger.bind(id, l.epoch, node, now).await.unwrap();
+        ledger.advance(id, l.epoch, node, Phase::Launching, now).await.unwrap()
+    }
+
+    fn call(call: pb::node_call::Call) -> pb::NodeCall {
+        pb::NodeCall {
+            call_id: 9,
+            call: Some(call),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_node_asking_for_another_nodes_lease_is_refused_and_the_lease_is_untouched() {
+        let (handler, ledger, emulator) = handler().await;
+        let lease = launching_on(&ledger, "theirs", "node-a").await;
+        let attempts = [
+            pb::node_call::Call::GetLease(pb::GetLease { lease_id: "theirs".into() }),
+            pb::node_call::Call::Heartbeat(pb::Heartbeat {
+                leases: vec![pb::LeaseEpoch { lease_id: "theirs".into(), epoch: lease.epoch }],
+            }),
+            pb::node_call::Call::Advance(pb::Advance {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                phase: "custody".into(),
+            }),
+            pb::node_call::Call::Release(pb::Release {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                outcome: "failed".into(),
+            }),
+            pb::node_call::Call::Bind(pb::Bind { lease_id: "theirs".into(), epoch: lease.epoch }),
+            pb::node_call::Call::MintJit(pb::MintJit {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                runner_name: "billet-theirs".into(),
+                work_folder: "_work".into(),
+            }),
+            pb::node_call::Call::RemoveRunner(pb::RemoveRunner {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                runner_id: 0,
+                runner_name: String::new(),
+            }),
+            pb::node_call::Call::MarkFailure(pb::MarkFailure {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                reason: "x".into(),
+            }),
+        ];
+        for attempt in attempts {
+            let reply = handler.handle("node-b", call(attempt.clone())).await;
+            let refused = match (&reply.error, &reply.result) {
+                (Some(e), _) => e.code == pb::ErrorCode::WrongNode as i32,
+                (None, Some(pb::plane_reply::Result::Heartbeats(h))) => h
+                    .results
+                    .iter()
+                    .all(|r| r.error.as_ref().is_some_and(|e| e.code == pb::ErrorCode::WrongNode as i32)),
+                _ => false,
+            };
+            assert!(refused, "{attempt:?} was not refused as wrong node: {reply:?}");
+        }
+        assert_eq!(ledger.get("theirs").await.unwrap(), Some(lease), "the lease changed");
+        assert!(emulator.state().runners.is_empty(), "a runner was minted for another node's lease");
+    }
+
+    #[tokio::test]
+    async fn a_jit_config_is_minted_once_per_lease_and_only_while_launching() {
+        let (handler, ledger, _emulator) = handler().await;
+        let lease = launching_on(&ledger, "mine", "node-a").await;
+        let mint = || {
+            call(pb::node_call::Call::MintJit(pb::MintJit {
+                lease_id: "mine".into(),
+                epoch: lease.epoch,
+                runner_name: "billet-mine".into(),
+                work_folder: "_work".into(),
+            }))
+        };
+        let first = handler.handle("node-a", mint()).await;
+        assert!(first.error.is_none(), "{first:?}");
+        let second = handler.handle("node-a", mint()).await;
+        assert_eq!(second.error.map(|e| e.code), Some(pb::ErrorCode::Refused as i32));
+        let wrong_name = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::MintJit(pb::MintJit {
+                    lease_id: "mine".into(),
+                    epoch: lease.epoch,
+                    runner_name: "someone-else".into(),
+                    work_folder: "_work".into(),
+                })),
+            )
+            .await;
+        assert!(wrong_name.error.is_some());
     }
 }
