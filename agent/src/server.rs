@@ -25,6 +25,11 @@ use crate::session::{Executor, Identity, NodeService, Recovery, execute_commands
 use crate::slot::CommandSlot;
 use crate::tls::{NodeTls, TlsError, TlsPaths};
 
+/// Most concurrent gRPC streams one connection may open.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 8;
+/// Largest message the node accepts or sends, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+
 /// Everything `billet node` needs, checked.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -261,16 +266,34 @@ pub async fn run(
     health
         .set_serving::<pb::node_server::NodeServer<NodeService>>()
         .await;
-    let tls_config = crate::tls::watch_files(config.tls.clone(), &tls, config.tls_reload, shutdown.clone());
+    let tls_config = crate::tls::watch_files(
+        config.tls.clone(),
+        &tls,
+        config.tls_reload,
+        shutdown.clone(),
+    );
     let incoming = crate::tls::accept(
         listener,
         tls_config,
         Some(config.plane_name.clone()),
         shutdown.clone(),
     );
+    // Limits: a silent peer is found by HTTP/2 pings, a flooding one meets
+    // bounded streams and message sizes (the slot and the outbound buffer
+    // are bounded too).
     let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .concurrency_limit_per_connection(MAX_STREAMS_PER_CONNECTION as usize)
         .add_service(health_service)
-        .add_service(pb::node_server::NodeServer::new(service).max_decoding_message_size(4 << 20))
+        .add_service(
+            pb::node_server::NodeServer::new(service)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
         .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown.cancelled())
         .await;
     background.cancel();
