@@ -580,3 +580,71 @@ async fn deliver(
         .instrument(info_span!("launch_ack")),
     );
 }
+
+/// Property tests over the command handler: whatever the plane sends, the
+/// node answers without panicking, and a refused command has no effect at
+/// all: nothing queued, nothing asked of the provider or the plane.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use crate::provider::fake::FakeProvider;
+    use proptest::prelude::*;
+
+    fn service(provider: Arc<FakeProvider>) -> (NodeService, Arc<CommandSlot>, Arc<Runner>) {
+        let link = Arc::new(PlaneLink::new(Duration::from_millis(50)));
+        let runner = Arc::new(Runner::new(
+            provider,
+            link.clone(),
+            link.clone(),
+            crate::runner::RunnerOptions::default(),
+        ));
+        let slot = Arc::new(CommandSlot::new());
+        let identity = Identity {
+            node_name: NodeName::parse("node", "node-1").expect("name"),
+            deployment: "dev".into(),
+            incarnation: "i".into(),
+            vcpu: 1,
+            memory_bytes: 1,
+            version: "0".into(),
+        };
+        let service =
+            NodeService::new(identity, runner.clone(), link, slot.clone(), Arc::default());
+        (service, slot, runner)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn a_refused_command_has_no_effect_and_an_accepted_one_fails_safely_without_a_plane(
+            cmd in crate::wire::properties::command_strategy()
+        ) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async {
+                let provider = Arc::new(FakeProvider::new());
+                let (service, slot, runner) = service(provider.clone());
+                let (tx, mut rx) = mpsc::channel(8);
+                let session = Arc::new(SessionLink::new(1, tx));
+                let valid = wire::command(cmd.clone()).command.is_ok();
+                service.route(&session, pb::plane_message::Body::Command(cmd)).await;
+                prop_assert!(provider.calls().is_empty(), "routing alone touched the provider");
+                if !valid {
+                    prop_assert!(slot.is_empty(), "a refused command was queued");
+                    let Some(Ok(pb::NodeMessage { body: Some(pb::node_message::Body::Result(r)) })) = rx.recv().await else {
+                        panic!("no answer to a refused command");
+                    };
+                    prop_assert_eq!(r.outcome, pb::Outcome::InvalidArgument as i32);
+                    return Ok(());
+                }
+                prop_assert_eq!(slot.len(), 1);
+                let queued = slot.next().await;
+                // No plane session: every ledger call fails, so nothing may be created.
+                let (result, launched) = execute(&runner, queued.id.as_str(), queued.command).await;
+                prop_assert!(launched.is_none());
+                prop_assert_ne!(result.outcome, pb::Outcome::Unspecified as i32);
+                prop_assert!(provider.specs().is_empty(), "an instance was created without the plane");
+                Ok(())
+            })?;
+        }
+    }
+}

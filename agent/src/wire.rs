@@ -529,3 +529,168 @@ mod tests {
         assert_eq!(field_of(c), "command.kind");
     }
 }
+
+/// Property tests over decoding and checking: any bytes, and any command
+/// built from arbitrary field values, are either refused naming a field or
+/// accepted, and never panic. Checking is pure, so a refusal has no effect.
+/// Failing cases are kept in `proptest-regressions/` and replayed first.
+#[cfg(test)]
+pub(crate) mod properties {
+    use super::*;
+    use proptest::prelude::*;
+    use prost::Message;
+
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just(String::new()),
+            "[a-z0-9.-]{1,12}",
+            ".{0,40}",
+            "[ -~]{120,140}",
+            Just("billet-standin-runner:dev".to_owned()),
+            Just("trusted".to_owned()),
+            Just("launching".to_owned()),
+        ]
+    }
+
+    fn lease() -> impl Strategy<Value = pb::Lease> {
+        (
+            text(),
+            any::<u64>(),
+            text(),
+            text(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<i64>(),
+            proptest::collection::vec(text(), 0..3),
+        )
+            .prop_map(
+                |(id, epoch, tier, phase, vcpu, memory_bytes, request_id, providers)| pb::Lease {
+                    id,
+                    epoch,
+                    tier,
+                    phase,
+                    vcpu,
+                    memory_bytes,
+                    node: String::new(),
+                    request_id,
+                    providers,
+                    failure_reason: String::new(),
+                },
+            )
+    }
+
+    fn tier() -> impl Strategy<Value = pb::TierSpec> {
+        (
+            text(),
+            text(),
+            proptest::collection::vec(text(), 0..3),
+            text(),
+            any::<u64>(),
+            text(),
+            proptest::collection::vec(text(), 0..3),
+        )
+            .prop_map(|(label, image, command, trust, shm_bytes, network, env)| {
+                pb::TierSpec {
+                    label,
+                    image,
+                    command,
+                    trust,
+                    shm_bytes,
+                    network,
+                    env,
+                }
+            })
+    }
+
+    fn kind() -> impl Strategy<Value = Option<pb::command::Kind>> {
+        use pb::command::Kind;
+        prop_oneof![
+            Just(None),
+            (
+                proptest::option::of(lease()),
+                proptest::option::of(tier()),
+                any::<i64>()
+            )
+                .prop_map(|(lease, tier, r)| Some(Kind::Launch(pb::Launch {
+                    lease,
+                    tier,
+                    job: Some(pb::Job {
+                        request_id: r,
+                        ..Default::default()
+                    }),
+                }))),
+            (any::<i64>(), proptest::option::of(text())).prop_map(|(request_id, job_result)| Some(
+                Kind::Destroy(pb::Destroy {
+                    request_id,
+                    job_result
+                })
+            )),
+            (proptest::option::of(lease()), any::<i64>()).prop_map(|(lease, request_id)| Some(
+                Kind::AssumeCustody(pb::AssumeCustody { lease, request_id })
+            )),
+            (text(), text(), text(), any::<u64>()).prop_map(
+                |(version, manifest_sha256, rollout_id, generation)| Some(Kind::StartUpgrade(
+                    pb::StartUpgrade {
+                        version,
+                        manifest_sha256,
+                        rollout_id,
+                        generation
+                    }
+                ))
+            ),
+            Just(Some(Kind::Sweep(pb::Sweep {}))),
+            Just(Some(Kind::Tend(pb::Tend {}))),
+        ]
+    }
+
+    pub(crate) fn command_strategy() -> impl Strategy<Value = pb::Command> {
+        (text(), any::<i64>(), kind()).prop_map(|(id, deadline_unix_ms, kind)| pb::Command {
+            id,
+            deadline_unix_ms,
+            kind,
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn any_bytes_decode_or_fail_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(pb::PlaneMessage { body: Some(pb::plane_message::Body::Command(c)) }) = pb::PlaneMessage::decode(bytes.as_slice()) {
+                let _ = command(c);
+            }
+        }
+
+        #[test]
+        fn any_command_is_accepted_or_refused_naming_a_field(cmd in command_strategy()) {
+            let incoming = command(cmd.clone());
+            match incoming.command {
+                Err(invalid) => {
+                    prop_assert!(!invalid.field.is_empty());
+                    prop_assert!(invalid.field.starts_with("command.")
+                        || invalid.field.starts_with("launch.")
+                        || invalid.field.starts_with("destroy.")
+                        || invalid.field.starts_with("assume_custody.")
+                        || invalid.field.starts_with("start_upgrade."), "field {}", invalid.field);
+                }
+                Ok((id, checked)) => {
+                    prop_assert_eq!(id.as_str(), cmd.id.as_str());
+                    prop_assert!(cmd.deadline_unix_ms > 0);
+                    if let NodeCommand::Launch { lease, tier, .. } = checked {
+                        prop_assert!(lease.epoch.0 > 0);
+                        prop_assert!(!tier.command.is_empty());
+                        prop_assert!(tier.env.iter().all(|(k, _)| k != "ACTIONS_RUNNER_INPUT_JITCONFIG"));
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn an_encoded_command_decodes_to_the_same_verdict(cmd in command_strategy()) {
+            let bytes = pb::PlaneMessage { body: Some(pb::plane_message::Body::Command(cmd.clone())) }.encode_to_vec();
+            let decoded = pb::PlaneMessage::decode(bytes.as_slice()).expect("round trip");
+            let Some(pb::plane_message::Body::Command(again)) = decoded.body else { panic!("not a command") };
+            prop_assert_eq!(command(cmd).command.map(|(_, c)| c), command(again).command.map(|(_, c)| c));
+        }
+    }
+}
