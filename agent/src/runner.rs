@@ -64,6 +64,8 @@ struct Running {
     lease: LeaseId,
     epoch: Epoch,
     instance: InstanceName,
+    /// The runner registration: (GitHub runner id, name).
+    registration: (i64, String),
 }
 
 /// Compute the node holds on its own clock until it is proven gone
@@ -306,6 +308,7 @@ impl Runner {
                         lease: lease.id.clone(),
                         epoch: lease.epoch,
                         instance: name.clone(),
+                        registration: (record.runner_id, record.runner_name.clone()),
                     },
                 );
                 record.created = true;
@@ -444,6 +447,19 @@ impl Runner {
                 Ok(())
             };
         };
+        if job_result.is_none() {
+            // Not a completion: GitHub has not retired this runner, so its
+            // routing goes first. A busy runner cannot be removed; the
+            // destroy still proceeds, on the plane's authority.
+            let (id, name) = &running.registration;
+            if let Err(e) = self
+                .jit
+                .remove_runner(&running.lease, running.epoch, *id, name)
+                .await
+            {
+                warn!(lease = %running.lease, error = %e, "could not remove the runner registration before destroying");
+            }
+        }
         match self.provider.destroy(&running.instance).await {
             Err(e) => Err(RunnerError::Failed(format!(
                 "destroy {}: {e}",

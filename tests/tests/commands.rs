@@ -270,3 +270,47 @@ async fn sweep_destroys_an_orphan_and_never_touches_an_unlabelled_container() ->
     );
     cluster.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_first() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    let ledger = cluster.plane.ledger();
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "idle1".into(),
+                tier: TIER.into(),
+                request_id: 5151,
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                runner_name: Some("billet-idle1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    let node = cluster.plane.node("node-1").expect("node");
+    // No job is queued: the runner registers and waits, idle.
+    let launched = node.dispatch(launch(&lease), Duration::from_secs(30)).await;
+    assert!(launched.is_ok(), "{}", launched.describe());
+    assert_eq!(cluster.emulator.state().runners.len(), 1);
+    let destroyed = node
+        .dispatch(
+            pb::command::Kind::Destroy(pb::Destroy {
+                request_id: 5151,
+                job_result: None,
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(destroyed.is_ok(), "{}", destroyed.describe());
+    assert!(
+        cluster.emulator.state().runners.is_empty(),
+        "the idle runner's registration was left behind"
+    );
+    assert!(cluster.containers().await?.is_empty());
+    ledger
+        .release("idle1", lease.epoch, None, Phase::Done, now_ms())
+        .await?;
+    cluster.wait_clean(Duration::from_secs(10)).await?;
+    cluster.shutdown().await
+}

@@ -12,7 +12,7 @@
 //! ```
 //!
 //! It needs a running Docker engine. The `billet` and `billet-standin-runner` binaries are built
-//! first, in the demo's own profile (see [`ensure_binaries`]).
+//! first if stale, in the demo's own profile (see [`ensure_binaries`]).
 //!
 //! | exit code | meaning |
 //! |---|---|
@@ -22,25 +22,21 @@
 //! | 130 | interrupted (Ctrl-C or SIGTERM); the cluster was still shut down |
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::OsString;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use billet_controlplane_stub::ledger::{Charge, Phase};
+use billet_controlplane_stub::ledger::Charge;
 use billet_controlplane_stub::plane::PlaneEvent;
 use billet_tests::cluster::{Cluster, ClusterOptions};
-use billet_tests::image::{STANDIN_BINARY, binary_path, profile_dir, workspace_target_dir};
+use billet_tests::image::{PROCESS_BINARIES, binary_path, build_process_binaries, profile_dir};
 use clap::Parser;
 use scaleset::testing::JobState;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
 
-/// The node binary the cluster starts.
-const NODE_BINARY: &str = "billet";
 /// The one node of the demo.
 const NODE: &str = "node-1";
 /// How long cleanup may take once every job has completed: the plane destroys each instance and
@@ -76,7 +72,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.verbose);
+    let logs = init_tracing(cli.verbose);
     if let Err(e) = ensure_binaries() {
         eprintln!("billet-demo: {e:#}");
         return ExitCode::from(2);
@@ -91,131 +87,117 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    runtime.block_on(run(cli))
+    runtime.block_on(run(cli, &logs))
 }
 
 /// The plane runs in this process; its logs go to stderr at WARN unless `--verbose` (INFO) or
 /// `RUST_LOG`. The node's own log goes to a file in the cluster's scratch directory.
-fn init_tracing(verbose: bool) {
-    let default = if verbose { "info" } else { "warn" };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+///
+/// Until the node has attached, the default is ERROR: the plane's first dial can race the
+/// node's bind and warn about a refused connection, which is retried at once and means nothing
+/// (a node that never attaches fails `Cluster::start` with the node's log). [`Logs::started`]
+/// then lowers it to WARN.
+fn init_tracing(verbose: bool) -> Logs {
+    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::prelude::*;
+    let chosen = if verbose {
+        Some(EnvFilter::new("info"))
+    } else {
+        None
+    };
+    match EnvFilter::try_from_default_env().ok().or(chosen) {
+        Some(filter) => {
+            tracing_subscriber::registry()
+                .with(filter)
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_writer(std::io::stderr)
+                        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                        .with_target(false),
+                )
+                .init();
+            Logs { quiet_start: None }
+        }
+        None => {
+            let (filter, handle) = tracing_subscriber::reload::Layer::new(EnvFilter::new("error"));
+            tracing_subscriber::registry()
+                .with(filter)
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_writer(std::io::stderr)
+                        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                        .with_target(false),
+                )
+                .init();
+            Logs {
+                quiet_start: Some(handle),
+            }
+        }
+    }
 }
 
-/// Makes sure `billet` and `billet-standin-runner` are built, and fresh, in the profile directory
-/// the harness takes them from ([`binary_path`]: the demo's own, such as `target/debug`).
+/// The plane's log level, quieter while the cluster starts.
+#[derive(Debug)]
+struct Logs {
+    quiet_start: Option<
+        tracing_subscriber::reload::Handle<
+            tracing_subscriber::EnvFilter,
+            tracing_subscriber::Registry,
+        >,
+    >,
+}
+
+impl Logs {
+    /// The node has attached: from now on, warnings are shown.
+    fn started(&self) {
+        if let Some(handle) = &self.quiet_start {
+            let _ = handle.reload(tracing_subscriber::EnvFilter::new("warn"));
+        }
+    }
+}
+
+/// Builds `billet` and `billet-standin-runner` ([`PROCESS_BINARIES`]) before anything starts,
+/// through the harness's [`build_process_binaries`], in the demo's own profile.
 ///
-/// `cargo run -p billet-tests` builds only this package and what it links: the stand-in runner
-/// is a binary of `billet-controlplane-stub` and the node is `billet-agent`, which this package
-/// does not depend on at all. Comparing modification times against the demo binary would miss
-/// the commonest staleness, an edit to the agent alone (the demo is not rebuilt, so it looks
-/// older than the stale node). So the decision is cargo's, which knows the dependency graph:
-/// the demo always runs `cargo build` for both binaries, in the same profile, target directory
-/// and target triple as itself. When nothing changed that costs about a second. `cargo run`
-/// has released its build lock by the time the demo runs, so this does not wait on it.
+/// `cargo run -p billet-tests` builds only this package and what it links: the node is
+/// `billet-agent`, which this package does not depend on, and the stand-in runner is a binary
+/// of `billet-controlplane-stub`. Without a build the demo would start a missing or stale node.
+/// Comparing modification times with the demo binary would miss the commonest staleness, an
+/// edit to the agent alone (the demo is not rebuilt, so it looks older than the stale node);
+/// so cargo decides, and an up-to-date build costs well under a second. `cargo run` has
+/// released its build lock by the time the demo runs, so this cargo does not wait on it.
 ///
-/// Only when cargo cannot be run at all (the demo binary was copied somewhere without a
-/// toolchain or without this checkout) does it fall back to looking at the files: a missing
-/// binary is an error, one older than the demo a warning.
+/// [`Cluster::start`] makes the same call; making it here first shows the step (what is built,
+/// where, how long it took), and reports a broken build as such (exit 2) rather than as a
+/// cluster that did not start. The second call is then a no-op.
 ///
 /// # Errors
 ///
-/// The build fails (its output is on stderr above the message), or a binary is still missing
-/// afterwards.
+/// Cargo cannot be run or the build fails (cargo's own messages are on stderr above), or a
+/// binary is missing afterwards.
 fn ensure_binaries() -> Result<()> {
-    let binaries = [NODE_BINARY, STANDIN_BINARY];
-    let profile = profile_dir();
-    let target_dir = workspace_target_dir();
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    // `cargo run` sets CARGO to the cargo that built us; use the same one.
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo"));
-
-    let mut args: Vec<OsString> = vec![
-        "build".into(),
-        "--manifest-path".into(),
-        manifest.clone().into(),
-    ];
-    args.extend(["--target-dir".into(), target_dir.clone().into_os_string()]);
-    // target/<profile> or target/<triple>/<profile>.
-    if let Some(parent) = profile.parent().filter(|p| *p != target_dir)
-        && let Some(triple) = parent.file_name()
-    {
-        args.extend(["--target".into(), triple.to_owned()]);
-    }
-    let profile_name = profile
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("debug");
-    match profile_name {
-        "debug" => {}
-        "release" => args.push("--release".into()),
-        other => args.extend(["--profile".into(), other.into()]),
-    }
-    args.extend(
-        [
-            "-p",
-            "billet-agent",
-            "--bin",
-            NODE_BINARY,
-            "-p",
-            "billet-controlplane-stub",
-            "--bin",
-            STANDIN_BINARY,
-        ]
-        .map(OsString::from),
-    );
-
-    let shown: Vec<String> = std::iter::once(Path::new(&cargo).display().to_string())
-        .chain(args.iter().map(|a| a.to_string_lossy().into_owned()))
+    // As `build_process_binaries` names it: the `debug` directory is the `dev` profile.
+    let profile = match profile_dir().file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(other) => other.to_owned(),
+    };
+    let packages: Vec<String> = PROCESS_BINARIES
+        .iter()
+        .map(|(package, bin)| format!("-p {package} --bin {bin}"))
         .collect();
-    if manifest.is_file() {
-        println!("building the node and the stand-in runner (cargo decides what is stale):");
-        println!("  {}", shown.join(" "));
-        match std::process::Command::new(&cargo).args(&args).status() {
-            Ok(status) if status.success() => {
-                for name in binaries {
-                    let path = binary_path(name)?;
-                    println!("  ready: {}", path.display());
-                }
-                println!();
-                return Ok(());
-            }
-            Ok(status) => bail!(
-                "`{}` failed ({status}); the demo will not run stale binaries",
-                shown.join(" ")
-            ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                println!("  cargo is not available ({e}); using the binaries already built");
-            }
-            Err(e) => return Err(e).with_context(|| format!("cannot run `{}`", shown.join(" "))),
-        }
-    } else {
-        println!(
-            "this checkout's Cargo.toml is not at {}; using the binaries already built",
-            manifest.display()
-        );
+    println!(
+        "building the node and the stand-in runner if stale (cargo is quiet meanwhile; a first build takes a minute or two):"
+    );
+    println!(
+        "  cargo build --quiet --profile {profile} {}",
+        packages.join(" ")
+    );
+    let started = Instant::now();
+    build_process_binaries()?;
+    for (_, bin) in PROCESS_BINARIES {
+        println!("  ready: {}", binary_path(bin)?.display());
     }
-    let demo_built = std::env::current_exe()
-        .and_then(std::fs::metadata)
-        .and_then(|m| m.modified())
-        .ok();
-    for name in binaries {
-        let path = binary_path(name)?;
-        let built = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-        if let (Some(built), Some(demo)) = (built, demo_built)
-            && built < demo
-        {
-            println!(
-                "  warning: {} is older than the demo itself and may be stale",
-                path.display()
-            );
-        }
-    }
+    println!("  ({:.1}s)", started.elapsed().as_secs_f64());
     println!();
     Ok(())
 }
@@ -300,7 +282,7 @@ impl Clock {
     }
 }
 
-async fn run(cli: Cli) -> ExitCode {
+async fn run(cli: Cli, logs: &Logs) -> ExitCode {
     let options = ClusterOptions {
         nodes: vec![NODE.to_owned()],
         work_ms: cli.work_ms,
@@ -330,6 +312,7 @@ async fn run(cli: Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    logs.started();
     let node_log = cluster.nodes.get(NODE).map(|n| n.log.clone());
     println!(
         "ready in {:.1}s: deployment {}, node {NODE} at {}, emulator at {}",
@@ -361,26 +344,35 @@ async fn run(cli: Cli) -> ExitCode {
     }
     shutdown(cluster).await;
 
+    let keep = || {
+        println!(
+            "kept for inspection: {} (node log, ledger, certificates)",
+            dir.display()
+        )
+    };
     match verdict {
-        None => ExitCode::from(130),
-        Some(Ok(true)) => {
+        None => {
+            keep();
+            println!("INTERRUPTED");
+            ExitCode::from(130)
+        }
+        Some(Ok(verdict)) if verdict.failures.is_empty() => {
             // Nothing to look at after a pass; the scratch directory would only pile up in /tmp.
             let _ = std::fs::remove_dir_all(&dir);
+            println!();
+            verdict.print();
             ExitCode::SUCCESS
         }
-        Some(Ok(false)) => {
-            println!(
-                "kept for inspection: {} (node log, ledger, certificates)",
-                dir.display()
-            );
+        Some(Ok(verdict)) => {
+            keep();
+            println!();
+            verdict.print();
             ExitCode::from(1)
         }
         Some(Err(e)) => {
-            eprintln!("billet-demo: {e:#}");
-            println!(
-                "kept for inspection: {} (node log, ledger, certificates)",
-                dir.display()
-            );
+            keep();
+            println!();
+            println!("FAIL: {e:#}");
             ExitCode::from(1)
         }
     }
@@ -412,7 +404,9 @@ async fn shutdown(cluster: Cluster) {
         }))
         .await;
     match left {
-        Ok(left) if left.is_empty() => {}
+        Ok(left) if left.is_empty() => {
+            println!("  stopped; no container of deployment {deployment} remains")
+        }
         Ok(left) => println!(
             "  warning: {} container(s) of deployment {deployment} survived the shutdown; remove them with \
              `docker rm -f $(docker ps -aq --filter label=sh.billet.deployment={deployment})`",
@@ -434,8 +428,8 @@ async fn interrupted() {
     }
 }
 
-/// Queues the jobs, follows them, prints the table and the checks. `Ok(true)` is a pass.
-async fn demo(cluster: &Cluster, cli: &Cli) -> Result<bool> {
+/// Queues the jobs, follows them, prints the table and the checks.
+async fn demo(cluster: &Cluster, cli: &Cli) -> Result<Verdict> {
     let timeout = Duration::from_secs(cli.timeout_secs);
     // Subscribe before queueing, so no event is missed.
     let mut events = cluster.plane.subscribe();
@@ -598,7 +592,7 @@ fn describe(
             row.runner = Some(runner_name.clone());
             let lease = lease_of_runner(runner_name);
             Some(format!(
-                "job {request_id}  lease {lease}  started on runner {runner_name}{}",
+                "job {request_id}  lease {lease}  runner {runner_name} took the job{}",
                 ran_elsewhere(*request_id, &lease, lease_job)
             ))
         }
@@ -698,40 +692,53 @@ fn print_table(jobs: &BTreeMap<i64, JobRow>) {
     }
 }
 
-/// Prints the checks and the verdict; `Ok(true)` when everything passed.
+/// Prints the checks; the verdict says which failed.
 async fn report(
     cluster: &Cluster,
     jobs: &BTreeMap<i64, JobRow>,
     waited: &Waited,
     timeout: Duration,
     total: Duration,
-) -> Result<bool> {
+) -> Result<Verdict> {
     let left = Leftovers::look(cluster).await?;
     let succeeded = jobs
         .values()
         .filter(|r| r.result.as_deref() == Some("succeeded"))
         .count();
     let mut failures: Vec<String> = Vec::new();
-    let mut check = |ok: bool, text: String| {
-        println!("  {}  {text}", if ok { "ok  " } else { "FAIL" });
-        if !ok {
+    // While jobs are still running, what exists is their compute, not a leak: say what was
+    // there, without counting it as a failure of its own (the job check already fails).
+    let jobs_done = *waited != Waited::JobsTimedOut;
+    let mut check = |ok: bool, text: String, counts: bool| {
+        let mark = match (ok, counts) {
+            (true, _) => "ok  ",
+            (false, true) => "FAIL",
+            (false, false) => "info",
+        };
+        println!("  {mark}  {text}");
+        if !ok && counts {
             failures.push(text);
         }
     };
     println!("checks:");
-    let in_time = *waited != Waited::JobsTimedOut;
     check(
-        succeeded == jobs.len() && in_time,
+        succeeded == jobs.len() && jobs_done,
         format!(
             "{succeeded} of {} job(s) completed `succeeded`{}",
             jobs.len(),
-            if in_time {
+            if jobs_done {
                 format!(" within {}s", timeout.as_secs())
             } else {
-                format!("; the {}s bound passed", timeout.as_secs())
+                format!("; the {}s bound passed first", timeout.as_secs())
             }
         ),
+        true,
     );
+    let left_behind = if jobs_done {
+        "left behind"
+    } else {
+        "still there at the bound"
+    };
     check(
         left.containers.is_empty(),
         if left.containers.is_empty() {
@@ -740,15 +747,23 @@ async fn report(
                 cluster.deployment
             )
         } else {
-            format!("containers left behind: {}", left.containers.join(", "))
+            format!("containers {left_behind}: {}", left.containers.join(", "))
         },
+        jobs_done,
     );
     check(
         left.charge == Charge::default(),
-        format!(
-            "the ledger charges {} lease(s), {} vCPU, {} bytes",
-            left.charge.leases, left.charge.vcpu, left.charge.memory_bytes
-        ),
+        if left.charge == Charge::default() {
+            "the ledger charges nothing (0 leases, 0 vCPU, 0 MiB)".to_owned()
+        } else {
+            format!(
+                "ledger charges {left_behind}: {} lease(s), {} vCPU, {} MiB",
+                left.charge.leases,
+                left.charge.vcpu,
+                left.charge.memory_bytes >> 20
+            )
+        },
+        jobs_done,
     );
     check(
         left.runners.is_empty(),
@@ -756,10 +771,11 @@ async fn report(
             "no runner registration left in the emulator".to_owned()
         } else {
             format!(
-                "runner registrations left in the emulator: {}",
+                "runner registrations {left_behind} in the emulator: {}",
                 left.runners.join(", ")
             )
         },
+        jobs_done,
     );
     if *waited == Waited::CleanupTimedOut {
         println!(
@@ -778,28 +794,39 @@ async fn report(
         *phases.entry(lease.phase.as_str()).or_default() += 1;
     }
     let phases: Vec<String> = phases.iter().map(|(p, n)| format!("{n} {p}")).collect();
-    let done = leases.iter().filter(|l| l.phase == Phase::Done).count();
     println!(
         "  info  ledger: {} lease(s): {}",
         leases.len(),
         phases.join(", ")
     );
-    let _ = done;
 
-    println!();
-    if failures.is_empty() {
-        println!(
-            "PASS: {} job(s) ran in Docker containers launched by billet node {NODE} over mTLS, and \
-             everything was cleaned up ({:.1}s)",
-            jobs.len(),
-            total.as_secs_f64()
-        );
-        Ok(true)
-    } else {
-        println!("FAIL: {}", failures.join("; "));
-        Ok(false)
-    }
+    Ok(Verdict {
+        failures,
+        jobs: jobs.len(),
+        total,
+    })
 }
 
-#[allow(dead_code)]
-fn unused(_: PathBuf, _: SystemTime) {}
+/// What the checks found; printed last, after the shutdown, so it is the final line.
+#[derive(Debug)]
+struct Verdict {
+    /// The checks that failed, as sentences; empty is a pass.
+    failures: Vec<String>,
+    jobs: usize,
+    total: Duration,
+}
+
+impl Verdict {
+    fn print(&self) {
+        if self.failures.is_empty() {
+            println!(
+                "PASS: {} job(s) ran in Docker containers launched by billet node {NODE} over mTLS, \
+                 and everything was cleaned up ({:.1}s from queueing)",
+                self.jobs,
+                self.total.as_secs_f64()
+            );
+        } else {
+            println!("FAIL: {}", self.failures.join("; "));
+        }
+    }
+}

@@ -1,0 +1,580 @@
+//! Launch latency: what billet adds on top of Docker.
+//!
+//! Measures, interleaved in one run against the same engine and image:
+//!
+//! - **(a) Launch**: the plane's [`NodeLink::dispatch`] of a `Launch` command to a real
+//!   `billet node` process over mTLS, from sending the command to receiving its result. It covers
+//!   the session, the node's single slot, `Bind` and `Advance(launching)` written to the plane's
+//!   SQLite ledger through node calls on the session, the JIT config minted by the plane from the
+//!   scale-set emulator, and the Docker provider's create and start of the container.
+//! - **(b) baseline**: the same container (image, entrypoint, environment, labels, CPU and memory
+//!   limits, network) created and started directly through the Docker API with bollard.
+//!
+//! Each iteration runs (a) and (b) once, alternating which goes first, after a warm-up. Only
+//! launch and create+start are timed; the teardown of each is not (for (a): a `Destroy` command,
+//! releasing the lease in the ledger and removing the runner registration from the emulator; for
+//! (b): `docker rm -f`). Nothing is left behind: no container, no open lease, no registration.
+//!
+//! ```text
+//! cargo bench -p billet-tests --bench launch
+//! BILLET_BENCH_ITERATIONS=50 BILLET_BENCH_WARMUP=5 cargo bench -p billet-tests --bench launch
+//! ```
+//!
+//! Run without `--bench` (as `cargo test --benches` does), it makes one unmeasured pass as a
+//! smoke test.
+//!
+//! It needs a running Docker engine. [`Cluster::start`] builds `billet` and
+//! `billet-standin-runner` first if stale, in the bench's own profile (release), so the node
+//! measured is an optimised one.
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use billet_controlplane_stub::calls::lease_to_wire;
+use billet_controlplane_stub::ledger::{Charge, Lease, NewLease, Phase};
+use billet_controlplane_stub::node_link::NodeLink;
+use billet_controlplane_stub::now_ms;
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER};
+use billet_tests::image::{STANDIN_ENTRYPOINT, connect_docker, profile_dir};
+use bollard::Docker;
+use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::query_parameters::{
+    CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+};
+
+/// The one node.
+const NODE: &str = "node-1";
+/// Measured iterations, unless `BILLET_BENCH_ITERATIONS` says otherwise.
+const DEFAULT_ITERATIONS: usize = 20;
+/// Unmeasured iterations first, unless `BILLET_BENCH_WARMUP` says otherwise.
+const DEFAULT_WARMUP: usize = 3;
+/// The bound of each command sent to the node.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// CPU and memory of every container, as the demo's tier.
+const VCPU: u32 = 1;
+const MEMORY_BYTES: u64 = 256 << 20;
+/// The environment of every container. A runner that is somehow left running gives up on its
+/// own after the idle timeout; no job is ever queued, so it never gets to work.
+const RUNNER_ENV: [&str; 2] = [
+    "BILLET_STANDIN_WORK_MS=0",
+    "BILLET_STANDIN_IDLE_TIMEOUT_MS=10000",
+];
+/// Request ids of the bench's leases start here (the emulator's own job ids are small).
+const FIRST_REQUEST_ID: i64 = 900_000;
+
+fn main() -> ExitCode {
+    // `cargo bench` passes `--bench`; `cargo test --benches` does not.
+    let measuring = std::env::args().any(|a| a == "--bench");
+    let (iterations, warmup) = if measuring {
+        match (
+            count("BILLET_BENCH_ITERATIONS", DEFAULT_ITERATIONS),
+            count("BILLET_BENCH_WARMUP", DEFAULT_WARMUP),
+        ) {
+            (Ok(i), Ok(w)) if i > 0 => (i, w),
+            (Ok(_), Ok(_)) => {
+                eprintln!("launch bench: BILLET_BENCH_ITERATIONS must be at least 1");
+                return ExitCode::from(2);
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("launch bench: {e:#}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        (1, 0)
+    };
+    // The plane runs in this process. Errors only, unless RUST_LOG: its first dial can race the
+    // node's bind and warn about a refused connection, and every command's outcome is checked
+    // here anyway.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("launch bench: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(run(iterations, warmup, measuring)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("launch bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A positive count from the environment, or `default`.
+fn count(var: &str, default: usize) -> Result<usize> {
+    match std::env::var(var) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .with_context(|| format!("{var}={text:?} is not a count")),
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Err(e) => Err(e).with_context(|| format!("read {var}")),
+    }
+}
+
+/// Latencies of one kind, in the order measured.
+#[derive(Debug, Default)]
+struct Samples(Vec<Duration>);
+
+impl Samples {
+    fn sorted_ms(&self) -> Vec<f64> {
+        let mut ms: Vec<f64> = self.0.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+        ms.sort_by(f64::total_cmp);
+        ms
+    }
+
+    /// The median (the mean of the middle two for an even count).
+    fn median_ms(&self) -> f64 {
+        let ms = self.sorted_ms();
+        let n = ms.len();
+        if n % 2 == 1 {
+            ms[n / 2]
+        } else {
+            (ms[n / 2 - 1] + ms[n / 2]) / 2.0
+        }
+    }
+
+    /// The nearest-rank percentile `p` (0 < p <= 100).
+    fn percentile_ms(&self, p: f64) -> f64 {
+        let ms = self.sorted_ms();
+        // Nearest rank: the smallest value with at least p% of the samples at or below it.
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let rank = ((p / 100.0) * ms.len() as f64).ceil().max(1.0) as usize;
+        ms[rank.min(ms.len()) - 1]
+    }
+}
+
+/// The cluster, the engine, and what the bench has started but not yet cleaned up.
+#[derive(Debug)]
+struct Bench {
+    cluster: Cluster,
+    docker: Docker,
+    /// The baseline's containers carry this deployment label rather than the cluster's, so the
+    /// node never counts them as its own instances.
+    baseline_deployment: String,
+    next_request_id: i64,
+}
+
+async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
+    let docker = connect_docker().await?;
+    let engine = docker
+        .version()
+        .await
+        .context("ask the Docker engine its version")?;
+    println!(
+        "launch bench: starting the cluster; `billet` and `billet-standin-runner` are built in {} \
+         first if stale (cargo is quiet meanwhile; a first build takes minutes)",
+        profile_dir().display()
+    );
+    let cluster = Cluster::start(ClusterOptions {
+        nodes: vec![NODE.to_owned()],
+        node_log: "warn".into(),
+        ..ClusterOptions::default()
+    })
+    .await
+    .context("start the cluster")?;
+    let dir = cluster.dir.clone();
+    let mut bench = Bench {
+        baseline_deployment: format!("{}-baseline", cluster.deployment),
+        cluster,
+        docker,
+        next_request_id: FIRST_REQUEST_ID,
+    };
+
+    let measuring_since = Instant::now();
+    let measured = tokio::select! {
+        measured = bench.measure(iterations, warmup) => Some(measured),
+        _ = tokio::signal::ctrl_c() => None,
+    };
+    let measuring_took = measuring_since.elapsed();
+    // Always: whatever the measurement left (after an error or an interrupt) is removed here.
+    let leftovers = bench.clean_up().await;
+    let baseline_deployment = bench.baseline_deployment.clone();
+    let docker = bench.docker.clone();
+    bench
+        .cluster
+        .shutdown()
+        .await
+        .context("shut the cluster down")?;
+    let after = containers_labelled(&docker, &baseline_deployment).await?;
+    ensure!(
+        after.is_empty(),
+        "baseline containers survived the cleanup: {after:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let Some(measured) = measured else {
+        bail!("interrupted; everything was cleaned up");
+    };
+    let (launch, baseline) = measured?;
+    let leftovers = leftovers?;
+    ensure!(
+        leftovers.is_empty(),
+        "left behind after the bench: {}",
+        leftovers.join("; ")
+    );
+    if !measuring {
+        println!(
+            "launch bench: one launch and one baseline ran and were cleaned up (run with `cargo bench` to measure)"
+        );
+        return Ok(());
+    }
+
+    let version = engine.version.as_deref().unwrap_or("?");
+    let api = docker.client_version();
+    println!();
+    println!(
+        "launch latency: {iterations} iterations after {warmup} warm-up, (a) and (b) interleaved; \
+         Docker {version}, engine API {api}"
+    );
+    println!(
+        "container: {STANDIN_IMAGE}, {VCPU} vCPU, {} MiB, network host; node `billet node` over mTLS on this host",
+        MEMORY_BYTES >> 20
+    );
+    println!();
+    println!(
+        "  {:<52} {:>8} {:>8} {:>8} {:>8}",
+        "ms", "median", "p90", "min", "max"
+    );
+    for (label, samples) in [
+        ("(a) Launch: plane dispatch -> node result, mTLS", &launch),
+        ("(b) baseline: Docker create + start, bollard", &baseline),
+    ] {
+        println!(
+            "  {label:<52} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+            samples.median_ms(),
+            samples.percentile_ms(90.0),
+            samples.percentile_ms(0.0),
+            samples.percentile_ms(100.0),
+        );
+    }
+    let (a, b) = (launch.median_ms(), baseline.median_ms());
+    println!();
+    println!(
+        "  ratio (a)/(b) of medians: {:.2}  (billet adds {:.1} ms per launch at the median)",
+        a / b,
+        a - b
+    );
+    println!(
+        "  nothing left behind: no container, no open lease, no runner registration ({:.1}s measuring)",
+        measuring_took.as_secs_f64()
+    );
+    Ok(())
+}
+
+impl Bench {
+    fn node(&self) -> Result<&NodeLink> {
+        self.cluster
+            .plane
+            .node(NODE)
+            .map(AsRef::as_ref)
+            .context("the plane has no link to the node")
+    }
+
+    /// Warm-up, then `iterations` of (a) and (b), alternating which goes first.
+    async fn measure(&mut self, iterations: usize, warmup: usize) -> Result<(Samples, Samples)> {
+        let (mut launch, mut baseline) = (Samples::default(), Samples::default());
+        for i in 0..warmup + iterations {
+            let (a, b) = if i % 2 == 0 {
+                let a = self.launch_once().await.context("(a) launch")?;
+                (a, self.baseline_once().await.context("(b) baseline")?)
+            } else {
+                let b = self.baseline_once().await.context("(b) baseline")?;
+                (self.launch_once().await.context("(a) launch")?, b)
+            };
+            if i >= warmup {
+                launch.0.push(a);
+                baseline.0.push(b);
+            }
+        }
+        Ok((launch, baseline))
+    }
+
+    /// Reserves a lease, times its Launch, then destroys it, releases it and removes its runner
+    /// registration (untimed).
+    async fn launch_once(&mut self) -> Result<Duration> {
+        let request_id = self.take_request_id();
+        let id = short_id();
+        let ledger = self.cluster.plane.ledger();
+        let lease = ledger
+            .reserve(
+                NewLease {
+                    id: id.clone(),
+                    tier: TIER.into(),
+                    request_id,
+                    vcpu: VCPU,
+                    memory_bytes: MEMORY_BYTES,
+                    runner_name: Some(format!("billet-{id}")),
+                },
+                now_ms(),
+            )
+            .await
+            .context("reserve a lease")?;
+        let command = launch_command(&lease);
+        let node = self.node()?;
+
+        let started = Instant::now();
+        let outcome = node.dispatch(command, COMMAND_TIMEOUT).await;
+        let elapsed = started.elapsed();
+
+        ensure!(
+            outcome.is_ok(),
+            "the launch of lease {id} did not succeed: {}",
+            outcome.describe()
+        );
+        // A launch that answered OK without a running container would measure nothing.
+        let name = format!("billet-{id}");
+        let inspected = self
+            .docker
+            .inspect_container(&name, None)
+            .await
+            .with_context(|| format!("inspect {name}"))?;
+        ensure!(
+            inspected.state.and_then(|s| s.running) == Some(true),
+            "{name} is not running after a successful launch"
+        );
+        self.tear_down(&lease).await?;
+        Ok(elapsed)
+    }
+
+    /// Destroys the lease's instance through the node, releases the lease and removes its runner
+    /// registration from the emulator.
+    async fn tear_down(&self, lease: &Lease) -> Result<()> {
+        let destroy = pb::command::Kind::Destroy(pb::Destroy {
+            request_id: lease.request_id,
+            job_result: None,
+        });
+        let outcome = self.node()?.dispatch(destroy, COMMAND_TIMEOUT).await;
+        ensure!(
+            outcome.is_ok(),
+            "the destroy of lease {} did not succeed: {}",
+            lease.id,
+            outcome.describe()
+        );
+        let ledger = self.cluster.plane.ledger();
+        let current = ledger
+            .get(&lease.id)
+            .await?
+            .with_context(|| format!("lease {} vanished", lease.id))?;
+        if !current.phase.is_terminal() {
+            ledger
+                .release(&lease.id, current.epoch, None, Phase::Done, now_ms())
+                .await
+                .with_context(|| format!("release lease {}", lease.id))?;
+        }
+        // No job ran, so the ephemeral runner never deregistered itself.
+        let runner_name = format!("billet-{}", lease.id);
+        let registered = self
+            .cluster
+            .emulator
+            .state()
+            .runners
+            .into_iter()
+            .filter(|r| r.name == runner_name);
+        for runner in registered {
+            self.cluster
+                .emulator
+                .client()
+                .remove_runner(runner.id)
+                .await
+                .with_context(|| format!("remove the runner registration {runner_name}"))?;
+        }
+        Ok(())
+    }
+
+    /// Times creating and starting the same container directly, then removes it (untimed).
+    async fn baseline_once(&mut self) -> Result<Duration> {
+        let request_id = self.take_request_id();
+        let id = short_id();
+        let name = format!("billet-{id}");
+        let mut env: Vec<String> = RUNNER_ENV.iter().map(|e| (*e).to_owned()).collect();
+        // The node passes a freshly minted JIT config here. The timed part ends when the engine
+        // has started the process, so what the runner makes of its config cannot enter the
+        // measurement; a placeholder of the same shape stands in (the runner exits 2 on it).
+        env.push(format!(
+            "ACTIONS_RUNNER_INPUT_JITCONFIG={}",
+            "A".repeat(240)
+        ));
+        let labels = HashMap::from([
+            (
+                "sh.billet.deployment".to_owned(),
+                self.baseline_deployment.clone(),
+            ),
+            ("sh.billet.node".to_owned(), NODE.to_owned()),
+            ("sh.billet.lease".to_owned(), id.clone()),
+            ("sh.billet.epoch".to_owned(), "1".to_owned()),
+            ("sh.billet.request".to_owned(), request_id.to_string()),
+        ]);
+        // As the node's Docker provider builds it (agent/src/provider/docker.rs, container_for).
+        let body = ContainerCreateBody {
+            image: Some(STANDIN_IMAGE.to_owned()),
+            entrypoint: Some(vec![STANDIN_ENTRYPOINT.to_owned()]),
+            cmd: Some(Vec::new()),
+            env: Some(env),
+            labels: Some(labels),
+            host_config: Some(HostConfig {
+                nano_cpus: Some(i64::from(VCPU) * 1_000_000_000),
+                memory: Some(i64::try_from(MEMORY_BYTES)?),
+                network_mode: Some("host".to_owned()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+
+        let started = Instant::now();
+        let created = self
+            .docker
+            .create_container(
+                Some(CreateContainerOptions {
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }),
+                body,
+            )
+            .await
+            .with_context(|| format!("create {name}"))?;
+        self.docker
+            .start_container(&created.id, None)
+            .await
+            .with_context(|| format!("start {name}"))?;
+        let elapsed = started.elapsed();
+
+        self.docker
+            .remove_container(
+                &created.id,
+                Some(RemoveContainerOptions {
+                    force: true,
+                    v: true,
+                    ..Default::default()
+                }),
+            )
+            .await
+            .with_context(|| format!("remove {name}"))?;
+        Ok(elapsed)
+    }
+
+    fn take_request_id(&mut self) -> i64 {
+        self.next_request_id += 1;
+        self.next_request_id
+    }
+
+    /// Removes whatever an interrupted or failed measurement left, then says what was found:
+    /// the node's instances, baseline containers, open leases, runner registrations.
+    async fn clean_up(&self) -> Result<Vec<String>> {
+        let mut found = Vec::new();
+        let open: Vec<Lease> = self
+            .cluster
+            .plane
+            .ledger()
+            .leases()
+            .await?
+            .into_iter()
+            .filter(|l| !l.phase.is_terminal())
+            .collect();
+        for lease in &open {
+            found.push(format!("open lease {} ({})", lease.id, lease.phase));
+            if let Err(e) = self.tear_down(lease).await {
+                eprintln!("launch bench: cleaning up lease {}: {e:#}", lease.id);
+            }
+        }
+        for name in self.cluster.containers().await? {
+            found.push(format!("instance {name}"));
+        }
+        self.cluster.remove_containers().await;
+        for name in containers_labelled(&self.docker, &self.baseline_deployment).await? {
+            found.push(format!("baseline container {name}"));
+            let _ = self
+                .docker
+                .remove_container(
+                    &name,
+                    Some(RemoveContainerOptions {
+                        force: true,
+                        v: true,
+                        ..Default::default()
+                    }),
+                )
+                .await;
+        }
+        for runner in self.cluster.emulator.state().runners {
+            found.push(format!("runner registration {}", runner.name));
+            let _ = self
+                .cluster
+                .emulator
+                .client()
+                .remove_runner(runner.id)
+                .await;
+        }
+        let charge = self.cluster.charged().await?;
+        if charge != Charge::default() {
+            found.push(format!("ledger charge {charge:?}"));
+        }
+        Ok(found)
+    }
+}
+
+/// A launch as the plane sends it (tests/tests/commands.rs), with [`RUNNER_ENV`].
+fn launch_command(lease: &Lease) -> pb::command::Kind {
+    pb::command::Kind::Launch(pb::Launch {
+        lease: Some(lease_to_wire(lease)),
+        tier: Some(pb::TierSpec {
+            label: TIER.into(),
+            image: STANDIN_IMAGE.into(),
+            command: vec![STANDIN_ENTRYPOINT.into()],
+            trust: "trusted".into(),
+            network: "host".into(),
+            env: RUNNER_ENV.iter().map(|e| (*e).to_owned()).collect(),
+            ..Default::default()
+        }),
+        job: Some(pb::Job {
+            request_id: lease.request_id,
+            ..Default::default()
+        }),
+    })
+}
+
+/// A lease id as the plane makes them: 12 hex digits.
+fn short_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// Names of every container (any state) whose deployment label is `deployment`.
+async fn containers_labelled(docker: &Docker, deployment: &str) -> Result<Vec<String>> {
+    let filters = HashMap::from([(
+        "label".to_owned(),
+        vec![format!("sh.billet.deployment={deployment}")],
+    )]);
+    let list = docker
+        .list_containers(Some(ListContainersOptions {
+            all: true,
+            filters: Some(filters),
+            ..Default::default()
+        }))
+        .await
+        .context("list containers")?;
+    Ok(list
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .map(|n| n.trim_start_matches('/').to_owned())
+        .collect())
+}
