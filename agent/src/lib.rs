@@ -10,4 +10,5 @@ pub mod server;
 pub mod session;
 pub mod slot;
 pub mod tls;
+pub mod upgrade;
 pub mod wire;

@@ -1,5 +1,6 @@
 //! `billet`: parse, set up tracing, load and check configuration, bind, run,
-//! and map the error to an exit code (README "Exit codes").
+//! and map the error to an exit code (README "Exit codes"). Also
+//! `billet host-upgrade`, the updater `billet node` execs on `StartUpgrade`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,9 +9,10 @@ use std::time::Duration;
 
 use billet_agent::server::{self, NodeConfig, NodeError};
 use billet_agent::tls::TlsPaths;
+use billet_agent::upgrade::{self, AckWriter, ExecUpgrader};
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// Exit codes, one table (README "Exit codes").
 mod exit {
@@ -20,6 +22,7 @@ mod exit {
     pub const PROVIDER: u8 = 5;
     pub const STATE: u8 = 6;
     pub const JOURNAL: u8 = 7;
+    pub const UPGRADE_REFUSED: u8 = 8;
     pub const SERVE: u8 = 1;
 }
 
@@ -35,9 +38,38 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "parsed once at start-up; boxing buys nothing"
+)]
 enum Command {
     /// Run the node agent: serve the control plane over mTLS gRPC.
     Node(NodeArgs),
+    /// Replace this node's billet. Started by `billet node` on StartUpgrade,
+    /// which reads the answer on --ack-fd; run by hand it answers nothing.
+    HostUpgrade(HostUpgradeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct HostUpgradeArgs {
+    /// The exact release to install.
+    #[arg(long)]
+    version: String,
+    /// The SHA-256 of the release manifest the rollout pinned.
+    #[arg(long)]
+    manifest_sha256: Option<String>,
+    /// The rollout this instruction belongs to.
+    #[arg(long)]
+    rollout: Option<String>,
+    /// The rollout's generation; fences out stale instructions.
+    #[arg(long)]
+    generation: Option<u64>,
+    /// The updater's configuration file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The inherited descriptor to answer on (`accepted` or `refused: ...`).
+    #[arg(long)]
+    ack_fd: Option<i32>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -99,6 +131,16 @@ struct NodeArgs {
     /// Warn daily when the node's certificate expires within this many days.
     #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7)]
     cert_expiry_warning_days: u64,
+    /// The updater StartUpgrade execs as `<binary> host-upgrade ...`,
+    /// normally this billet. Unset, the node refuses upgrades.
+    #[arg(long, env = "BILLET_UPGRADER_BINARY")]
+    upgrader_binary: Option<PathBuf>,
+    /// Passed to the updater as --config.
+    #[arg(long, env = "BILLET_UPGRADE_CONFIG")]
+    upgrade_config: Option<PathBuf>,
+    /// Seconds StartUpgrade waits for the updater's answer before refusing.
+    #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90)]
+    upgrade_ack_wait_secs: u64,
 }
 
 fn host_memory_bytes() -> u64 {
@@ -126,6 +168,42 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
     if memory_bytes == 0 {
         return Err("--memory-bytes (BILLET_MEMORY_BYTES) must be positive".into());
     }
+    let upgrader = match args.upgrader_binary {
+        None => {
+            if args.upgrade_config.is_some() {
+                return Err("--upgrade-config (BILLET_UPGRADE_CONFIG) is set without --upgrader-binary (BILLET_UPGRADER_BINARY); set both or neither".into());
+            }
+            None
+        }
+        Some(binary) => {
+            if !binary.is_absolute() {
+                return Err(format!(
+                    "--upgrader-binary (BILLET_UPGRADER_BINARY) {}: must be an absolute path; the node execs it long after start-up",
+                    binary.display()
+                ));
+            }
+            if !binary.is_file() {
+                return Err(format!(
+                    "--upgrader-binary (BILLET_UPGRADER_BINARY) {}: no such file",
+                    binary.display()
+                ));
+            }
+            if args
+                .upgrade_config
+                .as_ref()
+                .is_some_and(|c| !c.is_absolute())
+            {
+                return Err(
+                    "--upgrade-config (BILLET_UPGRADE_CONFIG) must be an absolute path".into(),
+                );
+            }
+            Some(ExecUpgrader {
+                binary,
+                config: args.upgrade_config,
+                ack_wait: Duration::from_secs(args.upgrade_ack_wait_secs.max(1)),
+            })
+        }
+    };
     Ok((
         NodeConfig {
             tls: TlsPaths {
@@ -147,6 +225,7 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
                 interval: Duration::from_secs(args.tls_reload_secs.max(1)),
                 expiry_warning: Duration::from_secs(args.cert_expiry_warning_days * 86_400),
             },
+            upgrader,
         },
         args.listen,
     ))
@@ -162,8 +241,7 @@ fn exit_code(e: &NodeError) -> u8 {
     }
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+fn init_tracing() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("BILLET_LOG")
@@ -172,7 +250,63 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
-    let Command::Node(args) = cli.command;
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Node(args) => {
+            init_tracing();
+            node(args)
+        }
+        Command::HostUpgrade(args) => host_upgrade(args),
+    }
+}
+
+/// `billet host-upgrade`: answers on the ack descriptor at most once. No
+/// release source exists yet, so every instruction is refused with a
+/// sentence saying to upgrade the node out of band.
+fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
+    // First, before anything opens a file: take the answer channel.
+    let taken = args.ack_fd.map(AckWriter::take_fd);
+    init_tracing();
+    let mut ack = match taken {
+        None => AckWriter::none(),
+        Some(Ok(ack)) => ack,
+        Some(Err(e)) => {
+            warn!(fd = ?args.ack_fd, error = %e, "cannot answer on --ack-fd; answering nothing");
+            AckWriter::none()
+        }
+    };
+    let HostUpgradeArgs {
+        version,
+        manifest_sha256,
+        rollout,
+        generation,
+        config,
+        ack_fd: _,
+    } = args;
+    let empty = [
+        ("--version", Some(&version)),
+        ("--manifest-sha256", manifest_sha256.as_ref()),
+        ("--rollout", rollout.as_ref()),
+    ]
+    .into_iter()
+    .find_map(|(flag, v)| v.is_some_and(|v| v.is_empty()).then_some(flag));
+    let reason = if let Some(flag) = empty {
+        format!("{flag} was passed empty; an absent fence is omitted, never empty")
+    } else if generation == Some(0) {
+        "--generation 0 was passed; an absent generation is omitted".to_owned()
+    } else {
+        upgrade::NO_RELEASE_SOURCE.to_owned()
+    };
+    info!(%version, ?manifest_sha256, ?rollout, ?generation, ?config, "asked to install a release");
+    error!("refusing: {reason}");
+    ack.refuse(&reason);
+    ExitCode::from(exit::UPGRADE_REFUSED)
+}
+
+fn node(args: NodeArgs) -> ExitCode {
     let (config, listen) = match config(args) {
         Ok(c) => c,
         Err(e) => {

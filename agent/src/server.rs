@@ -24,6 +24,7 @@ use crate::runner::{Runner, RunnerOptions};
 use crate::session::{Executor, Identity, NodeService, Recovery, execute_commands};
 use crate::slot::CommandSlot;
 use crate::tls::{NodeTls, TlsError, TlsPaths};
+use crate::upgrade::{ExecUpgrader, Upgrader};
 
 /// Most concurrent gRPC streams one connection may open.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 8;
@@ -59,6 +60,9 @@ pub struct NodeConfig {
     pub drain_timeout: Duration,
     /// How the TLS files are watched for rotation.
     pub tls_reload: crate::tls::ReloadPolicy,
+    /// The updater `StartUpgrade` execs. `None` (the default) refuses
+    /// upgrades with a sentence saying to upgrade the node out of band.
+    pub upgrader: Option<ExecUpgrader>,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -208,6 +212,10 @@ pub async fn run(
                 recovery,
                 journal,
                 ack_timeout: config.ack_timeout,
+                upgrader: config
+                    .upgrader
+                    .clone()
+                    .map(|u| Arc::new(u) as Arc<dyn Upgrader>),
             },
             background.clone(),
         )

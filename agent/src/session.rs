@@ -22,6 +22,7 @@ use crate::model::{NodeName, RequestId};
 use crate::plane::{PlaneLink, SessionLink};
 use crate::runner::{Runner, RunnerError};
 use crate::slot::{Admission, CommandSlot, Queued};
+use crate::upgrade::{self, UpgradeError, Upgrader};
 use crate::wire::{self, NodeCommand};
 
 /// How long the plane has to send `Open` after the stream starts.
@@ -71,6 +72,15 @@ impl Recovery {
     pub async fn wait(&self) {
         let mut done = self.done.subscribe();
         let _ = done.wait_for(|d| *d).await;
+    }
+
+    /// A recovery that has already succeeded, for tests that drive the
+    /// executor without a plane.
+    #[cfg(test)]
+    pub(crate) fn done() -> Self {
+        let recovery = Self::default();
+        recovery.done.send_replace(true);
+        recovery
     }
 
     /// Whether recovery has succeeded.
@@ -376,6 +386,9 @@ pub struct Executor {
     pub journal: Arc<dyn Journal>,
     /// How long a launch result waits for its acknowledgement.
     pub ack_timeout: Duration,
+    /// What `StartUpgrade` execs; `None` refuses upgrades with a sentence
+    /// saying to upgrade the node out of band.
+    pub upgrader: Option<Arc<dyn Upgrader>>,
 }
 
 /// Runs commands off the slot one at a time until `cancel`, once start-up
@@ -416,7 +429,7 @@ pub async fn execute_commands(
                     None,
                 );
             }
-            execute(&runner, id.as_str(), command).await
+            execute(&runner, executor.upgrader.as_deref(), id.as_str(), command).await
         }
         .instrument(span.clone())
         .await;
@@ -444,6 +457,7 @@ struct Launched {
 
 async fn execute(
     runner: &Runner,
+    upgrader: Option<&dyn Upgrader>,
     id: &str,
     command: NodeCommand,
 ) -> (pb::CommandResult, Option<Launched>) {
@@ -494,18 +508,30 @@ async fn execute(
             ),
             None,
         ),
-        NodeCommand::StartUpgrade(spec) => (
-            failure(
-                id,
-                pb::Outcome::Refused,
-                pb::ErrorCode::Refused,
-                format!(
-                    "this node has no transactional updater, so it cannot install {}; upgrade it out of band (replace the billet binary and restart the service)",
-                    spec.version
-                ),
-            ),
-            None,
-        ),
+        // Returns once the updater has answered (bounded by its ack wait),
+        // never after the upgrade itself: the slot must stay free for the
+        // destroys the drain needs. OK means only that the updater took
+        // responsibility; progress is read from the rollout.
+        NodeCommand::StartUpgrade(spec) => {
+            let result = match upgrade::start(upgrader, &spec).await {
+                Ok(()) => ok(),
+                Err(e) => {
+                    let (outcome, code) = match &e {
+                        UpgradeError::NoUpgrader { .. } | UpgradeError::Refused { .. } => {
+                            (pb::Outcome::Refused, pb::ErrorCode::Refused)
+                        }
+                        UpgradeError::Spec { .. } => {
+                            (pb::Outcome::InvalidArgument, pb::ErrorCode::InvalidArgument)
+                        }
+                        UpgradeError::Spawn { .. } | UpgradeError::Ack { .. } => {
+                            (pb::Outcome::Failed, pb::ErrorCode::Internal)
+                        }
+                    };
+                    failure(id, outcome, code, e.to_string())
+                }
+            };
+            (result, None)
+        }
         NodeCommand::Instances => match runner.instances().await {
             Ok(ids) => {
                 let mut r = ok();
@@ -639,7 +665,7 @@ mod properties {
                 prop_assert_eq!(slot.len(), 1);
                 let queued = slot.next().await;
                 // No plane session: every ledger call fails, so nothing may be created.
-                let (result, launched) = execute(&runner, queued.id.as_str(), queued.command).await;
+                let (result, launched) = execute(&runner, None, queued.id.as_str(), queued.command).await;
                 prop_assert!(launched.is_none());
                 prop_assert_ne!(result.outcome, pb::Outcome::Unspecified as i32);
                 prop_assert!(provider.specs().is_empty(), "an instance was created without the plane");

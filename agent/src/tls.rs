@@ -192,12 +192,13 @@ impl NodeTls {
         let roots = Arc::new(roots);
         // The node's own certificate must chain to the deployment CA, carry
         // its name and be valid now: a plane would refuse it otherwise.
-        let own = rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), crypto())
-            .build()
-            .map_err(|e| TlsError::Content {
-                path: paths.ca.clone(),
-                problem: format!("cannot verify certificates with this CA: {e}"),
-            })?;
+        let own =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), crypto())
+                .build()
+                .map_err(|e| TlsError::Content {
+                    path: paths.ca.clone(),
+                    problem: format!("cannot verify certificates with this CA: {e}"),
+                })?;
         let server_name = rustls::pki_types::ServerName::try_from(node_name.as_str().to_owned())
             .map_err(|e| TlsError::Content {
                 path: paths.cert.clone(),
@@ -288,7 +289,9 @@ fn warn_if_expiring(tls: &NodeTls, paths: &TlsPaths, policy: &ReloadPolicy) -> b
     let Some(not_after) = tls.not_after else {
         return false;
     };
-    let left = not_after.duration_since(SystemTime::now()).unwrap_or_default();
+    let left = not_after
+        .duration_since(SystemTime::now())
+        .unwrap_or_default();
     if left <= policy.expiry_warning {
         warn!(
             cert = %paths.cert.display(),

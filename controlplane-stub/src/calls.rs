@@ -316,7 +316,11 @@ mod tests {
 
     async fn handler() -> (CallHandler, Arc<Ledger>, scaleset::testing::Emulator) {
         let emulator = scaleset::testing::Emulator::builder().start().await;
-        let ledger = Arc::new(Ledger::open_in_memory(Duration::from_secs(60)).await.unwrap());
+        let ledger = Arc::new(
+            Ledger::open_in_memory(Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
         let github = Arc::new(Github::new(emulator.client()));
         let handler = CallHandler::new(ledger.clone(), github, QUARANTINE_GRACE);
         (handler, ledger, emulator)
@@ -339,7 +343,10 @@ mod tests {
             .await
             .unwrap();
         ledger.bind(id, l.epoch, node, now).await.unwrap();
-        ledger.advance(id, l.epoch, node, Phase::Launching, now).await.unwrap()
+        ledger
+            .advance(id, l.epoch, node, Phase::Launching, now)
+            .await
+            .unwrap()
     }
 
     fn call(call: pb::node_call::Call) -> pb::NodeCall {
@@ -354,9 +361,14 @@ mod tests {
         let (handler, ledger, emulator) = handler().await;
         let lease = launching_on(&ledger, "theirs", "node-a").await;
         let attempts = [
-            pb::node_call::Call::GetLease(pb::GetLease { lease_id: "theirs".into() }),
+            pb::node_call::Call::GetLease(pb::GetLease {
+                lease_id: "theirs".into(),
+            }),
             pb::node_call::Call::Heartbeat(pb::Heartbeat {
-                leases: vec![pb::LeaseEpoch { lease_id: "theirs".into(), epoch: lease.epoch }],
+                leases: vec![pb::LeaseEpoch {
+                    lease_id: "theirs".into(),
+                    epoch: lease.epoch,
+                }],
             }),
             pb::node_call::Call::Advance(pb::Advance {
                 lease_id: "theirs".into(),
@@ -368,7 +380,10 @@ mod tests {
                 epoch: lease.epoch,
                 outcome: "failed".into(),
             }),
-            pb::node_call::Call::Bind(pb::Bind { lease_id: "theirs".into(), epoch: lease.epoch }),
+            pb::node_call::Call::Bind(pb::Bind {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+            }),
             pb::node_call::Call::MintJit(pb::MintJit {
                 lease_id: "theirs".into(),
                 epoch: lease.epoch,
@@ -391,16 +406,27 @@ mod tests {
             let reply = handler.handle("node-b", call(attempt.clone())).await;
             let refused = match (&reply.error, &reply.result) {
                 (Some(e), _) => e.code == pb::ErrorCode::WrongNode as i32,
-                (None, Some(pb::plane_reply::Result::Heartbeats(h))) => h
-                    .results
-                    .iter()
-                    .all(|r| r.error.as_ref().is_some_and(|e| e.code == pb::ErrorCode::WrongNode as i32)),
+                (None, Some(pb::plane_reply::Result::Heartbeats(h))) => h.results.iter().all(|r| {
+                    r.error
+                        .as_ref()
+                        .is_some_and(|e| e.code == pb::ErrorCode::WrongNode as i32)
+                }),
                 _ => false,
             };
-            assert!(refused, "{attempt:?} was not refused as wrong node: {reply:?}");
+            assert!(
+                refused,
+                "{attempt:?} was not refused as wrong node: {reply:?}"
+            );
         }
-        assert_eq!(ledger.get("theirs").await.unwrap(), Some(lease), "the lease changed");
-        assert!(emulator.state().runners.is_empty(), "a runner was minted for another node's lease");
+        assert_eq!(
+            ledger.get("theirs").await.unwrap(),
+            Some(lease),
+            "the lease changed"
+        );
+        assert!(
+            emulator.state().runners.is_empty(),
+            "a runner was minted for another node's lease"
+        );
     }
 
     #[tokio::test]
@@ -418,7 +444,10 @@ mod tests {
         let first = handler.handle("node-a", mint()).await;
         assert!(first.error.is_none(), "{first:?}");
         let second = handler.handle("node-a", mint()).await;
-        assert_eq!(second.error.map(|e| e.code), Some(pb::ErrorCode::Refused as i32));
+        assert_eq!(
+            second.error.map(|e| e.code),
+            Some(pb::ErrorCode::Refused as i32)
+        );
         let wrong_name = handler
             .handle(
                 "node-a",

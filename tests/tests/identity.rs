@@ -176,7 +176,11 @@ async fn the_genuine_plane_attaches_and_the_node_names_itself_from_its_certifica
 }
 
 /// Plane material signed by the cluster's CA but otherwise wrong.
-fn plane_variant(cluster: &Cluster, name: &str, validity: billet_certs_dev::Validity) -> Result<PlaneTls> {
+fn plane_variant(
+    cluster: &Cluster,
+    name: &str,
+    validity: billet_certs_dev::Validity,
+) -> Result<PlaneTls> {
     let dir = scratch_dir("plane-variant")?;
     let made = billet_certs_dev::generate_with(
         &dir,
@@ -197,7 +201,10 @@ fn plane_variant(cluster: &Cluster, name: &str, validity: billet_certs_dev::Vali
 async fn refused(cluster: &Cluster, tls: PlaneTls) -> Result<()> {
     let node = &cluster.nodes["node-1"];
     let before = node.log_text().len();
-    let target = NodeTarget { name: "node-1".into(), addr: node.addr };
+    let target = NodeTarget {
+        name: "node-1".into(),
+        addr: node.addr,
+    };
     let attempt = match dial(&target, &tls).await {
         Ok(channel) => open_session(channel, billet_proto::PROTOCOL_VERSION, &cluster.deployment)
             .await
@@ -205,39 +212,76 @@ async fn refused(cluster: &Cluster, tls: PlaneTls) -> Result<()> {
         Err(e) => Err(e.to_string()),
     };
     assert!(attempt.is_err(), "the node accepted a plane it must refuse");
-    assert!(refused_in_log(cluster, before).await, "the node logged no refusal:\n{}", node.log_text());
+    assert!(
+        refused_in_log(cluster, before).await,
+        "the node logged no refusal:\n{}",
+        node.log_text()
+    );
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_not_yet_valid_and_misnamed_plane_certificates_are_refused() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
-    refused(&cluster, plane_variant(&cluster, "plane", billet_certs_dev::Validity::expired())?).await?;
-    refused(&cluster, plane_variant(&cluster, "plane", billet_certs_dev::Validity::not_yet_valid())?).await?;
-    refused(&cluster, plane_variant(&cluster, "intruder", billet_certs_dev::Validity::dev())?).await?;
+    refused(
+        &cluster,
+        plane_variant(&cluster, "plane", billet_certs_dev::Validity::expired())?,
+    )
+    .await?;
+    refused(
+        &cluster,
+        plane_variant(
+            &cluster,
+            "plane",
+            billet_certs_dev::Validity::not_yet_valid(),
+        )?,
+    )
+    .await?;
+    refused(
+        &cluster,
+        plane_variant(&cluster, "intruder", billet_certs_dev::Validity::dev())?,
+    )
+    .await?;
     assert!(
-        cluster.nodes["node-1"].log_text().contains("does not name the configured plane"),
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("does not name the configured plane"),
         "the refusal of a misnamed plane should say so"
     );
     // The genuine plane, made the same way, is accepted: the refusals above
     // are about the certificates, not the harness.
     let good = plane_variant(&cluster, "plane", billet_certs_dev::Validity::dev())?;
-    let target = NodeTarget { name: "node-1".into(), addr: cluster.nodes["node-1"].addr };
-    let hello = open_session(dial(&target, &good).await?, billet_proto::PROTOCOL_VERSION, &cluster.deployment).await;
+    let target = NodeTarget {
+        name: "node-1".into(),
+        addr: cluster.nodes["node-1"].addr,
+    };
+    let hello = open_session(
+        dial(&target, &good).await?,
+        billet_proto::PROTOCOL_VERSION,
+        &cluster.deployment,
+    )
+    .await;
     assert!(hello.is_ok(), "{hello:?}");
     cluster.shutdown().await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_protocol_version_mismatch_is_refused_with_a_sentence_naming_both_versions() -> Result<()> {
+async fn a_protocol_version_mismatch_is_refused_with_a_sentence_naming_both_versions() -> Result<()>
+{
     let cluster = Cluster::start(ClusterOptions::default()).await?;
-    let target = NodeTarget { name: "node-1".into(), addr: cluster.nodes["node-1"].addr };
+    let target = NodeTarget {
+        name: "node-1".into(),
+        addr: cluster.nodes["node-1"].addr,
+    };
     let channel = dial(&target, &plane_tls(&cluster.certs)?).await?;
     let error = open_session(channel, 999, &cluster.deployment)
         .await
         .expect_err("a plane speaking another version attached");
     let ours = billet_proto::PROTOCOL_VERSION.to_string();
-    assert!(error.contains("999") && error.contains(&ours) && error.contains("upgrade"), "{error}");
+    assert!(
+        error.contains("999") && error.contains(&ours) && error.contains("upgrade"),
+        "{error}"
+    );
     cluster.shutdown().await
 }
 
@@ -264,16 +308,31 @@ async fn rotated_certificates_serve_new_sessions_while_the_open_one_keeps_workin
     wait_until_log(node, "TLS material replaced").await?;
 
     // The session opened before the rotation still carries commands.
-    let outcome = link.dispatch(pb::command::Kind::Instances(pb::Instances {}), Duration::from_secs(10)).await;
+    let outcome = link
+        .dispatch(
+            pb::command::Kind::Instances(pb::Instances {}),
+            Duration::from_secs(10),
+        )
+        .await;
     assert!(outcome.is_ok(), "{}", outcome.describe());
-    assert_eq!(link.status().borrow().clone().expect("attached").session, session_before);
+    assert_eq!(
+        link.status().borrow().clone().expect("attached").session,
+        session_before
+    );
 
     // A new session needs the new certificate: a plane trusting only the new CA attaches.
     let new_plane = plane_tls(&next)?;
-    let target = NodeTarget { name: "node-1".into(), addr: node.addr };
-    let hello = open_session(dial(&target, &new_plane).await?, billet_proto::PROTOCOL_VERSION, &cluster.deployment)
-        .await
-        .expect("a new session with the rotated material");
+    let target = NodeTarget {
+        name: "node-1".into(),
+        addr: node.addr,
+    };
+    let hello = open_session(
+        dial(&target, &new_plane).await?,
+        billet_proto::PROTOCOL_VERSION,
+        &cluster.deployment,
+    )
+    .await
+    .expect("a new session with the rotated material");
     assert_eq!(hello.node_name, "node-1");
 
     // A broken replacement (a key that does not match) is refused and the
@@ -283,20 +342,38 @@ async fn rotated_certificates_serve_new_sessions_while_the_open_one_keeps_workin
     std::fs::copy(&stray.node("node-1").expect("node files").key, &files.key)?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !node.log_text()[before..].contains("refused the replacement TLS material") {
-        assert!(tokio::time::Instant::now() < deadline, "no warning about the broken replacement");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no warning about the broken replacement"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(node.log_text()[before..].contains(&files.key.display().to_string()) || node.log_text()[before..].contains(&files.cert.display().to_string()),
-        "the warning should name the file");
-    let hello = open_session(dial(&target, &new_plane).await?, billet_proto::PROTOCOL_VERSION, &cluster.deployment).await;
-    assert!(hello.is_ok(), "the old material stopped serving after a broken replacement: {hello:?}");
+    assert!(
+        node.log_text()[before..].contains(&files.key.display().to_string())
+            || node.log_text()[before..].contains(&files.cert.display().to_string()),
+        "the warning should name the file"
+    );
+    let hello = open_session(
+        dial(&target, &new_plane).await?,
+        billet_proto::PROTOCOL_VERSION,
+        &cluster.deployment,
+    )
+    .await;
+    assert!(
+        hello.is_ok(),
+        "the old material stopped serving after a broken replacement: {hello:?}"
+    );
     cluster.shutdown().await
 }
 
 async fn wait_until_log(node: &billet_tests::cluster::NodeProcess, text: &str) -> Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !node.log_text().contains(text) {
-        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the node never logged {text:?}:\n{}", node.log_text());
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the node never logged {text:?}:\n{}",
+            node.log_text()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(())

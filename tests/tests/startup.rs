@@ -8,7 +8,12 @@ use anyhow::Result;
 use billet_tests::cluster::{free_port, scratch_dir};
 use billet_tests::image::{binary_path, build_process_binaries};
 
-fn node(args: &[&str], certs: &billet_certs_dev::DevCerts, state: &Path, socket: &str) -> Result<Output> {
+fn node(
+    args: &[&str],
+    certs: &billet_certs_dev::DevCerts,
+    state: &Path,
+    socket: &str,
+) -> Result<Output> {
     build_process_binaries()?;
     let files = certs.node("node-1").expect("node files");
     let listen = free_port()?.to_string();
@@ -43,7 +48,9 @@ fn node(args: &[&str], certs: &billet_certs_dev::DevCerts, state: &Path, socket:
     let pid = child.id();
     let watchdog = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_secs(20));
-        let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
     });
     let out = child.wait_with_output()?;
     drop(watchdog);
@@ -59,13 +66,21 @@ fn setup() -> Result<(billet_certs_dev::DevCerts, std::path::PathBuf)> {
 fn assert_exit(out: &Output, code: i32, mentions: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(code), "stderr:\n{stderr}");
-    assert!(stderr.contains(mentions), "stderr should mention {mentions:?}:\n{stderr}");
+    assert!(
+        stderr.contains(mentions),
+        "stderr should mention {mentions:?}:\n{stderr}"
+    );
 }
 
 #[test]
 fn an_unreadable_certificate_exits_3_naming_the_file() -> Result<()> {
     let (certs, state) = setup()?;
-    let out = node(&["--cert", "/nonexistent/node.pem"], &certs, &state, "/var/run/docker.sock")?;
+    let out = node(
+        &["--cert", "/nonexistent/node.pem"],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
     assert_exit(&out, 3, "/nonexistent/node.pem");
     Ok(())
 }
@@ -85,7 +100,12 @@ fn an_expired_node_certificate_exits_3_naming_the_file() -> Result<()> {
     let files = expired.node("node-1").expect("files");
     let cert = files.cert.display().to_string();
     let key = files.key.display().to_string();
-    let out = node(&["--cert", &cert, "--key", &key], &certs, &state, "/var/run/docker.sock")?;
+    let out = node(
+        &["--cert", &cert, "--key", &key],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
     assert_exit(&out, 3, &cert);
     Ok(())
 }
@@ -94,7 +114,12 @@ fn an_expired_node_certificate_exits_3_naming_the_file() -> Result<()> {
 fn a_key_that_does_not_match_the_certificate_exits_3() -> Result<()> {
     let (certs, state) = setup()?;
     let other = billet_certs_dev::generate(&scratch_dir("other")?, "plane", &["node-1"])?;
-    let key = other.node("node-1").expect("files").key.display().to_string();
+    let key = other
+        .node("node-1")
+        .expect("files")
+        .key
+        .display()
+        .to_string();
     let out = node(&["--key", &key], &certs, &state, "/var/run/docker.sock")?;
     assert_exit(&out, 3, &key);
     Ok(())
@@ -135,6 +160,9 @@ fn the_state_directory_is_created_private() -> Result<()> {
     // Fails later on the engine, after the state directory is prepared.
     let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
     assert_eq!(out.status.code(), Some(5));
-    assert_eq!(std::fs::metadata(&state)?.permissions().mode() & 0o777, 0o700);
+    assert_eq!(
+        std::fs::metadata(&state)?.permissions().mode() & 0o777,
+        0o700
+    );
     Ok(())
 }
