@@ -659,16 +659,8 @@ impl Runner {
                 continue;
             }
             orphans += 1;
-            match self.provider.destroy(&name).await {
-                Err(e) => {
-                    failed += 1;
-                    warn!(%lease, error = %e, "destroying an orphan failed");
-                }
-                Ok(Teardown::Requested) => {}
-                Ok(Teardown::Stopped) => {
-                    info!(%lease, instance = %name, "destroyed an orphan");
-                    self.state().running.retain(|_, r| r.lease != lease);
-                }
+            if !self.destroy_orphan(&lease, &name).await {
+                failed += 1;
             }
         }
         if failed > 0 {
@@ -677,6 +669,25 @@ impl Runner {
             )));
         }
         Ok(())
+    }
+
+    /// Destroys an instance no open lease accounts for; false when the
+    /// provider refused (the next sweep retries). A destroy the provider only
+    /// accepted is left for the next sweep to confirm.
+    async fn destroy_orphan(&self, lease: &LeaseId, name: &InstanceName) -> bool {
+        match self.provider.destroy(name).await {
+            Err(e) => {
+                warn!(%lease, error = %e, "destroying an orphan failed");
+                false
+            }
+            Ok(Teardown::Requested) => true,
+            Ok(Teardown::Stopped) => {
+                info!(%lease, instance = %name, "destroyed an orphan");
+                self.state().running.retain(|_, r| r.lease != *lease);
+                self.forget(lease).await;
+                true
+            }
+        }
     }
 
     /// Running requests whose instance is missing from a complete inventory
@@ -797,16 +808,8 @@ impl Runner {
                     Err(e) => return Err(fail(&format!("read lease {lease}"), &e)),
                 }
             }
-            match self.provider.destroy(&name).await {
-                Err(e) => {
-                    failed += 1;
-                    warn!(%lease, error = %e, "destroying an orphan failed");
-                }
-                Ok(Teardown::Requested) => {}
-                Ok(Teardown::Stopped) => {
-                    info!(%lease, instance = %name, "destroyed an orphan");
-                    self.forget(&lease).await;
-                }
+            if !self.destroy_orphan(&lease, &name).await {
+                failed += 1;
             }
         }
         for record in &launches {
