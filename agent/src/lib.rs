@@ -1,6 +1,7 @@
 //! The billet node agent as a library: `billet node` is a thin `main` over
 //! this. See ARCHITECTURE.md for the codemap and invariants.
 
+pub mod config_file;
 pub mod journal;
 pub mod model;
 pub mod plane;

@@ -7,10 +7,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use billet_agent::config_file;
 use billet_agent::server::{self, NodeConfig, NodeError};
 use billet_agent::tls::TlsPaths;
 use billet_agent::upgrade::{self, AckWriter, ExecUpgrader};
 use clap::{Parser, Subcommand};
+
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -74,6 +76,11 @@ struct HostUpgradeArgs {
 
 #[derive(Debug, clap::Args)]
 struct NodeArgs {
+    /// A TOML file whose keys are these flags' names in snake_case; its
+    /// values are defaults that the environment and the command line
+    /// override.
+    #[arg(long, env = "BILLET_CONFIG")]
+    config: Option<PathBuf>,
     /// Address to listen on, such as 0.0.0.0:7443.
     #[arg(long, env = "BILLET_LISTEN")]
     listen: SocketAddr,
@@ -253,7 +260,28 @@ fn init_tracing() {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let mut command = <Cli as clap::CommandFactory>::command();
+    let is_node = args.get(1).is_some_and(|a| a == "node");
+    if is_node && let Some(path) = config_file::named(&args, std::env::var_os(config_file::ENV)) {
+        command = match config_file::apply(command, "node", &path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(exit::CONFIG);
+            }
+        };
+    }
+    let cli = match command
+        .try_get_matches_from(&args)
+        .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m))
+    {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 });
+        }
+    };
     match cli.command {
         Command::Node(args) => {
             init_tracing();

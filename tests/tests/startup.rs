@@ -166,3 +166,42 @@ fn the_state_directory_is_created_private() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn a_configuration_file_supplies_the_flags_and_its_errors_name_the_file_and_key() -> Result<()> {
+    let (certs, state) = setup()?;
+    let files = certs.node("node-1").expect("node files");
+    let dir = scratch_dir("config-file")?;
+    let good = dir.join("node.toml");
+    std::fs::write(
+        &good,
+        format!(
+            "listen = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\nstate_dir = \"{}\"\ndocker_socket = \"/nonexistent/from-the-file.sock\"\nvcpu = 2\n",
+            free_port()?,
+            files.cert.display(),
+            files.key.display(),
+            certs.ca.cert.display(),
+            state.display()
+        ),
+    )?;
+    build_process_binaries()?;
+    let run = |path: &Path| {
+        std::process::Command::new(binary_path("billet").expect("billet"))
+            .args(["node", "--config"])
+            .arg(path)
+            .output()
+    };
+    // Everything comes from the file: it gets as far as the engine it names.
+    assert_exit(&run(&good)?, 5, "/nonexistent/from-the-file.sock");
+
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "vcpu = \"lots\"\n")?;
+    let out = run(&bad)?;
+    assert_exit(&out, 2, &bad.display().to_string());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("`vcpu`"));
+
+    let unknown = dir.join("unknown.toml");
+    std::fs::write(&unknown, "lisen = \"127.0.0.1:1\"\n")?;
+    assert_exit(&run(&unknown)?, 2, "`lisen`");
+    Ok(())
+}
