@@ -215,11 +215,32 @@ impl Runner {
                     "this node is draining and takes no new launches".into(),
                 ));
             }
+            // The same lease again (a launch redelivered after a restart or a
+            // lost reply): whatever it started is here already. Never mint
+            // or create twice; report what this node holds.
+            if s.running
+                .get(&lease.request_id)
+                .is_some_and(|r| r.lease == lease.id)
+            {
+                return Ok(());
+            }
+            if let Some(held) = s.custody.get(&lease.id) {
+                return if held.discard {
+                    Err(RunnerError::Custody(format!(
+                        "lease {} is being torn down on this node; it stays held until its instance is gone",
+                        lease.id
+                    )))
+                } else {
+                    Ok(())
+                };
+            }
+            // Another lease for a request that already has compute here: the
+            // job is running under the first lease, so this one may go.
             if s.custody.values().any(|e| e.request_id == lease.request_id)
                 || s.running.contains_key(&lease.request_id)
             {
                 return Err(RunnerError::Failed(format!(
-                    "request {} already has compute on this node; release lease {}",
+                    "request {} already has compute on this node under another lease; release lease {}",
                     lease.request_id, lease.id
                 )));
             }
@@ -274,11 +295,38 @@ impl Runner {
         job: &Job,
         record: &mut LaunchRecord,
     ) -> Result<(), RunnerError> {
-        let registration = self
-            .jit
-            .mint(&lease.id, lease.epoch, name)
-            .await
-            .map_err(|e| RunnerError::Failed(format!("mint a JIT config for {name}: {e}")))?;
+        let registration = match self.jit.mint(&lease.id, lease.epoch, name).await {
+            Ok(r) => r,
+            Err(mint_error) => {
+                // The mint may have happened and only its answer been lost:
+                // remove whatever registration the plane holds for the lease.
+                if let Err(e) = self.jit.remove_runner(&lease.id, lease.epoch, 0, "").await {
+                    self.hold(
+                        lease.id.clone(),
+                        CustodyEntry {
+                            epoch: lease.epoch,
+                            instance: name.clone(),
+                            request_id: lease.request_id,
+                            registration: Some((0, String::new())),
+                            outcome: Phase::Failed,
+                            phase: Some(Phase::Teardown),
+                            discard: true,
+                            observed: false,
+                            absent_since: Some(Instant::now()),
+                            unconfirmed: true,
+                            since: Instant::now(),
+                        },
+                    )
+                    .await;
+                    return Err(RunnerError::Custody(format!(
+                        "mint a JIT config for {name} failed ({mint_error}) and a registration it may have made could not be removed ({e}); holding the lease until it is"
+                    )));
+                }
+                return Err(RunnerError::Failed(format!(
+                    "mint a JIT config for {name}: {mint_error}"
+                )));
+            }
+        };
         record.runner_id = registration.runner_id;
         record.runner_name = registration.runner_name.clone();
         if let Err(e) = self.journal.put_launch(record).await {
@@ -339,11 +387,13 @@ impl Runner {
         registration: (i64, String),
         create_error: ProviderError,
     ) -> Result<(), RunnerError> {
+        // Held (and journaled) before any cleanup, so a node that dies
+        // midway finds a failed launch to tear down, not a job to adopt.
         let mut entry = CustodyEntry {
             epoch: lease.epoch,
             instance: name.clone(),
             request_id: lease.request_id,
-            registration: None,
+            registration: Some(registration.clone()),
             outcome: Phase::Failed,
             phase: Some(Phase::Teardown),
             discard: true,
@@ -352,17 +402,17 @@ impl Runner {
             unconfirmed: true,
             since: Instant::now(),
         };
+        self.hold(lease.id.clone(), entry.clone()).await;
         if let Err(e) = self
             .jit
             .remove_runner(&lease.id, lease.epoch, registration.0, &registration.1)
             .await
         {
-            entry.registration = Some(registration);
-            self.hold(lease.id.clone(), entry).await;
             return Err(RunnerError::Custody(format!(
                 "create {name} failed ({create_error}) and its registration could not be removed ({e}); holding the lease until both are cleaned up"
             )));
         }
+        entry.registration = None;
         match self.provider.find(name).await {
             Ok(None) => {
                 entry.absent_since = Some(Instant::now());
@@ -381,11 +431,15 @@ impl Runner {
             Err(_) => {}
         }
         if entry.unconfirmed {
-            self.hold(lease.id.clone(), entry).await;
+            self.update(&lease.id, entry).await;
             return Err(RunnerError::Custody(format!(
                 "create {name} failed ({create_error}); holding the lease until the instance is proven gone"
             )));
         }
+        // Registration removed and instance proven gone: nothing is held,
+        // and the caller releases the lease.
+        self.state().custody.remove(&lease.id);
+        self.forget(&lease.id).await;
         Err(RunnerError::Failed(format!(
             "create {name}: {create_error}"
         )))
@@ -992,6 +1046,14 @@ impl Runner {
                 return Err(format!("remove registration {name}: {e}"));
             }
             entry.registration = None;
+        } else if entry.discard {
+            // Routing before compute: whatever registration the plane still
+            // holds for the lease goes before the instance does. A runner
+            // GitHub will not remove (busy) does not stop the teardown the
+            // node has authority for.
+            if let Err(e) = self.jit.remove_runner(lease, entry.epoch, 0, "").await {
+                debug!(%lease, error = %e, "no registration removed by lease");
+            }
         }
         let found = match self.provider.find(&entry.instance).await {
             Ok(found) => found,
@@ -1084,6 +1146,21 @@ impl Runner {
                 Ok(())
             }
             Err(e) => {
+                // Refused: if the lease has already ended (with either
+                // outcome: the plane released it after a destroy), nothing is
+                // left to hold.
+                if let Ok(l) = self.ledger.lease(lease).await
+                    && l.phase.is_terminal()
+                {
+                    debug!(%lease, phase = %l.phase, "custody ended: the lease had already ended");
+                    {
+                        let mut s = self.state();
+                        s.custody.remove(lease);
+                        s.running.retain(|_, r| r.lease != *lease);
+                    }
+                    self.forget(lease).await;
+                    return Ok(());
+                }
                 self.update(lease, entry).await;
                 Err(format!("release: {e}"))
             }

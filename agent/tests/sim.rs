@@ -1,0 +1,362 @@
+//! Ring two: the deterministic simulation (DESIGN.md, "Tests, in three
+//! rings"). The real [`billet_agent::runner::Runner`], with a journal kept
+//! across its restarts, runs against a fake ledger and JIT source
+//! (`sim/fakes.rs`), the crate's `FakeProvider` (`sim/provider.rs`) and a
+//! model of the plane and of GitHub (`sim/world.rs`), under seeded random
+//! faults, restarts and crashes, in paused tokio time on a current-thread
+//! runtime per seed. After every step it checks:
+//!
+//! 1. no leaked instance: every instance that may run belongs to an open
+//!    lease; at quiescence (faults off, jobs completed, time past every
+//!    grace, tend and sweep until nothing changes) the provider holds
+//!    nothing, the ledger charges nothing and the runner holds nothing;
+//! 2. no leaked registration: at quiescence GitHub has no runner left;
+//! 3. no capacity freed while an instance may exist: no lease ends while
+//!    its `billet-<lease>` instance still runs (checked at the moment the
+//!    ledger ends it, and after every create);
+//! 4. no live job killed without authority: no destroy of (and no removal
+//!    of the registration of) an instance whose job is still running,
+//!    unless GitHub completed it, an operator force-released its lease, or
+//!    it exited;
+//! 5. no JIT config used twice (`FakeProvider::jit_configs_used`) and no
+//!    lease minted twice.
+//!
+//! A seed is deterministic: the same seed takes the same path in every run
+//! and process (`a_seed_replays_the_same_steps`). The runner keeps its state
+//! in `HashMap`s, so a tend visits custody entries in an order that differs
+//! between runs; the world therefore never lets time pass or a crash strike
+//! inside a tend (slowness applies to the calls of launches and sweeps,
+//! crashes to launches, destroys and sweeps), and keeps everything a tend can
+//! produce in sorted collections.
+//!
+//! Environment:
+//!
+//! | variable | default | meaning |
+//! |---|---|---|
+//! | `BILLET_SIM_SEEDS` | 10000 | how many seeds to run |
+//! | `BILLET_SIM_SEED_START` | 0 | the first seed |
+//! | `BILLET_SIM_SEED` | unset | run only this seed, printing every step, the ledger's and GitHub's events and the runner's own logs |
+//! | `BILLET_LOG` | `billet_agent=debug` | filter for the runner's logs with `BILLET_SIM_SEED` |
+//! | `BILLET_SIM_KNOWN_BUGS` | unset | `all`, or a comma list of [`Bug`] names: put back the injections of known, unfixed bugs (see [`KNOWN_BUGS`]) |
+//! | `BILLET_SIM_CHECK_REPLAY` | unset | run every seed twice and report any that took another path |
+//! | `BILLET_SIM_SHOW` | 30 | how many failing seeds to print |
+//!
+//! A failing seed prints a one-line reproduction:
+//! `BILLET_SIM_SEED=<n> cargo test -p billet-agent --test sim`.
+
+#[path = "sim/fakes.rs"]
+mod fakes;
+#[path = "sim/journal.rs"]
+mod journal;
+#[path = "sim/provider.rs"]
+mod provider;
+#[path = "sim/rng.rs"]
+mod rng;
+#[path = "sim/world.rs"]
+mod world;
+
+use std::cell::RefCell;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use world::{Bug, Gates};
+
+/// Runner bugs this simulation found that are not fixed yet. Each is
+/// reached through one kind of injection, which the default run leaves out
+/// while its bug is listed here; the invariants are never relaxed. Delete a
+/// bug's line once it is fixed, and its injection is back in the default
+/// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
+/// seeds named reproduce each bug with it (as of this version of the world:
+/// any change to the step generator renumbers them).
+const KNOWN_BUGS: &[(Bug, &str)] = &[(
+    Bug::RecoverAdoptsStray,
+    "invariants (1) and (2), 237 of 10000 seeds, e.g. 3226, 67, 21: after a crash during a \
+         failed create, recover adopts the stray (the journal says it was never created) as a \
+         live job; its idle runner is kept forever, or when it exits its registration is left",
+)];
+
+fn gates() -> Gates {
+    let all = [
+        Bug::RelaunchAfterRestart,
+        Bug::MintReplyLost,
+        Bug::ReleaseConflictWedgesCustody,
+        Bug::RecoverAdoptsStray,
+    ];
+    // `1` or `all` includes every known bug's injection; otherwise a comma
+    // list of names, such as `MintReplyLost,RelaunchAfterRestart`.
+    let include = std::env::var("BILLET_SIM_KNOWN_BUGS").unwrap_or_default();
+    let included = |b: &Bug| {
+        matches!(include.trim(), "1" | "all")
+            || include
+                .split(',')
+                .any(|name| name.trim() == format!("{b:?}"))
+    };
+    Gates {
+        open: all
+            .into_iter()
+            .filter(|b| included(b) || !KNOWN_BUGS.iter().any(|(k, _)| k == b))
+            .collect(),
+        repro_env: if include.trim().is_empty() {
+            String::new()
+        } else {
+            format!("BILLET_SIM_KNOWN_BUGS={} ", include.trim())
+        },
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a whole number")),
+    )
+}
+
+fn run_seed(seed: u64, verbose: bool, gates: &Gates) -> world::Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    runtime.block_on(world::run(seed, verbose, gates.clone()))
+}
+
+thread_local! {
+    /// Set while a batch worker runs a seed: its panic message is kept here
+    /// instead of printed.
+    static CAPTURED: RefCell<Option<Option<String>>> = const { RefCell::new(None) };
+}
+
+fn install_capturing_hook() {
+    let default = panic::take_hook();
+    panic::set_hook(Box::new(move |info| {
+        let captured = CAPTURED.with(|c| {
+            let mut c = c.borrow_mut();
+            match c.as_mut() {
+                Some(slot) => {
+                    let message = info
+                        .payload()
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| {
+                            info.payload()
+                                .downcast_ref::<&str>()
+                                .map(|s| (*s).to_owned())
+                        })
+                        .unwrap_or_else(|| "a panic without a message".to_owned());
+                    let at = info
+                        .location()
+                        .map(|l| format!(" (at {l})"))
+                        .unwrap_or_default();
+                    *slot = Some(format!("{message}{at}"));
+                    true
+                }
+                None => false,
+            }
+        });
+        if !captured {
+            default(info);
+        }
+    }));
+}
+
+/// Writes the runner's tracing output into the run's log buffer.
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut log = world::LOG.lock().unwrap_or_else(|p| p.into_inner());
+        log.push_str(&String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `BILLET_SIM_SEED=<n>`: one seed, with every step, the ledger's and
+/// GitHub's events and the runner's own logs. `BILLET_SIM_ATTEMPTS=<k>`
+/// runs it k times (default 1) and stops at the first failure, printing only
+/// that attempt's log; it should never be needed, since a seed is
+/// deterministic.
+fn run_one_seed(seed: u64) {
+    let filter = std::env::var("BILLET_LOG").unwrap_or_else(|_| "billet_agent=debug".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(|| LogWriter)
+        .with_ansi(false)
+        .without_time()
+        .with_target(false)
+        .try_init();
+    let gates = gates();
+    let attempts = env_u64("BILLET_SIM_ATTEMPTS").unwrap_or(1).max(1);
+    install_capturing_hook();
+    let mut traces = std::collections::BTreeSet::new();
+    for attempt in 1..=attempts {
+        world::LOG.lock().unwrap().clear();
+        CAPTURED.with(|c| *c.borrow_mut() = Some(None));
+        let result = panic::catch_unwind(AssertUnwindSafe(|| run_seed(seed, true, &gates)));
+        let message = CAPTURED.with(|c| c.borrow_mut().take().flatten());
+        let log = std::mem::take(&mut *world::LOG.lock().unwrap());
+        match result {
+            Ok(outcome) => {
+                traces.insert(outcome.trace);
+                if attempt == attempts {
+                    println!("{log}");
+                    println!(
+                        "seed {seed}: {} steps, every invariant held ({attempts} attempts, {} distinct paths)",
+                        outcome.steps,
+                        traces.len()
+                    );
+                }
+            }
+            Err(_) => {
+                println!("{log}");
+                panic!(
+                    "attempt {attempt} of seed {seed} failed:\n{}",
+                    message.unwrap_or_else(|| "panicked".into())
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_runner_keeps_every_invariant_under_seeded_faults_restarts_and_crashes() {
+    if let Some(seed) = env_u64("BILLET_SIM_SEED") {
+        run_one_seed(seed);
+        return;
+    }
+    let start = env_u64("BILLET_SIM_SEED_START").unwrap_or(0);
+    let count = env_u64("BILLET_SIM_SEEDS").unwrap_or(10_000);
+    let seeds: Vec<u64> = (start..start + count).collect();
+
+    let replay = std::env::var_os("BILLET_SIM_CHECK_REPLAY").is_some();
+    let gates = gates();
+    let diverged = Mutex::new(Vec::<u64>::new());
+    install_capturing_hook();
+    let began = Instant::now();
+    let next = AtomicU64::new(0);
+    let failures = Mutex::new(Vec::<(u64, String)>::new());
+    let totals = Mutex::new(world::Stats::new());
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(&seed) = seeds.get(i) else { break };
+                    match run_captured(seed, &gates) {
+                        Ok(outcome) => {
+                            if replay
+                                && run_captured(seed, &gates).map(|o| o.trace) != Ok(outcome.trace)
+                            {
+                                diverged.lock().unwrap().push(seed);
+                            }
+                            let mut totals = totals.lock().unwrap();
+                            for (k, v) in outcome.stats {
+                                *totals.entry(k).or_default() += v;
+                            }
+                        }
+                        Err(message) => failures.lock().unwrap().push((seed, message)),
+                    }
+                }
+            });
+        }
+    });
+    let elapsed = began.elapsed();
+    let mut failures = failures.into_inner().unwrap();
+    failures.sort_by_key(|(s, _)| *s);
+    let totals = totals.into_inner().unwrap();
+
+    println!(
+        "simulation: {} seeds from {start} in {:.1}s on {workers} threads ({:.2} ms per seed per thread)",
+        seeds.len(),
+        elapsed.as_secs_f64(),
+        elapsed.as_secs_f64() * 1000.0 * workers as f64 / seeds.len().max(1) as f64
+    );
+    for (bug, what) in KNOWN_BUGS {
+        let state = if gates.open.contains(bug) {
+            "included"
+        } else {
+            "left out"
+        };
+        println!("known bug {bug:?} ({state}): {what}");
+    }
+    if replay {
+        let diverged = diverged.into_inner().unwrap();
+        println!(
+            "replay check: {} of {} passing seeds took a different path the second time: {:?}",
+            diverged.len(),
+            seeds.len() - failures.len(),
+            &diverged[..diverged.len().min(20)]
+        );
+    }
+    println!("coverage over the passing seeds:");
+    for (k, v) in &totals {
+        println!("  {k:>45}: {v}");
+    }
+    if !failures.is_empty() {
+        let mut kinds = std::collections::BTreeMap::<String, Vec<u64>>::new();
+        for (seed, message) in &failures {
+            let first = message.lines().next().unwrap_or_default();
+            let kind = first
+                .find("invariant (")
+                .map_or(first, |i| first[i..].split(':').next().unwrap_or_default())
+                .to_owned();
+            kinds.entry(kind).or_default().push(*seed);
+        }
+        println!("failures by invariant:");
+        for (kind, seeds) in &kinds {
+            println!(
+                "  {kind}: {} seeds, e.g. {:?}",
+                seeds.len(),
+                &seeds[..seeds.len().min(8)]
+            );
+        }
+        let shown = env_u64("BILLET_SIM_SHOW").unwrap_or(30) as usize;
+        for (seed, message) in failures.iter().take(shown) {
+            let first = message.lines().next().unwrap_or_default();
+            println!(
+                "FAILED {first}\n  reproduce: {}BILLET_SIM_SEED={seed} cargo test -p billet-agent --test sim",
+                gates.repro_env
+            );
+        }
+        panic!(
+            "{} of {} seeds broke an invariant (first: {:?}); each line above reproduces one",
+            failures.len(),
+            seeds.len(),
+            failures
+                .iter()
+                .map(|(s, _)| *s)
+                .take(20)
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+/// Runs a seed quietly, catching the panic of a broken invariant.
+fn run_captured(seed: u64, gates: &Gates) -> Result<world::Outcome, String> {
+    CAPTURED.with(|c| *c.borrow_mut() = Some(None));
+    let result = panic::catch_unwind(AssertUnwindSafe(|| run_seed(seed, false, gates)));
+    let message = CAPTURED.with(|c| c.borrow_mut().take().flatten());
+    result.map_err(|_| message.unwrap_or_else(|| "panicked".into()))
+}
+
+#[test]
+fn a_seed_replays_the_same_steps() {
+    install_capturing_hook();
+    // Known bugs' injections included: a failing seed must fail the same way.
+    let mut gates = gates();
+    gates.open.extend(KNOWN_BUGS.iter().map(|(b, _)| *b));
+    for seed in 0..40 {
+        let a = run_captured(seed, &gates).map(|o| (o.steps, o.trace));
+        let b = run_captured(seed, &gates).map(|o| (o.steps, o.trace));
+        assert_eq!(a, b, "seed {seed} took a different path the second time");
+    }
+}

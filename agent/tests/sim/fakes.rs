@@ -1,0 +1,954 @@
+//! The simulated world outside the node: the plane's ledger, GitHub's runner
+//! registrations, the ground truth about jobs, and the faults the seed
+//! injects. One mutex guards all of it and is never held across an await.
+//!
+//! [`FakeLedger`] is the node's view of this world through the two seams the
+//! runner calls ([`LeaseStore`] and [`JitSource`]); every call it answers can
+//! be made slow, refused (`Unavailable`, nothing done), or have its reply
+//! lost (done, then `Unavailable`). The plane's own writes (reserve, renew,
+//! release, reap, reconcile, operator force release) are methods on [`Core`]
+//! and never fail.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use billet_agent::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
+use billet_agent::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::provider::fake::FakeProvider;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// The world runs at a tenth of the reference's timings: `secs(90)` is 9 s
+/// of (paused) tokio time. KeepAlive wakes every 500 ms whatever the TTL, so
+/// a shorter clock means fewer wakes per seed and a cheaper seed; every
+/// ratio that matters (renewal at TTL/3, the reaper's period, the graces,
+/// slowness and outages against the TTL) is kept.
+pub const fn secs(reference_seconds: u64) -> Duration {
+    Duration::from_millis(reference_seconds * 100)
+}
+
+/// The lease TTL the plane dictates (90 s in the reference).
+pub const TTL: Duration = secs(90);
+/// How long a quarantined lease must be expired and absent from the node's
+/// inventory before reconcile frees it (5 min in the reference).
+pub const QUARANTINE_GRACE: Duration = secs(300);
+/// How long the runner waits before the absence of an instance it never saw
+/// counts as proof (`strayGrace`, 5 min in the reference).
+pub const STRAY_GRACE: Duration = secs(300);
+/// The longest the plane's background task sleeps between renewing and
+/// reaping (it wakes earlier when a renewal or an expiry is due).
+pub const PLANE_TICK: Duration = secs(30);
+
+/// A node-facing ledger or JIT operation, for fault injection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LOp {
+    Bind,
+    Advance,
+    Heartbeat,
+    Release,
+    Lease,
+    Launched,
+    Reconcile,
+    Mint,
+    RemoveRunner,
+}
+
+/// What an injected ledger fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Answer `Unavailable` without doing anything.
+    Refuse,
+    /// Do it, then answer `Unavailable` (the reply was lost).
+    LoseReply,
+}
+
+/// A provider operation that can be told to misbehave for one instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum POp {
+    Create,
+    Destroy,
+    Find,
+}
+
+/// What an injected provider fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PFault {
+    /// An engine error before anything happens.
+    Fail,
+    /// Create starts the instance, then errs.
+    FailAfterStart,
+    /// Destroy answers `Requested` and leaves the instance running until the
+    /// backend gets round to it (a later step, or quiescence).
+    Requested,
+    /// Destroy removes the instance but answers `Requested`.
+    RequestedGone,
+}
+
+/// One lease row of the ledger.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub id: LeaseId,
+    pub epoch: u64,
+    pub phase: Phase,
+    pub bound: bool,
+    pub request: RequestId,
+    pub expires: Instant,
+    pub force_release: bool,
+    /// The registration minted for it: (runner id, runner name).
+    pub runner: Option<(i64, String)>,
+    /// Who ended it, for diagnosis.
+    pub ended_by: Option<&'static str>,
+}
+
+/// A GitHub runner registration.
+#[derive(Debug, Clone)]
+pub struct Reg {
+    pub id: i64,
+    pub lease: LeaseId,
+    pub config: String,
+    /// An instance started with its config.
+    pub connected: bool,
+}
+
+/// What an instance is doing, as GitHub would know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Job {
+    /// Started by a create that failed: it runs no job.
+    Stray,
+    /// Running its job.
+    Live,
+    /// Its job completed; the runner exited.
+    Completed,
+    /// It died before its job completed (GitHub fails the job).
+    Dead,
+}
+
+/// The plane's view of a lease it reserved.
+#[derive(Debug, Clone)]
+pub struct PlaneLease {
+    pub request: RequestId,
+    /// The epoch the plane reserved it at.
+    pub epoch: Epoch,
+    /// The plane renews it (it is not held by the node).
+    pub managed: bool,
+    pub last_renew: Instant,
+}
+
+/// Armed faults and degraded modes.
+#[derive(Debug, Default)]
+pub struct Faults {
+    pub ledger_down: bool,
+    pub slow_ledger: Option<Duration>,
+    pub slow_provider: Option<Duration>,
+    pub plane_stalled: bool,
+    pub lease: BTreeMap<(LeaseId, LOp), VecDeque<Fault>>,
+    pub global: BTreeMap<LOp, VecDeque<Fault>>,
+    pub instance: BTreeMap<(String, POp), VecDeque<PFault>>,
+    pub list: u32,
+}
+
+/// A crash armed to happen at the `countdown`-th node-side call.
+#[derive(Debug, Clone, Copy)]
+pub struct Crash {
+    pub countdown: u32,
+    /// Crash after the call took effect, before its answer is seen.
+    pub after_effect: bool,
+}
+
+/// Whether a node-side call proceeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    Go,
+    CrashBefore,
+    CrashAfter,
+}
+
+/// Everything outside the node.
+#[derive(Debug)]
+pub struct Core {
+    pub fake: Arc<FakeProvider>,
+    pub leases: BTreeMap<LeaseId, Row>,
+    /// The leases not yet done or failed (what the reaper and the plane's
+    /// renewals look at).
+    pub open: BTreeSet<LeaseId>,
+    /// An instance was created since the last full check.
+    pub created_since_check: bool,
+    /// A create was called (and handed a JIT config) since the last check.
+    pub create_called: bool,
+    /// GitHub's registrations, by runner name.
+    pub regs: BTreeMap<String, Reg>,
+    pub mints: BTreeMap<LeaseId, u32>,
+    pub mint_attempts: BTreeMap<LeaseId, u32>,
+    pub next_runner_id: i64,
+    pub next_lease: u64,
+    /// Ground truth per instance name.
+    pub jobs: BTreeMap<String, Job>,
+    /// Leases an operator force-released (authority to destroy their compute).
+    pub authority: BTreeSet<LeaseId>,
+    /// Instances whose removal a remote backend accepted but has not done.
+    pub pending_removal: BTreeSet<String>,
+    /// Completions GitHub reported that the plane has not settled, kept
+    /// sorted (a tend may end several jobs, in the runner's order).
+    pub completions: BTreeSet<(LeaseId, &'static str)>,
+    pub plane: BTreeMap<LeaseId, PlaneLease>,
+    pub faults: Faults,
+    pub crash: Option<Crash>,
+    pub crashed: bool,
+    pub violations: Vec<String>,
+    /// Ledger and GitHub events since the world last drained them.
+    pub events: Vec<String>,
+    pub verbose: bool,
+    /// Counts of what happened, for the coverage report.
+    pub tally: BTreeMap<&'static str, u64>,
+}
+
+fn name_of(lease: &LeaseId) -> String {
+    InstanceName::for_lease(lease).as_str().to_owned()
+}
+
+fn unavailable(why: &str) -> PlaneError {
+    PlaneError::Unavailable(why.to_owned())
+}
+
+impl Core {
+    pub fn new(fake: Arc<FakeProvider>, verbose: bool) -> Self {
+        Self {
+            fake,
+            leases: BTreeMap::new(),
+            open: BTreeSet::new(),
+            created_since_check: false,
+            create_called: false,
+            regs: BTreeMap::new(),
+            mints: BTreeMap::new(),
+            mint_attempts: BTreeMap::new(),
+            next_runner_id: 1000,
+            next_lease: 1,
+            jobs: BTreeMap::new(),
+            authority: BTreeSet::new(),
+            pending_removal: BTreeSet::new(),
+            completions: BTreeSet::new(),
+            plane: BTreeMap::new(),
+            faults: Faults::default(),
+            crash: None,
+            crashed: false,
+            violations: Vec::new(),
+            events: Vec::new(),
+            verbose,
+            tally: BTreeMap::new(),
+        }
+    }
+
+    fn event(&mut self, text: impl FnOnce() -> String) {
+        if self.verbose {
+            self.events.push(text());
+        }
+    }
+
+    pub fn tally(&mut self, what: &'static str) {
+        *self.tally.entry(what).or_default() += 1;
+    }
+
+    pub fn violate(&mut self, text: String) {
+        self.violations.push(text);
+    }
+
+    /// The id the next reservation will get.
+    pub fn peek_lease(&self) -> LeaseId {
+        LeaseId::parse("sim", &format!("l{}", self.next_lease)).expect("a valid id")
+    }
+
+    // ----- the ledger, as the node calls it (after fault handling) -----
+
+    fn open(&self, id: &LeaseId, epoch: Epoch) -> Result<&Row, PlaneError> {
+        let row = self
+            .leases
+            .get(id)
+            .ok_or_else(|| PlaneError::NotFound(format!("lease {id} is not in the ledger")))?;
+        if row.epoch != epoch.0 {
+            return Err(PlaneError::Fenced(format!(
+                "lease {id} is at epoch {}, not {epoch}",
+                row.epoch
+            )));
+        }
+        if row.phase.is_terminal() {
+            return Err(PlaneError::NotFound(format!("lease {id} ended")));
+        }
+        Ok(row)
+    }
+
+    fn owned(&self, id: &LeaseId) -> Result<&Row, PlaneError> {
+        let row = self
+            .leases
+            .get(id)
+            .ok_or_else(|| PlaneError::NotFound(format!("lease {id} is not in the ledger")))?;
+        if !row.bound {
+            return Err(PlaneError::WrongNode(format!(
+                "lease {id} is not bound to this node"
+            )));
+        }
+        Ok(row)
+    }
+
+    fn row(&mut self, id: &LeaseId) -> &mut Row {
+        self.leases.get_mut(id).expect("checked above")
+    }
+
+    pub fn bind(&mut self, id: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        let row = self.open(id, epoch)?;
+        if row.bound {
+            return Ok(());
+        }
+        if !matches!(row.phase, Phase::Capacity | Phase::Assigned) {
+            return Err(PlaneError::WrongNode(format!(
+                "lease {id} is {} and unbound; it is never adopted",
+                row.phase
+            )));
+        }
+        self.row(id).bound = true;
+        Ok(())
+    }
+
+    pub fn advance(&mut self, id: &LeaseId, epoch: Epoch, to: Phase) -> Result<(), PlaneError> {
+        let row = self.open(id, epoch)?;
+        if !row.bound {
+            return Err(PlaneError::WrongNode(format!(
+                "lease {id} is not bound here"
+            )));
+        }
+        let from = row.phase;
+        if to == Phase::Quarantine || (from != to && !from.can_move_to(to)) {
+            return Err(PlaneError::BadTransition(format!("{id}: {from} -> {to}")));
+        }
+        if from == to {
+            return Ok(());
+        }
+        if to.is_terminal() {
+            self.end(id, to, false, "node advance");
+        } else {
+            let row = self.row(id);
+            row.phase = to;
+            row.expires = Instant::now() + TTL;
+            self.event(|| format!("ledger: {id} {from} -> {to}"));
+        }
+        Ok(())
+    }
+
+    fn heartbeat_one(&mut self, id: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        let row = self.open(id, epoch)?;
+        if row.force_release {
+            return Err(PlaneError::ForceRelease(format!("lease {id}")));
+        }
+        self.row(id).expires = Instant::now() + TTL;
+        Ok(())
+    }
+
+    pub fn release(
+        &mut self,
+        id: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError> {
+        let row = self
+            .leases
+            .get(id)
+            .ok_or_else(|| PlaneError::NotFound(format!("lease {id} is not in the ledger")))?;
+        if row.epoch != epoch.0 {
+            return Err(PlaneError::Fenced(format!(
+                "lease {id} is at epoch {}, not {epoch}",
+                row.epoch
+            )));
+        }
+        if !row.bound {
+            return Err(PlaneError::WrongNode(format!(
+                "lease {id} is not bound here"
+            )));
+        }
+        if !outcome.is_terminal() {
+            return Err(PlaneError::Refused(format!("release as {outcome}")));
+        }
+        if row.phase.is_terminal() {
+            return if row.phase == outcome {
+                Ok(())
+            } else {
+                Err(PlaneError::Refused(format!(
+                    "lease {id} already ended as {}",
+                    row.phase
+                )))
+            };
+        }
+        self.end(id, outcome, false, "node release");
+        Ok(())
+    }
+
+    pub fn lease(&self, id: &LeaseId) -> Result<Lease, PlaneError> {
+        let row = self.owned(id)?;
+        Ok(Lease {
+            id: row.id.clone(),
+            epoch: Epoch(row.epoch),
+            tier: "sim".into(),
+            phase: row.phase,
+            vcpu: 2,
+            memory: billet_agent::model::ByteSize(1 << 30),
+            request_id: row.request,
+            providers: Vec::new(),
+            failure_reason: None,
+        })
+    }
+
+    pub fn launched(&self) -> LaunchedSet {
+        let mut set = LaunchedSet::default();
+        for row in self
+            .open
+            .iter()
+            .map(|id| &self.leases[id])
+            .filter(|r| r.bound)
+        {
+            if row.phase == Phase::Quarantine {
+                set.quarantined.push(row.id.clone());
+            } else if row.phase.had_compute() {
+                set.launched.push(row.id.clone());
+            }
+        }
+        set
+    }
+
+    pub fn reconcile(&mut self, running: &[LeaseId]) -> u32 {
+        let now = Instant::now();
+        let free: Vec<LeaseId> = self
+            .open
+            .iter()
+            .map(|id| &self.leases[id])
+            .filter(|r| {
+                r.bound
+                    && r.phase == Phase::Quarantine
+                    && r.expires + QUARANTINE_GRACE < now
+                    && !running.contains(&r.id)
+            })
+            .map(|r| r.id.clone())
+            .collect();
+        for id in &free {
+            self.end(
+                id,
+                Phase::Failed,
+                true,
+                "reconcile (absent from the inventory)",
+            );
+            self.tally("ledger: quarantine freed by reconcile");
+        }
+        free.len() as u32
+    }
+
+    pub fn mint(
+        &mut self,
+        id: &LeaseId,
+        epoch: Epoch,
+        runner_name: &str,
+    ) -> Result<Registration, PlaneError> {
+        *self.mint_attempts.entry(id.clone()).or_default() += 1;
+        let row = self.owned(id)?;
+        if row.epoch != epoch.0 {
+            return Err(PlaneError::Fenced(format!(
+                "lease {id} is at epoch {}, not {epoch}",
+                row.epoch
+            )));
+        }
+        if row.phase != Phase::Launching {
+            return Err(PlaneError::BadTransition(format!(
+                "lease {id} is {}; a JIT config is minted only while launching",
+                row.phase
+            )));
+        }
+        if runner_name != name_of(id) {
+            return Err(PlaneError::Refused(format!(
+                "runner name must be {}",
+                name_of(id)
+            )));
+        }
+        if row.runner.is_some() {
+            self.tally("ledger: second mint refused");
+            return Err(PlaneError::Refused(format!(
+                "lease {id} already had a JIT config minted; a registration is never minted twice"
+            )));
+        }
+        self.next_runner_id += 1;
+        let runner_id = self.next_runner_id;
+        let config = format!("jit-{id}-{runner_id}");
+        self.row(id).runner = Some((runner_id, runner_name.to_owned()));
+        self.regs.insert(
+            runner_name.to_owned(),
+            Reg {
+                id: runner_id,
+                lease: id.clone(),
+                config: config.clone(),
+                connected: false,
+            },
+        );
+        let minted = self.mints.entry(id.clone()).or_default();
+        *minted += 1;
+        if *minted > 1 {
+            let n = *minted;
+            self.violate(format!(
+                "invariant (5) no lease minted twice: {id} was minted {n} times"
+            ));
+        }
+        self.event(|| format!("github: minted {runner_name} (runner {runner_id})"));
+        Ok(Registration {
+            config: JitConfig::new(config),
+            runner_id,
+            runner_name: runner_name.to_owned(),
+        })
+    }
+
+    pub fn remove_runner(
+        &mut self,
+        id: &LeaseId,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError> {
+        let row = self.owned(id)?;
+        let name = if runner_id > 0 {
+            if row.runner.as_ref().is_some_and(|(r, _)| *r != runner_id) {
+                return Err(PlaneError::WrongNode(format!(
+                    "runner {runner_id} is not the registration of lease {id}"
+                )));
+            }
+            runner_name.to_owned()
+        } else {
+            match &row.runner {
+                Some((_, name)) => name.clone(),
+                None => return Ok(()),
+            }
+        };
+        let exact = self
+            .regs
+            .get(&name)
+            .is_some_and(|r| runner_id <= 0 || r.id == runner_id);
+        if exact {
+            if self.jobs.get(&name) == Some(&Job::Live)
+                && self.fake.instance(&name).is_some_and(|i| !i.terminal)
+                && !self.authority.contains(id)
+            {
+                self.violate(format!(
+                    "invariant (4) no live job killed without authority: the registration of {name} was removed while its job was still running, with no completion, operator release or exit"
+                ));
+            }
+            self.regs.remove(&name);
+            self.event(|| format!("github: node removed registration {name}"));
+        }
+        Ok(())
+    }
+
+    fn take_fault(&mut self, op: LOp, keys: &[LeaseId]) -> Option<Fault> {
+        if keys.is_empty() {
+            return self
+                .faults
+                .global
+                .get_mut(&op)
+                .and_then(VecDeque::pop_front);
+        }
+        let mut sorted: Vec<&LeaseId> = keys.iter().collect();
+        sorted.sort();
+        for key in sorted {
+            if let Some(queue) = self.faults.lease.get_mut(&(key.clone(), op))
+                && let Some(fault) = queue.pop_front()
+            {
+                return Some(fault);
+            }
+        }
+        None
+    }
+
+    pub fn take_pfault(&mut self, name: &str, op: POp) -> Option<PFault> {
+        self.faults
+            .instance
+            .get_mut(&(name.to_owned(), op))
+            .and_then(VecDeque::pop_front)
+    }
+
+    fn gate(&mut self) -> Gate {
+        if self.crashed {
+            return Gate::CrashBefore;
+        }
+        let Some(crash) = self.crash.as_mut() else {
+            return Gate::Go;
+        };
+        crash.countdown = crash.countdown.saturating_sub(1);
+        if crash.countdown > 0 {
+            return Gate::Go;
+        }
+        let after = crash.after_effect;
+        self.crash = None;
+        if after {
+            Gate::CrashAfter
+        } else {
+            self.crashed = true;
+            Gate::CrashBefore
+        }
+    }
+
+    // ----- the ledger, as the plane and the operator write it -----
+
+    /// Ends a lease, checking invariant (3) at the moment it happens.
+    pub fn end(&mut self, id: &LeaseId, outcome: Phase, bump: bool, who: &'static str) {
+        let row = self.leases.get_mut(id).expect("a known lease");
+        let from = row.phase;
+        row.phase = outcome;
+        if bump {
+            row.epoch += 1;
+        }
+        row.ended_by = Some(who);
+        let epoch = row.epoch;
+        self.open.remove(id);
+        let name = name_of(id);
+        self.tally(who);
+        if let Some(instance) = self.fake.instance(&name)
+            && !instance.terminal
+        {
+            self.violate(format!(
+                "invariant (3) no capacity freed while an instance may exist: lease {id} went {from} -> {outcome} ({who}) while {name} still exists and may run"
+            ));
+        }
+        self.event(|| format!("ledger: {id} {from} -> {outcome} at epoch {epoch} ({who})"));
+    }
+
+    pub fn reserve(&mut self, request: RequestId) -> LeaseId {
+        let id = self.peek_lease();
+        self.next_lease += 1;
+        let now = Instant::now();
+        self.open.insert(id.clone());
+        self.leases.insert(
+            id.clone(),
+            Row {
+                id: id.clone(),
+                epoch: 1,
+                phase: Phase::Assigned,
+                bound: false,
+                request,
+                expires: now + TTL,
+                force_release: false,
+                runner: None,
+                ended_by: None,
+            },
+        );
+        self.plane.insert(
+            id.clone(),
+            PlaneLease {
+                request,
+                epoch: Epoch(1),
+                managed: true,
+                last_renew: now,
+            },
+        );
+        self.event(|| format!("plane: reserved {id} for request {request}"));
+        id
+    }
+
+    /// The plane gives up renewing a lease (the node holds it, or it ended).
+    pub fn unmanage(&mut self, id: &LeaseId) {
+        if let Some(p) = self.plane.get_mut(id) {
+            p.managed = false;
+        }
+    }
+
+    /// The plane's release: at the epoch it holds, or (after a destroy, as
+    /// the stub does) at the current one. Refusals are logged, not retried.
+    pub fn plane_release(
+        &mut self,
+        id: &LeaseId,
+        epoch: Option<Epoch>,
+        outcome: Phase,
+        who: &'static str,
+    ) {
+        self.unmanage(id);
+        let Some(row) = self.leases.get(id) else {
+            return;
+        };
+        if epoch.is_some_and(|e| e.0 != row.epoch) {
+            self.event(|| format!("plane: release of {id} fenced"));
+            return;
+        }
+        if row.phase.is_terminal() {
+            return;
+        }
+        self.end(id, outcome, false, who);
+    }
+
+    /// When the plane next has something to do: the earliest renewal due or
+    /// expiry, but at most [`PLANE_TICK`] away (a lease reserved meanwhile is
+    /// due no sooner than TTL/3 after it).
+    pub fn plane_next(&self) -> Instant {
+        let now = Instant::now();
+        let mut next = now + PLANE_TICK;
+        for id in &self.open {
+            let row = &self.leases[id];
+            if row.phase != Phase::Quarantine {
+                next = next.min(row.expires + Duration::from_millis(1));
+            }
+            if let Some(p) = self.plane.get(id)
+                && p.managed
+                && !self.faults.plane_stalled
+            {
+                next = next.min(p.last_renew + TTL / 3);
+            }
+        }
+        next.max(now + Duration::from_millis(1))
+    }
+
+    /// The plane's renewals (every TTL/3) and the reaper.
+    pub fn plane_tick(&mut self) {
+        let now = Instant::now();
+        if !self.faults.plane_stalled {
+            let due: Vec<(LeaseId, Epoch)> = self
+                .open
+                .iter()
+                .filter_map(|id| self.plane.get(id).map(|p| (id, p)))
+                .filter(|(_, p)| p.managed && now >= p.last_renew + TTL / 3)
+                .map(|(id, p)| (id.clone(), p.epoch))
+                .collect();
+            for (id, epoch) in due {
+                let ok = match self.leases.get_mut(&id) {
+                    Some(row) if row.epoch == epoch.0 && !row.phase.is_terminal() => {
+                        row.expires = now + TTL;
+                        true
+                    }
+                    _ => false,
+                };
+                let p = self.plane.get_mut(&id).expect("due");
+                p.last_renew = now;
+                if !ok {
+                    p.managed = false;
+                    self.event(|| format!("plane: renewal of {id} refused; stops managing it"));
+                }
+            }
+        }
+        self.reap(now);
+    }
+
+    pub fn reap(&mut self, now: Instant) {
+        let expired: Vec<(LeaseId, bool)> = self
+            .open
+            .iter()
+            .map(|id| &self.leases[id])
+            .filter(|r| !r.phase.is_terminal() && r.phase != Phase::Quarantine && r.expires < now)
+            .map(|r| (r.id.clone(), r.phase.had_compute()))
+            .collect();
+        for (id, had_compute) in expired {
+            if had_compute {
+                let row = self.row(&id);
+                let from = row.phase;
+                row.phase = Phase::Quarantine;
+                row.epoch += 1;
+                let epoch = row.epoch;
+                self.tally("ledger: reaper quarantined");
+                self.event(|| format!("reaper: {id} {from} -> quarantine at epoch {epoch}"));
+            } else {
+                self.end(&id, Phase::Failed, true, "reaper");
+            }
+        }
+    }
+
+    // ----- GitHub and the instances' own lives -----
+
+    /// An instance started with `config`: its runner connects.
+    pub fn connect(&mut self, config: &str) {
+        if let Some(reg) = self.regs.values_mut().find(|r| r.config == config) {
+            reg.connected = true;
+        }
+    }
+
+    /// An instance's job ended: GitHub removes the ephemeral registration
+    /// and reports the completion to the plane.
+    pub fn job_ends(&mut self, name: &str, job: Job, result: &'static str) {
+        self.jobs.insert(name.to_owned(), job);
+        self.regs.remove(name);
+        if let Some(lease) = InstanceName::lease(name) {
+            self.completions.insert((lease, result));
+        }
+        self.event(|| format!("github: job on {name} ended {result}; registration removed"));
+    }
+}
+
+/// The shared world and the crash signal.
+#[derive(Debug)]
+pub struct Shared {
+    core: Mutex<Core>,
+    /// Fired when an armed crash happens.
+    pub crash: Notify,
+}
+
+impl Shared {
+    pub fn new(core: Core) -> Arc<Self> {
+        Arc::new(Self {
+            core: Mutex::new(core),
+            crash: Notify::new(),
+        })
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Slowness, then the crash gate. A crashed process's calls never return.
+    pub async fn enter(&self, slow: Option<Duration>) -> Gate {
+        if let Some(d) = slow {
+            tokio::time::sleep(d).await;
+        }
+        let gate = self.lock().gate();
+        if gate == Gate::CrashBefore {
+            self.hang().await;
+        }
+        gate
+    }
+
+    /// Answers, unless the crash was armed to strike after the effect.
+    pub async fn leave(&self, gate: Gate) {
+        if gate == Gate::CrashAfter {
+            self.hang().await;
+        }
+    }
+
+    async fn hang(&self) {
+        self.lock().crashed = true;
+        self.crash.notify_one();
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The node's [`LeaseStore`] and [`JitSource`] over the simulated plane.
+#[derive(Debug, Clone)]
+pub struct FakeLedger(pub Arc<Shared>);
+
+impl FakeLedger {
+    /// Runs a node call. Slowness applies to the calls of a launch and of a
+    /// sweep only: those run in an order the runner fixes (a launch's
+    /// sequence, a sweep's sorted inventory), while a tend visits custody
+    /// entries in `HashMap` order, and time spent there would make a seed's
+    /// path depend on that order.
+    async fn call<T>(
+        &self,
+        op: LOp,
+        keys: &[LeaseId],
+        slow: bool,
+        effect: impl FnOnce(&mut Core) -> Result<T, PlaneError>,
+    ) -> Result<T, PlaneError> {
+        let slow = if slow {
+            self.0.lock().faults.slow_ledger
+        } else {
+            None
+        };
+        let gate = self.0.enter(slow).await;
+        let result = {
+            let mut c = self.0.lock();
+            if c.faults.ledger_down {
+                Err(unavailable("no plane session is open"))
+            } else {
+                match c.take_fault(op, keys) {
+                    Some(Fault::Refuse) => Err(unavailable("injected: refused")),
+                    Some(Fault::LoseReply) => {
+                        let done = effect(&mut c);
+                        let what = if done.is_ok() { "done" } else { "refused" };
+                        c.event(|| format!("ledger: {op:?} {keys:?} {what}, reply lost"));
+                        Err(unavailable("injected: the reply was lost"))
+                    }
+                    None => effect(&mut c),
+                }
+            }
+        };
+        self.0.leave(gate).await;
+        result
+    }
+}
+
+#[async_trait]
+impl LeaseStore for FakeLedger {
+    async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        self.call(LOp::Bind, std::slice::from_ref(lease), true, |c| {
+            c.bind(lease, epoch)
+        })
+        .await
+    }
+
+    async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError> {
+        self.call(
+            LOp::Advance,
+            std::slice::from_ref(lease),
+            phase == Phase::Launching,
+            |c| c.advance(lease, epoch, phase),
+        )
+        .await
+    }
+
+    async fn heartbeat(
+        &self,
+        leases: &[(LeaseId, Epoch)],
+    ) -> Result<Vec<Result<(), PlaneError>>, PlaneError> {
+        let keys: Vec<LeaseId> = leases.iter().map(|(l, _)| l.clone()).collect();
+        self.call(LOp::Heartbeat, &keys, false, |c| {
+            Ok(leases.iter().map(|(l, e)| c.heartbeat_one(l, *e)).collect())
+        })
+        .await
+    }
+
+    async fn release(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError> {
+        self.call(LOp::Release, std::slice::from_ref(lease), false, |c| {
+            c.release(lease, epoch, outcome)
+        })
+        .await
+    }
+
+    async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
+        self.call(LOp::Lease, std::slice::from_ref(lease), false, |c| {
+            c.lease(lease)
+        })
+        .await
+    }
+
+    async fn launched(&self) -> Result<LaunchedSet, PlaneError> {
+        self.call(LOp::Launched, &[], true, |c| Ok(c.launched()))
+            .await
+    }
+
+    async fn reconcile(&self, running: &[LeaseId]) -> Result<u32, PlaneError> {
+        self.call(LOp::Reconcile, &[], true, |c| Ok(c.reconcile(running)))
+            .await
+    }
+
+    fn lease_ttl(&self) -> Duration {
+        TTL
+    }
+}
+
+#[async_trait]
+impl JitSource for FakeLedger {
+    async fn mint(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_name: &InstanceName,
+    ) -> Result<Registration, PlaneError> {
+        self.call(LOp::Mint, std::slice::from_ref(lease), true, |c| {
+            c.mint(lease, epoch, runner_name.as_str())
+        })
+        .await
+    }
+
+    async fn remove_runner(
+        &self,
+        lease: &LeaseId,
+        _epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError> {
+        self.call(LOp::RemoveRunner, std::slice::from_ref(lease), false, |c| {
+            c.remove_runner(lease, runner_id, runner_name)
+        })
+        .await
+    }
+}

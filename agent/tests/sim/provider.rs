@@ -1,0 +1,152 @@
+//! The provider the runner sees in the simulation: the crate's
+//! [`FakeProvider`] (which holds the instances and records every call and
+//! every JIT config handed to it), with faults armed per instance name and
+//! enacted through the fake's own knobs (`fail_next`,
+//! `fail_create_after_starting`, destroy modes) just before the call they
+//! target. Arming per name rather than "the next call" keeps a seed's faults
+//! landing on the same instance whatever order the runner visits its
+//! entries in.
+//!
+//! It also keeps the ground truth GitHub would have: a started instance's
+//! runner connects with its JIT config and takes its job, and a destroy of an
+//! instance whose job is still running is checked against the authority the
+//! simulation tracks (invariant 4).
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use billet_agent::model::InstanceName;
+use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
+use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+
+use crate::fakes::{Job, PFault, POp, Shared};
+
+/// [`FakeProvider`] with per-instance faults, slowness and crash points.
+#[derive(Debug)]
+pub struct SimProvider {
+    pub fake: Arc<FakeProvider>,
+    pub shared: Arc<Shared>,
+}
+
+impl SimProvider {
+    /// Slowness applies to create and list only (see `FakeLedger::call`:
+    /// find and destroy also run inside a tend).
+    async fn enter(&self, slow: bool) -> crate::fakes::Gate {
+        let slow = if slow {
+            self.shared.lock().faults.slow_provider
+        } else {
+            None
+        };
+        self.shared.enter(slow).await
+    }
+}
+
+#[async_trait]
+impl Provider for SimProvider {
+    fn kind(&self) -> &'static str {
+        self.fake.kind()
+    }
+
+    fn runs_on_host(&self) -> bool {
+        self.fake.runs_on_host()
+    }
+
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let gate = self.enter(true).await;
+        let name = spec.name.as_str().to_owned();
+        let config = spec.jit_config.expose().to_owned();
+        let existed = self.fake.instance(&name).is_some();
+        self.shared.lock().create_called = true;
+        match self.shared.lock().take_pfault(&name, POp::Create) {
+            Some(PFault::Fail) => self.fake.fail_next(Operation::Create, 1),
+            Some(PFault::FailAfterStart) => self.fake.fail_create_after_starting(1),
+            _ => {}
+        }
+        // Completes in one poll: nothing in the fake waits unless blocked.
+        let result = self.fake.create(spec).await;
+        if !existed && self.fake.instance(&name).is_some() {
+            let mut c = self.shared.lock();
+            c.created_since_check = true;
+            c.connect(&config);
+            let job = if result.is_ok() {
+                Job::Live
+            } else {
+                Job::Stray
+            };
+            c.jobs.insert(name.clone(), job);
+            if c.verbose {
+                c.events.push(format!("provider: {name} started ({job:?})"));
+            }
+        }
+        self.shared.leave(gate).await;
+        result
+    }
+
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        let gate = self.enter(false).await;
+        let n = name.as_str().to_owned();
+        {
+            let mut c = self.shared.lock();
+            let lease = InstanceName::lease(&n).expect("billet names only");
+            if let Some(instance) = self.fake.instance(&n)
+                && !instance.terminal
+                && c.jobs.get(&n) == Some(&Job::Live)
+                && !c.authority.contains(&lease)
+            {
+                c.violate(format!(
+                    "invariant (4) no live job killed without authority: destroy of {n} while its job is still running, with no completion, operator release or exit"
+                ));
+            }
+            match c.take_pfault(&n, POp::Destroy) {
+                Some(PFault::Fail) => self.fake.fail_next(Operation::Destroy, 1),
+                Some(PFault::Requested) if self.fake.instance(&n).is_some() => {
+                    c.pending_removal.insert(n.clone());
+                }
+                Some(PFault::RequestedGone) => {
+                    self.fake.set_destroy_mode(DestroyMode::RequestAndRemove)
+                }
+                _ => {}
+            }
+            if c.pending_removal.contains(&n) {
+                self.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+            }
+        }
+        let result = self.fake.destroy(name).await;
+        self.fake.set_destroy_mode(DestroyMode::Stop);
+        {
+            let mut c = self.shared.lock();
+            if self.fake.instance(&n).is_none() {
+                c.pending_removal.remove(&n);
+                if c.jobs.get(&n) == Some(&Job::Live) {
+                    c.job_ends(&n, Job::Dead, "failed");
+                }
+            }
+        }
+        self.shared.leave(gate).await;
+        result
+    }
+
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        let gate = self.enter(true).await;
+        {
+            let mut c = self.shared.lock();
+            if c.faults.list > 0 {
+                c.faults.list -= 1;
+                self.fake.fail_next(Operation::List, 1);
+            }
+        }
+        let result = self.fake.list().await;
+        self.shared.leave(gate).await;
+        result
+    }
+
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        let gate = self.enter(false).await;
+        if self.shared.lock().take_pfault(name.as_str(), POp::Find) == Some(PFault::Fail) {
+            self.fake.fail_next(Operation::Find, 1);
+        }
+        let result = self.fake.find(name).await;
+        self.shared.leave(gate).await;
+        result
+    }
+}

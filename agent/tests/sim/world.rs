@@ -1,0 +1,1330 @@
+//! One simulated world per seed: the runner under test, the plane around it
+//! (modelled on `controlplane-stub`'s dispatch: it renews the leases it
+//! manages, stops when the node holds one, releases `failed` after a failed
+//! launch and `done` after a completion-triggered destroy succeeds), GitHub
+//! (jobs complete, ephemeral registrations go away with their job), and the
+//! faults and restarts the seed chooses. Invariants are checked after every
+//! step and again after a quiescence phase.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use billet_agent::model::{
+    ByteSize, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase, RequestId, TierSpec,
+    Trust,
+};
+use billet_agent::provider::fake::FakeProvider;
+use billet_agent::runner::{Runner, RunnerError, RunnerOptions};
+use futures::FutureExt as _;
+use tokio::task::JoinHandle;
+
+use crate::fakes::{
+    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Shared, secs,
+};
+use crate::journal::SimJournal;
+use crate::provider::SimProvider;
+use crate::rng::Rng;
+
+/// Counters of what a run exercised, summed over seeds for the report.
+pub type Stats = BTreeMap<&'static str, u64>;
+
+/// The step-by-step log of a verbose run (and, through `sim.rs`, the
+/// runner's own tracing output), kept until the run is over so that only
+/// the attempt that failed is printed.
+pub static LOG: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+
+fn log_line(line: &str) {
+    let mut log = LOG.lock().unwrap_or_else(|p| p.into_inner());
+    log.push_str(line);
+    log.push('\n');
+}
+
+/// Runner bugs the simulation found, each reached by one kind of
+/// injection. While a bug is listed as known in `sim.rs`, the default run
+/// leaves its injection out; the invariants are never relaxed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bug {
+    /// A launch redelivered to a restarted node for a lease whose instance
+    /// exists is answered `Failed`, so the plane frees a lease that runs.
+    RelaunchAfterRestart,
+    /// A mint whose reply is lost leaves a registration nobody removes.
+    MintReplyLost,
+    /// A custody entry whose lease the plane ended with the other outcome
+    /// can never finish.
+    ReleaseConflictWedgesCustody,
+    /// Recover adopts the stray of a failed create as a live job: its idle
+    /// runner is kept forever, or, if it exits, the lease is released and
+    /// its registration left behind.
+    RecoverAdoptsStray,
+}
+
+/// Which known bugs' injections a run includes.
+#[derive(Debug, Clone, Default)]
+pub struct Gates {
+    pub open: std::collections::BTreeSet<Bug>,
+    /// What a reproduction line must set besides the seed.
+    pub repro_env: String,
+}
+
+impl Gates {
+    fn allows(&self, bug: Bug) -> bool {
+        self.open.contains(&bug)
+    }
+}
+
+/// What one seed did.
+#[derive(Debug)]
+pub struct Outcome {
+    pub steps: usize,
+    /// A hash of every step's outcome, to compare two runs of one seed.
+    pub trace: u64,
+    pub stats: Stats,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    NewJob,
+    Complete,
+    DeliverCompletion,
+    DuplicateDestroy,
+    AssumeCustody,
+    Tend,
+    Sweep,
+    AdvanceSmall,
+    AdvanceMedium,
+    AdvanceLarge,
+    ProviderFault,
+    LedgerFault,
+    LedgerDown,
+    Slow,
+    PlaneStall,
+    RemoveBehindBack,
+    InstanceExits,
+    StraysExit,
+    BackendCatchesUp,
+    ForceRelease,
+    Restart,
+    Crash,
+    LaunchForRunningRequest,
+    LateLaunch,
+    CancelJob,
+    JournalFault,
+}
+
+const STEPS: &[(Step, u64)] = &[
+    (Step::NewJob, 14),
+    (Step::Complete, 10),
+    (Step::DeliverCompletion, 5),
+    (Step::DuplicateDestroy, 2),
+    (Step::AssumeCustody, 3),
+    (Step::Tend, 10),
+    (Step::Sweep, 6),
+    (Step::AdvanceSmall, 10),
+    (Step::AdvanceMedium, 4),
+    (Step::AdvanceLarge, 1),
+    (Step::ProviderFault, 8),
+    (Step::LedgerFault, 7),
+    (Step::LedgerDown, 2),
+    (Step::Slow, 2),
+    (Step::PlaneStall, 1),
+    (Step::RemoveBehindBack, 2),
+    (Step::InstanceExits, 1),
+    (Step::StraysExit, 3),
+    (Step::BackendCatchesUp, 3),
+    (Step::ForceRelease, 2),
+    (Step::Restart, 3),
+    (Step::Crash, 3),
+    (Step::LaunchForRunningRequest, 2),
+    (Step::LateLaunch, 1),
+    (Step::CancelJob, 1),
+    (Step::JournalFault, 2),
+];
+
+fn new_runner(
+    provider: &Arc<SimProvider>,
+    ledger: &Arc<FakeLedger>,
+    journal: &Arc<SimJournal>,
+) -> Arc<Runner> {
+    Arc::new(
+        Runner::new(
+            provider.clone(),
+            ledger.clone(),
+            ledger.clone(),
+            RunnerOptions {
+                stray_grace: STRAY_GRACE,
+                ..RunnerOptions::default()
+            },
+        )
+        .with_journal(journal.clone()),
+    )
+}
+
+fn tier() -> TierSpec {
+    TierSpec {
+        label: "sim".into(),
+        image: "runner:sim".into(),
+        command: vec!["/run.sh".into()],
+        trust: Trust::Trusted,
+        shm: ByteSize(0),
+        network: None,
+        env: Vec::new(),
+    }
+}
+
+fn kind(r: &Result<(), RunnerError>) -> &'static str {
+    match r {
+        Ok(()) => "ok",
+        Err(RunnerError::Custody(_)) => "custody",
+        Err(RunnerError::Failed(_)) => "failed",
+        Err(RunnerError::Refused(_)) => "refused",
+    }
+}
+
+fn name_of(lease: &LeaseId) -> String {
+    InstanceName::for_lease(lease).as_str().to_owned()
+}
+
+/// Runs `f` unless the armed crash strikes first, in which case `f` (and
+/// with it whatever the node was doing) is dropped mid-call.
+async fn guarded<F: Future>(shared: &Shared, f: F) -> Option<F::Output> {
+    let crashed = shared.crash.notified();
+    tokio::pin!(crashed);
+    tokio::pin!(f);
+    tokio::select! {
+        biased;
+        () = &mut crashed => None,
+        out = &mut f => Some(out),
+    }
+}
+
+/// The simulated world of one seed.
+pub struct World {
+    seed: u64,
+    rng: Rng,
+    verbose: bool,
+    step: usize,
+    shared: Arc<Shared>,
+    fake: Arc<FakeProvider>,
+    provider: Arc<SimProvider>,
+    ledger: Arc<FakeLedger>,
+    journal: Arc<SimJournal>,
+    runner: Arc<Runner>,
+    keep_alive: Option<JoinHandle<()>>,
+    next_request: i64,
+    delivered: Vec<(LeaseId, &'static str)>,
+    recent: VecDeque<String>,
+    trace: u64,
+    heal_down_at: Option<usize>,
+    heal_slow_at: Option<usize>,
+    heal_stall_at: Option<usize>,
+    stats: Stats,
+    gates: Gates,
+}
+
+impl World {
+    fn new(seed: u64, verbose: bool, gates: Gates) -> Self {
+        let fake = Arc::new(FakeProvider::new());
+        let shared = Shared::new(Core::new(Arc::clone(&fake), verbose));
+        let provider = Arc::new(SimProvider {
+            fake: Arc::clone(&fake),
+            shared: Arc::clone(&shared),
+        });
+        let ledger = Arc::new(FakeLedger(Arc::clone(&shared)));
+        let journal = Arc::new(SimJournal::default());
+        let runner = new_runner(&provider, &ledger, &journal);
+        let mut world = Self {
+            seed,
+            rng: Rng::new(seed),
+            verbose,
+            step: 0,
+            shared,
+            fake,
+            provider,
+            ledger,
+            journal,
+            runner,
+            keep_alive: None,
+            next_request: 100,
+            delivered: Vec::new(),
+            recent: VecDeque::new(),
+            trace: 0xcbf2_9ce4_8422_2325,
+            heal_down_at: None,
+            heal_slow_at: None,
+            heal_stall_at: None,
+            stats: Stats::new(),
+            gates,
+        };
+        world.spawn_keep_alive();
+        let plane = Arc::clone(&world.shared);
+        tokio::spawn(async move {
+            loop {
+                let next = plane.lock().plane_next();
+                tokio::time::sleep_until(next).await;
+                plane.lock().plane_tick();
+            }
+        });
+        world
+    }
+
+    fn spawn_keep_alive(&mut self) {
+        let runner = Arc::clone(&self.runner);
+        let cancel = tokio_util::sync::CancellationToken::new();
+        self.keep_alive = Some(tokio::spawn(async move { runner.keep_alive(cancel).await }));
+    }
+
+    fn count(&mut self, what: &'static str) {
+        *self.stats.entry(what).or_default() += 1;
+    }
+
+    /// Records a step's outcome: `hashed` goes into the trace, `detail`
+    /// (which may carry error text in an order the runner chose) only into
+    /// the log.
+    fn note(&mut self, hashed: String, detail: Option<String>) {
+        for b in hashed.bytes() {
+            self.trace = (self.trace ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        let line = match detail {
+            Some(d) if self.verbose => format!("{hashed}: {d}"),
+            _ => hashed,
+        };
+        if self.verbose {
+            let events = std::mem::take(&mut self.shared.lock().events);
+            log_line(&format!("[seed {} step {}] {line}", self.seed, self.step));
+            for e in &events {
+                log_line(&format!("      {e}"));
+            }
+        }
+        if self.recent.len() == 12 {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(line);
+    }
+
+    fn fail(&self, what: &str) -> ! {
+        let recent: Vec<&str> = self.recent.iter().map(String::as_str).collect();
+        panic!(
+            "seed {} step {}: {what}\n  last steps: {}\n  reproduce: {}BILLET_SIM_SEED={} cargo test -p billet-agent --test sim",
+            self.seed,
+            self.step,
+            recent.join(" | "),
+            self.gates.repro_env,
+            self.seed
+        );
+    }
+
+    fn next_request(&mut self) -> RequestId {
+        self.next_request += 1;
+        RequestId(self.next_request)
+    }
+
+    async fn restart(&mut self, why: &str) {
+        if let Some(handle) = self.keep_alive.take() {
+            handle.abort();
+            let _ = handle.await;
+        }
+        {
+            let mut c = self.shared.lock();
+            c.crashed = false;
+            c.crash = None;
+        }
+        // Forget a crash signal nobody consumed.
+        let _ = self.shared.crash.notified().now_or_never();
+        let downtime = if self.rng.chance(30) {
+            secs(self.rng.range(5, 240))
+        } else {
+            Duration::ZERO
+        };
+        if !downtime.is_zero() {
+            tokio::time::sleep(downtime).await;
+        }
+        self.runner = new_runner(&self.provider, &self.ledger, &self.journal);
+        self.spawn_keep_alive();
+        self.count("restarts");
+        self.note(
+            format!("restart ({why}), down {}ms", downtime.as_millis()),
+            None,
+        );
+        self.recover().await;
+    }
+
+    /// Start-up recovery, before any command reaches the runner; retried
+    /// (as the session does) until it succeeds. Each failed attempt counts
+    /// as a step, so timed faults heal.
+    async fn recover(&mut self) {
+        for _ in 0..200 {
+            let runner = Arc::clone(&self.runner);
+            match guarded(&self.shared, runner.recover()).await {
+                Some(Ok(())) => {
+                    self.note("recover -> ok".into(), None);
+                    return;
+                }
+                Some(Err(e)) => {
+                    self.count("recover failed (retried)");
+                    self.note("recover -> failed".into(), Some(e.to_string()));
+                }
+                None => {
+                    let mut c = self.shared.lock();
+                    c.crashed = false;
+                    c.crash = None;
+                }
+            }
+            self.check();
+            self.step += 1;
+            self.heal();
+            tokio::time::sleep(secs(5)).await;
+        }
+        self.fail("liveness: start-up recovery never succeeded in 200 attempts; the node would take no work");
+    }
+
+    // ----- the plane -----
+
+    fn on_launch_result(&mut self, lease: &LeaseId, r: &Result<(), RunnerError>) {
+        let mut c = self.shared.lock();
+        match r {
+            Ok(()) => {}
+            Err(e) if e.is_custody() => c.unmanage(lease),
+            Err(_) => {
+                let epoch = c.plane.get(lease).map(|p| p.epoch);
+                c.plane_release(lease, epoch, Phase::Failed, "plane after a failed launch");
+            }
+        }
+    }
+
+    async fn launch(&mut self, lease: LeaseId, what: &'static str) {
+        let (request, epoch) = {
+            let c = self.shared.lock();
+            let p = &c.plane[&lease];
+            (p.request, p.epoch)
+        };
+        let command = Lease {
+            id: lease.clone(),
+            epoch,
+            tier: "sim".into(),
+            phase: Phase::Assigned,
+            vcpu: 2,
+            memory: ByteSize(1 << 30),
+            request_id: request,
+            providers: vec!["docker".into()],
+            failure_reason: None,
+        };
+        let job = GithubJob {
+            request_id: request,
+            ..GithubJob::default()
+        };
+        let runner = Arc::clone(&self.runner);
+        let Some(r) = guarded(&self.shared, runner.launch(command, tier(), job)).await else {
+            self.count("crash mid-launch");
+            self.note(
+                format!("{what} {lease} (request {request}): node crashed mid-launch"),
+                None,
+            );
+            self.restart("crash").await;
+            if self.rng.chance(50) && self.gates.allows(Bug::RelaunchAfterRestart) {
+                // The plane was still waiting: it redelivers the command to
+                // the new process, which has no record of it.
+                self.count("launch redelivered after a restart");
+                Box::pin(self.launch(lease, "redelivered launch")).await;
+            } else {
+                self.shared.lock().unmanage(&lease);
+                self.note(format!("plane gives up on {lease}: node-held"), None);
+            }
+            return;
+        };
+        *self
+            .stats
+            .entry(match kind(&r) {
+                "ok" => "launch ok",
+                "custody" => "launch custody",
+                "failed" => "launch failed",
+                _ => "launch refused",
+            })
+            .or_default() += 1;
+        self.note(
+            format!("{what} {lease} (request {request}) -> {}", kind(&r)),
+            r.as_ref().err().map(ToString::to_string),
+        );
+        if self.rng.chance(8) {
+            // The session broke before the result was acknowledged.
+            self.count("launch reply lost");
+            if self.rng.chance(50) {
+                // Redelivered on the next session, answered from the slot's
+                // record: the plane learns the real result.
+                self.on_launch_result(&lease, &r);
+                self.note(format!("{lease}: result replayed to the plane"), None);
+            } else {
+                self.shared.lock().unmanage(&lease);
+                self.note(
+                    format!("{lease}: result lost; plane treats it as node-held"),
+                    None,
+                );
+            }
+            if r.is_ok() && self.rng.chance(80) {
+                // The node's session puts an unacknowledged success into custody.
+                let out =
+                    guarded(&self.shared, runner.assume_custody(&lease, epoch, request)).await;
+                match out {
+                    Some(r) => self.note(
+                        format!("node assumes custody of {lease} -> {}", kind(&r)),
+                        r.err().map(|e| e.to_string()),
+                    ),
+                    None => self.restart("crash").await,
+                }
+            }
+        } else {
+            self.on_launch_result(&lease, &r);
+        }
+    }
+
+    async fn deliver(&mut self, lease: LeaseId, result: &'static str, duplicate: bool) {
+        let (request, ended) = {
+            let c = self.shared.lock();
+            let row = &c.leases[&lease];
+            (row.request, row.phase.is_terminal())
+        };
+        let pending = |c: &mut Core| {
+            c.completions.remove(&(lease.clone(), result));
+        };
+        if ended && !duplicate {
+            // The plane skips completions of leases that have ended.
+            pending(&mut self.shared.lock());
+            self.note(format!("completion of {lease}: lease ended, skipped"), None);
+            return;
+        }
+        let runner = Arc::clone(&self.runner);
+        let what = if duplicate {
+            "duplicate destroy"
+        } else {
+            "destroy"
+        };
+        let Some(r) = guarded(&self.shared, runner.destroy(request, Some(result))).await else {
+            self.count("crash mid-destroy");
+            self.note(
+                format!("{what} request {request} ({lease}): node crashed"),
+                None,
+            );
+            self.restart("crash").await;
+            return;
+        };
+        self.count(match kind(&r) {
+            "ok" => "destroy ok",
+            "custody" => "destroy custody",
+            _ => "destroy failed",
+        });
+        self.note(
+            format!(
+                "{what} request {request} ({lease}, {result}) -> {}",
+                kind(&r)
+            ),
+            r.as_ref().err().map(ToString::to_string),
+        );
+        if !duplicate && self.rng.chance(6) {
+            self.count("destroy reply lost");
+            self.note(
+                format!("{lease}: destroy result lost; plane will redeliver"),
+                None,
+            );
+            return;
+        }
+        let mut c = self.shared.lock();
+        match r {
+            Ok(()) => {
+                pending(&mut c);
+                if !duplicate {
+                    self.delivered.push((lease.clone(), result));
+                }
+                c.plane_release(
+                    &lease,
+                    None,
+                    Phase::Done,
+                    "plane after a completion's destroy",
+                );
+            }
+            Err(e) if e.is_custody() => {
+                pending(&mut c);
+                c.unmanage(&lease);
+            }
+            Err(_) => {}
+        }
+    }
+
+    // ----- GitHub and the instances -----
+
+    fn complete_job(&mut self, name: &str) {
+        let remove = self.rng.chance(50);
+        if remove {
+            self.fake.remove_behind_back(name);
+        } else {
+            self.fake.set_state(name, false, true);
+        }
+        self.shared
+            .lock()
+            .job_ends(name, Job::Completed, "succeeded");
+        self.count("jobs completed");
+        self.note(
+            format!(
+                "github: job on {name} completes; the runner exits ({})",
+                if remove { "removed" } else { "exited" }
+            ),
+            None,
+        );
+    }
+
+    fn live_jobs(&self) -> Vec<String> {
+        let c = self.shared.lock();
+        c.jobs
+            .iter()
+            .filter(|(n, j)| **j == Job::Live && self.fake.instance(n).is_some_and(|i| !i.terminal))
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    fn strays_exit(&mut self, all: bool) {
+        let strays: Vec<String> = {
+            let c = self.shared.lock();
+            self.fake
+                .instances()
+                .into_iter()
+                .filter(|i| {
+                    !i.terminal
+                        && c.jobs.get(&i.name) != Some(&Job::Live)
+                        && !c.regs.contains_key(&i.name)
+                })
+                .map(|i| i.name)
+                .collect()
+        };
+        for name in strays {
+            if all || self.rng.chance(50) {
+                // A runner whose registration is gone cannot connect: it exits.
+                self.fake.set_state(&name, false, true);
+                self.note(
+                    format!("{name}: a runner without a registration exits"),
+                    None,
+                );
+            }
+        }
+    }
+
+    fn backend_catches_up(&mut self) {
+        let pending: Vec<String> = self.shared.lock().pending_removal.iter().cloned().collect();
+        for name in pending {
+            self.fake.remove_behind_back(&name);
+            let mut c = self.shared.lock();
+            c.pending_removal.remove(&name);
+            if c.jobs.get(&name) == Some(&Job::Live) {
+                c.job_ends(&name, Job::Dead, "failed");
+            }
+            drop(c);
+            self.note(
+                format!("backend: the requested removal of {name} completes"),
+                None,
+            );
+        }
+    }
+
+    // ----- steps -----
+
+    fn heal(&mut self) {
+        let step = self.step;
+        let mut c = self.shared.lock();
+        if self.heal_down_at.is_some_and(|s| s <= step) {
+            self.heal_down_at = None;
+            c.faults.ledger_down = false;
+        }
+        if self.heal_slow_at.is_some_and(|s| s <= step) {
+            self.heal_slow_at = None;
+            c.faults.slow_ledger = None;
+            c.faults.slow_provider = None;
+        }
+        if self.heal_stall_at.is_some_and(|s| s <= step) {
+            self.heal_stall_at = None;
+            c.faults.plane_stalled = false;
+        }
+    }
+
+    async fn run_step(&mut self, step: Step) {
+        let runner = Arc::clone(&self.runner);
+        match step {
+            Step::NewJob => {
+                let request = self.next_request();
+                let lease = self.shared.lock().reserve(request);
+                self.launch(lease, "launch").await;
+            }
+            Step::Complete => {
+                let live = self.live_jobs();
+                if let Some(name) = self.rng.pick(&live) {
+                    self.complete_job(&name);
+                    if self.rng.chance(70) {
+                        let lease = InstanceName::lease(&name).expect("billet name");
+                        self.deliver(lease, "succeeded", false).await;
+                    }
+                }
+            }
+            Step::DeliverCompletion => {
+                let pending: Vec<_> = self.shared.lock().completions.iter().cloned().collect();
+                if let Some((lease, result)) = self.rng.pick(&pending) {
+                    self.deliver(lease, result, false).await;
+                }
+            }
+            Step::DuplicateDestroy => {
+                if let Some((lease, result)) = self.rng.pick(&self.delivered.clone()) {
+                    self.count("duplicate destroys");
+                    self.deliver(lease, result, true).await;
+                }
+            }
+            Step::AssumeCustody => {
+                let candidates: Vec<(LeaseId, Epoch, RequestId)> = {
+                    let c = self.shared.lock();
+                    c.plane
+                        .iter()
+                        .filter(|(id, _)| {
+                            let row = &c.leases[*id];
+                            row.bound && !row.phase.is_terminal()
+                        })
+                        .map(|(id, p)| (id.clone(), p.epoch, p.request))
+                        .collect()
+                };
+                if let Some((lease, epoch, request)) = self.rng.pick(&candidates) {
+                    self.shared.lock().unmanage(&lease);
+                    self.count("assume custody");
+                    match guarded(&self.shared, runner.assume_custody(&lease, epoch, request)).await
+                    {
+                        Some(r) => self.note(
+                            format!("plane: assume custody of {lease} -> {}", kind(&r)),
+                            r.err().map(|e| e.to_string()),
+                        ),
+                        None => self.restart("crash").await,
+                    }
+                }
+            }
+            Step::Tend => match guarded(&self.shared, runner.tend()).await {
+                Some(r) => {
+                    self.count("tends");
+                    self.note(
+                        format!("tend -> {}", kind(&r)),
+                        r.err().map(|e| e.to_string()),
+                    );
+                }
+                None => {
+                    self.note("tend: node crashed".into(), None);
+                    self.restart("crash").await;
+                }
+            },
+            Step::Sweep => match guarded(&self.shared, runner.sweep()).await {
+                Some(r) => {
+                    self.count("sweeps");
+                    self.note(
+                        format!("sweep -> {}", kind(&r)),
+                        r.err().map(|e| e.to_string()),
+                    );
+                }
+                None => {
+                    self.note("sweep: node crashed".into(), None);
+                    self.restart("crash").await;
+                }
+            },
+            Step::AdvanceSmall | Step::AdvanceMedium | Step::AdvanceLarge => {
+                let n = match step {
+                    Step::AdvanceSmall => self.rng.range(1, 30),
+                    Step::AdvanceMedium => self.rng.range(30, 180),
+                    _ => self.rng.range(180, 720),
+                };
+                tokio::time::sleep(secs(n)).await;
+                self.note(format!("time passes: {n}s"), None);
+            }
+            Step::ProviderFault => self.arm_provider_fault(),
+            Step::LedgerFault => self.arm_ledger_fault(),
+            Step::LedgerDown => {
+                let steps = self.rng.range(1, 6) as usize;
+                self.heal_down_at = Some(self.step + steps);
+                self.shared.lock().faults.ledger_down = true;
+                self.count("plane unreachable");
+                self.note(
+                    format!("fault: the plane is unreachable for {steps} steps"),
+                    None,
+                );
+            }
+            Step::Slow => {
+                let steps = self.rng.range(1, 8) as usize;
+                self.heal_slow_at = Some(self.step + steps);
+                let ledger = secs(self.rng.range(1, 20));
+                let provider = secs(self.rng.range(1, 60));
+                let (l, p) = match self.rng.below(3) {
+                    0 => (Some(ledger), None),
+                    1 => (None, Some(provider)),
+                    _ => (Some(ledger), Some(provider)),
+                };
+                {
+                    let mut c = self.shared.lock();
+                    c.faults.slow_ledger = l;
+                    c.faults.slow_provider = p;
+                }
+                self.count("slow periods");
+                self.note(
+                    format!("fault: slow ledger {l:?}, provider {p:?} for {steps} steps"),
+                    None,
+                );
+            }
+            Step::PlaneStall => {
+                let steps = self.rng.range(1, 10) as usize;
+                self.heal_stall_at = Some(self.step + steps);
+                self.shared.lock().faults.plane_stalled = true;
+                self.count("plane renewal stalls");
+                self.note(
+                    format!("fault: the plane stops renewing for {steps} steps"),
+                    None,
+                );
+            }
+            Step::RemoveBehindBack => {
+                let names: Vec<String> =
+                    self.fake.instances().into_iter().map(|i| i.name).collect();
+                if let Some(name) = self.rng.pick(&names) {
+                    self.fake.remove_behind_back(&name);
+                    let mut c = self.shared.lock();
+                    c.pending_removal.remove(&name);
+                    if c.jobs.get(&name) == Some(&Job::Live) {
+                        c.job_ends(&name, Job::Dead, "failed");
+                    }
+                    drop(c);
+                    self.count("removed behind the back");
+                    self.note(
+                        format!("fault: {name} removed behind the node's back"),
+                        None,
+                    );
+                }
+            }
+            Step::InstanceExits => {
+                let names: Vec<String> = self
+                    .fake
+                    .instances()
+                    .into_iter()
+                    .filter(|i| !i.terminal)
+                    .map(|i| i.name)
+                    .collect();
+                if let Some(name) = self.rng.pick(&names) {
+                    self.fake.set_state(&name, false, true);
+                    let mut c = self.shared.lock();
+                    if c.jobs.get(&name) == Some(&Job::Live) {
+                        c.job_ends(&name, Job::Dead, "failed");
+                    }
+                    drop(c);
+                    self.count("runners crashed");
+                    self.note(
+                        format!("fault: the runner in {name} crashes and exits"),
+                        None,
+                    );
+                }
+            }
+            Step::StraysExit => self.strays_exit(false),
+            Step::BackendCatchesUp => self.backend_catches_up(),
+            Step::ForceRelease => self.force_release(),
+            Step::Restart => self.restart("restart").await,
+            Step::Crash => {
+                let countdown = self.rng.range(1, 6) as u32;
+                let after_effect = self.rng.chance(50);
+                self.shared.lock().crash = Some(Crash {
+                    countdown,
+                    after_effect,
+                });
+                self.count("crashes armed");
+                self.note(
+                    format!("crash armed at node call {countdown} (after effect: {after_effect})"),
+                    None,
+                );
+                // Not during a tend: it visits custody entries in the
+                // runner's HashMap order, so "the k-th call" would name a
+                // different entry from run to run.
+                let mut op = match self.rng.below(4) {
+                    0 | 1 => Step::NewJob,
+                    2 => Step::Sweep,
+                    _ => Step::DeliverCompletion,
+                };
+                if op == Step::NewJob && !self.gates.allows(Bug::RecoverAdoptsStray) {
+                    let c = self.shared.lock();
+                    let next = (name_of(&c.peek_lease()), POp::Create);
+                    if c.faults
+                        .instance
+                        .get(&next)
+                        .is_some_and(|q| q.contains(&PFault::FailAfterStart))
+                    {
+                        op = Step::Sweep;
+                    }
+                }
+                Box::pin(self.run_step(op)).await;
+                self.shared.lock().crash = None;
+            }
+            Step::JournalFault => {
+                // A failed write leaves a stale custody record that a restart
+                // resurrects with an outcome the ledger may have overtaken.
+                if self.rng.chance(20) || !self.gates.allows(Bug::ReleaseConflictWedgesCustody) {
+                    self.journal.fail_reads(1);
+                    self.note("fault: the next journal read fails".into(), None);
+                } else {
+                    let open: Vec<LeaseId> = {
+                        let c = self.shared.lock();
+                        c.leases
+                            .values()
+                            .filter(|r| !r.phase.is_terminal())
+                            .map(|r| r.id.clone())
+                            .collect()
+                    };
+                    let lease = match self.rng.pick(&open) {
+                        Some(l) if self.rng.chance(60) => l,
+                        _ => self.shared.lock().peek_lease(),
+                    };
+                    let times = self.rng.range(1, 3) as u32;
+                    self.journal.fail_writes(lease.as_str(), times);
+                    self.note(
+                        format!("fault: the next {times} journal writes for {lease} fail"),
+                        None,
+                    );
+                }
+                self.count("journal faults");
+            }
+            Step::CancelJob => {
+                // The plane cancels a running job (not a completion): a
+                // destroy without a job result, on the plane's authority.
+                let live = self.live_jobs();
+                if let Some(name) = self.rng.pick(&live) {
+                    let lease = InstanceName::lease(&name).expect("billet name");
+                    let request = {
+                        let mut c = self.shared.lock();
+                        c.authority.insert(lease.clone());
+                        c.leases[&lease].request
+                    };
+                    self.count("jobs cancelled");
+                    let runner = Arc::clone(&self.runner);
+                    match guarded(&self.shared, runner.destroy(request, None)).await {
+                        Some(r) => {
+                            self.note(
+                                format!(
+                                    "plane: cancel request {request} ({lease}) -> {}",
+                                    kind(&r)
+                                ),
+                                r.as_ref().err().map(ToString::to_string),
+                            );
+                            // A cancelled job ends failed; while the wedge on
+                            // an outcome conflict is open the plane records
+                            // done, as the stub does after every destroy.
+                            let outcome = if self.gates.allows(Bug::ReleaseConflictWedgesCustody) {
+                                Phase::Failed
+                            } else {
+                                Phase::Done
+                            };
+                            let mut c = self.shared.lock();
+                            match r {
+                                Ok(()) => c.plane_release(
+                                    &lease,
+                                    None,
+                                    outcome,
+                                    "plane after a cancelling destroy",
+                                ),
+                                Err(e) if e.is_custody() => c.unmanage(&lease),
+                                Err(_) => {}
+                            }
+                        }
+                        None => self.restart("crash").await,
+                    }
+                }
+            }
+            Step::LateLaunch => {
+                // A launch delivered after the plane gave up on its lease.
+                let ended: Vec<LeaseId> = {
+                    let c = self.shared.lock();
+                    c.plane
+                        .keys()
+                        .filter(|id| c.leases[*id].phase.is_terminal())
+                        .cloned()
+                        .collect()
+                };
+                if let Some(lease) = self.rng.pick(&ended) {
+                    self.count("late launches");
+                    self.launch(lease, "late launch").await;
+                }
+            }
+            Step::LaunchForRunningRequest => {
+                let live = self.live_jobs();
+                let candidates: Vec<RequestId> = {
+                    let c = self.shared.lock();
+                    live.iter()
+                        .filter_map(|n| InstanceName::lease(n))
+                        .filter_map(|l| c.plane.get(&l).map(|p| p.request))
+                        .collect()
+                };
+                if let Some(request) = self.rng.pick(&candidates) {
+                    let lease = self.shared.lock().reserve(request);
+                    self.count("launch for a running request");
+                    self.launch(lease, "second launch for a running request")
+                        .await;
+                }
+            }
+        }
+    }
+
+    fn arm_provider_fault(&mut self) {
+        let next = name_of(&self.shared.lock().peek_lease());
+        let existing: Vec<String> = self.fake.instances().into_iter().map(|i| i.name).collect();
+        let mut c = self.shared.lock();
+        let (name, op, fault) = match self.rng.below(8) {
+            0 | 1 => (next, POp::Create, PFault::Fail),
+            2 | 3 => (next, POp::Create, PFault::FailAfterStart),
+            4 => match self.rng.pick(&existing) {
+                Some(n) => (n, POp::Destroy, PFault::Fail),
+                None => return,
+            },
+            5 => match self.rng.pick(&existing) {
+                Some(n) => (
+                    n,
+                    POp::Destroy,
+                    if self.rng.chance(50) {
+                        PFault::Requested
+                    } else {
+                        PFault::RequestedGone
+                    },
+                ),
+                None => (next, POp::Destroy, PFault::Requested),
+            },
+            6 => match self.rng.pick(&existing) {
+                Some(n) => (n, POp::Find, PFault::Fail),
+                None => (next, POp::Find, PFault::Fail),
+            },
+            _ => {
+                c.faults.list += 1;
+                drop(c);
+                self.count("provider faults");
+                self.note("fault: the next provider list fails".into(), None);
+                return;
+            }
+        };
+        let times = if op == POp::Find {
+            self.rng.range(1, 3)
+        } else {
+            1
+        };
+        for _ in 0..times {
+            c.faults
+                .instance
+                .entry((name.clone(), op))
+                .or_default()
+                .push_back(fault);
+        }
+        drop(c);
+        self.count("provider faults");
+        self.note(
+            format!("fault: {op:?} of {name} will {fault:?} (x{times})"),
+            None,
+        );
+    }
+
+    fn arm_ledger_fault(&mut self) {
+        let mut c = self.shared.lock();
+        let fault = if self.rng.chance(50) {
+            Fault::Refuse
+        } else {
+            Fault::LoseReply
+        };
+        if self.rng.chance(15) {
+            let op = if self.rng.chance(50) {
+                LOp::Launched
+            } else {
+                LOp::Reconcile
+            };
+            c.faults.global.entry(op).or_default().push_back(fault);
+            drop(c);
+            self.count("ledger faults");
+            self.note(format!("fault: the next {op:?} will {fault:?}"), None);
+            return;
+        }
+        let open: Vec<LeaseId> = c
+            .leases
+            .values()
+            .filter(|r| !r.phase.is_terminal())
+            .map(|r| r.id.clone())
+            .collect();
+        let lease = if open.is_empty() || self.rng.chance(50) {
+            c.peek_lease()
+        } else {
+            self.rng.pick(&open).expect("not empty")
+        };
+        let ops = [
+            LOp::Bind,
+            LOp::Advance,
+            LOp::Mint,
+            LOp::Heartbeat,
+            LOp::Release,
+            LOp::Lease,
+            LOp::RemoveRunner,
+        ];
+        let op = self.rng.pick(&ops).expect("ops");
+        let fault = if op == LOp::Mint
+            && fault == Fault::LoseReply
+            && !self.gates.allows(Bug::MintReplyLost)
+        {
+            Fault::Refuse
+        } else {
+            fault
+        };
+        if op == LOp::Release && !self.gates.allows(Bug::ReleaseConflictWedgesCustody) {
+            return;
+        }
+        c.faults
+            .lease
+            .entry((lease.clone(), op))
+            .or_default()
+            .push_back(fault);
+        drop(c);
+        self.count("ledger faults");
+        self.note(format!("fault: {op:?} of {lease} will {fault:?}"), None);
+    }
+
+    fn force_release(&mut self) {
+        let mut c = self.shared.lock();
+        let candidates: Vec<(LeaseId, Phase)> = c
+            .leases
+            .values()
+            .filter(|r| match r.phase {
+                Phase::Custody | Phase::Teardown => {
+                    !r.force_release && self.gates.allows(Bug::ReleaseConflictWedgesCustody)
+                }
+                // An operator releases quarantine only once the compute is gone.
+                Phase::Quarantine => self
+                    .fake
+                    .instance(&name_of(&r.id))
+                    .is_none_or(|i| i.terminal),
+                _ => false,
+            })
+            .map(|r| (r.id.clone(), r.phase))
+            .collect();
+        let Some((lease, phase)) = self.rng.pick(&candidates) else {
+            return;
+        };
+        c.authority.insert(lease.clone());
+        if phase == Phase::Quarantine {
+            c.unmanage(&lease);
+            c.end(&lease, Phase::Failed, true, "operator force release");
+        } else {
+            c.leases.get_mut(&lease).expect("known").force_release = true;
+        }
+        drop(c);
+        self.count("operator force releases");
+        self.note(format!("operator: force release {lease} ({phase})"), None);
+    }
+
+    // ----- invariants -----
+
+    fn check(&mut self) {
+        let mut c = self.shared.lock();
+        let mut found = std::mem::take(&mut c.violations);
+        // A lease that ends is checked against its instance at that moment
+        // (`Core::end`); what is left is an instance created for a lease
+        // that had already ended, so the scan runs after creates.
+        let instances = if std::mem::take(&mut c.created_since_check) {
+            self.fake.instances()
+        } else {
+            Vec::new()
+        };
+        for instance in instances {
+            let Some(lease) = instance.lease() else {
+                found.push(format!("{} is not a billet instance", instance.name));
+                continue;
+            };
+            match c.leases.get(&lease) {
+                None => found.push(format!(
+                    "invariant (1) no leaked instance: {} has no lease in the ledger",
+                    instance.name
+                )),
+                Some(row) if row.phase.is_terminal() && !instance.terminal => found.push(format!(
+                    "invariant (3) no capacity freed while an instance may exist: {} still runs and lease {lease} is {} ({})",
+                    instance.name,
+                    row.phase,
+                    row.ended_by.unwrap_or("?")
+                )),
+                // An exited instance of an ended lease is garbage the next
+                // sweep removes; an open lease accounts for the rest.
+                Some(_) => {}
+            }
+        }
+        let configs = std::mem::take(&mut c.create_called);
+        drop(c);
+        if let Some(first) = found.first() {
+            self.fail(first);
+        }
+        if configs {
+            self.jit_configs_unique();
+        }
+    }
+
+    fn jit_configs_unique(&self) {
+        let used = self.fake.jit_configs_used();
+        let mut seen = std::collections::BTreeSet::new();
+        for config in &used {
+            if !seen.insert(config.expose()) {
+                let lease = self
+                    .shared
+                    .lock()
+                    .regs
+                    .values()
+                    .find(|r| r.config == config.expose())
+                    .map(|r| r.lease.to_string())
+                    .unwrap_or_default();
+                self.fail(&format!(
+                    "invariant (5) no JIT config used twice: a config (lease {lease}) was handed to two creates"
+                ));
+            }
+        }
+    }
+
+    fn settled(&self) -> bool {
+        let c = self.shared.lock();
+        self.fake.instances().is_empty()
+            && c.regs.is_empty()
+            && c.completions.is_empty()
+            && c.leases.values().all(|r| r.phase.is_terminal())
+            && !self.runner.holding()
+    }
+
+    async fn quiesce(&mut self) {
+        {
+            let mut c = self.shared.lock();
+            c.faults = Default::default();
+            c.crash = None;
+        }
+        self.journal.clear_faults();
+        self.heal_down_at = None;
+        self.heal_slow_at = None;
+        self.heal_stall_at = None;
+        self.note("quiescence: faults off".into(), None);
+        for round in 0..40 {
+            self.step += 1;
+            for name in self.live_jobs() {
+                self.complete_job(&name);
+            }
+            self.strays_exit(true);
+            self.backend_catches_up();
+            let pending: Vec<_> = self.shared.lock().completions.iter().cloned().collect();
+            for (lease, result) in pending {
+                self.deliver(lease, result, false).await;
+            }
+            let runner = Arc::clone(&self.runner);
+            let r = runner.tend().await;
+            self.note(
+                format!("tend -> {}", kind(&r)),
+                r.err().map(|e| e.to_string()),
+            );
+            let r = runner.sweep().await;
+            self.note(
+                format!("sweep -> {}", kind(&r)),
+                r.err().map(|e| e.to_string()),
+            );
+            self.check();
+            self.count("quiescence rounds");
+            if round >= 2 && self.settled() {
+                return;
+            }
+            tokio::time::sleep(secs(30)).await;
+        }
+    }
+
+    fn final_check(&mut self) {
+        self.jit_configs_unique();
+        let c = self.shared.lock();
+        let instances: Vec<String> = self
+            .fake
+            .instances()
+            .into_iter()
+            .map(|i| {
+                let phase = i
+                    .lease()
+                    .and_then(|l| c.leases.get(&l).map(|r| r.phase.to_string()))
+                    .unwrap_or_default();
+                format!("{} (running {}, lease {phase})", i.name, i.running)
+            })
+            .collect();
+        let regs: Vec<String> = c
+            .regs
+            .iter()
+            .map(|(name, r)| {
+                let phase = c
+                    .leases
+                    .get(&r.lease)
+                    .map(|l| l.phase.to_string())
+                    .unwrap_or_default();
+                format!("{name} (connected {}, lease {phase})", r.connected)
+            })
+            .collect();
+        let charged: Vec<String> = c
+            .leases
+            .values()
+            .filter(|r| !r.phase.is_terminal())
+            .map(|r| format!("{} {} epoch {}", r.id, r.phase, r.epoch))
+            .collect();
+        drop(c);
+        if !instances.is_empty() {
+            self.fail(&format!(
+                "invariant (1) no leaked instance: at quiescence the provider still has {}",
+                instances.join(", ")
+            ));
+        }
+        if !regs.is_empty() {
+            self.fail(&format!(
+                "invariant (2) no leaked registration: at quiescence GitHub still has {}",
+                regs.join(", ")
+            ));
+        }
+        if !charged.is_empty() {
+            self.fail(&format!(
+                "invariant (1) no leaked capacity: at quiescence the ledger still charges {}",
+                charged.join(", ")
+            ));
+        }
+        if self.runner.holding() {
+            self.fail(&format!(
+                "invariant (1) the runner holds nothing at quiescence: it still holds custody of {:?}, so a draining node would never stop",
+                self.runner.custody_leases()
+            ));
+        }
+    }
+}
+
+/// Runs one seed to the end, panicking on the first broken invariant.
+pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
+    let began = tokio::time::Instant::now();
+    let mut world = World::new(seed, verbose, gates);
+    world.recover().await;
+    let steps = 30 + world.rng.below(200) as usize;
+    while world.step < steps {
+        world.step += 1;
+        world.heal();
+        let roll = world
+            .rng
+            .weighted(&STEPS.iter().map(|(_, w)| *w).collect::<Vec<_>>());
+        let step = STEPS[roll].0;
+        if verbose {
+            log_line(&format!("[seed {seed} step {}] -- {step:?}", world.step));
+        }
+        world.run_step(step).await;
+        world.check();
+    }
+    world.jit_configs_unique();
+    world.quiesce().await;
+    world.final_check();
+    let mut stats = std::mem::take(&mut world.stats);
+    stats.insert("seeds", 1);
+    stats.insert("simulated seconds", began.elapsed().as_secs());
+    stats.insert("steps", world.step as u64);
+    {
+        let c = world.shared.lock();
+        for (k, v) in &c.tally {
+            *stats.entry(k).or_default() += v;
+        }
+    }
+    if let Some(handle) = world.keep_alive.take() {
+        handle.abort();
+    }
+    Outcome {
+        steps: world.step,
+        trace: world.trace,
+        stats,
+    }
+}
