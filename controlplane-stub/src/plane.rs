@@ -569,7 +569,8 @@ impl Plane {
                     let managed: Vec<String> = self.managed.lock().expect("managed").iter().cloned().collect();
                     for id in managed {
                         if let Ok(Some(l)) = self.ledger.get(&id).await {
-                            if l.phase.is_terminal() {
+                            // Ended, or reclaimed by the reaper: not the plane's to renew.
+                            if l.phase.is_terminal() || l.phase == Phase::Quarantine {
                                 self.managed.lock().expect("managed").remove(&id);
                                 continue;
                             }
