@@ -145,6 +145,10 @@ pub trait JitSource: Send + Sync + std::fmt::Debug {
     ) -> Result<(), PlaneError>;
 }
 
+/// How long a message may wait for room in a session's outbound buffer
+/// before the session is closed as unresponsive.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How long a node call waits for its reply.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -182,10 +186,21 @@ impl SessionLink {
         if self.closed.is_cancelled() {
             return Err(PlaneError::Unavailable("the session has ended".into()));
         }
-        self.out
-            .send(Ok(pb::NodeMessage { body: Some(body) }))
-            .await
-            .map_err(|_| PlaneError::Unavailable("the session has ended".into()))
+        let message = Ok(pb::NodeMessage { body: Some(body) });
+        tokio::select! {
+            sent = self.out.send(message) => {
+                sent.map_err(|_| PlaneError::Unavailable("the session has ended".into()))
+            }
+            () = self.closed.cancelled() => Err(PlaneError::Unavailable("the session has ended".into())),
+            () = tokio::time::sleep(SEND_TIMEOUT) => {
+                // A plane that stops reading must not hold the slot or the
+                // renewals: it is cut off, and a new session starts clean.
+                self.close();
+                Err(PlaneError::Unavailable(format!(
+                    "the plane read nothing for {SEND_TIMEOUT:?}; the session was closed"
+                )))
+            }
+        }
     }
 
     /// Registers interest in the acknowledgement of result `id`. The

@@ -565,31 +565,45 @@ impl Runner {
         epoch: Epoch,
         request_id: RequestId,
     ) -> Result<(), RunnerError> {
-        let instance = {
-            let mut s = self.state();
-            let Some(running) = s.running.get(&request_id).cloned() else {
-                return Ok(());
-            };
-            if running.lease != *lease {
-                return Ok(());
+        let held_epoch = {
+            let s = self.state();
+            match (s.custody.get(lease), s.running.get(&request_id)) {
+                // Already held: holding twice changes nothing but a renewal.
+                (Some(entry), _) => Some(entry.epoch),
+                (None, Some(running)) if running.lease == *lease => None,
+                // Nothing runs for it here: the plane's release is correct.
+                (None, _) => return Ok(()),
             }
-            let entry = CustodyEntry {
-                epoch: epoch.max(running.epoch),
-                instance: running.instance.clone(),
-                request_id,
-                registration: None,
-                outcome: Phase::Done,
-                phase: Some(Phase::Custody),
-                discard: false,
-                observed: self.provider.runs_on_host(),
-                absent_since: None,
-                unconfirmed: true,
-                since: Instant::now(),
-            };
-            s.custody.insert(lease.clone(), entry);
-            running.instance
         };
-        info!(%lease, %instance, "assumed custody");
+        let epoch = match held_epoch {
+            Some(e) => e,
+            None => {
+                let running = self.state().running.get(&request_id).cloned();
+                let Some(running) = running else {
+                    return Ok(());
+                };
+                let epoch = epoch.max(running.epoch);
+                self.hold(
+                    lease.clone(),
+                    CustodyEntry {
+                        epoch,
+                        instance: running.instance.clone(),
+                        request_id,
+                        registration: None,
+                        outcome: Phase::Done,
+                        phase: Some(Phase::Custody),
+                        discard: false,
+                        observed: self.provider.runs_on_host(),
+                        absent_since: None,
+                        unconfirmed: true,
+                        since: Instant::now(),
+                    },
+                )
+                .await;
+                info!(%lease, instance = %running.instance, "assumed custody");
+                epoch
+            }
+        };
         match self.ledger.heartbeat(&[(lease.clone(), epoch)]).await {
             Ok(results) => match results.into_iter().next() {
                 Some(Err(e)) => Err(RunnerError::Custody(format!(

@@ -88,9 +88,11 @@ impl Recovery {
         *self.done.borrow()
     }
 
-    /// Runs recovery on `session` unless it is done or already running;
-    /// retries every two seconds while the session lasts.
-    fn start(self: &Arc<Self>, runner: Arc<Runner>, session: Arc<SessionLink>) {
+    /// Runs recovery unless it is done or already running, retrying every
+    /// two seconds through whichever session is current (the plane link
+    /// follows the newest one) until it succeeds. Not tied to the session
+    /// that started it: a reconnect mid-recovery must not strand it.
+    fn start(self: &Arc<Self>, runner: Arc<Runner>) {
         if self.is_done() || self.running.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -106,10 +108,7 @@ impl Recovery {
                         }
                         Err(e) => warn!(error = %e, "recovery failed; retrying"),
                     }
-                    tokio::select! {
-                        () = session.closed.cancelled() => break,
-                        () = tokio::time::sleep(Duration::from_secs(2)) => {}
-                    }
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                 }
                 this.running.store(false, Ordering::SeqCst);
             }
@@ -257,8 +256,7 @@ impl pb::node_server::Node for NodeService {
             lease_ttl_ms = ttl.as_millis() as u64,
             "plane session open"
         );
-        self.recovery
-            .start(Arc::clone(&self.runner), Arc::clone(&session));
+        self.recovery.start(Arc::clone(&self.runner));
 
         let session_closed = session.closed.clone();
         let this = self.clone();

@@ -435,13 +435,29 @@ impl NodeLink {
                 self.target.name
             ));
         };
-        match tokio::time::timeout_at(deadline, reply).await {
+        let mut reply = reply;
+        match tokio::time::timeout_at(deadline, &mut reply).await {
             Ok(Ok(outcome)) => outcome,
             Ok(Err(_)) => CommandOutcome::Lost("the plane stopped waiting".into()),
             Err(_) => {
-                let mut shared = self.shared.lock().expect("link");
-                if shared.in_flight.remove(&id).is_some() && is_launch {
-                    tombstone(&mut shared, id.clone());
+                let given_up = {
+                    let mut shared = self.shared.lock().expect("link");
+                    let removed = shared.in_flight.remove(&id).is_some();
+                    if removed && is_launch {
+                        tombstone(&mut shared, id.clone());
+                    }
+                    removed
+                };
+                if !given_up {
+                    // The result arrived and was acknowledged `accepted` just
+                    // as the deadline passed: it is on its way to us, and the
+                    // caller must see it, or plane and node would disagree
+                    // about who holds the lease.
+                    if let Ok(Ok(outcome)) =
+                        tokio::time::timeout(Duration::from_secs(5), reply).await
+                    {
+                        return outcome;
+                    }
                 }
                 CommandOutcome::Lost(format!("no result for command {id} before its deadline"))
             }

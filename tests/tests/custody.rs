@@ -102,8 +102,11 @@ async fn end_done(cluster: &Cluster, jobs: &[scaleset::JobRequestId]) -> Result<
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_launch_result_leaves_the_lease_with_the_node_until_the_job_completes()
 -> Result<()> {
+    // A short TTL: once the plane gives up, only the node's renewals keep
+    // the lease from the reaper for the rest of the eight-second job.
     let cluster = Cluster::start(ClusterOptions {
         launch_timeout: Duration::from_secs(4),
+        lease_ttl: Duration::from_secs(3),
         ..options(8000)
     })
     .await?;
@@ -122,7 +125,12 @@ async fn a_dropped_launch_result_leaves_the_lease_with_the_node_until_the_job_co
     )
     .await?;
     end_done(&cluster, &jobs).await?;
-    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    let lease = only_lease(&cluster).await?;
+    assert_eq!(lease.phase, Phase::Done);
+    assert_eq!(
+        lease.epoch, 1,
+        "the reaper reclaimed the lease: nobody renewed it while the node held it"
+    );
     cluster.shutdown().await
 }
 
