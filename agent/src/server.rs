@@ -100,6 +100,20 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)
 }
 
+/// Warns when the private key can be read by anyone but its owner.
+fn warn_if_key_is_readable(key: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(key)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        warn!(
+            key = %key.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the node's private key is readable by others; chmod 600 it"
+        );
+    }
+}
+
 /// Loads everything that can fail before binding: TLS material, the state
 /// directory and the provider.
 ///
@@ -108,6 +122,16 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
 /// [`NodeError`] naming what is wrong.
 pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     let tls = NodeTls::load(&config.tls)?;
+    if tls.node_name.as_str() == config.plane_name {
+        return Err(NodeError::Tls(TlsError::Content {
+            path: config.tls.cert.clone(),
+            problem: format!(
+                "names {}, which is the plane's name: give the node a certificate for its own name",
+                tls.node_name
+            ),
+        }));
+    }
+    warn_if_key_is_readable(&config.tls.key);
     prepare_state_dir(&config.state_dir)?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
     let docker = DockerProvider::connect(

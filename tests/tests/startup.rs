@@ -205,3 +205,18 @@ fn a_configuration_file_supplies_the_flags_and_its_errors_name_the_file_and_key(
     assert_exit(&run(&unknown)?, 2, "`lisen`");
     Ok(())
 }
+
+#[test]
+fn a_node_started_with_the_planes_certificate_exits_3() -> Result<()> {
+    let (certs, state) = setup()?;
+    let cert = certs.plane.cert.display().to_string();
+    let key = certs.plane.key.display().to_string();
+    let out = node(
+        &["--cert", &cert, "--key", &key],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 3, "plane's name");
+    Ok(())
+}
