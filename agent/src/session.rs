@@ -637,7 +637,7 @@ mod properties {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
+        #![proptest_config(crate::wire::properties::config(256))]
 
         #[test]
         fn a_refused_command_has_no_effect_and_an_accepted_one_fails_safely_without_a_plane(
