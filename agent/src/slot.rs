@@ -4,7 +4,9 @@
 //! - commands run strictly one at a time in the order they arrived, whichever
 //!   session carried them;
 //! - a command id seen before is never run twice: while the first copy waits
-//!   or runs, the second is dropped (the first one's result answers both);
+//!   or runs, the second is dropped and the first one's result answers it
+//!   (a copy redelivered on a newer session moves the waiting command's
+//!   answer to that session);
 //!   once it has run, the recorded result is sent again;
 //! - the queue is bounded: past [`MAX_QUEUED`] waiting commands a new one is
 //!   refused at once rather than held;
@@ -82,6 +84,11 @@ impl CommandSlot {
             return Admission::Replay(result.clone());
         }
         if inner.pending.contains_key(&queued.id) {
+            // Still waiting: answer on the session that asked last, which is
+            // the one most likely to be alive when it runs.
+            if let Some(waiting) = inner.queue.iter_mut().find(|q| q.id == queued.id) {
+                waiting.session = queued.session;
+            }
             return Admission::Duplicate;
         }
         if inner.queue.len() >= MAX_QUEUED {
@@ -180,6 +187,18 @@ mod tests {
             other => panic!("expected a replay, got {other:?}"),
         }
         assert!(slot.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_waiting_command_redelivered_on_a_newer_session_is_answered_there() {
+        let slot = CommandSlot::new();
+        assert!(matches!(slot.push(queued("a")), Admission::Queued));
+        let (tx, _rx) = tokio::sync::mpsc::channel(1);
+        let newer = Arc::new(SessionLink::new(2, tx));
+        let mut again = queued("a");
+        again.session = newer;
+        assert!(matches!(slot.push(again), Admission::Duplicate));
+        assert_eq!(slot.next().await.session.id, 2);
     }
 
     #[tokio::test]
