@@ -335,10 +335,17 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
 }
 
 fn node(args: NodeArgs) -> ExitCode {
+    let file = args.config.clone();
     let (config, listen) = match config(args) {
         Ok(c) => c,
         Err(e) => {
-            error!("configuration: {e}");
+            match file {
+                Some(file) => error!(
+                    "configuration: {e} (the value came from the command line, the environment, or the snake_case key in {})",
+                    file.display()
+                ),
+                None => error!("configuration: {e}"),
+            }
             return ExitCode::from(exit::CONFIG);
         }
     };
