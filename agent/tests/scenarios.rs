@@ -1,0 +1,1746 @@
+//! spec/node.md §7, scenario by scenario: one test per runner scenario that
+//! applies to this design (the table is `docs/spec-coverage.md`). Each drives
+//! the real [`Runner`] over the crate's `FakeProvider`, the simulation's fake
+//! ledger and GitHub (`sim/fakes.rs`, reused as is) and an in-memory journal
+//! shared across "restarts", in paused tokio time where time matters, and
+//! asserts the scenario's effect on the provider's recorded calls, the
+//! ledger's phase, epoch and outcome, and GitHub's registrations.
+
+#![allow(dead_code)]
+
+#[path = "sim/fakes.rs"]
+mod fakes;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use billet_agent::journal::{Journal, LaunchRecord, MemoryJournal};
+use billet_agent::model::{
+    ByteSize, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
+};
+use billet_agent::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::provider::fake::{Call, DestroyMode, FakeProvider, Operation};
+use billet_agent::provider::{Instance, Provider};
+use billet_agent::runner::{Runner, RunnerError, RunnerOptions, STRAY_GRACE};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use fakes::{Core, FakeLedger, Fault, LOp, Shared};
+
+// ----- a thin wrapper over the sim's fake ledger: knobs the sim lacks -----
+
+/// The sim's [`FakeLedger`] with what these scenarios need on top: a TTL
+/// that can change, a recorded failure reason per lease, a GitHub runner
+/// name that differs from the requested one, and a log of calls (each
+/// registration removal noting how many destroys the provider had seen).
+#[derive(Debug)]
+struct Plane {
+    inner: FakeLedger,
+    fake: Arc<FakeProvider>,
+    ttl: Mutex<Duration>,
+    reasons: Mutex<BTreeMap<LeaseId, String>>,
+    github_name: Mutex<Option<String>>,
+    log: Mutex<Vec<String>>,
+    heartbeats: Mutex<Vec<Instant>>,
+    reconciles: Mutex<Vec<Vec<LeaseId>>>,
+}
+
+impl Plane {
+    fn note(&self, what: String) {
+        self.log.lock().unwrap().push(what);
+    }
+    fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
+    }
+    fn heartbeats(&self) -> usize {
+        self.heartbeats.lock().unwrap().len()
+    }
+}
+
+#[async_trait]
+impl LeaseStore for Plane {
+    async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        self.note(format!("bind {lease}"));
+        self.inner.bind(lease, epoch).await
+    }
+    async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError> {
+        self.note(format!("advance {lease} {phase}"));
+        self.inner.advance(lease, epoch, phase).await
+    }
+    async fn heartbeat(
+        &self,
+        leases: &[(LeaseId, Epoch)],
+    ) -> Result<Vec<Result<(), PlaneError>>, PlaneError> {
+        self.heartbeats.lock().unwrap().push(Instant::now());
+        self.inner.heartbeat(leases).await
+    }
+    async fn release(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError> {
+        self.note(format!("release {lease} {outcome}"));
+        self.inner.release(lease, epoch, outcome).await
+    }
+    async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
+        let mut l = self.inner.lease(lease).await?;
+        l.failure_reason = self.reasons.lock().unwrap().get(lease).cloned();
+        Ok(l)
+    }
+    async fn launched(&self) -> Result<LaunchedSet, PlaneError> {
+        self.inner.launched().await
+    }
+    async fn reconcile(&self, running: &[LeaseId]) -> Result<u32, PlaneError> {
+        self.reconciles.lock().unwrap().push(running.to_vec());
+        self.inner.reconcile(running).await
+    }
+    fn lease_ttl(&self) -> Duration {
+        *self.ttl.lock().unwrap()
+    }
+}
+
+#[async_trait]
+impl JitSource for Plane {
+    async fn mint(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_name: &InstanceName,
+    ) -> Result<Registration, PlaneError> {
+        self.note(format!("mint {lease} {runner_name}"));
+        let mut r = self.inner.mint(lease, epoch, runner_name).await?;
+        if let Some(name) = self.github_name.lock().unwrap().clone() {
+            r.runner_name = name;
+        }
+        Ok(r)
+    }
+    async fn remove_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError> {
+        let destroys = self.fake.count(Operation::Destroy);
+        self.note(format!("remove {lease} after {destroys} destroys"));
+        self.inner
+            .remove_runner(lease, epoch, runner_id, runner_name)
+            .await
+    }
+}
+
+// ----- the world of one scenario -----
+
+struct World {
+    fake: Arc<FakeProvider>,
+    shared: Arc<Shared>,
+    plane: Arc<Plane>,
+    journal: Arc<MemoryJournal>,
+}
+
+impl World {
+    fn new() -> Self {
+        let fake = Arc::new(FakeProvider::new());
+        let shared = Shared::new(Core::new(Arc::clone(&fake), false));
+        let plane = Arc::new(Plane {
+            inner: FakeLedger(Arc::clone(&shared)),
+            fake: Arc::clone(&fake),
+            ttl: Mutex::new(fakes::TTL),
+            reasons: Mutex::new(BTreeMap::new()),
+            github_name: Mutex::new(None),
+            log: Mutex::new(Vec::new()),
+            heartbeats: Mutex::new(Vec::new()),
+            reconciles: Mutex::new(Vec::new()),
+        });
+        Self {
+            fake,
+            shared,
+            plane,
+            journal: Arc::new(MemoryJournal::default()),
+        }
+    }
+
+    /// A runner over this world; a second call is the same node restarted
+    /// (same provider, ledger and journal, fresh memory).
+    fn runner(&self) -> Arc<Runner> {
+        self.runner_with(RunnerOptions::default())
+    }
+
+    fn runner_with(&self, options: RunnerOptions) -> Arc<Runner> {
+        let provider: Arc<dyn Provider> = self.fake.clone();
+        Arc::new(
+            Runner::new(provider, self.plane.clone(), self.plane.clone(), options)
+                .with_journal(self.journal.clone()),
+        )
+    }
+
+    fn core(&self) -> MutexGuard<'_, Core> {
+        self.shared.lock()
+    }
+
+    /// The plane reserves a lease for `request` (assigned, epoch 1, unbound).
+    fn reserve(&self, request: i64) -> Lease {
+        let id = self.core().reserve(RequestId(request));
+        Lease {
+            id,
+            epoch: Epoch(1),
+            tier: "t".into(),
+            phase: Phase::Assigned,
+            vcpu: 2,
+            memory: ByteSize(1 << 30),
+            request_id: RequestId(request),
+            providers: vec!["docker".into()],
+            failure_reason: None,
+        }
+    }
+
+    /// A lease already bound to this node and launching (an earlier process
+    /// got that far).
+    fn launching_lease(&self, request: i64) -> Lease {
+        let lease = self.reserve(request);
+        let mut c = self.core();
+        c.bind(&lease.id, Epoch(1)).unwrap();
+        c.advance(&lease.id, Epoch(1), Phase::Launching).unwrap();
+        lease
+    }
+
+    /// An instance appears without any call (left by an earlier process).
+    fn put_instance(&self, name: &str, running: bool) {
+        self.fake.insert_behind_back(Instance {
+            id: format!("left-{name}"),
+            name: name.to_owned(),
+            running,
+            terminal: false,
+            labels: BTreeMap::new(),
+        });
+    }
+
+    /// Reserves a lease for `request` and launches it successfully.
+    async fn launched(&self, runner: &Runner, request: i64) -> Lease {
+        let lease = self.reserve(request);
+        runner
+            .launch(lease.clone(), tier(Trust::Trusted), job(request, "push"))
+            .await
+            .expect("the launch succeeds");
+        lease
+    }
+
+    fn phase(&self, lease: &LeaseId) -> Phase {
+        self.core().leases[lease].phase
+    }
+    fn epoch(&self, lease: &LeaseId) -> u64 {
+        self.core().leases[lease].epoch
+    }
+    fn bound(&self, lease: &LeaseId) -> bool {
+        self.core().leases[lease].bound
+    }
+    fn expires(&self, lease: &LeaseId) -> Instant {
+        self.core().leases[lease].expires
+    }
+    fn registered(&self, lease: &LeaseId) -> bool {
+        self.core().regs.contains_key(&name(lease))
+    }
+    fn exists(&self, lease: &LeaseId) -> bool {
+        self.fake.instance(&name(lease)).is_some()
+    }
+    fn destroys_of(&self, lease: &LeaseId) -> usize {
+        let n = InstanceName::for_lease(lease);
+        self.fake
+            .calls()
+            .iter()
+            .filter(|c| **c == Call::Destroy(n.clone()))
+            .count()
+    }
+    fn fault(&self, lease: &LeaseId, op: LOp, fault: Fault) {
+        self.core()
+            .faults
+            .lease
+            .entry((lease.clone(), op))
+            .or_default()
+            .push_back(fault);
+    }
+    /// The reaper runs now.
+    fn reap(&self) {
+        self.core().reap(Instant::now());
+    }
+}
+
+fn name(lease: &LeaseId) -> String {
+    InstanceName::for_lease(lease).as_str().to_owned()
+}
+
+fn tier(trust: Trust) -> TierSpec {
+    TierSpec {
+        label: "t".into(),
+        image: "runner:tier-image".into(),
+        command: vec!["/run.sh".into()],
+        trust,
+        shm: ByteSize(0),
+        network: None,
+        env: vec![("TIER".into(), "t".into())],
+    }
+}
+
+fn job(request: i64, event: &str) -> Job {
+    Job {
+        request_id: RequestId(request),
+        run_id: 1,
+        event: event.into(),
+        owner: "octo".into(),
+        repository: "repo".into(),
+        workflow_ref: "octo/repo/.github/workflows/ci.yml@refs/heads/main".into(),
+    }
+}
+
+fn custody(runner: &Runner) -> BTreeSet<LeaseId> {
+    runner.custody_leases().into_iter().collect()
+}
+
+async fn sleep(d: Duration) {
+    tokio::time::sleep(d).await;
+}
+
+// ======================= 7.A Launch =======================
+
+#[tokio::test]
+async fn a_launch_mints_a_registration_and_starts_an_instance_sized_from_the_lease_with_the_tier_image()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 7).await;
+
+    assert!(w.bound(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Launching);
+    let config = w.core().regs[&name(&lease.id)].config.clone();
+    let specs = w.fake.specs();
+    assert_eq!(specs.len(), 1);
+    let spec = &specs[0];
+    assert_eq!(spec.image, "runner:tier-image");
+    assert_eq!(spec.command, vec!["/run.sh".to_owned()]);
+    assert_eq!((spec.vcpu, spec.memory), (2, ByteSize(1 << 30)));
+    assert_eq!(spec.jit_config.expose(), config);
+    assert!(w.fake.instance(&name(&lease.id)).unwrap().running);
+    assert!(r.holding());
+}
+
+#[tokio::test]
+async fn the_tiers_trust_decides_and_the_jobs_event_neither_downgrades_nor_upgrades_it() {
+    let w = World::new();
+    let r = w.runner();
+    let trusted = w.reserve(1);
+    r.launch(
+        trusted.clone(),
+        tier(Trust::Trusted),
+        job(1, "pull_request"),
+    )
+    .await
+    .expect("a trusted tier runs whatever the event");
+    assert!(w.exists(&trusted.id));
+
+    let untrusted = w.reserve(2);
+    let err = r
+        .launch(untrusted.clone(), tier(Trust::Untrusted), job(2, "push"))
+        .await
+        .expect_err("an untrusted tier is refused on a host-sharing provider");
+    assert!(!err.is_custody());
+    assert!(!w.bound(&untrusted.id));
+    assert!(!w.exists(&untrusted.id));
+    assert_eq!(w.fake.count(Operation::Create), 1);
+}
+
+#[tokio::test]
+async fn two_launches_request_distinct_runner_names_each_named_after_its_lease() {
+    let w = World::new();
+    let r = w.runner();
+    let a = w.launched(&r, 1).await;
+    let b = w.launched(&r, 2).await;
+    let mints: Vec<String> = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("mint "))
+        .collect();
+    assert_eq!(
+        mints,
+        vec![
+            format!("mint {} billet-{}", a.id, a.id.as_str()),
+            format!("mint {} billet-{}", b.id, b.id.as_str()),
+        ]
+    );
+    assert!(w.registered(&a.id) && w.registered(&b.id));
+    assert_ne!(name(&a.id), name(&b.id));
+}
+
+#[tokio::test]
+async fn a_lease_reserved_for_another_backend_is_refused_and_nothing_starts() {
+    let w = World::new();
+    let r = w.runner();
+    let mut lease = w.reserve(1);
+    lease.providers = vec!["ec2".into()];
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("refused");
+    assert!(matches!(err, RunnerError::Failed(_)));
+    assert!(!w.bound(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Assigned);
+    assert!(
+        w.plane.log().is_empty(),
+        "no ledger or GitHub call: {:?}",
+        w.plane.log()
+    );
+    assert!(w.fake.calls().is_empty());
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_launch_that_fails_after_creating_the_instance_finds_and_destroys_it() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("the create failed");
+    assert!(matches!(err, RunnerError::Failed(_)), "{err}");
+    let n = InstanceName::for_lease(&lease.id);
+    assert_eq!(
+        w.fake.calls(),
+        vec![
+            Call::Create(n.clone()),
+            Call::Find(n.clone()),
+            Call::Destroy(n)
+        ]
+    );
+    assert!(!w.exists(&lease.id));
+    assert!(!w.registered(&lease.id));
+}
+
+#[tokio::test]
+async fn a_clean_launch_failure_destroys_nothing() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let lease = w.reserve(1);
+    r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("the create failed");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(!w.registered(&lease.id), "its registration is removed");
+}
+
+#[tokio::test]
+async fn the_instance_is_named_after_the_lease_not_after_githubs_runner_name() {
+    let w = World::new();
+    *w.plane.github_name.lock().unwrap() = Some("gh-runner-4711".into());
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    assert_eq!(w.fake.specs()[0].name, InstanceName::for_lease(&lease.id));
+    assert!(w.exists(&lease.id));
+    assert!(w.fake.instance("gh-runner-4711").is_none());
+}
+
+#[tokio::test]
+async fn a_failed_mint_is_not_retried_and_starts_nothing() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.reserve(1);
+    w.fault(&lease.id, LOp::Mint, Fault::Refuse);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("the mint failed");
+    assert!(matches!(err, RunnerError::Failed(_)), "{err}");
+    let mints = w
+        .plane
+        .log()
+        .iter()
+        .filter(|l| l.starts_with("mint "))
+        .count();
+    assert_eq!(mints, 1, "the mint is asked once and never again");
+    assert_eq!(w.fake.count(Operation::Create), 0);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_host_running_the_leases_second_choice_backend_runs_it() {
+    let w = World::new();
+    let r = w.runner();
+    let mut lease = w.reserve(1);
+    lease.providers = vec!["ec2".into(), "docker".into()];
+    r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect("docker is in the list");
+    assert!(w.exists(&lease.id));
+}
+
+#[tokio::test]
+async fn a_host_whose_backend_is_not_in_the_leases_list_refuses_before_starting_anything() {
+    let w = World::new();
+    let r = w.runner();
+    let mut lease = w.reserve(1);
+    lease.providers = vec!["ec2".into(), "firecracker".into()];
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("refused");
+    assert!(!err.is_custody());
+    assert!(!w.bound(&lease.id));
+    assert!(!w.core().mint_attempts.contains_key(&lease.id));
+    assert!(w.fake.calls().is_empty());
+}
+
+#[tokio::test]
+async fn the_guest_is_sized_from_the_lease() {
+    let w = World::new();
+    let r = w.runner();
+    let mut lease = w.reserve(1);
+    lease.vcpu = 6;
+    lease.memory = ByteSize(12 << 30);
+    r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .unwrap();
+    let spec = &w.fake.specs()[0];
+    assert_eq!((spec.vcpu, spec.memory), (6, ByteSize(12 << 30)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ambiguous_launch_carries_its_first_absent_observation_into_custody() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("create failed");
+    assert!(
+        err.is_custody(),
+        "an absence never seen before proves nothing yet: {err}"
+    );
+    sleep(STRAY_GRACE + Duration::from_secs(1)).await;
+    // The first tend after the grace: the absence began at launch, not now.
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ambiguous_launch_carries_its_positive_observation_into_custody() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    w.fake.fail_next(Operation::Destroy, 1);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("create failed");
+    assert!(err.is_custody(), "{err}");
+    assert!(w.exists(&lease.id));
+    w.fake.remove_behind_back(&name(&lease.id));
+    // Seen during cleanup, so its absence is proof at once: no grace.
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_failed_launch_whose_registration_cannot_be_removed_leaves_compute_untouched_until_it_is()
+{
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    let lease = w.reserve(1);
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("create failed");
+    assert!(err.is_custody(), "{err}");
+    assert_eq!(
+        w.fake.calls(),
+        vec![Call::Create(InstanceName::for_lease(&lease.id))],
+        "compute is not touched while routing remains"
+    );
+    assert!(w.registered(&lease.id));
+    assert!(w.exists(&lease.id));
+
+    r.tend().await.unwrap();
+    assert!(!w.registered(&lease.id));
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    let removals: Vec<String> = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("remove "))
+        .collect();
+    assert_eq!(
+        removals.last().unwrap(),
+        &format!("remove {} after 0 destroys", lease.id),
+        "routing goes before compute"
+    );
+    assert_eq!(w.destroys_of(&lease.id), 1);
+}
+
+#[tokio::test]
+async fn after_a_restart_a_failed_launchs_registration_goes_before_its_compute_and_destroy_answers_custody_meanwhile()
+ {
+    let w = World::new();
+    let first = w.runner();
+    w.fake.fail_create_after_starting(1);
+    let lease = w.reserve(3);
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    first
+        .launch(lease.clone(), tier(Trust::Trusted), job(3, "push"))
+        .await
+        .expect_err("create failed");
+    drop(first);
+
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    let err = r
+        .destroy(RequestId(3), None)
+        .await
+        .expect_err("the registration is still there");
+    assert!(err.is_custody(), "{err}");
+    assert!(w.exists(&lease.id), "compute waits for routing");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+
+    r.destroy(RequestId(3), None).await.unwrap();
+    assert!(!w.registered(&lease.id));
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn an_unconfirmed_cleanup_holds_the_capacity() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("create failed");
+    assert!(err.is_custody(), "{err}");
+    assert!(!w.phase(&lease.id).is_terminal());
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+}
+
+#[tokio::test]
+async fn a_confirmed_cleanup_holds_nothing() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("create failed");
+    assert!(matches!(err, RunnerError::Failed(_)), "{err}");
+    assert!(!r.holding());
+    assert!(w.journal.custody().await.unwrap().is_empty());
+    assert!(w.journal.launches().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_redelivered_job_for_an_adopted_request_is_not_launched_again() {
+    let w = World::new();
+    let first = w.runner();
+    let lease = w.launched(&first, 5).await;
+    drop(first);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+
+    let again = w.reserve(5);
+    let err = r
+        .launch(again.clone(), tier(Trust::Trusted), job(5, "push"))
+        .await
+        .expect_err("the request already has compute here");
+    assert!(!err.is_custody());
+    assert!(!w.bound(&again.id));
+    assert!(!w.core().mint_attempts.contains_key(&again.id));
+    assert_eq!(w.fake.count(Operation::Create), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_renews_a_lease_while_its_create_is_still_running() {
+    let w = World::new();
+    let r = w.runner();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    w.fake.block(Operation::Create);
+    let lease = w.reserve(1);
+    let launch = tokio::spawn({
+        let r = r.clone();
+        let lease = lease.clone();
+        async move { r.launch(lease, tier(Trust::Trusted), job(1, "push")).await }
+    });
+    while w.fake.count(Operation::Create) == 0 {
+        sleep(Duration::from_millis(10)).await;
+    }
+    sleep(fakes::TTL * 4).await;
+    w.reap();
+    assert_eq!(
+        w.phase(&lease.id),
+        Phase::Launching,
+        "renewed while create runs, so the reaper leaves it"
+    );
+    assert!(w.plane.heartbeats() >= 3);
+    w.fake.unblock(Operation::Create);
+    launch.await.unwrap().unwrap();
+    stop.cancel();
+    ka.await.unwrap();
+}
+
+// ======================= 7.B Destroy =======================
+
+#[tokio::test]
+async fn destroy_removes_what_was_started_once_and_repeats_and_unknown_requests_succeed() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&lease.id));
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    r.destroy(RequestId(999), None).await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 1);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn an_accepted_teardown_holds_the_capacity_until_the_compute_is_provably_gone() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    let lease = w.launched(&r, 1).await;
+    let err = r
+        .destroy(RequestId(1), Some("succeeded"))
+        .await
+        .unwrap_err();
+    assert!(err.is_custody(), "{err}");
+    r.tend().await.unwrap();
+    assert!(!w.phase(&lease.id).is_terminal(), "still there: still held");
+    assert_eq!(w.phase(&lease.id), Phase::Teardown);
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fast_accepted_teardown_releases_on_the_first_absent_inventory() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.set_destroy_mode(DestroyMode::RequestAndRemove);
+    let lease = w.launched(&r, 1).await;
+    assert!(
+        r.destroy(RequestId(1), Some("succeeded"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    r.tend().await.unwrap();
+    assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_host_teardown_keeps_its_launch_observation() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    let lease = w.launched(&r, 1).await;
+    assert!(
+        r.destroy(RequestId(1), None)
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    // Gone before any tend saw it: the launch on this host is the sighting.
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert!(w.phase(&lease.id).is_terminal());
+    assert_eq!(w.fake.count(Operation::Find), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_provider_error_resets_a_strays_run_of_absences() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let lease = w.reserve(1);
+    assert!(
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    sleep(Duration::from_secs(200)).await;
+    w.fake.fail_next(Operation::Find, 1);
+    r.tend().await.expect_err("find failed");
+    sleep(Duration::from_secs(150)).await;
+    r.tend().await.unwrap();
+    assert!(
+        !w.phase(&lease.id).is_terminal(),
+        "350 s since the first miss, but the error restarted the run"
+    );
+    sleep(STRAY_GRACE + Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test]
+async fn a_second_destroy_for_held_compute_still_reports_custody() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    let lease = w.launched(&r, 1).await;
+    assert!(
+        r.destroy(RequestId(1), Some("succeeded"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    assert!(
+        r.destroy(RequestId(1), Some("succeeded"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    assert!(!w.phase(&lease.id).is_terminal());
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_request_with_both_custody_and_a_running_instance_still_stops_the_running_one() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    r.destroy(RequestId(1), None).await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert!(w.destroys_of(&lease.id) >= 1);
+    assert!(!w.registered(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn an_accepted_teardown_of_a_finished_job_records_it_done() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.set_destroy_mode(DestroyMode::RequestAndRemove);
+    let lease = w.launched(&r, 1).await;
+    assert!(
+        r.destroy(RequestId(1), Some("succeeded"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+}
+
+#[tokio::test]
+async fn an_instance_that_will_not_die_stays_tracked_and_the_retry_removes_it() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.fake.fail_next(Operation::Destroy, 1);
+    let err = r
+        .destroy(RequestId(1), Some("succeeded"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RunnerError::Failed(_)), "{err}");
+    assert!(w.exists(&lease.id));
+    assert!(r.holding());
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert_eq!(w.destroys_of(&lease.id), 2);
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_completion_ends_an_adoption() {
+    let w = World::new();
+    let first = w.runner();
+    let lease = w.launched(&first, 4).await;
+    drop(first);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert!(r.holding());
+    r.destroy(RequestId(4), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_completion_clears_both_the_running_and_the_held_compute_of_its_request() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding(), "neither half is left");
+}
+
+#[tokio::test]
+async fn a_completion_clears_every_custody_entry_for_its_request() {
+    let w = World::new();
+    let a = w.launching_lease(9);
+    let b = w.launching_lease(9);
+    w.put_instance(&name(&a.id), true);
+    w.put_instance(&name(&b.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([a.id.clone(), b.id.clone()]));
+    r.destroy(RequestId(9), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&a.id) && !w.exists(&b.id));
+    assert!(w.phase(&a.id).is_terminal() && w.phase(&b.id).is_terminal());
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_custody_side_failure_does_not_turn_the_running_halfs_success_into_an_error() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    w.fault(&lease.id, LOp::Heartbeat, Fault::Refuse);
+    r.destroy(RequestId(1), Some("succeeded"))
+        .await
+        .expect("the running half stopped");
+    assert!(!w.exists(&lease.id));
+    r.tend().await.unwrap();
+    assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+// ======================= 7.C Force release =======================
+
+#[tokio::test]
+async fn an_operators_force_release_ends_custody_at_the_next_tend() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Custody, "visible in the ledger");
+    w.core().leases.get_mut(&lease.id).unwrap().force_release = true;
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_force_release_requested_before_a_restart_is_honoured_after_recovery() {
+    let w = World::new();
+    let first = w.runner();
+    let lease = w.launched(&first, 1).await;
+    first
+        .assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    drop(first);
+    w.core().leases.get_mut(&lease.id).unwrap().force_release = true;
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+// ======================= 7.E Recover =======================
+
+#[tokio::test]
+async fn recover_never_touches_an_instance_billet_did_not_name() {
+    let w = World::new();
+    w.put_instance("someone-elses-container", false);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.fake.instance("someone-elses-container").is_some());
+}
+
+#[tokio::test]
+async fn recover_fails_when_it_could_not_destroy_an_orphan() {
+    let w = World::new();
+    w.put_instance("billet-nobody", false);
+    w.fake.fail_next(Operation::Destroy, 1);
+    let r = w.runner();
+    r.recover().await.expect_err("an orphan survived");
+    assert!(w.fake.instance("billet-nobody").is_some());
+}
+
+#[tokio::test]
+async fn recover_fails_when_the_provider_cannot_be_enumerated() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    w.fake.fail_next(Operation::List, 1);
+    let r = w.runner();
+    r.recover().await.expect_err("list failed");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_stopped_instance_under_an_open_lease_is_destroyed_and_its_lease_released() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), false);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn recover_adopts_a_job_that_is_still_running() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert_eq!(w.phase(&lease.id), Phase::Custody);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_adopted_lease_is_kept_alive() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    sleep(fakes::TTL * 4).await;
+    w.reap();
+    assert_eq!(w.phase(&lease.id), Phase::Launching, "not quarantined");
+    assert!(w.expires(&lease.id) > Instant::now());
+    stop.cancel();
+    ka.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_adopted_job_is_cleaned_up_when_it_finishes() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id));
+    w.fake.set_state(&name(&lease.id), false, false);
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn an_adopted_job_is_destroyed_when_its_lease_is_released() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    w.core()
+        .plane_release(&lease.id, None, Phase::Done, "listener");
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn recover_destroys_an_instance_nothing_is_waiting_for() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.core()
+        .plane_release(&lease.id, None, Phase::Failed, "gone");
+    w.put_instance(&name(&lease.id), false);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(w.destroys_of(&lease.id), 1);
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn recover_does_not_destroy_when_it_cannot_read_the_lease() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    w.fault(&lease.id, LOp::Lease, Fault::Refuse);
+    let r = w.runner();
+    r.recover().await.expect_err("the lease could not be read");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn recovery_adopts_quarantined_compute_and_leaves_its_phase_quarantine() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    assert_eq!(w.phase(&lease.id), Phase::Quarantine);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Quarantine);
+    assert!(
+        !w.plane.log().iter().any(|l| l.starts_with("advance ")),
+        "no phase reported for quarantined compute: {:?}",
+        w.plane.log()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_adopted_custody_entry_carries_its_leases_current_epoch() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    assert_eq!(w.epoch(&lease.id), 2);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    sleep(fakes::TTL * 2).await;
+    // Renewed at the first try: the entry presents epoch 2, not the
+    // launch's 1 (a stale epoch would be fenced and renew nothing).
+    r.tend().await.unwrap();
+    assert!(w.expires(&lease.id) > Instant::now());
+}
+
+// ======================= 7.F Sweep =======================
+
+#[tokio::test]
+async fn sweep_keeps_an_instance_whose_lease_is_launching() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+}
+
+#[tokio::test]
+async fn sweep_destroys_an_instance_whose_lease_is_terminal() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.core()
+        .plane_release(&lease.id, None, Phase::Done, "listener");
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert!(!w.exists(&lease.id));
+}
+
+#[tokio::test]
+async fn sweep_destroys_an_instance_whose_lease_never_launched() {
+    let w = World::new();
+    let lease = w.reserve(1);
+    w.core().bind(&lease.id, Epoch(1)).unwrap();
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert!(!w.exists(&lease.id));
+}
+
+#[tokio::test]
+async fn sweep_destroys_an_instance_whose_lease_is_bound_to_another_node() {
+    let w = World::new();
+    let lease = w.reserve(1);
+    {
+        let mut c = w.core();
+        let row = c.leases.get_mut(&lease.id).unwrap();
+        row.phase = Phase::Launching;
+        row.bound = false; // bound, but not to this node
+    }
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert!(!w.exists(&lease.id));
+}
+
+#[tokio::test(start_paused = true)]
+async fn sweep_adopts_quarantined_compute_rather_than_destroying_it() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Quarantine);
+    assert!(w.exists(&lease.id));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_quarantined_lease_is_torn_down_without_leaving_quarantine_and_ends_failed() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    w.plane
+        .reasons
+        .lock()
+        .unwrap()
+        .insert(lease.id.clone(), "the job was cancelled".into());
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(
+        !w.plane.log().iter().any(|l| l.starts_with("advance ")),
+        "never moved out of quarantine: {:?}",
+        w.plane.log()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sweep_reports_an_empty_inventory_and_an_aged_quarantine_is_resolved() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    sleep(fakes::QUARANTINE_GRACE + fakes::TTL).await;
+    let r = w.runner();
+    r.sweep().await.unwrap();
+    assert_eq!(
+        *w.plane.reconciles.lock().unwrap(),
+        vec![Vec::<LeaseId>::new()]
+    );
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test]
+async fn sweep_leaves_held_compute_alone() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    // No longer in the launched set; only this node's custody accounts for it.
+    w.core()
+        .plane_release(&lease.id, None, Phase::Done, "listener");
+    r.sweep().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+}
+
+// ======================= 7.G AssumeCustody / quarantine =======================
+
+#[tokio::test(start_paused = true)]
+async fn custody_survives_its_lease_being_quarantined_and_the_job_keeps_running() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    assert_eq!(
+        (w.phase(&lease.id), w.epoch(&lease.id)),
+        (Phase::Quarantine, 2)
+    );
+    r.tend().await.unwrap();
+    sleep(fakes::TTL * 2).await;
+    r.tend().await.unwrap();
+    assert!(w.expires(&lease.id) > Instant::now(), "renewed at epoch 2");
+    r.tend().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Quarantine);
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn assume_custody_trusts_a_host_launch_before_its_first_absence() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+// ======================= 7.H Tend / custody lifecycle =======================
+
+#[tokio::test]
+async fn custody_ends_when_the_stray_is_finally_destroyed() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    w.fake.fail_next(Operation::Destroy, 1);
+    let lease = w.reserve(1);
+    assert!(
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    assert!(w.exists(&lease.id));
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn custody_records_when_it_started() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(3600)).await;
+    r.tend().await.unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let records = w.journal.custody().await.unwrap();
+    assert_eq!(records.len(), 1);
+    let age_ms = now_ms - records[0].since_unix_ms;
+    assert!(
+        (3_600_000..3_660_000).contains(&age_ms),
+        "the record keeps the start, an hour ago: {age_ms} ms"
+    );
+}
+
+#[tokio::test]
+async fn custody_is_kept_when_the_release_fails_and_the_next_tend_retries() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    w.fake.remove_behind_back(&name(&lease.id));
+    w.fault(&lease.id, LOp::Release, Fault::Refuse);
+    r.tend().await.expect_err("release failed");
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert!(!w.phase(&lease.id).is_terminal());
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn tend_reports_an_unreachable_ledger_rather_than_treating_it_as_gone() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    w.core().faults.ledger_down = true;
+    r.tend().await.expect_err("the ledger is unreachable");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+}
+
+#[tokio::test]
+async fn a_discarded_launch_in_custody_records_a_failure() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_create_after_starting(1);
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    let lease = w.reserve(1);
+    assert!(
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    w.fake.set_destroy_mode(DestroyMode::Stop);
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_absent_stray_is_not_believed_before_the_grace() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let lease = w.reserve(1);
+    assert!(
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    r.tend().await.unwrap();
+    sleep(STRAY_GRACE - Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    assert!(!w.phase(&lease.id).is_terminal());
+    assert!(r.holding());
+    sleep(Duration::from_secs(2)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn held_compute_is_not_destroyed_on_a_timer_by_default() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(3 * 24 * 3600)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Custody);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_configured_custody_bound_destroys_and_records_a_failure() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        max_custody: Some(Duration::from_secs(3600)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(1800)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "within the bound");
+    sleep(Duration::from_secs(1801)).await;
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_vanished_adopted_container_is_released_without_waiting() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unseen_stray_from_before_a_restart_still_waits_the_grace() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    // The earlier process journaled the launch and died before create.
+    w.journal
+        .put_launch(&LaunchRecord {
+            lease: lease.id.as_str().to_owned(),
+            epoch: 1,
+            request_id: 1,
+            instance: name(&lease.id),
+            runner_id: 0,
+            runner_name: String::new(),
+            created: false,
+        })
+        .await
+        .unwrap();
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    r.tend().await.unwrap();
+    assert!(!w.phase(&lease.id).is_terminal());
+    sleep(STRAY_GRACE + Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stray_that_appears_becomes_observed_and_its_later_absence_needs_no_grace() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let lease = w.reserve(1);
+    assert!(
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .unwrap_err()
+            .is_custody()
+    );
+    w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
+    w.put_instance(&name(&lease.id), true);
+    r.tend().await.unwrap();
+    assert!(!w.phase(&lease.id).is_terminal());
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert_eq!(
+        w.phase(&lease.id),
+        Phase::Failed,
+        "released well within the grace"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_custody_bound_removes_the_registration_before_destroying_the_compute() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        max_custody: Some(Duration::from_secs(3600)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(3601)).await;
+    r.tend().await.unwrap();
+    assert!(!w.registered(&lease.id));
+    assert!(!w.exists(&lease.id));
+    let removals: Vec<String> = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("remove "))
+        .collect();
+    assert_eq!(
+        removals,
+        vec![format!("remove {} after 0 destroys", lease.id)]
+    );
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+// ======================= 7.I KeepAlive =======================
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_renews_held_leases_while_tend_is_blocked_in_the_provider() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    w.fake.block(Operation::Find);
+    let tend = tokio::spawn({
+        let r = r.clone();
+        async move { r.tend().await }
+    });
+    while w.fake.count(Operation::Find) == 0 {
+        sleep(Duration::from_millis(10)).await;
+    }
+    let before = w.plane.heartbeats();
+    sleep(fakes::TTL * 4).await;
+    w.reap();
+    assert!(w.plane.heartbeats() >= before + 3);
+    assert_ne!(w.phase(&lease.id), Phase::Quarantine);
+    w.fake.unblock(Operation::Find);
+    tend.await.unwrap().unwrap();
+    stop.cancel();
+    ka.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_follows_a_shortened_lease_ttl_within_a_tick() {
+    let w = World::new();
+    *w.plane.ttl.lock().unwrap() = Duration::from_secs(90);
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    sleep(Duration::from_secs(31)).await;
+    let at_90 = w.plane.heartbeats();
+    *w.plane.ttl.lock().unwrap() = Duration::from_secs(3);
+    sleep(Duration::from_secs(4)).await;
+    let renewals = w.plane.heartbeats() - at_90;
+    assert!(
+        renewals >= 3,
+        "a 3 s TTL renews every second: {renewals} renewals in 4 s"
+    );
+    stop.cancel();
+    ka.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_stops_with_its_context() {
+    let w = World::new();
+    let r = w.runner();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    sleep(Duration::from_secs(5)).await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(1), ka)
+        .await
+        .expect("keep_alive returned")
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn keep_alive_does_not_act_on_a_renewal_failure() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    // Reaped: every renewal at epoch 1 is now fenced.
+    w.core().leases.get_mut(&lease.id).unwrap().expires = Instant::now();
+    sleep(Duration::from_millis(1)).await;
+    w.reap();
+    assert_eq!(w.epoch(&lease.id), 2);
+    let before = w.plane.heartbeats();
+    let stop = CancellationToken::new();
+    let ka = tokio::spawn({
+        let r = r.clone();
+        let stop = stop.clone();
+        async move { r.keep_alive(stop).await }
+    });
+    sleep(fakes::TTL * 3).await;
+    stop.cancel();
+    ka.await.unwrap();
+    assert!(w.plane.heartbeats() > before, "it kept trying");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Quarantine);
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert!(!w.plane.log().iter().any(|l| l.starts_with("release ")));
+}
+
+// ======================= 7.J Superseded / Holding =======================
+
+#[tokio::test]
+async fn an_ordinary_running_job_counts_as_holding() {
+    let w = World::new();
+    let r = w.runner();
+    assert!(!r.holding());
+    w.launched(&r, 1).await;
+    assert!(r.holding());
+    assert!(custody(&r).is_empty());
+}
+
+#[tokio::test]
+async fn supersession_moves_running_work_into_custody_rather_than_copying_it() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.superseded().await;
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    // A running copy left behind would be seen "vanished" by this sweep and
+    // turned into a failure; moved work finishes as done.
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.sweep().await.unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding(), "the drain can end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn supersession_trusts_a_host_launch_before_its_first_absence() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.superseded().await;
+    w.fake.remove_behind_back(&name(&lease.id));
+    r.tend().await.unwrap();
+    assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+// ======================= 7.L (runner half) =======================
+
+#[tokio::test]
+async fn a_draining_node_refuses_a_launch_and_still_serves_a_destroy() {
+    let w = World::new();
+    let r = w.runner();
+    let running = w.launched(&r, 1).await;
+    r.start_draining();
+    let lease = w.reserve(2);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(2, "push"))
+        .await
+        .expect_err("no new launches while draining");
+    assert!(matches!(err, RunnerError::Refused(_)), "{err}");
+    assert!(!w.bound(&lease.id));
+    assert_eq!(w.fake.count(Operation::Create), 1);
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&running.id));
+    assert!(!r.holding());
+}
