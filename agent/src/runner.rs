@@ -851,6 +851,7 @@ impl Runner {
         let requests: std::collections::HashMap<&str, &LaunchRecord> =
             launches.iter().map(|l| (l.lease.as_str(), l)).collect();
         let mut seen = std::collections::HashSet::new();
+        let mut adopted = Vec::new();
         let mut failed = 0;
         for instance in &instances {
             let Some(lease) = instance.lease() else {
@@ -870,6 +871,7 @@ impl Runner {
                         }
                         info!(%lease, instance = %name, "adopting an instance an earlier process started");
                         self.adopt(&l, &name, Some(Phase::Custody)).await;
+                        adopted.push((lease.clone(), l.epoch));
                         continue;
                     }
                     Err(PlaneError::NotFound(_)) => {}
@@ -879,6 +881,15 @@ impl Runner {
             if !self.destroy_orphan(&lease, &name).await {
                 failed += 1;
             }
+        }
+        // What was adopted is renewed at once (spec/node.md §7.E.11): a plane
+        // that cannot take the renewal is not one to take work from yet.
+        // Refusals of single leases are the next tend's to judge.
+        if !adopted.is_empty() {
+            self.ledger
+                .heartbeat(&adopted)
+                .await
+                .map_err(|e| fail("renew the adopted leases", &e))?;
         }
         for record in &launches {
             let Ok(lease) = LeaseId::parse("journal.launch.lease", &record.lease) else {

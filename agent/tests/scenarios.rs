@@ -1744,3 +1744,19 @@ async fn a_draining_node_refuses_a_launch_and_still_serves_a_destroy() {
     assert!(!w.exists(&running.id));
     assert!(!r.holding());
 }
+
+/// 7.E.11: adoption renews the lease at once, before any tend or KeepAlive.
+#[tokio::test(start_paused = true)]
+async fn recover_renews_the_lease_it_adopts() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let before = w.expires(&lease.id);
+    sleep(fakes::TTL / 2).await;
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert!(
+        w.expires(&lease.id) > before,
+        "recover adopted the lease without renewing it"
+    );
+}
