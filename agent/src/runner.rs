@@ -92,6 +92,43 @@ struct CustodyEntry {
     since: Instant,
 }
 
+impl CustodyEntry {
+    /// Compute held so that a job can finish: renewed, reported as
+    /// `custody`, released `done` once the instance is gone.
+    fn job(epoch: Epoch, instance: InstanceName, request_id: RequestId, observed: bool) -> Self {
+        Self {
+            epoch,
+            instance,
+            request_id,
+            registration: None,
+            outcome: Phase::Done,
+            phase: Some(Phase::Custody),
+            discard: false,
+            observed,
+            absent_since: None,
+            unconfirmed: true,
+            since: Instant::now(),
+        }
+    }
+
+    /// Compute to tear down: destroyed on sight, reported as `teardown`,
+    /// released with `outcome` once proven gone.
+    fn teardown(
+        epoch: Epoch,
+        instance: InstanceName,
+        request_id: RequestId,
+        outcome: Phase,
+        observed: bool,
+    ) -> Self {
+        Self {
+            outcome,
+            phase: Some(Phase::Teardown),
+            discard: true,
+            ..Self::job(epoch, instance, request_id, observed)
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     running: HashMap<RequestId, Running>,
@@ -304,17 +341,15 @@ impl Runner {
                     self.hold(
                         lease.id.clone(),
                         CustodyEntry {
-                            epoch: lease.epoch,
-                            instance: name.clone(),
-                            request_id: lease.request_id,
                             registration: Some((0, String::new())),
-                            outcome: Phase::Failed,
-                            phase: Some(Phase::Teardown),
-                            discard: true,
-                            observed: false,
                             absent_since: Some(Instant::now()),
-                            unconfirmed: true,
-                            since: Instant::now(),
+                            ..CustodyEntry::teardown(
+                                lease.epoch,
+                                name.clone(),
+                                lease.request_id,
+                                Phase::Failed,
+                                false,
+                            )
                         },
                     )
                     .await;
@@ -390,17 +425,14 @@ impl Runner {
         // Held (and journaled) before any cleanup, so a node that dies
         // midway finds a failed launch to tear down, not a job to adopt.
         let mut entry = CustodyEntry {
-            epoch: lease.epoch,
-            instance: name.clone(),
-            request_id: lease.request_id,
             registration: Some(registration.clone()),
-            outcome: Phase::Failed,
-            phase: Some(Phase::Teardown),
-            discard: true,
-            observed: false,
-            absent_since: None,
-            unconfirmed: true,
-            since: Instant::now(),
+            ..CustodyEntry::teardown(
+                lease.epoch,
+                name.clone(),
+                lease.request_id,
+                Phase::Failed,
+                false,
+            )
         };
         self.hold(lease.id.clone(), entry.clone()).await;
         if let Err(e) = self
@@ -526,19 +558,13 @@ impl Runner {
                 if teardown == Teardown::Requested {
                     self.hold(
                         running.lease.clone(),
-                        CustodyEntry {
-                            epoch: running.epoch,
-                            instance: running.instance.clone(),
+                        CustodyEntry::teardown(
+                            running.epoch,
+                            running.instance.clone(),
                             request_id,
-                            registration: None,
-                            outcome: Phase::Done,
-                            phase: Some(Phase::Teardown),
-                            discard: true,
-                            observed: self.provider.runs_on_host(),
-                            absent_since: None,
-                            unconfirmed: true,
-                            since: Instant::now(),
-                        },
+                            Phase::Done,
+                            self.provider.runs_on_host(),
+                        ),
                     )
                     .await;
                     return Err(RunnerError::Custody(format!(
@@ -585,19 +611,12 @@ impl Runner {
                 let epoch = epoch.max(running.epoch);
                 self.hold(
                     lease.clone(),
-                    CustodyEntry {
+                    CustodyEntry::job(
                         epoch,
-                        instance: running.instance.clone(),
+                        running.instance.clone(),
                         request_id,
-                        registration: None,
-                        outcome: Phase::Done,
-                        phase: Some(Phase::Custody),
-                        discard: false,
-                        observed: self.provider.runs_on_host(),
-                        absent_since: None,
-                        unconfirmed: true,
-                        since: Instant::now(),
-                    },
+                        self.provider.runs_on_host(),
+                    ),
                 )
                 .await;
                 info!(%lease, instance = %running.instance, "assumed custody");
@@ -628,19 +647,12 @@ impl Runner {
             let lease = r.lease.clone();
             self.hold(
                 lease,
-                CustodyEntry {
-                    epoch: r.epoch,
-                    instance: r.instance,
+                CustodyEntry::job(
+                    r.epoch,
+                    r.instance,
                     request_id,
-                    registration: None,
-                    outcome: Phase::Done,
-                    phase: Some(Phase::Custody),
-                    discard: false,
-                    observed: self.provider.runs_on_host(),
-                    absent_since: None,
-                    unconfirmed: true,
-                    since: Instant::now(),
-                },
+                    self.provider.runs_on_host(),
+                ),
             )
             .await;
         }
@@ -780,19 +792,7 @@ impl Runner {
             warn!(lease = %r.lease, instance = %r.instance, "instance vanished while its job was running; releasing its lease as failed");
             self.hold(
                 r.lease.clone(),
-                CustodyEntry {
-                    epoch: r.epoch,
-                    instance: r.instance,
-                    request_id,
-                    registration: None,
-                    outcome: Phase::Failed,
-                    phase: Some(Phase::Teardown),
-                    discard: true,
-                    observed: true,
-                    absent_since: None,
-                    unconfirmed: true,
-                    since: Instant::now(),
-                },
+                CustodyEntry::teardown(r.epoch, r.instance, request_id, Phase::Failed, true),
             )
             .await;
         }
@@ -905,17 +905,15 @@ impl Runner {
                 self.hold(
                     lease.clone(),
                     CustodyEntry {
-                        epoch: Epoch(record.epoch),
-                        instance: InstanceName::for_lease(&lease),
-                        request_id: RequestId(record.request_id),
                         registration,
-                        outcome: Phase::Failed,
-                        phase: Some(Phase::Teardown),
-                        discard: true,
-                        observed: false,
                         absent_since: Some(Instant::now()),
-                        unconfirmed: true,
-                        since: Instant::now(),
+                        ..CustodyEntry::teardown(
+                            Epoch(record.epoch),
+                            InstanceName::for_lease(&lease),
+                            RequestId(record.request_id),
+                            Phase::Failed,
+                            false,
+                        )
                     },
                 )
                 .await;
@@ -936,10 +934,6 @@ impl Runner {
     async fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
         let failing = lease.failure_reason.is_some();
         let entry = CustodyEntry {
-            epoch: lease.epoch,
-            instance: instance.clone(),
-            request_id: lease.request_id,
-            registration: None,
             outcome: if failing { Phase::Failed } else { Phase::Done },
             phase: if lease.phase == Phase::Quarantine {
                 None
@@ -947,10 +941,7 @@ impl Runner {
                 phase
             },
             discard: failing,
-            observed: true,
-            absent_since: None,
-            unconfirmed: true,
-            since: Instant::now(),
+            ..CustodyEntry::job(lease.epoch, instance.clone(), lease.request_id, true)
         };
         self.hold(lease.id.clone(), entry).await;
     }
