@@ -869,6 +869,33 @@ impl Runner {
                         if let Some(r) = requests.get(lease.as_str()) {
                             l.request_id = RequestId(r.request_id);
                         }
+                        let record = requests.get(lease.as_str());
+                        if record.is_some_and(|r| !r.created)
+                            && self
+                                .retire_idle_runner(&lease, l.epoch, record)
+                                .await
+                                .map_err(|e| {
+                                    fail(&format!("ask whether the runner of {lease} is idle"), &e)
+                                })?
+                        {
+                            // The earlier process never learned whether create
+                            // worked, and the runner inside has no job: it had
+                            // no future. Its routing is gone; the instance goes.
+                            info!(%lease, instance = %name, "an unconfirmed launch left an idle runner; tearing it down");
+                            self.hold(
+                                lease.clone(),
+                                CustodyEntry::teardown(
+                                    l.epoch,
+                                    name.clone(),
+                                    l.request_id,
+                                    Phase::Failed,
+                                    true,
+                                ),
+                            )
+                            .await;
+                            adopted.push((lease.clone(), l.epoch));
+                            continue;
+                        }
                         info!(%lease, instance = %name, "adopting an instance an earlier process started");
                         self.adopt(&l, &name, Some(Phase::Custody)).await;
                         adopted.push((lease.clone(), l.epoch));
@@ -927,6 +954,35 @@ impl Runner {
             )));
         }
         Ok(())
+    }
+
+    /// Asks the plane to remove the registration of a launch whose outcome
+    /// an earlier process never learned. GitHub refuses to remove a runner
+    /// that is running a job, so success means the runner was idle (or
+    /// already gone) and is now unroutable: the reference's RecoverRunner
+    /// question, asked through the removal itself. A refusal answers "keep
+    /// it", the conservative reading.
+    ///
+    /// # Errors
+    ///
+    /// [`PlaneError::Unavailable`] when the plane could not be asked: no
+    /// answer is not an answer, and Recover retries.
+    async fn retire_idle_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        record: Option<&&LaunchRecord>,
+    ) -> Result<bool, PlaneError> {
+        let (id, name) =
+            record.map_or((0, String::new()), |r| (r.runner_id, r.runner_name.clone()));
+        match self.jit.remove_runner(lease, epoch, id, &name).await {
+            Ok(()) => Ok(true),
+            Err(e @ PlaneError::Unavailable(_)) => Err(e),
+            Err(e) => {
+                debug!(%lease, error = %e, "the registration stays; adopting the instance as a running job");
+                Ok(false)
+            }
+        }
     }
 
     /// Takes custody of compute found running under an open lease that no

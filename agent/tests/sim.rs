@@ -70,12 +70,7 @@ use world::{Bug, Gates};
 /// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
 /// seeds named reproduce each bug with it (as of this version of the world:
 /// any change to the step generator renumbers them).
-const KNOWN_BUGS: &[(Bug, &str)] = &[(
-    Bug::RecoverAdoptsStray,
-    "invariants (1) and (2), 237 of 10000 seeds, e.g. 3226, 67, 21: after a crash during a \
-         failed create, recover adopts the stray (the journal says it was never created) as a \
-         live job; its idle runner is kept forever, or when it exits its registration is left",
-)];
+const KNOWN_BUGS: &[(Bug, &str)] = &[];
 
 fn gates() -> Gates {
     let all = [

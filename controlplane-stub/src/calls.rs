@@ -299,10 +299,16 @@ impl CallHandler {
                         (Some(id), None) => (id, format!("billet-{lease_id}")),
                     }
                 };
-                self.github
-                    .remove_runner(id, &name)
-                    .await
-                    .map_err(|e| error(pb::ErrorCode::Unavailable, e.to_string()))?;
+                self.github.remove_runner(id, &name).await.map_err(|e| {
+                    // A runner running a job cannot be removed: that is an
+                    // answer (the node keeps it), not an outage.
+                    let code = if e.source.is_job_still_running() {
+                        pb::ErrorCode::Refused
+                    } else {
+                        pb::ErrorCode::Unavailable
+                    };
+                    error(code, e.to_string())
+                })?;
                 Ok(None)
             }
         }

@@ -530,9 +530,13 @@ impl Core {
                 && self.fake.instance(&name).is_some_and(|i| !i.terminal)
                 && !self.authority.contains(id)
             {
-                self.violate(format!(
-                    "invariant (4) no live job killed without authority: the registration of {name} was removed while its job was still running, with no completion, operator release or exit"
-                ));
+                // As GitHub does: a runner running a job cannot be removed.
+                // (Destroying its instance without authority is still
+                // invariant (4), checked by the provider.)
+                self.event(|| format!("github: refused to remove busy runner {name}"));
+                return Err(PlaneError::Refused(format!(
+                    "runner {name} is busy running a job"
+                )));
             }
             self.regs.remove(&name);
             self.event(|| format!("github: node removed registration {name}"));
