@@ -455,3 +455,60 @@ async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity
     end_done(&cluster, &jobs).await?;
     cluster.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_holding_nothing_stops_at_once_on_sigterm() -> Result<()> {
+    let mut cluster = Cluster::start(options(1000)).await?;
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.terminate()?;
+    let status = node.wait(Duration::from_secs(10)).await?;
+    assert!(status.success(), "the node exited with {status}");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_is_bounded_and_destroys_nothing_when_it_times_out() -> Result<()> {
+    let mut cluster = Cluster::start(ClusterOptions {
+        node_env: vec![("BILLET_DRAIN_TIMEOUT_SECS".into(), "2".into())],
+        ..options(60_000)
+    })
+    .await?;
+    let _jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    let lease = only_lease(&cluster).await?;
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.terminate()?;
+    let status = node.wait(Duration::from_secs(20)).await?;
+    assert!(status.success(), "the node exited with {status}");
+    assert!(
+        container_id(&cluster, &format!("billet-{}", lease.id))
+            .await
+            .is_some(),
+        "a drain that timed out destroyed the running job's container"
+    );
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_ends_the_drain_at_once_and_destroys_nothing() -> Result<()> {
+    let mut cluster = Cluster::start(options(60_000)).await?;
+    let _jobs = cluster.queue_jobs(1);
+    wait_job_running(&cluster, Duration::from_secs(30)).await?;
+    let lease = only_lease(&cluster).await?;
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.terminate()?;
+    wait_until(Duration::from_secs(10), "the drain to start", || {
+        node.log_text().contains("draining")
+    })
+    .await?;
+    node.terminate()?;
+    let status = node.wait(Duration::from_secs(15)).await?;
+    assert!(status.success(), "the node exited with {status}");
+    assert!(
+        container_id(&cluster, &format!("billet-{}", lease.id))
+            .await
+            .is_some(),
+        "stopping at once destroyed the running job's container"
+    );
+    cluster.shutdown().await
+}
