@@ -490,3 +490,186 @@ impl JitSource for PlaneLink {
         .map(drop)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire_error(code: i32) -> pb::Error {
+        pb::Error {
+            code,
+            message: format!("code {code}"),
+        }
+    }
+
+    /// Every wire code and the variant it must become. The match makes a new
+    /// code a compile error here until it is mapped.
+    fn expected(code: pb::ErrorCode, m: String) -> PlaneError {
+        match code {
+            pb::ErrorCode::Fenced => PlaneError::Fenced(m),
+            pb::ErrorCode::NotFound => PlaneError::NotFound(m),
+            pb::ErrorCode::BadTransition => PlaneError::BadTransition(m),
+            pb::ErrorCode::WrongNode => PlaneError::WrongNode(m),
+            pb::ErrorCode::Unavailable => PlaneError::Unavailable(m),
+            pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
+            pb::ErrorCode::Unspecified
+            | pb::ErrorCode::InvalidArgument
+            | pb::ErrorCode::Refused
+            | pb::ErrorCode::Internal => PlaneError::Refused(m),
+        }
+    }
+
+    const ALL: [pb::ErrorCode; 10] = [
+        pb::ErrorCode::Unspecified,
+        pb::ErrorCode::Fenced,
+        pb::ErrorCode::NotFound,
+        pb::ErrorCode::BadTransition,
+        pb::ErrorCode::WrongNode,
+        pb::ErrorCode::Unavailable,
+        pb::ErrorCode::ForceRelease,
+        pb::ErrorCode::InvalidArgument,
+        pb::ErrorCode::Refused,
+        pb::ErrorCode::Internal,
+    ];
+
+    /// 7.O.6
+    #[test]
+    fn every_ledger_error_code_keeps_its_kind_and_message_across_the_wire() {
+        // The table itself: each typed code has its own variant.
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(1)),
+            PlaneError::Fenced(_)
+        ));
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(2)),
+            PlaneError::NotFound(_)
+        ));
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(3)),
+            PlaneError::BadTransition(_)
+        ));
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(4)),
+            PlaneError::WrongNode(_)
+        ));
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(5)),
+            PlaneError::Unavailable(_)
+        ));
+        assert!(matches!(
+            PlaneError::from_wire(wire_error(6)),
+            PlaneError::ForceRelease(_)
+        ));
+        for code in ALL {
+            let got = PlaneError::from_wire(wire_error(code as i32));
+            assert_eq!(
+                got,
+                expected(code, format!("code {}", code as i32)),
+                "{code:?}"
+            );
+        }
+    }
+
+    /// 7.O.6
+    #[test]
+    fn an_error_code_this_node_does_not_know_is_a_refusal_not_a_retry() {
+        let got = PlaneError::from_wire(wire_error(999));
+        assert_eq!(got, PlaneError::Refused("code 999".into()));
+        assert!(!got.is_gone());
+    }
+
+    /// 7.O.6
+    #[test]
+    fn only_fenced_and_not_found_mean_the_lease_is_gone() {
+        for code in ALL {
+            let error = PlaneError::from_wire(wire_error(code as i32));
+            let gone = matches!(code, pb::ErrorCode::Fenced | pb::ErrorCode::NotFound);
+            assert_eq!(error.is_gone(), gone, "{code:?} -> {error:?}");
+        }
+    }
+
+    fn session(id: u64) -> Arc<SessionLink> {
+        let (tx, _rx) = mpsc::channel(1);
+        Arc::new(SessionLink::new(id, tx))
+    }
+
+    /// 7.O.13
+    #[test]
+    fn the_lease_ttl_is_the_one_the_current_session_opened_with() {
+        let link = PlaneLink::default();
+        assert_eq!(
+            link.lease_ttl(),
+            Duration::ZERO,
+            "no TTL before any session"
+        );
+        let watch = link.ttl_watch();
+
+        let first = session(1);
+        assert!(
+            link.install(Arc::clone(&first), Duration::from_secs(30))
+                .is_none()
+        );
+        assert_eq!(link.lease_ttl(), Duration::from_secs(30));
+        assert_eq!(*watch.borrow(), Duration::from_secs(30));
+
+        let replaced = link
+            .install(session(2), Duration::from_millis(4_500))
+            .expect("the newer session replaces the older");
+        assert_eq!(replaced.id, 1, "install hands back the session it replaced");
+        assert_eq!(link.lease_ttl(), Duration::from_millis(4_500));
+        assert_eq!(*watch.borrow(), Duration::from_millis(4_500));
+        assert_eq!(link.current().map(|s| s.id), Some(2));
+
+        // Removing the replaced session does not unseat the current one.
+        link.remove(&first);
+        assert_eq!(link.current().map(|s| s.id), Some(2));
+    }
+
+    /// 7.O.13 (no session at all): calls fail at once as unavailable.
+    #[tokio::test]
+    async fn with_no_session_a_ledger_call_is_unavailable_at_once() {
+        let link = PlaneLink::new(Duration::from_secs(60));
+        let started = std::time::Instant::now();
+        let error = link
+            .bind(&LeaseId::parse("lease", "l1").expect("id"), Epoch(1))
+            .await
+            .expect_err("bind without a session");
+        assert!(matches!(error, PlaneError::Unavailable(_)), "{error:?}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    /// A reply routed back through `on_reply` answers the call that sent it.
+    #[tokio::test]
+    async fn a_typed_refusal_in_a_reply_reaches_the_caller_with_its_kind() {
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        let replier = Arc::clone(&session);
+        tokio::spawn(async move {
+            while let Some(Ok(pb::NodeMessage {
+                body: Some(pb::node_message::Body::Call(call)),
+            })) = rx.recv().await
+            {
+                replier.on_reply(pb::PlaneReply {
+                    call_id: call.call_id,
+                    error: Some(pb::Error {
+                        code: pb::ErrorCode::Fenced.into(),
+                        message: "stale".into(),
+                    }),
+                    result: None,
+                });
+            }
+        });
+        let error = link
+            .advance(
+                &LeaseId::parse("lease", "l1").expect("id"),
+                Epoch(1),
+                Phase::Launching,
+            )
+            .await
+            .expect_err("fenced");
+        assert_eq!(error, PlaneError::Fenced("stale".into()));
+        assert!(error.is_gone());
+    }
+}

@@ -672,3 +672,427 @@ mod properties {
         }
     }
 }
+
+/// Scenarios over the executor, with a fake provider and a plane played by
+/// the test: every message the node sends is read from the session's
+/// channel, and each `NodeCall` is answered through `SessionLink::on_reply`.
+#[cfg(test)]
+mod scenarios {
+    use super::*;
+    use crate::journal::MemoryJournal;
+    use crate::model::CommandId;
+    use crate::provider::fake::FakeProvider;
+    use std::sync::Mutex;
+
+    type Answer = Result<Option<pb::plane_reply::Result>, pb::ErrorCode>;
+
+    /// What the test plane saw: the calls by kind, and the results.
+    struct Plane {
+        calls: Arc<Mutex<Vec<&'static str>>>,
+        results: mpsc::UnboundedReceiver<pb::CommandResult>,
+        session: Arc<SessionLink>,
+    }
+
+    impl Plane {
+        fn calls(&self) -> Vec<&'static str> {
+            self.calls.lock().expect("calls").clone()
+        }
+
+        async fn result(&mut self) -> pb::CommandResult {
+            tokio::time::timeout(Duration::from_secs(5), self.results.recv())
+                .await
+                .expect("the node answered within 5s")
+                .expect("the session is open")
+        }
+    }
+
+    fn kind(call: &pb::node_call::Call) -> &'static str {
+        use pb::node_call::Call;
+        match call {
+            Call::Bind(_) => "bind",
+            Call::Advance(_) => "advance",
+            Call::Heartbeat(_) => "heartbeat",
+            Call::Release(_) => "release",
+            Call::GetLease(_) => "get_lease",
+            Call::Launched(_) => "launched",
+            Call::Reconcile(_) => "reconcile",
+            Call::MintJit(_) => "mint_jit",
+            Call::RemoveRunner(_) => "remove_runner",
+            Call::MarkFailure(_) => "mark_failure",
+        }
+    }
+
+    /// A plane that answers bind, advance and remove_runner with success and
+    /// a mint with a registration, except where `answer` says otherwise.
+    fn default_answer(call: &pb::node_call::Call) -> Answer {
+        match call {
+            pb::node_call::Call::MintJit(m) => {
+                Ok(Some(pb::plane_reply::Result::Jit(pb::JitConfig {
+                    encoded_jit_config: "jit-config".into(),
+                    runner_id: 42,
+                    runner_name: m.runner_name.clone(),
+                })))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Opens a session on `link` and plays the plane on it.
+    fn open_plane(
+        link: &PlaneLink,
+        answer: impl Fn(&pb::node_call::Call) -> Answer + Send + 'static,
+    ) -> Plane {
+        let (tx, mut rx) = mpsc::channel(64);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let (results_tx, results) = mpsc::unbounded_channel();
+        let (seen, replier) = (Arc::clone(&calls), Arc::clone(&session));
+        tokio::spawn(async move {
+            while let Some(Ok(pb::NodeMessage { body: Some(body) })) = rx.recv().await {
+                match body {
+                    pb::node_message::Body::Call(pb::NodeCall {
+                        call_id,
+                        call: Some(call),
+                    }) => {
+                        seen.lock().expect("calls").push(kind(&call));
+                        let (result, error) = match answer(&call) {
+                            Ok(result) => (result, None),
+                            Err(code) => (
+                                None,
+                                Some(pb::Error {
+                                    code: code.into(),
+                                    message: format!("the test plane refuses {}", kind(&call)),
+                                }),
+                            ),
+                        };
+                        replier.on_reply(pb::PlaneReply {
+                            call_id,
+                            error,
+                            result,
+                        });
+                    }
+                    pb::node_message::Body::Result(r) => {
+                        let _ = results_tx.send(r);
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Plane {
+            calls,
+            results,
+            session,
+        }
+    }
+
+    fn node(provider: Arc<FakeProvider>) -> (Arc<Runner>, Arc<PlaneLink>) {
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let runner = Arc::new(Runner::new(
+            provider,
+            link.clone(),
+            link.clone(),
+            crate::runner::RunnerOptions::default(),
+        ));
+        (runner, link)
+    }
+
+    fn launch(id: &str) -> (CommandId, NodeCommand) {
+        wire::command(pb::Command {
+            id: id.into(),
+            deadline_unix_ms: now_unix_ms() + 60_000,
+            kind: Some(pb::command::Kind::Launch(pb::Launch {
+                lease: Some(pb::Lease {
+                    id: "l1".into(),
+                    epoch: 1,
+                    tier: "linux".into(),
+                    phase: "assigned".into(),
+                    vcpu: 1,
+                    memory_bytes: 1 << 30,
+                    request_id: 7,
+                    ..Default::default()
+                }),
+                tier: Some(pb::TierSpec {
+                    label: "linux".into(),
+                    image: "billet-standin-runner:dev".into(),
+                    command: vec!["/run".into()],
+                    trust: "trusted".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: 7,
+                    ..Default::default()
+                }),
+            })),
+        })
+        .command
+        .expect("a well-formed launch")
+    }
+
+    fn push_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {
+        let (id, command) = launch(id);
+        let admission = slot.push(Queued {
+            id,
+            deadline_unix_ms: now_unix_ms() + 60_000,
+            command,
+            session: Arc::clone(session),
+        });
+        assert!(matches!(admission, Admission::Queued), "{admission:?}");
+    }
+
+    fn executor(recovery: Arc<Recovery>) -> Executor {
+        Executor {
+            recovery,
+            journal: Arc::new(MemoryJournal::default()),
+            ack_timeout: Duration::from_secs(60),
+            upgrader: None,
+        }
+    }
+
+    /// 7.L.4
+    #[tokio::test]
+    async fn a_launch_queued_before_recovery_waits_for_recovery_and_then_runs() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let recovery = Arc::new(Recovery::default());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner,
+            slot.clone(),
+            executor(recovery.clone()),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            plane.calls().is_empty(),
+            "the node called the plane before recovery: {:?}",
+            plane.calls()
+        );
+        assert!(
+            provider.calls().is_empty(),
+            "the provider was touched before recovery"
+        );
+        assert!(
+            plane.results.try_recv().is_err(),
+            "a result was sent before recovery"
+        );
+        assert_eq!(slot.len(), 1, "the launch left the slot before recovery");
+
+        recovery.done.send_replace(true);
+        let result = plane.result().await;
+        assert_eq!(result.id, "c1");
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        assert_eq!(plane.calls(), ["bind", "advance", "mint_jit"]);
+        assert_eq!(
+            provider.instances().len(),
+            1,
+            "the launch created its instance after recovery"
+        );
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// 7.L.10
+    #[tokio::test]
+    async fn a_node_whose_recovery_never_succeeds_answers_no_command_and_touches_nothing() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let recovery = Arc::new(Recovery::default());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner,
+            slot.clone(),
+            executor(recovery.clone()),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+        push_launch(&slot, &plane.session, "c2");
+
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cancel.cancel();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the executor stops on cancel while waiting for recovery")
+            .expect("executor");
+        assert!(!recovery.is_done());
+        assert!(
+            plane.results.try_recv().is_err(),
+            "a command was answered without recovery"
+        );
+        assert!(
+            plane.calls().is_empty(),
+            "the plane was called: {:?}",
+            plane.calls()
+        );
+        assert!(provider.calls().is_empty(), "the provider was touched");
+        assert_eq!(slot.len(), 2, "a command was taken off the slot");
+    }
+
+    /// 7.L.8
+    #[tokio::test]
+    async fn a_launch_that_leaves_compute_it_cannot_clean_up_is_answered_with_the_custody_flag() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.fail_create_after_starting(1);
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::RemoveRunner(_) => Err(pb::ErrorCode::Unavailable),
+            other => default_answer(other),
+        });
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+
+        let result = plane.result().await;
+        assert_eq!(result.id, "c1");
+        assert!(result.custody, "custody did not cross the wire: {result:?}");
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert!(result.error.is_some());
+        assert!(
+            provider.instance("billet-l1").is_some_and(|i| i.running),
+            "the started instance is still there, held"
+        );
+        cancel.cancel();
+        task.await.expect("executor");
+
+        // The same through `execute` directly: the flag comes from the runner's error.
+        let provider = Arc::new(FakeProvider::new());
+        provider.fail_create_after_starting(1);
+        let (runner, link) = node(provider.clone());
+        let _plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::RemoveRunner(_) => Err(pb::ErrorCode::Unavailable),
+            other => default_answer(other),
+        });
+        let (id, command) = launch("c2");
+        let (result, launched) = execute(&runner, None, id.as_str(), command).await;
+        assert!(result.custody, "{result:?}");
+        assert!(
+            launched.is_none(),
+            "a failed launch is not a launch to take custody of on ack"
+        );
+    }
+
+    /// 7.L.9
+    #[tokio::test]
+    async fn a_launch_refused_at_bind_is_a_clean_failure_without_the_custody_flag() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::Bind(_) => Err(pb::ErrorCode::Refused),
+            other => default_answer(other),
+        });
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+
+        let result = plane.result().await;
+        assert_eq!(result.id, "c1");
+        assert!(
+            !result.custody,
+            "a clean failure claimed custody: {result:?}"
+        );
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert!(result.error.is_some_and(|e| e.message.contains("bind")));
+        assert_eq!(plane.calls(), ["bind"], "nothing past the refused bind");
+        assert!(provider.calls().is_empty(), "the provider was touched");
+        cancel.cancel();
+        task.await.expect("executor");
+
+        let (id, command) = launch("c2");
+        let (result, launched) = execute(&runner, None, id.as_str(), command).await;
+        assert!(!result.custody, "{result:?}");
+        assert!(launched.is_none());
+    }
+
+    /// 7.L.12
+    #[test]
+    fn a_launch_without_a_lease_is_refused_naming_launch_lease() {
+        let (_, NodeCommand::Launch { .. }) = launch("c1") else {
+            panic!("not a launch");
+        };
+        let incoming = wire::command(pb::Command {
+            id: "c1".into(),
+            deadline_unix_ms: now_unix_ms() + 60_000,
+            kind: Some(pb::command::Kind::Launch(pb::Launch {
+                lease: None,
+                tier: Some(pb::TierSpec {
+                    label: "linux".into(),
+                    image: "billet-standin-runner:dev".into(),
+                    command: vec!["/run".into()],
+                    trust: "trusted".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: 7,
+                    ..Default::default()
+                }),
+            })),
+        });
+        let invalid = incoming
+            .command
+            .expect_err("a launch with no lease was accepted");
+        assert_eq!(invalid.field, "launch.lease");
+        assert_eq!(incoming.id, "c1", "the refusal still names the command");
+    }
+
+    /// 7.L.12, at the session: the refusal is answered and nothing is queued.
+    #[tokio::test]
+    async fn a_launch_without_a_lease_is_answered_invalid_and_never_queued() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let slot = Arc::new(CommandSlot::new());
+        let identity = Identity {
+            node_name: NodeName::parse("node", "node-1").expect("name"),
+            deployment: "dev".into(),
+            incarnation: "i".into(),
+            vcpu: 1,
+            memory_bytes: 1,
+            version: "0".into(),
+        };
+        let service = NodeService::new(identity, runner, link, slot.clone(), Arc::default());
+        let (tx, mut rx) = mpsc::channel(8);
+        let session = Arc::new(SessionLink::new(1, tx));
+        let command = pb::Command {
+            id: "c1".into(),
+            deadline_unix_ms: now_unix_ms() + 60_000,
+            kind: Some(pb::command::Kind::Launch(pb::Launch {
+                lease: None,
+                tier: None,
+                job: None,
+            })),
+        };
+        service
+            .route(&session, pb::plane_message::Body::Command(command))
+            .await;
+        let Some(Ok(pb::NodeMessage {
+            body: Some(pb::node_message::Body::Result(result)),
+        })) = rx.recv().await
+        else {
+            panic!("no answer to a launch without a lease");
+        };
+        assert_eq!(result.id, "c1");
+        assert_eq!(result.outcome, pb::Outcome::InvalidArgument as i32);
+        let error = result.error.expect("an error");
+        assert_eq!(error.code, pb::ErrorCode::InvalidArgument as i32);
+        assert!(error.message.contains("launch.lease"), "{}", error.message);
+        assert!(slot.is_empty());
+        assert!(provider.calls().is_empty());
+    }
+}
