@@ -798,35 +798,12 @@ mod scenarios {
     }
 
     fn launch(id: &str) -> (CommandId, NodeCommand) {
-        wire::command(pb::Command {
-            id: id.into(),
-            deadline_unix_ms: now_unix_ms() + 60_000,
-            kind: Some(pb::command::Kind::Launch(pb::Launch {
-                lease: Some(pb::Lease {
-                    id: "l1".into(),
-                    epoch: 1,
-                    tier: "linux".into(),
-                    phase: "assigned".into(),
-                    vcpu: 1,
-                    memory_bytes: 1 << 30,
-                    request_id: 7,
-                    ..Default::default()
-                }),
-                tier: Some(pb::TierSpec {
-                    label: "linux".into(),
-                    image: "billet-standin-runner:dev".into(),
-                    command: vec!["/run".into()],
-                    trust: "trusted".into(),
-                    ..Default::default()
-                }),
-                job: Some(pb::Job {
-                    request_id: 7,
-                    ..Default::default()
-                }),
-            })),
-        })
-        .command
-        .expect("a well-formed launch")
+        let mut command = crate::wire::tests::launch();
+        command.id = id.into();
+        command.deadline_unix_ms = now_unix_ms() + 60_000;
+        wire::command(command)
+            .command
+            .expect("a well-formed launch")
     }
 
     fn push_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {

@@ -403,10 +403,12 @@ fn job(job: pb::Job) -> Job {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn launch() -> pb::Command {
+    /// A well-formed launch command (lease `l1`, request 7), for tests here
+    /// and in the session.
+    pub(crate) fn launch() -> pb::Command {
         pb::Command {
             id: "c1".into(),
             deadline_unix_ms: 1,
