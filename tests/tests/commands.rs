@@ -314,3 +314,53 @@ async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_firs
     cluster.wait_clean(Duration::from_secs(10)).await?;
     cluster.shutdown().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_that_never_reaches_a_node_started_nothing_and_is_not_custody() -> Result<()> {
+    let mut cluster = Cluster::start(ClusterOptions::default()).await?;
+    let lease = cluster
+        .plane
+        .ledger()
+        .reserve(
+            NewLease {
+                id: "undelivered1".into(),
+                tier: TIER.into(),
+                request_id: 6161,
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                runner_name: Some("billet-undelivered1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    cluster
+        .nodes
+        .get_mut("node-1")
+        .expect("node")
+        .kill()
+        .await?;
+    let link = cluster.plane.node("node-1").expect("node");
+    let mut status = link.status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none)).await??;
+    let outcome = link.dispatch(launch(&lease), Duration::from_secs(1)).await;
+    assert!(
+        matches!(outcome, CommandOutcome::NotDelivered(_)),
+        "{outcome:?}"
+    );
+    assert!(
+        !outcome.is_custody(),
+        "an undelivered launch must not be held as custody"
+    );
+    assert!(cluster.containers().await?.is_empty());
+    assert_eq!(
+        cluster
+            .plane
+            .ledger()
+            .get("undelivered1")
+            .await?
+            .expect("lease")
+            .phase,
+        Phase::Assigned
+    );
+    cluster.shutdown().await
+}
