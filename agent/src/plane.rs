@@ -672,4 +672,28 @@ mod tests {
         assert_eq!(error, PlaneError::Fenced("stale".into()));
         assert!(error.is_gone());
     }
+
+    /// 7.O.12: an empty launched set (no leases, no quarantine) is an
+    /// answer, not an error, and stays empty.
+    #[tokio::test]
+    async fn an_empty_launched_set_survives_the_wire() {
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        let replier = Arc::clone(&session);
+        tokio::spawn(async move {
+            while let Some(Ok(pb::NodeMessage {
+                body: Some(pb::node_message::Body::Call(call)),
+            })) = rx.recv().await
+            {
+                replier.on_reply(pb::PlaneReply {
+                    call_id: call.call_id,
+                    error: None,
+                    result: Some(pb::plane_reply::Result::Launched(pb::LaunchedSet::default())),
+                });
+            }
+        });
+        assert_eq!(link.launched().await, Ok(LaunchedSet::default()));
+    }
 }
