@@ -125,7 +125,7 @@ struct NodeArgs {
     stray_grace_secs: u64,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
-    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = 60)]
+    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = billet_agent::session::ACK_TIMEOUT.as_secs())]
     ack_timeout_secs: u64,
     /// Seconds a drain (SIGTERM) waits for running jobs before the node
     /// exits anyway, destroying nothing.

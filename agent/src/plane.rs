@@ -588,6 +588,23 @@ mod tests {
         }
     }
 
+    /// A link whose session a task answers: every call gets `reply(call_id)`.
+    fn answering(reply: fn(u64) -> pb::PlaneReply) -> Arc<PlaneLink> {
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        tokio::spawn(async move {
+            while let Some(Ok(pb::NodeMessage {
+                body: Some(pb::node_message::Body::Call(call)),
+            })) = rx.recv().await
+            {
+                session.on_reply(reply(call.call_id));
+            }
+        });
+        link
+    }
+
     fn session(id: u64) -> Arc<SessionLink> {
         let (tx, _rx) = mpsc::channel(1);
         Arc::new(SessionLink::new(id, tx))
@@ -641,25 +658,13 @@ mod tests {
     /// A reply routed back through `on_reply` answers the call that sent it.
     #[tokio::test]
     async fn a_typed_refusal_in_a_reply_reaches_the_caller_with_its_kind() {
-        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
-        let (tx, mut rx) = mpsc::channel(4);
-        let session = Arc::new(SessionLink::new(1, tx));
-        link.install(Arc::clone(&session), Duration::from_secs(30));
-        let replier = Arc::clone(&session);
-        tokio::spawn(async move {
-            while let Some(Ok(pb::NodeMessage {
-                body: Some(pb::node_message::Body::Call(call)),
-            })) = rx.recv().await
-            {
-                replier.on_reply(pb::PlaneReply {
-                    call_id: call.call_id,
-                    error: Some(pb::Error {
-                        code: pb::ErrorCode::Fenced.into(),
-                        message: "stale".into(),
-                    }),
-                    result: None,
-                });
-            }
+        let link = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: Some(pb::Error {
+                code: pb::ErrorCode::Fenced.into(),
+                message: "stale".into(),
+            }),
+            result: None,
         });
         let error = link
             .advance(
@@ -677,22 +682,10 @@ mod tests {
     /// answer, not an error, and stays empty.
     #[tokio::test]
     async fn an_empty_launched_set_survives_the_wire() {
-        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
-        let (tx, mut rx) = mpsc::channel(4);
-        let session = Arc::new(SessionLink::new(1, tx));
-        link.install(Arc::clone(&session), Duration::from_secs(30));
-        let replier = Arc::clone(&session);
-        tokio::spawn(async move {
-            while let Some(Ok(pb::NodeMessage {
-                body: Some(pb::node_message::Body::Call(call)),
-            })) = rx.recv().await
-            {
-                replier.on_reply(pb::PlaneReply {
-                    call_id: call.call_id,
-                    error: None,
-                    result: Some(pb::plane_reply::Result::Launched(pb::LaunchedSet::default())),
-                });
-            }
+        let link = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: None,
+            result: Some(pb::plane_reply::Result::Launched(pb::LaunchedSet::default())),
         });
         assert_eq!(link.launched().await, Ok(LaunchedSet::default()));
     }
