@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use std::os::unix::process::CommandExt;
+
 use billet_agent::config_file;
+use billet_agent::hostupgrade;
 use billet_agent::server::{self, NodeConfig, NodeError};
 use billet_agent::tls::TlsPaths;
 use billet_agent::upgrade::{self, AckWriter, ExecUpgrader};
@@ -25,6 +28,7 @@ mod exit {
     pub const STATE: u8 = 6;
     pub const JOURNAL: u8 = 7;
     pub const UPGRADE_REFUSED: u8 = 8;
+    pub const UPGRADE_FAILED: u8 = 9;
     pub const SERVE: u8 = 1;
 }
 
@@ -70,8 +74,11 @@ struct HostUpgradeArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// The inherited descriptor to answer on (`accepted` or `refused: ...`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "ack_path")]
     ack_fd: Option<i32>,
+    /// A unix socket to answer on instead (the node's `systemd-run` launch).
+    #[arg(long)]
+    ack_path: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -241,7 +248,7 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
 fn exit_code(e: &NodeError) -> u8 {
     match e {
         NodeError::Tls(_) => exit::TLS,
-        NodeError::StateDir { .. } => exit::STATE,
+        NodeError::StateDir { .. } | NodeError::Local(_) => exit::STATE,
         NodeError::Provider(_) => exit::PROVIDER,
         NodeError::Journal(_) => exit::JOURNAL,
         NodeError::Serve(_) => exit::SERVE,
@@ -261,7 +268,8 @@ fn init_tracing() {
 
 fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let mut command = <Cli as clap::CommandFactory>::command();
+    let mut command =
+        <Cli as clap::CommandFactory>::command().version(billet_agent::version::version());
     let is_node = args.get(1).is_some_and(|a| a == "node");
     if is_node && let Some(path) = config_file::named(&args, std::env::var_os(config_file::ENV)) {
         command = match config_file::apply(command, "node", &path) {
@@ -291,18 +299,25 @@ fn main() -> ExitCode {
     }
 }
 
-/// `billet host-upgrade`: answers on the ack descriptor at most once. No
-/// release source exists yet, so every instruction is refused with a
-/// sentence saying to upgrade the node out of band.
+/// `billet host-upgrade`: answers on the ack channel at most once, then
+/// drives the upgrade (`hostupgrade.rs`). Exit status: 0 done (or nothing
+/// to do), 8 refused, 9 accepted and failed (the journal in the state
+/// directory says what was restored).
 fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
     // First, before anything opens a file: take the answer channel.
-    let taken = args.ack_fd.map(AckWriter::take_fd);
+    let taken = match (args.ack_fd, &args.ack_path) {
+        (Some(fd), _) => Some(AckWriter::take_fd(fd).map_err(|e| format!("--ack-fd {fd}: {e}"))),
+        (None, Some(path)) => Some(
+            Err(format!("--ack-path {}: PENDING-CONNECT", path.display())),
+        ),
+        (None, None) => None,
+    };
     init_tracing();
     let mut ack = match taken {
         None => AckWriter::none(),
         Some(Ok(ack)) => ack,
         Some(Err(e)) => {
-            warn!(fd = ?args.ack_fd, error = %e, "cannot answer on --ack-fd; answering nothing");
+            warn!("cannot answer: {e}; answering nothing");
             AckWriter::none()
         }
     };
@@ -313,25 +328,70 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
         generation,
         config,
         ack_fd: _,
+        ack_path: _,
     } = args;
-    let empty = [
-        ("--version", Some(&version)),
-        ("--manifest-sha256", manifest_sha256.as_ref()),
-        ("--rollout", rollout.as_ref()),
-    ]
-    .into_iter()
-    .find_map(|(flag, v)| v.is_some_and(|v| v.is_empty()).then_some(flag));
-    let reason = if let Some(flag) = empty {
-        format!("{flag} was passed empty; an absent fence is omitted, never empty")
-    } else if generation == Some(0) {
-        "--generation 0 was passed; an absent generation is omitted".to_owned()
-    } else {
-        upgrade::NO_RELEASE_SOURCE.to_owned()
+    let request = hostupgrade::Request {
+        version,
+        manifest_sha256,
+        rollout,
+        generation,
     };
-    info!(%version, ?manifest_sha256, ?rollout, ?generation, ?config, "asked to install a release");
-    error!("refusing: {reason}");
-    ack.refuse(&reason);
-    ExitCode::from(exit::UPGRADE_REFUSED)
+    info!(?request, ?config, "asked to install a release");
+    let loaded = match &config {
+        None => Err(upgrade::NO_RELEASE_SOURCE.to_owned()),
+        Some(path) => hostupgrade::UpgradeConfig::load(path),
+    };
+    let config = match loaded {
+        Ok(c) => c,
+        Err(reason) => {
+            error!("refusing: {reason}");
+            ack.refuse(&reason);
+            return ExitCode::from(exit::UPGRADE_REFUSED);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let reason = format!("cannot start the async runtime: {e}");
+            ack.refuse(&reason);
+            return ExitCode::from(exit::UPGRADE_REFUSED);
+        }
+    };
+    match runtime.block_on(hostupgrade::run(&config, &request, &mut ack)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(hostupgrade::UpgradeFailure::Refused(_)) => ExitCode::from(exit::UPGRADE_REFUSED),
+        Err(e @ hostupgrade::UpgradeFailure::Failed(_)) => {
+            error!("upgrade {e}");
+            ExitCode::from(exit::UPGRADE_FAILED)
+        }
+    }
+}
+
+/// Settles an upgrade whose updater died (`hostupgrade.rs`); when that puts
+/// the previous binary back, runs it in this process's place.
+fn settle_upgrade(state_dir: &std::path::Path) -> Option<ExitCode> {
+    match hostupgrade::settle_at_node_start(state_dir) {
+        Ok(hostupgrade::Settled::RolledBack(binary)) => {
+            warn!(binary = %binary.display(), "an interrupted upgrade was rolled back; starting the restored binary");
+            let e = std::process::Command::new(&binary)
+                .args(std::env::args_os().skip(1))
+                .exec();
+            error!("cannot exec {}: {e}", binary.display());
+            Some(ExitCode::from(exit::STATE))
+        }
+        Ok(hostupgrade::Settled::Abandoned) => {
+            warn!("an upgrade that stopped before changing the binary was marked abandoned");
+            None
+        }
+        Ok(hostupgrade::Settled::Nothing) => None,
+        Err(e) => {
+            warn!("the upgrade journal: {e}; starting anyway");
+            None
+        }
+    }
 }
 
 fn node(args: NodeArgs) -> ExitCode {
@@ -349,6 +409,9 @@ fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(exit::CONFIG);
         }
     };
+    if let Some(code) = settle_upgrade(&config.state_dir) {
+        return code;
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {

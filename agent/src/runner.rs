@@ -212,6 +212,11 @@ impl Runner {
         self.state().draining = true;
     }
 
+    /// Whether a drain has started.
+    pub fn is_draining(&self) -> bool {
+        self.state().draining
+    }
+
     /// Whether this node is still responsible for compute.
     pub fn holding(&self) -> bool {
         let s = self.state();

@@ -85,6 +85,9 @@ pub enum NodeError {
     /// The node journal cannot be used.
     #[error(transparent)]
     Journal(#[from] crate::journal::JournalError),
+    /// The local socket cannot be bound.
+    #[error(transparent)]
+    Local(#[from] crate::local::BindError),
     /// The gRPC server failed.
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -142,10 +145,12 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         },
     )?;
     docker.ping().await?;
+    let local = crate::local::bind(&config.state_dir).await?;
     Ok(Prepared {
         tls,
         provider: Arc::new(docker),
         journal,
+        local,
     })
 }
 
@@ -158,6 +163,8 @@ pub struct Prepared {
     pub provider: Arc<dyn Provider>,
     /// The node journal, readable.
     pub journal: Arc<dyn Journal>,
+    /// The local socket (`local.rs`), bound.
+    pub local: tokio::net::UnixListener,
 }
 
 /// Serves the node on `listener` until `shutdown` fires. When `drain`
@@ -180,6 +187,7 @@ pub async fn run(
         tls,
         provider,
         journal,
+        local,
     } = prepared;
     let link = Arc::new(PlaneLink::default());
     let runner = Arc::new(
@@ -213,11 +221,17 @@ pub async fn run(
         incarnation: uuid::Uuid::new_v4().simple().to_string(),
         vcpu: config.vcpu,
         memory_bytes: config.memory_bytes,
-        version: env!("CARGO_PKG_VERSION").to_owned(),
+        version: crate::version::version().to_owned(),
     };
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
     let recovery = Arc::new(Recovery::default());
+    let local_service = crate::local::LocalService::new(
+        identity.version.clone(),
+        identity.incarnation.clone(),
+        recovery.clone(),
+        runner.clone(),
+    );
     let service = NodeService::new(
         identity,
         runner.clone(),
@@ -263,6 +277,7 @@ pub async fn run(
                     () = drain.cancelled() => {}
                 }
                 runner.start_draining();
+                notify(&[sd_notify::NotifyState::Stopping]);
                 info!(timeout_s = timeout.as_secs(), "draining: no new launches; waiting for held compute to finish");
                 let deadline = tokio::time::Instant::now() + timeout;
                 while runner.holding() {
@@ -313,6 +328,23 @@ pub async fn run(
     // Limits: a silent peer is found by HTTP/2 pings, a flooding one meets
     // bounded streams and message sizes (the slot and the outbound buffer
     // are bounded too).
+    let local_served = {
+        let shutdown = shutdown.clone();
+        let health = health_service.clone();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(health)
+                .add_service(pb::local_server::LocalServer::new(local_service))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(local),
+                    shutdown.cancelled_owned(),
+                ),
+        )
+    };
+    // Journal read, provider answered, both listeners bound: what systemd
+    // may call ready. Recovery itself needs the plane and runs on its first
+    // session; the local socket reports it (`recovered`).
+    notify(&[sd_notify::NotifyState::Ready]);
     let served = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -330,6 +362,18 @@ pub async fn run(
         .await;
     background.cancel();
     tasks.wait().await;
+    if let Ok(Err(e)) = local_served.await {
+        warn!(error = %e, "the local socket stopped with an error");
+    }
+    let _ = std::fs::remove_file(crate::local::socket_path(&config.state_dir));
     info!("billet node stopped");
     served.map_err(NodeError::from)
+}
+
+/// Tells systemd (when it started us with `Type=notify`) about a state
+/// change; does nothing elsewhere.
+fn notify(state: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(false, state) {
+        warn!(error = %e, "cannot notify systemd");
+    }
 }

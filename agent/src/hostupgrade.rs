@@ -1,0 +1,923 @@
+//! `billet host-upgrade`: the updater. It replaces this host's `billet`
+//! with an exact release, transactionally: the swap either completes (the
+//! new release serving, healthy, at its version) or is rolled back to the
+//! previous binary, and no running job is lost (the node drains, and what
+//! still runs when the drain ends is adopted by the next process).
+//!
+//! Reference behaviour: spec/node.md §6 (the writer side of the ack) and
+//! seed/node-package.md (`Upgrader`); the release source, the fence, the
+//! host claim and the journal are this project's (ARCHITECTURE.md,
+//! "The updater").
+//!
+//! Order of work, each step journalled in `<state_dir>/upgrade/` before the
+//! next begins:
+//!
+//! 1. Checks that refuse with nothing touched: the instruction's fields,
+//!    the host claim (an exclusive lock, one upgrade at a time), an
+//!    interrupted earlier upgrade (settled first), the fence (a stale
+//!    generation of the same rollout), the release (manifest against the
+//!    pinned digest, binary against the manifest, the binary's own
+//!    `--version`). Then, and only then, `accepted`.
+//! 2. Stop the node through the service manager (it drains: no new
+//!    launches, running jobs finish or are left for the next process).
+//! 3. Swap: the installed binary is hard-linked to `<install>.previous`,
+//!    then the staged release is renamed over it (atomic).
+//! 4. Start the node and wait until its local socket (`local.rs`) reports
+//!    it healthy at the new version: serving, recovered (the plane has
+//!    attached and read its `Hello`), not draining.
+//! 5. On failure after the swap: stop, restore the previous binary (again
+//!    by rename), start it, and record why.
+//!
+//! An updater killed midway leaves its journal behind and its lock released
+//! (the kernel drops it). The next `host-upgrade` settles that journal
+//! first; the next `billet node` start does too ([`settle_at_node_start`]):
+//! a swap never proven healthy is rolled back, so the host ends on one
+//! version, deterministically.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use tracing::{error, info, warn};
+
+use crate::release::{self, Source};
+use crate::upgrade::AckWriter;
+
+/// The updater's directory inside the node's state directory.
+pub const DIR: &str = "upgrade";
+/// The journal of the current (or last) upgrade, inside [`DIR`].
+pub const JOURNAL_FILE: &str = "journal.json";
+/// The host claim, inside [`DIR`]: held (`flock`) for the updater's life.
+pub const LOCK_FILE: &str = "lock";
+/// One line per step of every upgrade, inside [`DIR`].
+pub const HISTORY_FILE: &str = "history.log";
+
+/// How long a started node gets to report healthy by default, in seconds.
+pub const DEFAULT_HEALTH_TIMEOUT_SECS: u64 = 300;
+
+/// The updater's configuration, read from the TOML file the node passes as
+/// `--config` (`--upgrade-config` on `billet node`;
+/// `deploy/upgrade.toml.example`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpgradeConfig {
+    /// An absolute directory or an `https://` URL (`release.rs`).
+    pub release_source: String,
+    /// A PEM bundle to trust for an `https://` source besides the system
+    /// roots.
+    #[serde(default)]
+    pub release_ca: Option<PathBuf>,
+    /// The binary the node's service runs; replaced by rename.
+    #[serde(default = "default_install_path")]
+    pub install_path: PathBuf,
+    /// The node's `--state-dir`: the journal, the lock and the node's local
+    /// socket live there.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// The node's systemd unit; stopped and started with `systemctl`.
+    #[serde(default)]
+    pub systemd_unit: Option<String>,
+    /// Instead of a unit: a command (argv) that stops the node and returns
+    /// once it has exited.
+    #[serde(default)]
+    pub stop_command: Option<Vec<String>>,
+    /// Instead of a unit: a command (argv) that starts the node.
+    #[serde(default)]
+    pub start_command: Option<Vec<String>>,
+    /// Seconds a started node gets to report healthy.
+    #[serde(default = "default_health_timeout_secs")]
+    pub health_timeout_secs: u64,
+}
+
+fn default_install_path() -> PathBuf {
+    PathBuf::from("/usr/local/bin/billet")
+}
+
+fn default_state_dir() -> PathBuf {
+    PathBuf::from("/var/lib/billet")
+}
+
+fn default_health_timeout_secs() -> u64 {
+    DEFAULT_HEALTH_TIMEOUT_SECS
+}
+
+/// How the node's service is stopped and started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Service {
+    /// `systemctl stop|start <unit>`.
+    Systemd(String),
+    /// Operator-given commands.
+    Commands {
+        /// Stops the node; returns once it has exited.
+        stop: Vec<String>,
+        /// Starts the node.
+        start: Vec<String>,
+    },
+}
+
+impl UpgradeConfig {
+    /// Reads and checks the file.
+    ///
+    /// # Errors
+    ///
+    /// A sentence naming the file and the key to fix.
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("upgrade configuration {}: cannot read: {e}", path.display()))?;
+        let config: Self = toml::from_str(&text)
+            .map_err(|e| format!("upgrade configuration {}: {e}", path.display()))?;
+        config
+            .check()
+            .map_err(|e| format!("upgrade configuration {}: {e}", path.display()))?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !self.install_path.is_absolute() {
+            return Err("install_path must be an absolute path".into());
+        }
+        if !self.state_dir.is_absolute() {
+            return Err("state_dir must be an absolute path".into());
+        }
+        if self.health_timeout_secs == 0 {
+            return Err("health_timeout_secs must be at least 1".into());
+        }
+        self.service().map(drop)
+    }
+
+    /// The service manager to drive.
+    ///
+    /// # Errors
+    ///
+    /// When neither or both of `systemd_unit` and the command pair are set.
+    pub fn service(&self) -> Result<Service, String> {
+        match (&self.systemd_unit, &self.stop_command, &self.start_command) {
+            (Some(unit), None, None) if !unit.is_empty() => Ok(Service::Systemd(unit.clone())),
+            (None, Some(stop), Some(start)) if !stop.is_empty() && !start.is_empty() => {
+                Ok(Service::Commands {
+                    stop: stop.clone(),
+                    start: start.clone(),
+                })
+            }
+            _ => Err("set either systemd_unit, or both stop_command and start_command (non-empty argv arrays), to say how the node is stopped and started".into()),
+        }
+    }
+
+    fn health_timeout(&self) -> Duration {
+        Duration::from_secs(self.health_timeout_secs)
+    }
+}
+
+/// One instruction: what `StartUpgrade` carried.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// The exact release.
+    pub version: String,
+    /// The manifest's pinned SHA-256, when the rollout pinned one.
+    pub manifest_sha256: Option<String>,
+    /// The rollout.
+    pub rollout: Option<String>,
+    /// The rollout's generation.
+    pub generation: Option<u64>,
+}
+
+/// The steps of one upgrade, in order. `Done`, `RolledBack`, `Failed` and
+/// `Abandoned` are final.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "step", rename_all = "snake_case")]
+pub enum Step {
+    /// Every check passed and the node was told `accepted`; nothing touched.
+    Accepted,
+    /// The node has been stopped; the binary is untouched.
+    Stopped,
+    /// The new binary is installed; the previous is kept.
+    Swapped,
+    /// The new node has been started; not yet proven healthy.
+    Started,
+    /// The new node reported healthy at the new version.
+    Done,
+    /// The previous binary was restored after a failure.
+    RolledBack {
+        /// Why.
+        reason: String,
+    },
+    /// Failed before the swap; the binary is untouched.
+    Failed {
+        /// Why.
+        reason: String,
+    },
+    /// An updater stopped before the swap; the next one or the node found
+    /// it and left the binary as it was.
+    Abandoned,
+}
+
+impl Step {
+    fn is_final(&self) -> bool {
+        matches!(
+            self,
+            Self::Done | Self::RolledBack { .. } | Self::Failed { .. } | Self::Abandoned
+        )
+    }
+
+    fn swapped(&self) -> bool {
+        matches!(self, Self::Swapped | Self::Started)
+    }
+}
+
+/// The journal: the current or last upgrade on this host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// The release being installed.
+    pub version: String,
+    /// The release that was installed before.
+    pub from: String,
+    /// The rollout, when the instruction carried one.
+    pub rollout: Option<String>,
+    /// Its generation.
+    pub generation: Option<u64>,
+    /// The node's binary.
+    pub install_path: PathBuf,
+    /// Where the previous binary is kept.
+    pub previous_path: PathBuf,
+    /// Where the new one waits before the swap.
+    pub staged_path: PathBuf,
+    /// Where this upgrade is.
+    #[serde(flatten)]
+    pub step: Step,
+    /// Seconds since the Unix epoch when `step` was reached.
+    pub at: u64,
+}
+
+/// Why `host-upgrade` did not complete.
+#[derive(Debug, Error)]
+pub enum UpgradeFailure {
+    /// Refused before anything was touched (the node heard why).
+    #[error("refused: {0}")]
+    Refused(String),
+    /// Accepted and then failed; the journal says what was restored.
+    #[error("failed: {0}")]
+    Failed(String),
+}
+
+/// The journal directory, lock and files of one state directory.
+#[derive(Debug)]
+struct Files {
+    dir: PathBuf,
+}
+
+impl Files {
+    fn new(state_dir: &Path) -> Self {
+        Self {
+            dir: state_dir.join(DIR),
+        }
+    }
+
+    fn create(&self) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(&self.dir)
+            .and_then(|()| {
+                std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(|e| format!("{}: {e}", self.dir.display()))
+    }
+
+    /// Takes the host claim, or says who has it.
+    fn claim(&self) -> Result<Option<File>, String> {
+        let path = self.dir.join(LOCK_FILE);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(format!("{}: {e}", path.display())),
+        }
+    }
+
+    fn read(&self) -> Result<Option<Record>, String> {
+        let path = self.dir.join(JOURNAL_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+                format!(
+                    "{}: unreadable upgrade journal ({e}); inspect it, restore the binary by hand if needed, and remove the file",
+                    path.display()
+                )
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(format!("{}: {e}", path.display())),
+        }
+    }
+
+    /// Writes the journal atomically (temporary file, fsync, rename, fsync
+    /// of the directory) and appends a line to the history.
+    fn write(&self, record: &mut Record, step: Step) -> Result<(), String> {
+        record.step = step;
+        record.at = now();
+        let path = self.dir.join(JOURNAL_FILE);
+        let tmp = self.dir.join(format!("{JOURNAL_FILE}.tmp"));
+        let fail = |e: std::io::Error| format!("{}: cannot journal: {e}", path.display());
+        let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(e.into()))?;
+        let mut f = File::create(&tmp).map_err(fail)?;
+        f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(fail)?;
+        std::fs::rename(&tmp, &path).map_err(fail)?;
+        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(fail)?;
+        let line = format!(
+            "{} {} -> {} rollout={} generation={} {}\n",
+            record.at,
+            record.from,
+            record.version,
+            record.rollout.as_deref().unwrap_or("-"),
+            record.generation.map_or_else(|| "-".into(), |g| g.to_string()),
+            serde_json::to_string(&record.step).unwrap_or_default(),
+        );
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(HISTORY_FILE))
+            .and_then(|mut h| h.write_all(line.as_bytes()));
+        info!(version = %record.version, from = %record.from, step = ?record.step, "upgrade journal");
+        Ok(())
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The version a `billet` binary reports (`<binary> --version` prints
+/// `billet <version>`).
+///
+/// # Errors
+///
+/// When it cannot be run or says something else.
+pub fn binary_version(binary: &Path) -> Result<String, String> {
+    let out = Command::new(binary)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("{}: cannot run: {e}", binary.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.trim().strip_prefix("billet ") {
+        Some(v) if out.status.success() && !v.is_empty() => Ok(v.to_owned()),
+        _ => Err(format!(
+            "{}: `--version` said {:?} ({}), not `billet <version>`",
+            binary.display(),
+            text.trim(),
+            out.status
+        )),
+    }
+}
+
+/// Swaps `staged` in at `install`, keeping the current binary at
+/// `previous`. Each change of `install` is a rename, so at every instant it
+/// is one whole binary.
+fn swap(install: &Path, previous: &Path, staged: &Path) -> Result<(), String> {
+    let fail = |what: &str, e: std::io::Error| format!("{what}: {e}");
+    match std::fs::remove_file(previous) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail(&previous.display().to_string(), e)),
+    }
+    std::fs::hard_link(install, previous)
+        .map_err(|e| fail(&format!("keep {} as {}", install.display(), previous.display()), e))?;
+    std::fs::rename(staged, install)
+        .map_err(|e| fail(&format!("install {} as {}", staged.display(), install.display()), e))?;
+    sync_parent(install);
+    Ok(())
+}
+
+/// Puts `previous` back at `install` (a copy by hard link, then a rename;
+/// `previous` stays). Idempotent.
+fn restore(install: &Path, previous: &Path) -> Result<(), String> {
+    let tmp = install.with_extension("restoring");
+    let _ = std::fs::remove_file(&tmp);
+    std::fs::hard_link(previous, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, install))
+        .map_err(|e| {
+            format!(
+                "restore {} from {}: {e}; put the previous binary back by hand",
+                install.display(),
+                previous.display()
+            )
+        })?;
+    sync_parent(install);
+    Ok(())
+}
+
+fn sync_parent(path: &Path) {
+    if let Some(parent) = path.parent()
+        && let Err(e) = File::open(parent).and_then(|d| d.sync_all())
+    {
+        warn!(dir = %parent.display(), error = %e, "cannot sync the directory");
+    }
+}
+
+impl Service {
+    fn run(&self, verb: &str) -> Result<(), String> {
+        let argv: Vec<String> = match self {
+            Self::Systemd(unit) => vec!["systemctl".into(), verb.into(), unit.clone()],
+            Self::Commands { stop, start } => {
+                if verb == "stop" {
+                    stop.clone()
+                } else {
+                    start.clone()
+                }
+            }
+        };
+        info!(?argv, "{verb}ping the node");
+        let status = Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdin(std::process::Stdio::null())
+            .status()
+            .map_err(|e| format!("{verb} the node: cannot run {}: {e}", argv[0]))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(format!("{verb} the node: `{}` ended {status}", argv.join(" ")))
+        }
+    }
+
+    fn stop(&self) -> Result<(), String> {
+        self.run("stop")
+    }
+
+    fn start(&self) -> Result<(), String> {
+        self.run("start")
+    }
+}
+
+/// Waits until the node on `state_dir` reports healthy at `version`.
+async fn wait_healthy(state_dir: &Path, version: &str, timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let last = match crate::local::check(state_dir, Duration::from_secs(5)).await {
+            Ok(seen) if seen.healthy_at(version) => return Ok(()),
+            Ok(seen) => {
+                format!(
+                    "version {}, serving {}, recovered {}, draining {}",
+                    seen.status.version, seen.serving, seen.status.recovered, seen.status.draining
+                )
+            }
+            Err(e) => e,
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "the node did not report healthy at {version} within {timeout:?} (last: {last})"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+fn check_request(r: &Request) -> Result<(), String> {
+    crate::version::check(&r.version).map_err(|e| format!("--version: {e}"))?;
+    if let Some(d) = &r.manifest_sha256
+        && !release::is_sha256(d)
+    {
+        return Err(format!("--manifest-sha256 {d:?} is not 64 hex digits"));
+    }
+    if r.rollout.as_deref() == Some("") {
+        return Err("--rollout was passed empty; an absent fence is omitted, never empty".into());
+    }
+    if r.generation == Some(0) {
+        return Err("--generation 0 was passed; an absent generation is omitted".into());
+    }
+    Ok(())
+}
+
+/// Refuses a stale instruction: an older generation of the rollout the last
+/// accepted upgrade belonged to, or the same generation again when it did
+/// not end on its version.
+fn fence(last: Option<&Record>, r: &Request) -> Result<(), String> {
+    let (Some(last), Some(rollout), Some(generation)) = (last, &r.rollout, r.generation) else {
+        return Ok(());
+    };
+    if last.rollout.as_ref() != Some(rollout) {
+        return Ok(());
+    }
+    let seen = last.generation.unwrap_or(0);
+    if generation < seen {
+        return Err(format!(
+            "generation {generation} of rollout {rollout} is stale: generation {seen} was already accepted"
+        ));
+    }
+    if generation == seen && last.step != Step::Done {
+        return Err(format!(
+            "generation {generation} of rollout {rollout} was already tried and ended {:?}; a retry needs a new generation",
+            last.step
+        ));
+    }
+    Ok(())
+}
+
+/// Runs one `billet host-upgrade`: answers on `ack` exactly once, then (if
+/// accepted) drives the upgrade to `Done` or back to the previous binary.
+///
+/// # Errors
+///
+/// [`UpgradeFailure::Refused`] when it refused (nothing touched, except
+/// settling an earlier interrupted upgrade); [`UpgradeFailure::Failed`] when
+/// it accepted and could not finish (the journal says what was restored).
+pub async fn run(
+    config: &UpgradeConfig,
+    request: &Request,
+    ack: &mut AckWriter,
+) -> Result<(), UpgradeFailure> {
+    let mut refuse = |reason: String| {
+        error!("refusing: {reason}");
+        ack.refuse(&reason);
+        UpgradeFailure::Refused(reason)
+    };
+    if let Err(e) = check_request(request) {
+        return Err(refuse(e));
+    }
+    let service = match config.service() {
+        Ok(s) => s,
+        Err(e) => return Err(refuse(e)),
+    };
+    let files = Files::new(&config.state_dir);
+    if let Err(e) = files.create() {
+        return Err(refuse(e));
+    }
+    let _claim = match files.claim() {
+        Ok(Some(lock)) => lock,
+        Ok(None) => {
+            return Err(refuse(format!(
+                "another upgrade is in progress on this host (it holds {}); wait for it to finish",
+                files.dir.join(LOCK_FILE).display()
+            )));
+        }
+        Err(e) => return Err(refuse(e)),
+    };
+    let last = match files.read() {
+        Ok(last) => last,
+        Err(e) => return Err(refuse(e)),
+    };
+    if let Some(mut interrupted) = last.clone().filter(|r| !r.step.is_final()) {
+        let reason = format!(
+            "an earlier upgrade to {} was interrupted at {:?}; settling it first (see {}); send the instruction again afterwards",
+            interrupted.version,
+            interrupted.step,
+            files.dir.display()
+        );
+        let failure = refuse(reason);
+        settle(config, &service, &files, &mut interrupted).await;
+        return Err(failure);
+    }
+    if let Err(e) = fence(last.as_ref(), request) {
+        return Err(refuse(e));
+    }
+    let from = match binary_version(&config.install_path) {
+        Ok(v) => v,
+        Err(e) => return Err(refuse(format!("the installed binary: {e}"))),
+    };
+    if from == request.version {
+        info!(version = %from, "already installed; nothing to do");
+        ack.accept();
+        return Ok(());
+    }
+    let staged = config
+        .install_path
+        .with_file_name(format!(".billet-{}.staged", request.version));
+    if let Err(e) = stage(config, request, &staged).await {
+        let _ = std::fs::remove_file(&staged);
+        return Err(refuse(e));
+    }
+    let mut record = Record {
+        version: request.version.clone(),
+        from,
+        rollout: request.rollout.clone(),
+        generation: request.generation,
+        install_path: config.install_path.clone(),
+        previous_path: previous_path(&config.install_path),
+        staged_path: staged,
+        step: Step::Accepted,
+        at: 0,
+    };
+    if let Err(e) = files.write(&mut record, Step::Accepted) {
+        let _ = std::fs::remove_file(&record.staged_path);
+        return Err(refuse(e));
+    }
+    ack.accept();
+    info!(version = %record.version, from = %record.from, "accepted; stopping the node (it drains first)");
+    proceed(config, &service, &files, &mut record).await
+}
+
+/// Where the previous binary is kept: `<install>.previous`.
+pub fn previous_path(install: &Path) -> PathBuf {
+    let mut name = install.file_name().unwrap_or_default().to_owned();
+    name.push(".previous");
+    install.with_file_name(name)
+}
+
+/// Fetches and checks the release into `staged`, beside the installed
+/// binary (the same filesystem, so the swap is one rename).
+async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
+    let source = Source::parse(&config.release_source, config.release_ca.as_deref())
+        .map_err(|e| e.to_string())?;
+    let (bytes, what) = source
+        .manifest(&request.version)
+        .await
+        .map_err(|e| e.to_string())?;
+    if request.manifest_sha256.is_none() {
+        warn!(%what, "no manifest digest was pinned; trusting the release source");
+    }
+    let manifest = release::check_manifest(
+        &bytes,
+        &what,
+        request.manifest_sha256.as_deref(),
+        &request.version,
+    )
+    .map_err(|e| e.to_string())?;
+    let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
+    source
+        .artifact(&request.version, artifact, staged)
+        .await
+        .map_err(|e| e.to_string())?;
+    let says = binary_version(staged)?;
+    if says != request.version {
+        return Err(format!(
+            "the release's binary reports version {says}, not {}",
+            request.version
+        ));
+    }
+    Ok(())
+}
+
+/// Steps 2 to 5, from `Accepted`.
+async fn proceed(
+    config: &UpgradeConfig,
+    service: &Service,
+    files: &Files,
+    record: &mut Record,
+) -> Result<(), UpgradeFailure> {
+    let failed = |files: &Files, record: &mut Record, reason: String| {
+        let _ = files.write(record, Step::Failed { reason: reason.clone() });
+        let _ = std::fs::remove_file(&record.staged_path);
+        UpgradeFailure::Failed(reason)
+    };
+    if let Err(e) = service.stop() {
+        // The node may still be running the old binary: make sure it is.
+        let started = service.start();
+        return Err(failed(
+            files,
+            record,
+            format!("{e}; the binary was not changed (restart: {started:?})"),
+        ));
+    }
+    journal(files, record, Step::Stopped)?;
+    if let Err(e) = swap(&record.install_path, &record.previous_path, &record.staged_path) {
+        let started = service.start();
+        return Err(failed(
+            files,
+            record,
+            format!("{e}; the binary was not changed (restart: {started:?})"),
+        ));
+    }
+    journal(files, record, Step::Swapped)?;
+    let outcome = match service.start() {
+        Ok(()) => {
+            journal(files, record, Step::Started)?;
+            wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await
+        }
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => {
+            journal(files, record, Step::Done)?;
+            info!(version = %record.version, "upgraded: the node is healthy on the new release");
+            Ok(())
+        }
+        Err(reason) => Err(roll_back(config, service, files, record, reason).await),
+    }
+}
+
+fn journal(files: &Files, record: &mut Record, step: Step) -> Result<(), UpgradeFailure> {
+    files.write(record, step).map_err(UpgradeFailure::Failed)
+}
+
+async fn roll_back(
+    config: &UpgradeConfig,
+    service: &Service,
+    files: &Files,
+    record: &mut Record,
+    reason: String,
+) -> UpgradeFailure {
+    error!(version = %record.version, %reason, "the new release failed; rolling back to {}", record.from);
+    // Stop whatever runs (a crashing new node's stop is quick), restore,
+    // start the previous release and see it come back.
+    let stopped = service.stop();
+    let restored = restore(&record.install_path, &record.previous_path);
+    let back = match (&stopped, &restored) {
+        (_, Err(e)) => Err(e.clone()),
+        _ => match service.start() {
+            Ok(()) => wait_healthy(&config.state_dir, &record.from, config.health_timeout()).await,
+            Err(e) => Err(e),
+        },
+    };
+    let summary = match back {
+        Ok(()) => format!("{reason}; rolled back to {}, which is serving", record.from),
+        Err(e) => format!(
+            "{reason}; rolled back to {} but it is not healthy: {e}{}",
+            record.from,
+            stopped.err().map(|s| format!(" (stop: {s})")).unwrap_or_default()
+        ),
+    };
+    if restored.is_ok() {
+        let _ = files.write(record, Step::RolledBack { reason: summary.clone() });
+    }
+    error!("{summary}");
+    UpgradeFailure::Failed(summary)
+}
+
+/// Settles an upgrade an earlier updater left unfinished: before the swap,
+/// the binary was never touched (the node is started in case it was
+/// stopped); after it, the swap was never proven healthy and is rolled
+/// back.
+async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record: &mut Record) {
+    if record.step.swapped() {
+        let reason = "the updater stopped before the new release proved healthy".to_owned();
+        roll_back(config, service, files, record, reason).await;
+    } else {
+        if let Err(e) = service.start() {
+            warn!(error = %e, "cannot start the node after an abandoned upgrade");
+        }
+        let _ = std::fs::remove_file(&record.staged_path);
+        let _ = files.write(record, Step::Abandoned);
+    }
+}
+
+/// What [`settle_at_node_start`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    /// Nothing was unfinished, or a live updater is still at work.
+    Nothing,
+    /// An abandoned upgrade never reached the swap; recorded, nothing else.
+    Abandoned,
+    /// The previous binary was put back at this path; the caller, which may
+    /// be the new binary, must exec it.
+    RolledBack(PathBuf),
+}
+
+/// Run by `billet node` before anything else: settles an upgrade whose
+/// updater died (its lock is free). A swap never proven healthy is rolled
+/// back to the previous binary, so a host ends on one version whichever
+/// process finds the journal first.
+///
+/// # Errors
+///
+/// A sentence naming the file when the journal cannot be read or written,
+/// or the previous binary cannot be restored.
+pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
+    let files = Files::new(state_dir);
+    let Some(mut record) = files.read()? else {
+        return Ok(Settled::Nothing);
+    };
+    if record.step.is_final() {
+        return Ok(Settled::Nothing);
+    }
+    let Some(_claim) = files.claim()? else {
+        // A live updater (it started this node, or is about to).
+        return Ok(Settled::Nothing);
+    };
+    if record.step.swapped() {
+        restore(&record.install_path, &record.previous_path)?;
+        let reason = format!(
+            "the updater stopped before {} proved healthy; billet node restored {} at start",
+            record.version, record.from
+        );
+        files.write(&mut record, Step::RolledBack { reason })?;
+        Ok(Settled::RolledBack(record.install_path))
+    } else {
+        let _ = std::fs::remove_file(&record.staged_path);
+        files.write(&mut record, Step::Abandoned)?;
+        Ok(Settled::Abandoned)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: Step, rollout: &str, generation: u64) -> Record {
+        Record {
+            version: "2.0.0".into(),
+            from: "1.0.0".into(),
+            rollout: Some(rollout.into()),
+            generation: Some(generation),
+            install_path: "/b".into(),
+            previous_path: "/b.previous".into(),
+            staged_path: "/.b.staged".into(),
+            step,
+            at: 0,
+        }
+    }
+
+    fn request(rollout: &str, generation: u64) -> Request {
+        Request {
+            version: "2.0.1".into(),
+            manifest_sha256: None,
+            rollout: Some(rollout.into()),
+            generation: Some(generation),
+        }
+    }
+
+    #[test]
+    fn the_fence_refuses_older_and_repeated_failed_generations_of_the_same_rollout() {
+        let done = record(Step::Done, "r1", 4);
+        assert!(fence(Some(&done), &request("r1", 3)).is_err());
+        fence(Some(&done), &request("r1", 4)).expect("a repeat of a completed generation");
+        fence(Some(&done), &request("r1", 5)).expect("newer");
+        fence(Some(&done), &request("r2", 1)).expect("another rollout");
+        fence(None, &request("r1", 1)).expect("first ever");
+        let failed = record(Step::RolledBack { reason: "x".into() }, "r1", 4);
+        let e = fence(Some(&failed), &request("r1", 4)).expect_err("retry needs a new generation");
+        assert!(e.contains("new generation"), "{e}");
+    }
+
+    #[test]
+    fn a_config_must_say_how_the_node_is_stopped_and_started() {
+        let base = "release_source = \"/srv/releases\"\n";
+        let parse = |extra: &str| -> Result<UpgradeConfig, String> {
+            let c: UpgradeConfig =
+                toml::from_str(&format!("{base}{extra}")).map_err(|e| e.to_string())?;
+            c.check().map(|()| c)
+        };
+        assert!(parse("").is_err());
+        assert!(parse("stop_command = [\"x\"]\n").is_err());
+        assert!(parse("systemd_unit = \"u\"\nstop_command = [\"x\"]\nstart_command = [\"y\"]\n").is_err());
+        let c = parse("systemd_unit = \"billet-node.service\"\n").expect("unit");
+        assert_eq!(c.service(), Ok(Service::Systemd("billet-node.service".into())));
+        assert_eq!(c.install_path, PathBuf::from("/usr/local/bin/billet"));
+        assert!(parse("systemd_unit = \"u\"\nstate_dir = \"relative\"\n").is_err());
+        assert!(parse("systemd_unit = \"u\"\nsurprise = 1\n").is_err());
+    }
+
+    #[test]
+    fn swap_and_restore_keep_one_whole_binary_at_the_install_path() {
+        let dir = std::env::temp_dir().join(format!("billet-swap-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let install = dir.join("billet");
+        let previous = previous_path(&install);
+        let staged = dir.join(".billet-2.staged");
+        std::fs::write(&install, b"old").expect("old");
+        std::fs::write(&previous, b"older").expect("older");
+        std::fs::write(&staged, b"new").expect("new");
+        swap(&install, &previous, &staged).expect("swap");
+        assert_eq!(std::fs::read(&install).expect("install"), b"new");
+        assert_eq!(std::fs::read(&previous).expect("previous"), b"old");
+        assert!(!staged.exists());
+        restore(&install, &previous).expect("restore");
+        restore(&install, &previous).expect("restore again");
+        assert_eq!(std::fs::read(&install).expect("install"), b"old");
+        assert_eq!(std::fs::read(&previous).expect("previous"), b"old");
+    }
+
+    #[test]
+    fn a_node_start_rolls_back_a_swap_its_dead_updater_never_proved() {
+        let dir = std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
+        let files = Files::new(&dir);
+        files.create().expect("dir");
+        let install = dir.join("billet");
+        std::fs::write(&install, b"new").expect("new");
+        std::fs::write(previous_path(&install), b"old").expect("old");
+        let mut r = record(Step::Accepted, "r", 1);
+        r.install_path = install.clone();
+        r.previous_path = previous_path(&install);
+        files.write(&mut r, Step::Swapped).expect("journal");
+
+        // While an updater holds the claim, the node leaves it alone.
+        let held = files.claim().expect("claim").expect("free");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
+        assert_eq!(std::fs::read(&install).expect("install"), b"new");
+        drop(held);
+
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(std::fs::read(&install).expect("install"), b"old");
+        assert!(matches!(files.read().expect("read").expect("record").step, Step::RolledBack { .. }));
+        // Settled once: the next start finds nothing to do.
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
+    }
+
+    #[test]
+    fn a_node_start_marks_an_upgrade_that_died_before_the_swap_abandoned() {
+        let dir = std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
+        let files = Files::new(&dir);
+        files.create().expect("dir");
+        let mut r = record(Step::Accepted, "r", 1);
+        r.install_path = dir.join("billet");
+        std::fs::write(&r.install_path, b"old").expect("old");
+        files.write(&mut r, Step::Stopped).expect("journal");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Abandoned));
+        assert_eq!(std::fs::read(&r.install_path).expect("install"), b"old");
+        assert_eq!(files.read().expect("read").expect("record").step, Step::Abandoned);
+    }
+}

@@ -1,0 +1,177 @@
+//! The node's local socket, `<state_dir>/node.sock`: `grpc.health.v1` and
+//! `billet.node.v1.Local/Status` over a unix socket, without TLS, for the
+//! updater on the same host. Whoever can enter the 0700 state directory can
+//! already read the node's journal; the socket tells them nothing more, and
+//! it offers no command.
+//!
+//! The updater's health check ([`check`]) is: health `SERVING` for the
+//! `Node` service, the expected version, and start-up recovery done (which
+//! needs the plane to have attached and received this process's `Hello`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use billet_proto::v1 as pb;
+use thiserror::Error;
+use tokio::net::{UnixListener, UnixStream};
+use tonic::{Request, Response, Status};
+
+use crate::runner::Runner;
+use crate::session::Recovery;
+
+/// The socket's file name inside the state directory.
+pub const SOCKET_FILE: &str = "node.sock";
+
+/// The socket's path for a state directory.
+pub fn socket_path(state_dir: &Path) -> PathBuf {
+    state_dir.join(SOCKET_FILE)
+}
+
+/// Why the local socket cannot be bound.
+#[derive(Debug, Error)]
+pub enum BindError {
+    /// Another live node answers on this state directory's socket.
+    #[error(
+        "{0}: another billet node is running on this state directory; stop it, or give this one its own --state-dir"
+    )]
+    InUse(PathBuf),
+    /// The socket cannot be created.
+    #[error("{path}: cannot listen: {source}")]
+    Io {
+        /// The socket.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Binds the local socket in `state_dir`, replacing a stale one left by a
+/// process that died, and refusing when a live node still answers on it.
+///
+/// # Errors
+///
+/// [`BindError`] naming the socket.
+pub async fn bind(state_dir: &Path) -> Result<UnixListener, BindError> {
+    let path = socket_path(state_dir);
+    if UnixStream::connect(&path).await.is_ok() {
+        return Err(BindError::InUse(path));
+    }
+    let io = |source| BindError::Io {
+        path: path.clone(),
+        source,
+    };
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    UnixListener::bind(&path).map_err(io)
+}
+
+/// The `Local` service.
+#[derive(Debug, Clone)]
+pub struct LocalService {
+    version: String,
+    incarnation: String,
+    recovery: Arc<Recovery>,
+    runner: Arc<Runner>,
+}
+
+impl LocalService {
+    /// Reports `version` and `incarnation`, and reads recovery and drain
+    /// state live.
+    pub fn new(
+        version: String,
+        incarnation: String,
+        recovery: Arc<Recovery>,
+        runner: Arc<Runner>,
+    ) -> Self {
+        Self {
+            version,
+            incarnation,
+            recovery,
+            runner,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::local_server::Local for LocalService {
+    async fn status(
+        &self,
+        _: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::LocalStatus>, Status> {
+        Ok(Response::new(pb::LocalStatus {
+            version: self.version.clone(),
+            pid: std::process::id(),
+            incarnation: self.incarnation.clone(),
+            recovered: self.recovery.is_done(),
+            draining: self.runner.is_draining(),
+        }))
+    }
+}
+
+/// What a node answered on its local socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Observed {
+    /// Whether `grpc.health.v1` says the `Node` service is serving.
+    pub serving: bool,
+    /// Its status.
+    pub status: pb::LocalStatus,
+}
+
+impl Observed {
+    /// Healthy at `version`: serving, recovered, not draining, that version.
+    pub fn healthy_at(&self, version: &str) -> bool {
+        self.serving
+            && self.status.recovered
+            && !self.status.draining
+            && self.status.version == version
+    }
+}
+
+/// Asks the node whose state directory is `state_dir` for its health and
+/// status, giving up after `timeout`.
+///
+/// # Errors
+///
+/// A message saying what failed (no socket, no answer, an RPC error).
+pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, String> {
+    tokio::time::timeout(timeout, ask(socket_path(state_dir)))
+        .await
+        .map_err(|_| format!("no answer on {} within {timeout:?}", socket_path(state_dir).display()))?
+}
+
+async fn ask(path: PathBuf) -> Result<Observed, String> {
+    let shown = path.display().to_string();
+    // The URI is required by the API and unused: the connector dials the
+    // socket.
+    let channel = tonic::transport::Endpoint::from_static("http://node.local")
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                UnixStream::connect(path)
+                    .await
+                    .map(hyper_util::rt::TokioIo::new)
+            }
+        }))
+        .await
+        .map_err(|e| format!("{shown}: cannot connect: {e}"))?;
+    let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: <pb::node_server::NodeServer<crate::session::NodeService> as tonic::server::NamedService>::NAME.to_owned(),
+        })
+        .await
+        .map_err(|e| format!("{shown}: health check: {}", e.message()))?
+        .into_inner();
+    let status = pb::local_client::LocalClient::new(channel)
+        .status(pb::StatusRequest {})
+        .await
+        .map_err(|e| format!("{shown}: status: {}", e.message()))?
+        .into_inner();
+    Ok(Observed {
+        serving: health.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+        status,
+    })
+}

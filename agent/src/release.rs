@@ -1,0 +1,552 @@
+//! Releases: what `billet host-upgrade` installs, and where it finds them.
+//!
+//! A release source is a local directory or an `https://` URL. Release `V`
+//! lives under `<source>/V/`: a manifest, `manifest.json`, and the binaries
+//! it names beside it. The rollout pins the manifest by its SHA-256 (over
+//! the file's exact bytes); the manifest pins each binary by its SHA-256.
+//!
+//! ```json
+//! { "version": "1.4.2",
+//!   "artifacts": [ { "os": "linux", "arch": "x86_64",
+//!                    "path": "billet", "sha256": "<64 hex digits>" } ] }
+//! ```
+//!
+//! [`write`] makes such a directory from a built binary (the
+//! `billet-release` tool), stamping the version into the copy
+//! (`version.rs`).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+/// The manifest's file name inside a release directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The largest manifest read, in bytes.
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 10;
+/// The largest binary fetched, in bytes.
+pub const MAX_BINARY_BYTES: u64 = 1 << 30;
+
+/// A release manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// The exact release.
+    pub version: String,
+    /// One binary per platform.
+    pub artifacts: Vec<Artifact>,
+}
+
+/// One platform's binary in a release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Artifact {
+    /// As Rust names it (`std::env::consts::OS`): `linux`.
+    pub os: String,
+    /// As Rust names it (`std::env::consts::ARCH`): `x86_64`, `aarch64`.
+    pub arch: String,
+    /// The file name beside the manifest.
+    pub path: String,
+    /// Lower-case hex SHA-256 of the file.
+    pub sha256: String,
+}
+
+/// Why a release cannot be used. Every message names the source and what to
+/// fix there.
+#[derive(Debug, Error)]
+pub enum ReleaseError {
+    /// The configured source is not a directory path or an `https://` URL.
+    #[error("release source {0:?}: give an absolute directory or an https:// URL")]
+    Source(String),
+    /// The source could not be read.
+    #[error("{what}: {problem}")]
+    Fetch {
+        /// The file or URL.
+        what: String,
+        /// Why.
+        problem: String,
+    },
+    /// The manifest is not what was pinned, or not a manifest of this
+    /// release.
+    #[error("{what}: {problem}")]
+    Manifest {
+        /// The manifest's location.
+        what: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The release has no binary for this host.
+    #[error("release {version} has no binary for {os}/{arch}")]
+    Platform {
+        /// The release.
+        version: String,
+        /// This host's OS.
+        os: String,
+        /// This host's architecture.
+        arch: String,
+    },
+    /// A fetched binary does not match the manifest.
+    #[error("{what}: sha256 is {actual}, the manifest says {expected}")]
+    Digest {
+        /// The binary's location.
+        what: String,
+        /// What the manifest says.
+        expected: String,
+        /// What the bytes hash to.
+        actual: String,
+    },
+    /// A local file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Lower-case hex SHA-256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// Whether `digest` is 64 lower- or upper-case hex digits.
+pub fn is_sha256(digest: &str) -> bool {
+    digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Where releases come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// A directory holding `<version>/manifest.json` and the binaries.
+    Dir(PathBuf),
+    /// An `https://` base URL, read the same way.
+    Https {
+        /// The base URL (ends in `/`).
+        base: reqwest::Url,
+        /// The client, trusting the system roots and any configured CA.
+        client: reqwest::Client,
+    },
+}
+
+impl Source {
+    /// Parses the configured source: an absolute directory or an
+    /// `https://` URL. `extra_ca` is a PEM bundle to trust besides the
+    /// system roots (an internal mirror's CA).
+    ///
+    /// # Errors
+    ///
+    /// [`ReleaseError::Source`] for anything else, including `http://`;
+    /// [`ReleaseError::Fetch`] when `extra_ca` cannot be read.
+    pub fn parse(source: &str, extra_ca: Option<&Path>) -> Result<Self, ReleaseError> {
+        if source.starts_with('/') {
+            return Ok(Self::Dir(PathBuf::from(source)));
+        }
+        let Some(rest) = source.strip_prefix("https://") else {
+            return Err(ReleaseError::Source(source.to_owned()));
+        };
+        if rest.is_empty() {
+            return Err(ReleaseError::Source(source.to_owned()));
+        }
+        let with_slash = if source.ends_with('/') {
+            source.to_owned()
+        } else {
+            format!("{source}/")
+        };
+        let base =
+            reqwest::Url::parse(&with_slash).map_err(|_| ReleaseError::Source(source.to_owned()))?;
+        let mut builder = reqwest::Client::builder()
+            .https_only(true)
+            .connect_timeout(std::time::Duration::from_secs(30))
+            .timeout(std::time::Duration::from_secs(900));
+        if let Some(ca) = extra_ca {
+            let fail = |problem: String| ReleaseError::Fetch {
+                what: ca.display().to_string(),
+                problem,
+            };
+            let pem = std::fs::read(ca).map_err(|e| fail(format!("cannot read: {e}")))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| fail(format!("not a PEM certificate bundle: {e}")))?;
+            for cert in certs {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let client = builder.build().map_err(|e| ReleaseError::Fetch {
+            what: source.to_owned(),
+            problem: format!("cannot build an HTTPS client: {e}"),
+        })?;
+        Ok(Self::Https { base, client })
+    }
+
+    fn locate(&self, version: &str, file: &str) -> String {
+        match self {
+            Self::Dir(dir) => dir.join(version).join(file).display().to_string(),
+            Self::Https { base, .. } => format!("{base}{version}/{file}"),
+        }
+    }
+
+    /// The manifest of release `version`, its exact bytes and its location.
+    ///
+    /// # Errors
+    ///
+    /// [`ReleaseError::Fetch`] when it cannot be read or is too large.
+    pub async fn manifest(&self, version: &str) -> Result<(Vec<u8>, String), ReleaseError> {
+        let what = self.locate(version, MANIFEST_FILE);
+        let mut bytes = Vec::new();
+        self.fetch(version, MANIFEST_FILE, MAX_MANIFEST_BYTES, &mut bytes)
+            .await?;
+        Ok((bytes, what))
+    }
+
+    /// Fetches `artifact` of release `version` into `dest` (created 0700,
+    /// replacing any file there) and checks its digest.
+    ///
+    /// # Errors
+    ///
+    /// [`ReleaseError::Fetch`], [`ReleaseError::Io`], or
+    /// [`ReleaseError::Digest`] when the bytes are not the manifest's.
+    pub async fn artifact(
+        &self,
+        version: &str,
+        artifact: &Artifact,
+        dest: &Path,
+    ) -> Result<(), ReleaseError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let io = |source| ReleaseError::Io {
+            path: dest.to_owned(),
+            source,
+        };
+        let _ = std::fs::remove_file(dest);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o700)
+            .open(dest)
+            .map_err(io)?;
+        let mut sink = Hashing {
+            file: std::io::BufWriter::new(file),
+            hash: Sha256::new(),
+        };
+        self.fetch(version, &artifact.path, MAX_BINARY_BYTES, &mut sink)
+            .await?;
+        let Hashing { file, hash } = sink;
+        file.into_inner()
+            .map_err(|e| io(e.into_error()))?
+            .sync_all()
+            .map_err(io)?;
+        let actual = hex(&hash.finalize());
+        if !actual.eq_ignore_ascii_case(&artifact.sha256) {
+            let _ = std::fs::remove_file(dest);
+            return Err(ReleaseError::Digest {
+                what: self.locate(version, &artifact.path),
+                expected: artifact.sha256.clone(),
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    async fn fetch(
+        &self,
+        version: &str,
+        file: &str,
+        limit: u64,
+        sink: &mut impl Write,
+    ) -> Result<(), ReleaseError> {
+        let what = self.locate(version, file);
+        let fail = |problem: String| ReleaseError::Fetch {
+            what: what.clone(),
+            problem,
+        };
+        let too_large = || fail(format!("larger than {limit} bytes"));
+        match self {
+            Self::Dir(_) => {
+                let path = PathBuf::from(&what);
+                let mut f =
+                    std::fs::File::open(&path).map_err(|e| fail(format!("cannot read: {e}")))?;
+                let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+                if len > limit {
+                    return Err(too_large());
+                }
+                std::io::copy(&mut f, sink).map_err(|e| fail(format!("cannot read: {e}")))?;
+            }
+            Self::Https { base, client } => {
+                let url = base
+                    .join(&format!("{version}/{file}"))
+                    .map_err(|e| fail(format!("not a URL: {e}")))?;
+                let mut response = client
+                    .get(url)
+                    .send()
+                    .await
+                    .and_then(reqwest::Response::error_for_status)
+                    .map_err(|e| fail(format!("cannot fetch: {e}")))?;
+                let mut read = 0u64;
+                while let Some(chunk) = response
+                    .chunk()
+                    .await
+                    .map_err(|e| fail(format!("cannot fetch: {e}")))?
+                {
+                    read += chunk.len() as u64;
+                    if read > limit {
+                        return Err(too_large());
+                    }
+                    sink.write_all(&chunk)
+                        .map_err(|e| fail(format!("cannot store: {e}")))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Hashing<W> {
+    file: W,
+    hash: Sha256,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+/// Checks manifest `bytes` fetched from `what` against the pinned digest
+/// (when the rollout pinned one) and parses it as the manifest of release
+/// `version`.
+///
+/// # Errors
+///
+/// [`ReleaseError::Manifest`] naming the mismatch: another digest, not
+/// JSON of this shape, another version, or an artifact path that is not a
+/// plain file name or a digest that is not SHA-256.
+pub fn check_manifest(
+    bytes: &[u8],
+    what: &str,
+    pinned: Option<&str>,
+    version: &str,
+) -> Result<Manifest, ReleaseError> {
+    let fail = |problem: String| ReleaseError::Manifest {
+        what: what.to_owned(),
+        problem,
+    };
+    if let Some(pinned) = pinned {
+        let actual = sha256_hex(bytes);
+        if !actual.eq_ignore_ascii_case(pinned) {
+            return Err(fail(format!(
+                "sha256 is {actual}, the rollout pinned {pinned}: the release was changed after it was pinned, or the rollout names another one"
+            )));
+        }
+    }
+    let manifest: Manifest = serde_json::from_slice(bytes)
+        .map_err(|e| fail(format!("not a release manifest: {e}")))?;
+    if manifest.version != version {
+        return Err(fail(format!(
+            "describes release {}, not {version}",
+            manifest.version
+        )));
+    }
+    for a in &manifest.artifacts {
+        let plain = !a.path.is_empty()
+            && !a.path.contains('/')
+            && a.path != "."
+            && a.path != ".."
+            && a.path != MANIFEST_FILE;
+        if !plain {
+            return Err(fail(format!(
+                "artifact path {:?} is not a file name beside the manifest",
+                a.path
+            )));
+        }
+        if !is_sha256(&a.sha256) {
+            return Err(fail(format!(
+                "artifact {:?} has sha256 {:?}, which is not 64 hex digits",
+                a.path, a.sha256
+            )));
+        }
+    }
+    Ok(manifest)
+}
+
+/// The manifest's binary for this host.
+///
+/// # Errors
+///
+/// [`ReleaseError::Platform`] when there is none.
+pub fn for_this_host(manifest: &Manifest) -> Result<&Artifact, ReleaseError> {
+    let (os, arch) = (std::env::consts::OS, std::env::consts::ARCH);
+    manifest
+        .artifacts
+        .iter()
+        .find(|a| a.os == os && a.arch == arch)
+        .ok_or_else(|| ReleaseError::Platform {
+            version: manifest.version.clone(),
+            os: os.to_owned(),
+            arch: arch.to_owned(),
+        })
+}
+
+/// Writes release `version` into `<root>/<version>/`: `binary` (the bytes of
+/// a built `billet`) stamped with `version` and saved as `billet`, and a
+/// manifest for this host's platform. Returns the manifest's SHA-256, the
+/// digest a rollout pins.
+///
+/// # Errors
+///
+/// [`ReleaseError::Manifest`] when the binary cannot be stamped with that
+/// version; [`ReleaseError::Io`] when the directory cannot be written.
+pub fn write(root: &Path, version: &str, mut binary: Vec<u8>) -> Result<String, ReleaseError> {
+    crate::version::stamp(&mut binary, version).map_err(|e| ReleaseError::Manifest {
+        what: root.join(version).display().to_string(),
+        problem: e.to_string(),
+    })?;
+    let dir = root.join(version);
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ReleaseError::Io { path, source }
+    };
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let bin = dir.join("billet");
+    std::fs::write(&bin, &binary).map_err(io(&bin))?;
+    std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(io(&bin))?;
+    let manifest = Manifest {
+        version: version.to_owned(),
+        artifacts: vec![Artifact {
+            os: std::env::consts::OS.to_owned(),
+            arch: std::env::consts::ARCH.to_owned(),
+            path: "billet".into(),
+            sha256: sha256_hex(&binary),
+        }],
+    };
+    let mut text = serde_json::to_vec_pretty(&manifest).map_err(|e| ReleaseError::Io {
+        path: dir.join(MANIFEST_FILE),
+        source: e.into(),
+    })?;
+    text.push(b'\n');
+    let path = dir.join(MANIFEST_FILE);
+    std::fs::write(&path, &text).map_err(io(&path))?;
+    Ok(sha256_hex(&text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_billet() -> Vec<u8> {
+        let mut b = b"#!binary\n".to_vec();
+        b.extend_from_slice(crate::version::STAMP_MARKER);
+        b.extend_from_slice(&[0; crate::version::STAMP_SLOT_BYTES]);
+        b
+    }
+
+    fn scratch() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "billet-release-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        dir
+    }
+
+    #[tokio::test]
+    async fn a_written_release_reads_back_through_its_pinned_digest() {
+        let root = scratch();
+        let pinned = write(&root, "2.0.0", fake_billet()).expect("write");
+        let source = Source::parse(root.to_str().expect("utf-8"), None).expect("source");
+        let (bytes, what) = source.manifest("2.0.0").await.expect("manifest");
+        let manifest = check_manifest(&bytes, &what, Some(&pinned), "2.0.0").expect("pinned");
+        let artifact = for_this_host(&manifest).expect("this host");
+        let dest = root.join("staged");
+        source
+            .artifact("2.0.0", artifact, &dest)
+            .await
+            .expect("fetch");
+        let got = std::fs::read(&dest).expect("read");
+        assert_eq!(crate::version::stamped(&got).as_deref(), Some("2.0.0"));
+    }
+
+    #[tokio::test]
+    async fn a_manifest_or_binary_changed_after_pinning_is_refused() {
+        let root = scratch();
+        let pinned = write(&root, "2.0.0", fake_billet()).expect("write");
+        let source = Source::parse(root.to_str().expect("utf-8"), None).expect("source");
+        let (bytes, what) = source.manifest("2.0.0").await.expect("manifest");
+        let other = "0".repeat(64);
+        let e = check_manifest(&bytes, &what, Some(&other), "2.0.0").expect_err("other pin");
+        assert!(e.to_string().contains("the rollout pinned"), "{e}");
+        let e = check_manifest(&bytes, &what, Some(&pinned), "2.0.1").expect_err("version");
+        assert!(e.to_string().contains("describes release 2.0.0, not 2.0.1"), "{e}");
+
+        let manifest = check_manifest(&bytes, &what, Some(&pinned), "2.0.0").expect("pinned");
+        std::fs::write(root.join("2.0.0/billet"), b"tampered").expect("tamper");
+        let dest = root.join("staged");
+        let e = source
+            .artifact("2.0.0", for_this_host(&manifest).expect("host"), &dest)
+            .await
+            .expect_err("tampered binary");
+        assert!(matches!(e, ReleaseError::Digest { .. }), "{e}");
+        assert!(!dest.exists(), "a binary that failed its digest is not left staged");
+    }
+
+    #[test]
+    fn manifests_naming_paths_outside_the_release_are_refused() {
+        for path in ["../billet", "/usr/bin/billet", "", "..", MANIFEST_FILE] {
+            let m = Manifest {
+                version: "1".into(),
+                artifacts: vec![Artifact {
+                    os: "linux".into(),
+                    arch: "x86_64".into(),
+                    path: path.into(),
+                    sha256: "a".repeat(64),
+                }],
+            };
+            let bytes = serde_json::to_vec(&m).expect("json");
+            assert!(check_manifest(&bytes, "m", None, "1").is_err(), "{path:?} accepted");
+        }
+    }
+
+    #[test]
+    fn only_directories_and_https_are_sources() {
+        for bad in ["http://releases.example", "releases", "ftp://x", "https://"] {
+            assert!(
+                matches!(Source::parse(bad, None), Err(ReleaseError::Source(_))),
+                "{bad} accepted"
+            );
+        }
+        assert!(matches!(
+            Source::parse("https://releases.example/billet", None),
+            Ok(Source::Https { .. })
+        ));
+    }
+
+    #[test]
+    fn a_release_with_no_binary_for_this_host_says_which_platform() {
+        let m = Manifest {
+            version: "1".into(),
+            artifacts: vec![Artifact {
+                os: "plan9".into(),
+                arch: "mips".into(),
+                path: "billet".into(),
+                sha256: "a".repeat(64),
+            }],
+        };
+        let e = for_this_host(&m).expect_err("no build");
+        assert!(e.to_string().contains(std::env::consts::ARCH), "{e}");
+    }
+}
