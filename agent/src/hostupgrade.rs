@@ -245,6 +245,9 @@ pub struct Record {
     pub previous_path: PathBuf,
     /// Where the new one waits before the swap.
     pub staged_path: PathBuf,
+    /// The updater process driving it (its own process group and session).
+    #[serde(default)]
+    pub updater_pid: u32,
     /// Where this upgrade is.
     #[serde(flatten)]
     pub step: Step,
@@ -599,6 +602,7 @@ pub async fn run(
         install_path: config.install_path.clone(),
         previous_path: previous_path(&config.install_path),
         staged_path: staged,
+        updater_pid: std::process::id(),
         step: Step::Accepted,
         at: 0,
     };
@@ -816,6 +820,7 @@ mod tests {
             install_path: "/b".into(),
             previous_path: "/b.previous".into(),
             staged_path: "/.b.staged".into(),
+            updater_pid: 1,
             step,
             at: 0,
         }
@@ -859,6 +864,14 @@ mod tests {
         assert_eq!(c.install_path, PathBuf::from("/usr/local/bin/billet"));
         assert!(parse("systemd_unit = \"u\"\nstate_dir = \"relative\"\n").is_err());
         assert!(parse("systemd_unit = \"u\"\nsurprise = 1\n").is_err());
+    }
+
+    #[test]
+    fn the_deployed_example_configuration_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/upgrade.toml.example");
+        let c = UpgradeConfig::load(&path).expect("the example loads");
+        assert_eq!(c.service(), Ok(Service::Systemd("billet-node.service".into())));
+        assert_eq!(c.state_dir, PathBuf::from("/var/lib/billet"));
     }
 
     #[test]

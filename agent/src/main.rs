@@ -136,7 +136,7 @@ struct NodeArgs {
     ack_timeout_secs: u64,
     /// Seconds a drain (SIGTERM) waits for running jobs before the node
     /// exits anyway, destroying nothing.
-    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = 21600)]
+    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = server::DEFAULT_DRAIN_TIMEOUT.as_secs())]
     drain_timeout_secs: u64,
     /// Seconds between checks of the certificate, key and CA files for a
     /// replacement (SIGHUP checks at once).
@@ -215,6 +215,7 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
                 binary,
                 config: args.upgrade_config,
                 ack_wait: Duration::from_secs(args.upgrade_ack_wait_secs.max(1)),
+                dispatch: upgrade::Dispatch::from_environment(args.state_dir.clone()),
             })
         }
     };
@@ -308,7 +309,7 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
     let taken = match (args.ack_fd, &args.ack_path) {
         (Some(fd), _) => Some(AckWriter::take_fd(fd).map_err(|e| format!("--ack-fd {fd}: {e}"))),
         (None, Some(path)) => Some(
-            Err(format!("--ack-path {}: PENDING-CONNECT", path.display())),
+            AckWriter::connect(path).map_err(|e| format!("--ack-path {}: {e}", path.display())),
         ),
         (None, None) => None,
     };

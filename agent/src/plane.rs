@@ -211,6 +211,12 @@ impl SessionLink {
         rx
     }
 
+    /// How many results sent on this session the plane has not yet
+    /// acknowledged.
+    pub fn awaiting_acks(&self) -> usize {
+        self.acks.lock().expect("acks").len()
+    }
+
     /// Delivers an acknowledgement from the plane.
     pub fn on_ack(&self, ack: pb::ResultAck) {
         let verdict = pb::AckVerdict::try_from(ack.verdict).unwrap_or(pb::AckVerdict::Unspecified);
@@ -676,6 +682,125 @@ mod tests {
             .expect_err("fenced");
         assert_eq!(error, PlaneError::Fenced("stale".into()));
         assert!(error.is_gone());
+    }
+
+    /// 7.O.16: a call the plane receives and never answers gives up after
+    /// the call timeout as `Unavailable` (retryable), and forgets its waiter.
+    #[tokio::test]
+    async fn a_call_the_plane_never_answers_gives_up_after_the_call_timeout() {
+        let link = PlaneLink::new(Duration::from_millis(300));
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        // The plane reads every call and answers none.
+        let read = tokio::spawn(async move {
+            let mut calls = 0;
+            while let Some(Ok(pb::NodeMessage {
+                body: Some(pb::node_message::Body::Call(_)),
+            })) = rx.recv().await
+            {
+                calls += 1;
+            }
+            calls
+        });
+        let started = tokio::time::Instant::now();
+        let error = link
+            .bind(&LeaseId::parse("lease", "l1").expect("id"), Epoch(1))
+            .await
+            .expect_err("a silent plane answered");
+        let waited = started.elapsed();
+        assert!(matches!(error, PlaneError::Unavailable(_)), "{error:?}");
+        assert!(error.to_string().contains("did not answer"), "{error}");
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
+            "gave up after {waited:?}"
+        );
+        assert!(
+            session.calls.lock().expect("calls").is_empty(),
+            "the abandoned call is still waited for"
+        );
+        session.close();
+        drop(link);
+        drop(session);
+        assert_eq!(read.await.expect("reader"), 1, "the call was sent once");
+    }
+
+    /// 7.O.21: only the plane's answer is a verdict. A typed refusal in a
+    /// reply is final (not `Unavailable`); no answer (the session ended, or
+    /// it timed out) is `Unavailable`, which callers retry.
+    #[tokio::test]
+    async fn only_an_answer_is_a_verdict_and_a_missing_answer_is_retryable() {
+        let lease = LeaseId::parse("lease", "l1").expect("id");
+        let refused = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: Some(pb::Error {
+                code: pb::ErrorCode::Refused.into(),
+                message: "the runner is running a job".into(),
+            }),
+            result: None,
+        });
+        let verdict = refused
+            .remove_runner(&lease, Epoch(1), 0, "")
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            verdict,
+            PlaneError::Refused("the runner is running a job".into())
+        );
+
+        // The session ends while the call waits: no verdict.
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(30)));
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = Arc::new(SessionLink::new(1, tx));
+        link.install(Arc::clone(&session), Duration::from_secs(30));
+        tokio::spawn(async move {
+            if rx.recv().await.is_some() {
+                session.close();
+            }
+        });
+        let outage = link
+            .remove_runner(&lease, Epoch(1), 0, "")
+            .await
+            .expect_err("the session ended");
+        assert!(matches!(outage, PlaneError::Unavailable(_)), "{outage:?}");
+    }
+
+    /// 7.O.11: a lease's failure reason crosses the wire on a lease read
+    /// (the runner tears such a lease down and releases it `failed`), and an
+    /// empty one reads as none.
+    #[tokio::test]
+    async fn a_leases_failure_reason_crosses_the_wire_on_a_lease_read() {
+        fn lease(call_id: u64, reason: &str) -> pb::PlaneReply {
+            pb::PlaneReply {
+                call_id,
+                error: None,
+                result: Some(pb::plane_reply::Result::Lease(pb::Lease {
+                    id: "l1".into(),
+                    epoch: 4,
+                    tier: "linux".into(),
+                    phase: "quarantine".into(),
+                    vcpu: 1,
+                    memory_bytes: 1 << 20,
+                    node: "node-1".into(),
+                    request_id: 7,
+                    providers: Vec::new(),
+                    failure_reason: reason.into(),
+                })),
+            }
+        }
+        let id = LeaseId::parse("lease", "l1").expect("id");
+        let failed = answering(|call_id| lease(call_id, "host lost its disk"))
+            .lease(&id)
+            .await
+            .expect("a lease");
+        assert_eq!(failed.failure_reason.as_deref(), Some("host lost its disk"));
+        assert_eq!(failed.phase, Phase::Quarantine);
+        assert_eq!(failed.epoch, Epoch(4));
+        let clean = answering(|call_id| lease(call_id, ""))
+            .lease(&id)
+            .await
+            .expect("a lease");
+        assert_eq!(clean.failure_reason, None);
     }
 
     /// 7.O.12: an empty launched set (no leases, no quarantine) is an

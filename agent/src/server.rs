@@ -30,6 +30,16 @@ use crate::upgrade::{ExecUpgrader, Upgrader};
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 8;
 /// Largest message the node accepts or sends, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+/// How long a drain waits for running jobs by default before the node exits
+/// anyway, destroying nothing: six hours, GitHub's longest job. The systemd
+/// unit's stop timeout is longer (`deploy/billet-node.service`).
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+/// How long a stopping node waits for connected clients to hang up before
+/// closing their connections itself.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// How long a drain that holds nothing more still waits for commands in
+/// flight to finish and their results to be acknowledged before exiting.
+pub const DRAIN_SETTLE: Duration = Duration::from_secs(10);
 
 /// Everything `billet node` needs, checked.
 #[derive(Debug, Clone)]
@@ -136,6 +146,9 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     }
     warn_if_key_is_readable(&config.tls.key);
     prepare_state_dir(&config.state_dir)?;
+    // First in the state directory: a second node on it is refused before
+    // it opens the first one's journal.
+    let local = crate::local::bind(&config.state_dir).await?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
     let docker = DockerProvider::connect(
         &config.docker_socket,
@@ -145,7 +158,6 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         },
     )?;
     docker.ping().await?;
-    let local = crate::local::bind(&config.state_dir).await?;
     Ok(Prepared {
         tls,
         provider: Arc::new(docker),
@@ -245,7 +257,7 @@ pub async fn run(
     tasks.spawn(
         execute_commands(
             runner.clone(),
-            slot,
+            slot.clone(),
             Executor {
                 recovery,
                 journal,
@@ -270,6 +282,7 @@ pub async fn run(
         let runner = runner.clone();
         let shutdown = shutdown.clone();
         let timeout = config.drain_timeout;
+        let (slot, link) = (slot.clone(), link.clone());
         tasks.spawn(
             async move {
                 tokio::select! {
@@ -288,6 +301,21 @@ pub async fn run(
                     tokio::select! {
                         () = shutdown.cancelled() => return,
                         () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                }
+                // The last answers (an updater's `accepted`, a destroy's
+                // result) reach the plane before the session is cut.
+                let settle = tokio::time::Instant::now() + DRAIN_SETTLE;
+                while slot.in_flight() > 0
+                    || link.current().is_some_and(|s| s.awaiting_acks() > 0)
+                {
+                    if tokio::time::Instant::now() >= settle {
+                        warn!("results still unacknowledged at exit; the plane will find them in the journal on redelivery");
+                        break;
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_millis(50)) => {}
                     }
                 }
                 info!("drained");
@@ -328,7 +356,7 @@ pub async fn run(
     // Limits: a silent peer is found by HTTP/2 pings, a flooding one meets
     // bounded streams and message sizes (the slot and the outbound buffer
     // are bounded too).
-    let local_served = {
+    let mut local_served = {
         let shutdown = shutdown.clone();
         let health = health_service.clone();
         tokio::spawn(
@@ -358,12 +386,28 @@ pub async fn run(
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown.cancelled())
-        .await;
+        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown.cancelled());
+    // A graceful stop waits for clients to hang up; one that never does
+    // must not keep the node from exiting.
+    let served = tokio::select! {
+        served = served => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {
+            warn!(grace_s = SHUTDOWN_GRACE.as_secs(), "a client kept its connection open past the stop; closing it");
+            Ok(())
+        }
+    };
     background.cancel();
     tasks.wait().await;
-    if let Ok(Err(e)) = local_served.await {
-        warn!(error = %e, "the local socket stopped with an error");
+    match tokio::time::timeout(SHUTDOWN_GRACE, &mut local_served).await {
+        Ok(Ok(Err(e))) => warn!(error = %e, "the local socket stopped with an error"),
+        Ok(_) => {}
+        Err(_) => {
+            warn!("a local client kept its connection open past the stop; closing it");
+            local_served.abort();
+        }
     }
     let _ = std::fs::remove_file(crate::local::socket_path(&config.state_dir));
     info!("billet node stopped");
@@ -375,5 +419,28 @@ pub async fn run(
 fn notify(state: &[sd_notify::NotifyState<'_>]) {
     if let Err(e) = sd_notify::notify(false, state) {
         warn!(error = %e, "cannot notify systemd");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_systemd_unit_waits_longer_than_the_default_drain_and_is_type_notify() {
+        let unit = include_str!("../../deploy/billet-node.service");
+        let value = |key: &str| {
+            unit.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+                .unwrap_or_else(|| panic!("the unit sets {key}"))
+                .trim()
+        };
+        let stop: u64 = value("TimeoutStopSec").parse().expect("seconds");
+        assert!(
+            stop > DEFAULT_DRAIN_TIMEOUT.as_secs(),
+            "TimeoutStopSec={stop} would kill the node mid-drain"
+        );
+        assert_eq!(value("Type"), "notify");
+        assert_eq!(value("KillMode"), "process");
     }
 }

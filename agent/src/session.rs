@@ -1073,3 +1073,6 @@ mod scenarios {
         assert!(provider.calls().is_empty());
     }
 }
+
+#[cfg(test)]
+mod executor_tests;

@@ -133,6 +133,11 @@ impl CommandSlot {
         }
     }
 
+    /// How many commands are queued or running (not yet recorded).
+    pub fn in_flight(&self) -> usize {
+        self.inner.lock().expect("slot").pending.len()
+    }
+
     /// How many commands wait.
     pub fn len(&self) -> usize {
         self.inner.lock().expect("slot").queue.len()

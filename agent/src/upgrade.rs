@@ -2,27 +2,49 @@
 //! billet's own updater, and the one-line acknowledgement both ends speak.
 //!
 //! Behaviour follows the reference's `node.Upgrader` / `node.ExecUpgrader`
-//! (seed/node-package.md; spec/node.md §6, the fd-3 variant). The node execs
+//! (seed/node-package.md; spec/node.md §6, both variants). The node starts
 //! `<binary> host-upgrade --version V [--manifest-sha256 D] [--rollout R]
-//! [--generation G] [--config PATH] --ack-fd 3` detached, and returns as soon
-//! as the updater answers on file descriptor 3: `accepted` (it has taken
+//! [--generation G] [--config PATH] <answer channel>` so that it outlives the
+//! node, and returns as soon as the updater answers: `accepted` (it has taken
 //! responsibility; the upgrade's progress is read from the rollout, never
 //! from this answer) or `refused: <reason>` (it changed nothing). The node
 //! never waits longer than the ack wait, so the single command slot is never
 //! held by an upgrade's drain.
 //!
+//! How the updater is started, and so where its answer travels, is the
+//! [`Dispatch`]:
+//!
+//! - [`Dispatch::Detached`]: exec'd directly, in its own process group; the
+//!   answer comes back on a pipe whose write end is the updater's file
+//!   descriptor 3 (`--ack-fd 3`).
+//! - [`Dispatch::SystemdRun`], for a node that is itself a systemd service
+//!   ([`Dispatch::from_environment`]): run through `systemd-run` as a
+//!   transient unit of its own, so that stopping the node's service does not
+//!   stop it. A pipe does not survive `systemd-run`, so the answer comes back
+//!   on a unix socket `upgrade-ack-<random>` in the node's state directory
+//!   (`--ack-path <socket>`), removed again however the wait ends. The
+//!   updater's environment travels by name only (`--setenv=NAME`, see
+//!   [`UPDATER_ENVIRONMENT`]), never as a value on a command line.
+//!
+//! Both channels are read by the same rules: one line of at most
+//! [`MAX_ACK_BYTES`], answered at its newline, within the ack wait.
+//!
 //! The vocabulary ([`ACK_ACCEPTED`], [`ACK_REFUSED`], [`MAX_ACK_BYTES`],
 //! [`ACK_FD`]) is defined once, here, in the module that reads it; the
 //! `billet host-upgrade` command writes it through [`AckWriter`] from this
-//! same module, so the writer cannot drift from the reader.
+//! same module (over `--ack-fd` or `--ack-path`), so the writer cannot drift
+//! from the reader.
 
 use std::ffi::OsString;
 use std::fmt;
+use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -30,7 +52,9 @@ use async_trait::async_trait;
 use command_fds::{CommandFdExt, FdMapping};
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt};
-use tracing::{Instrument, debug, info, info_span, warn};
+use tokio::net::UnixListener;
+use tokio::time::{Instant, timeout_at};
+use tracing::{Instrument, Span, debug, info, info_span, warn};
 
 use crate::wire::UpgradeSpec;
 
@@ -41,8 +65,8 @@ pub const ACK_REFUSED: &str = "refused: ";
 /// The most either end writes or reads, newline excluded. An answer is one
 /// short line; more than this without a newline is not an answer.
 pub const MAX_ACK_BYTES: usize = 4 << 10;
-/// The child's descriptor the answer travels on: the first after the
-/// standard three.
+/// The child's descriptor the answer travels on under
+/// [`Dispatch::Detached`]: the first after the standard three.
 pub const ACK_FD: i32 = 3;
 /// How long the node waits for the answer by default (the reference's
 /// `ackWait`).
@@ -55,6 +79,55 @@ pub const NO_RELEASE_SOURCE: &str =
 /// behalf (a panic, an early return).
 pub const STOPPED_WITHOUT_ANSWER: &str =
     "this updater stopped without saying why; look at its log on that machine";
+
+/// The `systemd-run` a node under systemd starts its updater through, found
+/// on `PATH`.
+pub const SYSTEMD_RUN: &str = "systemd-run";
+/// The updater's transient unit is named `<this><rollout>-g<generation>`,
+/// with `manual` for no rollout (the reference's naming), e.g.
+/// `billet-host-upgrade-rollout-7-g4.service`.
+pub const UPDATER_UNIT_PREFIX: &str = "billet-host-upgrade-";
+/// How long systemd lets the updater's unit run before it stops it (its
+/// `TimeoutStartSec`): 24.5 hours, the reference's value. The updater may
+/// wait for this node's drain, which waits for running jobs.
+pub const UPDATER_UNIT_TIMEOUT: Duration = Duration::from_secs(88_200);
+/// The environment variables a [`Dispatch::SystemdRun`] updater is given,
+/// those of them this node has. A transient unit starts with the service
+/// manager's environment, not the node's, so these are passed on, and only
+/// by name (`--setenv=NAME`: `systemd-run` copies the value from its own
+/// environment, which it inherits from the node). No value ever appears on a
+/// command line, which every user of the machine can read.
+///
+/// - `BILLET_LOG`: the updater logs with the node's filter.
+/// - `BILLET_CONFIG`, `BILLET_STATE_DIR`: where the node's own settings and
+///   state are, which a detached updater inherits with the node's
+///   environment.
+/// - The proxy variables, upper and lower case, for an updater that fetches
+///   a release; they can carry credentials.
+///
+/// Nothing else: a variable is added here only when the updater needs it.
+pub const UPDATER_ENVIRONMENT: &[&str] = &[
+    "BILLET_LOG",
+    "BILLET_CONFIG",
+    "BILLET_STATE_DIR",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "HTTP_PROXY",
+    "http_proxy",
+    "NO_PROXY",
+    "no_proxy",
+];
+/// The longest path a unix socket can be made at: `sun_path` less its
+/// terminating NUL (108 bytes on Linux, 104 elsewhere).
+#[cfg(target_os = "linux")]
+pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+/// The longest path a unix socket can be made at: `sun_path` less its
+/// terminating NUL (108 bytes on Linux, 104 elsewhere).
+#[cfg(not(target_os = "linux"))]
+pub const MAX_SOCKET_PATH_BYTES: usize = 103;
+/// What the answer socket's name in the state directory starts with; 32
+/// random hex digits follow.
+pub const ACK_SOCKET_PREFIX: &str = "upgrade-ack-";
 
 /// Why an upgrade was not started.
 #[derive(Debug, Error)]
@@ -85,12 +158,14 @@ pub enum UpgradeError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The updater could not be started at all; nothing ran.
+    /// The updater could not be started at all: it could not be exec'd, its
+    /// answer socket could not be made, or `systemd-run` failed. Nothing
+    /// that took the upgrade ran.
     #[error("cannot start the updater {binary}: {source}", binary = .binary.display())]
     Spawn {
-        /// The executable.
+        /// The updater's executable.
         binary: PathBuf,
-        /// Why.
+        /// Why; names `systemd-run` or the socket when one of them failed.
         source: io::Error,
     },
     /// The answer channel failed in a way that is not an answer.
@@ -110,12 +185,13 @@ pub enum Refusal {
     /// It answered a line other than `accepted`: the reason, with the
     /// `refused: ` prefix removed.
     Said(String),
-    /// No complete line within the ack wait. It may still be working.
+    /// No complete line within the ack wait (including a line begun and
+    /// not finished by then). It may still be working.
     Silent(Duration),
     /// Some bytes, then end of file before the newline.
     Partway,
-    /// End of file with nothing: it exited (or closed the descriptor)
-    /// without a word.
+    /// End of file with nothing: it exited (or closed the channel) without
+    /// a word.
     WithoutWord,
     /// More than [`MAX_ACK_BYTES`] without a newline.
     Oversize,
@@ -208,49 +284,137 @@ pub async fn start(
     result
 }
 
-/// Runs billet's own updater (`<binary> host-upgrade ...`) as a detached
-/// process and waits for its one-line answer on [`ACK_FD`].
+/// How [`ExecUpgrader`] starts the updater so that it outlives the node,
+/// and so which channel its answer comes back on (the reference's two
+/// variants, spec/node.md §6).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Dispatch {
+    /// Exec'd directly as a child of the node, in its own process group,
+    /// answering on a pipe as its descriptor [`ACK_FD`] (`--ack-fd 3`).
+    ///
+    /// For a node that is not a systemd service. Under systemd, only the
+    /// node unit's `KillMode=process` would keep the updater alive when it
+    /// stops the node.
+    #[default]
+    Detached,
+    /// Started as a transient systemd service of its own through
+    /// `systemd-run --no-block`, so stopping the node's service cannot stop
+    /// it, answering on a unix socket in the state directory
+    /// (`--ack-path <socket>`).
+    ///
+    /// The unit is `billet-host-upgrade-<rollout>-g<generation>` (see
+    /// [`UPDATER_UNIT_PREFIX`]), a `oneshot` collected once it ends, allowed
+    /// [`UPDATER_UNIT_TIMEOUT`]; a unit of that name still running makes
+    /// `systemd-run` fail, so the same instruction is never run twice at
+    /// once. A `systemd-run` that fails is reported at once, without waiting
+    /// for an answer.
+    SystemdRun {
+        /// The `systemd-run` to run: [`SYSTEMD_RUN`], found on `PATH`,
+        /// except in tests.
+        systemd_run: PathBuf,
+        /// The node's state directory, where the answer socket is made. Its
+        /// absolute path, a `/` and the socket's 44-byte name must fit in
+        /// [`MAX_SOCKET_PATH_BYTES`], so at most 62 bytes on Linux; a longer
+        /// one is refused before anything runs.
+        state_dir: PathBuf,
+    },
+}
+
+impl Dispatch {
+    /// How a node with the state directory `state_dir` starts its updater:
+    /// [`Dispatch::SystemdRun`] through [`SYSTEMD_RUN`] when this process is
+    /// a systemd service (on Linux, with `INVOCATION_ID` set, as systemd
+    /// sets it for every unit it starts, the reference's test), else
+    /// [`Dispatch::Detached`]. Read once, at start-up.
+    pub fn from_environment(state_dir: impl Into<PathBuf>) -> Self {
+        Self::for_invocation(std::env::var_os("INVOCATION_ID"), state_dir.into())
+    }
+
+    /// [`Dispatch::SystemdRun`] through [`SYSTEMD_RUN`] on `PATH`, with the
+    /// answer socket in `state_dir`.
+    pub fn systemd_run(state_dir: impl Into<PathBuf>) -> Self {
+        Self::SystemdRun {
+            systemd_run: SYSTEMD_RUN.into(),
+            state_dir: state_dir.into(),
+        }
+    }
+
+    fn for_invocation(invocation_id: Option<OsString>, state_dir: PathBuf) -> Self {
+        let under_systemd =
+            cfg!(target_os = "linux") && invocation_id.is_some_and(|id| !id.is_empty());
+        if under_systemd {
+            Self::systemd_run(state_dir)
+        } else {
+            Self::Detached
+        }
+    }
+}
+
+/// Runs billet's own updater (`<binary> host-upgrade ...`) so that it
+/// outlives the node, and waits for its one-line answer.
 ///
-/// Detached on purpose: the updater's job is to stop the very service that
-/// started it, so it must outlive it. It is not tied to any cancellation
-/// token, not killed when its handle drops, runs in its own process group
-/// (a signal to the node's group does not reach it), and is reaped in the
-/// background with its exit status ignored. Its stdin is `/dev/null`; its
-/// stdout and stderr are the node's, so its log lands beside the node's.
+/// Outliving the node is the point: the updater's job is to stop the very
+/// service that started it. It is never tied to a cancellation token, never
+/// killed when a handle drops, and nothing waits for its exit status. How
+/// it is started and where it answers is its [`Dispatch`]:
 ///
-/// Not implemented yet: the reference's later variant that runs the updater
-/// through `systemd-run` when the node is a systemd service (the pipe does
-/// not survive `systemd-run`; that variant answers on a unix socket,
-/// `--ack-path`, instead).
+/// - [`Dispatch::Detached`]: in its own process group (a signal to the
+///   node's group does not reach it), reaped in the background with its
+///   exit status ignored, stdin `/dev/null` and the node's stdout and stderr
+///   (its log lands beside the node's); the answer on [`ACK_FD`].
+/// - [`Dispatch::SystemdRun`]: in a unit of its own, its log in that unit's
+///   journal; the answer on a unix socket in the state directory, made
+///   before `systemd-run` starts and removed however the wait ends.
+///   `systemd-run` itself gets stdin `/dev/null` and the node's stdout and
+///   stderr, so its own complaint lands in the node's log.
+///
+/// Either way the whole start, `systemd-run` included, is bounded by
+/// `ack_wait`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecUpgrader {
-    /// The executable to run: normally the installed `billet`.
+    /// The executable to run: normally the installed `billet`. Absolute
+    /// under [`Dispatch::SystemdRun`], whose unit does not run in the
+    /// node's working directory.
     pub binary: PathBuf,
     /// Passed to the updater as `--config`, when set.
     pub config: Option<PathBuf>,
     /// How long to wait for the answer.
     pub ack_wait: Duration,
+    /// How the updater is started, and where its answer comes back.
+    pub dispatch: Dispatch,
 }
 
 impl ExecUpgrader {
-    /// An updater at `binary`, with no config and the default ack wait.
+    /// An updater at `binary`, with no config, the default ack wait and
+    /// [`Dispatch::Detached`].
     pub fn new(binary: impl Into<PathBuf>) -> Self {
         Self {
             binary: binary.into(),
             config: None,
             ack_wait: DEFAULT_ACK_WAIT,
+            dispatch: Dispatch::Detached,
         }
     }
 
-    /// The arguments after the binary. Empty fence fields are omitted, never
-    /// passed empty; a generation of zero means none. Nothing here is a
-    /// secret, and nothing secret may ever be added: argv is world-readable.
+    /// The arguments after the binary under [`Dispatch::Detached`], ending
+    /// `--ack-fd 3`; under [`Dispatch::SystemdRun`] they are the same with
+    /// `--ack-path <socket>` in its place. Empty fence fields are omitted,
+    /// never passed empty; a generation of zero means none. Nothing here is
+    /// a secret, and nothing secret may ever be added: argv is
+    /// world-readable.
     ///
     /// # Errors
     ///
     /// [`UpgradeError::Spec`] when a value is empty where required or would
     /// read as a flag.
     pub fn argv(&self, spec: &UpgradeSpec) -> Result<Vec<OsString>, UpgradeError> {
+        let mut argv = self.instruction(spec)?;
+        argv.extend(["--ack-fd".into(), ACK_FD.to_string().into()]);
+        Ok(argv)
+    }
+
+    /// The arguments after the binary, without the answer channel's.
+    fn instruction(&self, spec: &UpgradeSpec) -> Result<Vec<OsString>, UpgradeError> {
         let UpgradeSpec {
             version,
             manifest_sha256,
@@ -289,21 +453,60 @@ impl ExecUpgrader {
         if let Some(config) = &self.config {
             argv.extend(["--config".into(), config.clone().into_os_string()]);
         }
-        argv.extend(["--ack-fd".into(), ACK_FD.to_string().into()]);
         Ok(argv)
     }
-}
 
-#[async_trait]
-impl Upgrader for ExecUpgrader {
-    async fn start_upgrade(&self, spec: &UpgradeSpec) -> Result<(), UpgradeError> {
+    /// The arguments to `systemd-run` that start the updater for `spec` in
+    /// its own unit, answering on `socket`: the unit's settings, `--setenv`
+    /// by name for each of [`UPDATER_ENVIRONMENT`] that `present` says this
+    /// node has, then `--` and the updater's whole command line.
+    fn systemd_run_args(
+        &self,
+        spec: &UpgradeSpec,
+        socket: &Path,
+        present: impl Fn(&str) -> bool,
+    ) -> Result<Vec<OsString>, UpgradeError> {
+        let instruction = self.instruction(spec)?;
+        let unit = unit_name(spec)?;
+        let mut args: Vec<OsString> = vec![
+            format!("--unit={unit}").into(),
+            format!(
+                "--description=billet updater installing {}",
+                spec.version.replace(char::is_control, " ")
+            )
+            .into(),
+            "--service-type=oneshot".into(),
+            "--collect".into(),
+            "--quiet".into(),
+            "--no-block".into(),
+            format!(
+                "--property=TimeoutStartSec={}",
+                UPDATER_UNIT_TIMEOUT.as_secs()
+            )
+            .into(),
+        ];
+        args.extend(
+            UPDATER_ENVIRONMENT
+                .iter()
+                .filter(|name| present(name))
+                .map(|name| OsString::from(format!("--setenv={name}"))),
+        );
+        args.push("--".into());
+        args.push(self.binary.clone().into_os_string());
+        args.extend(instruction);
+        args.extend(["--ack-path".into(), socket.as_os_str().to_owned()]);
+        Ok(args)
+    }
+
+    async fn start_detached(&self, spec: &UpgradeSpec) -> Result<(), UpgradeError> {
+        let deadline = Instant::now() + self.ack_wait;
         let argv = self.argv(spec)?;
         let spawn_error = |source| UpgradeError::Spawn {
             binary: self.binary.clone(),
             source,
         };
         let (reader, writer) = io::pipe().map_err(spawn_error)?;
-        let mut child = {
+        let child = {
             let mut command = std::process::Command::new(&self.binary);
             command
                 .args(&argv)
@@ -323,28 +526,221 @@ impl Upgrader for ExecUpgrader {
         };
         let pid = child.id();
         info!(?pid, binary = %self.binary.display(), ?argv, "the updater is running");
-        // The handle is dropped on purpose: this task only reaps the updater
-        // so it does not linger as a zombie; nothing waits for its status.
-        tokio::spawn(
-            async move {
-                match child.wait().await {
-                    Ok(status) => debug!(%status, "the updater exited"),
-                    Err(e) => debug!(error = %e, "cannot wait for the updater"),
-                }
-            }
-            .instrument(info_span!("updater", ?pid, version = %spec.version)),
-        );
+        reap(child, info_span!("updater", ?pid, version = %spec.version));
         let ack_error = |source| UpgradeError::Ack {
             version: spec.version.clone(),
             source,
         };
         let mut reader = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(reader))
             .map_err(ack_error)?;
-        let answer = match tokio::time::timeout(self.ack_wait, read_answer(&mut reader)).await {
-            Ok(answer) => answer.map_err(ack_error)?,
+        let answer = read_by(deadline, &mut reader).await.map_err(ack_error)?;
+        answer.into_result(&spec.version, self.ack_wait)
+    }
+
+    async fn start_under_systemd(
+        &self,
+        spec: &UpgradeSpec,
+        systemd_run: &Path,
+        state_dir: &Path,
+    ) -> Result<(), UpgradeError> {
+        let deadline = Instant::now() + self.ack_wait;
+        let spawn_error = |source| UpgradeError::Spawn {
+            binary: self.binary.clone(),
+            source,
+        };
+        // Everything that can be refused is, before anything is made or run.
+        let path = ack_socket_path(state_dir).map_err(spawn_error)?;
+        let args = self.systemd_run_args(spec, &path, |name| std::env::var_os(name).is_some())?;
+        // Listening before the updater can exist, so an answer at once finds
+        // it; removed when `socket` drops, on every way out of here.
+        let socket = AckSocket::bind(path).map_err(spawn_error)?;
+        let mut child = {
+            let mut command = std::process::Command::new(systemd_run);
+            command.args(&args).stdin(Stdio::null()).process_group(0);
+            let mut command = tokio::process::Command::from(command);
+            command.kill_on_drop(false);
+            command.spawn().map_err(|e| {
+                spawn_error(io::Error::new(
+                    e.kind(),
+                    format!("cannot run {}: {e}", systemd_run.display()),
+                ))
+            })?
+        };
+        let pid = child.id();
+        info!(?pid, systemd_run = %systemd_run.display(), ?args, "starting the updater in its own unit");
+        // `--no-block`: it returns once the unit's start is queued. Its
+        // failure (no such unit manager, a unit of that name already running,
+        // no permission) is reported now, not at the end of the ack wait.
+        match timeout_at(deadline, child.wait()).await {
+            Ok(Ok(status)) if status.success() => {}
+            Ok(Ok(status)) => {
+                return Err(spawn_error(io::Error::other(format!(
+                    "{} failed ({status}); its own message is in this node's log",
+                    systemd_run.display()
+                ))));
+            }
+            Ok(Err(e)) => {
+                return Err(spawn_error(io::Error::new(
+                    e.kind(),
+                    format!("cannot wait for {}: {e}", systemd_run.display()),
+                )));
+            }
+            Err(_) => {
+                // Not back within the whole ack wait. It may yet start the
+                // updater, so it is left to finish, and reaped.
+                reap(
+                    child,
+                    info_span!("systemd-run", ?pid, version = %spec.version),
+                );
+                return Answer::Timeout.into_result(&spec.version, self.ack_wait);
+            }
+        }
+        let ack_error = |source| UpgradeError::Ack {
+            version: spec.version.clone(),
+            source,
+        };
+        let answer = match timeout_at(deadline, socket.listener.accept()).await {
             Err(_) => Answer::Timeout,
+            Ok(Err(e)) => return Err(ack_error(e)),
+            Ok(Ok((mut stream, _))) => {
+                // The first connection is the updater's answer; nobody else
+                // gets to speak for it, and the socket's file goes now.
+                drop(socket);
+                read_by(deadline, &mut stream).await.map_err(ack_error)?
+            }
         };
         answer.into_result(&spec.version, self.ack_wait)
+    }
+}
+
+#[async_trait]
+impl Upgrader for ExecUpgrader {
+    async fn start_upgrade(&self, spec: &UpgradeSpec) -> Result<(), UpgradeError> {
+        match &self.dispatch {
+            Dispatch::Detached => self.start_detached(spec).await,
+            Dispatch::SystemdRun {
+                systemd_run,
+                state_dir,
+            } => self.start_under_systemd(spec, systemd_run, state_dir).await,
+        }
+    }
+}
+
+/// Reaps `child` in the background so it does not linger as a zombie; its
+/// handle is dropped on purpose, since nothing waits for its status.
+fn reap(mut child: tokio::process::Child, span: Span) {
+    tokio::spawn(
+        async move {
+            match child.wait().await {
+                Ok(status) => debug!(%status, "exited"),
+                Err(e) => debug!(error = %e, "cannot wait for it"),
+            }
+        }
+        .instrument(span),
+    );
+}
+
+/// The systemd unit the updater for `spec` runs as (without `.service`):
+/// [`UPDATER_UNIT_PREFIX`], the rollout (or `manual`), `-g` and the
+/// generation. A byte that may not appear in a unit name is written
+/// `\xNN`, as `systemd-escape` does, so distinct rollouts name distinct
+/// units. (Rollout ids from the wire never need it.)
+///
+/// # Errors
+///
+/// [`UpgradeError::Spec`] naming `rollout_id` when the name would be longer
+/// than systemd allows.
+fn unit_name(spec: &UpgradeSpec) -> Result<String, UpgradeError> {
+    /// systemd's longest unit name, suffix included.
+    const MAX_UNIT_NAME: usize = 255;
+    const SUFFIX: &str = ".service";
+    let rollout = spec
+        .rollout_id
+        .as_deref()
+        .filter(|r| !r.is_empty())
+        .unwrap_or("manual");
+    let mut name = String::from(UPDATER_UNIT_PREFIX);
+    for b in rollout.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':') {
+            name.push(char::from(b));
+        } else {
+            let _ = write!(name, "\\x{b:02x}");
+        }
+    }
+    let _ = write!(name, "-g{}", spec.generation);
+    if name.len() + SUFFIX.len() > MAX_UNIT_NAME {
+        return Err(UpgradeError::Spec {
+            field: "rollout_id",
+            reason: "is too long to name the updater's systemd unit",
+        });
+    }
+    Ok(name)
+}
+
+/// Where the answer socket for one upgrade goes: an absolute path in
+/// `state_dir` with a random name, checked against
+/// [`MAX_SOCKET_PATH_BYTES`] before anything is made.
+fn ack_socket_path(state_dir: &Path) -> io::Result<PathBuf> {
+    let name = format!("{ACK_SOCKET_PREFIX}{}", uuid::Uuid::new_v4().simple());
+    let path = std::path::absolute(state_dir)?.join(&name);
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "its answer socket {} would be a {len}-byte path, and a unix socket's path is at most {MAX_SOCKET_PATH_BYTES} bytes; give the node a state directory whose absolute path is at most {} bytes",
+                path.display(),
+                MAX_SOCKET_PATH_BYTES - name.len() - 1,
+            ),
+        ));
+    }
+    Ok(path)
+}
+
+/// The answer socket, listening; its file is removed when this drops,
+/// however the wait ended.
+#[derive(Debug)]
+struct AckSocket {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl AckSocket {
+    /// Listens at `path`, which must not exist, readable and writable by
+    /// this node's user only (the updater's unit runs as root).
+    fn bind(path: PathBuf) -> io::Result<Self> {
+        let listener = UnixListener::bind(&path).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot make its answer socket {}: {e}", path.display()),
+            )
+        })?;
+        // Ours from here: the guard removes it from now on.
+        let socket = Self { listener, path };
+        std::fs::set_permissions(&socket.path, std::fs::Permissions::from_mode(0o600)).map_err(
+            |e| {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "cannot restrict its answer socket {}: {e}",
+                        socket.path.display()
+                    ),
+                )
+            },
+        )?;
+        Ok(socket)
+    }
+}
+
+impl Drop for AckSocket {
+    fn drop(&mut self) {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                warn!(path = %self.path.display(), error = %e, "cannot remove the updater's answer socket");
+            }
+        }
     }
 }
 
@@ -357,7 +753,7 @@ enum Answer {
     Eof { partial: usize },
     /// More than [`MAX_ACK_BYTES`] without a newline.
     Oversize,
-    /// Nothing complete within the ack wait.
+    /// Nothing complete by the deadline, whatever was begun.
     Timeout,
 }
 
@@ -388,6 +784,15 @@ impl Answer {
     }
 }
 
+/// Reads the answer from either channel by `deadline`: what
+/// [`read_answer`] finds, or [`Answer::Timeout`] when no line is complete
+/// by then (bytes without their newline included: an answer is a line).
+async fn read_by<R: AsyncRead + Unpin>(deadline: Instant, reader: &mut R) -> io::Result<Answer> {
+    timeout_at(deadline, read_answer(reader))
+        .await
+        .unwrap_or(Ok(Answer::Timeout))
+}
+
 /// Reads at most `MAX_ACK_BYTES + 1` bytes up to the first newline, and
 /// returns as soon as a line is complete without waiting for end of file.
 async fn read_answer<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<Answer> {
@@ -413,6 +818,24 @@ async fn read_answer<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<Answer>
     }
 }
 
+/// Where an [`AckWriter`]'s answer goes.
+#[derive(Debug)]
+enum Channel {
+    /// The descriptor the node handed down (`--ack-fd`).
+    Descriptor(File),
+    /// The node's answer socket (`--ack-path`).
+    Socket(UnixStream),
+}
+
+impl Channel {
+    fn write_all(&mut self, bytes: &[u8]) -> io::Result<()> {
+        match self {
+            Channel::Descriptor(file) => file.write_all(bytes),
+            Channel::Socket(stream) => stream.write_all(bytes),
+        }
+    }
+}
+
 /// The updater's end of the answer channel: answers at most once, then
 /// closes it.
 ///
@@ -423,7 +846,7 @@ async fn read_answer<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<Answer>
 /// it writes nothing.
 #[derive(Debug)]
 pub struct AckWriter {
-    out: Option<File>,
+    out: Option<Channel>,
 }
 
 impl AckWriter {
@@ -432,7 +855,8 @@ impl AckWriter {
         Self { out: None }
     }
 
-    /// Takes the inherited descriptor `fd` as the answer channel.
+    /// Takes the inherited descriptor `fd` as the answer channel
+    /// (`--ack-fd`, [`Dispatch::Detached`]).
     ///
     /// Call it first thing in the process, before anything else opens a
     /// file. The descriptor is reopened through `/dev/fd/<fd>` (safe code
@@ -459,7 +883,37 @@ impl AckWriter {
         if let Err(e) = nix::unistd::close(fd) {
             debug!(fd, error = %e, "cannot close the inherited answer descriptor");
         }
-        Ok(Self { out: Some(out) })
+        Ok(Self {
+            out: Some(Channel::Descriptor(out)),
+        })
+    }
+
+    /// Connects to the node's answer socket at `path` as the answer channel
+    /// (`--ack-path`, [`Dispatch::SystemdRun`]).
+    ///
+    /// Call it first thing, as with [`AckWriter::take_fd`]: once connected,
+    /// an updater that dies before answering is seen by the node at once,
+    /// as end of file, rather than at the end of its wait. The socket is the
+    /// node's; this never creates or removes it.
+    ///
+    /// # Errors
+    ///
+    /// The connect's error, naming `path`, when nothing listens there: the
+    /// node's wait is over (it removes the socket then), or `path` is not a
+    /// node's answer socket.
+    pub fn connect(path: &Path) -> io::Result<Self> {
+        let stream = UnixStream::connect(path).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot connect to the node's answer socket {}: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+        Ok(Self {
+            out: Some(Channel::Socket(stream)),
+        })
     }
 
     /// Whether an answer can still be sent.
@@ -508,8 +962,6 @@ impl Drop for AckWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
-    use std::path::Path;
     use std::sync::Arc;
     use std::time::Instant;
 
@@ -521,16 +973,23 @@ mod tests {
 
     impl TempDir {
         fn new() -> Self {
-            let dir = std::env::temp_dir()
-                .join(format!("billet-upgrade-{}", uuid::Uuid::new_v4().simple()));
+            // Short: an answer socket's whole path in it must fit in 107 bytes.
+            let random = uuid::Uuid::new_v4().simple().to_string();
+            let dir = std::env::temp_dir().join(format!("billet-up-{}", &random[..12]));
             std::fs::create_dir_all(&dir).expect("temp dir");
             Self(dir)
         }
 
-        /// Writes an executable `/bin/sh` script running `body` in this
-        /// directory (its working directory), and returns its path.
+        /// Writes an executable `/bin/sh` script `updater` running `body` in
+        /// this directory (its working directory), and returns its path.
         fn script(&self, body: &str) -> PathBuf {
-            let path = self.0.join("updater");
+            self.script_named("updater", body)
+        }
+
+        /// Writes an executable `/bin/sh` script `name` running `body` in
+        /// this directory (its working directory), and returns its path.
+        fn script_named(&self, name: &str, body: &str) -> PathBuf {
+            let path = self.0.join(name);
             let text = format!("#!/bin/sh\ncd '{}' || exit 1\n{body}\n", self.0.display());
             std::fs::write(&path, text).expect("write script");
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
@@ -575,6 +1034,7 @@ mod tests {
             binary,
             config: None,
             ack_wait,
+            dispatch: Dispatch::Detached,
         }
     }
 
@@ -587,7 +1047,9 @@ mod tests {
         loop {
             match up.start_upgrade(spec).await {
                 Err(UpgradeError::Spawn { source, .. })
-                    if source.raw_os_error() == Some(ETXTBSY) && tries < 50 =>
+                    if (source.raw_os_error() == Some(ETXTBSY)
+                        || source.kind() == io::ErrorKind::ExecutableFileBusy)
+                        && tries < 50 =>
                 {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1128,7 +1590,7 @@ mod tests {
         let dir = TempDir::new();
         let path = dir.path("ack");
         let open = || AckWriter {
-            out: Some(File::create(&path).expect("create")),
+            out: Some(Channel::Descriptor(File::create(&path).expect("create"))),
         };
 
         let mut w = open();
@@ -1176,5 +1638,538 @@ mod tests {
             .expect("read");
         assert_eq!(answer, Answer::Line(b"accepted".to_vec()));
         drop(tx);
+    }
+
+    #[tokio::test]
+    async fn an_acceptance_cut_off_by_the_ack_wait_is_not_accepted() {
+        // 7.R.17: the whole word, no newline, and then nothing until the
+        // wait is over. Not an answer, and not "stopped partway" either:
+        // the updater is still there and may still be working.
+        let dir = TempDir::new();
+        let up = upgrader(
+            dir.script("printf 'accepted' >&3\necho $$ > pid\nsleep 20"),
+            Duration::from_secs(1),
+        );
+        let started = Instant::now();
+        let r = start_upgrade(&up, &spec("1.2.3")).await;
+        let elapsed = started.elapsed();
+        let _group = Group(wait_for_file(&dir.path("pid")).await.parse().expect("pid"));
+        let (refusal, message) = refusal(r);
+        assert_eq!(refusal, Refusal::Silent(Duration::from_secs(1)));
+        assert!(message.contains("did not say within 1s"), "{message}");
+        assert!(
+            elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(5),
+            "returned after {elapsed:?}, not at the 1s bound"
+        );
+    }
+
+    /// A stand-in `systemd-run`: records its arguments in `systemd-run.args`,
+    /// then does what `--no-block` does: starts the command after `--` and
+    /// returns at once, without waiting for it. Like the real one, the
+    /// command gets only `PATH` and the variables named by `--setenv=NAME`
+    /// (values copied from its own environment), and a `--setenv` carrying
+    /// a value is refused here so no test can pass with one.
+    const FAKE_SYSTEMD_RUN: &str = r#"for a in "$@"; do printf '%s\n' "$a"; done > systemd-run.args.part
+mv systemd-run.args.part systemd-run.args
+here=$(pwd)
+keep=" PATH "
+while [ "$#" -gt 0 ]; do
+    a="$1"
+    shift
+    case "$a" in
+        --) break ;;
+        --setenv=*=*) echo "fake systemd-run: a value on the command line: $a" >&2; exit 2 ;;
+        --setenv=*) keep="$keep${a#--setenv=} " ;;
+    esac
+done
+for n in $(env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p'); do
+    case "$keep" in *" $n "*) ;; *) unset "$n" 2>/dev/null ;; esac
+done
+cd /
+"$@" </dev/null >"$here/updater.out" 2>&1 &"#;
+
+    /// A stand-in `systemd-run` that fails, as a real one does when a unit
+    /// of the name is still running (its complaint on stderr is left out,
+    /// to keep the test output quiet).
+    const FAILING_SYSTEMD_RUN: &str = r#"for a in "$@"; do printf '%s\n' "$a"; done > systemd-run.args
+exit 1"#;
+
+    /// An updater that only records its arguments in `updater.args`; the
+    /// test answers for it on the socket it was given.
+    const RECORDING_UPDATER: &str = r#"for a in "$@"; do printf '%s\n' "$a"; done > updater.args.part
+mv updater.args.part updater.args"#;
+
+    /// An [`ExecUpgrader`] under systemd: `updater_body` as the updater,
+    /// `systemd_run_body` as `systemd-run`, the state directory `state`.
+    fn under_systemd(
+        dir: &TempDir,
+        systemd_run_body: &str,
+        updater_body: &str,
+        ack_wait: Duration,
+    ) -> ExecUpgrader {
+        // The updater first: by the time the stand-in `systemd-run` (retried
+        // on ETXTBSY) has started it, its own write is long closed.
+        let binary = dir.script(updater_body);
+        let systemd_run = dir.script_named("systemd-run", systemd_run_body);
+        let state_dir = dir.path("state");
+        std::fs::create_dir_all(&state_dir).expect("state dir");
+        ExecUpgrader {
+            binary,
+            config: None,
+            ack_wait,
+            dispatch: Dispatch::SystemdRun {
+                systemd_run,
+                state_dir,
+            },
+        }
+    }
+
+    fn state_dir(up: &ExecUpgrader) -> &Path {
+        let Dispatch::SystemdRun { state_dir, .. } = &up.dispatch else {
+            panic!("not under systemd: {up:?}")
+        };
+        state_dir
+    }
+
+    /// The answer sockets still in `dir`.
+    fn sockets_left(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .expect("read the state dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with(ACK_SOCKET_PREFIX))
+            .collect()
+    }
+
+    /// Waits for the recording updater to have run, and returns its
+    /// arguments and the socket it was told to answer on.
+    async fn updater_started(dir: &TempDir) -> (Vec<String>, PathBuf) {
+        let args: Vec<String> = wait_for_file(&dir.path("updater.args"))
+            .await
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let at = args
+            .iter()
+            .position(|a| a == "--ack-path")
+            .unwrap_or_else(|| panic!("no --ack-path in {args:?}"));
+        let socket = PathBuf::from(&args[at + 1]);
+        (args, socket)
+    }
+
+    fn fenced_spec() -> UpgradeSpec {
+        UpgradeSpec {
+            version: "1.2.3".into(),
+            manifest_sha256: Some("ab".repeat(32)),
+            rollout_id: Some("rollout-7".into()),
+            generation: 4,
+        }
+    }
+
+    /// Starts the upgrade on a task of its own, so the test can play the
+    /// updater meanwhile.
+    fn start_in_background(
+        up: &ExecUpgrader,
+        spec: UpgradeSpec,
+    ) -> tokio::task::JoinHandle<Result<(), UpgradeError>> {
+        let up = up.clone();
+        tokio::spawn(async move { start_upgrade(&up, &spec).await })
+    }
+
+    async fn finished(
+        task: tokio::task::JoinHandle<Result<(), UpgradeError>>,
+    ) -> Result<(), UpgradeError> {
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("answered within 10s")
+            .expect("the upgrade task")
+    }
+
+    #[tokio::test]
+    async fn under_systemd_the_updater_runs_in_its_own_unit_and_answers_on_a_socket() {
+        // 7.R.19.
+        let dir = TempDir::new();
+        let up = under_systemd(&dir, FAKE_SYSTEMD_RUN, RECORDING_UPDATER, DEFAULT_ACK_WAIT);
+        let task = start_in_background(&up, fenced_spec());
+        let (updater_args, socket) = updater_started(&dir).await;
+        assert!(socket.is_absolute(), "{}", socket.display());
+        assert_eq!(socket.parent(), Some(state_dir(&up)));
+        let name = socket.file_name().expect("name").to_string_lossy();
+        assert!(
+            name.starts_with(ACK_SOCKET_PREFIX) && name.len() == ACK_SOCKET_PREFIX.len() + 32,
+            "{name}"
+        );
+        // The updater's end, as `billet host-upgrade --ack-path` writes it.
+        AckWriter::connect(&socket).expect("connect").accept();
+        finished(task).await.expect("accepted");
+
+        let run_args = std::fs::read_to_string(dir.path("systemd-run.args")).expect("args");
+        let run_args: Vec<&str> = run_args.lines().collect();
+        let dashes = run_args.iter().position(|a| *a == "--").expect("--");
+        let (unit, command) = (&run_args[..dashes], &run_args[dashes + 1..]);
+        for a in unit.iter().filter(|a| a.starts_with("--setenv")) {
+            assert!(
+                a.strip_prefix("--setenv=")
+                    .is_some_and(|n| UPDATER_ENVIRONMENT.contains(&n)),
+                "{a}"
+            );
+        }
+        assert_eq!(
+            unit.iter()
+                .copied()
+                .filter(|a| !a.starts_with("--setenv"))
+                .collect::<Vec<_>>(),
+            [
+                "--unit=billet-host-upgrade-rollout-7-g4",
+                "--description=billet updater installing 1.2.3",
+                "--service-type=oneshot",
+                "--collect",
+                "--quiet",
+                "--no-block",
+                "--property=TimeoutStartSec=88200",
+            ]
+        );
+        let digest = "ab".repeat(32);
+        let socket = socket.to_string_lossy();
+        let binary = up.binary.to_string_lossy();
+        assert_eq!(
+            command,
+            [
+                &*binary,
+                "host-upgrade",
+                "--version",
+                "1.2.3",
+                "--manifest-sha256",
+                &digest,
+                "--rollout",
+                "rollout-7",
+                "--generation",
+                "4",
+                "--ack-path",
+                &socket,
+            ]
+        );
+        assert_eq!(updater_args, command[1..], "what the updater was given");
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn under_systemd_the_updaters_refusal_comes_back_over_the_socket() {
+        // 7.R.20.
+        let dir = TempDir::new();
+        let up = under_systemd(&dir, FAKE_SYSTEMD_RUN, RECORDING_UPDATER, DEFAULT_ACK_WAIT);
+        let task = start_in_background(&up, spec("1.2.3"));
+        let (_, socket) = updater_started(&dir).await;
+        AckWriter::connect(&socket)
+            .expect("connect")
+            .refuse("the manifest digest does not match");
+        let (refusal, message) = refusal(finished(task).await);
+        assert_eq!(
+            refusal,
+            Refusal::Said("the manifest digest does not match".into())
+        );
+        assert_eq!(
+            message,
+            "the updater refused to install 1.2.3: the manifest digest does not match"
+        );
+        let run_args = std::fs::read_to_string(dir.path("systemd-run.args")).expect("args");
+        assert!(
+            run_args
+                .lines()
+                .any(|a| a == "--unit=billet-host-upgrade-manual-g0"),
+            "{run_args}"
+        );
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn a_failing_systemd_run_is_reported_at_once_without_waiting_for_an_answer() {
+        // 7.R.21: the ack wait is long; the failure must not wait for it.
+        let dir = TempDir::new();
+        let up = under_systemd(
+            &dir,
+            FAILING_SYSTEMD_RUN,
+            RECORDING_UPDATER,
+            Duration::from_secs(60),
+        );
+        let started = Instant::now();
+        let r = start_upgrade(&up, &spec("1.2.3")).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "took {:?}",
+            started.elapsed()
+        );
+        let Err(e @ UpgradeError::Spawn { .. }) = r else {
+            panic!("expected a spawn error, got {r:?}");
+        };
+        let message = e.to_string();
+        assert!(message.contains("/systemd-run failed"), "{message}");
+        assert!(message.contains("exit status: 1"), "{message}");
+        assert!(dir.path("systemd-run.args").exists(), "it never ran");
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+
+        // And one that is not there at all.
+        let mut up = up;
+        up.dispatch = Dispatch::SystemdRun {
+            systemd_run: dir.path("no-such-systemd-run"),
+            state_dir: state_dir(&up).to_owned(),
+        };
+        let started = Instant::now();
+        let r = up.start_upgrade(&spec("1.2.3")).await;
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let Err(e @ UpgradeError::Spawn { .. }) = r else {
+            panic!("expected a spawn error, got {r:?}");
+        };
+        assert!(
+            e.to_string().contains("cannot run") && e.to_string().contains("no-such-systemd-run"),
+            "{e}"
+        );
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn under_systemd_an_updater_that_never_connects_is_refused_at_the_ack_wait() {
+        // 7.R.13 as the reference means it: nobody ever connects.
+        let dir = TempDir::new();
+        let up = under_systemd(
+            &dir,
+            FAKE_SYSTEMD_RUN,
+            RECORDING_UPDATER,
+            Duration::from_secs(1),
+        );
+        let started = Instant::now();
+        let r = start_upgrade(&up, &spec("1.2.3")).await;
+        let elapsed = started.elapsed();
+        let (refusal, message) = refusal(r);
+        assert_eq!(refusal, Refusal::Silent(Duration::from_secs(1)));
+        assert!(message.contains("did not say within 1s"), "{message}");
+        assert!(
+            elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(5),
+            "returned after {elapsed:?}, not at the 1s bound"
+        );
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+        // Too late now: the socket is gone, and the updater is told so.
+        let (_, socket) = updater_started(&dir).await;
+        let e = AckWriter::connect(&socket).expect_err("nobody listens");
+        assert!(e.to_string().contains(&*socket.to_string_lossy()), "{e}");
+    }
+
+    #[tokio::test]
+    async fn under_systemd_an_acceptance_cut_off_by_the_ack_wait_is_not_accepted() {
+        // 7.R.17 on the socket: connected, the whole word, no newline, and
+        // the connection held open past the wait.
+        let dir = TempDir::new();
+        let up = under_systemd(
+            &dir,
+            FAKE_SYSTEMD_RUN,
+            RECORDING_UPDATER,
+            Duration::from_secs(1),
+        );
+        let started = Instant::now();
+        let task = start_in_background(&up, spec("1.2.3"));
+        let (_, socket) = updater_started(&dir).await;
+        let mut stream = UnixStream::connect(&socket).expect("connect");
+        stream.write_all(b"accepted").expect("write");
+        let (refusal, message) = refusal(finished(task).await);
+        let elapsed = started.elapsed();
+        drop(stream);
+        assert_eq!(refusal, Refusal::Silent(Duration::from_secs(1)));
+        assert!(message.contains("did not say within 1s"), "{message}");
+        assert!(elapsed >= Duration::from_secs(1), "{elapsed:?}");
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn under_systemd_an_updater_that_hangs_up_without_a_word_is_refused_as_such() {
+        let dir = TempDir::new();
+        let up = under_systemd(&dir, FAKE_SYSTEMD_RUN, RECORDING_UPDATER, DEFAULT_ACK_WAIT);
+        let task = start_in_background(&up, spec("1.2.3"));
+        let (_, socket) = updater_started(&dir).await;
+        drop(UnixStream::connect(&socket).expect("connect"));
+        let (refusal, _) = refusal(finished(task).await);
+        assert_eq!(refusal, Refusal::WithoutWord);
+        assert_eq!(sockets_left(state_dir(&up)), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn a_state_directory_too_long_for_the_answer_socket_is_refused_before_anything_runs() {
+        let dir = TempDir::new();
+        let mut up = under_systemd(&dir, FAKE_SYSTEMD_RUN, RECORDING_UPDATER, DEFAULT_ACK_WAIT);
+        let long = dir.path(&"s".repeat(MAX_SOCKET_PATH_BYTES));
+        std::fs::create_dir_all(&long).expect("long state dir");
+        up.dispatch = Dispatch::SystemdRun {
+            systemd_run: dir.path("systemd-run"),
+            state_dir: long.clone(),
+        };
+        let started = Instant::now();
+        let r = start_upgrade(&up, &spec("1.2.3")).await;
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let Err(e @ UpgradeError::Spawn { .. }) = r else {
+            panic!("expected a spawn error, got {r:?}");
+        };
+        let message = e.to_string();
+        assert!(
+            message.contains(&format!(
+                "a unix socket's path is at most {MAX_SOCKET_PATH_BYTES} bytes"
+            )),
+            "{message}"
+        );
+        assert!(
+            message.contains("give the node a state directory"),
+            "{message}"
+        );
+        assert!(
+            !dir.path("systemd-run.args").exists(),
+            "systemd-run was started anyway"
+        );
+        assert_eq!(sockets_left(&long), Vec::<String>::new());
+    }
+
+    #[test]
+    fn under_systemd_the_environment_goes_by_name_and_never_by_value() {
+        // 7.R.23, the command line; agent/tests/upgrade.rs runs it with a
+        // real environment.
+        let up = ExecUpgrader::new("/usr/local/bin/billet");
+        let present = [
+            "BILLET_LOG",
+            "HTTPS_PROXY",
+            "DATABASE_URL",
+            "AWS_SECRET_ACCESS_KEY",
+        ];
+        let args = up
+            .systemd_run_args(
+                &spec("1.2.3"),
+                Path::new("/var/lib/billet/upgrade-ack-x"),
+                |name| present.contains(&name),
+            )
+            .expect("args");
+        let args: Vec<String> = args
+            .into_iter()
+            .map(|a| a.into_string().expect("utf-8"))
+            .collect();
+        let dashes = args.iter().position(|a| a == "--").expect("--");
+        let setenv: Vec<&str> = args
+            .iter()
+            .filter_map(|a| a.strip_prefix("--setenv="))
+            .collect();
+        assert_eq!(setenv, ["BILLET_LOG", "HTTPS_PROXY"], "{args:?}");
+        assert!(
+            args[..dashes]
+                .iter()
+                .filter(|a| a.starts_with("--setenv="))
+                .count()
+                == 2,
+            "every --setenv is systemd-run's, before --"
+        );
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.contains("DATABASE_URL") || a.contains("AWS_")),
+            "a variable off the allow-list: {args:?}"
+        );
+    }
+
+    #[test]
+    fn unit_names_follow_the_rollout_and_generation_and_escape_what_systemd_does_not_allow() {
+        let name = |rollout: Option<&str>, generation| {
+            unit_name(&UpgradeSpec {
+                version: "1.2.3".into(),
+                manifest_sha256: None,
+                rollout_id: rollout.map(str::to_owned),
+                generation,
+            })
+        };
+        assert_eq!(
+            name(Some("rollout-7"), 4).expect("name"),
+            "billet-host-upgrade-rollout-7-g4"
+        );
+        assert_eq!(
+            name(Some("r_1.2:x"), 12).expect("name"),
+            "billet-host-upgrade-r_1.2:x-g12"
+        );
+        assert_eq!(
+            name(None, 0).expect("name"),
+            "billet-host-upgrade-manual-g0"
+        );
+        assert_eq!(
+            name(Some(""), 3).expect("name"),
+            "billet-host-upgrade-manual-g3"
+        );
+        assert_eq!(
+            name(Some("a/b c\\é"), 1).expect("name"),
+            "billet-host-upgrade-a\\x2fb\\x20c\\x5c\\xc3\\xa9-g1"
+        );
+        assert!(
+            name(Some(&"r".repeat(crate::model::MAX_ID_LEN)), u64::MAX).is_ok(),
+            "the longest rollout id the wire allows names a unit"
+        );
+        assert!(matches!(
+            name(Some(&"r".repeat(300)), 1),
+            Err(UpgradeError::Spec {
+                field: "rollout_id",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_node_under_systemd_starts_its_updater_through_systemd_run_and_any_other_directly() {
+        let state = PathBuf::from("/var/lib/billet");
+        let under_systemd = Dispatch::for_invocation(Some("0123abcd".into()), state.clone());
+        if cfg!(target_os = "linux") {
+            assert_eq!(
+                under_systemd,
+                Dispatch::SystemdRun {
+                    systemd_run: SYSTEMD_RUN.into(),
+                    state_dir: state.clone(),
+                }
+            );
+        } else {
+            assert_eq!(under_systemd, Dispatch::Detached);
+        }
+        assert_eq!(
+            Dispatch::for_invocation(None, state.clone()),
+            Dispatch::Detached
+        );
+        assert_eq!(
+            Dispatch::for_invocation(Some("".into()), state),
+            Dispatch::Detached
+        );
+        assert_eq!(
+            ExecUpgrader::new("/usr/local/bin/billet").dispatch,
+            Dispatch::Detached
+        );
+    }
+
+    #[test]
+    fn the_writer_answers_over_the_nodes_socket_once_and_hangs_up() {
+        use std::io::Read;
+
+        let dir = TempDir::new();
+        let path = dir.path("ack.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let heard = || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let mut text = String::new();
+            // To end of file: the writer hangs up after its one answer.
+            stream.read_to_string(&mut text).expect("read");
+            text
+        };
+
+        let mut w = AckWriter::connect(&path).expect("connect");
+        assert!(w.is_open());
+        w.refuse("line one\nline two");
+        w.accept();
+        assert!(!w.is_open());
+        assert_eq!(heard(), "refused: line one line two\n");
+        drop(w);
+
+        let w = AckWriter::connect(&path).expect("connect");
+        drop(w);
+        assert_eq!(heard(), format!("{ACK_REFUSED}{STOPPED_WITHOUT_ANSWER}\n"));
+
+        let missing = dir.path("gone.sock");
+        let e = AckWriter::connect(&missing).expect_err("nothing listens");
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        assert!(e.to_string().contains(&*missing.to_string_lossy()), "{e}");
     }
 }

@@ -467,4 +467,141 @@ mod tests {
             .await;
         assert!(wrong_name.error.is_some());
     }
+
+    /// 7.O.11: a failure reason the node marks over the wire reaches the
+    /// ledger, and comes back to the node on its next lease read.
+    #[tokio::test]
+    async fn a_failure_reason_marked_over_the_wire_reaches_the_ledger_and_comes_back_on_a_read() {
+        let (handler, ledger, _emulator) = handler().await;
+        let lease = launching_on(&ledger, "mine", "node-a").await;
+        let marked = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::MarkFailure(pb::MarkFailure {
+                    lease_id: "mine".into(),
+                    epoch: lease.epoch,
+                    reason: "the host lost its disk".into(),
+                })),
+            )
+            .await;
+        assert!(marked.error.is_none(), "{marked:?}");
+        assert_eq!(
+            ledger
+                .get("mine")
+                .await
+                .unwrap()
+                .and_then(|l| l.failure_reason)
+                .as_deref(),
+            Some("the host lost its disk")
+        );
+        let read = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::GetLease(pb::GetLease {
+                    lease_id: "mine".into(),
+                })),
+            )
+            .await;
+        match read.result {
+            Some(pb::plane_reply::Result::Lease(l)) => {
+                assert_eq!(l.failure_reason, "the host lost its disk");
+            }
+            other => panic!("no lease in the reply: {other:?} {:?}", read.error),
+        }
+        // A lease without one reads back empty, which the node takes as none.
+        let clean = launching_on(&ledger, "clean", "node-a").await;
+        let read = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::GetLease(pb::GetLease {
+                    lease_id: clean.id.clone(),
+                })),
+            )
+            .await;
+        let Some(pb::plane_reply::Result::Lease(l)) = read.result else {
+            panic!("no lease in the reply: {:?}", read.error);
+        };
+        assert_eq!(l.failure_reason, "");
+    }
+
+    /// 7.O.21: only a verdict is permanent. GitHub refusing to remove a
+    /// runner that is running a job is an answer (`REFUSED`: the node keeps
+    /// the runner); GitHub failing is an outage (`UNAVAILABLE`: the node
+    /// retries), never a verdict.
+    #[tokio::test]
+    async fn a_busy_runner_is_a_refusal_and_a_github_outage_is_unavailable() {
+        let emulator = scaleset::testing::Emulator::builder().start().await;
+        let ledger = Arc::new(
+            Ledger::open_in_memory(Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        // No client-side retries, so an injected failure reaches the handler.
+        let client = emulator
+            .client()
+            .with_retry_policy(scaleset::RetryPolicy::none());
+        let github = Arc::new(Github::new(client));
+        let handler = CallHandler::new(ledger.clone(), github.clone(), QUARANTINE_GRACE);
+        let lease = launching_on(&ledger, "busy", "node-a").await;
+        let minted = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::MintJit(pb::MintJit {
+                    lease_id: "busy".into(),
+                    epoch: lease.epoch,
+                    runner_name: "billet-busy".into(),
+                    work_folder: "_work".into(),
+                })),
+            )
+            .await;
+        assert!(minted.error.is_none(), "{minted:?}");
+        let set = github.ensure_scale_set("linux").await.unwrap();
+        let job = emulator.queue_job(set, Vec::<String>::new());
+        let session = emulator
+            .client()
+            .create_message_session(set, "test")
+            .await
+            .unwrap();
+        assert_eq!(session.acquire_jobs(&[job]).await.unwrap(), vec![job]);
+        emulator.start_job(job, Some("billet-busy"));
+        let remove = || {
+            call(pb::node_call::Call::RemoveRunner(pb::RemoveRunner {
+                lease_id: "busy".into(),
+                epoch: lease.epoch,
+                runner_id: 0,
+                runner_name: String::new(),
+            }))
+        };
+
+        let busy = handler.handle("node-a", remove()).await;
+        assert_eq!(
+            busy.error.as_ref().map(|e| e.code),
+            Some(pb::ErrorCode::Refused as i32),
+            "{busy:?}"
+        );
+        assert_eq!(
+            emulator.state().runners.len(),
+            1,
+            "the busy runner was removed"
+        );
+
+        emulator.inject(scaleset::testing::Fault::status(
+            scaleset::testing::Endpoint::Runners,
+            500,
+        ));
+        let outage = handler.handle("node-a", remove()).await;
+        assert_eq!(
+            outage.error.as_ref().map(|e| e.code),
+            Some(pb::ErrorCode::Unavailable as i32),
+            "{outage:?}"
+        );
+        emulator.clear_faults();
+
+        // Once the job is over the same call removes it: the refusal was
+        // about now, and the node asks again.
+        emulator.complete_job(job, None);
+        let after = handler.handle("node-a", remove()).await;
+        assert!(after.error.is_none(), "{after:?}");
+        let _ = session.close().await;
+    }
 }

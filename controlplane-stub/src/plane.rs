@@ -640,3 +640,155 @@ impl Scaler for PlaneScaler {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A plane over an in-memory ledger with links to `nodes`, none dialed:
+    /// tests attach them with `NodeLink::attach_for_test`.
+    async fn plane(nodes: &[&str]) -> (Arc<Plane>, scaleset::testing::Emulator) {
+        let emulator = scaleset::testing::Emulator::builder().start().await;
+        let lease_ttl = Duration::from_secs(60);
+        let targets: Vec<NodeTarget> = nodes
+            .iter()
+            .map(|name| NodeTarget {
+                name: (*name).into(),
+                addr: "127.0.0.1:9".parse().expect("addr"),
+            })
+            .collect();
+        let config = PlaneConfig {
+            deployment: "dev".into(),
+            lease_ttl,
+            ledger_path: std::path::PathBuf::from(":memory:"),
+            tls: PlaneTls {
+                ca_pem: Vec::new(),
+                cert_pem: Vec::new(),
+                key_pem: Vec::new(),
+            },
+            nodes: targets.clone(),
+            tier: Tier {
+                label: "linux".into(),
+                image: "billet-standin-runner:dev".into(),
+                command: vec!["/run".into()],
+                trust: "trusted".into(),
+                vcpu: 1,
+                memory_bytes: 1 << 20,
+                network: String::new(),
+                env: Vec::new(),
+            },
+            launch_timeout: Duration::from_secs(30),
+            destroy_timeout: Duration::from_secs(30),
+            reap_interval: Duration::from_secs(60),
+            max_runners: 10,
+            maintenance_interval: Duration::from_secs(60),
+            quarantine_grace: crate::calls::QUARANTINE_GRACE,
+        };
+        let plane = Arc::new(Plane {
+            ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
+            github: Arc::new(Github::new(emulator.client())),
+            nodes: targets.into_iter().map(NodeLink::new).collect(),
+            events: broadcast::channel(64).0,
+            managed: Mutex::new(HashSet::new()),
+            node_held: Mutex::new(HashSet::new()),
+            seen: Mutex::new(HashSet::new()),
+            attempts: Mutex::new(HashMap::new()),
+            placement: Mutex::new(HashMap::new()),
+            scale_set: scaleset::ScaleSetId(1),
+            tasks: TaskTracker::new(),
+            config,
+        });
+        (plane, emulator)
+    }
+
+    /// A lease for job `request_id`, bound to `node` and launching there.
+    async fn launched_on(plane: &Plane, request_id: i64, node: &str) -> crate::ledger::Lease {
+        let lease = plane.reserve(request_id).await.expect("reserve");
+        let now = crate::now_ms();
+        plane
+            .ledger
+            .bind(&lease.id, lease.epoch, node, now)
+            .await
+            .expect("bind");
+        plane
+            .ledger
+            .advance(&lease.id, lease.epoch, node, Phase::Launching, now)
+            .await
+            .expect("advance")
+    }
+
+    /// 7.N.10: GitHub's completion of a job reaches only the node its lease
+    /// is bound to, with GitHub's result; another attached node (listed
+    /// first, and holding a lease of its own) hears nothing.
+    #[tokio::test]
+    async fn a_completion_is_sent_only_to_the_node_holding_the_job() {
+        let (plane, _emulator) = plane(&["node-a", "node-b"]).await;
+        let (_tx_a, mut rx_a) = plane.nodes[0].attach_for_test(1, 16);
+        let (tx_b, mut rx_b) = plane.nodes[1].attach_for_test(1, 16);
+        let _other = launched_on(&plane, 4, "node-a").await;
+        let lease = launched_on(&plane, 5, "node-b").await;
+        let mut events = plane.subscribe();
+
+        let completing = tokio::spawn({
+            let plane = Arc::clone(&plane);
+            let runner = format!("billet-{}", lease.id);
+            async move {
+                plane
+                    .complete(runner, "succeeded".into(), CancellationToken::new())
+                    .await;
+            }
+        });
+        let command = match tokio::time::timeout(Duration::from_secs(5), rx_b.recv())
+            .await
+            .expect("node-b was sent something")
+            .and_then(|m| m.body)
+        {
+            Some(pb::plane_message::Body::Command(c)) => c,
+            other => panic!("expected a command for node-b, got {other:?}"),
+        };
+        assert_eq!(
+            command.kind,
+            Some(pb::command::Kind::Destroy(pb::Destroy {
+                request_id: 5,
+                job_result: Some("succeeded".into()),
+            }))
+        );
+        plane.nodes[1]
+            .answer_for_test(
+                pb::CommandResult {
+                    id: command.id.clone(),
+                    outcome: pb::Outcome::Ok.into(),
+                    custody: false,
+                    error: None,
+                    instances: None,
+                },
+                &tx_b,
+            )
+            .await;
+        tokio::time::timeout(Duration::from_secs(5), completing)
+            .await
+            .expect("the completion finished")
+            .expect("complete");
+
+        assert!(
+            rx_a.try_recv().is_err(),
+            "node-a, which does not hold the job, was sent a command"
+        );
+        let released = plane
+            .ledger
+            .get(&lease.id)
+            .await
+            .expect("read")
+            .expect("lease");
+        assert_eq!(released.phase, Phase::Done);
+        let mut saw_release = false;
+        while let Ok(event) = events.try_recv() {
+            saw_release |= event
+                == PlaneEvent::Released {
+                    lease: lease.id.clone(),
+                    outcome: "done".into(),
+                };
+        }
+        assert!(saw_release, "no Released event for the completed lease");
+    }
+}

@@ -47,6 +47,11 @@ pub struct ClusterOptions {
     pub maintenance_interval: Duration,
     /// How long a quarantined lease must be absent before it is freed.
     pub quarantine_grace: Duration,
+    /// Install each node the way an operator would, for upgrades: its own
+    /// copy of `billet`, started and stopped by scripts a service manager
+    /// would run, with `billet host-upgrade` as its updater. See
+    /// [`Installed`].
+    pub installed: bool,
 }
 
 impl Default for ClusterOptions {
@@ -61,8 +66,164 @@ impl Default for ClusterOptions {
             docker_socket: PathBuf::from("/var/run/docker.sock"),
             maintenance_interval: Duration::from_secs(2),
             quarantine_grace: Duration::from_secs(300),
+            installed: false,
         }
     }
+}
+
+/// A node installed the way an operator installs one, so that
+/// `billet host-upgrade` can replace it: its own copy of `billet` at
+/// `binary`, a start script that runs it in the background and records its
+/// pid, a stop script that sends SIGTERM and returns once it has exited (a
+/// service manager's two verbs), and the updater's configuration.
+#[derive(Debug, Clone)]
+pub struct Installed {
+    /// The node's binary (the updater's `install_path`).
+    pub binary: PathBuf,
+    /// Starts the node in the background.
+    pub start: PathBuf,
+    /// Stops the node: SIGTERM, then waits for it to exit.
+    pub stop: PathBuf,
+    /// Where `start` records the node's pid.
+    pub pidfile: PathBuf,
+    /// The updater's configuration (`--upgrade-config`).
+    pub upgrade_config: PathBuf,
+    /// The release source directory the configuration names.
+    pub releases: PathBuf,
+    /// The node's state directory.
+    pub state_dir: PathBuf,
+}
+
+impl Installed {
+    /// Writes the binary, the scripts and the configuration for a node run
+    /// with `args` and `env`, logging to `log`.
+    fn write(
+        dir: &Path,
+        name: &str,
+        args: &mut Vec<String>,
+        env: &[(String, String)],
+        log: &Path,
+        state_dir: &Path,
+    ) -> Result<Self> {
+        let root = dir.join(format!("install-{name}"));
+        std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
+        let binary = root.join("billet");
+        std::fs::copy(binary_path("billet")?, &binary).context("install billet")?;
+        let releases = dir.join("releases");
+        std::fs::create_dir_all(&releases)?;
+        let upgrade_config = root.join("upgrade.toml");
+        let installed = Self {
+            start: root.join("start"),
+            stop: root.join("stop"),
+            pidfile: root.join("node.pid"),
+            upgrade_config,
+            releases,
+            state_dir: state_dir.to_owned(),
+            binary,
+        };
+        args.extend([
+            "--upgrader-binary".into(),
+            installed.binary.display().to_string(),
+            "--upgrade-config".into(),
+            installed.upgrade_config.display().to_string(),
+        ]);
+        let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
+        let exports: String = env
+            .iter()
+            .map(|(k, v)| format!("export {k}={}\n", quote(v)))
+            .collect();
+        let argv: Vec<String> = args.iter().map(|a| quote(a)).collect();
+        write_script(
+            &installed.start,
+            &format!(
+                "#!/bin/sh\n# Starts billet node {name} in the background, as a service manager would.\n{exports}{} {} >>{} 2>&1 </dev/null &\necho $! >{}\n",
+                quote(&installed.binary.display().to_string()),
+                argv.join(" "),
+                quote(&log.display().to_string()),
+                quote(&installed.pidfile.display().to_string()),
+            ),
+        )?;
+        write_script(
+            &installed.stop,
+            &format!(
+                "#!/bin/sh\n# Stops billet node {name}: SIGTERM (it drains), then waits for it to exit.\npid=$(cat {}) || exit 0\nkill -TERM \"$pid\" 2>/dev/null || exit 0\nwhile [ -e /proc/$pid ] && ! grep -q '^State:[[:space:]]*Z' /proc/$pid/status 2>/dev/null; do sleep 0.1; done\n",
+                quote(&installed.pidfile.display().to_string()),
+            ),
+        )?;
+        installed.write_config(&installed.start, 60)?;
+        Ok(installed)
+    }
+
+    /// Rewrites the updater's configuration: `start` as its start command
+    /// and `health_timeout_secs`.
+    ///
+    /// # Errors
+    ///
+    /// When the file cannot be written.
+    pub fn write_config(&self, start: &Path, health_timeout_secs: u64) -> Result<()> {
+        let text = format!(
+            "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\nstop_command = [{:?}]\nstart_command = [{:?}]\nhealth_timeout_secs = {health_timeout_secs}\n",
+            self.releases.display().to_string(),
+            self.binary.display().to_string(),
+            self.state_dir.display().to_string(),
+            self.stop.display().to_string(),
+            start.display().to_string(),
+        );
+        std::fs::write(&self.upgrade_config, text)
+            .with_context(|| format!("write {}", self.upgrade_config.display()))
+    }
+
+    /// The pid the start script recorded last.
+    ///
+    /// # Errors
+    ///
+    /// When there is none.
+    pub fn pid(&self) -> Result<u32> {
+        let text = std::fs::read_to_string(&self.pidfile)
+            .with_context(|| format!("read {}", self.pidfile.display()))?;
+        text.trim()
+            .parse()
+            .with_context(|| format!("{} holds {text:?}", self.pidfile.display()))
+    }
+}
+
+/// Writes an executable script.
+///
+/// # Errors
+///
+/// When it cannot be written.
+pub fn write_script(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).with_context(|| format!("write {}", path.display()))?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .with_context(|| format!("chmod {}", path.display()))
+}
+
+/// Whether process `pid` is alive (not gone, not a zombie).
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+        !s.lines()
+            .any(|l| l.starts_with("State:") && l.contains('Z'))
+    })
+}
+
+/// Runs a script to completion, retrying while the kernel still reports it
+/// busy (a script just written, while another thread forks).
+///
+/// # Errors
+///
+/// When it cannot run or fails.
+pub async fn run_script(path: &Path) -> Result<()> {
+    for _ in 0..50 {
+        match Command::new(path).status().await {
+            Ok(status) if status.success() => return Ok(()),
+            Ok(status) => bail!("{} ended {status}", path.display()),
+            Err(e) if e.raw_os_error() == Some(26) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("run {}", path.display())),
+        }
+    }
+    bail!("{} stayed busy", path.display())
 }
 
 /// One `billet node` process.
@@ -74,6 +235,9 @@ pub struct NodeProcess {
     pub addr: SocketAddr,
     /// Its stderr, captured.
     pub log: PathBuf,
+    /// Set when the node is installed for upgrades: then its process is
+    /// started and stopped by the scripts, not held as a child.
+    pub installed: Option<Installed>,
     /// The argv it was started with, to restart it.
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -82,6 +246,9 @@ pub struct NodeProcess {
 
 impl NodeProcess {
     async fn spawn(&mut self) -> Result<()> {
+        if let Some(installed) = &self.installed {
+            return run_script(&installed.start).await;
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -102,6 +269,15 @@ impl NodeProcess {
 
     /// Sends SIGKILL and waits for the process to go.
     pub async fn kill(&mut self) -> Result<()> {
+        if let Some(installed) = &self.installed {
+            if let Ok(pid) = installed.pid() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+                wait_until(Duration::from_secs(10), "the node to die", || !alive(pid)).await?;
+            }
+            return Ok(());
+        }
         if let Some(mut child) = self.child.take() {
             child.kill().await?;
         }
@@ -110,11 +286,14 @@ impl NodeProcess {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) -> Result<()> {
-        let pid = self
-            .child
-            .as_ref()
-            .and_then(Child::id)
-            .context("node is not running")?;
+        let pid = match &self.installed {
+            Some(installed) => installed.pid()?,
+            None => self
+                .child
+                .as_ref()
+                .and_then(Child::id)
+                .context("node is not running")?,
+        };
         let status = std::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])
             .status()?;
@@ -126,7 +305,10 @@ impl NodeProcess {
 
     /// Waits for the process to exit, up to `timeout`.
     pub async fn wait(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
-        let child = self.child.as_mut().context("node is not running")?;
+        let child = self
+            .child
+            .as_mut()
+            .context("node is not running as this process's child")?;
         let status = tokio::time::timeout(timeout, child.wait())
             .await
             .context("node did not exit in time")??;
@@ -248,10 +430,18 @@ impl Cluster {
             ];
             let mut env = vec![("BILLET_LOG".to_owned(), options.node_log.clone())];
             env.extend(options.node_env.iter().cloned());
+            let log = dir.join(format!("{name}.log"));
+            let mut args = args;
+            let installed = if options.installed {
+                Some(Installed::write(&dir, name, &mut args, &env, &log, &state_dir)?)
+            } else {
+                None
+            };
             let mut process = NodeProcess {
                 name: name.clone(),
                 addr,
-                log: dir.join(format!("{name}.log")),
+                log,
+                installed,
                 args,
                 env,
                 child: None,
@@ -458,6 +648,14 @@ impl Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         self.shutdown.cancel();
+        // Installed nodes are not our children: stop them by pid.
+        for node in self.nodes.values() {
+            if let Some(pid) = node.installed.as_ref().and_then(|i| i.pid().ok()) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
         // Best effort: a test that failed midway leaves no container behind.
         let names: Vec<String> = std::process::Command::new("docker")
             .args([

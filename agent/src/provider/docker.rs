@@ -280,9 +280,10 @@ impl Provider for DockerProvider {
     /// # Errors
     ///
     /// [`ProviderError::Refused`] before anything reaches the engine when the
-    /// name is not `billet-<lease>`, the command, image or JIT config is
-    /// empty, an environment key is malformed or is [`JIT_CONFIG_ENV`], or a
-    /// size does not fit the engine's signed 64-bit field.
+    /// name is not `billet-<lease>`, the command or image is empty, the JIT
+    /// config is empty or blank, an environment key is malformed or is
+    /// [`JIT_CONFIG_ENV`], or a size does not fit the engine's signed 64-bit
+    /// field.
     /// [`ProviderError::Engine`] when the engine refuses the create (a name
     /// already in use, a missing image) or the start; after a failed start
     /// the container exists, stopped, and is left for `destroy`.
@@ -444,9 +445,9 @@ impl DockerProvider {
             )));
         }
         let secret = spec.jit_config.expose();
-        if secret.is_empty() {
+        if secret.trim().is_empty() {
             return Err(ProviderError::Refused(format!(
-                "{}: the JIT config is empty",
+                "{}: the JIT config is empty; a runner without a registration has no job to run",
                 spec.name
             )));
         }
@@ -934,6 +935,26 @@ mod tests {
         }
         // The engine was never contacted.
         assert!(provider.api_version().is_none());
+    }
+
+    /// 7.Q.6: a spec without a registration (an empty or blank JIT config)
+    /// is refused before the engine is contacted, and the refusal says so.
+    #[tokio::test]
+    async fn create_refuses_a_spec_with_no_registration_before_reaching_the_engine() {
+        let provider = offline();
+        for blank in ["", " ", "\n\t "] {
+            let err = provider.create(spec("a", blank)).await.unwrap_err();
+            match &err {
+                ProviderError::Refused(why) => {
+                    assert!(why.contains("JIT config is empty"), "{blank:?}: {why}");
+                }
+                other => panic!("{blank:?} was not refused: {other}"),
+            }
+        }
+        assert!(
+            provider.api_version().is_none(),
+            "the engine was contacted for a spec with no registration"
+        );
     }
 
     // ---- against the real engine -------------------------------------

@@ -1,0 +1,395 @@
+//! Scenarios over the executor across sessions (7.B.20, 7.L.16, 7.L.20):
+//! the runner over a fake provider, and a plane played by the test on each
+//! session, answering every call as a plane that agrees would and
+//! recording it.
+
+use std::sync::Mutex;
+
+use super::*;
+use crate::journal::MemoryJournal;
+use crate::model::{Epoch, LeaseId};
+use crate::provider::fake::{FakeProvider, Operation};
+
+const LEASE: &str = "l1";
+const INSTANCE: &str = "billet-l1";
+const REQUEST: i64 = 7;
+
+/// The plane on one session: the calls it answered, the results it got.
+struct TestPlane {
+    session: Arc<SessionLink>,
+    calls: Arc<Mutex<Vec<pb::node_call::Call>>>,
+    results: mpsc::UnboundedReceiver<pb::CommandResult>,
+}
+
+impl TestPlane {
+    fn calls(&self) -> Vec<pb::node_call::Call> {
+        self.calls.lock().expect("calls").clone()
+    }
+
+    async fn result(&mut self) -> pb::CommandResult {
+        tokio::time::timeout(Duration::from_secs(5), self.results.recv())
+            .await
+            .expect("the node answered within 5s")
+            .expect("the session is open")
+    }
+
+    fn heartbeats_of(&self, lease: &str) -> usize {
+        self.calls()
+            .iter()
+            .filter(|c| {
+                matches!(c, pb::node_call::Call::Heartbeat(h)
+                    if h.leases.iter().any(|l| l.lease_id == lease))
+            })
+            .count()
+    }
+
+    fn releases(&self) -> Vec<pb::Release> {
+        self.calls()
+            .into_iter()
+            .filter_map(|c| match c {
+                pb::node_call::Call::Release(r) => Some(r),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// What a plane that agrees with everything answers.
+fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
+    use pb::node_call::Call;
+    use pb::plane_reply::Result as R;
+    match call {
+        Call::MintJit(m) => Some(R::Jit(pb::JitConfig {
+            encoded_jit_config: "jit-config".into(),
+            runner_id: 42,
+            runner_name: m.runner_name.clone(),
+        })),
+        Call::Heartbeat(h) => Some(R::Heartbeats(pb::HeartbeatResults {
+            results: h
+                .leases
+                .iter()
+                .map(|l| pb::HeartbeatResult {
+                    lease_id: l.lease_id.clone(),
+                    error: None,
+                })
+                .collect(),
+        })),
+        Call::GetLease(g) => Some(R::Lease(pb::Lease {
+            id: g.lease_id.clone(),
+            epoch: 1,
+            tier: "linux".into(),
+            phase: "online".into(),
+            vcpu: 1,
+            memory_bytes: 1 << 30,
+            node: "node-1".into(),
+            request_id: REQUEST,
+            providers: Vec::new(),
+            failure_reason: String::new(),
+        })),
+        Call::Launched(_) => Some(R::Launched(pb::LaunchedSet::default())),
+        Call::Reconcile(_) => Some(R::Reconciled(pb::ReconcileResult { freed: 0 })),
+        Call::Bind(_)
+        | Call::Advance(_)
+        | Call::Release(_)
+        | Call::RemoveRunner(_)
+        | Call::MarkFailure(_) => None,
+    }
+}
+
+/// Opens session `id` on `link`, as `attach` does, and plays the plane on
+/// it; every result is acknowledged `accepted`. Returns the plane and the
+/// session it replaced, which the caller closes.
+fn open(link: &PlaneLink, id: u64) -> (TestPlane, Option<Arc<SessionLink>>) {
+    let (tx, mut rx) = mpsc::channel(64);
+    let session = Arc::new(SessionLink::new(id, tx));
+    let replaced = link.install(Arc::clone(&session), Duration::from_secs(30));
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let (results_tx, results) = mpsc::unbounded_channel();
+    let (seen, plane_side) = (Arc::clone(&calls), Arc::clone(&session));
+    tokio::spawn(async move {
+        while let Some(Ok(pb::NodeMessage { body: Some(body) })) = rx.recv().await {
+            match body {
+                pb::node_message::Body::Call(pb::NodeCall {
+                    call_id,
+                    call: Some(call),
+                }) => {
+                    let result = agree(&call);
+                    seen.lock().expect("calls").push(call);
+                    plane_side.on_reply(pb::PlaneReply {
+                        call_id,
+                        error: None,
+                        result,
+                    });
+                }
+                pb::node_message::Body::Result(r) => {
+                    plane_side.on_ack(pb::ResultAck {
+                        id: r.id.clone(),
+                        verdict: pb::AckVerdict::Accepted.into(),
+                    });
+                    let _ = results_tx.send(r);
+                }
+                _ => {}
+            }
+        }
+    });
+    (
+        TestPlane {
+            session,
+            calls,
+            results,
+        },
+        replaced,
+    )
+}
+
+struct Node {
+    provider: Arc<FakeProvider>,
+    runner: Arc<Runner>,
+    link: Arc<PlaneLink>,
+    service: NodeService,
+    cancel: CancellationToken,
+}
+
+impl Node {
+    /// A node whose recovery is done, its executor running.
+    fn start() -> Self {
+        let provider = Arc::new(FakeProvider::new());
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let runner = Arc::new(Runner::new(
+            provider.clone(),
+            link.clone(),
+            link.clone(),
+            crate::runner::RunnerOptions::default(),
+        ));
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            Executor {
+                recovery: Arc::new(Recovery::done()),
+                journal: Arc::new(MemoryJournal::default()),
+                ack_timeout: Duration::from_secs(60),
+                upgrader: None,
+            },
+            cancel.clone(),
+        ));
+        let identity = Identity {
+            node_name: NodeName::parse("node", "node-1").expect("name"),
+            deployment: "dev".into(),
+            incarnation: "i".into(),
+            vcpu: 1,
+            memory_bytes: 1,
+            version: "0".into(),
+        };
+        let service = NodeService::new(
+            identity,
+            runner.clone(),
+            link.clone(),
+            slot,
+            Arc::new(Recovery::done()),
+        );
+        Self {
+            provider,
+            runner,
+            link,
+            service,
+            cancel,
+        }
+    }
+
+    /// A command arriving on `session`, routed as the session routes it.
+    async fn send(&self, session: &Arc<SessionLink>, id: &str, kind: pb::command::Kind) {
+        let command = pb::Command {
+            id: id.into(),
+            deadline_unix_ms: now_unix_ms() + 60_000,
+            kind: Some(kind),
+        };
+        self.service
+            .route(session, pb::plane_message::Body::Command(command))
+            .await;
+    }
+
+    async fn send_launch(&self, session: &Arc<SessionLink>, id: &str) {
+        let mut command = crate::wire::tests::launch();
+        command.id = id.into();
+        command.deadline_unix_ms = now_unix_ms() + 60_000;
+        self.service
+            .route(session, pb::plane_message::Body::Command(command))
+            .await;
+    }
+
+    fn custody(&self) -> Vec<String> {
+        let mut leases: Vec<String> = self
+            .runner
+            .custody_leases()
+            .iter()
+            .map(|l| l.as_str().to_owned())
+            .collect();
+        leases.sort();
+        leases
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while !condition() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} within 5s"));
+}
+
+/// 7.L.16: a newer session replaces the one a launch came on while the
+/// launch runs. Its success cannot reach the plane that asked, so the node
+/// takes custody of it (renewing it through the newer session) rather than
+/// leaving a job nobody holds; nothing is launched twice.
+#[tokio::test]
+async fn a_launch_in_flight_when_a_newer_session_replaces_its_own_goes_into_custody() {
+    let node = Node::start();
+    let (mut first, _) = open(&node.link, 1);
+    node.provider.block(Operation::Create);
+    node.send_launch(&first.session, "c1").await;
+    eventually("the create to start", || {
+        node.provider.count(Operation::Create) == 1
+    })
+    .await;
+
+    let (second, replaced) = open(&node.link, 2);
+    replaced
+        .expect("the newer session replaced the first")
+        .close();
+    node.provider.unblock(Operation::Create);
+
+    eventually("the launch to go into custody", || {
+        node.custody() == [LEASE]
+    })
+    .await;
+    eventually("its renewal through the newer session", || {
+        second.heartbeats_of(LEASE) > 0
+    })
+    .await;
+    assert!(
+        first.results.try_recv().is_err(),
+        "a result reached the replaced session"
+    );
+    assert!(node.runner.holding());
+    assert_eq!(node.provider.count(Operation::Create), 1);
+    assert!(
+        node.provider.instance(INSTANCE).is_some_and(|i| i.running),
+        "the job keeps running"
+    );
+}
+
+/// 7.L.20: a `Superseded` command moves running work into custody (so a
+/// drain can end without completions this process will never see), and
+/// tends then hold it while the job runs and release it `done` once it has
+/// exited, after which the node holds nothing.
+#[tokio::test]
+async fn a_superseded_node_holds_its_running_work_until_tends_see_it_finish() {
+    let node = Node::start();
+    let (mut plane, _) = open(&node.link, 1);
+    node.send_launch(&plane.session, "c1").await;
+    assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
+    assert!(node.custody().is_empty(), "a running job is not custody");
+
+    node.send(
+        &plane.session,
+        "c2",
+        pb::command::Kind::Superseded(pb::Superseded {}),
+    )
+    .await;
+    assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
+    assert_eq!(node.custody(), [LEASE]);
+
+    node.send(&plane.session, "c3", pb::command::Kind::Tend(pb::Tend {}))
+        .await;
+    assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
+    assert_eq!(node.custody(), [LEASE], "a running job is left to finish");
+    assert!(node.runner.holding());
+    assert!(plane.releases().is_empty());
+
+    assert!(
+        node.provider.set_state(INSTANCE, false, true),
+        "the job exits"
+    );
+    node.send(&plane.session, "c4", pb::command::Kind::Tend(pb::Tend {}))
+        .await;
+    assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
+    assert!(node.custody().is_empty());
+    assert!(!node.runner.holding(), "the drain can end");
+    let releases = plane.releases();
+    assert_eq!(releases.len(), 1, "{releases:?}");
+    assert_eq!(
+        (releases[0].lease_id.as_str(), releases[0].outcome.as_str()),
+        (LEASE, "done")
+    );
+    assert_eq!(node.provider.count(Operation::Destroy), 0);
+}
+
+/// 7.B.20: a completion and a tend for the same held lease do not race:
+/// the tend waits in the slot while the completion's destroy is in the
+/// provider, and finds nothing left to do, so the instance is destroyed
+/// and the lease released exactly once.
+#[tokio::test]
+async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
+    let node = Node::start();
+    let (mut plane, _) = open(&node.link, 1);
+    node.send_launch(&plane.session, "c1").await;
+    assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
+    node.runner
+        .assume_custody(
+            &LeaseId::parse("lease", LEASE).expect("id"),
+            Epoch(1),
+            RequestId(REQUEST),
+        )
+        .await
+        .expect("custody");
+    assert_eq!(node.custody(), [LEASE]);
+
+    node.provider.block(Operation::Destroy);
+    node.send(
+        &plane.session,
+        "c2",
+        pb::command::Kind::Destroy(pb::Destroy {
+            request_id: REQUEST,
+            job_result: Some("succeeded".into()),
+        }),
+    )
+    .await;
+    node.send(&plane.session, "c3", pb::command::Kind::Tend(pb::Tend {}))
+        .await;
+    eventually("the completion's destroy to reach the provider", || {
+        node.provider.count(Operation::Destroy) == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        node.provider.count(Operation::Destroy),
+        1,
+        "the tend destroyed beside the completion"
+    );
+    assert!(
+        plane.results.try_recv().is_err(),
+        "answered while destroying"
+    );
+
+    node.provider.unblock(Operation::Destroy);
+    let completion = plane.result().await;
+    assert_eq!(completion.id, "c2");
+    assert_eq!(completion.outcome, pb::Outcome::Ok as i32, "{completion:?}");
+    let tend = plane.result().await;
+    assert_eq!(tend.id, "c3");
+    assert_eq!(tend.outcome, pb::Outcome::Ok as i32, "{tend:?}");
+    assert_eq!(node.provider.count(Operation::Destroy), 1);
+    assert!(node.provider.instance(INSTANCE).is_none());
+    assert_eq!(plane.releases().len(), 1, "{:?}", plane.releases());
+    assert!(node.custody().is_empty());
+}

@@ -1,0 +1,245 @@
+//! `billet host-upgrade` refuses, with nothing touched, every instruction it
+//! cannot carry out: the real binary, exec'd the way `billet node` execs it
+//! on `StartUpgrade`, answering on file descriptor 3. "Nothing touched"
+//! means: the service's stop command never ran, the installed binary is
+//! byte for byte what it was, and nothing was left staged beside it.
+//! (tests/tests/upgrade.rs drives accepted upgrades end to end.)
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use billet_agent::hostupgrade::{DIR, JOURNAL_FILE, LOCK_FILE, Record, Step};
+use billet_agent::release;
+use billet_agent::upgrade::{ExecUpgrader, Refusal, UpgradeError, Upgrader};
+use billet_agent::wire::UpgradeSpec;
+
+const BILLET: &str = env!("CARGO_BIN_EXE_billet");
+
+/// A host with billet installed, a release source holding `next`, and
+/// service commands that leave a mark when run.
+struct Host {
+    dir: PathBuf,
+    install: PathBuf,
+    state: PathBuf,
+    config: PathBuf,
+    digest: String,
+    installed_bytes: Vec<u8>,
+}
+
+const NEXT: &str = "7.0.0-next";
+
+impl Host {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "billet-host-upgrade-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        let install = dir.join("bin/billet");
+        std::fs::create_dir_all(install.parent().expect("parent")).expect("bin dir");
+        let bytes = std::fs::read(BILLET).expect("billet");
+        std::fs::write(&install, &bytes).expect("install");
+        std::fs::set_permissions(&install, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        let releases = dir.join("releases");
+        let digest = release::write(&releases, NEXT, bytes.clone()).expect("release");
+        let state = dir.join("state");
+        let config = dir.join("upgrade.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\nstop_command = [\"/bin/sh\", \"-c\", \"touch {}\"]\nstart_command = [\"/bin/sh\", \"-c\", \"touch {}\"]\nhealth_timeout_secs = 5\n",
+                releases.display().to_string(),
+                install.display().to_string(),
+                state.display().to_string(),
+                dir.join("stopped").display(),
+                dir.join("started").display(),
+            ),
+        )
+        .expect("config");
+        Self {
+            dir,
+            install,
+            state,
+            config,
+            digest,
+            installed_bytes: bytes,
+        }
+    }
+
+    fn spec(&self, generation: u64) -> UpgradeSpec {
+        UpgradeSpec {
+            version: NEXT.into(),
+            manifest_sha256: Some(self.digest.clone()),
+            rollout_id: Some("rollout-1".into()),
+            generation,
+        }
+    }
+
+    async fn upgrade(&self, spec: &UpgradeSpec) -> Result<(), UpgradeError> {
+        let mut upgrader = ExecUpgrader::new(BILLET);
+        upgrader.config = Some(self.config.clone());
+        upgrader.ack_wait = Duration::from_secs(60);
+        let mut tries = 0;
+        loop {
+            match upgrader.start_upgrade(spec).await {
+                // ETXTBSY while another test thread forks; it clears.
+                Err(UpgradeError::Spawn { source, .. })
+                    if source.raw_os_error() == Some(26) && tries < 50 =>
+                {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn refused(&self, spec: &UpgradeSpec) -> String {
+        match self.upgrade(spec).await {
+            Err(UpgradeError::Refused {
+                refusal: Refusal::Said(reason),
+                ..
+            }) => reason,
+            other => panic!("expected a refusal with a reason, got {other:?}"),
+        }
+    }
+
+    fn assert_untouched(&self) {
+        assert!(
+            !self.dir.join("stopped").exists(),
+            "the node was stopped for a refused upgrade"
+        );
+        assert_eq!(
+            std::fs::read(&self.install).expect("installed"),
+            self.installed_bytes,
+            "the installed binary changed"
+        );
+        let staged: Vec<_> = std::fs::read_dir(self.install.parent().expect("bin"))
+            .expect("bin dir")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name())
+            .filter(|n| n != "billet")
+            .collect();
+        assert!(staged.is_empty(), "left beside the binary: {staged:?}");
+    }
+
+    fn journal(&self, record: &Record) {
+        let dir = self.state.join(DIR);
+        std::fs::create_dir_all(&dir).expect("upgrade dir");
+        std::fs::write(
+            dir.join(JOURNAL_FILE),
+            serde_json::to_vec(record).expect("json"),
+        )
+        .expect("journal");
+    }
+}
+
+fn wait_for_exit_of_updater() {
+    // The updater answers and then exits; give it a moment so a lingering
+    // process cannot run the stop command after the assertion.
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+#[tokio::test]
+async fn a_manifest_that_is_not_the_pinned_one_is_refused_before_anything_is_touched() {
+    let host = Host::new();
+    let mut spec = host.spec(1);
+    spec.manifest_sha256 = Some("0".repeat(64));
+    let reason = host.refused(&spec).await;
+    assert!(reason.contains("the rollout pinned"), "{reason}");
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn a_binary_that_is_not_the_manifests_is_refused_before_anything_is_touched() {
+    let host = Host::new();
+    let binary = host.dir.join("releases").join(NEXT).join("billet");
+    let mut bytes = std::fs::read(&binary).expect("release binary");
+    bytes.extend_from_slice(b"tampered");
+    std::fs::write(&binary, bytes).expect("tamper");
+    let reason = host.refused(&host.spec(1)).await;
+    assert!(reason.contains("the manifest says"), "{reason}");
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn a_stale_generation_is_refused_before_anything_is_touched() {
+    let host = Host::new();
+    host.journal(&Record {
+        version: "6.0.0".into(),
+        from: "5.0.0".into(),
+        rollout: Some("rollout-1".into()),
+        generation: Some(5),
+        install_path: host.install.clone(),
+        previous_path: billet_agent::hostupgrade::previous_path(&host.install),
+        staged_path: host.dir.join("none"),
+        updater_pid: 1,
+        step: Step::Done,
+        at: 0,
+    });
+    let reason = host.refused(&host.spec(4)).await;
+    assert!(
+        reason.contains("generation 4 of rollout rollout-1 is stale"),
+        "{reason}"
+    );
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn a_second_upgrade_while_one_holds_the_host_is_refused_before_anything_is_touched() {
+    let host = Host::new();
+    let dir = host.state.join(DIR);
+    std::fs::create_dir_all(&dir).expect("upgrade dir");
+    let claim = std::fs::File::create(dir.join(LOCK_FILE)).expect("lock file");
+    claim.try_lock().expect("the test holds the host claim");
+    let reason = host.refused(&host.spec(1)).await;
+    assert!(reason.contains("another upgrade is in progress"), "{reason}");
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+    drop(claim);
+}
+
+#[tokio::test]
+async fn a_release_missing_from_the_source_is_refused_naming_where_it_looked() {
+    let host = Host::new();
+    let mut spec = host.spec(1);
+    spec.version = "8.0.0".into();
+    spec.manifest_sha256 = None;
+    let reason = host.refused(&spec).await;
+    assert!(
+        reason.contains(&format!("releases/8.0.0/{}", release::MANIFEST_FILE)),
+        "{reason}"
+    );
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn an_instruction_for_the_installed_version_is_accepted_and_changes_nothing() {
+    let host = Host::new();
+    let mut spec = host.spec(1);
+    spec.version = env!("CARGO_PKG_VERSION").into();
+    spec.manifest_sha256 = None;
+    host.upgrade(&spec).await.expect("accepted: nothing to do");
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn an_updater_without_a_service_manager_configured_refuses_naming_the_keys() {
+    let host = Host::new();
+    std::fs::write(
+        &host.config,
+        format!("release_source = {:?}\n", host.dir.join("releases").display().to_string()),
+    )
+    .expect("config");
+    let reason = host.refused(&host.spec(1)).await;
+    assert!(
+        reason.contains("systemd_unit") && reason.contains("stop_command"),
+        "{reason}"
+    );
+    host.assert_untouched();
+}

@@ -1,0 +1,264 @@
+//! StartUpgrade end to end (issue #5): real `billet` binaries installed the
+//! way an operator installs them, a release source on disk, the stub plane
+//! sending `StartUpgrade`, real Docker running the job the upgrade must not
+//! kill. The "second build" is the same build stamped with another version
+//! by the release tool (`agent/src/version.rs` says why).
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use billet_agent::hostupgrade::{JOURNAL_FILE, Record, Step};
+use billet_agent::release::{self, Artifact, Manifest};
+use billet_controlplane_stub::node_link::CommandOutcome;
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, Installed, wait_until, write_script};
+use billet_tests::image::binary_path;
+
+const NODE: &str = "node-1";
+
+async fn installed_cluster(work_ms: u64) -> Result<Cluster> {
+    Cluster::start(ClusterOptions {
+        installed: true,
+        work_ms,
+        ..ClusterOptions::default()
+    })
+    .await
+}
+
+fn installed(cluster: &Cluster) -> Result<Installed> {
+    cluster
+        .nodes
+        .get(NODE)
+        .and_then(|n| n.installed.clone())
+        .context("the node is installed")
+}
+
+/// Writes release `version` (the current build, stamped) into the node's
+/// release source; returns the manifest digest to pin.
+fn publish(installed: &Installed, version: &str) -> Result<String> {
+    let binary = std::fs::read(binary_path("billet")?)?;
+    Ok(release::write(&installed.releases, version, binary)?)
+}
+
+async fn start_upgrade(
+    cluster: &Cluster,
+    version: &str,
+    digest: &str,
+    generation: u64,
+) -> Result<pb::CommandResult> {
+    let link = cluster.plane.node(NODE).context("node link")?;
+    let outcome = link
+        .dispatch(
+            pb::command::Kind::StartUpgrade(pb::StartUpgrade {
+                version: version.into(),
+                manifest_sha256: digest.into(),
+                rollout_id: "rollout-e2e".into(),
+                generation,
+            }),
+            Duration::from_secs(120),
+        )
+        .await;
+    match outcome {
+        CommandOutcome::Answered(result) => Ok(result),
+        other => bail!("StartUpgrade was not answered: {other:?}"),
+    }
+}
+
+fn journal(installed: &Installed) -> Result<Record> {
+    let path = installed
+        .state_dir
+        .join(billet_agent::hostupgrade::DIR)
+        .join(JOURNAL_FILE);
+    let bytes = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
+    Ok(serde_json::from_slice(&bytes)?)
+}
+
+/// Waits until the plane's current session with the node says `version` in
+/// its `Hello`.
+async fn wait_hello_version(cluster: &Cluster, version: &str, timeout: Duration) -> Result<()> {
+    let link = cluster.plane.node(NODE).context("node link")?;
+    let mut status = link.status();
+    let seen = tokio::time::timeout(
+        timeout,
+        status.wait_for(|s| s.as_ref().is_some_and(|s| s.hello.version == version)),
+    )
+    .await;
+    if !matches!(seen, Ok(Ok(_))) {
+        bail!(
+            "the plane never saw version {version} in Hello; the node's log:\n{}",
+            cluster.nodes[NODE].log_text()
+        );
+    }
+    Ok(())
+}
+
+fn installed_version(installed: &Installed) -> Result<String> {
+    billet_agent::hostupgrade::binary_version(&installed.binary).map_err(anyhow::Error::msg)
+}
+
+fn assert_accepted(result: &pb::CommandResult) {
+    assert_eq!(
+        result.outcome,
+        pb::Outcome::Ok as i32,
+        "the updater refused: {:?}",
+        result.error
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_running_a_job_upgrades_to_a_new_release_without_killing_it() -> Result<()> {
+    let cluster = installed_cluster(12_000).await?;
+    let node = installed(&cluster)?;
+    let before = installed_version(&node)?;
+    let next = format!("{before}-next.1");
+    let digest = publish(&node, &next)?;
+
+    let jobs = cluster.queue_jobs(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while cluster.containers().await?.is_empty() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the job's container never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    assert_accepted(&result);
+
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await?;
+    let state = cluster.emulator.state();
+    let job = state.jobs.iter().find(|j| j.id == jobs[0]).context("job")?;
+    assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+
+    wait_hello_version(&cluster, &next, Duration::from_secs(180)).await?;
+    wait_until(Duration::from_secs(60), "the journal to say done", || {
+        journal(&node).is_ok_and(|r| r.step == Step::Done)
+    })
+    .await?;
+    assert_eq!(installed_version(&node)?, next);
+    assert_eq!(
+        billet_agent::hostupgrade::binary_version(&billet_agent::hostupgrade::previous_path(
+            &node.binary
+        ))
+        .map_err(anyhow::Error::msg)?,
+        before,
+        "the previous release is kept beside the new one"
+    );
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_fails_its_health_check_is_rolled_back_and_the_previous_serves() -> Result<()>
+{
+    let cluster = installed_cluster(1_000).await?;
+    let node = installed(&cluster)?;
+    node.write_config(&node.start, 8)?;
+    let before = installed_version(&node)?;
+    // A release whose binary passes the updater's `--version` check and
+    // then fails to serve.
+    let broken = "9.9.9-broken";
+    let dir = node.releases.join(broken);
+    std::fs::create_dir_all(&dir)?;
+    let script = format!(
+        "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'billet {broken}'; exit 0; fi\necho 'this release cannot serve' >&2\nexit 1\n"
+    );
+    write_script(&dir.join("billet"), &script)?;
+    let manifest = Manifest {
+        version: broken.into(),
+        artifacts: vec![Artifact {
+            os: std::env::consts::OS.into(),
+            arch: std::env::consts::ARCH.into(),
+            path: "billet".into(),
+            sha256: release::sha256_hex(script.as_bytes()),
+        }],
+    };
+    let text = serde_json::to_vec(&manifest)?;
+    std::fs::write(dir.join(release::MANIFEST_FILE), &text)?;
+
+    let result = start_upgrade(&cluster, broken, &release::sha256_hex(&text), 1).await?;
+    assert_accepted(&result);
+
+    wait_until(Duration::from_secs(120), "the journal to say rolled back", || {
+        journal(&node).is_ok_and(|r| matches!(r.step, Step::RolledBack { .. }))
+    })
+    .await
+    .with_context(|| cluster.nodes[NODE].log_text())?;
+    let record = journal(&node)?;
+    let Step::RolledBack { reason } = &record.step else {
+        bail!("not rolled back: {record:?}");
+    };
+    assert!(
+        reason.contains("did not report healthy") && reason.contains("which is serving"),
+        "the updater reports why and that the previous release serves: {reason}"
+    );
+    assert_eq!(installed_version(&node)?, before);
+    wait_hello_version(&cluster, &before, Duration::from_secs(60)).await?;
+    let log = cluster.nodes[NODE].log_text();
+    assert!(log.contains("rolling back"), "the updater's failure is in the node's log");
+
+    // The node still runs jobs after the rollback.
+    let jobs = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start() -> Result<()> {
+    let cluster = installed_cluster(1_000).await?;
+    let node = installed(&cluster)?;
+    let before = installed_version(&node)?;
+    let next = format!("{before}-next.2");
+    let digest = publish(&node, &next)?;
+    // The updater's start command hangs, so it is between the swap and the
+    // health check when it is killed.
+    let hang = node.start.with_file_name("start-hangs");
+    write_script(&hang, "#!/bin/sh\nsleep 600\n")?;
+    node.write_config(&hang, 60)?;
+
+    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    assert_accepted(&result);
+    wait_until(Duration::from_secs(120), "the swap", || {
+        journal(&node).is_ok_and(|r| r.step == Step::Swapped)
+    })
+    .await
+    .with_context(|| cluster.nodes[NODE].log_text())?;
+    let pid = journal(&node)?.updater_pid;
+    ensure!(pid > 1, "the journal names its updater");
+    // The updater leads its own process group: kill it and its start
+    // command together, as `kill -9` of a unit would.
+    let killed = std::process::Command::new("kill")
+        .args(["-s", "KILL", "--", &format!("-{pid}")])
+        .status()?;
+    ensure!(killed.success(), "kill -KILL -{pid}");
+    wait_until(Duration::from_secs(10), "the updater to die", || {
+        !billet_tests::cluster::alive(pid)
+    })
+    .await
+    .with_context(|| {
+        std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default()
+    })?;
+    assert_eq!(installed_version(&node)?, next, "killed after the swap");
+
+    // The next start (a service manager's restart) settles it.
+    billet_tests::cluster::run_script(&node.start).await?;
+    wait_hello_version(&cluster, &before, Duration::from_secs(60)).await?;
+    let record = journal(&node)?;
+    assert!(
+        matches!(record.step, Step::RolledBack { .. }),
+        "the journal says rolled back: {record:?}"
+    );
+    assert_eq!(installed_version(&node)?, before, "one version on disk and serving");
+    let jobs = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    cluster.shutdown().await
+}
