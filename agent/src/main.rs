@@ -189,6 +189,9 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
             }
             None
         }
+        Some(_) if args.upgrade_config.is_none() => {
+            return Err("--upgrader-binary (BILLET_UPGRADER_BINARY) is set without --upgrade-config (BILLET_UPGRADE_CONFIG): the updater needs its configuration (deploy/upgrade.toml.example); set both or neither".into());
+        }
         Some(binary) => {
             if !binary.is_absolute() {
                 return Err(format!(

@@ -71,10 +71,9 @@ pub const ACK_FD: i32 = 3;
 /// How long the node waits for the answer by default (the reference's
 /// `ackWait`).
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(90);
-/// What `billet host-upgrade` answers while it has no release source to
-/// install from.
-pub const NO_RELEASE_SOURCE: &str =
-    "this updater has no release source configured yet; upgrade this node out of band";
+/// What `billet host-upgrade` answers when it was given no configuration
+/// (`--config`), so it has no release source to install from.
+pub const NO_RELEASE_SOURCE: &str = "this updater was given no --config, so it has no release source; set the node's --upgrade-config (BILLET_UPGRADE_CONFIG, see deploy/upgrade.toml.example) or upgrade this node out of band";
 /// What an [`AckWriter`] dropped without answering says on the updater's
 /// behalf (a panic, an early return).
 pub const STOPPED_WITHOUT_ANSWER: &str =

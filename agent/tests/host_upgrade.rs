@@ -243,3 +243,53 @@ async fn an_updater_without_a_service_manager_configured_refuses_naming_the_keys
     );
     host.assert_untouched();
 }
+
+#[tokio::test]
+async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_updater() {
+    let host = Host::new();
+    // The state a killed updater leaves: the release swapped in, the
+    // previous binary kept, the journal at `swapped`, the claim free.
+    let previous = billet_agent::hostupgrade::previous_path(&host.install);
+    std::fs::write(&previous, &host.installed_bytes).expect("previous");
+    let release = std::fs::read(host.dir.join("releases").join(NEXT).join("billet"))
+        .expect("release binary");
+    std::fs::write(&host.install, &release).expect("swapped in");
+    host.journal(&Record {
+        version: NEXT.into(),
+        from: env!("CARGO_PKG_VERSION").into(),
+        rollout: Some("rollout-1".into()),
+        generation: Some(1),
+        install_path: host.install.clone(),
+        previous_path: previous.clone(),
+        staged_path: host.dir.join("none"),
+        updater_pid: 1,
+        step: Step::Swapped,
+        at: 0,
+    });
+
+    let reason = host.refused(&host.spec(2)).await;
+    assert!(
+        reason.contains("was interrupted") && reason.contains("send the instruction again"),
+        "{reason}"
+    );
+    // After answering, it rolls the interrupted upgrade back: stop,
+    // restore, start (and a health check, which fails here: no node runs).
+    let journal = host.state.join(DIR).join(JOURNAL_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let record: Record = loop {
+        let record: Record =
+            serde_json::from_slice(&std::fs::read(&journal).expect("journal")).expect("record");
+        if matches!(record.step, Step::RolledBack { .. }) {
+            break record;
+        }
+        assert!(std::time::Instant::now() < deadline, "not settled: {record:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        std::fs::read(&host.install).expect("installed"),
+        host.installed_bytes,
+        "the previous release is back: {record:?}"
+    );
+    assert!(host.dir.join("stopped").exists(), "the node was stopped first");
+    assert!(host.dir.join("started").exists(), "and started again on the previous release");
+}

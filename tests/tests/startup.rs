@@ -220,3 +220,18 @@ fn a_node_started_with_the_planes_certificate_exits_3() -> Result<()> {
     assert_exit(&out, 3, "plane's name");
     Ok(())
 }
+
+#[test]
+fn an_updater_without_its_configuration_exits_2_naming_both_flags() -> Result<()> {
+    let (certs, state) = setup()?;
+    let billet = binary_path("billet")?.display().to_string();
+    let out = node(
+        &["--upgrader-binary", &billet],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 2, "--upgrader-binary");
+    assert_exit(&out, 2, "set both or neither");
+    Ok(())
+}
