@@ -1668,24 +1668,7 @@ mod tests {
     /// command gets only `PATH` and the variables named by `--setenv=NAME`
     /// (values copied from its own environment), and a `--setenv` carrying
     /// a value is refused here so no test can pass with one.
-    const FAKE_SYSTEMD_RUN: &str = r#"for a in "$@"; do printf '%s\n' "$a"; done > systemd-run.args.part
-mv systemd-run.args.part systemd-run.args
-here=$(pwd)
-keep=" PATH "
-while [ "$#" -gt 0 ]; do
-    a="$1"
-    shift
-    case "$a" in
-        --) break ;;
-        --setenv=*=*) echo "fake systemd-run: a value on the command line: $a" >&2; exit 2 ;;
-        --setenv=*) keep="$keep${a#--setenv=} " ;;
-    esac
-done
-for n in $(env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p'); do
-    case "$keep" in *" $n "*) ;; *) unset "$n" 2>/dev/null ;; esac
-done
-cd /
-"$@" </dev/null >"$here/updater.out" 2>&1 &"#;
+    const FAKE_SYSTEMD_RUN: &str = include_str!("../tests/fixtures/fake-systemd-run.sh");
 
     /// A stand-in `systemd-run` that fails, as a real one does when a unit
     /// of the name is still running (its complaint on stderr is left out,

@@ -174,24 +174,7 @@ const KEPT_BACK_VALUE: &str = "kept-back-value";
 /// starts the command after `--` without waiting for it, and gives it only
 /// `PATH` and the variables named by `--setenv=NAME`, with the values from
 /// its own environment. A `--setenv` carrying a value is refused.
-const FAKE_SYSTEMD_RUN: &str = r#"for a in "$@"; do printf '%s\n' "$a"; done > systemd-run.args.part
-mv systemd-run.args.part systemd-run.args
-here=$(pwd)
-keep=" PATH "
-while [ "$#" -gt 0 ]; do
-    a="$1"
-    shift
-    case "$a" in
-        --) break ;;
-        --setenv=*=*) echo "fake systemd-run: a value on the command line: $a" >&2; exit 2 ;;
-        --setenv=*) keep="$keep${a#--setenv=} " ;;
-    esac
-done
-for n in $(env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p'); do
-    case "$keep" in *" $n "*) ;; *) unset "$n" 2>/dev/null ;; esac
-done
-cd /
-"$@" </dev/null >"$here/updater.out" 2>&1 &"#;
+const FAKE_SYSTEMD_RUN: &str = include_str!("fixtures/fake-systemd-run.sh");
 
 /// An updater that records its arguments and what it found in its
 /// environment; the test answers for it on its socket.
