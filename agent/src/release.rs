@@ -504,6 +504,179 @@ mod tests {
         assert!(!dest.exists(), "a binary that failed its digest is not left staged");
     }
 
+    /// A test-only HTTPS file server over tokio-rustls: `GET /<path>`
+    /// answers `200` with the file under `root`, anything else `404`; one
+    /// request per connection, then it closes.
+    mod https {
+        use std::path::{Path, PathBuf};
+        use std::sync::Arc;
+
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+        use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::net::{TcpListener, TcpStream};
+        use tokio_rustls::TlsAcceptor;
+
+        /// A running server; stops when dropped.
+        pub(super) struct Server {
+            /// `https://127.0.0.1:<port>`, no trailing slash.
+            pub(super) origin: String,
+            /// The PEM file of the CA that issued the server's certificate.
+            pub(super) ca: PathBuf,
+            task: tokio::task::JoinHandle<()>,
+        }
+
+        impl Drop for Server {
+            fn drop(&mut self) {
+                self.task.abort();
+            }
+        }
+
+        /// Serves `root` with a fresh CA (written to `ca`) and a certificate
+        /// for `127.0.0.1` and `localhost`.
+        pub(super) async fn serve(root: &Path, ca: PathBuf) -> Server {
+            let ca_key = KeyPair::generate().expect("CA key");
+            let mut params = CertificateParams::default();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+            let ca_cert = params.self_signed(&ca_key).expect("CA");
+            std::fs::write(&ca, ca_cert.pem()).expect("write CA");
+            let issuer = Issuer::new(params, ca_key);
+            let key = KeyPair::generate().expect("key");
+            let leaf = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+                .expect("params")
+                .signed_by(&key, &issuer)
+                .expect("leaf");
+            let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone(), ca_cert.der().clone()];
+            let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+                rustls::crypto::aws_lc_rs::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(chain, PrivatePkcs8KeyDer::from(key.serialize_der()).into())
+            .expect("server config");
+            let acceptor = TlsAcceptor::from(Arc::new(config));
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let origin = format!("https://{}", listener.local_addr().expect("addr"));
+            let root = root.to_owned();
+            let task = tokio::spawn(async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    // A refused handshake is some tests' point: ignore it.
+                    tokio::spawn(answer(acceptor.clone(), tcp, root.clone()));
+                }
+            });
+            Server { origin, ca, task }
+        }
+
+        async fn answer(acceptor: TlsAcceptor, tcp: TcpStream, root: PathBuf) -> std::io::Result<()> {
+            let mut tls = acceptor.accept(tcp).await?;
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = tls.read(&mut buf).await?;
+                if n == 0 || head.len() > 16 << 10 {
+                    return Ok(());
+                }
+                head.extend_from_slice(&buf[..n]);
+            }
+            let head = String::from_utf8_lossy(&head);
+            let mut line = head.lines().next().unwrap_or_default().split(' ');
+            let (method, target) = (line.next(), line.next().unwrap_or_default());
+            let file = match target.strip_prefix('/') {
+                Some(rel)
+                    if method == Some("GET")
+                        && rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..") =>
+                {
+                    std::fs::read(root.join(rel)).ok()
+                }
+                _ => None,
+            };
+            let (status, body) = match file {
+                Some(bytes) => ("200 OK", bytes),
+                None => ("404 Not Found", b"not found\n".to_vec()),
+            };
+            let header = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            tls.write_all(header.as_bytes()).await?;
+            tls.write_all(&body).await?;
+            tls.shutdown().await
+        }
+    }
+
+    /// A release written under `<root>/mirror` and served over HTTPS: the
+    /// server, and the source URL (`<origin>/mirror`).
+    async fn served_release(root: &Path, version: &str) -> (https::Server, String, String) {
+        let pinned = write(&root.join("mirror"), version, fake_billet()).expect("write");
+        let server = https::serve(root, root.join("ca.pem")).await;
+        let url = format!("{}/mirror", server.origin);
+        (server, url, pinned)
+    }
+
+    #[tokio::test]
+    async fn a_release_served_over_https_reads_back_trusting_the_configured_ca() {
+        let root = scratch();
+        let (server, url, pinned) = served_release(&root, "2.0.0").await;
+        let source = Source::parse(&url, Some(&server.ca)).expect("source");
+        let (bytes, what) = source.manifest("2.0.0").await.expect("manifest");
+        assert_eq!(what, format!("{url}/2.0.0/{MANIFEST_FILE}"));
+        let manifest = check_manifest(&bytes, &what, Some(&pinned), "2.0.0").expect("pinned");
+        let dest = root.join("staged");
+        source
+            .artifact("2.0.0", for_this_host(&manifest).expect("host"), &dest)
+            .await
+            .expect("fetch");
+        let got = std::fs::read(&dest).expect("read");
+        assert_eq!(crate::version::stamped(&got).as_deref(), Some("2.0.0"));
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&dest).expect("stat").permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o700);
+    }
+
+    #[tokio::test]
+    async fn a_server_whose_ca_is_not_configured_is_refused() {
+        let root = scratch();
+        let (_server, url, _) = served_release(&root, "2.0.0").await;
+        let source = Source::parse(&url, None).expect("source");
+        let e = source.manifest("2.0.0").await.expect_err("untrusted");
+        let message = e.to_string();
+        assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
+        assert!(message.contains(&format!("{url}/2.0.0/{MANIFEST_FILE}")), "{message}");
+        assert!(message.contains("certificate"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn a_release_missing_from_the_server_names_the_url() {
+        let root = scratch();
+        let (server, url, _) = served_release(&root, "2.0.0").await;
+        let source = Source::parse(&url, Some(&server.ca)).expect("source");
+        let e = source.manifest("9.9.9").await.expect_err("missing");
+        let message = e.to_string();
+        assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
+        assert!(message.contains(&format!("{url}/9.9.9/{MANIFEST_FILE}")), "{message}");
+        assert!(message.contains("404"), "{message}");
+    }
+
+    /// `MAX_BINARY_BYTES` (1 GiB) is too large to serve in a unit test; the
+    /// manifest's limit goes through the same streaming check.
+    #[tokio::test]
+    async fn a_manifest_larger_than_the_limit_is_refused_over_https() {
+        let root = scratch();
+        let (server, url, _) = served_release(&root, "2.0.0").await;
+        let big = vec![b' '; usize::try_from(MAX_MANIFEST_BYTES).expect("fits") + 1];
+        std::fs::create_dir_all(root.join("mirror/3.0.0")).expect("dir");
+        std::fs::write(root.join("mirror/3.0.0").join(MANIFEST_FILE), big).expect("write");
+        let source = Source::parse(&url, Some(&server.ca)).expect("source");
+        let e = source.manifest("3.0.0").await.expect_err("too large");
+        let message = e.to_string();
+        assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
+        assert!(message.contains(&format!("{url}/3.0.0/{MANIFEST_FILE}")), "{message}");
+        assert!(message.contains(&format!("larger than {MAX_MANIFEST_BYTES} bytes")), "{message}");
+    }
+
     #[test]
     fn manifests_naming_paths_outside_the_release_are_refused() {
         for path in ["../billet", "/usr/bin/billet", "", "..", MANIFEST_FILE] {
