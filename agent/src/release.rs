@@ -289,12 +289,12 @@ impl Source {
                     .send()
                     .await
                     .and_then(reqwest::Response::error_for_status)
-                    .map_err(|e| fail(format!("cannot fetch: {e}")))?;
+                    .map_err(|e| fail(format!("cannot fetch: {}", causes(e))))?;
                 let mut read = 0u64;
                 while let Some(chunk) = response
                     .chunk()
                     .await
-                    .map_err(|e| fail(format!("cannot fetch: {e}")))?
+                    .map_err(|e| fail(format!("cannot fetch: {}", causes(e))))?
                 {
                     read += chunk.len() as u64;
                     if read > limit {
@@ -307,6 +307,25 @@ impl Source {
         }
         Ok(())
     }
+}
+
+/// A reqwest error with its causes, `: `-joined and without the URL (the
+/// message already names it). reqwest's own text is only "error sending
+/// request"; the cause (an untrusted certificate, a refused connection) is
+/// what the operator has to fix.
+fn causes(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        let more = c.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 struct Hashing<W> {
@@ -547,7 +566,8 @@ mod tests {
                 .expect("params")
                 .signed_by(&key, &issuer)
                 .expect("leaf");
-            let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone(), ca_cert.der().clone()];
+            let chain: Vec<CertificateDer<'static>> =
+                vec![leaf.der().clone(), ca_cert.der().clone()];
             let config = rustls::ServerConfig::builder_with_provider(Arc::new(
                 rustls::crypto::aws_lc_rs::default_provider(),
             ))
@@ -569,7 +589,11 @@ mod tests {
             Server { origin, ca, task }
         }
 
-        async fn answer(acceptor: TlsAcceptor, tcp: TcpStream, root: PathBuf) -> std::io::Result<()> {
+        async fn answer(
+            acceptor: TlsAcceptor,
+            tcp: TcpStream,
+            root: PathBuf,
+        ) -> std::io::Result<()> {
             let mut tls = acceptor.accept(tcp).await?;
             let mut head = Vec::new();
             let mut buf = [0u8; 1024];
@@ -586,7 +610,9 @@ mod tests {
             let file = match target.strip_prefix('/') {
                 Some(rel)
                     if method == Some("GET")
-                        && rel.split('/').all(|c| !c.is_empty() && c != "." && c != "..") =>
+                        && rel
+                            .split('/')
+                            .all(|c| !c.is_empty() && c != "." && c != "..") =>
                 {
                     std::fs::read(root.join(rel)).ok()
                 }
@@ -644,8 +670,13 @@ mod tests {
         let e = source.manifest("2.0.0").await.expect_err("untrusted");
         let message = e.to_string();
         assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
-        assert!(message.contains(&format!("{url}/2.0.0/{MANIFEST_FILE}")), "{message}");
+        assert!(
+            message.contains(&format!("{url}/2.0.0/{MANIFEST_FILE}")),
+            "{message}"
+        );
+        // The cause, not only reqwest's "error sending request".
         assert!(message.contains("certificate"), "{message}");
+        assert!(message.contains("UnknownIssuer"), "{message}");
     }
 
     #[tokio::test]
@@ -656,7 +687,10 @@ mod tests {
         let e = source.manifest("9.9.9").await.expect_err("missing");
         let message = e.to_string();
         assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
-        assert!(message.contains(&format!("{url}/9.9.9/{MANIFEST_FILE}")), "{message}");
+        assert!(
+            message.contains(&format!("{url}/9.9.9/{MANIFEST_FILE}")),
+            "{message}"
+        );
         assert!(message.contains("404"), "{message}");
     }
 
@@ -673,8 +707,14 @@ mod tests {
         let e = source.manifest("3.0.0").await.expect_err("too large");
         let message = e.to_string();
         assert!(matches!(e, ReleaseError::Fetch { .. }), "{message}");
-        assert!(message.contains(&format!("{url}/3.0.0/{MANIFEST_FILE}")), "{message}");
-        assert!(message.contains(&format!("larger than {MAX_MANIFEST_BYTES} bytes")), "{message}");
+        assert!(
+            message.contains(&format!("{url}/3.0.0/{MANIFEST_FILE}")),
+            "{message}"
+        );
+        assert!(
+            message.contains(&format!("larger than {MAX_MANIFEST_BYTES} bytes")),
+            "{message}"
+        );
     }
 
     #[test]
