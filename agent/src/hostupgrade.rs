@@ -146,7 +146,51 @@ impl UpgradeConfig {
         if self.health_timeout_secs == 0 {
             return Err("health_timeout_secs must be at least 1".into());
         }
-        self.service().map(drop)
+        if std::fs::symlink_metadata(&self.install_path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(format!(
+                "install_path {} is a symbolic link; name the binary itself, which is replaced by rename",
+                self.install_path.display()
+            ));
+        }
+        if let Some(rest) = self.release_source.strip_prefix("https://")
+            && rest.split('/').next().is_some_and(|authority| authority.contains('@'))
+        {
+            return Err("release_source carries credentials in its URL, which would reach logs and the plane; serve the releases without them (or from a directory)".into());
+        }
+        if let Some(ca) = &self.release_ca
+            && !ca.is_absolute()
+        {
+            return Err(format!("release_ca {} must be an absolute path", ca.display()));
+        }
+        let service = self.service()?;
+        if let Service::Commands { stop, start } = &service {
+            for (key, argv) in [("stop_command", stop), ("start_command", start)] {
+                if !Path::new(&argv[0]).is_absolute() {
+                    return Err(format!(
+                        "{key}[0] {:?} must be an absolute path to an executable",
+                        argv[0]
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks this configuration against the node that names it: the same
+    /// state directory (where the journal, lock and local socket live).
+    ///
+    /// # Errors
+    ///
+    /// A sentence naming both values.
+    pub fn check_for_node(&self, node_state_dir: &Path) -> Result<(), String> {
+        if self.state_dir != node_state_dir {
+            return Err(format!(
+                "state_dir is {} but the node's --state-dir is {}; they must be the same directory",
+                self.state_dir.display(),
+                node_state_dir.display()
+            ));
+        }
+        Ok(())
     }
 
     /// The service manager to drive.
@@ -194,6 +238,9 @@ pub enum Step {
     Accepted,
     /// The node has been stopped; the binary is untouched.
     Stopped,
+    /// The swap is about to happen (or has happened): from here, whoever
+    /// settles this upgrade asks the installed binary which release it is.
+    Swapping,
     /// The new binary is installed; the previous is kept.
     Swapped,
     /// The new node has been started; not yet proven healthy.
@@ -213,18 +260,29 @@ pub enum Step {
     /// An updater stopped before the swap; the next one or the node found
     /// it and left the binary as it was.
     Abandoned,
+    /// The previous binary could not be put back after a failure; the new
+    /// one stays installed and was started again. An operator must look.
+    Unrecovered {
+        /// Why, and what was tried.
+        reason: String,
+    },
 }
 
 impl Step {
     fn is_final(&self) -> bool {
         matches!(
             self,
-            Self::Done | Self::RolledBack { .. } | Self::Failed { .. } | Self::Abandoned
+            Self::Done
+                | Self::RolledBack { .. }
+                | Self::Failed { .. }
+                | Self::Abandoned
+                | Self::Unrecovered { .. }
         )
     }
 
-    fn swapped(&self) -> bool {
-        matches!(self, Self::Swapped | Self::Started)
+    /// Whether the swap may have happened: the installed binary decides.
+    fn maybe_swapped(&self) -> bool {
+        matches!(self, Self::Swapping | Self::Swapped | Self::Started)
     }
 }
 
@@ -363,10 +421,34 @@ fn now() -> u64 {
 ///
 /// When it cannot be run or says something else.
 pub fn binary_version(binary: &Path) -> Result<String, String> {
-    let out = Command::new(binary)
+    let mut child = Command::new(binary)
         .arg("--version")
-        .output()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
         .map_err(|e| format!("{}: cannot run: {e}", binary.display()))?;
+    let deadline = std::time::Instant::now() + VERSION_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "{}: `--version` did not answer within {VERSION_TIMEOUT:?}",
+                    binary.display()
+                ));
+            }
+            Err(e) => return Err(format!("{}: {e}", binary.display())),
+        }
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("{}: {e}", binary.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     match text.trim().strip_prefix("billet ") {
         Some(v) if out.status.success() && !v.is_empty() => Ok(v.to_owned()),
@@ -378,6 +460,9 @@ pub fn binary_version(binary: &Path) -> Result<String, String> {
         )),
     }
 }
+
+/// How long a binary gets to answer `--version`.
+pub const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Swaps `staged` in at `install`, keeping the current binary at
 /// `previous`. Each change of `install` is a rename, so at every instant it
@@ -391,6 +476,11 @@ fn swap(install: &Path, previous: &Path, staged: &Path) -> Result<(), String> {
     }
     std::fs::hard_link(install, previous)
         .map_err(|e| fail(&format!("keep {} as {}", install.display(), previous.display()), e))?;
+    // The new binary gets the installed one's mode (the staged file is 0700).
+    if let Ok(meta) = std::fs::metadata(previous) {
+        std::fs::set_permissions(staged, meta.permissions())
+            .map_err(|e| fail(&staged.display().to_string(), e))?;
+    }
     std::fs::rename(staged, install)
         .map_err(|e| fail(&format!("install {} as {}", staged.display(), install.display()), e))?;
     sync_parent(install);
@@ -400,7 +490,9 @@ fn swap(install: &Path, previous: &Path, staged: &Path) -> Result<(), String> {
 /// Puts `previous` back at `install` (a copy by hard link, then a rename;
 /// `previous` stays). Idempotent.
 fn restore(install: &Path, previous: &Path) -> Result<(), String> {
-    let tmp = install.with_extension("restoring");
+    let mut name = install.file_name().unwrap_or_default().to_owned();
+    name.push(".restoring");
+    let tmp = install.with_file_name(name);
     let _ = std::fs::remove_file(&tmp);
     std::fs::hard_link(previous, &tmp)
         .and_then(|()| std::fs::rename(&tmp, install))
@@ -424,7 +516,7 @@ fn sync_parent(path: &Path) {
 }
 
 impl Service {
-    fn run(&self, verb: &str) -> Result<(), String> {
+    async fn run(&self, verb: &str) -> Result<(), String> {
         let argv: Vec<String> = match self {
             Self::Systemd(unit) => vec!["systemctl".into(), verb.into(), unit.clone()],
             Self::Commands { stop, start } => {
@@ -435,11 +527,12 @@ impl Service {
                 }
             }
         };
-        info!(?argv, "{verb}ping the node");
-        let status = Command::new(&argv[0])
+        info!(?argv, "{verb}: the node");
+        let status = tokio::process::Command::new(&argv[0])
             .args(&argv[1..])
             .stdin(std::process::Stdio::null())
             .status()
+            .await
             .map_err(|e| format!("{verb} the node: cannot run {}: {e}", argv[0]))?;
         if status.success() {
             Ok(())
@@ -448,12 +541,12 @@ impl Service {
         }
     }
 
-    fn stop(&self) -> Result<(), String> {
-        self.run("stop")
+    async fn stop(&self) -> Result<(), String> {
+        self.run("stop").await
     }
 
-    fn start(&self) -> Result<(), String> {
-        self.run("start")
+    async fn start(&self) -> Result<(), String> {
+        self.run("start").await
     }
 }
 
@@ -496,33 +589,68 @@ fn check_request(r: &Request) -> Result<(), String> {
     Ok(())
 }
 
-/// Refuses a stale instruction: an older generation of the rollout the last
-/// accepted upgrade belonged to, or the same generation again when it did
-/// not end on its version.
-fn fence(last: Option<&Record>, r: &Request) -> Result<(), String> {
-    let (Some(last), Some(rollout), Some(generation)) = (last, &r.rollout, r.generation) else {
+/// The highest generation accepted per rollout, kept beside the journal
+/// (`fence.json`): a rollout's older generation is stale whatever other
+/// rollouts happened since.
+pub const FENCE_FILE: &str = "fence.json";
+
+type Fence = std::collections::BTreeMap<String, u64>;
+
+impl Files {
+    fn fence(&self) -> Result<Fence, String> {
+        let path = self.dir.join(FENCE_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| format!("{}: unreadable rollout fence ({e}); remove it to reset", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Fence::new()),
+            Err(e) => Err(format!("{}: {e}", path.display())),
+        }
+    }
+
+    fn write_fence(&self, fence: &Fence) -> Result<(), String> {
+        let path = self.dir.join(FENCE_FILE);
+        let tmp = self.dir.join(format!("{FENCE_FILE}.tmp"));
+        let bytes = serde_json::to_vec_pretty(fence).map_err(|e| e.to_string())?;
+        std::fs::write(&tmp, bytes)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|e| format!("{}: cannot record the rollout fence: {e}", path.display()))
+    }
+
+    /// Journals `step`, retrying briefly: after the swap a lost step would
+    /// leave the settling to guesswork, so callers that cannot journal roll
+    /// back instead.
+    fn write_step(&self, record: &mut Record, step: Step) -> Result<(), String> {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match self.write(record, step.clone()) {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        error!("{last}");
+        Err(last)
+    }
+}
+
+/// Refuses a stale instruction: a generation lower than the highest one
+/// this host accepted for the same rollout.
+fn fence(fence: &Fence, r: &Request) -> Result<(), String> {
+    let (Some(rollout), Some(generation)) = (&r.rollout, r.generation) else {
         return Ok(());
     };
-    if last.rollout.as_ref() != Some(rollout) {
-        return Ok(());
-    }
-    let seen = last.generation.unwrap_or(0);
-    if generation < seen {
-        return Err(format!(
+    match fence.get(rollout) {
+        Some(&seen) if generation < seen => Err(format!(
             "generation {generation} of rollout {rollout} is stale: generation {seen} was already accepted"
-        ));
+        )),
+        _ => Ok(()),
     }
-    if generation == seen && last.step != Step::Done {
-        return Err(format!(
-            "generation {generation} of rollout {rollout} was already tried and ended {:?}; a retry needs a new generation",
-            last.step
-        ));
-    }
-    Ok(())
 }
 
 /// Runs one `billet host-upgrade`: answers on `ack` exactly once, then (if
-/// accepted) drives the upgrade to `Done` or back to the previous binary.
+/// accepted) drives the upgrade to `Done` or back to the previous binary. A
+/// SIGTERM while it works settles the upgrade (rolls back a swap, starts
+/// the node) before exiting.
 ///
 /// # Errors
 ///
@@ -564,7 +692,7 @@ pub async fn run(
         Ok(last) => last,
         Err(e) => return Err(refuse(e)),
     };
-    if let Some(mut interrupted) = last.clone().filter(|r| !r.step.is_final()) {
+    if let Some(mut interrupted) = last.filter(|r| !r.step.is_final()) {
         let reason = format!(
             "an earlier upgrade to {} was interrupted at {:?}; settling it first (see {}); send the instruction again afterwards",
             interrupted.version,
@@ -575,7 +703,12 @@ pub async fn run(
         settle(config, &service, &files, &mut interrupted).await;
         return Err(failure);
     }
-    if let Err(e) = fence(last.as_ref(), request) {
+    remove_stale_staging(&config.install_path);
+    let mut fences = match files.fence() {
+        Ok(f) => f,
+        Err(e) => return Err(refuse(e)),
+    };
+    if let Err(e) = fence(&fences, request) {
         return Err(refuse(e));
     }
     let from = match binary_version(&config.install_path) {
@@ -587,9 +720,7 @@ pub async fn run(
         ack.accept();
         return Ok(());
     }
-    let staged = config
-        .install_path
-        .with_file_name(format!(".billet-{}.staged", request.version));
+    let staged = staged_path(&config.install_path, &request.version);
     if let Err(e) = stage(config, request, &staged).await {
         let _ = std::fs::remove_file(&staged);
         return Err(refuse(e));
@@ -606,13 +737,56 @@ pub async fn run(
         step: Step::Accepted,
         at: 0,
     };
-    if let Err(e) = files.write(&mut record, Step::Accepted) {
+    if let (Some(rollout), Some(generation)) = (&request.rollout, request.generation) {
+        fences.insert(rollout.clone(), generation);
+    }
+    if let Err(e) = files
+        .write_fence(&fences)
+        .and_then(|()| files.write(&mut record, Step::Accepted))
+    {
         let _ = std::fs::remove_file(&record.staged_path);
         return Err(refuse(e));
     }
     ack.accept();
     info!(version = %record.version, from = %record.from, "accepted; stopping the node (it drains first)");
-    proceed(config, &service, &files, &mut record).await
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let terminated = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        outcome = proceed(config, &service, &files, &mut record) => outcome,
+        () = terminated => {
+            warn!("SIGTERM: settling the upgrade before exiting");
+            let mut current = files.read().ok().flatten().unwrap_or(record.clone());
+            settle(config, &service, &files, &mut current).await;
+            Err(UpgradeFailure::Failed("stopped by SIGTERM; the upgrade was settled".into()))
+        }
+    }
+}
+
+/// Where a release waits before the swap: beside the installed binary (the
+/// same filesystem, so the swap is one rename).
+fn staged_path(install: &Path, version: &str) -> PathBuf {
+    install.with_file_name(format!(".billet-{version}.staged"))
+}
+
+/// Removes releases an updater staged and then died before accepting.
+fn remove_stale_staging(install: &Path) {
+    let Some(dir) = install.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(".billet-") && name.ends_with(".staged") {
+            info!(file = %entry.path().display(), "removing a release staged by an updater that stopped");
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Where the previous binary is kept: `<install>.previous`.
@@ -622,8 +796,7 @@ pub fn previous_path(install: &Path) -> PathBuf {
     install.with_file_name(name)
 }
 
-/// Fetches and checks the release into `staged`, beside the installed
-/// binary (the same filesystem, so the swap is one rename).
+/// Fetches and checks the release into `staged`.
 async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
     let source = Source::parse(&config.release_source, config.release_ca.as_deref())
         .map_err(|e| e.to_string())?;
@@ -656,47 +829,43 @@ async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Resu
     Ok(())
 }
 
-/// Steps 2 to 5, from `Accepted`.
+/// Steps 2 to 5, from `Accepted`. After the swap nothing returns early: a
+/// failure of any kind, a journal write included, rolls back.
 async fn proceed(
     config: &UpgradeConfig,
     service: &Service,
     files: &Files,
     record: &mut Record,
 ) -> Result<(), UpgradeFailure> {
-    let failed = |files: &Files, record: &mut Record, reason: String| {
-        let _ = files.write(record, Step::Failed { reason: reason.clone() });
-        let _ = std::fs::remove_file(&record.staged_path);
-        UpgradeFailure::Failed(reason)
-    };
-    if let Err(e) = service.stop() {
+    if let Err(e) = service.stop().await {
         // The node may still be running the old binary: make sure it is.
-        let started = service.start();
-        return Err(failed(
-            files,
-            record,
-            format!("{e}; the binary was not changed (restart: {started:?})"),
-        ));
+        let restart = match service.start().await {
+            Ok(()) => "it was started again".to_owned(),
+            Err(s) => format!("starting it again failed too: {s}"),
+        };
+        return Err(fail_unswapped(files, record, format!("{e}; the binary was not changed and {restart}")));
     }
-    journal(files, record, Step::Stopped)?;
+    if let Err(e) = files
+        .write_step(record, Step::Stopped)
+        .and_then(|()| files.write_step(record, Step::Swapping))
+    {
+        let _ = service.start().await;
+        return Err(fail_unswapped(files, record, format!("{e}; the binary was not changed")));
+    }
     if let Err(e) = swap(&record.install_path, &record.previous_path, &record.staged_path) {
-        let started = service.start();
-        return Err(failed(
-            files,
-            record,
-            format!("{e}; the binary was not changed (restart: {started:?})"),
-        ));
+        // A failed rename leaves the old binary in place; make sure of it.
+        return Err(roll_back(config, service, files, record, e).await);
     }
-    journal(files, record, Step::Swapped)?;
-    let outcome = match service.start() {
-        Ok(()) => {
-            journal(files, record, Step::Started)?;
-            wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await
-        }
-        Err(e) => Err(e),
-    };
+    let outcome = async {
+        files.write_step(record, Step::Swapped)?;
+        service.start().await?;
+        files.write_step(record, Step::Started)?;
+        wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await?;
+        files.write_step(record, Step::Done)
+    }
+    .await;
     match outcome {
         Ok(()) => {
-            journal(files, record, Step::Done)?;
             info!(version = %record.version, "upgraded: the node is healthy on the new release");
             Ok(())
         }
@@ -704,10 +873,42 @@ async fn proceed(
     }
 }
 
-fn journal(files: &Files, record: &mut Record, step: Step) -> Result<(), UpgradeFailure> {
-    files.write(record, step).map_err(UpgradeFailure::Failed)
+fn fail_unswapped(files: &Files, record: &mut Record, reason: String) -> UpgradeFailure {
+    let _ = files.write_step(record, Step::Failed { reason: reason.clone() });
+    let _ = std::fs::remove_file(&record.staged_path);
+    error!("{reason}");
+    UpgradeFailure::Failed(reason)
 }
 
+/// Which release the installed binary is, against a record.
+#[derive(Debug, PartialEq, Eq)]
+enum Installed {
+    /// The record's new release.
+    New,
+    /// The release it replaced.
+    Old,
+}
+
+fn installed(record: &Record) -> Result<Installed, String> {
+    let now = binary_version(&record.install_path)?;
+    if now == record.version {
+        Ok(Installed::New)
+    } else if now == record.from {
+        Ok(Installed::Old)
+    } else {
+        Err(format!(
+            "{} reports {now}, neither {} nor {}; settle this upgrade by hand (see {})",
+            record.install_path.display(),
+            record.version,
+            record.from,
+            record.install_path.display()
+        ))
+    }
+}
+
+/// Stops the node, puts the previous binary back, starts it and watches it
+/// come back. When the previous binary cannot be put back, the node is
+/// started on what is installed, and the journal says `Unrecovered`.
 async fn roll_back(
     config: &UpgradeConfig,
     service: &Service,
@@ -716,47 +917,103 @@ async fn roll_back(
     reason: String,
 ) -> UpgradeFailure {
     error!(version = %record.version, %reason, "the new release failed; rolling back to {}", record.from);
-    // Stop whatever runs (a crashing new node's stop is quick), restore,
-    // start the previous release and see it come back.
-    let stopped = service.stop();
-    let restored = restore(&record.install_path, &record.previous_path);
-    let back = match (&stopped, &restored) {
-        (_, Err(e)) => Err(e.clone()),
-        _ => match service.start() {
-            Ok(()) => wait_healthy(&config.state_dir, &record.from, config.health_timeout()).await,
-            Err(e) => Err(e),
-        },
+    let stopped = service.stop().await;
+    let restored = match installed(record) {
+        Ok(Installed::Old) => Ok(()),
+        _ => restore(&record.install_path, &record.previous_path),
+    };
+    let _ = std::fs::remove_file(&record.staged_path);
+    if let Err(e) = restored {
+        let started = service.start().await;
+        let summary = format!(
+            "{reason}; the previous release {} could not be put back ({e}), so {} stays installed and {}; an operator must look",
+            record.from,
+            record.version,
+            match started {
+                Ok(()) => "was started again".to_owned(),
+                Err(s) => format!("could not be started either ({s})"),
+            }
+        );
+        let _ = files.write_step(record, Step::Unrecovered { reason: summary.clone() });
+        error!("{summary}");
+        return UpgradeFailure::Failed(summary);
+    }
+    let back = match service.start().await {
+        Ok(()) => wait_healthy(&config.state_dir, &record.from, config.health_timeout()).await,
+        Err(e) => Err(e),
     };
     let summary = match back {
         Ok(()) => format!("{reason}; rolled back to {}, which is serving", record.from),
         Err(e) => format!(
-            "{reason}; rolled back to {} but it is not healthy: {e}{}",
+            "{reason}; rolled back to {}, which is installed but not healthy: {e}{}",
             record.from,
-            stopped.err().map(|s| format!(" (stop: {s})")).unwrap_or_default()
+            stopped.err().map(|s| format!(" (stopping the new release: {s})")).unwrap_or_default()
         ),
     };
-    if restored.is_ok() {
-        let _ = files.write(record, Step::RolledBack { reason: summary.clone() });
-    }
+    let _ = files.write_step(record, Step::RolledBack { reason: summary.clone() });
     error!("{summary}");
     UpgradeFailure::Failed(summary)
 }
 
-/// Settles an upgrade an earlier updater left unfinished: before the swap,
-/// the binary was never touched (the node is started in case it was
-/// stopped); after it, the swap was never proven healthy and is rolled
-/// back.
+/// Settles an upgrade an earlier updater left unfinished. The installed
+/// binary decides, not the recorded step: the new release installed means a
+/// swap never proven healthy, which is rolled back; the old one means
+/// nothing changed on disk, so the node is started in case it was stopped.
 async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record: &mut Record) {
-    if record.step.swapped() {
-        let reason = "the updater stopped before the new release proved healthy".to_owned();
-        roll_back(config, service, files, record, reason).await;
-    } else {
-        if let Err(e) = service.start() {
-            warn!(error = %e, "cannot start the node after an abandoned upgrade");
+    match installed(record) {
+        Ok(Installed::New) if record.step.maybe_swapped() => {
+            let reason = "the updater stopped before the new release proved healthy".to_owned();
+            roll_back(config, service, files, record, reason).await;
         }
-        let _ = std::fs::remove_file(&record.staged_path);
-        let _ = files.write(record, Step::Abandoned);
+        Ok(_) => {
+            if crate::local::check(&config.state_dir, Duration::from_secs(2))
+                .await
+                .is_err()
+                && let Err(e) = service.start().await
+            {
+                warn!(error = %e, "cannot start the node after an interrupted upgrade");
+            }
+            let _ = std::fs::remove_file(&record.staged_path);
+            let step = if record.step.maybe_swapped() {
+                Step::RolledBack {
+                    reason: format!("the updater stopped; {} was still installed", record.from),
+                }
+            } else {
+                Step::Abandoned
+            };
+            let _ = files.write_step(record, step);
+        }
+        Err(e) => error!("cannot settle the interrupted upgrade: {e}"),
     }
+}
+
+/// `billet host-upgrade --settle`: settles an unfinished upgrade whose
+/// updater is gone, and does nothing otherwise. The transient unit the node
+/// starts the updater in runs it when the updater ends however it ends
+/// (`ExecStopPost`), so an updater killed after stopping the node does not
+/// leave it stopped.
+///
+/// # Errors
+///
+/// A sentence when the configuration or journal cannot be used.
+pub async fn settle_interrupted(config: &UpgradeConfig) -> Result<(), String> {
+    let service = config.service()?;
+    let files = Files::new(&config.state_dir);
+    let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
+        return Ok(());
+    };
+    let Some(_claim) = files.claim()? else {
+        info!("an updater is still at work; nothing to settle");
+        return Ok(());
+    };
+    // Read again under the claim: it may have finished meanwhile.
+    if let Some(current) = files.read()? {
+        record = current;
+    }
+    if !record.step.is_final() {
+        settle(config, &service, &files, &mut record).await;
+    }
+    Ok(())
 }
 
 /// What [`settle_at_node_start`] did.
@@ -764,17 +1021,18 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
 pub enum Settled {
     /// Nothing was unfinished, or a live updater is still at work.
     Nothing,
-    /// An abandoned upgrade never reached the swap; recorded, nothing else.
-    Abandoned,
+    /// An interrupted upgrade had left the previous binary installed;
+    /// recorded, nothing else.
+    Recorded,
     /// The previous binary was put back at this path; the caller, which may
     /// be the new binary, must exec it.
     RolledBack(PathBuf),
 }
 
 /// Run by `billet node` before anything else: settles an upgrade whose
-/// updater died (its lock is free). A swap never proven healthy is rolled
-/// back to the previous binary, so a host ends on one version whichever
-/// process finds the journal first.
+/// updater died (its lock is free). The installed binary decides: a swap
+/// never proven healthy is rolled back to the previous binary, so a host
+/// ends on one version whichever process finds the journal first.
 ///
 /// # Errors
 ///
@@ -782,28 +1040,42 @@ pub enum Settled {
 /// or the previous binary cannot be restored.
 pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     let files = Files::new(state_dir);
-    let Some(mut record) = files.read()? else {
-        return Ok(Settled::Nothing);
-    };
-    if record.step.is_final() {
+    if files.read()?.is_none_or(|r| r.step.is_final()) {
         return Ok(Settled::Nothing);
     }
     let Some(_claim) = files.claim()? else {
         // A live updater (it started this node, or is about to).
         return Ok(Settled::Nothing);
     };
-    if record.step.swapped() {
-        restore(&record.install_path, &record.previous_path)?;
-        let reason = format!(
-            "the updater stopped before {} proved healthy; billet node restored {} at start",
-            record.version, record.from
-        );
-        files.write(&mut record, Step::RolledBack { reason })?;
-        Ok(Settled::RolledBack(record.install_path))
-    } else {
-        let _ = std::fs::remove_file(&record.staged_path);
-        files.write(&mut record, Step::Abandoned)?;
-        Ok(Settled::Abandoned)
+    let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
+        return Ok(Settled::Nothing);
+    };
+    let _ = std::fs::remove_file(&record.staged_path);
+    match installed(&record)? {
+        Installed::New if record.step.maybe_swapped() => {
+            restore(&record.install_path, &record.previous_path)?;
+            let reason = format!(
+                "the updater stopped before {} proved healthy; billet node restored {} at start",
+                record.version, record.from
+            );
+            // The binary is restored whether or not this is recorded; a
+            // later settle finds the old release installed and agrees.
+            if let Err(e) = files.write_step(&mut record, Step::RolledBack { reason }) {
+                warn!("{e}");
+            }
+            Ok(Settled::RolledBack(record.install_path))
+        }
+        _ => {
+            let step = if record.step.maybe_swapped() {
+                Step::RolledBack {
+                    reason: format!("the updater stopped; {} was still installed", record.from),
+                }
+            } else {
+                Step::Abandoned
+            };
+            files.write_step(&mut record, step)?;
+            Ok(Settled::Recorded)
+        }
     }
 }
 
@@ -836,16 +1108,22 @@ mod tests {
     }
 
     #[test]
-    fn the_fence_refuses_older_and_repeated_failed_generations_of_the_same_rollout() {
-        let done = record(Step::Done, "r1", 4);
-        assert!(fence(Some(&done), &request("r1", 3)).is_err());
-        fence(Some(&done), &request("r1", 4)).expect("a repeat of a completed generation");
-        fence(Some(&done), &request("r1", 5)).expect("newer");
-        fence(Some(&done), &request("r2", 1)).expect("another rollout");
-        fence(None, &request("r1", 1)).expect("first ever");
-        let failed = record(Step::RolledBack { reason: "x".into() }, "r1", 4);
-        let e = fence(Some(&failed), &request("r1", 4)).expect_err("retry needs a new generation");
-        assert!(e.contains("new generation"), "{e}");
+    fn the_fence_refuses_a_rollouts_older_generation_whatever_came_since() {
+        let mut seen = Fence::new();
+        seen.insert("r1".into(), 5);
+        seen.insert("r2".into(), 1);
+        let e = fence(&seen, &request("r1", 3)).expect_err("stale, though r2 came since");
+        assert!(e.contains("generation 3 of rollout r1 is stale"), "{e}");
+        fence(&seen, &request("r1", 5)).expect("the same generation again (a retry)");
+        fence(&seen, &request("r1", 6)).expect("newer");
+        fence(&seen, &request("r3", 1)).expect("another rollout");
+        fence(&Fence::new(), &request("r1", 1)).expect("first ever");
+        let unfenced = Request {
+            rollout: None,
+            generation: None,
+            ..request("r1", 1)
+        };
+        fence(&seen, &unfenced).expect("by hand, unfenced");
     }
 
     #[test]
@@ -894,43 +1172,72 @@ mod tests {
         assert_eq!(std::fs::read(&previous).expect("previous"), b"old");
     }
 
-    #[test]
-    fn a_node_start_rolls_back_a_swap_its_dead_updater_never_proved() {
+    /// A host with `install` reporting `installed` and `previous`
+    /// reporting 1.0.0, and a journal for 1.0.0 -> 2.0.0 at `step`.
+    fn host(step: Step, installed: &str) -> (PathBuf, Files, PathBuf) {
         let dir = std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
         let files = Files::new(&dir);
         files.create().expect("dir");
         let install = dir.join("billet");
-        std::fs::write(&install, b"new").expect("new");
-        std::fs::write(previous_path(&install), b"old").expect("old");
+        let fake = |path: &Path, version: &str| {
+            std::fs::write(path, format!("#!/bin/sh\necho 'billet {version}'\n")).expect("fake");
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .expect("chmod");
+        };
+        fake(&install, installed);
+        fake(&previous_path(&install), "1.0.0");
         let mut r = record(Step::Accepted, "r", 1);
         r.install_path = install.clone();
         r.previous_path = previous_path(&install);
-        files.write(&mut r, Step::Swapped).expect("journal");
+        files.write(&mut r, step).expect("journal");
+        (dir, files, install)
+    }
 
+    fn version_of(path: &Path) -> String {
+        binary_version(path).expect("version")
+    }
+
+    #[test]
+    fn a_node_start_rolls_back_a_swap_its_dead_updater_never_proved() {
+        let (dir, files, install) = host(Step::Swapped, "2.0.0");
         // While an updater holds the claim, the node leaves it alone.
         let held = files.claim().expect("claim").expect("free");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
-        assert_eq!(std::fs::read(&install).expect("install"), b"new");
+        assert_eq!(version_of(&install), "2.0.0");
         drop(held);
 
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
-        assert_eq!(std::fs::read(&install).expect("install"), b"old");
+        assert_eq!(version_of(&install), "1.0.0");
         assert!(matches!(files.read().expect("read").expect("record").step, Step::RolledBack { .. }));
         // Settled once: the next start finds nothing to do.
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
     }
 
     #[test]
+    fn the_installed_binary_not_the_journal_decides_what_a_settle_undoes() {
+        // Killed between the rename and journalling it: the journal says
+        // `swapping`, the disk holds the new release. Rolled back.
+        let (dir, _, install) = host(Step::Swapping, "2.0.0");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(version_of(&install), "1.0.0");
+        // A rollback whose journal write was lost: the journal says
+        // `started`, the disk already holds the old release. Only recorded.
+        let (dir, files, install) = host(Step::Started, "1.0.0");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Recorded));
+        assert_eq!(version_of(&install), "1.0.0");
+        assert!(matches!(files.read().expect("read").expect("record").step, Step::RolledBack { .. }));
+        // A binary that is neither release is not guessed at.
+        let (dir, files, _) = host(Step::Swapped, "3.0.0");
+        let e = settle_at_node_start(&dir).expect_err("neither release");
+        assert!(e.contains("neither 2.0.0 nor 1.0.0"), "{e}");
+        assert_eq!(files.read().expect("read").expect("record").step, Step::Swapped);
+    }
+
+    #[test]
     fn a_node_start_marks_an_upgrade_that_died_before_the_swap_abandoned() {
-        let dir = std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
-        let files = Files::new(&dir);
-        files.create().expect("dir");
-        let mut r = record(Step::Accepted, "r", 1);
-        r.install_path = dir.join("billet");
-        std::fs::write(&r.install_path, b"old").expect("old");
-        files.write(&mut r, Step::Stopped).expect("journal");
-        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Abandoned));
-        assert_eq!(std::fs::read(&r.install_path).expect("install"), b"old");
+        let (dir, files, install) = host(Step::Stopped, "1.0.0");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Recorded));
+        assert_eq!(version_of(&install), "1.0.0");
         assert_eq!(files.read().expect("read").expect("record").step, Step::Abandoned);
     }
 }

@@ -145,6 +145,9 @@ pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, Stri
 
 async fn ask(path: PathBuf) -> Result<Observed, String> {
     let shown = path.display().to_string();
+    if !path.exists() {
+        return Err(format!("{shown} does not exist: no node is running on this state directory"));
+    }
     // The URI is required by the API and unused: the connector dials the
     // socket.
     let channel = tonic::transport::Endpoint::from_static("http://node.local")

@@ -59,8 +59,13 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct HostUpgradeArgs {
     /// The exact release to install.
-    #[arg(long)]
-    version: String,
+    #[arg(long, required_unless_present = "settle")]
+    version: Option<String>,
+    /// Settle an upgrade whose updater is gone (roll back an unproven swap,
+    /// start the node), and do nothing else. Run by the updater's transient
+    /// unit when the updater ends, however it ends.
+    #[arg(long, conflicts_with_all = ["version", "ack_fd", "ack_path"], requires = "config")]
+    settle: bool,
     /// The SHA-256 of the release manifest the rollout pinned.
     #[arg(long)]
     manifest_sha256: Option<String>,
@@ -214,6 +219,12 @@ fn config(args: NodeArgs) -> Result<(NodeConfig, SocketAddr), String> {
                     "--upgrade-config (BILLET_UPGRADE_CONFIG) must be an absolute path".into(),
                 );
             }
+            if let Some(path) = &args.upgrade_config {
+                // Checked now, not at the first rollout.
+                hostupgrade::UpgradeConfig::load(path)
+                    .and_then(|c| c.check_for_node(&args.state_dir))
+                    .map_err(|e| format!("--upgrade-config (BILLET_UPGRADE_CONFIG): {e}"))?;
+            }
             Some(ExecUpgrader {
                 binary,
                 config: args.upgrade_config,
@@ -327,6 +338,7 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
     };
     let HostUpgradeArgs {
         version,
+        settle,
         manifest_sha256,
         rollout,
         generation,
@@ -334,8 +346,11 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
         ack_fd: _,
         ack_path: _,
     } = args;
+    if settle {
+        return settle_by_hand(config.as_deref());
+    }
     let request = hostupgrade::Request {
-        version,
+        version: version.unwrap_or_default(),
         manifest_sha256,
         rollout,
         generation,
@@ -374,6 +389,27 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
     }
 }
 
+/// `billet host-upgrade --settle --config PATH`.
+fn settle_by_hand(config: Option<&std::path::Path>) -> ExitCode {
+    let loaded = config
+        .ok_or_else(|| "--settle needs --config".to_owned())
+        .and_then(hostupgrade::UpgradeConfig::load);
+    let settled = loaded.and_then(|config| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("cannot start the async runtime: {e}"))?
+            .block_on(hostupgrade::settle_interrupted(&config))
+    });
+    match settled {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::from(exit::UPGRADE_FAILED)
+        }
+    }
+}
+
 /// Settles an upgrade whose updater died (`hostupgrade.rs`); when that puts
 /// the previous binary back, runs it in this process's place.
 fn settle_upgrade(state_dir: &std::path::Path) -> Option<ExitCode> {
@@ -386,8 +422,8 @@ fn settle_upgrade(state_dir: &std::path::Path) -> Option<ExitCode> {
             error!("cannot exec {}: {e}", binary.display());
             Some(ExitCode::from(exit::STATE))
         }
-        Ok(hostupgrade::Settled::Abandoned) => {
-            warn!("an upgrade that stopped before changing the binary was marked abandoned");
+        Ok(hostupgrade::Settled::Recorded) => {
+            warn!("an interrupted upgrade had left the previous binary installed; recorded");
             None
         }
         Ok(hostupgrade::Settled::Nothing) => None,

@@ -484,6 +484,19 @@ impl ExecUpgrader {
             )
             .into(),
         ];
+        if let Some(config) = &self.config {
+            // However the updater ends (killed, timed out, crashed), its
+            // unit then settles what it left unfinished, so a node it
+            // stopped is not left stopped.
+            args.push(
+                format!(
+                    "--property=ExecStopPost={} host-upgrade --settle --config {}",
+                    exec_word(&self.binary),
+                    exec_word(config)
+                )
+                .into(),
+            );
+        }
         args.extend(
             UPDATER_ENVIRONMENT
                 .iter()
@@ -956,6 +969,27 @@ impl Drop for AckWriter {
             self.refuse(STOPPED_WITHOUT_ANSWER);
         }
     }
+}
+
+/// One word of a systemd `Exec*=` line: double-quoted, with `\\` and `"`
+/// escaped, and `%` and `$` doubled so systemd expands neither.
+fn exec_word(path: &Path) -> String {
+    let text = path.to_string_lossy();
+    let mut word = String::with_capacity(text.len() + 2);
+    word.push('"');
+    for c in text.chars() {
+        match c {
+            '\\' | '"' => {
+                word.push('\\');
+                word.push(c);
+            }
+            '%' => word.push_str("%%"),
+            '$' => word.push_str("$$"),
+            c => word.push(c),
+        }
+    }
+    word.push('"');
+    word
 }
 
 #[cfg(test)]
@@ -2004,6 +2038,34 @@ mv updater.args.part updater.args"#;
             "systemd-run was started anyway"
         );
         assert_eq!(sockets_left(&long), Vec::<String>::new());
+    }
+
+    #[test]
+    fn under_systemd_the_updaters_unit_settles_whatever_it_leaves_when_it_ends() {
+        let mut up = ExecUpgrader::new("/opt/billet 50%/billet");
+        let args = |up: &ExecUpgrader| -> Vec<String> {
+            up.systemd_run_args(&spec("1.2.3"), Path::new("/s/upgrade-ack-x"), |_| false)
+                .expect("args")
+                .into_iter()
+                .map(|a| a.into_string().expect("utf-8"))
+                .collect()
+        };
+        assert!(
+            !args(&up).iter().any(|a| a.contains("ExecStopPost")),
+            "without a configuration there is nothing to settle with"
+        );
+        up.config = Some("/etc/billet/up grade.toml".into());
+        let args = args(&up);
+        let dashes = args.iter().position(|a| a == "--").expect("--");
+        let post: Vec<&String> = args[..dashes]
+            .iter()
+            .filter(|a| a.starts_with("--property=ExecStopPost="))
+            .collect();
+        assert_eq!(
+            post,
+            [r#"--property=ExecStopPost="/opt/billet 50%%/billet" host-upgrade --settle --config "/etc/billet/up grade.toml""#],
+            "quoted words, systemd specifiers escaped"
+        );
     }
 
     #[test]

@@ -109,6 +109,10 @@ impl Host {
             !self.dir.join("stopped").exists(),
             "the node was stopped for a refused upgrade"
         );
+        self.assert_binary_untouched();
+    }
+
+    fn assert_binary_untouched(&self) {
         assert_eq!(
             std::fs::read(&self.install).expect("installed"),
             self.installed_bytes,
@@ -167,18 +171,14 @@ async fn a_binary_that_is_not_the_manifests_is_refused_before_anything_is_touche
 #[tokio::test]
 async fn a_stale_generation_is_refused_before_anything_is_touched() {
     let host = Host::new();
-    host.journal(&Record {
-        version: "6.0.0".into(),
-        from: "5.0.0".into(),
-        rollout: Some("rollout-1".into()),
-        generation: Some(5),
-        install_path: host.install.clone(),
-        previous_path: billet_agent::hostupgrade::previous_path(&host.install),
-        staged_path: host.dir.join("none"),
-        updater_pid: 1,
-        step: Step::Done,
-        at: 0,
-    });
+    // Generation 5 of this rollout was accepted, and another rollout since.
+    let dir = host.state.join(DIR);
+    std::fs::create_dir_all(&dir).expect("upgrade dir");
+    std::fs::write(
+        dir.join(billet_agent::hostupgrade::FENCE_FILE),
+        r#"{"rollout-1": 5, "rollout-2": 1}"#,
+    )
+    .expect("fence");
     let reason = host.refused(&host.spec(4)).await;
     assert!(
         reason.contains("generation 4 of rollout rollout-1 is stale"),
@@ -292,4 +292,83 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
     );
     assert!(host.dir.join("stopped").exists(), "the node was stopped first");
     assert!(host.dir.join("started").exists(), "and started again on the previous release");
+}
+
+fn wait_for_step(host: &Host, done: impl Fn(&Step) -> bool) -> Record {
+    let journal = host.state.join(DIR).join(JOURNAL_FILE);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(bytes) = std::fs::read(&journal)
+            && let Ok(record) = serde_json::from_slice::<Record>(&bytes)
+            && done(&record.step)
+        {
+            return record;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the journal never reached the step: {:?}",
+            std::fs::read_to_string(&journal)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test]
+async fn an_updater_stopped_by_sigterm_while_the_node_drains_starts_the_node_again() {
+    let host = Host::new();
+    // A drain that takes long: the stop command hangs.
+    let config = std::fs::read_to_string(&host.config).expect("config");
+    std::fs::write(
+        &host.config,
+        config.replace(
+            "stop_command = [\"/bin/sh\", \"-c\", \"touch",
+            "stop_command = [\"/bin/sh\", \"-c\", \"sleep 30; touch",
+        ),
+    )
+    .expect("config");
+    host.upgrade(&host.spec(1)).await.expect("accepted");
+    let record = wait_for_step(&host, |s| *s == Step::Accepted);
+    std::thread::sleep(Duration::from_millis(300));
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &record.updater_pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let record = wait_for_step(&host, |s| *s == Step::Abandoned);
+    assert!(host.dir.join("started").exists(), "the node is started again: {record:?}");
+    host.assert_binary_untouched();
+    let _ = std::process::Command::new("pkill")
+        .args(["-f", "sleep 30; touch"])
+        .status();
+}
+
+#[tokio::test]
+async fn settle_starts_a_node_an_updater_left_stopped_and_does_nothing_twice() {
+    let host = Host::new();
+    host.journal(&Record {
+        version: NEXT.into(),
+        from: env!("CARGO_PKG_VERSION").into(),
+        rollout: Some("rollout-1".into()),
+        generation: Some(1),
+        install_path: host.install.clone(),
+        previous_path: billet_agent::hostupgrade::previous_path(&host.install),
+        staged_path: host.dir.join("none"),
+        updater_pid: 1,
+        step: Step::Stopped,
+        at: 0,
+    });
+    let settle = || {
+        std::process::Command::new(BILLET)
+            .args(["host-upgrade", "--settle", "--config"])
+            .arg(&host.config)
+            .status()
+            .expect("run --settle")
+    };
+    assert!(settle().success());
+    let record = wait_for_step(&host, |s| *s == Step::Abandoned);
+    assert!(host.dir.join("started").exists(), "{record:?}");
+    std::fs::remove_file(host.dir.join("started")).expect("rm");
+    assert!(settle().success());
+    assert!(!host.dir.join("started").exists(), "a settled upgrade is left alone");
+    host.assert_binary_untouched();
 }
