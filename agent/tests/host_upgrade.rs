@@ -372,3 +372,39 @@ async fn settle_starts_a_node_an_updater_left_stopped_and_does_nothing_twice() {
     assert!(!host.dir.join("started").exists(), "a settled upgrade is left alone");
     host.assert_binary_untouched();
 }
+
+#[tokio::test]
+async fn a_rollback_that_cannot_restore_starts_the_node_anyway_and_says_so() {
+    let host = Host::new();
+    // The new release never proves healthy (no node answers here), and by
+    // the time it is rolled back the previous binary is gone.
+    let previous = billet_agent::hostupgrade::previous_path(&host.install);
+    let config = std::fs::read_to_string(&host.config).expect("config");
+    std::fs::write(
+        &host.config,
+        config.replace(
+            "start_command = [\"/bin/sh\", \"-c\", \"touch",
+            &format!(
+                "start_command = [\"/bin/sh\", \"-c\", \"rm -f {}; touch",
+                previous.display()
+            ),
+        ),
+    )
+    .expect("config");
+    host.upgrade(&host.spec(1)).await.expect("accepted");
+    let record = wait_for_step(&host, |s| {
+        matches!(s, Step::Unrecovered { .. } | Step::RolledBack { .. })
+    });
+    let Step::Unrecovered { reason } = &record.step else {
+        panic!("a rollback without a previous binary claimed success: {record:?}");
+    };
+    assert!(
+        reason.contains("could not be put back") && reason.contains("was started again"),
+        "{reason}"
+    );
+    assert_eq!(
+        billet_agent::hostupgrade::binary_version(&host.install).expect("version"),
+        NEXT,
+        "the new release stays installed: there is nothing else to run"
+    );
+}
