@@ -431,6 +431,9 @@ pub async fn execute_commands(
         }
         .instrument(span.clone())
         .await;
+        // Expected before the command stops counting as in flight, so a
+        // drain never sees a gap between the two (server.rs, DRAIN_SETTLE).
+        let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
         if let Err(e) = executor
             .journal
@@ -439,7 +442,7 @@ pub async fn execute_commands(
         {
             warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
         }
-        deliver(&runner, session, result, launched, executor.ack_timeout)
+        deliver(&runner, session, ack, result, launched, executor.ack_timeout)
             .instrument(span)
             .await;
     }
@@ -567,11 +570,11 @@ async fn execute(
 async fn deliver(
     runner: &Arc<Runner>,
     session: Arc<SessionLink>,
+    ack: tokio::sync::oneshot::Receiver<pb::AckVerdict>,
     result: pb::CommandResult,
     launched: Option<Launched>,
     ack_timeout: Duration,
 ) {
-    let ack = session.expect_ack(&result.id);
     let sent = session.send(pb::node_message::Body::Result(result)).await;
     let Some(launched) = launched else {
         return;
