@@ -28,11 +28,13 @@
 //! 5. On failure after the swap: stop, restore the previous binary (again
 //!    by rename), start it, and record why.
 //!
-//! An updater killed midway leaves its journal behind and its lock released
-//! (the kernel drops it). The next `host-upgrade` settles that journal
-//! first; the next `billet node` start does too ([`settle_at_node_start`]):
-//! a swap never proven healthy is rolled back, so the host ends on one
-//! version, deterministically.
+//! An updater that stops midway leaves its journal behind and its lock
+//! released (the kernel drops it). It is settled by whoever comes next: the
+//! updater itself on SIGTERM, its transient unit's `ExecStopPost` running
+//! [`settle_interrupted`] (`host-upgrade --settle`), the next `host-upgrade`,
+//! or the next `billet node` start ([`settle_at_node_start`]). The installed
+//! binary decides, not the recorded step: a swap never proven healthy is
+//! rolled back, so the host ends on one version, deterministically.
 
 use std::fs::File;
 use std::io::Write;
@@ -303,7 +305,7 @@ pub struct Record {
     pub previous_path: PathBuf,
     /// Where the new one waits before the swap.
     pub staged_path: PathBuf,
-    /// The updater process driving it (its own process group and session).
+    /// The updater process driving it (the leader of its own process group).
     #[serde(default)]
     pub updater_pid: u32,
     /// Where this upgrade is.
