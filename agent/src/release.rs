@@ -420,15 +420,16 @@ pub fn for_this_host(manifest: &Manifest) -> Result<&Artifact, ReleaseError> {
         })
 }
 
-/// Writes release `version` into `<root>/<version>/`: `binary` (the bytes of
-/// a built `billet`) stamped with `version` and saved as `billet`, and a
-/// manifest for this host's platform. Returns the manifest's SHA-256, the
-/// digest a rollout pins.
+/// Writes release `version` into `<root>/<version>/`, which must not exist
+/// yet: `binary` (the bytes of a built `billet`) stamped with `version` and
+/// saved as `billet`, and a manifest for this host's platform. Returns the
+/// manifest's SHA-256, the digest a rollout pins.
 ///
 /// # Errors
 ///
 /// [`ReleaseError::Manifest`] when the binary cannot be stamped with that
-/// version; [`ReleaseError::Io`] when the directory cannot be written.
+/// version or the release already exists; [`ReleaseError::Io`] when the
+/// directory cannot be written.
 pub fn write(root: &Path, version: &str, mut binary: Vec<u8>) -> Result<String, ReleaseError> {
     crate::version::stamp(&mut binary, version).map_err(|e| ReleaseError::Manifest {
         what: root.join(version).display().to_string(),
@@ -439,7 +440,18 @@ pub fn write(root: &Path, version: &str, mut binary: Vec<u8>) -> Result<String, 
         let path = path.to_owned();
         move |source| ReleaseError::Io { path, source }
     };
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    // A release is immutable once written: a rollout may have pinned it.
+    std::fs::create_dir(&dir).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AlreadyExists {
+            ReleaseError::Manifest {
+                what: dir.display().to_string(),
+                problem: "already exists; a release is never rewritten (a rollout may have pinned it): give the new build another version".into(),
+            }
+        } else {
+            io(&dir)(e)
+        }
+    })?;
     let bin = dir.join("billet");
     std::fs::write(&bin, &binary).map_err(io(&bin))?;
     std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -498,6 +510,14 @@ mod tests {
             .expect("fetch");
         let got = std::fs::read(&dest).expect("read");
         assert_eq!(crate::version::stamped(&got).as_deref(), Some("2.0.0"));
+    }
+
+    #[test]
+    fn a_release_is_never_rewritten() {
+        let root = scratch();
+        write(&root, "2.0.0", fake_billet()).expect("write");
+        let e = write(&root, "2.0.0", fake_billet()).expect_err("rewritten");
+        assert!(e.to_string().contains("never rewritten"), "{e}");
     }
 
     #[tokio::test]
