@@ -127,6 +127,23 @@ impl Host {
         assert!(staged.is_empty(), "left beside the binary: {staged:?}");
     }
 
+    /// The journal a killed updater leaves for this host's upgrade to
+    /// [`NEXT`], stopped at `step`.
+    fn interrupted_at(&self, step: Step) -> Record {
+        Record {
+            version: NEXT.into(),
+            from: env!("CARGO_PKG_VERSION").into(),
+            rollout: Some("rollout-1".into()),
+            generation: Some(1),
+            install_path: self.install.clone(),
+            previous_path: billet_agent::hostupgrade::previous_path(&self.install),
+            staged_path: self.dir.join("none"),
+            updater_pid: 1,
+            step,
+            at: 0,
+        }
+    }
+
     fn journal(&self, record: &Record) {
         let dir = self.state.join(DIR);
         std::fs::create_dir_all(&dir).expect("upgrade dir");
@@ -254,18 +271,7 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
     let release = std::fs::read(host.dir.join("releases").join(NEXT).join("billet"))
         .expect("release binary");
     std::fs::write(&host.install, &release).expect("swapped in");
-    host.journal(&Record {
-        version: NEXT.into(),
-        from: env!("CARGO_PKG_VERSION").into(),
-        rollout: Some("rollout-1".into()),
-        generation: Some(1),
-        install_path: host.install.clone(),
-        previous_path: previous.clone(),
-        staged_path: host.dir.join("none"),
-        updater_pid: 1,
-        step: Step::Swapped,
-        at: 0,
-    });
+    host.journal(&host.interrupted_at(Step::Swapped));
 
     let reason = host.refused(&host.spec(2)).await;
     assert!(
@@ -345,18 +351,7 @@ async fn an_updater_stopped_by_sigterm_while_the_node_drains_starts_the_node_aga
 #[tokio::test]
 async fn settle_starts_a_node_an_updater_left_stopped_and_does_nothing_twice() {
     let host = Host::new();
-    host.journal(&Record {
-        version: NEXT.into(),
-        from: env!("CARGO_PKG_VERSION").into(),
-        rollout: Some("rollout-1".into()),
-        generation: Some(1),
-        install_path: host.install.clone(),
-        previous_path: billet_agent::hostupgrade::previous_path(&host.install),
-        staged_path: host.dir.join("none"),
-        updater_pid: 1,
-        step: Step::Stopped,
-        at: 0,
-    });
+    host.journal(&host.interrupted_at(Step::Stopped));
     let settle = || {
         std::process::Command::new(BILLET)
             .args(["host-upgrade", "--settle", "--config"])

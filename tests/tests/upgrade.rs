@@ -92,6 +92,17 @@ async fn wait_hello_version(cluster: &Cluster, version: &str, timeout: Duration)
     Ok(())
 }
 
+/// The node still runs a job after whatever the upgrade did, and the
+/// cluster ends with nothing left.
+async fn still_runs_jobs_and_ends_clean(cluster: Cluster) -> Result<()> {
+    let jobs = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    cluster.shutdown().await
+}
+
 fn installed_version(installed: &Installed) -> Result<String> {
     billet_agent::hostupgrade::binary_version(&installed.binary).map_err(anyhow::Error::msg)
 }
@@ -201,12 +212,7 @@ async fn a_release_that_fails_its_health_check_is_rolled_back_and_the_previous_s
     assert!(log.contains("rolling back"), "the updater's failure is in the node's log");
 
     // The node still runs jobs after the rollback.
-    let jobs = cluster.queue_jobs(1);
-    cluster
-        .wait_jobs_completed(&jobs, Duration::from_secs(120))
-        .await?;
-    cluster.wait_clean(Duration::from_secs(60)).await?;
-    cluster.shutdown().await
+    still_runs_jobs_and_ends_clean(cluster).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -255,10 +261,5 @@ async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start(
         "the journal says rolled back: {record:?}"
     );
     assert_eq!(installed_version(&node)?, before, "one version on disk and serving");
-    let jobs = cluster.queue_jobs(1);
-    cluster
-        .wait_jobs_completed(&jobs, Duration::from_secs(120))
-        .await?;
-    cluster.wait_clean(Duration::from_secs(60)).await?;
-    cluster.shutdown().await
+    still_runs_jobs_and_ends_clean(cluster).await
 }
