@@ -959,10 +959,29 @@ async fn roll_back(
 
 /// Settles an upgrade an earlier updater left unfinished. The installed
 /// binary decides, not the recorded step: the new release installed means a
-/// swap never proven healthy, which is rolled back; the old one means
-/// nothing changed on disk, so the node is started in case it was stopped.
+/// swap not yet proven healthy. An updater that died after starting the new
+/// node (`Started`) may have left it coming up: given the health timeout to
+/// prove itself, a healthy node at the new version finishes the upgrade
+/// (`Done`) rather than being drained for a rollback; anything else is
+/// rolled back. The old release installed means nothing changed on disk, so
+/// the node is started in case it was stopped.
 async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record: &mut Record) {
     match installed(record) {
+        Ok(Installed::New) if record.step == Step::Started => {
+            match wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await {
+                Ok(()) => {
+                    info!(version = %record.version, "the interrupted upgrade's node is healthy on the new release; finished");
+                    let _ = std::fs::remove_file(&record.staged_path);
+                    if let Err(e) = files.write_step(record, Step::Done) {
+                        warn!("{e}");
+                    }
+                }
+                Err(e) => {
+                    let reason = format!("the updater stopped before the new release proved healthy, and it did not since: {e}");
+                    roll_back(config, service, files, record, reason).await;
+                }
+            }
+        }
         Ok(Installed::New) if record.step.maybe_swapped() => {
             let reason = "the updater stopped before the new release proved healthy".to_owned();
             roll_back(config, service, files, record, reason).await;
@@ -1052,6 +1071,14 @@ pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
         return Ok(Settled::Nothing);
     };
+    if std::os::unix::net::UnixStream::connect(crate::local::socket_path(state_dir)).is_ok() {
+        // A node already serves this state directory (the new release an
+        // updater started before it died): this start is a second process,
+        // which will refuse to bind. Undoing the swap under the running
+        // node would leave one version on disk and another serving; the
+        // next `host-upgrade --settle` judges that node's health instead.
+        return Ok(Settled::Nothing);
+    }
     let _ = std::fs::remove_file(&record.staged_path);
     match installed(&record)? {
         Installed::New if record.step.maybe_swapped() => {
@@ -1233,6 +1260,20 @@ mod tests {
         let e = settle_at_node_start(&dir).expect_err("neither release");
         assert!(e.contains("neither 2.0.0 nor 1.0.0"), "{e}");
         assert_eq!(files.read().expect("read").expect("record").step, Step::Swapped);
+    }
+
+    #[test]
+    fn a_second_node_start_leaves_a_swap_alone_while_a_node_serves_the_state_directory() {
+        let (dir, files, install) = host(Step::Started, "2.0.0");
+        let listener = std::os::unix::net::UnixListener::bind(crate::local::socket_path(&dir))
+            .expect("bind");
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
+        assert_eq!(version_of(&install), "2.0.0", "not undone under a running node");
+        assert_eq!(files.read().expect("read").expect("record").step, Step::Started);
+        // Once that node is gone, a start settles as before.
+        drop(listener);
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(version_of(&install), "1.0.0");
     }
 
     #[test]

@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -138,6 +138,9 @@ pub struct LinkFaults {
     /// Break the session instead of taking the next N destroy results (the
     /// node ran the destroy; the plane never hears how it went).
     pub cut_on_destroy_results: AtomicU64,
+    /// While set, do not dial the node (an open session is left alone):
+    /// the node sees no plane, so it never finishes start-up recovery.
+    pub hold_dial: AtomicBool,
 }
 
 /// What the node said in `Hello`.
@@ -193,6 +196,12 @@ impl NodeLink {
     ) {
         let mut backoff = Duration::from_millis(200);
         loop {
+            if self.faults.hold_dial.load(Ordering::SeqCst) {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(Duration::from_millis(100)) => continue,
+                }
+            }
             let attempt = self.session(&tls, &open, &calls, &shutdown).await;
             self.end_session();
             match attempt {

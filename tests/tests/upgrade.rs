@@ -4,6 +4,7 @@
 //! kill. The "second build" is the same build stamped with another version
 //! by the release tool (`agent/src/version.rs` says why).
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -261,5 +262,65 @@ async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start(
         "the journal says rolled back: {record:?}"
     );
     assert_eq!(installed_version(&node)?, before, "one version on disk and serving");
+    still_runs_jobs_and_ends_clean(cluster).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not_rolled_back()
+-> Result<()> {
+    let cluster = installed_cluster(1_000).await?;
+    let node = installed(&cluster)?;
+    let before = installed_version(&node)?;
+    let next = format!("{before}-next.3");
+    let digest = publish(&node, &next)?;
+    // Until the plane dials again the new node cannot finish recovery, so
+    // the updater is certain to be waiting for its health when it dies.
+    let link = cluster.plane.node(NODE).context("node link")?;
+    link.faults.hold_dial.store(true, Ordering::SeqCst);
+
+    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    assert_accepted(&result);
+    wait_until(Duration::from_secs(120), "the new node to be started", || {
+        journal(&node).is_ok_and(|r| r.step == Step::Started)
+    })
+    .await
+    .with_context(|| cluster.nodes[NODE].log_text())?;
+    let updater = journal(&node)?.updater_pid;
+    ensure!(updater > 1, "the journal names its updater");
+    let new_node = node.pid()?;
+    // Only the updater dies, as when its transient unit is killed: the
+    // node it started belongs to the node's service and lives on.
+    let killed = std::process::Command::new("kill")
+        .args(["-s", "KILL", &updater.to_string()])
+        .status()?;
+    ensure!(killed.success(), "kill -KILL {updater}");
+    wait_until(Duration::from_secs(10), "the updater to die", || {
+        !billet_tests::cluster::alive(updater)
+    })
+    .await?;
+    ensure!(billet_tests::cluster::alive(new_node), "the new node runs");
+
+    // The plane comes back; the transient unit's ExecStopPost settles.
+    link.faults.hold_dial.store(false, Ordering::SeqCst);
+    let settle = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(&node.binary)
+            .args(["host-upgrade", "--settle", "--config"])
+            .arg(&node.upgrade_config)
+            .output(),
+    )
+    .await
+    .context("host-upgrade --settle did not return within 120 s")??;
+    ensure!(
+        settle.status.success(),
+        "host-upgrade --settle: {}",
+        String::from_utf8_lossy(&settle.stderr)
+    );
+    let record = journal(&node)?;
+    assert_eq!(record.step, Step::Done, "finished, not rolled back: {record:?}");
+    assert_eq!(installed_version(&node)?, next);
+    assert_eq!(node.pid()?, new_node, "the healthy node was not restarted");
+    ensure!(billet_tests::cluster::alive(new_node), "and still runs");
+    wait_hello_version(&cluster, &next, Duration::from_secs(60)).await?;
     still_runs_jobs_and_ends_clean(cluster).await
 }
