@@ -155,14 +155,20 @@ impl UpgradeConfig {
             ));
         }
         if let Some(rest) = self.release_source.strip_prefix("https://")
-            && rest.split('/').next().is_some_and(|authority| authority.contains('@'))
+            && rest
+                .split('/')
+                .next()
+                .is_some_and(|authority| authority.contains('@'))
         {
             return Err("release_source carries credentials in its URL, which would reach logs and the plane; serve the releases without them (or from a directory)".into());
         }
         if let Some(ca) = &self.release_ca
             && !ca.is_absolute()
         {
-            return Err(format!("release_ca {} must be an absolute path", ca.display()));
+            return Err(format!(
+                "release_ca {} must be an absolute path",
+                ca.display()
+            ));
         }
         let service = self.service()?;
         if let Service::Commands { stop, start } = &service {
@@ -388,16 +394,22 @@ impl Files {
         let fail = |e: std::io::Error| format!("{}: cannot journal: {e}", path.display());
         let bytes = serde_json::to_vec_pretty(record).map_err(|e| fail(e.into()))?;
         let mut f = File::create(&tmp).map_err(fail)?;
-        f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(fail)?;
+        f.write_all(&bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(fail)?;
         std::fs::rename(&tmp, &path).map_err(fail)?;
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(fail)?;
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(fail)?;
         let line = format!(
             "{} {} -> {} rollout={} generation={} {}\n",
             record.at,
             record.from,
             record.version,
             record.rollout.as_deref().unwrap_or("-"),
-            record.generation.map_or_else(|| "-".into(), |g| g.to_string()),
+            record
+                .generation
+                .map_or_else(|| "-".into(), |g| g.to_string()),
             serde_json::to_string(&record.step).unwrap_or_default(),
         );
         let _ = std::fs::OpenOptions::new()
@@ -476,15 +488,23 @@ fn swap(install: &Path, previous: &Path, staged: &Path) -> Result<(), String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(fail(&previous.display().to_string(), e)),
     }
-    std::fs::hard_link(install, previous)
-        .map_err(|e| fail(&format!("keep {} as {}", install.display(), previous.display()), e))?;
+    std::fs::hard_link(install, previous).map_err(|e| {
+        fail(
+            &format!("keep {} as {}", install.display(), previous.display()),
+            e,
+        )
+    })?;
     // The new binary gets the installed one's mode (the staged file is 0700).
     if let Ok(meta) = std::fs::metadata(previous) {
         std::fs::set_permissions(staged, meta.permissions())
             .map_err(|e| fail(&staged.display().to_string(), e))?;
     }
-    std::fs::rename(staged, install)
-        .map_err(|e| fail(&format!("install {} as {}", staged.display(), install.display()), e))?;
+    std::fs::rename(staged, install).map_err(|e| {
+        fail(
+            &format!("install {} as {}", staged.display(), install.display()),
+            e,
+        )
+    })?;
     sync_parent(install);
     Ok(())
 }
@@ -539,7 +559,10 @@ impl Service {
         if status.success() {
             Ok(())
         } else {
-            Err(format!("{verb} the node: `{}` ended {status}", argv.join(" ")))
+            Err(format!(
+                "{verb} the node: `{}` ended {status}",
+                argv.join(" ")
+            ))
         }
     }
 
@@ -602,8 +625,12 @@ impl Files {
     fn fence(&self) -> Result<Fence, String> {
         let path = self.dir.join(FENCE_FILE);
         match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| format!("{}: unreadable rollout fence ({e}); remove it to reset", path.display())),
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
+                format!(
+                    "{}: unreadable rollout fence ({e}); remove it to reset",
+                    path.display()
+                )
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Fence::new()),
             Err(e) => Err(format!("{}: {e}", path.display())),
         }
@@ -780,7 +807,9 @@ fn staged_path(install: &Path, version: &str) -> PathBuf {
 /// Removes releases an updater staged and then died before accepting.
 fn remove_stale_staging(install: &Path) {
     let Some(dir) = install.parent() else { return };
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
@@ -845,16 +874,28 @@ async fn proceed(
             Ok(()) => "it was started again".to_owned(),
             Err(s) => format!("starting it again failed too: {s}"),
         };
-        return Err(fail_unswapped(files, record, format!("{e}; the binary was not changed and {restart}")));
+        return Err(fail_unswapped(
+            files,
+            record,
+            format!("{e}; the binary was not changed and {restart}"),
+        ));
     }
     if let Err(e) = files
         .write_step(record, Step::Stopped)
         .and_then(|()| files.write_step(record, Step::Swapping))
     {
         let _ = service.start().await;
-        return Err(fail_unswapped(files, record, format!("{e}; the binary was not changed")));
+        return Err(fail_unswapped(
+            files,
+            record,
+            format!("{e}; the binary was not changed"),
+        ));
     }
-    if let Err(e) = swap(&record.install_path, &record.previous_path, &record.staged_path) {
+    if let Err(e) = swap(
+        &record.install_path,
+        &record.previous_path,
+        &record.staged_path,
+    ) {
         // A failed rename leaves the old binary in place; make sure of it.
         return Err(roll_back(config, service, files, record, e).await);
     }
@@ -876,7 +917,12 @@ async fn proceed(
 }
 
 fn fail_unswapped(files: &Files, record: &mut Record, reason: String) -> UpgradeFailure {
-    let _ = files.write_step(record, Step::Failed { reason: reason.clone() });
+    let _ = files.write_step(
+        record,
+        Step::Failed {
+            reason: reason.clone(),
+        },
+    );
     let _ = std::fs::remove_file(&record.staged_path);
     error!("{reason}");
     UpgradeFailure::Failed(reason)
@@ -936,7 +982,12 @@ async fn roll_back(
                 Err(s) => format!("could not be started either ({s})"),
             }
         );
-        let _ = files.write_step(record, Step::Unrecovered { reason: summary.clone() });
+        let _ = files.write_step(
+            record,
+            Step::Unrecovered {
+                reason: summary.clone(),
+            },
+        );
         error!("{summary}");
         return UpgradeFailure::Failed(summary);
     }
@@ -949,10 +1000,18 @@ async fn roll_back(
         Err(e) => format!(
             "{reason}; rolled back to {}, which is installed but not healthy: {e}{}",
             record.from,
-            stopped.err().map(|s| format!(" (stopping the new release: {s})")).unwrap_or_default()
+            stopped
+                .err()
+                .map(|s| format!(" (stopping the new release: {s})"))
+                .unwrap_or_default()
         ),
     };
-    let _ = files.write_step(record, Step::RolledBack { reason: summary.clone() });
+    let _ = files.write_step(
+        record,
+        Step::RolledBack {
+            reason: summary.clone(),
+        },
+    );
     error!("{summary}");
     UpgradeFailure::Failed(summary)
 }
@@ -977,7 +1036,9 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
                     }
                 }
                 Err(e) => {
-                    let reason = format!("the updater stopped before the new release proved healthy, and it did not since: {e}");
+                    let reason = format!(
+                        "the updater stopped before the new release proved healthy, and it did not since: {e}"
+                    );
                     roll_back(config, service, files, record, reason).await;
                 }
             }
@@ -1165,9 +1226,15 @@ mod tests {
         };
         assert!(parse("").is_err());
         assert!(parse("stop_command = [\"x\"]\n").is_err());
-        assert!(parse("systemd_unit = \"u\"\nstop_command = [\"x\"]\nstart_command = [\"y\"]\n").is_err());
+        assert!(
+            parse("systemd_unit = \"u\"\nstop_command = [\"x\"]\nstart_command = [\"y\"]\n")
+                .is_err()
+        );
         let c = parse("systemd_unit = \"billet-node.service\"\n").expect("unit");
-        assert_eq!(c.service(), Ok(Service::Systemd("billet-node.service".into())));
+        assert_eq!(
+            c.service(),
+            Ok(Service::Systemd("billet-node.service".into()))
+        );
         assert_eq!(c.install_path, PathBuf::from("/usr/local/bin/billet"));
         assert!(parse("systemd_unit = \"u\"\nstate_dir = \"relative\"\n").is_err());
         assert!(parse("systemd_unit = \"u\"\nsurprise = 1\n").is_err());
@@ -1177,13 +1244,17 @@ mod tests {
     fn the_deployed_example_configuration_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/upgrade.toml.example");
         let c = UpgradeConfig::load(&path).expect("the example loads");
-        assert_eq!(c.service(), Ok(Service::Systemd("billet-node.service".into())));
+        assert_eq!(
+            c.service(),
+            Ok(Service::Systemd("billet-node.service".into()))
+        );
         assert_eq!(c.state_dir, PathBuf::from("/var/lib/billet"));
     }
 
     #[test]
     fn swap_and_restore_keep_one_whole_binary_at_the_install_path() {
-        let dir = std::env::temp_dir().join(format!("billet-swap-{}", uuid::Uuid::new_v4().simple()));
+        let dir =
+            std::env::temp_dir().join(format!("billet-swap-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("dir");
         let install = dir.join("billet");
         let previous = previous_path(&install);
@@ -1204,7 +1275,8 @@ mod tests {
     /// A host with `install` reporting `installed` and `previous`
     /// reporting 1.0.0, and a journal for 1.0.0 -> 2.0.0 at `step`.
     fn host(step: Step, installed: &str) -> (PathBuf, Files, PathBuf) {
-        let dir = std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
+        let dir =
+            std::env::temp_dir().join(format!("billet-settle-{}", uuid::Uuid::new_v4().simple()));
         let files = Files::new(&dir);
         files.create().expect("dir");
         let install = dir.join("billet");
@@ -1235,9 +1307,15 @@ mod tests {
         assert_eq!(version_of(&install), "2.0.0");
         drop(held);
 
-        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(
+            settle_at_node_start(&dir),
+            Ok(Settled::RolledBack(install.clone()))
+        );
         assert_eq!(version_of(&install), "1.0.0");
-        assert!(matches!(files.read().expect("read").expect("record").step, Step::RolledBack { .. }));
+        assert!(matches!(
+            files.read().expect("read").expect("record").step,
+            Step::RolledBack { .. }
+        ));
         // Settled once: the next start finds nothing to do.
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
     }
@@ -1247,32 +1325,51 @@ mod tests {
         // Killed between the rename and journalling it: the journal says
         // `swapping`, the disk holds the new release. Rolled back.
         let (dir, _, install) = host(Step::Swapping, "2.0.0");
-        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(
+            settle_at_node_start(&dir),
+            Ok(Settled::RolledBack(install.clone()))
+        );
         assert_eq!(version_of(&install), "1.0.0");
         // A rollback whose journal write was lost: the journal says
         // `started`, the disk already holds the old release. Only recorded.
         let (dir, files, install) = host(Step::Started, "1.0.0");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Recorded));
         assert_eq!(version_of(&install), "1.0.0");
-        assert!(matches!(files.read().expect("read").expect("record").step, Step::RolledBack { .. }));
+        assert!(matches!(
+            files.read().expect("read").expect("record").step,
+            Step::RolledBack { .. }
+        ));
         // A binary that is neither release is not guessed at.
         let (dir, files, _) = host(Step::Swapped, "3.0.0");
         let e = settle_at_node_start(&dir).expect_err("neither release");
         assert!(e.contains("neither 2.0.0 nor 1.0.0"), "{e}");
-        assert_eq!(files.read().expect("read").expect("record").step, Step::Swapped);
+        assert_eq!(
+            files.read().expect("read").expect("record").step,
+            Step::Swapped
+        );
     }
 
     #[test]
     fn a_second_node_start_leaves_a_swap_alone_while_a_node_serves_the_state_directory() {
         let (dir, files, install) = host(Step::Started, "2.0.0");
-        let listener = std::os::unix::net::UnixListener::bind(crate::local::socket_path(&dir))
-            .expect("bind");
+        let listener =
+            std::os::unix::net::UnixListener::bind(crate::local::socket_path(&dir)).expect("bind");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
-        assert_eq!(version_of(&install), "2.0.0", "not undone under a running node");
-        assert_eq!(files.read().expect("read").expect("record").step, Step::Started);
+        assert_eq!(
+            version_of(&install),
+            "2.0.0",
+            "not undone under a running node"
+        );
+        assert_eq!(
+            files.read().expect("read").expect("record").step,
+            Step::Started
+        );
         // Once that node is gone, a start settles as before.
         drop(listener);
-        assert_eq!(settle_at_node_start(&dir), Ok(Settled::RolledBack(install.clone())));
+        assert_eq!(
+            settle_at_node_start(&dir),
+            Ok(Settled::RolledBack(install.clone()))
+        );
         assert_eq!(version_of(&install), "1.0.0");
     }
 
@@ -1281,6 +1378,9 @@ mod tests {
         let (dir, files, install) = host(Step::Stopped, "1.0.0");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Recorded));
         assert_eq!(version_of(&install), "1.0.0");
-        assert_eq!(files.read().expect("read").expect("record").step, Step::Abandoned);
+        assert_eq!(
+            files.read().expect("read").expect("record").step,
+            Step::Abandoned
+        );
     }
 }

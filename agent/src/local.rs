@@ -140,13 +140,20 @@ impl Observed {
 pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, String> {
     tokio::time::timeout(timeout, ask(socket_path(state_dir)))
         .await
-        .map_err(|_| format!("no answer on {} within {timeout:?}", socket_path(state_dir).display()))?
+        .map_err(|_| {
+            format!(
+                "no answer on {} within {timeout:?}",
+                socket_path(state_dir).display()
+            )
+        })?
 }
 
 async fn ask(path: PathBuf) -> Result<Observed, String> {
     let shown = path.display().to_string();
     if !path.exists() {
-        return Err(format!("{shown} does not exist: no node is running on this state directory"));
+        return Err(format!(
+            "{shown} does not exist: no node is running on this state directory"
+        ));
     }
     // The URI is required by the API and unused: the connector dials the
     // socket.
@@ -174,7 +181,8 @@ async fn ask(path: PathBuf) -> Result<Observed, String> {
         .map_err(|e| format!("{shown}: status: {}", e.message()))?
         .into_inner();
     Ok(Observed {
-        serving: health.status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+        serving: health.status
+            == tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
         status,
     })
 }

@@ -163,8 +163,8 @@ impl Source {
         } else {
             format!("{source}/")
         };
-        let base =
-            reqwest::Url::parse(&with_slash).map_err(|_| ReleaseError::Source(source.to_owned()))?;
+        let base = reqwest::Url::parse(&with_slash)
+            .map_err(|_| ReleaseError::Source(source.to_owned()))?;
         let mut builder = reqwest::Client::builder()
             .https_only(true)
             .connect_timeout(std::time::Duration::from_secs(30))
@@ -372,8 +372,8 @@ pub fn check_manifest(
             )));
         }
     }
-    let manifest: Manifest = serde_json::from_slice(bytes)
-        .map_err(|e| fail(format!("not a release manifest: {e}")))?;
+    let manifest: Manifest =
+        serde_json::from_slice(bytes).map_err(|e| fail(format!("not a release manifest: {e}")))?;
     if manifest.version != version {
         return Err(fail(format!(
             "describes release {}, not {version}",
@@ -487,10 +487,8 @@ mod tests {
     }
 
     fn scratch() -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "billet-release-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("billet-release-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("dir");
         dir
     }
@@ -530,7 +528,10 @@ mod tests {
         let e = check_manifest(&bytes, &what, Some(&other), "2.0.0").expect_err("other pin");
         assert!(e.to_string().contains("the rollout pinned"), "{e}");
         let e = check_manifest(&bytes, &what, Some(&pinned), "2.0.1").expect_err("version");
-        assert!(e.to_string().contains("describes release 2.0.0, not 2.0.1"), "{e}");
+        assert!(
+            e.to_string().contains("describes release 2.0.0, not 2.0.1"),
+            "{e}"
+        );
 
         let manifest = check_manifest(&bytes, &what, Some(&pinned), "2.0.0").expect("pinned");
         std::fs::write(root.join("2.0.0/billet"), b"tampered").expect("tamper");
@@ -540,7 +541,10 @@ mod tests {
             .await
             .expect_err("tampered binary");
         assert!(matches!(e, ReleaseError::Digest { .. }), "{e}");
-        assert!(!dest.exists(), "a binary that failed its digest is not left staged");
+        assert!(
+            !dest.exists(),
+            "a binary that failed its digest is not left staged"
+        );
     }
 
     /// A test-only HTTPS file server over tokio-rustls: `GET /<path>`
@@ -750,7 +754,10 @@ mod tests {
                 }],
             };
             let bytes = serde_json::to_vec(&m).expect("json");
-            assert!(check_manifest(&bytes, "m", None, "1").is_err(), "{path:?} accepted");
+            assert!(
+                check_manifest(&bytes, "m", None, "1").is_err(),
+                "{path:?} accepted"
+            );
         }
     }
 

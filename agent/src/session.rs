@@ -442,9 +442,16 @@ pub async fn execute_commands(
         {
             warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
         }
-        deliver(&runner, session, ack, result, launched, executor.ack_timeout)
-            .instrument(span)
-            .await;
+        deliver(
+            &runner,
+            session,
+            ack,
+            result,
+            launched,
+            executor.ack_timeout,
+        )
+        .instrument(span)
+        .await;
     }
 }
 

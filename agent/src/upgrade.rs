@@ -2063,7 +2063,9 @@ mv updater.args.part updater.args"#;
             .collect();
         assert_eq!(
             post,
-            [r#"--property=ExecStopPost="/opt/billet 50%%/billet" host-upgrade --settle --config "/etc/billet/up grade.toml""#],
+            [
+                r#"--property=ExecStopPost="/opt/billet 50%%/billet" host-upgrade --settle --config "/etc/billet/up grade.toml""#
+            ],
             "quoted words, systemd specifiers escaped"
         );
     }

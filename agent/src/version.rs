@@ -119,7 +119,9 @@ pub fn stamped(binary: &[u8]) -> Option<String> {
     if at.next().is_some() {
         return None;
     }
-    let slot = binary.get(first + STAMP_MARKER.len()..)?.get(..STAMP_SLOT_BYTES)?;
+    let slot = binary
+        .get(first + STAMP_MARKER.len()..)?
+        .get(..STAMP_SLOT_BYTES)?;
     Some(read_slot(slot).unwrap_or_else(|| env!("CARGO_PKG_VERSION").to_owned()))
 }
 

@@ -38,8 +38,11 @@ impl Host {
         std::fs::create_dir_all(install.parent().expect("parent")).expect("bin dir");
         let bytes = std::fs::read(BILLET).expect("billet");
         std::fs::write(&install, &bytes).expect("install");
-        std::fs::set_permissions(&install, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .expect("chmod");
+        std::fs::set_permissions(
+            &install,
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
         let releases = dir.join("releases");
         let digest = release::write(&releases, NEXT, bytes.clone()).expect("release");
         let state = dir.join("state");
@@ -213,7 +216,10 @@ async fn a_second_upgrade_while_one_holds_the_host_is_refused_before_anything_is
     let claim = std::fs::File::create(dir.join(LOCK_FILE)).expect("lock file");
     claim.try_lock().expect("the test holds the host claim");
     let reason = host.refused(&host.spec(1)).await;
-    assert!(reason.contains("another upgrade is in progress"), "{reason}");
+    assert!(
+        reason.contains("another upgrade is in progress"),
+        "{reason}"
+    );
     wait_for_exit_of_updater();
     host.assert_untouched();
     drop(claim);
@@ -250,7 +256,10 @@ async fn an_updater_without_a_service_manager_configured_refuses_naming_the_keys
     let host = Host::new();
     std::fs::write(
         &host.config,
-        format!("release_source = {:?}\n", host.dir.join("releases").display().to_string()),
+        format!(
+            "release_source = {:?}\n",
+            host.dir.join("releases").display().to_string()
+        ),
     )
     .expect("config");
     let reason = host.refused(&host.spec(1)).await;
@@ -268,8 +277,8 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
     // previous binary kept, the journal at `swapped`, the claim free.
     let previous = billet_agent::hostupgrade::previous_path(&host.install);
     std::fs::write(&previous, &host.installed_bytes).expect("previous");
-    let release = std::fs::read(host.dir.join("releases").join(NEXT).join("billet"))
-        .expect("release binary");
+    let release =
+        std::fs::read(host.dir.join("releases").join(NEXT).join("billet")).expect("release binary");
     std::fs::write(&host.install, &release).expect("swapped in");
     host.journal(&host.interrupted_at(Step::Swapped));
 
@@ -288,7 +297,10 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
         if matches!(record.step, Step::RolledBack { .. }) {
             break record;
         }
-        assert!(std::time::Instant::now() < deadline, "not settled: {record:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not settled: {record:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(
@@ -296,8 +308,14 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
         host.installed_bytes,
         "the previous release is back: {record:?}"
     );
-    assert!(host.dir.join("stopped").exists(), "the node was stopped first");
-    assert!(host.dir.join("started").exists(), "and started again on the previous release");
+    assert!(
+        host.dir.join("stopped").exists(),
+        "the node was stopped first"
+    );
+    assert!(
+        host.dir.join("started").exists(),
+        "and started again on the previous release"
+    );
 }
 
 fn wait_for_step(host: &Host, done: impl Fn(&Step) -> bool) -> Record {
@@ -341,7 +359,10 @@ async fn an_updater_stopped_by_sigterm_while_the_node_drains_starts_the_node_aga
         .expect("kill");
     assert!(term.success());
     let record = wait_for_step(&host, |s| *s == Step::Abandoned);
-    assert!(host.dir.join("started").exists(), "the node is started again: {record:?}");
+    assert!(
+        host.dir.join("started").exists(),
+        "the node is started again: {record:?}"
+    );
     host.assert_binary_untouched();
     let _ = std::process::Command::new("pkill")
         .args(["-f", "sleep 30; touch"])
@@ -364,7 +385,10 @@ async fn settle_starts_a_node_an_updater_left_stopped_and_does_nothing_twice() {
     assert!(host.dir.join("started").exists(), "{record:?}");
     std::fs::remove_file(host.dir.join("started")).expect("rm");
     assert!(settle().success());
-    assert!(!host.dir.join("started").exists(), "a settled upgrade is left alone");
+    assert!(
+        !host.dir.join("started").exists(),
+        "a settled upgrade is left alone"
+    );
     host.assert_binary_untouched();
 }
 

@@ -433,7 +433,9 @@ impl Cluster {
             let log = dir.join(format!("{name}.log"));
             let mut args = args;
             let installed = if options.installed {
-                Some(Installed::write(&dir, name, &mut args, &env, &log, &state_dir)?)
+                Some(Installed::write(
+                    &dir, name, &mut args, &env, &log, &state_dir,
+                )?)
             } else {
                 None
             };

@@ -68,7 +68,10 @@ async fn systemd_hears_ready_once_both_listeners_are_up_and_stopping_when_a_drai
     let mut node = start(&dir, &state, Some(&notify_path))?;
 
     let ready = receive(&socket, Duration::from_secs(30)).await?;
-    ensure!(ready.lines().any(|l| l == "READY=1"), "first notification: {ready:?}");
+    ensure!(
+        ready.lines().any(|l| l == "READY=1"),
+        "first notification: {ready:?}"
+    );
     // Ready means both listeners answer.
     std::net::TcpStream::connect(node.listen).context("the network listener at READY=1")?;
     let seen = billet_agent::local::check(&state, Duration::from_secs(5))
@@ -77,7 +80,10 @@ async fn systemd_hears_ready_once_both_listeners_are_up_and_stopping_when_a_drai
     assert!(seen.serving, "health says serving at READY=1");
     assert_eq!(seen.status.version, billet_agent::version::version());
     assert_eq!(seen.status.pid, node.child.id());
-    assert!(!seen.status.recovered, "no plane has attached, so no recovery yet");
+    assert!(
+        !seen.status.recovered,
+        "no plane has attached, so no recovery yet"
+    );
 
     let term = Command::new("kill")
         .args(["-TERM", &node.child.id().to_string()])
@@ -117,7 +123,10 @@ async fn a_second_node_on_a_state_directory_in_use_is_refused_with_exit_6() -> R
         .await
         .is_err()
     {
-        ensure!(std::time::Instant::now() < deadline, "the first node never served its socket");
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the first node never served its socket"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -125,10 +134,7 @@ async fn a_second_node_on_a_state_directory_in_use_is_refused_with_exit_6() -> R
     let mut second = start(&second_dir, &state, None)?;
     let status = wait_exit(&mut second.child, Duration::from_secs(30))?;
     let mut stderr = String::new();
-    std::io::Read::read_to_string(
-        second.child.stderr.as_mut().context("stderr")?,
-        &mut stderr,
-    )?;
+    std::io::Read::read_to_string(second.child.stderr.as_mut().context("stderr")?, &mut stderr)?;
     assert_eq!(status.code(), Some(6), "stderr:\n{stderr}");
     assert!(
         stderr.contains("another billet node is running on this state directory"),
@@ -137,7 +143,11 @@ async fn a_second_node_on_a_state_directory_in_use_is_refused_with_exit_6() -> R
     let seen = billet_agent::local::check(&state, Duration::from_secs(5))
         .await
         .map_err(anyhow::Error::msg)?;
-    assert_eq!(seen.status.pid, first.child.id(), "the first node still answers");
+    assert_eq!(
+        seen.status.pid,
+        first.child.id(),
+        "the first node still answers"
+    );
     Ok(())
 }
 

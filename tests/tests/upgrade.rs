@@ -194,9 +194,11 @@ async fn a_release_that_fails_its_health_check_is_rolled_back_and_the_previous_s
     let result = start_upgrade(&cluster, broken, &release::sha256_hex(&text), 1).await?;
     assert_accepted(&result);
 
-    wait_until(Duration::from_secs(120), "the journal to say rolled back", || {
-        journal(&node).is_ok_and(|r| matches!(r.step, Step::RolledBack { .. }))
-    })
+    wait_until(
+        Duration::from_secs(120),
+        "the journal to say rolled back",
+        || journal(&node).is_ok_and(|r| matches!(r.step, Step::RolledBack { .. })),
+    )
     .await
     .with_context(|| cluster.nodes[NODE].log_text())?;
     let record = journal(&node)?;
@@ -210,7 +212,10 @@ async fn a_release_that_fails_its_health_check_is_rolled_back_and_the_previous_s
     assert_eq!(installed_version(&node)?, before);
     wait_hello_version(&cluster, &before, Duration::from_secs(60)).await?;
     let log = cluster.nodes[NODE].log_text();
-    assert!(log.contains("rolling back"), "the updater's failure is in the node's log");
+    assert!(
+        log.contains("rolling back"),
+        "the updater's failure is in the node's log"
+    );
 
     // The node still runs jobs after the rollback.
     still_runs_jobs_and_ends_clean(cluster).await
@@ -248,9 +253,7 @@ async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start(
         !billet_tests::cluster::alive(pid)
     })
     .await
-    .with_context(|| {
-        std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default()
-    })?;
+    .with_context(|| std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default())?;
     assert_eq!(installed_version(&node)?, next, "killed after the swap");
 
     // The next start (a service manager's restart) settles it.
@@ -261,7 +264,11 @@ async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start(
         matches!(record.step, Step::RolledBack { .. }),
         "the journal says rolled back: {record:?}"
     );
-    assert_eq!(installed_version(&node)?, before, "one version on disk and serving");
+    assert_eq!(
+        installed_version(&node)?,
+        before,
+        "one version on disk and serving"
+    );
     still_runs_jobs_and_ends_clean(cluster).await
 }
 
@@ -280,9 +287,11 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
 
     let result = start_upgrade(&cluster, &next, &digest, 1).await?;
     assert_accepted(&result);
-    wait_until(Duration::from_secs(120), "the new node to be started", || {
-        journal(&node).is_ok_and(|r| r.step == Step::Started)
-    })
+    wait_until(
+        Duration::from_secs(120),
+        "the new node to be started",
+        || journal(&node).is_ok_and(|r| r.step == Step::Started),
+    )
     .await
     .with_context(|| cluster.nodes[NODE].log_text())?;
     let updater = journal(&node)?.updater_pid;
@@ -317,7 +326,11 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
         String::from_utf8_lossy(&settle.stderr)
     );
     let record = journal(&node)?;
-    assert_eq!(record.step, Step::Done, "finished, not rolled back: {record:?}");
+    assert_eq!(
+        record.step,
+        Step::Done,
+        "finished, not rolled back: {record:?}"
+    );
     assert_eq!(installed_version(&node)?, next);
     assert_eq!(node.pid()?, new_node, "the healthy node was not restarted");
     ensure!(billet_tests::cluster::alive(new_node), "and still runs");
