@@ -28,9 +28,7 @@ pub const RESULTS_KEPT: i64 = 4096;
 #[derive(Debug, Error)]
 pub enum JournalError {
     /// The file cannot be opened or is not a journal.
-    #[error(
-        "node journal {path}: {message}; move it aside only if this node holds no compute, or restore it"
-    )]
+    #[error("node journal {path}: {message}")]
     Open {
         /// The file.
         path: PathBuf,
@@ -134,60 +132,264 @@ CREATE TABLE IF NOT EXISTS results (
 );
 ";
 
+/// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
+/// file without it is some other program's, or no journal at all.
+pub const APPLICATION_ID: i64 = 0x626c_746a;
+/// `PRAGMA user_version`: the journal's schema version.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// Each table and its columns, in order, as [`SCHEMA`] creates them.
+const TABLES: &[(&str, &[&str])] = &[
+    (
+        "launches",
+        &[
+            "lease",
+            "epoch",
+            "request_id",
+            "instance",
+            "runner_id",
+            "runner_name",
+            "created",
+        ],
+    ),
+    (
+        "custody",
+        &[
+            "lease",
+            "epoch",
+            "instance",
+            "request_id",
+            "registration_id",
+            "registration_name",
+            "outcome",
+            "phase",
+            "discard",
+            "observed",
+            "since_unix_ms",
+        ],
+    ),
+    ("results", &["seq", "command", "encoded"]),
+];
+
+/// What to do about a journal that is damaged or not a journal.
+const DAMAGED: &str =
+    "move it aside only if this node holds no compute, or restore it from a backup";
+
 impl SqliteJournal {
-    /// Opens (or creates) `journal.db` in `state_dir` with mode 0600 and
-    /// checks it can be read.
+    /// Opens `journal.db` in `state_dir`, or creates it whole when there is
+    /// none: built under a temporary name and renamed into place, so a
+    /// `journal.db` that exists was always a complete journal. The file and
+    /// SQLite's `-wal` and `-shm` beside it are kept at mode 0600.
     ///
     /// # Errors
     ///
-    /// [`JournalError::Open`] naming the file when it is unreadable,
-    /// corrupt, or not a journal.
+    /// [`JournalError::Open`] naming the file, saying what is wrong and
+    /// what to do: the node cannot read and write it; it fails SQLite's
+    /// integrity check; it is empty, another program's database, or a
+    /// journal whose tables are not this release's; it was written by a
+    /// newer release.
     pub async fn open(state_dir: &Path) -> Result<Self, JournalError> {
         let path = state_dir.join(JOURNAL_FILE);
         let fail = |message: String| JournalError::Open {
             path: path.clone(),
             message,
         };
-        if !path.exists() {
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(|e| fail(format!("cannot create: {e}")))?;
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let wal = sidecar(&path, "-wal");
+                if wal.exists() {
+                    // SQLite would replay it into the new journal.
+                    return Err(fail(format!(
+                        "is missing but its write-ahead log {} is not: the journal was moved without it; move {} and {} along with it, or remove them",
+                        wal.display(),
+                        wal.display(),
+                        sidecar(&path, "-shm").display()
+                    )));
+                }
+                create_whole(&path)
+                    .await
+                    .map_err(|e| fail(format!("cannot create: {e}")))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(fail(format!(
+                    "cannot open it for reading and writing ({e}); give the user billet node runs as read and write access to it and to {}",
+                    state_dir.display()
+                )));
+            }
+            Err(e) if e.raw_os_error() == Some(30) => {
+                return Err(fail(format!(
+                    "cannot open it for writing ({e}); the node records every launch before it starts it, so it needs a writable state directory"
+                )));
+            }
+            Err(e) => return Err(fail(format!("cannot open: {e}; {DAMAGED}"))),
         }
+        // No journal mode yet: until the file is known to be a journal,
+        // nothing is written to it (WAL is set, and persists, below).
         let options = SqliteConnectOptions::new()
             .filename(&path)
-            .journal_mode(SqliteJournalMode::Wal)
+            .create_if_missing(false)
             .busy_timeout(std::time::Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
             .max_connections(1)
             .connect_with(options)
             .await
-            .map_err(|e| fail(format!("cannot open: {e}")))?;
+            .map_err(|e| fail(format!("cannot open: {e}; {DAMAGED}")))?;
         let check: String = sqlx::query_scalar("PRAGMA quick_check")
             .fetch_one(&pool)
             .await
-            .map_err(|e| fail(format!("cannot read: {e}")))?;
+            .map_err(|e| fail(format!("cannot read: {e}; {DAMAGED}")))?;
         if check != "ok" {
-            return Err(fail(format!("failed its integrity check: {check}")));
+            return Err(fail(format!(
+                "failed its integrity check: {check}; {DAMAGED}"
+            )));
         }
-        sqlx::raw_sql(SCHEMA)
+        identify(&pool).await.map_err(fail)?;
+        sqlx::query("PRAGMA journal_mode = WAL")
             .execute(&pool)
             .await
-            .map_err(|e| fail(format!("is not a billet node journal: {e}")))?;
-        for (table, probe) in [
-            ("launches", "SELECT * FROM launches LIMIT 1"),
-            ("custody", "SELECT * FROM custody LIMIT 1"),
-            ("results", "SELECT * FROM results LIMIT 1"),
-        ] {
-            sqlx::query(probe)
-                .fetch_optional(&pool)
-                .await
-                .map_err(|e| fail(format!("table {table} is unreadable: {e}")))?;
-        }
+            .map_err(|e| fail(format!("cannot write: {e}")))?;
+        keep_private(&path);
         Ok(Self { pool })
+    }
+}
+
+/// Builds a fresh journal at `<path>.new` (any leftover of an earlier
+/// attempt replaced) and renames it to `path`.
+async fn create_whole(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let staging = path.with_extension("db.new");
+    for leftover in [staging.clone(), sidecar(&staging, "-journal")] {
+        match std::fs::remove_file(&leftover) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: {e}", leftover.display())),
+        }
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&staging)
+        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    let options = SqliteConnectOptions::new()
+        .filename(&staging)
+        .journal_mode(SqliteJournalMode::Delete);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    // The values are this module's integer constants.
+    let schema = format!(
+        "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION}; {SCHEMA}"
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(schema))
+        .execute(&pool)
+        .await
+        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    pool.close().await;
+    std::fs::File::open(&staging)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    std::fs::rename(&staging, path).map_err(|e| format!("{}: {e}", staging.display()))?;
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+    }
+    Ok(())
+}
+
+/// Checks that the open database is a billet node journal of this schema.
+/// A journal from before the application id was set (its tables exactly
+/// this schema's) is stamped with it.
+async fn identify(pool: &SqlitePool) -> Result<(), String> {
+    let read = |e: sqlx::Error| format!("cannot read: {e}; {DAMAGED}");
+    let id: i64 = sqlx::query_scalar("PRAGMA application_id")
+        .fetch_one(pool)
+        .await
+        .map_err(read)?;
+    let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        .fetch_one(pool)
+        .await
+        .map_err(read)?;
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name")
+            .fetch_all(pool)
+            .await
+            .map_err(read)?;
+    if id != APPLICATION_ID && id != 0 {
+        return Err(format!(
+            "is another program's SQLite database (application id {id:#x}), not a billet node journal; point --state-dir at billet's own directory"
+        ));
+    }
+    if id == 0 && tables.is_empty() {
+        return Err(format!(
+            "holds no journal (it is empty): billet creates it whole, so it was truncated or replaced; {DAMAGED}"
+        ));
+    }
+    if id == APPLICATION_ID && version > SCHEMA_VERSION {
+        return Err(format!(
+            "was written by a newer billet (journal schema {version}, this release reads {SCHEMA_VERSION}); run that release again"
+        ));
+    }
+    for (table, expected) in TABLES {
+        let columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info(?) ORDER BY cid")
+                .bind(table)
+                .fetch_all(pool)
+                .await
+                .map_err(read)?;
+        if columns != *expected {
+            let what = if id == 0 {
+                "is not a billet node journal"
+            } else {
+                "is damaged"
+            };
+            return Err(format!(
+                "{what}: table {table} has columns {columns:?}, expected {expected:?}; {DAMAGED}"
+            ));
+        }
+    }
+    if id == 0 {
+        // Both values are this module's integer constants.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
+        )))
+        .execute(pool)
+        .await
+        .map_err(|e| format!("cannot write: {e}"))?;
+    }
+    Ok(())
+}
+
+/// `journal.db` plus SQLite's `suffix` file beside it.
+fn sidecar(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// Sets the journal and SQLite's files beside it to mode 0600, whoever
+/// created them (SQLite gives `-wal` and `-shm` the journal's own mode).
+fn keep_private(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for file in [
+        path.to_owned(),
+        sidecar(path, "-wal"),
+        sidecar(path, "-shm"),
+    ] {
+        if let Ok(meta) = std::fs::metadata(&file)
+            && meta.permissions().mode() & 0o077 != 0
+        {
+            if let Err(e) = std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
+            {
+                tracing::warn!(file = %file.display(), error = %e, "the node journal is readable by others and cannot be made private; chmod 600 it");
+            }
+        }
     }
 }
 
@@ -484,6 +686,146 @@ mod tests {
                 .unwrap()
                 .starts_with(b"this is not")
         );
+    }
+
+    #[tokio::test]
+    async fn a_journal_made_readable_by_others_is_made_private_again() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = dir();
+        drop(SqliteJournal::open(&d).await.unwrap());
+        let path = d.join(JOURNAL_FILE);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let _j = SqliteJournal::open(&d).await.unwrap();
+        for file in [path.clone(), sidecar(&path, "-wal"), sidecar(&path, "-shm")] {
+            let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{}", file.display());
+        }
+    }
+
+    /// Opens a plain SQLite database at `path` and runs `sql` in it.
+    async fn sqlite(path: &Path, sql: &'static str) {
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(path)
+                    .create_if_missing(true),
+            )
+            .await
+            .unwrap();
+        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        pool.close().await;
+    }
+
+    async fn refused(d: &Path) -> String {
+        let err = SqliteJournal::open(d).await.unwrap_err().to_string();
+        assert!(
+            err.contains(&d.join(JOURNAL_FILE).display().to_string()),
+            "{err}"
+        );
+        err
+    }
+
+    #[tokio::test]
+    async fn an_empty_journal_file_is_refused_not_taken_for_a_fresh_one() {
+        let d = dir();
+        std::fs::write(d.join(JOURNAL_FILE), b"").unwrap();
+        let err = refused(&d).await;
+        assert!(
+            err.contains("holds no journal") && err.contains("truncated"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(d.join(JOURNAL_FILE)).unwrap(), b"");
+    }
+
+    #[tokio::test]
+    async fn another_programs_database_is_refused_and_left_as_it_was() {
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        sqlite(
+            &path,
+            "PRAGMA application_id = 7; CREATE TABLE other (x TEXT);",
+        )
+        .await;
+        let err = refused(&d).await;
+        assert!(err.contains("another program's SQLite database"), "{err}");
+        // A database without an application id and with other tables,
+        // or billet's table names with other columns, is not a journal.
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        sqlite(&path, "CREATE TABLE custody (x TEXT);").await;
+        let err = refused(&d).await;
+        assert!(
+            err.contains("is not a billet node journal") && err.contains("table launches"),
+            "{err}"
+        );
+        let pool = SqlitePoolOptions::new()
+            .connect_with(SqliteConnectOptions::new().filename(&path))
+            .await
+            .unwrap();
+        let tables: Vec<String> = sqlx::query_scalar("SELECT name FROM sqlite_schema")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(tables, ["custody"], "nothing was added to it");
+    }
+
+    #[tokio::test]
+    async fn a_journal_from_a_newer_release_is_refused_naming_both_schemas() {
+        let d = dir();
+        drop(SqliteJournal::open(&d).await.unwrap());
+        sqlite(&d.join(JOURNAL_FILE), "PRAGMA user_version = 9;").await;
+        let err = refused(&d).await;
+        assert!(
+            err.contains("journal schema 9") && err.contains("reads 1"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_journal_written_before_the_application_id_is_kept_and_stamped() {
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        // Exactly what earlier releases wrote: the schema, no id.
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(&path)
+                    .create_if_missing(true),
+            )
+            .await
+            .unwrap();
+        sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
+        pool.close().await;
+        let j = SqliteJournal::open(&d).await.unwrap();
+        j.put_launch(&launch("a")).await.unwrap();
+        let id: i64 = sqlx::query_scalar("PRAGMA application_id")
+            .fetch_one(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(id, APPLICATION_ID);
+    }
+
+    #[tokio::test]
+    async fn a_journal_moved_without_its_write_ahead_log_is_refused() {
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        std::fs::write(sidecar(&path, "-wal"), b"frames of a journal moved away").unwrap();
+        let err = refused(&d).await;
+        assert!(err.contains("is missing but its write-ahead log"), "{err}");
+        assert!(!path.exists(), "no journal was created beside the log");
+    }
+
+    #[tokio::test]
+    async fn an_interrupted_creation_leaves_no_journal_and_the_next_start_creates_one() {
+        let d = dir();
+        // What a node killed while creating the journal leaves: a partial
+        // file under the staging name, never `journal.db`.
+        std::fs::write(d.join(JOURNAL_FILE).with_extension("db.new"), b"partial").unwrap();
+        let j = SqliteJournal::open(&d).await.unwrap();
+        j.put_launch(&launch("a")).await.unwrap();
+        assert!(!d.join(JOURNAL_FILE).with_extension("db.new").exists());
     }
 
     #[tokio::test]
