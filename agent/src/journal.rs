@@ -384,11 +384,9 @@ fn keep_private(path: &Path) {
     ] {
         if let Ok(meta) = std::fs::metadata(&file)
             && meta.permissions().mode() & 0o077 != 0
+            && let Err(e) = std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
         {
-            if let Err(e) = std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600))
-            {
-                tracing::warn!(file = %file.display(), error = %e, "the node journal is readable by others and cannot be made private; chmod 600 it");
-            }
+            tracing::warn!(file = %file.display(), error = %e, "the node journal is readable by others and cannot be made private; chmod 600 it");
         }
     }
 }
