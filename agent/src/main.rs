@@ -128,7 +128,8 @@ struct NodeArgs {
     #[arg(long, env = "BILLET_MEMORY_BYTES")]
     memory_bytes: Option<u64>,
     /// Destroy and release compute held in custody longer than this many
-    /// seconds. Off by default: time alone never kills a job.
+    /// seconds. Off by default (0 is off too): time alone never kills a
+    /// job.
     #[arg(long, env = "BILLET_MAX_CUSTODY_SECS")]
     max_custody_secs: Option<u64>,
     /// Seconds an instance never seen must stay absent before its absence

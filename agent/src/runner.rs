@@ -141,7 +141,9 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct RunnerOptions {
     /// Destroy and release custody older than this. `None` (the default)
-    /// means time alone never kills a job; it only drives a warning.
+    /// means time alone never kills a job; it only drives a warning. Zero
+    /// means off too, as in the reference (`DefaultMaxCustody`, 0 = off):
+    /// a zero bound would otherwise kill every held job at the next tend.
     pub max_custody: Option<Duration>,
     /// How long an instance never seen must stay absent before its absence
     /// counts as proof it is gone ([`STRAY_GRACE`] by default).
@@ -1074,7 +1076,7 @@ impl Runner {
             return Ok(());
         };
         let age = entry.since.elapsed();
-        if let Some(max) = self.options.max_custody {
+        if let Some(max) = self.options.max_custody.filter(|max| !max.is_zero()) {
             if age > max && !entry.discard {
                 error!(%lease, ?age, "custody exceeded max_custody; destroying and releasing as failed");
                 entry.discard = true;

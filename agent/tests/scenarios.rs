@@ -1479,6 +1479,26 @@ async fn a_configured_custody_bound_destroys_and_records_a_failure() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_zero_custody_bound_is_off_not_an_instant_kill() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        max_custody: Some(Duration::ZERO),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    sleep(Duration::from_secs(7200)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.fake.count(Operation::Destroy), 0, "a running job in custody was destroyed");
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Custody);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_vanished_adopted_container_is_released_without_waiting() {
     let w = World::new();
     let lease = w.launching_lease(1);
