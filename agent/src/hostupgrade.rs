@@ -537,6 +537,14 @@ fn sync_parent(path: &Path) {
     }
 }
 
+/// Held while a service command runs (see [`Service::run`]).
+static SERVICE_COMMAND: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How long a settle waits for a node that is draining to exit before it
+/// starts it again: as long as the updater's unit may run, since a drain
+/// waits for running jobs.
+const SETTLE_DRAIN_WAIT: Duration = crate::upgrade::UPDATER_UNIT_TIMEOUT;
+
 impl Service {
     async fn run(&self, verb: &str) -> Result<(), String> {
         let argv: Vec<String> = match self {
@@ -550,12 +558,19 @@ impl Service {
             }
         };
         info!(?argv, "{verb}: the node");
-        let status = tokio::process::Command::new(&argv[0])
-            .args(&argv[1..])
-            .stdin(std::process::Stdio::null())
-            .status()
-            .await
-            .map_err(|e| format!("{verb} the node: cannot run {}: {e}", argv[0]))?;
+        let mut command = tokio::process::Command::new(&argv[0]);
+        command.args(&argv[1..]).stdin(std::process::Stdio::null());
+        // One service command at a time, each run to its end on its own
+        // task: a caller given up on (SIGTERM arriving mid-drain) leaves
+        // its stop command running, and the settle's start that follows
+        // waits for it rather than starting a node that is about to stop.
+        let status = tokio::spawn(async move {
+            let _one = SERVICE_COMMAND.lock().await;
+            command.status().await
+        })
+        .await
+        .map_err(|e| format!("{verb} the node: {e}"))?
+        .map_err(|e| format!("{verb} the node: cannot run {}: {e}", argv[0]))?;
         if status.success() {
             Ok(())
         } else {
@@ -745,6 +760,18 @@ pub async fn run(
         Err(e) => return Err(refuse(format!("the installed binary: {e}"))),
     };
     if from == request.version {
+        // Nothing to install, but the instruction is still checked and
+        // fenced: a pinned manifest must describe the installed binary,
+        // and a later stale generation is refused as after any other.
+        if let Err(e) = check_installed(config, request).await {
+            return Err(refuse(e));
+        }
+        if let (Some(rollout), Some(generation)) = (&request.rollout, request.generation) {
+            fences.insert(rollout.clone(), generation);
+            if let Err(e) = files.write_fence(&fences) {
+                return Err(refuse(e));
+            }
+        }
         info!(version = %from, "already installed; nothing to do");
         ack.accept();
         return Ok(());
@@ -828,6 +855,37 @@ pub fn previous_path(install: &Path) -> PathBuf {
 }
 
 /// Fetches and checks the release into `staged`.
+/// For an instruction naming the installed version with a pinned
+/// manifest: the manifest must match the pin and this host's binary in it
+/// must be the installed one, byte for byte. Without a pin the version
+/// alone is the instruction, and it is already met.
+async fn check_installed(config: &UpgradeConfig, request: &Request) -> Result<(), String> {
+    let Some(pin) = request.manifest_sha256.as_deref() else {
+        return Ok(());
+    };
+    let source = Source::parse(&config.release_source, config.release_ca.as_deref())
+        .map_err(|e| e.to_string())?;
+    let (bytes, what) = source
+        .manifest(&request.version)
+        .await
+        .map_err(|e| e.to_string())?;
+    let manifest = release::check_manifest(&bytes, &what, Some(pin), &request.version)
+        .map_err(|e| e.to_string())?;
+    let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
+    let installed = std::fs::read(&config.install_path)
+        .map_err(|e| format!("{}: {e}", config.install_path.display()))?;
+    let digest = release::sha256_hex(&installed);
+    if digest != artifact.sha256 {
+        return Err(format!(
+            "{} reports {} but is not that release's binary (sha256 {digest}; {what} says {}); install the release's binary by hand, or publish the installed one as a new version",
+            config.install_path.display(),
+            request.version,
+            artifact.sha256
+        ));
+    }
+    Ok(())
+}
+
 async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
     let source = Source::parse(&config.release_source, config.release_ca.as_deref())
         .map_err(|e| e.to_string())?;
@@ -1048,11 +1106,7 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
             roll_back(config, service, files, record, reason).await;
         }
         Ok(_) => {
-            if crate::local::check(&config.state_dir, Duration::from_secs(2))
-                .await
-                .is_err()
-                && let Err(e) = service.start().await
-            {
+            if let Err(e) = ensure_running(config, service).await {
                 warn!(error = %e, "cannot start the node after an interrupted upgrade");
             }
             let _ = std::fs::remove_file(&record.staged_path);
@@ -1066,6 +1120,29 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
             let _ = files.write_step(record, step);
         }
         Err(e) => error!("cannot settle the interrupted upgrade: {e}"),
+    }
+}
+
+/// Makes sure the node runs after an upgrade that changed nothing on disk:
+/// a node that answers and is not draining is left alone; one that is
+/// draining (the interrupted upgrade's stop is still under way) is waited
+/// for until it exits, up to [`SETTLE_DRAIN_WAIT`]; then, or when nothing
+/// answers, the node is started.
+async fn ensure_running(config: &UpgradeConfig, service: &Service) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + SETTLE_DRAIN_WAIT;
+    loop {
+        match crate::local::check(&config.state_dir, Duration::from_secs(2)).await {
+            Ok(seen) if !seen.status.draining => return Ok(()),
+            Ok(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Ok(_) => {
+                return Err(format!(
+                    "the node was still draining after {SETTLE_DRAIN_WAIT:?}; start it once it has stopped"
+                ));
+            }
+            Err(_) => return service.start().await,
+        }
     }
 }
 

@@ -87,7 +87,8 @@ pub const SYSTEMD_RUN: &str = "systemd-run";
 /// `billet-host-upgrade-rollout-7-g4.service`.
 pub const UPDATER_UNIT_PREFIX: &str = "billet-host-upgrade-";
 /// How long systemd lets the updater's unit run before it stops it (its
-/// `TimeoutStartSec`): 24.5 hours, the reference's value. The updater may
+/// `TimeoutStartSec`), and how long it lets it settle once stopped (its
+/// `TimeoutStopSec`): 24.5 hours, the reference's value. The updater may
 /// wait for this node's drain, which waits for running jobs.
 pub const UPDATER_UNIT_TIMEOUT: Duration = Duration::from_secs(88_200);
 /// The environment variables a [`Dispatch::SystemdRun`] updater is given,
@@ -480,6 +481,14 @@ impl ExecUpgrader {
             "--no-block".into(),
             format!(
                 "--property=TimeoutStartSec={}",
+                UPDATER_UNIT_TIMEOUT.as_secs()
+            )
+            .into(),
+            // Stopping the unit SIGTERMs the updater, which settles (may
+            // wait for a drain) before it exits; then `ExecStopPost` runs.
+            // systemd's 90 s default would SIGKILL either mid-way.
+            format!(
+                "--property=TimeoutStopSec={}",
                 UPDATER_UNIT_TIMEOUT.as_secs()
             )
             .into(),
@@ -1842,6 +1851,7 @@ mv updater.args.part updater.args"#;
                 "--quiet",
                 "--no-block",
                 "--property=TimeoutStartSec=88200",
+                "--property=TimeoutStopSec=88200",
             ]
         );
         let digest = "ab".repeat(32);

@@ -24,6 +24,8 @@ struct Host {
     config: PathBuf,
     digest: String,
     installed_bytes: Vec<u8>,
+    /// What the test wrote as `fence.json`, if anything.
+    fence: std::cell::RefCell<Option<String>>,
 }
 
 const NEXT: &str = "7.0.0-next";
@@ -66,7 +68,25 @@ impl Host {
             config,
             digest,
             installed_bytes: bytes,
+            fence: std::cell::RefCell::new(None),
         }
+    }
+
+    /// Replaces the service's stop and start commands with shell lines.
+    fn set_service(&self, stop: &str, start: &str) {
+        let config: String = std::fs::read_to_string(&self.config)
+            .expect("config")
+            .lines()
+            .filter(|l| !l.starts_with("stop_command") && !l.starts_with("start_command"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(
+            &self.config,
+            format!(
+                "{config}stop_command = [\"/bin/sh\", \"-c\", {stop:?}]\nstart_command = [\"/bin/sh\", \"-c\", {start:?}]\n"
+            ),
+        )
+        .expect("config");
     }
 
     fn spec(&self, generation: u64) -> UpgradeSpec {
@@ -113,6 +133,32 @@ impl Host {
             "the node was stopped for a refused upgrade"
         );
         self.assert_binary_untouched();
+        let dir = self.state.join(DIR);
+        assert!(
+            !dir.join(JOURNAL_FILE).exists(),
+            "a refused upgrade was journalled"
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.join(billet_agent::hostupgrade::FENCE_FILE)).ok(),
+            *self.fence.borrow(),
+            "a refused upgrade moved the fence"
+        );
+    }
+
+    /// Writes `fence.json` as an earlier accepted upgrade would have.
+    fn write_fence(&self, text: &str) {
+        let dir = self.state.join(DIR);
+        std::fs::create_dir_all(&dir).expect("upgrade dir");
+        std::fs::write(dir.join(billet_agent::hostupgrade::FENCE_FILE), text).expect("fence");
+        *self.fence.borrow_mut() = Some(text.to_owned());
+    }
+
+    fn fence_json(&self) -> serde_json::Value {
+        let path = self
+            .state
+            .join(DIR)
+            .join(billet_agent::hostupgrade::FENCE_FILE);
+        serde_json::from_slice(&std::fs::read(&path).expect("fence.json")).expect("json")
     }
 
     fn assert_binary_untouched(&self) {
@@ -192,13 +238,7 @@ async fn a_binary_that_is_not_the_manifests_is_refused_before_anything_is_touche
 async fn a_stale_generation_is_refused_before_anything_is_touched() {
     let host = Host::new();
     // Generation 5 of this rollout was accepted, and another rollout since.
-    let dir = host.state.join(DIR);
-    std::fs::create_dir_all(&dir).expect("upgrade dir");
-    std::fs::write(
-        dir.join(billet_agent::hostupgrade::FENCE_FILE),
-        r#"{"rollout-1": 5, "rollout-2": 1}"#,
-    )
-    .expect("fence");
+    host.write_fence(r#"{"rollout-1": 5, "rollout-2": 1}"#);
     let reason = host.refused(&host.spec(4)).await;
     assert!(
         reason.contains("generation 4 of rollout rollout-1 is stale"),
@@ -246,9 +286,76 @@ async fn an_instruction_for_the_installed_version_is_accepted_and_changes_nothin
     let mut spec = host.spec(1);
     spec.version = env!("CARGO_PKG_VERSION").into();
     spec.manifest_sha256 = None;
+    spec.rollout_id = None;
     host.upgrade(&spec).await.expect("accepted: nothing to do");
     wait_for_exit_of_updater();
     host.assert_untouched();
+}
+
+#[tokio::test]
+async fn an_instruction_for_the_installed_version_still_advances_the_fence() {
+    let host = Host::new();
+    let mut spec = host.spec(3);
+    spec.version = env!("CARGO_PKG_VERSION").into();
+    spec.manifest_sha256 = None;
+    host.upgrade(&spec).await.expect("accepted: nothing to do");
+    wait_for_exit_of_updater();
+    assert_eq!(host.fence_json(), serde_json::json!({"rollout-1": 3}));
+    // A delayed, older instruction of the same rollout is now stale.
+    let reason = host.refused(&host.spec(2)).await;
+    assert!(
+        reason.contains("generation 2 of rollout rollout-1 is stale"),
+        "{reason}"
+    );
+    wait_for_exit_of_updater();
+    assert!(!host.dir.join("stopped").exists());
+    host.assert_binary_untouched();
+}
+
+#[tokio::test]
+async fn an_instruction_for_the_installed_version_pinning_another_binary_is_refused() {
+    let host = Host::new();
+    let version = env!("CARGO_PKG_VERSION");
+    let mut spec = host.spec(1);
+    spec.version = version.into();
+    // No such release in the source: the pin cannot be checked.
+    spec.manifest_sha256 = Some("ab".repeat(32));
+    let reason = host.refused(&spec).await;
+    assert!(
+        reason.contains(&format!("{version}/manifest.json")),
+        "{reason}"
+    );
+    // A release of this version whose binary is not the installed one
+    // (stamped, so its bytes differ).
+    let digest = release::write(
+        &host.dir.join("releases"),
+        version,
+        host.installed_bytes.clone(),
+    )
+    .expect("release");
+    spec.manifest_sha256 = Some(digest);
+    let reason = host.refused(&spec).await;
+    assert!(reason.contains("is not that release's binary"), "{reason}");
+    wait_for_exit_of_updater();
+    host.assert_untouched();
+}
+
+#[tokio::test]
+async fn an_accepted_upgrade_advances_the_fence_for_its_rollout_only() {
+    let host = Host::new();
+    host.write_fence(r#"{"rollout-2": 9}"#);
+    host.upgrade(&host.spec(5)).await.expect("accepted");
+    // No node answers here, so it rolls back; the fence stays advanced.
+    wait_for_step(&host, |s| matches!(s, Step::RolledBack { .. }));
+    assert_eq!(
+        host.fence_json(),
+        serde_json::json!({"rollout-1": 5, "rollout-2": 9})
+    );
+    let reason = host.refused(&host.spec(4)).await;
+    assert!(
+        reason.contains("generation 4 of rollout rollout-1 is stale"),
+        "{reason}"
+    );
 }
 
 #[tokio::test]
@@ -340,33 +447,51 @@ fn wait_for_step(host: &Host, done: impl Fn(&Step) -> bool) -> Record {
 #[tokio::test]
 async fn an_updater_stopped_by_sigterm_while_the_node_drains_starts_the_node_again() {
     let host = Host::new();
-    // A drain that takes long: the stop command hangs.
-    let config = std::fs::read_to_string(&host.config).expect("config");
-    std::fs::write(
-        &host.config,
-        config.replace(
-            "stop_command = [\"/bin/sh\", \"-c\", \"touch",
-            "stop_command = [\"/bin/sh\", \"-c\", \"sleep 30; touch",
+    // A drain that takes a while; the service log shows the order in
+    // which the node was stopped and started.
+    let log = host.dir.join("service.log");
+    let running = host.dir.join("running");
+    std::fs::write(&running, b"").expect("running");
+    host.set_service(
+        &format!(
+            "echo stop-begin >> {log}; sleep 4; echo stop-end >> {log}; rm -f {running}",
+            log = log.display(),
+            running = running.display()
         ),
-    )
-    .expect("config");
+        &format!(
+            "echo start >> {log}; touch {running}",
+            log = log.display(),
+            running = running.display()
+        ),
+    );
     host.upgrade(&host.spec(1)).await.expect("accepted");
     let record = wait_for_step(&host, |s| *s == Step::Accepted);
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("stop-begin")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the drain never began"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let term = std::process::Command::new("kill")
         .args(["-TERM", &record.updater_pid.to_string()])
         .status()
         .expect("kill");
     assert!(term.success());
     let record = wait_for_step(&host, |s| *s == Step::Abandoned);
-    assert!(
-        host.dir.join("started").exists(),
-        "the node is started again: {record:?}"
+    // The settle waited for the drain it interrupted to end, then started
+    // the node: it is not left stopped by a stop that finished last.
+    assert_eq!(
+        std::fs::read_to_string(&log).expect("service log"),
+        "stop-begin\nstop-end\nstart\n",
+        "{record:?}"
     );
+    assert!(running.exists(), "the node runs: {record:?}");
     host.assert_binary_untouched();
-    let _ = std::process::Command::new("pkill")
-        .args(["-f", "sleep 30; touch"])
-        .status();
 }
 
 #[tokio::test]
@@ -426,4 +551,80 @@ async fn a_rollback_that_cannot_restore_starts_the_node_anyway_and_says_so() {
         NEXT,
         "the new release stays installed: there is nothing else to run"
     );
+}
+
+/// A stand-in for a node that is draining: it answers on the local socket,
+/// serving, with `draining` set.
+#[derive(Clone)]
+struct DrainingNode;
+
+#[tonic::async_trait]
+impl billet_proto::v1::local_server::Local for DrainingNode {
+    async fn status(
+        &self,
+        _: tonic::Request<billet_proto::v1::StatusRequest>,
+    ) -> Result<tonic::Response<billet_proto::v1::LocalStatus>, tonic::Status> {
+        Ok(tonic::Response::new(billet_proto::v1::LocalStatus {
+            version: env!("CARGO_PKG_VERSION").into(),
+            pid: 1,
+            incarnation: "draining".into(),
+            recovered: true,
+            draining: true,
+        }))
+    }
+}
+
+#[tokio::test]
+async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
+    let host = Host::new();
+    // The updater died while the node drained for it: the stop it began
+    // goes on without it.
+    host.journal(&host.interrupted_at(Step::Accepted));
+    let socket = billet_agent::local::socket_path(&host.state);
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("billet.node.v1.Node", tonic_health::ServingStatus::Serving)
+        .await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let node = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(billet_proto::v1::local_server::LocalServer::new(
+                DrainingNode,
+            ))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::UnixListenerStream::new(listener),
+                async {
+                    let _ = stopped.await;
+                },
+            ),
+    );
+
+    let config = billet_agent::hostupgrade::UpgradeConfig::load(&host.config).expect("config");
+    let settle =
+        tokio::spawn(async move { billet_agent::hostupgrade::settle_interrupted(&config).await });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !host.dir.join("started").exists(),
+        "a node still draining was started over"
+    );
+    assert!(!settle.is_finished(), "the settle waits for the drain");
+
+    // The drain ends: the node exits and its socket goes.
+    let _ = stop.send(());
+    node.await.expect("join").expect("serve");
+    std::fs::remove_file(&socket).expect("rm socket");
+    tokio::time::timeout(Duration::from_secs(30), settle)
+        .await
+        .expect("settled within 30 s")
+        .expect("join")
+        .expect("settle");
+    assert!(
+        host.dir.join("started").exists(),
+        "started once it had stopped"
+    );
+    let record = wait_for_step(&host, |s| *s == Step::Abandoned);
+    assert_eq!(record.version, NEXT);
+    host.assert_binary_untouched();
 }

@@ -1493,7 +1493,11 @@ async fn a_zero_custody_bound_is_off_not_an_instant_kill() {
     r.tend().await.unwrap();
     sleep(Duration::from_secs(7200)).await;
     r.tend().await.unwrap();
-    assert_eq!(w.fake.count(Operation::Destroy), 0, "a running job in custody was destroyed");
+    assert_eq!(
+        w.fake.count(Operation::Destroy),
+        0,
+        "a running job in custody was destroyed"
+    );
     assert!(w.exists(&lease.id));
     assert_eq!(w.phase(&lease.id), Phase::Custody);
 }
