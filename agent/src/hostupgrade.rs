@@ -154,14 +154,6 @@ impl UpgradeConfig {
                 self.install_path.display()
             ));
         }
-        if let Some(rest) = self.release_source.strip_prefix("https://")
-            && rest
-                .split('/')
-                .next()
-                .is_some_and(|authority| authority.contains('@'))
-        {
-            return Err("release_source carries credentials in its URL, which would reach logs and the plane; serve the releases without them (or from a directory)".into());
-        }
         if let Some(ca) = &self.release_ca
             && !ca.is_absolute()
         {
@@ -170,6 +162,8 @@ impl UpgradeConfig {
                 ca.display()
             ));
         }
+        Source::parse(&self.release_source, self.release_ca.as_deref())
+            .map_err(|e| format!("release_source: {e}"))?;
         let service = self.service()?;
         if let Service::Commands { stop, start } = &service {
             for (key, argv) in [("stop_command", stop), ("start_command", start)] {
@@ -744,7 +738,9 @@ pub async fn run(
             files.dir.display()
         );
         let failure = refuse(reason);
-        settle(config, &service, &files, &mut interrupted).await;
+        if let Err(e) = settle(config, &service, &files, &mut interrupted).await {
+            error!("{e}");
+        }
         return Err(failure);
     }
     remove_stale_staging(&config.install_path);
@@ -819,8 +815,10 @@ pub async fn run(
         () = terminated => {
             warn!("SIGTERM: settling the upgrade before exiting");
             let mut current = files.read().ok().flatten().unwrap_or(record.clone());
-            settle(config, &service, &files, &mut current).await;
-            Err(UpgradeFailure::Failed("stopped by SIGTERM; the upgrade was settled".into()))
+            match settle(config, &service, &files, &mut current).await {
+                Ok(()) => Err(UpgradeFailure::Failed("stopped by SIGTERM; the upgrade was settled".into())),
+                Err(e) => Err(UpgradeFailure::Failed(format!("stopped by SIGTERM; settling the upgrade failed: {e}"))),
+            }
         }
     }
 }
@@ -955,7 +953,7 @@ async fn proceed(
         &record.staged_path,
     ) {
         // A failed rename leaves the old binary in place; make sure of it.
-        return Err(roll_back(config, service, files, record, e).await);
+        return Err(failed(roll_back(config, service, files, record, e).await));
     }
     let outcome = async {
         files.write_step(record, Step::Swapped)?;
@@ -970,7 +968,17 @@ async fn proceed(
             info!(version = %record.version, "upgraded: the node is healthy on the new release");
             Ok(())
         }
-        Err(reason) => Err(roll_back(config, service, files, record, reason).await),
+        Err(reason) => Err(failed(
+            roll_back(config, service, files, record, reason).await,
+        )),
+    }
+}
+
+/// A rollback's summary as the upgrade's failure, whether or not the
+/// previous release came back serving.
+fn failed(rolled_back: Result<String, String>) -> UpgradeFailure {
+    match rolled_back {
+        Ok(summary) | Err(summary) => UpgradeFailure::Failed(summary),
     }
 }
 
@@ -1015,13 +1023,15 @@ fn installed(record: &Record) -> Result<Installed, String> {
 /// Stops the node, puts the previous binary back, starts it and watches it
 /// come back. When the previous binary cannot be put back, the node is
 /// started on what is installed, and the journal says `Unrecovered`.
+/// Returns the summary recorded: `Ok` when the previous release is back and
+/// serving, `Err` when an operator must look.
 async fn roll_back(
     config: &UpgradeConfig,
     service: &Service,
     files: &Files,
     record: &mut Record,
     reason: String,
-) -> UpgradeFailure {
+) -> Result<String, String> {
     error!(version = %record.version, %reason, "the new release failed; rolling back to {}", record.from);
     let stopped = service.stop().await;
     let restored = match installed(record) {
@@ -1047,12 +1057,13 @@ async fn roll_back(
             },
         );
         error!("{summary}");
-        return UpgradeFailure::Failed(summary);
+        return Err(summary);
     }
     let back = match service.start().await {
         Ok(()) => wait_healthy(&config.state_dir, &record.from, config.health_timeout()).await,
         Err(e) => Err(e),
     };
+    let serving = back.is_ok();
     let summary = match back {
         Ok(()) => format!("{reason}; rolled back to {}, which is serving", record.from),
         Err(e) => format!(
@@ -1071,7 +1082,7 @@ async fn roll_back(
         },
     );
     error!("{summary}");
-    UpgradeFailure::Failed(summary)
+    if serving { Ok(summary) } else { Err(summary) }
 }
 
 /// Settles an upgrade an earlier updater left unfinished. The installed
@@ -1082,7 +1093,12 @@ async fn roll_back(
 /// (`Done`) rather than being drained for a rollback; anything else is
 /// rolled back. The old release installed means nothing changed on disk, so
 /// the node is started in case it was stopped.
-async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record: &mut Record) {
+async fn settle(
+    config: &UpgradeConfig,
+    service: &Service,
+    files: &Files,
+    record: &mut Record,
+) -> Result<(), String> {
     match installed(record) {
         Ok(Installed::New) if record.step == Step::Started => {
             match wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await {
@@ -1092,23 +1108,28 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
                     if let Err(e) = files.write_step(record, Step::Done) {
                         warn!("{e}");
                     }
+                    Ok(())
                 }
                 Err(e) => {
                     let reason = format!(
                         "the updater stopped before the new release proved healthy, and it did not since: {e}"
                     );
-                    roll_back(config, service, files, record, reason).await;
+                    roll_back(config, service, files, record, reason)
+                        .await
+                        .map(drop)
                 }
             }
         }
         Ok(Installed::New) if record.step.maybe_swapped() => {
             let reason = "the updater stopped before the new release proved healthy".to_owned();
-            roll_back(config, service, files, record, reason).await;
+            roll_back(config, service, files, record, reason)
+                .await
+                .map(drop)
         }
         Ok(_) => {
-            if let Err(e) = ensure_running(config, service).await {
-                warn!(error = %e, "cannot start the node after an interrupted upgrade");
-            }
+            let running = ensure_running(config, service)
+                .await
+                .map_err(|e| format!("cannot start the node after an interrupted upgrade: {e}"));
             let _ = std::fs::remove_file(&record.staged_path);
             let step = if record.step.maybe_swapped() {
                 Step::RolledBack {
@@ -1118,8 +1139,9 @@ async fn settle(config: &UpgradeConfig, service: &Service, files: &Files, record
                 Step::Abandoned
             };
             let _ = files.write_step(record, step);
+            running
         }
-        Err(e) => error!("cannot settle the interrupted upgrade: {e}"),
+        Err(e) => Err(format!("cannot settle the interrupted upgrade: {e}")),
     }
 }
 
@@ -1154,7 +1176,10 @@ async fn ensure_running(config: &UpgradeConfig, service: &Service) -> Result<(),
 ///
 /// # Errors
 ///
-/// A sentence when the configuration or journal cannot be used.
+/// A sentence when the configuration or journal cannot be used, or when the
+/// settle did not end with one release installed and serving (a rollback
+/// whose node is not healthy, an `Unrecovered` one, a binary that is
+/// neither release, a node that would not start): an operator must look.
 pub async fn settle_interrupted(config: &UpgradeConfig) -> Result<(), String> {
     let service = config.service()?;
     let files = Files::new(&config.state_dir);
@@ -1169,10 +1194,10 @@ pub async fn settle_interrupted(config: &UpgradeConfig) -> Result<(), String> {
     if let Some(current) = files.read()? {
         record = current;
     }
-    if !record.step.is_final() {
-        settle(config, &service, &files, &mut record).await;
+    if record.step.is_final() {
+        return Ok(());
     }
-    Ok(())
+    settle(config, &service, &files, &mut record).await
 }
 
 /// What [`settle_at_node_start`] did.

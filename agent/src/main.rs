@@ -390,18 +390,25 @@ fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
     }
 }
 
-/// `billet host-upgrade --settle --config PATH`.
+/// `billet host-upgrade --settle --config PATH`: 0 when nothing was left
+/// unfinished or the settle left one release installed and serving, 2 for
+/// a configuration it cannot use, 9 when an operator must look.
 fn settle_by_hand(config: Option<&std::path::Path>) -> ExitCode {
     let loaded = config
         .ok_or_else(|| "--settle needs --config".to_owned())
         .and_then(hostupgrade::UpgradeConfig::load);
-    let settled = loaded.and_then(|config| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("cannot start the async runtime: {e}"))?
-            .block_on(hostupgrade::settle_interrupted(&config))
-    });
+    let loaded = match loaded {
+        Ok(config) => config,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(exit::CONFIG);
+        }
+    };
+    let settled = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))
+        .and_then(|runtime| runtime.block_on(hostupgrade::settle_interrupted(&loaded)));
     match settled {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

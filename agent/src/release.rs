@@ -57,9 +57,22 @@ pub struct Artifact {
 /// fix there.
 #[derive(Debug, Error)]
 pub enum ReleaseError {
-    /// The configured source is not a directory path or an `https://` URL.
-    #[error("release source {0:?}: give an absolute directory or an https:// URL")]
+    /// The configured source is not a directory path or an `https://` URL
+    /// (shown without any credentials, query or fragment).
+    #[error("release source {}: give an absolute directory or an https:// URL", shown(.0))]
     Source(String),
+    /// The configured URL carries credentials, a query or a fragment, any
+    /// of which may be a secret and would reach logs and the plane.
+    #[error(
+        "release source {shown}: the URL carries {what}, which would reach logs and the plane in every message naming a release; give the plain https:// base URL the releases sit under (serve them without credentials, or from a directory)",
+        shown = shown(configured)
+    )]
+    Secretive {
+        /// What it carries.
+        what: &'static str,
+        /// The configured source.
+        configured: String,
+    },
     /// The source could not be read.
     #[error("{what}: {problem}")]
     Fetch {
@@ -105,6 +118,27 @@ pub enum ReleaseError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+/// `source` for a message: any `user:password@`, query and fragment
+/// replaced by `…`.
+fn shown(source: &str) -> String {
+    let (scheme, rest) = source.split_once("://").unwrap_or(("", source));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let authority = match authority.rsplit_once('@') {
+        Some((_, host)) => format!("…@{host}"),
+        None => authority.to_owned(),
+    };
+    let tail = match tail.find(['?', '#']) {
+        Some(i) => format!("{}…", &tail[..i]),
+        None => tail.to_owned(),
+    };
+    if scheme.is_empty() && !source.contains("://") {
+        format!("{authority}{tail}")
+    } else {
+        format!("{scheme}://{authority}{tail}")
+    }
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -165,6 +199,18 @@ impl Source {
         };
         let base = reqwest::Url::parse(&with_slash)
             .map_err(|_| ReleaseError::Source(source.to_owned()))?;
+        if !base.username().is_empty() || base.password().is_some() {
+            return Err(ReleaseError::Secretive {
+                what: "credentials",
+                configured: source.to_owned(),
+            });
+        }
+        if base.query().is_some() || base.fragment().is_some() {
+            return Err(ReleaseError::Secretive {
+                what: "a query or fragment",
+                configured: source.to_owned(),
+            });
+        }
         let mut builder = reqwest::Client::builder()
             .https_only(true)
             .connect_timeout(std::time::Duration::from_secs(30))
@@ -278,7 +324,13 @@ impl Source {
                 if len > limit {
                     return Err(too_large());
                 }
-                std::io::copy(&mut f, sink).map_err(|e| fail(format!("cannot read: {e}")))?;
+                // The size on disk is not a bound (a device, a file that
+                // grows): read at most one byte past the limit.
+                let read = std::io::copy(&mut std::io::Read::take(&mut f, limit + 1), sink)
+                    .map_err(|e| fail(format!("cannot read: {e}")))?;
+                if read > limit {
+                    return Err(too_large());
+                }
             }
             Self::Https { base, client } => {
                 let url = base
@@ -381,10 +433,15 @@ pub fn check_manifest(
         )));
     }
     for a in &manifest.artifacts {
-        let plain = !a.path.is_empty()
-            && !a.path.contains('/')
-            && a.path != "."
-            && a.path != ".."
+        // Letters, digits, `.`, `_`, `-`, not starting with `.`: the same
+        // name in a directory and in a URL (no `/`, `\`, `%`-escapes or
+        // `..` that a URL parser would resolve out of the release).
+        let plain = a
+            .path
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            && !a.path.is_empty()
+            && !a.path.starts_with('.')
             && a.path != MANIFEST_FILE;
         if !plain {
             return Err(fail(format!(
@@ -743,7 +800,18 @@ mod tests {
 
     #[test]
     fn manifests_naming_paths_outside_the_release_are_refused() {
-        for path in ["../billet", "/usr/bin/billet", "", "..", MANIFEST_FILE] {
+        for path in [
+            "../billet",
+            "/usr/bin/billet",
+            "",
+            "..",
+            MANIFEST_FILE,
+            "..\\..\\other\\billet",
+            "%2e%2e",
+            ".hidden",
+            "bil let",
+            "billet?x",
+        ] {
             let m = Manifest {
                 version: "1".into(),
                 artifacts: vec![Artifact {
@@ -773,6 +841,50 @@ mod tests {
             Source::parse("https://releases.example/billet", None),
             Ok(Source::Https { .. })
         ));
+        // A plain `http://` URL with credentials is refused without
+        // showing them.
+        let e = Source::parse("http://user:pw@releases.example/r", None)
+            .expect_err("http")
+            .to_string();
+        assert!(
+            !e.contains("pw") && e.contains("…@releases.example/r"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_url_carrying_credentials_a_query_or_a_fragment_is_refused_without_showing_them() {
+        for (url, what) in [
+            ("https://user:s3cret@releases.example/r", "credentials"),
+            ("https://tok3n@releases.example/r", "credentials"),
+            (
+                "https://releases.example/r?token=s3cret",
+                "a query or fragment",
+            ),
+            ("https://releases.example/r#s3cret", "a query or fragment"),
+        ] {
+            let e = Source::parse(url, None).expect_err(url).to_string();
+            assert!(e.contains(what), "{url}: {e}");
+            assert!(!e.contains("s3cret") && !e.contains("tok3n"), "{url}: {e}");
+            assert!(e.contains("releases.example/r"), "{url}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_directory_source_reads_no_more_than_the_limit_whatever_its_size_says() {
+        // A manifest that is a device: its size on disk says 0.
+        let dir =
+            std::env::temp_dir().join(format!("billet-rel-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(dir.join("6.6.6")).expect("dir");
+        std::os::unix::fs::symlink("/dev/zero", dir.join("6.6.6").join(MANIFEST_FILE))
+            .expect("symlink");
+        let source = Source::parse(dir.to_str().expect("utf-8"), None).expect("source");
+        let e = tokio::time::timeout(std::time::Duration::from_secs(30), source.manifest("6.6.6"))
+            .await
+            .expect("bounded")
+            .expect_err("endless manifest")
+            .to_string();
+        assert!(e.contains("larger than"), "{e}");
     }
 
     #[test]

@@ -628,3 +628,57 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
     assert_eq!(record.version, NEXT);
     host.assert_binary_untouched();
 }
+
+#[tokio::test]
+async fn settle_by_hand_exits_9_when_the_host_is_left_for_an_operator() {
+    let settle = |host: &Host| {
+        std::process::Command::new(BILLET)
+            .args(["host-upgrade", "--settle", "--config"])
+            .arg(&host.config)
+            .output()
+            .expect("run --settle")
+    };
+    // Swapped, and the previous binary is gone: nothing to roll back to.
+    let host = Host::new();
+    let release =
+        std::fs::read(host.dir.join("releases").join(NEXT).join("billet")).expect("release binary");
+    std::fs::write(&host.install, &release).expect("swapped in");
+    host.journal(&host.interrupted_at(Step::Swapped));
+    let out = settle(&host);
+    assert_eq!(
+        out.status.code(),
+        Some(9),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let record = wait_for_step(&host, |s| matches!(s, Step::Unrecovered { .. }));
+    assert!(host.dir.join("started").exists(), "{record:?}");
+
+    // A binary that is neither release: not guessed at.
+    let host = Host::new();
+    std::fs::write(&host.install, "#!/bin/sh\necho 'billet 3.3.3'\n").expect("other");
+    host.journal(&host.interrupted_at(Step::Swapped));
+    let out = settle(&host);
+    assert_eq!(
+        out.status.code(),
+        Some(9),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("neither"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A configuration it cannot use.
+    let host = Host::new();
+    std::fs::write(&host.config, "release_source = \"relative\"\n").expect("config");
+    let out = settle(&host);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
