@@ -620,6 +620,12 @@ fn check_request(r: &Request) -> Result<(), String> {
     if r.generation == Some(0) {
         return Err("--generation 0 was passed; an absent generation is omitted".into());
     }
+    if r.rollout.is_some() != r.generation.is_some() {
+        return Err(
+            "--rollout and --generation fence an instruction together: pass both, or neither"
+                .into(),
+        );
+    }
     Ok(())
 }
 
@@ -825,8 +831,18 @@ pub async fn run(
 
 /// Where a release waits before the swap: beside the installed binary (the
 /// same filesystem, so the swap is one rename).
+/// `.<install file name>.<version>.staged` beside the installed binary:
+/// on its file system, so the swap is a rename, and named after it, so two
+/// installs sharing a directory never clear each other's.
 fn staged_path(install: &Path, version: &str) -> PathBuf {
-    install.with_file_name(format!(".billet-{version}.staged"))
+    install.with_file_name(format!("{}{version}.staged", staging_prefix(install)))
+}
+
+fn staging_prefix(install: &Path) -> String {
+    format!(
+        ".{}.",
+        install.file_name().unwrap_or_default().to_string_lossy()
+    )
 }
 
 /// Removes releases an updater staged and then died before accepting.
@@ -835,10 +851,11 @@ fn remove_stale_staging(install: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
+    let prefix = staging_prefix(install);
     for entry in entries.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with(".billet-") && name.ends_with(".staged") {
+        if name.starts_with(&prefix) && name.ends_with(".staged") {
             info!(file = %entry.path().display(), "removing a release staged by an updater that stopped");
             let _ = std::fs::remove_file(entry.path());
         }
@@ -1316,6 +1333,20 @@ mod tests {
             ..request("r1", 1)
         };
         fence(&seen, &unfenced).expect("by hand, unfenced");
+    }
+
+    #[test]
+    fn half_a_fence_is_refused() {
+        for (rollout, generation) in [(Some("r1".to_owned()), None), (None, Some(3))] {
+            let half = Request {
+                rollout,
+                generation,
+                ..request("r1", 1)
+            };
+            let e = check_request(&half).expect_err("half a fence");
+            assert!(e.contains("pass both, or neither"), "{e}");
+        }
+        check_request(&request("r1", 1)).expect("both");
     }
 
     #[test]

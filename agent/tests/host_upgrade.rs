@@ -287,6 +287,7 @@ async fn an_instruction_for_the_installed_version_is_accepted_and_changes_nothin
     spec.version = env!("CARGO_PKG_VERSION").into();
     spec.manifest_sha256 = None;
     spec.rollout_id = None;
+    spec.generation = 0;
     host.upgrade(&spec).await.expect("accepted: nothing to do");
     wait_for_exit_of_updater();
     host.assert_untouched();
