@@ -1127,11 +1127,22 @@ impl Runner {
             entry.registration = None;
         } else if entry.discard {
             // Routing before compute: whatever registration the plane still
-            // holds for the lease goes before the instance does. A runner
-            // GitHub will not remove (busy) does not stop the teardown the
-            // node has authority for.
-            if let Err(e) = self.jit.remove_runner(lease, entry.epoch, 0, "").await {
-                debug!(%lease, error = %e, "no registration removed by lease");
+            // holds for the lease goes before the instance does. An answer
+            // (GitHub will not remove a busy runner; the lease or runner is
+            // not this node's) does not stop the teardown the node has
+            // authority for; an outage does, until the next tick, so a
+            // registration is not left behind by a passing failure.
+            match self.jit.remove_runner(lease, entry.epoch, 0, "").await {
+                Ok(()) => {}
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    self.update(lease, entry).await;
+                    return Err(format!(
+                        "remove the registration of {lease} before destroying: {e}"
+                    ));
+                }
+                Err(e) => {
+                    warn!(%lease, error = %e, "the registration was not removed; destroying on the node's authority");
+                }
             }
         }
         let found = match self.provider.find(&entry.instance).await {

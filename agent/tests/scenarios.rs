@@ -1596,6 +1596,33 @@ async fn the_custody_bound_removes_the_registration_before_destroying_the_comput
     assert_eq!(w.phase(&lease.id), Phase::Failed);
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_unreachable_github_holds_a_custody_kill_until_the_registration_can_go_first() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        max_custody: Some(Duration::from_secs(3600)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(3601)).await;
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    let _ = r.tend().await;
+    assert_eq!(
+        w.fake.count(Operation::Destroy),
+        0,
+        "compute went before routing"
+    );
+    assert!(w.exists(&lease.id));
+    assert!(w.registered(&lease.id));
+    r.tend().await.unwrap();
+    assert!(!w.registered(&lease.id));
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
 // ======================= 7.I KeepAlive =======================
 
 #[tokio::test(start_paused = true)]
