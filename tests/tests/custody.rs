@@ -166,7 +166,8 @@ async fn a_node_killed_while_a_job_runs_adopts_the_container_after_restart() -> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_killed_mid_launch_leaks_nothing_and_starts_at_most_one_container() -> Result<()> {
+async fn a_node_killed_mid_launch_leaks_nothing_and_starts_no_container_after_restart() -> Result<()>
+{
     let mut cluster = Cluster::start(options(2000)).await?;
     // Minting takes three seconds: the node dies while it waits.
     cluster
@@ -225,9 +226,12 @@ async fn a_node_killed_mid_launch_leaks_nothing_and_starts_at_most_one_container
     }
     watching.store(false, Ordering::SeqCst);
     watcher.await?;
+    // The node died before minting answered, so it never had a JIT config
+    // to start a container with; the restarted node must not start one.
+    let ids = ids.lock().expect("ids").clone();
     assert!(
-        ids.lock().expect("ids").len() <= 1,
-        "more than one container existed for the lease"
+        ids.is_empty(),
+        "a container was started for a launch the node died in: {ids:?}"
     );
     assert!(cluster.containers().await?.is_empty(), "a container leaked");
     let runners = cluster.emulator.state().runners;
@@ -415,16 +419,17 @@ impl Drop for EngineProxy {
 async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity_is_freed()
 -> Result<()> {
     let proxy = EngineProxy::start().await?;
+    let grace = Duration::from_secs(1);
     let cluster = Cluster::start(ClusterOptions {
         docker_socket: proxy.path.clone(),
         maintenance_interval: Duration::from_millis(500),
-        quarantine_grace: Duration::from_secs(1),
-        ..options(12_000)
+        quarantine_grace: grace,
+        lease_ttl: Duration::from_secs(2),
+        ..options(16_000)
     })
     .await?;
     let jobs = cluster.queue_jobs(1);
     wait_job_running(&cluster, Duration::from_secs(30)).await?;
-    let charged = cluster.charged().await?;
     proxy.up.store(false, Ordering::SeqCst);
 
     let node = cluster.plane.node("node-1").context("node")?;
@@ -442,16 +447,55 @@ async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity
         !report.inventory_known,
         "an unreadable engine was reported as a known inventory"
     );
-    // Several sweeps and tends pass; nothing may be freed.
-    for _ in 0..6 {
+
+    // A lease node-1 launched and stopped renewing, whose container does
+    // not exist: only a vouched inventory may free it once quarantined.
+    let ledger = cluster.plane.ledger();
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "unseen1".into(),
+                tier: TIER.into(),
+                request_id: 778,
+                vcpu: 1,
+                memory_bytes: 1 << 28,
+                runner_name: Some("billet-unseen1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    ledger
+        .bind(&lease.id, lease.epoch, "node-1", now_ms())
+        .await?;
+    ledger
+        .advance(&lease.id, lease.epoch, "node-1", Phase::Launching, now_ms())
+        .await?;
+    let quarantined =
+        wait_lease_phase(&cluster, Phase::Quarantine, Duration::from_secs(20)).await?;
+    assert_eq!(
+        quarantined.id, lease.id,
+        "only the unrenewed lease is quarantined"
+    );
+    let charged = cluster.charged().await?;
+    // Sweeps and tends pass, well beyond the grace; nothing may be freed.
+    for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(
             cluster.charged().await?,
             charged,
             "capacity was freed while the engine was unreachable"
         );
+        assert_eq!(
+            ledger.get(&lease.id).await?.context("lease")?.phase,
+            Phase::Quarantine,
+            "a quarantined lease was freed on an unknown inventory"
+        );
     }
+    // The engine is back: the next vouched inventory frees it, and the job
+    // that ran all along completes.
     proxy.up.store(true, Ordering::SeqCst);
+    let freed = wait_lease_phase(&cluster, Phase::Failed, Duration::from_secs(30)).await?;
+    assert_eq!(freed.id, lease.id);
     end_done(&cluster, &jobs).await?;
     cluster.shutdown().await
 }
