@@ -457,7 +457,10 @@ fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(exit::CONFIG);
         }
     };
-    if let Some(code) = settle_upgrade(&config.state_dir) {
+    // A state directory that is not one is refused below, naming it.
+    if config.state_dir.is_dir()
+        && let Some(code) = settle_upgrade(&config.state_dir)
+    {
         return code;
     }
     let runtime = match tokio::runtime::Runtime::new() {

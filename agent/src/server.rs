@@ -109,6 +109,11 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
         path: path.to_owned(),
         source,
     };
+    if path.exists() && !path.is_dir() {
+        return Err(err(std::io::Error::other(
+            "exists and is not a directory; give --state-dir a directory (it is created if missing)",
+        )));
+    }
     std::fs::create_dir_all(path).map_err(err)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)
 }

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::Output;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use billet_tests::cluster::{free_port, scratch_dir};
 use billet_tests::image::{binary_path, build_process_binaries};
 
@@ -142,6 +142,19 @@ fn a_corrupt_journal_exits_7_naming_the_file_and_is_not_recreated() -> Result<()
     let out = node(&[], &certs, &state, "/var/run/docker.sock")?;
     assert_exit(&out, 7, &journal.display().to_string());
     assert!(std::fs::read(&journal)?.starts_with(b"not a journal"));
+    Ok(())
+}
+
+#[test]
+fn a_state_directory_that_is_a_file_exits_6_saying_so() -> Result<()> {
+    let (certs, state) = setup()?;
+    std::fs::create_dir_all(state.parent().context("parent")?)?;
+    std::fs::write(&state, b"not a directory")?;
+    let out = node(&[], &certs, &state, "/var/run/docker.sock")?;
+    assert_exit(&out, 6, "is not a directory");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&state.display().to_string()), "{stderr}");
+    assert!(!stderr.contains("upgrade journal"), "{stderr}");
     Ok(())
 }
 
