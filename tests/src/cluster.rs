@@ -52,6 +52,11 @@ pub struct ClusterOptions {
     /// would run, with `billet host-upgrade` as its updater. See
     /// [`Installed`].
     pub installed: bool,
+    /// With `installed`: run each node under the real systemd of a
+    /// [`crate::systemd::SystemdHost`], as the deployed unit, with
+    /// `systemctl` as the updater's service manager. The cluster's
+    /// directory is then made in the host's shared directory.
+    pub systemd: Option<crate::systemd::SystemdTarget>,
 }
 
 impl Default for ClusterOptions {
@@ -67,6 +72,7 @@ impl Default for ClusterOptions {
             maintenance_interval: Duration::from_secs(2),
             quarantine_grace: Duration::from_secs(300),
             installed: false,
+            systemd: None,
         }
     }
 }
@@ -92,6 +98,24 @@ pub struct Installed {
     pub releases: PathBuf,
     /// The node's state directory.
     pub state_dir: PathBuf,
+    /// The systemd host that runs the node, if one does.
+    pub systemd: Option<crate::systemd::SystemdTarget>,
+}
+
+/// The unit the node runs as under systemd.
+pub const NODE_UNIT: &str = "billet-node.service";
+
+/// `word` quoted for a systemd unit's command line (`command`: `$` is
+/// expanded there) or an `Environment=` assignment.
+fn unit_word(word: &str, command: bool) -> String {
+    let mut escaped = word
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('%', "%%");
+    if command {
+        escaped = escaped.replace('$', "$$");
+    }
+    format!("\"{escaped}\"")
 }
 
 impl Installed {
@@ -104,6 +128,7 @@ impl Installed {
         env: &[(String, String)],
         log: &Path,
         state_dir: &Path,
+        systemd: Option<&crate::systemd::SystemdTarget>,
     ) -> Result<Self> {
         let root = dir.join(format!("install-{name}"));
         std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
@@ -120,6 +145,7 @@ impl Installed {
             releases,
             state_dir: state_dir.to_owned(),
             binary,
+            systemd: systemd.cloned(),
         };
         args.extend([
             "--upgrader-binary".into(),
@@ -132,6 +158,10 @@ impl Installed {
             .iter()
             .map(|(k, v)| format!("export {k}={}\n", quote(v)))
             .collect();
+        if let Some(host) = systemd {
+            installed.install_unit(host, args, env, log)?;
+            return Ok(installed);
+        }
         let argv: Vec<String> = args.iter().map(|a| quote(a)).collect();
         write_script(
             &installed.start,
@@ -152,6 +182,63 @@ impl Installed {
         )?;
         installed.write_config(&installed.start, 60)?;
         Ok(installed)
+    }
+
+    /// Installs the node in `container` as [`NODE_UNIT`]: the deployed
+    /// unit file itself, with a drop-in giving this node's command line,
+    /// environment and log (the deployed unit reads them from
+    /// `/etc/billet/node.env`); start and stop scripts that run
+    /// `systemctl`; and an updater configuration naming the unit.
+    fn install_unit(
+        &self,
+        host: &crate::systemd::SystemdTarget,
+        args: &[String],
+        env: &[(String, String)],
+        log: &Path,
+    ) -> Result<()> {
+        use crate::systemd::{run_in, write_file_in};
+        let container = host.container.as_str();
+        write_file_in(
+            host,
+            &format!("/etc/systemd/system/{NODE_UNIT}"),
+            include_str!("../../deploy/billet-node.service"),
+        )?;
+        let exec: Vec<String> = std::iter::once(self.binary.display().to_string())
+            .chain(args.iter().cloned())
+            .map(|w| unit_word(&w, true))
+            .collect();
+        let environment: String = env
+            .iter()
+            .map(|(k, v)| format!("Environment={}\n", unit_word(&format!("{k}={v}"), false)))
+            .collect();
+        let log = log.display().to_string();
+        write_file_in(
+            host,
+            &format!("/etc/systemd/system/{NODE_UNIT}.d/test.conf"),
+            &format!(
+                "[Service]\nEnvironmentFile=\nExecStart=\nExecStart={}\n{environment}StandardOutput=append:{log}\nStandardError=append:{log}\n",
+                exec.join(" ")
+            ),
+        )?;
+        run_in(container, &["systemctl", "daemon-reload"])?;
+        write_script(
+            &self.start,
+            &format!("#!/bin/sh\nexec docker exec {container} systemctl start {NODE_UNIT}\n"),
+        )?;
+        write_script(
+            &self.stop,
+            &format!("#!/bin/sh\nexec docker exec {container} systemctl stop {NODE_UNIT}\n"),
+        )?;
+        std::fs::write(
+            &self.upgrade_config,
+            format!(
+                "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\nsystemd_unit = {NODE_UNIT:?}\nhealth_timeout_secs = 60\n",
+                self.releases.display().to_string(),
+                self.binary.display().to_string(),
+                self.state_dir.display().to_string(),
+            ),
+        )
+        .with_context(|| format!("write {}", self.upgrade_config.display()))
     }
 
     /// Rewrites the updater's configuration: `start` as its start command
@@ -269,6 +356,12 @@ impl NodeProcess {
 
     /// Sends SIGKILL and waits for the process to go.
     pub async fn kill(&mut self) -> Result<()> {
+        if let Some(installed) = &self.installed
+            && installed.systemd.is_some()
+        {
+            // Pids in the container are not this host's: systemd stops it.
+            return run_script(&installed.stop).await;
+        }
         if let Some(installed) = &self.installed {
             if let Ok(pid) = installed.pid() {
                 let _ = std::process::Command::new("kill")
@@ -389,7 +482,16 @@ impl Cluster {
                 .context("build the stand-in runner image")
             })
             .await?;
-        let dir = scratch_dir("billet-cluster")?;
+        let dir = match &options.systemd {
+            // Where the systemd host sees it, at the same path.
+            Some(host) => {
+                let dir = host.shared.join("c");
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("create {}", dir.display()))?;
+                dir
+            }
+            None => scratch_dir("billet-cluster")?,
+        };
         let deployment = format!("dep{}", &uuid_like()[..8]);
         let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
         let certs = billet_certs_dev::generate(&dir.join("certs"), "plane", &names)?;
@@ -434,7 +536,13 @@ impl Cluster {
             let mut args = args;
             let installed = if options.installed {
                 Some(Installed::write(
-                    &dir, name, &mut args, &env, &log, &state_dir,
+                    &dir,
+                    name,
+                    &mut args,
+                    &env,
+                    &log,
+                    &state_dir,
+                    options.systemd.as_ref(),
                 )?)
             } else {
                 None

@@ -14,6 +14,7 @@ use billet_controlplane_stub::node_link::CommandOutcome;
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, Installed, wait_until, write_script};
 use billet_tests::image::binary_path;
+use billet_tests::systemd::SystemdHost;
 
 const NODE: &str = "node-1";
 
@@ -335,5 +336,70 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
     assert_eq!(node.pid()?, new_node, "the healthy node was not restarted");
     ensure!(billet_tests::cluster::alive(new_node), "and still runs");
     wait_hello_version(&cluster, &next, Duration::from_secs(60)).await?;
+    still_runs_jobs_and_ends_clean(cluster).await
+}
+
+/// The whole path under real systemd: the node runs as the deployed unit
+/// (`Type=notify`), gets StartUpgrade while a job runs, starts its updater
+/// with `systemd-run` as a transient unit (which `systemctl stop` of the
+/// node's unit must not stop), and the updater drains, swaps and restarts
+/// the node through `systemctl`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -> Result<()> {
+    let options = ClusterOptions::default();
+    let host = SystemdHost::start(&options.docker_socket)?;
+    let cluster = Cluster::start(ClusterOptions {
+        installed: true,
+        systemd: Some(host.target()),
+        work_ms: 12_000,
+        ..options
+    })
+    .await?;
+    let unit = billet_tests::cluster::NODE_UNIT;
+    assert_eq!(host.property(unit, "ActiveState")?, "active");
+    assert_eq!(host.property(unit, "Type")?, "notify");
+    let first_pid = host.property(unit, "MainPID")?;
+    let node = installed(&cluster)?;
+    let before = installed_version(&node)?;
+    let next = format!("{before}-next.4");
+    let digest = publish(&node, &next)?;
+
+    let jobs = cluster.queue_jobs(1);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while cluster.containers().await?.is_empty() {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the job's container never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    assert_accepted(&result);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await
+        .with_context(|| cluster.nodes[NODE].log_text())?;
+    let state = cluster.emulator.state();
+    let job = state.jobs.iter().find(|j| j.id == jobs[0]).context("job")?;
+    assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+
+    wait_hello_version(&cluster, &next, Duration::from_secs(180)).await?;
+    wait_until(Duration::from_secs(60), "the journal to say done", || {
+        journal(&node).is_ok_and(|r| r.step == Step::Done)
+    })
+    .await
+    .with_context(|| cluster.nodes[NODE].log_text())?;
+    assert_eq!(installed_version(&node)?, next);
+    assert_eq!(host.property(unit, "ActiveState")?, "active");
+    assert_ne!(
+        host.property(unit, "MainPID")?,
+        first_pid,
+        "systemd started a new process"
+    );
+    let log = cluster.nodes[NODE].log_text();
+    assert!(
+        log.contains("systemd-run"),
+        "the updater was not started through systemd-run:\n{log}"
+    );
     still_runs_jobs_and_ends_clean(cluster).await
 }

@@ -1,0 +1,275 @@
+//! A host under real systemd, for the path operators run in production: the
+//! deployed unit (`deploy/billet-node.service`, `Type=notify`), `systemctl`
+//! as the updater's service manager, and `systemd-run` starting the updater
+//! as its own transient unit.
+//!
+//! No image can be pulled, so [`SystemdHost::start`] packs one from this
+//! machine: the files of the installed `systemd` package (without its
+//! `tmpfiles.d` rules, which would empty directories at boot), a shell and a
+//! few tools, and the libraries they and `billet` load. Its PID 1 is
+//! systemd. It shares the host's network, its Docker socket and one
+//! directory of its own ([`SystemdHost::shared`], mounted at the same path,
+//! where the cluster keeps its binaries, certificates, state and logs), so
+//! a node run there serves the harness's plane and starts runner containers
+//! like any other. It needs no privileges. Nothing else of the host is
+//! shared: systemd inside cannot touch it.
+//! Process ids inside are the container's own: the harness never signals a
+//! node of this host by pid, only through `systemctl`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use anyhow::{Context, Result, bail, ensure};
+
+/// The image's tag. It holds nothing of this repository (`billet` is run
+/// from the cluster's directory under the shared `/tmp`), only the host's
+/// systemd and the libraries `billet` needs, so one build serves a run.
+pub const IMAGE: &str = "billet-test-systemd:3";
+
+/// Packs [`IMAGE`] from the host. `$BILLET` is the binary whose libraries
+/// are added.
+const PACK: &str = r#"
+set -euo pipefail
+canon() { local d; d=$(readlink -f "$(dirname "$1")"); echo "$d/$(basename "$1")" | sed 's|^//*|/|'; }
+out=$(mktemp)
+add() {
+  local p; p=$(canon "$1")
+  echo "$p" >> "$out"
+  if [ -L "$p" ]; then add "$(readlink -f "$p")"; fi
+}
+{
+  dpkg -L systemd
+  for b in sh dash sleep cat cp rm touch mkdir ls kill env true grep; do type -P "$b"; done
+  echo "$BILLET"
+  printf '%s\n' /etc/passwd /etc/group /etc/nsswitch.conf /usr/lib/os-release /etc/os-release
+} | sort -u | while read -r f; do
+  if [ -n "$f" ] && { [ -L "$f" ] || [ -f "$f" ]; }; then add "$f"; fi
+done
+for f in $(sort -u "$out"); do
+  if [ -f "$f" ] && [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ]; then
+    for l in $(ldd "$f" 2>/dev/null | grep -o '/[^ ]*' || true); do add "$l"; done
+  fi
+done
+printf '%s\n' /bin /lib /lib64 /sbin >> "$out"
+# billet itself is run from the cluster's directory, not the image.
+sort -u "$out" | grep -v -e '^/dev/' -e '^/usr/lib/tmpfiles.d/' -e "^$BILLET\$" | sed 's|^/||' | sort -u > "$out.files"
+tar -C / --hard-dereference --no-recursion --ignore-failed-read -cf - -T "$out.files" 2>/dev/null \
+  | docker import -c 'CMD ["/usr/lib/systemd/systemd"]' - "$IMAGE" >/dev/null
+"#;
+
+/// A stand-in for the Docker engine's own unit, which the deployed unit
+/// requires: the engine is the host's, reached through its socket.
+const DOCKER_UNIT: &str = "[Unit]\nDescription=stand-in: the host's Docker engine\n\n[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/true\n";
+
+/// A running container whose PID 1 is systemd.
+#[derive(Debug)]
+pub struct SystemdHost {
+    /// The container's name.
+    pub name: String,
+    /// The directory shared with the container, at the same path.
+    pub shared: PathBuf,
+}
+
+/// Where a cluster runs its nodes under systemd
+/// ([`crate::cluster::ClusterOptions::systemd`]).
+#[derive(Debug, Clone)]
+pub struct SystemdTarget {
+    /// The container whose systemd runs the nodes.
+    pub container: String,
+    /// The directory shared with it: the cluster's directory goes there.
+    pub shared: PathBuf,
+}
+
+impl SystemdHost {
+    /// Builds [`IMAGE`] if this engine lacks it, starts a container from it
+    /// sharing the host's network, `docker_socket` and a fresh directory,
+    /// and waits until systemd has booted.
+    ///
+    /// # Errors
+    ///
+    /// When this machine has no `systemd` package, the image cannot be
+    /// packed, or systemd does not come up within 60 s.
+    pub fn start(docker_socket: &Path) -> Result<Self> {
+        ensure_image()?;
+        let name = format!("billet-systemd-{}", uuid::Uuid::new_v4().simple());
+        // Short: the node's state directory goes under it, and the
+        // updater's answer socket under that (a unix socket's path is at
+        // most 107 bytes).
+        let shared = std::env::temp_dir().join(format!(
+            "bsd-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ));
+        std::fs::create_dir_all(&shared).with_context(|| format!("create {}", shared.display()))?;
+        let mount = format!("{0}:{0}", shared.display());
+        let socket = docker_socket.display().to_string();
+        let out = Command::new("docker")
+            .args(["run", "-d", "--name", &name, "--network", "host"])
+            .args(["--tmpfs", "/run", "--tmpfs", "/run/lock"])
+            .args(["-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "-v", &mount])
+            .args(["-v", &format!("{socket}:{socket}")])
+            .args(["-e", "container=docker", IMAGE])
+            .output()
+            .context("docker run")?;
+        ensure!(
+            out.status.success(),
+            "docker run {IMAGE}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let host = Self { name, shared };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let state = host.exec(&["systemctl", "is-system-running"])?;
+            let said = String::from_utf8_lossy(&state.stdout).trim().to_owned();
+            // `degraded`: a unit of the packed host failed (first boot);
+            // the manager itself is up.
+            if said == "running" || said == "degraded" {
+                break;
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("systemd in {} did not come up: {said:?}", host.name);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        host.write_file("/etc/systemd/system/docker.service", DOCKER_UNIT)?;
+        Ok(host)
+    }
+
+    /// Runs `args` in the container.
+    ///
+    /// # Errors
+    ///
+    /// When `docker exec` cannot be run.
+    pub fn exec(&self, args: &[&str]) -> Result<Output> {
+        exec_in(&self.name, args)
+    }
+
+    /// Runs `args` in the container and fails unless they succeed.
+    ///
+    /// # Errors
+    ///
+    /// With their output when they fail.
+    pub fn run(&self, args: &[&str]) -> Result<String> {
+        run_in(&self.name, args)
+    }
+
+    /// Writes `text` to `path` inside the container.
+    ///
+    /// # Errors
+    ///
+    /// When it cannot be written.
+    pub fn write_file(&self, path: &str, text: &str) -> Result<()> {
+        write_file_in(&self.target(), path, text)
+    }
+
+    /// Where a cluster runs its nodes on this host.
+    pub fn target(&self) -> SystemdTarget {
+        SystemdTarget {
+            container: self.name.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+
+    /// A unit's property, as `systemctl show -p NAME --value` prints it.
+    ///
+    /// # Errors
+    ///
+    /// When `systemctl` fails.
+    pub fn property(&self, unit: &str, name: &str) -> Result<String> {
+        Ok(self
+            .run(&["systemctl", "show", unit, "-p", name, "--value"])?
+            .trim()
+            .to_owned())
+    }
+}
+
+impl Drop for SystemdHost {
+    fn drop(&mut self) {
+        let _ = Command::new("docker")
+            .args(["rm", "-f", &self.name])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.shared);
+    }
+}
+
+/// Runs `args` in `container`.
+///
+/// # Errors
+///
+/// When `docker exec` cannot be run.
+pub fn exec_in(container: &str, args: &[&str]) -> Result<Output> {
+    Command::new("docker")
+        .args(["exec", container])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("docker exec {container} {args:?}"))
+}
+
+/// Runs `args` in `container` and fails unless they succeed.
+///
+/// # Errors
+///
+/// With their output when they fail.
+pub fn run_in(container: &str, args: &[&str]) -> Result<String> {
+    let out = exec_in(container, args)?;
+    ensure!(
+        out.status.success(),
+        "{args:?} in {container}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Writes `text` to `path` inside `host`'s container (through the shared
+/// directory).
+///
+/// # Errors
+///
+/// When it cannot be written.
+pub fn write_file_in(host: &SystemdTarget, path: &str, text: &str) -> Result<()> {
+    let container = host.container.as_str();
+    let staged = host
+        .shared
+        .join(format!("file-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&staged, text)?;
+    let staged = staged.display().to_string();
+    let dir = Path::new(path)
+        .parent()
+        .context("a file's directory")?
+        .display()
+        .to_string();
+    run_in(container, &["mkdir", "-p", &dir])?;
+    run_in(container, &["cp", &staged, path])?;
+    let _ = std::fs::remove_file(&staged);
+    Ok(())
+}
+
+fn ensure_image() -> Result<()> {
+    let have = Command::new("docker")
+        .args(["image", "inspect", IMAGE])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .context("docker image inspect")?;
+    if have.success() {
+        return Ok(());
+    }
+    ensure!(
+        Path::new("/usr/lib/systemd/systemd").is_file(),
+        "this machine has no systemd to pack (/usr/lib/systemd/systemd): install Debian's `systemd` package (.ci/run does)"
+    );
+    let billet = crate::image::binary_path("billet")?;
+    let out = Command::new("bash")
+        .args(["-c", PACK])
+        .env("BILLET", &billet)
+        .env("IMAGE", IMAGE)
+        .output()
+        .context("bash")?;
+    ensure!(
+        out.status.success(),
+        "packing {IMAGE} from this host's systemd failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
