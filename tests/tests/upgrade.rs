@@ -403,3 +403,73 @@ async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -
     );
     still_runs_jobs_and_ends_clean(cluster).await
 }
+
+/// Under real systemd, an updater killed while its new node comes up is
+/// settled by its unit's `ExecStopPost=billet host-upgrade --settle`, which
+/// finds the new node healthy and finishes the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_systemd_a_killed_updaters_unit_settles_the_upgrade_itself() -> Result<()> {
+    let options = ClusterOptions::default();
+    let host = SystemdHost::start(&options.docker_socket)?;
+    let cluster = Cluster::start(ClusterOptions {
+        installed: true,
+        systemd: Some(host.target()),
+        work_ms: 1_000,
+        ..options
+    })
+    .await?;
+    let unit = billet_tests::cluster::NODE_UNIT;
+    let node = installed(&cluster)?;
+    let before = installed_version(&node)?;
+    let next = format!("{before}-next.5");
+    let digest = publish(&node, &next)?;
+    // Until the plane dials again, the new node cannot finish recovery:
+    // the updater is certain to be waiting for its health when killed.
+    let link = cluster.plane.node(NODE).context("node link")?;
+    link.faults.hold_dial.store(true, Ordering::SeqCst);
+
+    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    assert_accepted(&result);
+    wait_until(
+        Duration::from_secs(120),
+        "the new node to be started",
+        || journal(&node).is_ok_and(|r| r.step == Step::Started),
+    )
+    .await
+    .with_context(|| cluster.nodes[NODE].log_text())?;
+    let new_node = host.property(unit, "MainPID")?;
+    let updater = "billet-host-upgrade-rollout-e2e-g1.service";
+    // Its pid as the container sees it: the updater journalled its own.
+    let updater_pid = journal(&node)?.updater_pid.to_string();
+    host.run(&[
+        "systemctl",
+        "kill",
+        "--kill-whom=main",
+        "--signal=SIGKILL",
+        updater,
+    ])?;
+    // Dead before the new node can be healthy: only the unit's settle can
+    // finish the upgrade now.
+    wait_until(Duration::from_secs(10), "the updater to die", || {
+        host.exec(&["kill", "-0", &updater_pid])
+            .is_ok_and(|o| !o.status.success())
+    })
+    .await?;
+    link.faults.hold_dial.store(false, Ordering::SeqCst);
+
+    wait_until(
+        Duration::from_secs(120),
+        "the unit's settle to finish it",
+        || journal(&node).is_ok_and(|r| r.step == Step::Done),
+    )
+    .await
+    .with_context(|| format!("{:?}", journal(&node)))?;
+    assert_eq!(installed_version(&node)?, next);
+    assert_eq!(
+        host.property(unit, "MainPID")?,
+        new_node,
+        "the healthy node was not restarted"
+    );
+    wait_hello_version(&cluster, &next, Duration::from_secs(60)).await?;
+    still_runs_jobs_and_ends_clean(cluster).await
+}
