@@ -870,38 +870,13 @@ pub fn previous_path(install: &Path) -> PathBuf {
 }
 
 /// Fetches and checks the release into `staged`.
-/// For an instruction naming the installed version with a pinned
-/// manifest: the manifest must match the pin and this host's binary in it
-/// must be the installed one, byte for byte. Without a pin the version
-/// alone is the instruction, and it is already met.
-async fn check_installed(config: &UpgradeConfig, request: &Request) -> Result<(), String> {
-    let Some(pin) = request.manifest_sha256.as_deref() else {
-        return Ok(());
-    };
-    let source = Source::parse(&config.release_source, config.release_ca.as_deref())
-        .map_err(|e| e.to_string())?;
-    let (bytes, what) = source
-        .manifest(&request.version)
-        .await
-        .map_err(|e| e.to_string())?;
-    let manifest = release::check_manifest(&bytes, &what, Some(pin), &request.version)
-        .map_err(|e| e.to_string())?;
-    let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
-    let installed = std::fs::read(&config.install_path)
-        .map_err(|e| format!("{}: {e}", config.install_path.display()))?;
-    let digest = release::sha256_hex(&installed);
-    if digest != artifact.sha256 {
-        return Err(format!(
-            "{} reports {} but is not that release's binary (sha256 {digest}; {what} says {}); install the release's binary by hand, or publish the installed one as a new version",
-            config.install_path.display(),
-            request.version,
-            artifact.sha256
-        ));
-    }
-    Ok(())
-}
-
-async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
+/// The release's manifest from the configured source, checked against the
+/// instruction (its version, and its pinned digest when it has one), with
+/// the source and the manifest's location.
+async fn checked_manifest(
+    config: &UpgradeConfig,
+    request: &Request,
+) -> Result<(Source, release::Manifest, String), String> {
     let source = Source::parse(&config.release_source, config.release_ca.as_deref())
         .map_err(|e| e.to_string())?;
     let (bytes, what) = source
@@ -918,6 +893,35 @@ async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Resu
         &request.version,
     )
     .map_err(|e| e.to_string())?;
+    Ok((source, manifest, what))
+}
+
+/// For an instruction naming the installed version with a pinned
+/// manifest: the manifest must match the pin and this host's binary in it
+/// must be the installed one, byte for byte. Without a pin the version
+/// alone is the instruction, and it is already met.
+async fn check_installed(config: &UpgradeConfig, request: &Request) -> Result<(), String> {
+    if request.manifest_sha256.is_none() {
+        return Ok(());
+    }
+    let (_, manifest, what) = checked_manifest(config, request).await?;
+    let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
+    let installed = std::fs::read(&config.install_path)
+        .map_err(|e| format!("{}: {e}", config.install_path.display()))?;
+    let digest = release::sha256_hex(&installed);
+    if digest != artifact.sha256 {
+        return Err(format!(
+            "{} reports {} but is not that release's binary (sha256 {digest}; {what} says {}); install the release's binary by hand, or publish the installed one as a new version",
+            config.install_path.display(),
+            request.version,
+            artifact.sha256
+        ));
+    }
+    Ok(())
+}
+
+async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
+    let (source, manifest, _) = checked_manifest(config, request).await?;
     let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
     source
         .artifact(&request.version, artifact, staged)

@@ -1458,17 +1458,24 @@ async fn held_compute_is_not_destroyed_on_a_timer_by_default() {
     assert_eq!(w.phase(&lease.id), Phase::Custody);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_configured_custody_bound_destroys_and_records_a_failure() {
-    let w = World::new();
+/// A runner with `max_custody` set to `bound`, holding a launched lease in
+/// custody from now.
+async fn held_under_a_bound(w: &World, bound: Duration) -> (Arc<Runner>, Lease) {
     let r = w.runner_with(RunnerOptions {
-        max_custody: Some(Duration::from_secs(3600)),
+        max_custody: Some(bound),
         ..RunnerOptions::default()
     });
     let lease = w.launched(&r, 1).await;
     r.assume_custody(&lease.id, lease.epoch, RequestId(1))
         .await
         .unwrap();
+    (r, lease)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_configured_custody_bound_destroys_and_records_a_failure() {
+    let w = World::new();
+    let (r, lease) = held_under_a_bound(&w, Duration::from_secs(3600)).await;
     sleep(Duration::from_secs(1800)).await;
     r.tend().await.unwrap();
     assert!(w.exists(&lease.id), "within the bound");
@@ -1481,14 +1488,7 @@ async fn a_configured_custody_bound_destroys_and_records_a_failure() {
 #[tokio::test(start_paused = true)]
 async fn a_zero_custody_bound_is_off_not_an_instant_kill() {
     let w = World::new();
-    let r = w.runner_with(RunnerOptions {
-        max_custody: Some(Duration::ZERO),
-        ..RunnerOptions::default()
-    });
-    let lease = w.launched(&r, 1).await;
-    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
-        .await
-        .unwrap();
+    let (r, lease) = held_under_a_bound(&w, Duration::ZERO).await;
     sleep(Duration::from_secs(1)).await;
     r.tend().await.unwrap();
     sleep(Duration::from_secs(7200)).await;
@@ -1571,14 +1571,7 @@ async fn a_stray_that_appears_becomes_observed_and_its_later_absence_needs_no_gr
 #[tokio::test(start_paused = true)]
 async fn the_custody_bound_removes_the_registration_before_destroying_the_compute() {
     let w = World::new();
-    let r = w.runner_with(RunnerOptions {
-        max_custody: Some(Duration::from_secs(3600)),
-        ..RunnerOptions::default()
-    });
-    let lease = w.launched(&r, 1).await;
-    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
-        .await
-        .unwrap();
+    let (r, lease) = held_under_a_bound(&w, Duration::from_secs(3600)).await;
     sleep(Duration::from_secs(3601)).await;
     r.tend().await.unwrap();
     assert!(!w.registered(&lease.id));
@@ -1599,14 +1592,7 @@ async fn the_custody_bound_removes_the_registration_before_destroying_the_comput
 #[tokio::test(start_paused = true)]
 async fn an_unreachable_github_holds_a_custody_kill_until_the_registration_can_go_first() {
     let w = World::new();
-    let r = w.runner_with(RunnerOptions {
-        max_custody: Some(Duration::from_secs(3600)),
-        ..RunnerOptions::default()
-    });
-    let lease = w.launched(&r, 1).await;
-    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
-        .await
-        .unwrap();
+    let (r, lease) = held_under_a_bound(&w, Duration::from_secs(3600)).await;
     sleep(Duration::from_secs(3601)).await;
     w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
     let _ = r.tend().await;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use billet_agent::hostupgrade::{JOURNAL_FILE, Record, Step};
 use billet_agent::release::{self, Artifact, Manifest};
-use billet_controlplane_stub::node_link::CommandOutcome;
+use billet_controlplane_stub::node_link::{CommandOutcome, NodeLink};
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, Installed, wait_until, write_script};
 use billet_tests::image::binary_path;
@@ -273,20 +273,21 @@ async fn an_updater_killed_after_the_swap_ends_in_one_version_at_the_next_start(
     still_runs_jobs_and_ends_clean(cluster).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not_rolled_back()
--> Result<()> {
-    let cluster = installed_cluster(1_000).await?;
-    let node = installed(&cluster)?;
-    let before = installed_version(&node)?;
-    let next = format!("{before}-next.3");
+/// Starts an upgrade to `<installed>-<suffix>` with the plane kept from
+/// dialing, and returns once the updater has started the new node: that
+/// node cannot finish recovery until the plane dials again, so the updater
+/// is certain to be waiting for its health. Returns the installed node, the
+/// new version, and the link whose `hold_dial` lets the plane back.
+async fn stalled_before_health(
+    cluster: &Cluster,
+    suffix: &str,
+) -> Result<(Installed, String, std::sync::Arc<NodeLink>)> {
+    let node = installed(cluster)?;
+    let next = format!("{}-{suffix}", installed_version(&node)?);
     let digest = publish(&node, &next)?;
-    // Until the plane dials again the new node cannot finish recovery, so
-    // the updater is certain to be waiting for its health when it dies.
-    let link = cluster.plane.node(NODE).context("node link")?;
+    let link = cluster.plane.node(NODE).context("node link")?.clone();
     link.faults.hold_dial.store(true, Ordering::SeqCst);
-
-    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    let result = start_upgrade(cluster, &next, &digest, 1).await?;
     assert_accepted(&result);
     wait_until(
         Duration::from_secs(120),
@@ -295,6 +296,14 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
     )
     .await
     .with_context(|| cluster.nodes[NODE].log_text())?;
+    Ok((node, next, link))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not_rolled_back()
+-> Result<()> {
+    let cluster = installed_cluster(1_000).await?;
+    let (node, next, link) = stalled_before_health(&cluster, "next.3").await?;
     let updater = journal(&node)?.updater_pid;
     ensure!(updater > 1, "the journal names its updater");
     let new_node = node.pid()?;
@@ -339,6 +348,21 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
     still_runs_jobs_and_ends_clean(cluster).await
 }
 
+/// An installed cluster whose node runs under real systemd, and that
+/// systemd's host (dropped after the cluster: declare it first).
+async fn systemd_cluster(work_ms: u64) -> Result<(SystemdHost, Cluster)> {
+    let options = ClusterOptions::default();
+    let host = SystemdHost::start(&options.docker_socket)?;
+    let cluster = Cluster::start(ClusterOptions {
+        installed: true,
+        systemd: Some(host.target()),
+        work_ms,
+        ..options
+    })
+    .await?;
+    Ok((host, cluster))
+}
+
 /// The whole path under real systemd: the node runs as the deployed unit
 /// (`Type=notify`), gets StartUpgrade while a job runs, starts its updater
 /// with `systemd-run` as a transient unit (which `systemctl stop` of the
@@ -346,15 +370,7 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
 /// the node through `systemctl`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -> Result<()> {
-    let options = ClusterOptions::default();
-    let host = SystemdHost::start(&options.docker_socket)?;
-    let cluster = Cluster::start(ClusterOptions {
-        installed: true,
-        systemd: Some(host.target()),
-        work_ms: 12_000,
-        ..options
-    })
-    .await?;
+    let (host, cluster) = systemd_cluster(12_000).await?;
     let unit = billet_tests::cluster::NODE_UNIT;
     assert_eq!(host.property(unit, "ActiveState")?, "active");
     assert_eq!(host.property(unit, "Type")?, "notify");
@@ -409,34 +425,9 @@ async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -
 /// finds the new node healthy and finishes the upgrade.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_systemd_a_killed_updaters_unit_settles_the_upgrade_itself() -> Result<()> {
-    let options = ClusterOptions::default();
-    let host = SystemdHost::start(&options.docker_socket)?;
-    let cluster = Cluster::start(ClusterOptions {
-        installed: true,
-        systemd: Some(host.target()),
-        work_ms: 1_000,
-        ..options
-    })
-    .await?;
+    let (host, cluster) = systemd_cluster(1_000).await?;
     let unit = billet_tests::cluster::NODE_UNIT;
-    let node = installed(&cluster)?;
-    let before = installed_version(&node)?;
-    let next = format!("{before}-next.5");
-    let digest = publish(&node, &next)?;
-    // Until the plane dials again, the new node cannot finish recovery:
-    // the updater is certain to be waiting for its health when killed.
-    let link = cluster.plane.node(NODE).context("node link")?;
-    link.faults.hold_dial.store(true, Ordering::SeqCst);
-
-    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
-    assert_accepted(&result);
-    wait_until(
-        Duration::from_secs(120),
-        "the new node to be started",
-        || journal(&node).is_ok_and(|r| r.step == Step::Started),
-    )
-    .await
-    .with_context(|| cluster.nodes[NODE].log_text())?;
+    let (node, next, link) = stalled_before_health(&cluster, "next.5").await?;
     let new_node = host.property(unit, "MainPID")?;
     let updater = "billet-host-upgrade-rollout-e2e-g1.service";
     // Its pid as the container sees it: the updater journalled its own.
