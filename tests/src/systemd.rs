@@ -246,6 +246,9 @@ pub fn write_file_in(host: &SystemdTarget, path: &str, text: &str) -> Result<()>
 }
 
 fn ensure_image() -> Result<()> {
+    // Tests run on threads of one process: one packs, the others wait.
+    static PACKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = PACKING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let have = Command::new("docker")
         .args(["image", "inspect", IMAGE])
         .stdout(Stdio::null())
