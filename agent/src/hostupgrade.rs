@@ -829,8 +829,7 @@ pub async fn run(
     }
 }
 
-/// Where a release waits before the swap: beside the installed binary (the
-/// same filesystem, so the swap is one rename).
+/// Where a release waits before the swap:
 /// `.<install file name>.<version>.staged` beside the installed binary:
 /// on its file system, so the swap is a rename, and named after it, so two
 /// installs sharing a directory never clear each other's.
@@ -869,7 +868,6 @@ pub fn previous_path(install: &Path) -> PathBuf {
     install.with_file_name(name)
 }
 
-/// Fetches and checks the release into `staged`.
 /// The release's manifest from the configured source, checked against the
 /// instruction (its version, and its pinned digest when it has one), with
 /// the source and the manifest's location.
@@ -920,6 +918,7 @@ async fn check_installed(config: &UpgradeConfig, request: &Request) -> Result<()
     Ok(())
 }
 
+/// Fetches and checks the release into `staged`.
 async fn stage(config: &UpgradeConfig, request: &Request, staged: &Path) -> Result<(), String> {
     let (source, manifest, _) = checked_manifest(config, request).await?;
     let artifact = release::for_this_host(&manifest).map_err(|e| e.to_string())?;
