@@ -221,7 +221,7 @@ impl SqliteJournal {
                     state_dir.display()
                 )));
             }
-            Err(e) if e.raw_os_error() == Some(30) => {
+            Err(e) if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem => {
                 return Err(fail(format!(
                     "cannot open it for writing ({e}); the node records every launch before it starts it, so it needs a writable state directory"
                 )));
