@@ -130,8 +130,24 @@ impl UpgradeConfig {
     pub fn load(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("upgrade configuration {}: cannot read: {e}", path.display()))?;
-        let config: Self = toml::from_str(&text)
-            .map_err(|e| format!("upgrade configuration {}: {e}", path.display()))?;
+        // The parser's message quotes the offending line, which may be the
+        // release source with credentials in it: say where, not what.
+        let config: Self = toml::from_str(&text).map_err(|e| {
+            let at = e
+                .span()
+                .map(|span| {
+                    let line = text
+                        .get(..span.start)
+                        .map_or(1, |before| before.matches('\n').count() + 1);
+                    format!(" at line {line}")
+                })
+                .unwrap_or_default();
+            format!(
+                "upgrade configuration {}{at}: {}",
+                path.display(),
+                e.message()
+            )
+        })?;
         config
             .check()
             .map_err(|e| format!("upgrade configuration {}: {e}", path.display()))?;
@@ -1203,7 +1219,20 @@ async fn ensure_running(config: &UpgradeConfig, service: &Service) -> Result<(),
 pub async fn settle_interrupted(config: &UpgradeConfig) -> Result<(), String> {
     let service = config.service()?;
     let files = Files::new(&config.state_dir);
-    let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
+    let last = files.read()?;
+    if let Some(Record {
+        version,
+        step: Step::Unrecovered { reason },
+        ..
+    }) = &last
+    {
+        // Nothing a settle can do; it must not read as settled.
+        return Err(format!(
+            "the upgrade to {version} is unrecovered and waits for an operator: {reason} (see {})",
+            files.dir.display()
+        ));
+    }
+    let Some(mut record) = last.filter(|r| !r.step.is_final()) else {
         return Ok(());
     };
     let Some(_claim) = files.claim()? else {
@@ -1336,6 +1365,26 @@ mod tests {
             ..request("r1", 1)
         };
         fence(&seen, &unfenced).expect("by hand, unfenced");
+    }
+
+    #[test]
+    fn a_malformed_configuration_says_where_without_quoting_the_line() {
+        let dir =
+            std::env::temp_dir().join(format!("billet-cfg-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("upgrade.toml");
+        std::fs::write(
+            &path,
+            "install_path = \"/usr/local/bin/billet\"\nrelease_source = \"https://u:s3cret@host/r\n",
+        )
+        .expect("write");
+        let e = UpgradeConfig::load(&path).expect_err("malformed");
+        assert!(!e.contains("s3cret"), "{e}");
+        assert!(
+            e.contains("at line 2") && e.contains(&path.display().to_string()),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -120,25 +120,24 @@ pub enum ReleaseError {
     },
 }
 
-/// `source` for a message: any `user:password@`, query and fragment
-/// replaced by `…`.
+/// `source` for a message: whatever precedes its last `@` (where
+/// credentials would be) and whatever follows a `?` or `#` after that
+/// (a query or fragment, which may hold a token) replaced by `…`. It never
+/// parses the URL, so a malformed one is hidden the same way.
 fn shown(source: &str) -> String {
-    let (scheme, rest) = source.split_once("://").unwrap_or(("", source));
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let authority = match authority.rsplit_once('@') {
-        Some((_, host)) => format!("…@{host}"),
-        None => authority.to_owned(),
+    let (scheme, rest) = match source.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), source),
     };
-    let tail = match tail.find(['?', '#']) {
-        Some(i) => format!("{}…", &tail[..i]),
-        None => tail.to_owned(),
+    let (hidden, rest) = match rest.rsplit_once('@') {
+        Some((_, after)) => ("…@", after),
+        None => ("", rest),
     };
-    if scheme.is_empty() && !source.contains("://") {
-        format!("{authority}{tail}")
-    } else {
-        format!("{scheme}://{authority}{tail}")
-    }
+    let rest = match rest.find(['?', '#']) {
+        Some(i) => format!("{}…", &rest[..i]),
+        None => rest.to_owned(),
+    };
+    format!("{scheme}{hidden}{rest}")
 }
 
 /// Lower-case hex SHA-256 of `bytes`.
@@ -868,6 +867,24 @@ mod tests {
             assert!(!e.contains("s3cret") && !e.contains("tok3n"), "{url}: {e}");
             assert!(e.contains("releases.example/r"), "{url}: {e}");
         }
+    }
+
+    #[test]
+    fn a_source_is_shown_without_what_may_be_a_secret_even_when_it_does_not_parse() {
+        for (source, seen) in [
+            ("https://u:s3/cret@host/r", "https://…@host/r"),
+            ("https://u:s3?cret@host/r", "https://…@host/r"),
+            ("https://host/r?token=s3cret", "https://host/r…"),
+            ("http://u:s3cret@host", "http://…@host"),
+            ("relative/s3cret?x", "relative/s3cret…"),
+        ] {
+            assert_eq!(shown(source), seen);
+        }
+        let e = Source::parse("https://u:s3/cret@host/r", None)
+            .map(|_| ())
+            .expect_err("credentials")
+            .to_string();
+        assert!(!e.contains("s3") && !e.contains("cret"), "{e}");
     }
 
     #[tokio::test]

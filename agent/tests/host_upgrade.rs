@@ -204,6 +204,13 @@ impl Host {
     }
 }
 
+impl Drop for Host {
+    fn drop(&mut self) {
+        // A copy of the binary and a release: about 100 MB a host.
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 fn wait_for_exit_of_updater() {
     // The updater answers and then exits; give it a moment so a lingering
     // process cannot run the stop command after the assertion.
@@ -654,6 +661,15 @@ async fn settle_by_hand_exits_9_when_the_host_is_left_for_an_operator() {
     );
     let record = wait_for_step(&host, |s| matches!(s, Step::Unrecovered { .. }));
     assert!(host.dir.join("started").exists(), "{record:?}");
+    // Asked again, it still says an operator must look.
+    let out = settle(&host);
+    assert_eq!(
+        out.status.code(),
+        Some(9),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unrecovered"));
 
     // A binary that is neither release: not guessed at.
     let host = Host::new();

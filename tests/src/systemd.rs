@@ -11,8 +11,11 @@
 //! directory of its own ([`SystemdHost::shared`], mounted at the same path,
 //! where the cluster keeps its binaries, certificates, state and logs), so
 //! a node run there serves the harness's plane and starts runner containers
-//! like any other. It needs no privileges. Nothing else of the host is
-//! shared: systemd inside cannot touch it.
+//! like any other. It needs no privileges. Of the host's cgroups only the
+//! `name=systemd` hierarchy (bookkeeping, no resource control) is mounted
+//! writable, because systemd needs it; systemd keeps to its own subtree
+//! there (`/docker/<id>`), and every resource controller is read-only.
+//! Nothing else of the host is shared.
 //! Process ids inside are the container's own: the harness never signals a
 //! node of this host by pid, only through `systemctl`.
 
@@ -24,14 +27,15 @@ use anyhow::{Context, Result, bail, ensure};
 /// The image's tag. It holds nothing of this repository (`billet` is run
 /// from the cluster's directory under the shared `/tmp`), only the host's
 /// systemd and the libraries `billet` needs, so one build serves a run.
-pub const IMAGE: &str = "billet-test-systemd:3";
+pub const IMAGE: &str = "billet-test-systemd:4";
 
 /// Packs [`IMAGE`] from the host. `$BILLET` is the binary whose libraries
 /// are added.
 const PACK: &str = r#"
 set -euo pipefail
-canon() { local d; d=$(readlink -f "$(dirname "$1")"); echo "$d/$(basename "$1")" | sed 's|^//*|/|'; }
 out=$(mktemp)
+trap 'rm -f "$out" "$out.files"' EXIT
+canon() { local d; d=$(readlink -f "$(dirname "$1")"); echo "$d/$(basename "$1")" | sed 's|^//*|/|'; }
 add() {
   local p; p=$(canon "$1")
   echo "$p" >> "$out"
@@ -105,7 +109,10 @@ impl SystemdHost {
         let out = Command::new("docker")
             .args(["run", "-d", "--name", &name, "--network", "host"])
             .args(["--tmpfs", "/run", "--tmpfs", "/run/lock"])
-            .args(["-v", "/sys/fs/cgroup:/sys/fs/cgroup:ro", "-v", &mount])
+            // systemd needs its own bookkeeping hierarchy writable; every
+            // resource controller stays as the engine mounts it, read-only.
+            .args(["-v", "/sys/fs/cgroup/systemd:/sys/fs/cgroup/systemd"])
+            .args(["-v", &mount])
             .args(["-v", &format!("{socket}:{socket}")])
             .args(["-e", "container=docker", IMAGE])
             .output()
@@ -248,7 +255,9 @@ pub fn write_file_in(host: &SystemdTarget, path: &str, text: &str) -> Result<()>
 fn ensure_image() -> Result<()> {
     // Tests run on threads of one process: one packs, the others wait.
     static PACKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = PACKING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one = PACKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let have = Command::new("docker")
         .args(["image", "inspect", IMAGE])
         .stdout(Stdio::null())

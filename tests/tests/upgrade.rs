@@ -348,6 +348,10 @@ async fn an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not
     still_runs_jobs_and_ends_clean(cluster).await
 }
 
+/// The transient unit the node starts its updater in for the tests'
+/// instruction (rollout `rollout-e2e`, generation 1).
+const UPDATER_UNIT: &str = "billet-host-upgrade-rollout-e2e-g1.service";
+
 /// An installed cluster whose node runs under real systemd, and that
 /// systemd's host (dropped after the cluster: declare it first).
 async fn systemd_cluster(work_ms: u64) -> Result<(SystemdHost, Cluster)> {
@@ -391,6 +395,13 @@ async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -
     }
     let result = start_upgrade(&cluster, &next, &digest, 1).await?;
     assert_accepted(&result);
+    // While the node drains for the running job, the updater runs in a
+    // unit of its own (a oneshot: `activating` until it ends).
+    let updater = host.property(UPDATER_UNIT, "ActiveState")?;
+    assert!(
+        updater == "activating" || updater == "active",
+        "{UPDATER_UNIT} is {updater:?}"
+    );
     cluster
         .wait_jobs_completed(&jobs, Duration::from_secs(180))
         .await
@@ -429,7 +440,6 @@ async fn under_systemd_a_killed_updaters_unit_settles_the_upgrade_itself() -> Re
     let unit = billet_tests::cluster::NODE_UNIT;
     let (node, next, link) = stalled_before_health(&cluster, "next.5").await?;
     let new_node = host.property(unit, "MainPID")?;
-    let updater = "billet-host-upgrade-rollout-e2e-g1.service";
     // Its pid as the container sees it: the updater journalled its own.
     let updater_pid = journal(&node)?.updater_pid.to_string();
     host.run(&[
@@ -437,7 +447,7 @@ async fn under_systemd_a_killed_updaters_unit_settles_the_upgrade_itself() -> Re
         "kill",
         "--kill-whom=main",
         "--signal=SIGKILL",
-        updater,
+        UPDATER_UNIT,
     ])?;
     // Dead before the new node can be healthy: only the unit's settle can
     // finish the upgrade now.
