@@ -118,14 +118,16 @@ fn assert_accepted(result: &pb::CommandResult) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_running_a_job_upgrades_to_a_new_release_without_killing_it() -> Result<()> {
-    let cluster = installed_cluster(12_000).await?;
-    let node = installed(&cluster)?;
-    let before = installed_version(&node)?;
-    let next = format!("{before}-next.1");
+/// Publishes `<installed>-<suffix>`, queues one job, and once its
+/// container runs sends StartUpgrade to that release, which the updater
+/// must accept. Returns the installed node, the new version and the job.
+async fn upgrade_during_a_job(
+    cluster: &Cluster,
+    suffix: &str,
+) -> Result<(Installed, String, Vec<scaleset::JobRequestId>)> {
+    let node = installed(cluster)?;
+    let next = format!("{}-{suffix}", installed_version(&node)?);
     let digest = publish(&node, &next)?;
-
     let jobs = cluster.queue_jobs(1);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while cluster.containers().await?.is_empty() {
@@ -135,9 +137,16 @@ async fn a_node_running_a_job_upgrades_to_a_new_release_without_killing_it() -> 
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-
-    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
+    let result = start_upgrade(cluster, &next, &digest, 1).await?;
     assert_accepted(&result);
+    Ok((node, next, jobs))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_running_a_job_upgrades_to_a_new_release_without_killing_it() -> Result<()> {
+    let cluster = installed_cluster(12_000).await?;
+    let before = installed_version(&installed(&cluster)?)?;
+    let (node, next, jobs) = upgrade_during_a_job(&cluster, "next.1").await?;
 
     cluster
         .wait_jobs_completed(&jobs, Duration::from_secs(180))
@@ -379,22 +388,7 @@ async fn under_systemd_the_updater_runs_as_its_own_unit_and_the_job_survives() -
     assert_eq!(host.property(unit, "ActiveState")?, "active");
     assert_eq!(host.property(unit, "Type")?, "notify");
     let first_pid = host.property(unit, "MainPID")?;
-    let node = installed(&cluster)?;
-    let before = installed_version(&node)?;
-    let next = format!("{before}-next.4");
-    let digest = publish(&node, &next)?;
-
-    let jobs = cluster.queue_jobs(1);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while cluster.containers().await?.is_empty() {
-        ensure!(
-            tokio::time::Instant::now() < deadline,
-            "the job's container never appeared"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let result = start_upgrade(&cluster, &next, &digest, 1).await?;
-    assert_accepted(&result);
+    let (node, next, jobs) = upgrade_during_a_job(&cluster, "next.4").await?;
     // While the node drains for the running job, the updater runs in a
     // unit of its own (a oneshot: `activating` until it ends).
     let updater = host.property(UPDATER_UNIT, "ActiveState")?;
