@@ -1136,28 +1136,23 @@ async fn settle(
     record: &mut Record,
 ) -> Result<(), String> {
     match installed(record) {
-        Ok(Installed::New) if record.step == Step::Started => {
-            match wait_healthy(&config.state_dir, &record.version, config.health_timeout()).await {
-                Ok(()) => {
-                    info!(version = %record.version, "the interrupted upgrade's node is healthy on the new release; finished");
-                    let _ = std::fs::remove_file(&record.staged_path);
-                    if let Err(e) = files.write_step(record, Step::Done) {
-                        warn!("{e}");
+        Ok(Installed::New) if record.step.maybe_swapped() => {
+            let mut reason = "the updater stopped before the new release proved healthy".to_owned();
+            if record.step == Step::Started {
+                match wait_healthy(&config.state_dir, &record.version, config.health_timeout())
+                    .await
+                {
+                    Ok(()) => {
+                        info!(version = %record.version, "the interrupted upgrade's node is healthy on the new release; finished");
+                        let _ = std::fs::remove_file(&record.staged_path);
+                        if let Err(e) = files.write_step(record, Step::Done) {
+                            warn!("{e}");
+                        }
+                        return Ok(());
                     }
-                    Ok(())
-                }
-                Err(e) => {
-                    let reason = format!(
-                        "the updater stopped before the new release proved healthy, and it did not since: {e}"
-                    );
-                    roll_back(config, service, files, record, reason)
-                        .await
-                        .map(drop)
+                    Err(e) => reason.push_str(&format!(", and it did not since: {e}")),
                 }
             }
-        }
-        Ok(Installed::New) if record.step.maybe_swapped() => {
-            let reason = "the updater stopped before the new release proved healthy".to_owned();
             roll_back(config, service, files, record, reason)
                 .await
                 .map(drop)

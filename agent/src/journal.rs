@@ -138,38 +138,13 @@ pub const APPLICATION_ID: i64 = 0x626c_746a;
 /// `PRAGMA user_version`: the journal's schema version.
 pub const SCHEMA_VERSION: i64 = 1;
 
-/// Each table and its columns, in order, as [`SCHEMA`] creates them.
-const TABLES: &[(&str, &[&str])] = &[
-    (
-        "launches",
-        &[
-            "lease",
-            "epoch",
-            "request_id",
-            "instance",
-            "runner_id",
-            "runner_name",
-            "created",
-        ],
-    ),
-    (
-        "custody",
-        &[
-            "lease",
-            "epoch",
-            "instance",
-            "request_id",
-            "registration_id",
-            "registration_name",
-            "outcome",
-            "phase",
-            "discard",
-            "observed",
-            "since_unix_ms",
-        ],
-    ),
-    ("results", &["seq", "command", "encoded"]),
-];
+/// Stamps a database as a journal of this schema. Both values are this
+/// module's integer constants.
+fn stamp() -> sqlx::AssertSqlSafe<String> {
+    sqlx::AssertSqlSafe(format!(
+        "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
+    ))
+}
 
 /// What to do about a journal that is damaged or not a journal.
 const DAMAGED: &str =
@@ -284,14 +259,12 @@ async fn create_whole(path: &Path) -> Result<(), String> {
         .connect_with(options)
         .await
         .map_err(|e| format!("{}: {e}", staging.display()))?;
-    // The values are this module's integer constants.
-    let schema = format!(
-        "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION}; {SCHEMA}"
-    );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(schema))
-        .execute(&pool)
-        .await
-        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    for sql in [stamp(), sqlx::AssertSqlSafe(SCHEMA.to_owned())] {
+        sqlx::raw_sql(sql)
+            .execute(&pool)
+            .await
+            .map_err(|e| format!("{}: {e}", staging.display()))?;
+    }
     pool.close().await;
     std::fs::File::open(&staging)
         .and_then(|f| f.sync_all())
@@ -301,6 +274,38 @@ async fn create_whole(path: &Path) -> Result<(), String> {
         let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
     }
     Ok(())
+}
+
+/// Every table of a database (SQLite's own aside) and its columns, in
+/// order.
+async fn shape(pool: &SqlitePool) -> Result<BTreeMap<String, Vec<String>>, sqlx::Error> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_schema WHERE type = 'table' AND name NOT LIKE 'sqlite_%'",
+    )
+    .fetch_all(pool)
+    .await?;
+    let mut shape = BTreeMap::new();
+    for table in tables {
+        let columns = sqlx::query_scalar("SELECT name FROM pragma_table_info(?) ORDER BY cid")
+            .bind(&table)
+            .fetch_all(pool)
+            .await?;
+        shape.insert(table, columns);
+    }
+    Ok(shape)
+}
+
+/// The tables and columns [`SCHEMA`] makes, read off an in-memory database
+/// it is run in, so the check below never drifts from the schema.
+async fn schema_shape() -> Result<BTreeMap<String, Vec<String>>, sqlx::Error> {
+    let memory = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(SqliteConnectOptions::new().in_memory(true))
+        .await?;
+    sqlx::raw_sql(SCHEMA).execute(&memory).await?;
+    let shape = shape(&memory).await;
+    memory.close().await;
+    shape
 }
 
 /// Checks that the open database is a billet node journal of this schema.
@@ -316,17 +321,13 @@ async fn identify(pool: &SqlitePool) -> Result<(), String> {
         .fetch_one(pool)
         .await
         .map_err(read)?;
-    let tables: Vec<String> =
-        sqlx::query_scalar("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name")
-            .fetch_all(pool)
-            .await
-            .map_err(read)?;
+    let found = shape(pool).await.map_err(read)?;
     if id != APPLICATION_ID && id != 0 {
         return Err(format!(
             "is another program's SQLite database (application id {id:#x}), not a billet node journal; point --state-dir at billet's own directory"
         ));
     }
-    if id == 0 && tables.is_empty() {
+    if id == 0 && found.is_empty() {
         return Err(format!(
             "holds no journal (it is empty): billet creates it whole, so it was truncated or replaced; {DAMAGED}"
         ));
@@ -336,32 +337,28 @@ async fn identify(pool: &SqlitePool) -> Result<(), String> {
             "was written by a newer billet (journal schema {version}, this release reads {SCHEMA_VERSION}); run that release again"
         ));
     }
-    for (table, expected) in TABLES {
-        let columns: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pragma_table_info(?) ORDER BY cid")
-                .bind(table)
-                .fetch_all(pool)
-                .await
-                .map_err(read)?;
-        if columns != *expected {
-            let what = if id == 0 {
-                "is not a billet node journal"
-            } else {
-                "is damaged"
-            };
-            return Err(format!(
-                "{what}: table {table} has columns {columns:?}, expected {expected:?}; {DAMAGED}"
-            ));
-        }
+    let expected = schema_shape()
+        .await
+        .map_err(|e| format!("cannot check it against the schema: {e}"))?;
+    if let Some((table, columns)) = expected
+        .iter()
+        .find(|(table, columns)| found.get(*table) != Some(*columns))
+    {
+        let what = if id == 0 {
+            "is not a billet node journal"
+        } else {
+            "is damaged"
+        };
+        return Err(format!(
+            "{what}: table {table} has columns {:?}, expected {columns:?}; {DAMAGED}",
+            found.get(table).cloned().unwrap_or_default()
+        ));
     }
     if id == 0 {
-        // Both values are this module's integer constants.
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};"
-        )))
-        .execute(pool)
-        .await
-        .map_err(|e| format!("cannot write: {e}"))?;
+        sqlx::raw_sql(stamp())
+            .execute(pool)
+            .await
+            .map_err(|e| format!("cannot write: {e}"))?;
     }
     Ok(())
 }
@@ -754,7 +751,8 @@ mod tests {
         sqlite(&path, "CREATE TABLE custody (x TEXT);").await;
         let err = refused(&d).await;
         assert!(
-            err.contains("is not a billet node journal") && err.contains("table launches"),
+            err.contains("is not a billet node journal")
+                && err.contains("table custody has columns [\"x\"]"),
             "{err}"
         );
         let pool = SqlitePoolOptions::new()

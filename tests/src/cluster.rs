@@ -229,16 +229,21 @@ impl Installed {
             &self.stop,
             &format!("#!/bin/sh\nexec docker exec {container} systemctl stop {NODE_UNIT}\n"),
         )?;
-        std::fs::write(
-            &self.upgrade_config,
-            format!(
-                "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\nsystemd_unit = {NODE_UNIT:?}\nhealth_timeout_secs = 60\n",
-                self.releases.display().to_string(),
-                self.binary.display().to_string(),
-                self.state_dir.display().to_string(),
-            ),
-        )
-        .with_context(|| format!("write {}", self.upgrade_config.display()))
+        self.write_upgrade_config(&format!("systemd_unit = {NODE_UNIT:?}\n"), 60)
+    }
+
+    /// Writes the updater's configuration: this install's release source,
+    /// binary and state directory, `service` (the TOML lines saying how
+    /// the node is stopped and started) and `health_timeout_secs`.
+    fn write_upgrade_config(&self, service: &str, health_timeout_secs: u64) -> Result<()> {
+        let text = format!(
+            "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\n{service}health_timeout_secs = {health_timeout_secs}\n",
+            self.releases.display().to_string(),
+            self.binary.display().to_string(),
+            self.state_dir.display().to_string(),
+        );
+        std::fs::write(&self.upgrade_config, text)
+            .with_context(|| format!("write {}", self.upgrade_config.display()))
     }
 
     /// Rewrites the updater's configuration: `start` as its start command
@@ -248,16 +253,14 @@ impl Installed {
     ///
     /// When the file cannot be written.
     pub fn write_config(&self, start: &Path, health_timeout_secs: u64) -> Result<()> {
-        let text = format!(
-            "release_source = {:?}\ninstall_path = {:?}\nstate_dir = {:?}\nstop_command = [{:?}]\nstart_command = [{:?}]\nhealth_timeout_secs = {health_timeout_secs}\n",
-            self.releases.display().to_string(),
-            self.binary.display().to_string(),
-            self.state_dir.display().to_string(),
-            self.stop.display().to_string(),
-            start.display().to_string(),
-        );
-        std::fs::write(&self.upgrade_config, text)
-            .with_context(|| format!("write {}", self.upgrade_config.display()))
+        self.write_upgrade_config(
+            &format!(
+                "stop_command = [{:?}]\nstart_command = [{:?}]\n",
+                self.stop.display().to_string(),
+                start.display().to_string(),
+            ),
+            health_timeout_secs,
+        )
     }
 
     /// The pid the start script recorded last.

@@ -105,9 +105,11 @@ impl SystemdHost {
         ));
         std::fs::create_dir_all(&shared).with_context(|| format!("create {}", shared.display()))?;
         let mount = format!("{0}:{0}", shared.display());
+        // From here a failure removes the directory and any container.
+        let host = Self { name, shared };
         let socket = docker_socket.display().to_string();
         let out = Command::new("docker")
-            .args(["run", "-d", "--name", &name, "--network", "host"])
+            .args(["run", "-d", "--name", &host.name, "--network", "host"])
             .args(["--tmpfs", "/run", "--tmpfs", "/run/lock"])
             // systemd needs its own bookkeeping hierarchy writable; every
             // resource controller stays as the engine mounts it, read-only.
@@ -122,7 +124,6 @@ impl SystemdHost {
             "docker run {IMAGE}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let host = Self { name, shared };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
             let state = host.exec(&["systemctl", "is-system-running"])?;
