@@ -8,10 +8,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use billet_agent::hostupgrade::{DIR, JOURNAL_FILE, LOCK_FILE, Record, Step};
-use billet_agent::release;
-use billet_agent::upgrade::{ExecUpgrader, Refusal, UpgradeError, Upgrader};
-use billet_agent::wire::UpgradeSpec;
+use billet_agent::edge::wire::UpgradeSpec;
+use billet_agent::upgrade::dispatch::{ExecUpgrader, Refusal, UpgradeError, Upgrader};
+use billet_agent::upgrade::release;
+use billet_agent::upgrade::updater::{DIR, JOURNAL_FILE, LOCK_FILE, Record, Step};
 
 const BILLET: &str = env!("CARGO_BIN_EXE_billet");
 
@@ -139,7 +139,7 @@ impl Host {
             "a refused upgrade was journalled"
         );
         assert_eq!(
-            std::fs::read_to_string(dir.join(billet_agent::hostupgrade::FENCE_FILE)).ok(),
+            std::fs::read_to_string(dir.join(billet_agent::upgrade::updater::FENCE_FILE)).ok(),
             *self.fence.borrow(),
             "a refused upgrade moved the fence"
         );
@@ -149,7 +149,7 @@ impl Host {
     fn write_fence(&self, text: &str) {
         let dir = self.state.join(DIR);
         std::fs::create_dir_all(&dir).expect("upgrade dir");
-        std::fs::write(dir.join(billet_agent::hostupgrade::FENCE_FILE), text).expect("fence");
+        std::fs::write(dir.join(billet_agent::upgrade::updater::FENCE_FILE), text).expect("fence");
         *self.fence.borrow_mut() = Some(text.to_owned());
     }
 
@@ -157,7 +157,7 @@ impl Host {
         let path = self
             .state
             .join(DIR)
-            .join(billet_agent::hostupgrade::FENCE_FILE);
+            .join(billet_agent::upgrade::updater::FENCE_FILE);
         serde_json::from_slice(&std::fs::read(&path).expect("fence.json")).expect("json")
     }
 
@@ -185,7 +185,7 @@ impl Host {
             rollout: Some("rollout-1".into()),
             generation: Some(1),
             install_path: self.install.clone(),
-            previous_path: billet_agent::hostupgrade::previous_path(&self.install),
+            previous_path: billet_agent::upgrade::updater::previous_path(&self.install),
             staged_path: self.dir.join("none"),
             updater_pid: 1,
             step,
@@ -390,7 +390,7 @@ async fn an_upgrade_interrupted_after_its_swap_is_rolled_back_by_the_next_update
     let host = Host::new();
     // The state a killed updater leaves: the release swapped in, the
     // previous binary kept, the journal at `swapped`, the claim free.
-    let previous = billet_agent::hostupgrade::previous_path(&host.install);
+    let previous = billet_agent::upgrade::updater::previous_path(&host.install);
     std::fs::write(&previous, &host.installed_bytes).expect("previous");
     let release =
         std::fs::read(host.dir.join("releases").join(NEXT).join("billet")).expect("release binary");
@@ -530,7 +530,7 @@ async fn a_rollback_that_cannot_restore_starts_the_node_anyway_and_says_so() {
     let host = Host::new();
     // The new release never proves healthy (no node answers here), and by
     // the time it is rolled back the previous binary is gone.
-    let previous = billet_agent::hostupgrade::previous_path(&host.install);
+    let previous = billet_agent::upgrade::updater::previous_path(&host.install);
     let config = std::fs::read_to_string(&host.config).expect("config");
     std::fs::write(
         &host.config,
@@ -555,7 +555,7 @@ async fn a_rollback_that_cannot_restore_starts_the_node_anyway_and_says_so() {
         "{reason}"
     );
     assert_eq!(
-        billet_agent::hostupgrade::binary_version(&host.install).expect("version"),
+        billet_agent::upgrade::updater::binary_version(&host.install).expect("version"),
         NEXT,
         "the new release stays installed: there is nothing else to run"
     );
@@ -588,7 +588,7 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
     // The updater died while the node drained for it: the stop it began
     // goes on without it.
     host.journal(&host.interrupted_at(Step::Accepted));
-    let socket = billet_agent::local::socket_path(&host.state);
+    let socket = billet_agent::node::local::socket_path(&host.state);
     let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -609,9 +609,11 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
             ),
     );
 
-    let config = billet_agent::hostupgrade::UpgradeConfig::load(&host.config).expect("config");
+    let config = billet_agent::upgrade::updater::UpgradeConfig::load(&host.config).expect("config");
     let settle =
-        tokio::spawn(async move { billet_agent::hostupgrade::settle_interrupted(&config).await });
+        tokio::spawn(
+            async move { billet_agent::upgrade::updater::settle_interrupted(&config).await },
+        );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(
         !host.dir.join("started").exists(),

@@ -16,14 +16,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use billet_agent::journal::{Journal, LaunchRecord, MemoryJournal};
-use billet_agent::model::{
+use billet_agent::edge::model::{
     ByteSize, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
 };
-use billet_agent::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
+use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions, STRAY_GRACE};
 use billet_agent::provider::fake::{Call, DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, Provider};
-use billet_agent::runner::{Runner, RunnerError, RunnerOptions, STRAY_GRACE};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use billet_agent::journal::MemoryJournal;
+use billet_agent::edge::tls::{NodeTls, ReloadPolicy, TlsPaths};
+use billet_agent::node::journal::MemoryJournal;
+use billet_agent::node::server::{self, NodeConfig, Prepared};
 use billet_agent::provider::Instance;
 use billet_agent::provider::fake::{FakeProvider, Operation};
-use billet_agent::server::{self, NodeConfig, Prepared};
-use billet_agent::tls::{NodeTls, ReloadPolicy, TlsPaths};
 use billet_proto::v1 as pb;
 use rcgen::{
     BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,

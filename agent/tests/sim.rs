@@ -1,5 +1,5 @@
 //! Ring two: the deterministic simulation (DESIGN.md, "Tests, in three
-//! rings"). The real [`billet_agent::runner::Runner`], with a journal kept
+//! rings"). The real [`billet_agent::node::runner::Runner`], with a journal kept
 //! across its restarts, runs against a fake ledger and JIT source
 //! (`sim/fakes.rs`), the crate's `FakeProvider` (`sim/provider.rs`) and a
 //! model of the plane and of GitHub (`sim/world.rs`), under seeded random

@@ -9,11 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use billet_agent::upgrade::{
+use billet_agent::edge::wire::UpgradeSpec;
+use billet_agent::upgrade::dispatch::{
     ACK_REFUSED, AckWriter, Dispatch, ExecUpgrader, NO_RELEASE_SOURCE, Refusal, SYSTEMD_RUN,
     UPDATER_ENVIRONMENT, UpgradeError, Upgrader,
 };
-use billet_agent::wire::UpgradeSpec;
 use command_fds::{CommandFdExt, FdMapping};
 
 const BILLET: &str = env!("CARGO_BIN_EXE_billet");

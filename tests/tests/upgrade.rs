@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use billet_agent::hostupgrade::{JOURNAL_FILE, Record, Step};
-use billet_agent::release::{self, Artifact, Manifest};
+use billet_agent::upgrade::release::{self, Artifact, Manifest};
+use billet_agent::upgrade::updater::{JOURNAL_FILE, Record, Step};
 use billet_controlplane_stub::node_link::{CommandOutcome, NodeLink};
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, Installed, wait_until, write_script};
@@ -69,7 +69,7 @@ async fn start_upgrade(
 fn journal(installed: &Installed) -> Result<Record> {
     let path = installed
         .state_dir
-        .join(billet_agent::hostupgrade::DIR)
+        .join(billet_agent::upgrade::updater::DIR)
         .join(JOURNAL_FILE);
     let bytes = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
     Ok(serde_json::from_slice(&bytes)?)
@@ -106,7 +106,7 @@ async fn still_runs_jobs_and_ends_clean(cluster: Cluster) -> Result<()> {
 }
 
 fn installed_version(installed: &Installed) -> Result<String> {
-    billet_agent::hostupgrade::binary_version(&installed.binary).map_err(anyhow::Error::msg)
+    billet_agent::upgrade::updater::binary_version(&installed.binary).map_err(anyhow::Error::msg)
 }
 
 fn assert_accepted(result: &pb::CommandResult) {
@@ -162,9 +162,9 @@ async fn a_node_running_a_job_upgrades_to_a_new_release_without_killing_it() -> 
     .await?;
     assert_eq!(installed_version(&node)?, next);
     assert_eq!(
-        billet_agent::hostupgrade::binary_version(&billet_agent::hostupgrade::previous_path(
-            &node.binary
-        ))
+        billet_agent::upgrade::updater::binary_version(
+            &billet_agent::upgrade::updater::previous_path(&node.binary)
+        )
         .map_err(anyhow::Error::msg)?,
         before,
         "the previous release is kept beside the new one"

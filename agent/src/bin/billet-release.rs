@@ -35,7 +35,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match billet_agent::release::write(&args.out, &args.version, binary) {
+    match billet_agent::upgrade::release::write(&args.out, &args.version, binary) {
         Ok(digest) => {
             println!("{digest}");
             eprintln!(

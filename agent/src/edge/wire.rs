@@ -5,7 +5,7 @@
 
 use billet_proto::v1 as pb;
 
-use crate::model::{
+use crate::edge::model::{
     ByteSize, CommandId, Epoch, InvalidField, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
@@ -195,7 +195,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                     "must name an exact release",
                 ));
             }
-            crate::model::check_id("start_upgrade.version", &version)?;
+            crate::edge::model::check_id("start_upgrade.version", &version)?;
             let manifest_sha256 = (!manifest_sha256.is_empty()).then_some(manifest_sha256);
             if let Some(d) = &manifest_sha256
                 && (d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit()))
@@ -207,7 +207,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             }
             let rollout_id = (!rollout_id.is_empty()).then_some(rollout_id);
             if let Some(r) = &rollout_id {
-                crate::model::check_id("start_upgrade.rollout_id", r)?;
+                crate::edge::model::check_id("start_upgrade.rollout_id", r)?;
             }
             NodeCommand::StartUpgrade(UpgradeSpec {
                 version,
@@ -269,7 +269,7 @@ pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
         return Err(InvalidField::new(f("request_id"), "must not be negative"));
     }
     for p in &providers {
-        crate::model::check_id(&f("providers"), p)?;
+        crate::edge::model::check_id(&f("providers"), p)?;
     }
     Ok(Lease {
         id,
@@ -322,7 +322,7 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
     }
     let network = (!network.is_empty()).then_some(network);
     if let Some(n) = &network {
-        crate::model::check_id("launch.tier.network", n)?;
+        crate::edge::model::check_id("launch.tier.network", n)?;
     }
     let env = env
         .into_iter()

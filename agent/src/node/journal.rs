@@ -530,7 +530,7 @@ impl Journal for SqliteJournal {
 }
 
 /// A journal in memory: the seam's fake, and what a runner without a state
-/// directory uses. Survives a [`crate::runner::Runner`] being rebuilt over
+/// directory uses. Survives a [`crate::node::runner::Runner`] being rebuilt over
 /// it, which is how tests model a restart.
 #[derive(Debug, Default)]
 pub struct MemoryJournal {

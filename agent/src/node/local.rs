@@ -17,8 +17,8 @@ use thiserror::Error;
 use tokio::net::{UnixListener, UnixStream};
 use tonic::{Request, Response, Status};
 
-use crate::runner::Runner;
-use crate::session::Recovery;
+use crate::node::runner::Runner;
+use crate::node::session::Recovery;
 
 /// The socket's file name inside the state directory.
 pub const SOCKET_FILE: &str = "node.sock";
@@ -170,7 +170,7 @@ async fn ask(path: PathBuf) -> Result<Observed, String> {
         .map_err(|e| format!("{shown}: cannot connect: {e}"))?;
     let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
         .check(tonic_health::pb::HealthCheckRequest {
-            service: <pb::node_server::NodeServer<crate::session::NodeService> as tonic::server::NamedService>::NAME.to_owned(),
+            service: <pb::node_server::NodeServer<crate::node::session::NodeService> as tonic::server::NamedService>::NAME.to_owned(),
         })
         .await
         .map_err(|e| format!("{shown}: health check: {}", e.message()))?

@@ -18,7 +18,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
+use crate::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
 
 /// A refusal or failure of a plane call. The variants are the wire's typed
 /// codes, because the runner branches on them.
@@ -406,7 +406,7 @@ impl LeaseStore for PlaneLink {
             }))
             .await?;
         match reply {
-            Some(pb::plane_reply::Result::Lease(l)) => crate::wire::lease(l, "lease")
+            Some(pb::plane_reply::Result::Lease(l)) => crate::edge::wire::lease(l, "lease")
                 .map_err(|e| PlaneError::Refused(format!("the plane sent a malformed lease: {e}"))),
             _ => Err(unexpected("a lease read")),
         }

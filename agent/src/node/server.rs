@@ -16,15 +16,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::journal::{Journal, SqliteJournal};
-use crate::plane::PlaneLink;
+use crate::edge::tls::{NodeTls, TlsError, TlsPaths};
+use crate::node::journal::{Journal, SqliteJournal};
+use crate::node::plane::PlaneLink;
+use crate::node::runner::{Runner, RunnerOptions};
+use crate::node::session::{Executor, Identity, NodeService, Recovery, execute_commands};
+use crate::node::slot::CommandSlot;
 use crate::provider::docker::DockerProvider;
 use crate::provider::{Owner, Provider};
-use crate::runner::{Runner, RunnerOptions};
-use crate::session::{Executor, Identity, NodeService, Recovery, execute_commands};
-use crate::slot::CommandSlot;
-use crate::tls::{NodeTls, TlsError, TlsPaths};
-use crate::upgrade::{ExecUpgrader, Upgrader};
+use crate::upgrade::dispatch::{ExecUpgrader, Upgrader};
 
 /// Most concurrent gRPC streams one connection may open.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 8;
@@ -69,7 +69,7 @@ pub struct NodeConfig {
     /// before the node exits anyway, destroying nothing.
     pub drain_timeout: Duration,
     /// How the TLS files are watched for rotation.
-    pub tls_reload: crate::tls::ReloadPolicy,
+    pub tls_reload: crate::edge::tls::ReloadPolicy,
     /// The updater `StartUpgrade` execs. `None` (the default) refuses
     /// upgrades with a sentence saying to upgrade the node out of band.
     pub upgrader: Option<ExecUpgrader>,
@@ -94,10 +94,10 @@ pub enum NodeError {
     Provider(#[from] crate::provider::ProviderError),
     /// The node journal cannot be used.
     #[error(transparent)]
-    Journal(#[from] crate::journal::JournalError),
+    Journal(#[from] crate::node::journal::JournalError),
     /// The local socket cannot be bound.
     #[error(transparent)]
-    Local(#[from] crate::local::BindError),
+    Local(#[from] crate::node::local::BindError),
     /// The gRPC server failed.
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -153,7 +153,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     prepare_state_dir(&config.state_dir)?;
     // First in the state directory: a second node on it is refused before
     // it opens the first one's journal.
-    let local = crate::local::bind(&config.state_dir).await?;
+    let local = crate::node::local::bind(&config.state_dir).await?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
     let docker = DockerProvider::connect(
         &config.docker_socket,
@@ -182,6 +182,37 @@ pub struct Prepared {
     pub journal: Arc<dyn Journal>,
     /// The local socket (`local.rs`), bound.
     pub local: tokio::net::UnixListener,
+}
+
+/// Turns SIGTERM and Ctrl-C into the node's stop: the first cancels
+/// `drain` (no new launches; running jobs finish), a second cancels
+/// `shutdown` (stop at once; running compute is left for the next process
+/// to adopt).
+///
+/// # Errors
+///
+/// The signal handler cannot be installed.
+pub fn stop_on_signals(
+    drain: CancellationToken,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        info!("stopping: draining first; signal again to stop at once");
+        drain.cancel();
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        info!("stopping at once; running compute is left for the next process to adopt");
+        shutdown.cancel();
+    });
+    Ok(())
 }
 
 /// Serves the node on `listener` until `shutdown` fires. When `drain`
@@ -226,7 +257,7 @@ pub async fn run(
             .await?
             .into_iter()
             .filter_map(|(id, bytes)| {
-                let id = crate::model::CommandId::parse("journal.result", &id).ok()?;
+                let id = crate::edge::model::CommandId::parse("journal.result", &id).ok()?;
                 let result =
                     <pb::CommandResult as prost::Message>::decode(bytes.as_slice()).ok()?;
                 Some((id, result))
@@ -238,12 +269,12 @@ pub async fn run(
         incarnation: uuid::Uuid::new_v4().simple().to_string(),
         vcpu: config.vcpu,
         memory_bytes: config.memory_bytes,
-        version: crate::version::version().to_owned(),
+        version: crate::upgrade::version::version().to_owned(),
     };
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
     let recovery = Arc::new(Recovery::default());
-    let local_service = crate::local::LocalService::new(
+    let local_service = crate::node::local::LocalService::new(
         identity.version.clone(),
         identity.incarnation.clone(),
         recovery.clone(),
@@ -346,13 +377,13 @@ pub async fn run(
     health
         .set_serving::<pb::node_server::NodeServer<NodeService>>()
         .await;
-    let tls_config = crate::tls::watch_files(
+    let tls_config = crate::edge::tls::watch_files(
         config.tls.clone(),
         &tls,
         config.tls_reload,
         shutdown.clone(),
     );
-    let incoming = crate::tls::accept(
+    let incoming = crate::edge::tls::accept(
         listener,
         tls_config,
         Some(config.plane_name.clone()),
@@ -414,7 +445,7 @@ pub async fn run(
             local_served.abort();
         }
     }
-    let _ = std::fs::remove_file(crate::local::socket_path(&config.state_dir));
+    let _ = std::fs::remove_file(crate::node::local::socket_path(&config.state_dir));
     info!("billet node stopped");
     served.map_err(NodeError::from)
 }
@@ -433,7 +464,7 @@ mod tests {
 
     #[test]
     fn the_systemd_unit_waits_longer_than_the_default_drain_and_is_type_notify() {
-        let unit = include_str!("../../deploy/billet-node.service");
+        let unit = include_str!("../../../deploy/billet-node.service");
         let value = |key: &str| {
             unit.lines()
                 .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))

@@ -17,13 +17,13 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::journal::Journal;
-use crate::model::{NodeName, RequestId};
-use crate::plane::{PlaneLink, SessionLink};
-use crate::runner::{Runner, RunnerError};
-use crate::slot::{Admission, CommandSlot, Queued};
-use crate::upgrade::{self, UpgradeError, Upgrader};
-use crate::wire::{self, NodeCommand};
+use crate::edge::model::{NodeName, RequestId};
+use crate::edge::wire::{self, NodeCommand};
+use crate::node::journal::Journal;
+use crate::node::plane::{PlaneLink, SessionLink};
+use crate::node::runner::{Runner, RunnerError};
+use crate::node::slot::{Admission, CommandSlot, Queued};
+use crate::upgrade::dispatch::{self, UpgradeError, Upgrader};
 
 /// How long the plane has to send `Open` after the stream starts.
 pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
@@ -458,8 +458,8 @@ pub async fn execute_commands(
 /// A successful launch, for custody if its result goes unacknowledged.
 #[derive(Debug)]
 struct Launched {
-    lease: crate::model::LeaseId,
-    epoch: crate::model::Epoch,
+    lease: crate::edge::model::LeaseId,
+    epoch: crate::edge::model::Epoch,
     request_id: RequestId,
 }
 
@@ -521,7 +521,7 @@ async fn execute(
         // destroys the drain needs. OK means only that the updater took
         // responsibility; progress is read from the rollout.
         NodeCommand::StartUpgrade(spec) => {
-            let result = match upgrade::start(upgrader, &spec).await {
+            let result = match dispatch::start(upgrader, &spec).await {
                 Ok(()) => ok(),
                 Err(e) => {
                     let (outcome, code) = match &e {
@@ -630,7 +630,7 @@ mod properties {
             provider,
             link.clone(),
             link.clone(),
-            crate::runner::RunnerOptions::default(),
+            crate::node::runner::RunnerOptions::default(),
         ));
         let slot = Arc::new(CommandSlot::new());
         let identity = Identity {
@@ -647,11 +647,11 @@ mod properties {
     }
 
     proptest! {
-        #![proptest_config(crate::wire::properties::config(256))]
+        #![proptest_config(crate::edge::wire::properties::config(256))]
 
         #[test]
         fn a_refused_command_has_no_effect_and_an_accepted_one_fails_safely_without_a_plane(
-            cmd in crate::wire::properties::command_strategy()
+            cmd in crate::edge::wire::properties::command_strategy()
         ) {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async {
@@ -689,8 +689,8 @@ mod properties {
 #[cfg(test)]
 mod scenarios {
     use super::*;
-    use crate::journal::MemoryJournal;
-    use crate::model::CommandId;
+    use crate::edge::model::CommandId;
+    use crate::node::journal::MemoryJournal;
     use crate::provider::fake::FakeProvider;
     use std::sync::Mutex;
 
@@ -802,13 +802,13 @@ mod scenarios {
             provider,
             link.clone(),
             link.clone(),
-            crate::runner::RunnerOptions::default(),
+            crate::node::runner::RunnerOptions::default(),
         ));
         (runner, link)
     }
 
     fn launch(id: &str) -> (CommandId, NodeCommand) {
-        let mut command = crate::wire::tests::launch();
+        let mut command = crate::edge::wire::tests::launch();
         command.id = id.into();
         command.deadline_unix_ms = now_unix_ms() + 60_000;
         wire::command(command)

@@ -20,9 +20,9 @@ use std::sync::{Arc, Mutex};
 use billet_proto::v1 as pb;
 use tokio::sync::Notify;
 
-use crate::model::CommandId;
-use crate::plane::SessionLink;
-use crate::wire::NodeCommand;
+use crate::edge::model::CommandId;
+use crate::edge::wire::NodeCommand;
+use crate::node::plane::SessionLink;
 
 /// Most commands waiting at once.
 pub const MAX_QUEUED: usize = 1024;

@@ -42,7 +42,7 @@ use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
 use tokio::sync::OnceCell;
 
 use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
-use crate::model::InstanceName;
+use crate::edge::model::InstanceName;
 
 /// The environment variable through which the runner receives its JIT
 /// config (the only way it reaches the instance).
@@ -691,7 +691,7 @@ mod tests {
     use futures::TryStreamExt as _;
 
     use super::*;
-    use crate::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
+    use crate::edge::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
 
     const SOCKET: &str = "/var/run/docker.sock";
     const TEST_IMAGE_REPO: &str = "billet-test-sleep";

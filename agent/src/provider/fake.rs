@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
-use crate::model::{InstanceName, JitConfig, NodeName};
+use crate::edge::model::{InstanceName, JitConfig, NodeName};
 
 /// A provider operation, for injecting failures and holding calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -409,7 +409,7 @@ mod tests {
     use futures::FutureExt as _;
 
     use super::*;
-    use crate::model::{ByteSize, Epoch, LeaseId, RequestId};
+    use crate::edge::model::{ByteSize, Epoch, LeaseId, RequestId};
 
     fn spec(lease: &str, jit: &str) -> InstanceSpec {
         let lease = LeaseId::parse("lease", lease).unwrap();

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use async_trait::async_trait;
 use thiserror::Error;
 
-use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, LeaseId, NodeName, RequestId};
+use crate::edge::model::{ByteSize, Epoch, InstanceName, JitConfig, LeaseId, NodeName, RequestId};
 
 /// Label keys every billet instance carries.
 pub mod labels {

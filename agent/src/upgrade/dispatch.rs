@@ -56,7 +56,7 @@ use tokio::net::UnixListener;
 use tokio::time::{Instant, timeout_at};
 use tracing::{Instrument, Span, debug, info, info_span, warn};
 
-use crate::wire::UpgradeSpec;
+use crate::edge::wire::UpgradeSpec;
 
 /// What an updater writes once it has taken responsibility for the upgrade.
 pub const ACK_ACCEPTED: &str = "accepted";
@@ -1462,14 +1462,14 @@ mod tests {
 
     #[tokio::test]
     async fn the_node_answers_at_the_updaters_first_line_and_its_slot_is_free_right_after() {
-        use crate::journal::MemoryJournal;
-        use crate::model::CommandId;
-        use crate::plane::{PlaneLink, SessionLink};
+        use crate::edge::model::CommandId;
+        use crate::edge::wire::NodeCommand;
+        use crate::node::journal::MemoryJournal;
+        use crate::node::plane::{PlaneLink, SessionLink};
+        use crate::node::runner::{Runner, RunnerOptions};
+        use crate::node::session::{Executor, Recovery, execute_commands};
+        use crate::node::slot::{Admission, CommandSlot, Queued};
         use crate::provider::fake::FakeProvider;
-        use crate::runner::{Runner, RunnerOptions};
-        use crate::session::{Executor, Recovery, execute_commands};
-        use crate::slot::{Admission, CommandSlot, Queued};
-        use crate::wire::NodeCommand;
         use tokio_util::sync::CancellationToken;
 
         let dir = TempDir::new();
@@ -1552,14 +1552,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_reaches_the_plane_as_refused_with_its_sentence() {
-        use crate::journal::MemoryJournal;
-        use crate::model::CommandId;
-        use crate::plane::{PlaneLink, SessionLink};
+        use crate::edge::model::CommandId;
+        use crate::edge::wire::NodeCommand;
+        use crate::node::journal::MemoryJournal;
+        use crate::node::plane::{PlaneLink, SessionLink};
+        use crate::node::runner::{Runner, RunnerOptions};
+        use crate::node::session::{Executor, Recovery, execute_commands};
+        use crate::node::slot::{CommandSlot, Queued};
         use crate::provider::fake::FakeProvider;
-        use crate::runner::{Runner, RunnerOptions};
-        use crate::session::{Executor, Recovery, execute_commands};
-        use crate::slot::{CommandSlot, Queued};
-        use crate::wire::NodeCommand;
         use tokio_util::sync::CancellationToken;
 
         let dir = TempDir::new();
@@ -1711,7 +1711,7 @@ mod tests {
     /// command gets only `PATH` and the variables named by `--setenv=NAME`
     /// (values copied from its own environment), and a `--setenv` carrying
     /// a value is refused here so no test can pass with one.
-    const FAKE_SYSTEMD_RUN: &str = include_str!("../tests/fixtures/fake-systemd-run.sh");
+    const FAKE_SYSTEMD_RUN: &str = include_str!("../../tests/fixtures/fake-systemd-run.sh");
 
     /// A stand-in `systemd-run` that fails, as a real one does when a unit
     /// of the name is still running (its complaint on stderr is left out,
@@ -2155,7 +2155,7 @@ mv updater.args.part updater.args"#;
             "billet-host-upgrade-a\\x2fb\\x20c\\x5c\\xc3\\xa9-g1"
         );
         assert!(
-            name(Some(&"r".repeat(crate::model::MAX_ID_LEN)), u64::MAX).is_ok(),
+            name(Some(&"r".repeat(crate::edge::model::MAX_ID_LEN)), u64::MAX).is_ok(),
             "the longest rollout id the wire allows names a unit"
         );
         assert!(matches!(

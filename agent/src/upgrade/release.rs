@@ -487,7 +487,7 @@ pub fn for_this_host(manifest: &Manifest) -> Result<&Artifact, ReleaseError> {
 /// version or the release already exists; [`ReleaseError::Io`] when the
 /// directory cannot be written.
 pub fn write(root: &Path, version: &str, mut binary: Vec<u8>) -> Result<String, ReleaseError> {
-    crate::version::stamp(&mut binary, version).map_err(|e| ReleaseError::Manifest {
+    crate::upgrade::version::stamp(&mut binary, version).map_err(|e| ReleaseError::Manifest {
         what: root.join(version).display().to_string(),
         problem: e.to_string(),
     })?;
@@ -537,8 +537,8 @@ mod tests {
 
     fn fake_billet() -> Vec<u8> {
         let mut b = b"#!binary\n".to_vec();
-        b.extend_from_slice(crate::version::STAMP_MARKER);
-        b.extend_from_slice(&[0; crate::version::STAMP_SLOT_BYTES]);
+        b.extend_from_slice(crate::upgrade::version::STAMP_MARKER);
+        b.extend_from_slice(&[0; crate::upgrade::version::STAMP_SLOT_BYTES]);
         b
     }
 
@@ -563,7 +563,10 @@ mod tests {
             .await
             .expect("fetch");
         let got = std::fs::read(&dest).expect("read");
-        assert_eq!(crate::version::stamped(&got).as_deref(), Some("2.0.0"));
+        assert_eq!(
+            crate::upgrade::version::stamped(&got).as_deref(),
+            Some("2.0.0")
+        );
     }
 
     #[test]
@@ -735,7 +738,10 @@ mod tests {
             .await
             .expect("fetch");
         let got = std::fs::read(&dest).expect("read");
-        assert_eq!(crate::version::stamped(&got).as_deref(), Some("2.0.0"));
+        assert_eq!(
+            crate::upgrade::version::stamped(&got).as_deref(),
+            Some("2.0.0")
+        );
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&dest).expect("stat").permissions(),
         );

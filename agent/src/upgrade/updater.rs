@@ -46,8 +46,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use crate::release::{self, Source};
-use crate::upgrade::AckWriter;
+use crate::upgrade::dispatch::AckWriter;
+use crate::upgrade::release::{self, Source};
 
 /// The updater's directory inside the node's state directory.
 pub const DIR: &str = "upgrade";
@@ -553,7 +553,7 @@ static SERVICE_COMMAND: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new((
 /// How long a settle waits for a node that is draining to exit before it
 /// starts it again: as long as the updater's unit may run, since a drain
 /// waits for running jobs.
-const SETTLE_DRAIN_WAIT: Duration = crate::upgrade::UPDATER_UNIT_TIMEOUT;
+const SETTLE_DRAIN_WAIT: Duration = crate::upgrade::dispatch::UPDATER_UNIT_TIMEOUT;
 
 impl Service {
     async fn run(&self, verb: &str) -> Result<(), String> {
@@ -604,7 +604,7 @@ impl Service {
 async fn wait_healthy(state_dir: &Path, version: &str, timeout: Duration) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let last = match crate::local::check(state_dir, Duration::from_secs(5)).await {
+        let last = match crate::node::local::check(state_dir, Duration::from_secs(5)).await {
             Ok(seen) if seen.healthy_at(version) => return Ok(()),
             Ok(seen) => {
                 format!(
@@ -624,7 +624,7 @@ async fn wait_healthy(state_dir: &Path, version: &str, timeout: Duration) -> Res
 }
 
 fn check_request(r: &Request) -> Result<(), String> {
-    crate::version::check(&r.version).map_err(|e| format!("--version: {e}"))?;
+    crate::upgrade::version::check(&r.version).map_err(|e| format!("--version: {e}"))?;
     if let Some(d) = &r.manifest_sha256
         && !release::is_sha256(d)
     {
@@ -1184,7 +1184,7 @@ async fn settle(
 async fn ensure_running(config: &UpgradeConfig, service: &Service) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + SETTLE_DRAIN_WAIT;
     loop {
-        match crate::local::check(&config.state_dir, Duration::from_secs(2)).await {
+        match crate::node::local::check(&config.state_dir, Duration::from_secs(2)).await {
             Ok(seen) if !seen.status.draining => return Ok(()),
             Ok(_) if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1278,7 +1278,7 @@ pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
         return Ok(Settled::Nothing);
     };
-    if std::os::unix::net::UnixStream::connect(crate::local::socket_path(state_dir)).is_ok() {
+    if std::os::unix::net::UnixStream::connect(crate::node::local::socket_path(state_dir)).is_ok() {
         // A node already serves this state directory (the new release an
         // updater started before it died): this start is a second process,
         // which will refuse to bind. Undoing the swap under the running
@@ -1533,7 +1533,8 @@ mod tests {
     fn a_second_node_start_leaves_a_swap_alone_while_a_node_serves_the_state_directory() {
         let (dir, files, install) = host(Step::Started, "2.0.0");
         let listener =
-            std::os::unix::net::UnixListener::bind(crate::local::socket_path(&dir)).expect("bind");
+            std::os::unix::net::UnixListener::bind(crate::node::local::socket_path(&dir))
+                .expect("bind");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
         assert_eq!(
             version_of(&install),

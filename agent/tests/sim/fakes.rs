@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use billet_agent::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
-use billet_agent::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
+use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use billet_agent::provider::fake::FakeProvider;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -390,7 +390,7 @@ impl Core {
             tier: "sim".into(),
             phase: row.phase,
             vcpu: 2,
-            memory: billet_agent::model::ByteSize(1 << 30),
+            memory: billet_agent::edge::model::ByteSize(1 << 30),
             request_id: row.request,
             providers: Vec::new(),
             failure_reason: None,

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
-use billet_agent::journal::{CustodyRecord, Journal, JournalError, LaunchRecord, MemoryJournal};
+use billet_agent::node::journal::{
+    CustodyRecord, Journal, JournalError, LaunchRecord, MemoryJournal,
+};
 
 /// [`MemoryJournal`] with injected failures.
 #[derive(Debug, Default)]

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use billet_agent::model::InstanceName;
+use billet_agent::edge::model::InstanceName;
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 

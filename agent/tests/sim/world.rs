@@ -11,12 +11,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use billet_agent::model::{
+use billet_agent::edge::model::{
     ByteSize, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
+use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions};
 use billet_agent::provider::fake::FakeProvider;
-use billet_agent::runner::{Runner, RunnerError, RunnerOptions};
 use futures::FutureExt as _;
 use tokio::task::JoinHandle;
 

@@ -6,8 +6,8 @@
 use std::sync::Mutex;
 
 use super::*;
-use crate::journal::MemoryJournal;
-use crate::model::{Epoch, LeaseId};
+use crate::edge::model::{Epoch, LeaseId};
+use crate::node::journal::MemoryJournal;
 use crate::provider::fake::{FakeProvider, Operation};
 
 const LEASE: &str = "l1";
@@ -159,7 +159,7 @@ impl Node {
             provider.clone(),
             link.clone(),
             link.clone(),
-            crate::runner::RunnerOptions::default(),
+            crate::node::runner::RunnerOptions::default(),
         ));
         let slot = Arc::new(CommandSlot::new());
         let cancel = CancellationToken::new();
@@ -211,7 +211,7 @@ impl Node {
     }
 
     async fn send_launch(&self, session: &Arc<SessionLink>, id: &str) {
-        let mut command = crate::wire::tests::launch();
+        let mut command = crate::edge::wire::tests::launch();
         command.id = id.into();
         command.deadline_unix_ms = now_unix_ms() + 60_000;
         self.service

@@ -1,0 +1,118 @@
+//! `billet node`'s flags checked and turned into the node's configuration,
+//! before anything is bound: each error names the flag to fix.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::NodeArgs;
+use crate::edge::tls::TlsPaths;
+use crate::node::server::NodeConfig;
+use crate::upgrade::dispatch::{self, ExecUpgrader};
+
+/// The host's memory from `/proc/meminfo`, 0 when it cannot be read.
+fn host_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+impl NodeArgs {
+    /// The node's configuration and listen address, checked without binding
+    /// or opening anything but the upgrade configuration file.
+    ///
+    /// # Errors
+    ///
+    /// A sentence naming the flag (and its environment variable) to fix.
+    pub fn into_config(self) -> Result<(NodeConfig, SocketAddr), String> {
+        let args = self;
+        if args.deployment.is_empty() {
+            return Err("--deployment (BILLET_DEPLOYMENT) must not be empty".into());
+        }
+        let vcpu = args.vcpu.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1))
+        });
+        if vcpu == 0 {
+            return Err("--vcpu (BILLET_VCPU) must be at least 1".into());
+        }
+        let memory_bytes = args.memory_bytes.unwrap_or_else(host_memory_bytes);
+        if memory_bytes == 0 {
+            return Err("--memory-bytes (BILLET_MEMORY_BYTES) must be positive".into());
+        }
+        let upgrader = match args.upgrader_binary {
+            None => {
+                if args.upgrade_config.is_some() {
+                    return Err("--upgrade-config (BILLET_UPGRADE_CONFIG) is set without --upgrader-binary (BILLET_UPGRADER_BINARY); set both or neither".into());
+                }
+                None
+            }
+            Some(_) if args.upgrade_config.is_none() => {
+                return Err("--upgrader-binary (BILLET_UPGRADER_BINARY) is set without --upgrade-config (BILLET_UPGRADE_CONFIG): the updater needs its configuration (deploy/upgrade.toml.example); set both or neither".into());
+            }
+            Some(binary) => {
+                if !binary.is_absolute() {
+                    return Err(format!(
+                        "--upgrader-binary (BILLET_UPGRADER_BINARY) {}: must be an absolute path; the node execs it long after start-up",
+                        binary.display()
+                    ));
+                }
+                if !binary.is_file() {
+                    return Err(format!(
+                        "--upgrader-binary (BILLET_UPGRADER_BINARY) {}: no such file",
+                        binary.display()
+                    ));
+                }
+                if args
+                    .upgrade_config
+                    .as_ref()
+                    .is_some_and(|c| !c.is_absolute())
+                {
+                    return Err(
+                        "--upgrade-config (BILLET_UPGRADE_CONFIG) must be an absolute path".into(),
+                    );
+                }
+                if let Some(path) = &args.upgrade_config {
+                    // Checked now, not at the first rollout.
+                    crate::upgrade::updater::UpgradeConfig::load(path)
+                        .and_then(|c| c.check_for_node(&args.state_dir))
+                        .map_err(|e| format!("--upgrade-config (BILLET_UPGRADE_CONFIG): {e}"))?;
+                }
+                Some(ExecUpgrader {
+                    binary,
+                    config: args.upgrade_config,
+                    ack_wait: Duration::from_secs(args.upgrade_ack_wait_secs.max(1)),
+                    dispatch: dispatch::Dispatch::from_environment(args.state_dir.clone()),
+                })
+            }
+        };
+        Ok((
+            NodeConfig {
+                tls: TlsPaths {
+                    cert: args.cert,
+                    key: args.key,
+                    ca: args.ca,
+                },
+                plane_name: args.plane_name,
+                deployment: args.deployment,
+                state_dir: args.state_dir,
+                docker_socket: args.docker_socket,
+                vcpu,
+                memory_bytes,
+                max_custody: args.max_custody_secs.map(Duration::from_secs),
+                stray_grace: Duration::from_secs(args.stray_grace_secs),
+                ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
+                drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+                tls_reload: crate::edge::tls::ReloadPolicy {
+                    interval: Duration::from_secs(args.tls_reload_secs.max(1)),
+                    expiry_warning: Duration::from_secs(args.cert_expiry_warning_days * 86_400),
+                },
+                upgrader,
+            },
+            args.listen,
+        ))
+    }
+}

@@ -1,0 +1,26 @@
+//! The `billet` binary's exit codes: one table (README "Exit codes"), and
+//! the one function from the node's start-up errors to it.
+
+use crate::node::server::NodeError;
+
+pub const CONFIG: u8 = 2;
+pub const TLS: u8 = 3;
+pub const BIND: u8 = 4;
+pub const PROVIDER: u8 = 5;
+pub const STATE: u8 = 6;
+pub const JOURNAL: u8 = 7;
+pub const UPGRADE_REFUSED: u8 = 8;
+pub const UPGRADE_FAILED: u8 = 9;
+pub const SERVE: u8 = 1;
+
+/// The exit code for an error of [`crate::node::server::prepare`] or
+/// [`crate::node::server::run`].
+pub fn for_node_error(e: &NodeError) -> u8 {
+    match e {
+        NodeError::Tls(_) => TLS,
+        NodeError::StateDir { .. } | NodeError::Local(_) => STATE,
+        NodeError::Provider(_) => PROVIDER,
+        NodeError::Journal(_) => JOURNAL,
+        NodeError::Serve(_) => SERVE,
+    }
+}

@@ -1,0 +1,192 @@
+//! The `billet` command line: its subcommands and flags (clap), the
+//! configuration layering (command line over environment over a TOML file
+//! over the built-in default, [`config_file`]), the check of a node's
+//! configuration before anything binds ([`config`]), the exit-code table
+//! ([`exit`]), and `billet host-upgrade`'s driver ([`host_upgrade`]).
+//!
+//! May not touch: lease state or the provider; it only builds what
+//! [`crate::node::server`] and [`crate::upgrade`] take as arguments.
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub mod config;
+pub mod config_file;
+pub mod exit;
+pub mod host_upgrade;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "billet",
+    version,
+    about = "billet: GitHub Actions jobs on hardware you control"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "parsed once at start-up; boxing buys nothing"
+)]
+pub enum Command {
+    /// Run the node agent: serve the control plane over mTLS gRPC.
+    Node(NodeArgs),
+    /// Replace this node's billet. Started by `billet node` on StartUpgrade,
+    /// which reads the answer on --ack-fd; run by hand it answers nothing.
+    HostUpgrade(HostUpgradeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct HostUpgradeArgs {
+    /// The exact release to install.
+    #[arg(long, required_unless_present = "settle")]
+    pub version: Option<String>,
+    /// Settle an upgrade whose updater is gone (roll back an unproven swap,
+    /// start the node), and do nothing else. Run by the updater's transient
+    /// unit when the updater ends, however it ends.
+    #[arg(long, conflicts_with_all = ["version", "ack_fd", "ack_path"], requires = "config")]
+    pub settle: bool,
+    /// The SHA-256 of the release manifest the rollout pinned.
+    #[arg(long)]
+    manifest_sha256: Option<String>,
+    /// The rollout this instruction belongs to.
+    #[arg(long)]
+    pub rollout: Option<String>,
+    /// The rollout's generation; fences out stale instructions.
+    #[arg(long)]
+    pub generation: Option<u64>,
+    /// The updater's configuration file.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The inherited descriptor to answer on (`accepted` or `refused: ...`).
+    #[arg(long, conflicts_with = "ack_path")]
+    pub ack_fd: Option<i32>,
+    /// A unix socket to answer on instead (the node's `systemd-run` launch).
+    #[arg(long)]
+    pub ack_path: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct NodeArgs {
+    /// A TOML file whose keys are these flags' names in snake_case; its
+    /// values are defaults that the environment and the command line
+    /// override.
+    #[arg(long, env = "BILLET_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on, such as 0.0.0.0:7443.
+    #[arg(long, env = "BILLET_LISTEN")]
+    pub listen: SocketAddr,
+    /// The node's certificate (PEM); its DNS name is the node's name.
+    #[arg(long, env = "BILLET_CERT")]
+    pub cert: PathBuf,
+    /// The node's private key (PEM).
+    #[arg(long, env = "BILLET_KEY")]
+    pub key: PathBuf,
+    /// The deployment CA bundle (PEM) the plane's certificate must chain to.
+    #[arg(long, env = "BILLET_CA")]
+    pub ca: PathBuf,
+    /// The DNS name the plane's client certificate must carry.
+    #[arg(long, env = "BILLET_PLANE_NAME", default_value = "plane")]
+    pub plane_name: String,
+    /// The deployment this node belongs to.
+    #[arg(long, env = "BILLET_DEPLOYMENT", default_value = "dev")]
+    pub deployment: String,
+    /// Where the node keeps its state (created with mode 0700).
+    #[arg(long, env = "BILLET_STATE_DIR", default_value = "/var/lib/billet")]
+    pub state_dir: PathBuf,
+    /// The Docker engine's Unix socket.
+    #[arg(
+        long,
+        env = "BILLET_DOCKER_SOCKET",
+        default_value = "/var/run/docker.sock"
+    )]
+    pub docker_socket: PathBuf,
+    /// vCPUs to offer; defaults to the host's.
+    #[arg(long, env = "BILLET_VCPU")]
+    pub vcpu: Option<u32>,
+    /// Memory to offer, in bytes; defaults to the host's.
+    #[arg(long, env = "BILLET_MEMORY_BYTES")]
+    pub memory_bytes: Option<u64>,
+    /// Destroy and release compute held in custody longer than this many
+    /// seconds. Off by default (0 is off too): time alone never kills a
+    /// job.
+    #[arg(long, env = "BILLET_MAX_CUSTODY_SECS")]
+    pub max_custody_secs: Option<u64>,
+    /// Seconds an instance never seen must stay absent before its absence
+    /// counts as proof it is gone.
+    #[arg(long, env = "BILLET_STRAY_GRACE_SECS", default_value_t = 300)]
+    pub stray_grace_secs: u64,
+    /// Seconds a launch result waits for the plane's acknowledgement before
+    /// the node takes custody of the lease.
+    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::node::session::ACK_TIMEOUT.as_secs())]
+    pub ack_timeout_secs: u64,
+    /// Seconds a drain (SIGTERM) waits for running jobs before the node
+    /// exits anyway, destroying nothing.
+    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = crate::node::server::DEFAULT_DRAIN_TIMEOUT.as_secs())]
+    pub drain_timeout_secs: u64,
+    /// Seconds between checks of the certificate, key and CA files for a
+    /// replacement (SIGHUP checks at once).
+    #[arg(long, env = "BILLET_TLS_RELOAD_SECS", default_value_t = 10)]
+    pub tls_reload_secs: u64,
+    /// Warn daily when the node's certificate expires within this many days.
+    #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7)]
+    pub cert_expiry_warning_days: u64,
+    /// The updater StartUpgrade execs as `<binary> host-upgrade ...`,
+    /// normally this billet. Unset, the node refuses upgrades.
+    #[arg(long, env = "BILLET_UPGRADER_BINARY")]
+    pub upgrader_binary: Option<PathBuf>,
+    /// Passed to the updater as --config.
+    #[arg(long, env = "BILLET_UPGRADE_CONFIG")]
+    pub upgrade_config: Option<PathBuf>,
+    /// Seconds StartUpgrade waits for the updater's answer before refusing.
+    #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90)]
+    pub upgrade_ack_wait_secs: u64,
+}
+
+/// Parses the command line, layering `billet node`'s `--config` file (or
+/// `BILLET_CONFIG`) under the environment and the flags.
+///
+/// # Errors
+///
+/// The exit code to stop with, after the message was printed: 2 for a bad
+/// file, key, value or flag, 0 for `--help` and `--version`.
+pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
+    let mut command =
+        <Cli as clap::CommandFactory>::command().version(crate::upgrade::version::version());
+    let is_node = args.get(1).is_some_and(|a| a == "node");
+    if is_node && let Some(path) = config_file::named(args, std::env::var_os(config_file::ENV)) {
+        command = match config_file::apply(command, "node", &path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Err(ExitCode::from(exit::CONFIG));
+            }
+        };
+    }
+    command
+        .try_get_matches_from(args)
+        .and_then(|m| <Cli as clap::FromArgMatches>::from_arg_matches(&m))
+        .map_err(|e| {
+            let _ = e.print();
+            ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 })
+        })
+}
+
+/// Logs to stderr, filtered by `BILLET_LOG` (default `info`).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BILLET_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+}

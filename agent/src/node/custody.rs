@@ -1,0 +1,830 @@
+//! Custody: compute this node holds on its own authority until it is
+//! proven gone, and the passes that keep the node's view true.
+//!
+//! Behaviour follows the reference's custody (seed/node-package.md,
+//! `Runner.AssumeCustody`, `KeepAlive`, `Tend`, `Recover`, `Sweep`;
+//! spec/node.md §2.1, §2.4 to §2.7). A lease enters custody on a lost or
+//! refused reply, an adoption at start-up, a supersession, or a failed
+//! launch that may have started something. [`Runner::keep_alive`] renews
+//! what is held every third of the TTL on its own task, touching only the
+//! ledger; [`Runner::tend`] advances each entry one step (heartbeat first:
+//! a refused heartbeat means the capacity is no longer ours); time alone
+//! never kills a job (`max_custody` is off by default).
+//!
+//! Architecture Invariant: nothing here releases a lease while an instance
+//! for it may still run; absence counts as proof only after the instance
+//! was seen, or after the stray grace.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use super::journal::{CustodyRecord, LaunchRecord};
+use super::plane::PlaneError;
+use super::runner::{Runner, RunnerError, Running, now_plus};
+use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
+use crate::provider::{ProviderError, Teardown};
+
+/// After this long in custody every tend warns, naming the lease.
+pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
+
+/// How often KeepAlive wakes to see whether renewal is due.
+pub const KEEPALIVE_WAKE: Duration = Duration::from_millis(500);
+
+/// Compute the node holds on its own clock until it is proven gone
+/// (spec/node.md §2.1).
+#[derive(Debug, Clone)]
+pub(super) struct CustodyEntry {
+    pub(super) epoch: Epoch,
+    pub(super) instance: InstanceName,
+    pub(super) request_id: RequestId,
+    /// A registration still to be removed: (runner id, runner name).
+    pub(super) registration: Option<(i64, String)>,
+    /// What Release will record.
+    pub(super) outcome: Phase,
+    /// Ledger phase to report each tick; `None` once quarantined.
+    pub(super) phase: Option<Phase>,
+    /// Destroy on sight, rather than let a running job finish.
+    pub(super) discard: bool,
+    /// The provider has seen this instance exist.
+    pub(super) observed: bool,
+    /// Start of the current run of absences.
+    pub(super) absent_since: Option<Instant>,
+    /// Not yet proven gone.
+    pub(super) unconfirmed: bool,
+    pub(super) since: Instant,
+}
+
+impl CustodyEntry {
+    /// Compute held so that a job can finish: renewed, reported as
+    /// `custody`, released `done` once the instance is gone.
+    pub(super) fn job(
+        epoch: Epoch,
+        instance: InstanceName,
+        request_id: RequestId,
+        observed: bool,
+    ) -> Self {
+        Self {
+            epoch,
+            instance,
+            request_id,
+            registration: None,
+            outcome: Phase::Done,
+            phase: Some(Phase::Custody),
+            discard: false,
+            observed,
+            absent_since: None,
+            unconfirmed: true,
+            since: Instant::now(),
+        }
+    }
+
+    /// Compute to tear down: destroyed on sight, reported as `teardown`,
+    /// released with `outcome` once proven gone.
+    pub(super) fn teardown(
+        epoch: Epoch,
+        instance: InstanceName,
+        request_id: RequestId,
+        outcome: Phase,
+        observed: bool,
+    ) -> Self {
+        Self {
+            outcome,
+            phase: Some(Phase::Teardown),
+            discard: true,
+            ..Self::job(epoch, instance, request_id, observed)
+        }
+    }
+}
+
+pub(super) fn custody_record(lease: &LeaseId, e: &CustodyEntry) -> CustodyRecord {
+    let since = e.since.elapsed();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    CustodyRecord {
+        lease: lease.as_str().to_owned(),
+        epoch: e.epoch.0,
+        instance: e.instance.as_str().to_owned(),
+        request_id: e.request_id.0,
+        registration: e.registration.clone(),
+        outcome: e.outcome.as_str().to_owned(),
+        phase: e.phase.map(|p| p.as_str().to_owned()),
+        discard: e.discard,
+        observed: e.observed,
+        since_unix_ms: now_ms - i64::try_from(since.as_millis()).unwrap_or(0),
+    }
+}
+
+/// Rebuilds a custody entry from the journal; `None` for a record this build
+/// cannot read (it is then re-derived from the ledger and the provider).
+pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)> {
+    let lease = LeaseId::parse("journal.custody.lease", &r.lease).ok()?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let age = Duration::from_millis(u64::try_from(now_ms - r.since_unix_ms).unwrap_or(0));
+    let phase = match &r.phase {
+        Some(p) => Some(Phase::parse("journal.custody.phase", p).ok()?),
+        None => None,
+    };
+    let entry = CustodyEntry {
+        epoch: Epoch(r.epoch),
+        instance: InstanceName::for_lease(&lease),
+        request_id: RequestId(r.request_id),
+        registration: r.registration.clone(),
+        outcome: Phase::parse("journal.custody.outcome", &r.outcome).ok()?,
+        phase,
+        discard: r.discard,
+        observed: r.observed,
+        absent_since: None,
+        unconfirmed: true,
+        since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
+    };
+    Some((lease, entry))
+}
+
+impl Runner {
+    pub(super) async fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
+        info!(%lease, instance = %entry.instance, "holding the lease in custody");
+        let record = custody_record(&lease, &entry);
+        self.state().custody.insert(lease, entry);
+        if let Err(e) = self.journal.put_custody(&record).await {
+            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
+        }
+    }
+
+    /// Takes responsibility for a lease whose successful launch the plane
+    /// did not acknowledge. Idempotent.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Custody`] when the entry is held but its first renewal
+    /// failed (KeepAlive retries).
+    pub async fn assume_custody(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        request_id: RequestId,
+    ) -> Result<(), RunnerError> {
+        let held_epoch = {
+            let s = self.state();
+            match (s.custody.get(lease), s.running.get(&request_id)) {
+                // Already held: holding twice changes nothing but a renewal.
+                (Some(entry), _) => Some(entry.epoch),
+                (None, Some(running)) if running.lease == *lease => None,
+                // Nothing runs for it here: the plane's release is correct.
+                (None, _) => return Ok(()),
+            }
+        };
+        let epoch = match held_epoch {
+            Some(e) => e,
+            None => {
+                let running = self.state().running.get(&request_id).cloned();
+                let Some(running) = running else {
+                    return Ok(());
+                };
+                let epoch = epoch.max(running.epoch);
+                self.hold(
+                    lease.clone(),
+                    CustodyEntry::job(
+                        epoch,
+                        running.instance.clone(),
+                        request_id,
+                        self.provider.runs_on_host(),
+                    ),
+                )
+                .await;
+                info!(%lease, instance = %running.instance, "assumed custody");
+                epoch
+            }
+        };
+        match self.ledger.heartbeat(&[(lease.clone(), epoch)]).await {
+            Ok(results) => match results.into_iter().next() {
+                Some(Err(e)) => Err(RunnerError::Custody(format!(
+                    "custody of {lease} is held; its renewal was refused ({e}) and the next tend decides"
+                ))),
+                _ => Ok(()),
+            },
+            Err(e) => Err(RunnerError::Custody(format!(
+                "custody of {lease} is held; renewal will be retried ({e})"
+            ))),
+        }
+    }
+
+    /// Moves every running request into custody: another process owns this
+    /// node's name now, so completions will not reach this one.
+    pub async fn superseded(&self) {
+        let running: Vec<_> = self.state().running.drain().collect();
+        for (request_id, r) in running {
+            if self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            let lease = r.lease.clone();
+            self.hold(
+                lease,
+                CustodyEntry::job(
+                    r.epoch,
+                    r.instance,
+                    request_id,
+                    self.provider.runs_on_host(),
+                ),
+            )
+            .await;
+        }
+    }
+
+    /// The lease ids of the billet instances the provider runs, from the
+    /// provider, never from the ledger.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the provider cannot be listed.
+    pub async fn instances(&self) -> Result<Vec<LeaseId>, ProviderError> {
+        Ok(self
+            .provider
+            .list()
+            .await?
+            .iter()
+            .filter_map(crate::provider::Instance::lease)
+            .collect())
+    }
+
+    /// Destroys instances no open lease on this node accounts for, and
+    /// reports the complete inventory to the plane on every pass, an empty
+    /// one included (spec/node.md §2.6). A provider that cannot be listed
+    /// reports nothing: "could not read" never reads as "running nothing".
+    ///
+    /// Safe beside launches: Bind and Advance(launching) are durable before
+    /// create, and the inventory is read before the ledger.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when the provider or the ledger cannot be read,
+    /// or when some orphans could not be destroyed (the next sweep retries).
+    pub async fn sweep(&self) -> Result<(), RunnerError> {
+        let instances = self
+            .provider
+            .list()
+            .await
+            .map_err(|e| RunnerError::Failed(format!("list instances: {e}")))?;
+        let inventory: Vec<(LeaseId, InstanceName)> = instances
+            .iter()
+            .filter_map(|i| i.lease().map(|l| (l.clone(), InstanceName::for_lease(&l))))
+            .collect();
+        let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
+        self.hold_vanished(&ids).await;
+        match self.ledger.reconcile(&ids).await {
+            Ok(freed) if freed > 0 => {
+                info!(freed, "the plane freed quarantined leases absent here")
+            }
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "reporting the inventory failed"),
+        }
+        if inventory.is_empty() {
+            return Ok(());
+        }
+        let set = self
+            .ledger
+            .launched()
+            .await
+            .map_err(|e| RunnerError::Failed(format!("read the launched set: {e}")))?;
+        let (custody, launching): (Vec<LeaseId>, Vec<LeaseId>) = {
+            let s = self.state();
+            (
+                s.custody.keys().cloned().collect(),
+                s.launching.keys().cloned().collect(),
+            )
+        };
+        let mut failed = 0;
+        let mut orphans = 0;
+        for (lease, name) in inventory {
+            if set.launched.contains(&lease)
+                || custody.contains(&lease)
+                || launching.contains(&lease)
+            {
+                continue;
+            }
+            if set.quarantined.contains(&lease) {
+                match self.ledger.lease(&lease).await {
+                    Ok(l) => self.adopt(&l, &name, None).await,
+                    Err(e) => {
+                        warn!(%lease, error = %e, "cannot read a quarantined lease to adopt it")
+                    }
+                }
+                continue;
+            }
+            orphans += 1;
+            if !self.destroy_orphan(&lease, &name).await {
+                failed += 1;
+            }
+        }
+        if failed > 0 {
+            return Err(RunnerError::Failed(format!(
+                "{failed} of {orphans} orphaned instances could not be destroyed"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Destroys an instance no open lease accounts for; false when the
+    /// provider refused (the next sweep retries). A destroy the provider only
+    /// accepted is left for the next sweep to confirm.
+    async fn destroy_orphan(&self, lease: &LeaseId, name: &InstanceName) -> bool {
+        match self.provider.destroy(name).await {
+            Err(e) => {
+                warn!(%lease, error = %e, "destroying an orphan failed");
+                false
+            }
+            Ok(Teardown::Requested) => true,
+            Ok(Teardown::Stopped) => {
+                info!(%lease, instance = %name, "destroyed an orphan");
+                self.state().running.retain(|_, r| r.lease != *lease);
+                self.forget(lease).await;
+                true
+            }
+        }
+    }
+
+    /// Running requests whose instance is missing from a complete inventory
+    /// lost their compute behind this node's back (removed by hand, killed
+    /// by the engine). They move to custody as failed: the next tend finds
+    /// them gone (this host's provider saw them exist, so no grace applies),
+    /// removes any registration and releases the lease.
+    async fn hold_vanished(&self, present: &[LeaseId]) {
+        let vanished: Vec<(RequestId, Running)> = {
+            let mut s = self.state();
+            let gone: Vec<RequestId> = s
+                .running
+                .iter()
+                .filter(|(_, r)| !present.contains(&r.lease))
+                .map(|(q, _)| *q)
+                .collect();
+            gone.into_iter()
+                .filter_map(|q| s.running.remove(&q).map(|r| (q, r)))
+                .collect()
+        };
+        for (request_id, r) in vanished {
+            warn!(lease = %r.lease, instance = %r.instance, "instance vanished while its job was running; releasing its lease as failed");
+            self.hold(
+                r.lease.clone(),
+                CustodyEntry::teardown(r.epoch, r.instance, request_id, Phase::Failed, true),
+            )
+            .await;
+        }
+    }
+
+    /// Decides what to do with compute an earlier process left behind, once,
+    /// before the first command runs (spec/node.md §2.5, with the journal):
+    /// custody entries the journal remembers are held again as they were;
+    /// instances whose lease is open on this node (launched or quarantined)
+    /// are adopted into custody, their job left running; instances whose
+    /// lease is not open are true orphans and are destroyed; instances
+    /// without billet's name are never touched. A launch the journal
+    /// remembers whose lease is still open but whose instance is not there
+    /// (a node killed mid-launch) is held until its registration is removed
+    /// and its absence has lasted the stray grace.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when the journal, the provider or the ledger
+    /// cannot be read (a failed read is never a licence to destroy), or when
+    /// some orphans could not be destroyed.
+    pub async fn recover(&self) -> Result<(), RunnerError> {
+        let fail = |what: &str, e: &dyn std::fmt::Display| {
+            RunnerError::Failed(format!("recover: {what}: {e}"))
+        };
+        let remembered = self
+            .journal
+            .custody()
+            .await
+            .map_err(|e| fail("read the journal", &e))?;
+        let launches = self
+            .journal
+            .launches()
+            .await
+            .map_err(|e| fail("read the journal", &e))?;
+        for record in &remembered {
+            match custody_entry(record) {
+                Some((lease, entry)) => {
+                    self.state().custody.entry(lease).or_insert(entry);
+                }
+                None => {
+                    warn!(lease = %record.lease, "ignoring a custody record this build cannot read")
+                }
+            }
+        }
+        let instances = self
+            .provider
+            .list()
+            .await
+            .map_err(|e| fail("list instances", &e))?;
+        let set = self
+            .ledger
+            .launched()
+            .await
+            .map_err(|e| fail("read the launched set", &e))?;
+        let requests: std::collections::HashMap<&str, &LaunchRecord> =
+            launches.iter().map(|l| (l.lease.as_str(), l)).collect();
+        let mut seen = std::collections::HashSet::new();
+        let mut adopted = Vec::new();
+        let mut failed = 0;
+        for instance in &instances {
+            let Some(lease) = instance.lease() else {
+                warn!(name = %instance.name, "ignoring an instance billet did not name");
+                continue;
+            };
+            let name = InstanceName::for_lease(&lease);
+            seen.insert(lease.clone());
+            if self.state().custody.contains_key(&lease) {
+                continue;
+            }
+            if set.launched.contains(&lease) || set.quarantined.contains(&lease) {
+                match self.ledger.lease(&lease).await {
+                    Ok(mut l) => {
+                        if let Some(r) = requests.get(lease.as_str()) {
+                            l.request_id = RequestId(r.request_id);
+                        }
+                        let record = requests.get(lease.as_str());
+                        if record.is_some_and(|r| !r.created)
+                            && self
+                                .retire_idle_runner(&lease, l.epoch, record)
+                                .await
+                                .map_err(|e| {
+                                    fail(&format!("ask whether the runner of {lease} is idle"), &e)
+                                })?
+                        {
+                            // The earlier process never learned whether create
+                            // worked, and the runner inside has no job: it had
+                            // no future. Its routing is gone; the instance goes.
+                            info!(%lease, instance = %name, "an unconfirmed launch left an idle runner; tearing it down");
+                            self.hold(
+                                lease.clone(),
+                                CustodyEntry::teardown(
+                                    l.epoch,
+                                    name.clone(),
+                                    l.request_id,
+                                    Phase::Failed,
+                                    true,
+                                ),
+                            )
+                            .await;
+                            adopted.push((lease.clone(), l.epoch));
+                            continue;
+                        }
+                        info!(%lease, instance = %name, "adopting an instance an earlier process started");
+                        self.adopt(&l, &name, Some(Phase::Custody)).await;
+                        adopted.push((lease.clone(), l.epoch));
+                        continue;
+                    }
+                    Err(PlaneError::NotFound(_)) => {}
+                    Err(e) => return Err(fail(&format!("read lease {lease}"), &e)),
+                }
+            }
+            if !self.destroy_orphan(&lease, &name).await {
+                failed += 1;
+            }
+        }
+        // What was adopted is renewed at once (spec/node.md §7.E.11): a plane
+        // that cannot take the renewal is not one to take work from yet.
+        // Refusals of single leases are the next tend's to judge.
+        if !adopted.is_empty() {
+            self.ledger
+                .heartbeat(&adopted)
+                .await
+                .map_err(|e| fail("renew the adopted leases", &e))?;
+        }
+        for record in &launches {
+            let Ok(lease) = LeaseId::parse("journal.launch.lease", &record.lease) else {
+                continue;
+            };
+            if seen.contains(&lease) || self.state().custody.contains_key(&lease) {
+                continue;
+            }
+            if set.launched.contains(&lease) || set.quarantined.contains(&lease) {
+                let registration = (record.runner_id > 0)
+                    .then(|| (record.runner_id, record.runner_name.clone()))
+                    .or(Some((0, String::new())));
+                self.hold(
+                    lease.clone(),
+                    CustodyEntry {
+                        registration,
+                        absent_since: Some(Instant::now()),
+                        ..CustodyEntry::teardown(
+                            Epoch(record.epoch),
+                            InstanceName::for_lease(&lease),
+                            RequestId(record.request_id),
+                            Phase::Failed,
+                            false,
+                        )
+                    },
+                )
+                .await;
+            } else {
+                self.forget(&lease).await;
+            }
+        }
+        if failed > 0 {
+            return Err(RunnerError::Failed(format!(
+                "recover: {failed} instances could not be destroyed"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Asks the plane to remove the registration of a launch whose outcome
+    /// an earlier process never learned. GitHub refuses to remove a runner
+    /// that is running a job, so success means the runner was idle (or
+    /// already gone) and is now unroutable: the reference's RecoverRunner
+    /// question, asked through the removal itself. A refusal answers "keep
+    /// it", the conservative reading.
+    ///
+    /// # Errors
+    ///
+    /// [`PlaneError::Unavailable`] when the plane could not be asked: no
+    /// answer is not an answer, and Recover retries.
+    async fn retire_idle_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        record: Option<&&LaunchRecord>,
+    ) -> Result<bool, PlaneError> {
+        let (id, name) =
+            record.map_or((0, String::new()), |r| (r.runner_id, r.runner_name.clone()));
+        match self.jit.remove_runner(lease, epoch, id, &name).await {
+            Ok(()) => Ok(true),
+            Err(e @ PlaneError::Unavailable(_)) => Err(e),
+            Err(e) => {
+                debug!(%lease, error = %e, "the registration stays; adopting the instance as a running job");
+                Ok(false)
+            }
+        }
+    }
+
+    /// Takes custody of compute found running under an open lease that no
+    /// request here manages: it is left to finish, and released once gone.
+    async fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
+        let failing = lease.failure_reason.is_some();
+        let entry = CustodyEntry {
+            outcome: if failing { Phase::Failed } else { Phase::Done },
+            phase: if lease.phase == Phase::Quarantine {
+                None
+            } else {
+                phase
+            },
+            discard: failing,
+            ..CustodyEntry::job(lease.epoch, instance.clone(), lease.request_id, true)
+        };
+        self.hold(lease.id.clone(), entry).await;
+    }
+
+    /// Renews held and launching leases every third of the TTL until
+    /// `cancel`, touching only the ledger.
+    pub async fn keep_alive(&self, cancel: CancellationToken) {
+        let mut last = Instant::now();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(KEEPALIVE_WAKE) => {}
+            }
+            let ttl = self.ledger.lease_ttl();
+            if ttl.is_zero() || last.elapsed() < ttl / 3 {
+                continue;
+            }
+            last = Instant::now();
+            let held: Vec<(LeaseId, Epoch)> = {
+                let s = self.state();
+                s.custody
+                    .iter()
+                    .map(|(l, e)| (l.clone(), e.epoch))
+                    .chain(s.launching.iter().map(|(l, e)| (l.clone(), *e)))
+                    .collect()
+            };
+            if held.is_empty() {
+                continue;
+            }
+            match self.ledger.heartbeat(&held).await {
+                Ok(results) => {
+                    for ((lease, _), r) in held.iter().zip(results) {
+                        if let Err(e) = r
+                            && !e.is_gone()
+                            && !matches!(e, PlaneError::ForceRelease(_))
+                        {
+                            warn!(%lease, error = %e, "renewal refused");
+                        }
+                    }
+                }
+                Err(e) => warn!(error = %e, leases = held.len(), "renewal failed"),
+            }
+        }
+    }
+
+    /// Advances every custody entry by one step.
+    ///
+    /// # Errors
+    ///
+    /// The joined messages of the entries that could not progress.
+    pub async fn tend(&self) -> Result<(), RunnerError> {
+        let leases: Vec<LeaseId> = self.state().custody.keys().cloned().collect();
+        let mut errors = Vec::new();
+        for lease in leases {
+            if let Err(e) = self.tend_one(&lease).await {
+                errors.push(format!("{lease}: {e}"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(RunnerError::Failed(errors.join("; ")))
+        }
+    }
+
+    /// One step for one custody entry (spec/node.md §2.7).
+    pub(super) async fn tend_one(&self, lease: &LeaseId) -> Result<(), String> {
+        let Some(mut entry) = self.state().custody.get(lease).cloned() else {
+            return Ok(());
+        };
+        let age = entry.since.elapsed();
+        if let Some(max) = self.options.max_custody.filter(|max| !max.is_zero()) {
+            if age > max && !entry.discard {
+                error!(%lease, ?age, "custody exceeded max_custody; destroying and releasing as failed");
+                entry.discard = true;
+                entry.outcome = Phase::Failed;
+                if entry.phase.is_some() {
+                    entry.phase = Some(Phase::Teardown);
+                }
+            }
+        } else if age > CUSTODY_WARN_AFTER {
+            warn!(%lease, age_s = age.as_secs(), "billet has held this lease in custody for over an hour");
+        }
+
+        let mut renewed = false;
+        match self.ledger.heartbeat(&[(lease.clone(), entry.epoch)]).await {
+            Ok(mut r) => match r.pop() {
+                Some(Ok(())) => renewed = true,
+                Some(Err(PlaneError::ForceRelease(_))) => {
+                    entry.discard = true;
+                    entry.outcome = Phase::Failed;
+                }
+                Some(Err(e)) if e.is_gone() => match self.ledger.lease(lease).await {
+                    Ok(l) if l.phase == Phase::Quarantine => {
+                        entry.epoch = l.epoch;
+                        entry.phase = None;
+                    }
+                    Ok(_) | Err(PlaneError::NotFound(_)) => entry.discard = true,
+                    Err(e) => return Err(format!("read after a refused renewal: {e}")),
+                },
+                Some(Err(e)) => return Err(format!("renew: {e}")),
+                None => return Err("renew: no answer for the lease".into()),
+            },
+            Err(e) => return Err(format!("renew: {e}")),
+        }
+        if renewed && let Some(phase) = entry.phase {
+            match self.ledger.advance(lease, entry.epoch, phase).await {
+                Ok(()) | Err(PlaneError::BadTransition(_)) => {}
+                Err(e) => {
+                    self.update(lease, entry).await;
+                    return Err(format!("report {phase}: {e}"));
+                }
+            }
+        }
+        if let Some((id, name)) = entry.registration.clone() {
+            if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+                self.update(lease, entry).await;
+                return Err(format!("remove registration {name}: {e}"));
+            }
+            entry.registration = None;
+        } else if entry.discard {
+            // Routing before compute: whatever registration the plane still
+            // holds for the lease goes before the instance does. An answer
+            // (GitHub will not remove a busy runner; the lease or runner is
+            // not this node's) does not stop the teardown the node has
+            // authority for; an outage does, until the next tick, so a
+            // registration is not left behind by a passing failure.
+            match self.jit.remove_runner(lease, entry.epoch, 0, "").await {
+                Ok(()) => {}
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    self.update(lease, entry).await;
+                    return Err(format!(
+                        "remove the registration of {lease} before destroying: {e}"
+                    ));
+                }
+                Err(e) => {
+                    warn!(%lease, error = %e, "the registration was not removed; destroying on the node's authority");
+                }
+            }
+        }
+        let found = match self.provider.find(&entry.instance).await {
+            Ok(found) => found,
+            Err(e) => {
+                entry.absent_since = None;
+                self.update(lease, entry).await;
+                return Err(format!("find {}: {e}", lease));
+            }
+        };
+        match found {
+            None => {
+                let grace = if entry.observed && self.provider.runs_on_host() {
+                    Duration::ZERO
+                } else {
+                    self.options.stray_grace
+                };
+                let since = *entry.absent_since.get_or_insert_with(Instant::now);
+                if !now_plus(grace, since) {
+                    self.update(lease, entry).await;
+                    return Ok(());
+                }
+                entry.unconfirmed = false;
+                self.finish(lease, entry).await
+            }
+            Some(instance) => {
+                entry.absent_since = None;
+                entry.observed = true;
+                if instance.terminal {
+                    entry.unconfirmed = false;
+                    return self.finish(lease, entry).await;
+                }
+                if !entry.discard && instance.running {
+                    self.update(lease, entry).await;
+                    return Ok(());
+                }
+                match self.provider.destroy(&entry.instance).await {
+                    Err(e) => {
+                        self.update(lease, entry).await;
+                        Err(format!("destroy: {e}"))
+                    }
+                    Ok(Teardown::Requested) => {
+                        self.update(lease, entry).await;
+                        Ok(())
+                    }
+                    Ok(Teardown::Stopped) => {
+                        entry.unconfirmed = false;
+                        info!(%lease, instance = %entry.instance, "held instance destroyed");
+                        self.finish(lease, entry).await
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets a lease's launch and custody records.
+    pub(super) async fn forget(&self, lease: &LeaseId) {
+        let forgot = async {
+            self.journal.forget_custody(lease.as_str()).await?;
+            self.journal.forget_launch(lease.as_str()).await
+        };
+        if let Err(e) = forgot.await {
+            warn!(%lease, error = %e, "cannot clear the journal; a restart re-checks this lease");
+        }
+    }
+
+    pub(super) async fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
+        let record = custody_record(lease, &entry);
+        {
+            let mut s = self.state();
+            let Some(slot) = s.custody.get_mut(lease) else {
+                return;
+            };
+            *slot = entry;
+        }
+        if let Err(e) = self.journal.put_custody(&record).await {
+            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
+        }
+    }
+
+    async fn finish(&self, lease: &LeaseId, entry: CustodyEntry) -> Result<(), String> {
+        match self.ledger.release(lease, entry.epoch, entry.outcome).await {
+            Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
+                debug!(%lease, outcome = %entry.outcome, "custody ended");
+                {
+                    let mut s = self.state();
+                    s.custody.remove(lease);
+                    s.running.retain(|_, r| r.lease != *lease);
+                }
+                self.forget(lease).await;
+                Ok(())
+            }
+            Err(e) => {
+                // Refused: if the lease has already ended (with either
+                // outcome: the plane released it after a destroy), nothing is
+                // left to hold.
+                if let Ok(l) = self.ledger.lease(lease).await
+                    && l.phase.is_terminal()
+                {
+                    debug!(%lease, phase = %l.phase, "custody ended: the lease had already ended");
+                    {
+                        let mut s = self.state();
+                        s.custody.remove(lease);
+                        s.running.retain(|_, r| r.lease != *lease);
+                    }
+                    self.forget(lease).await;
+                    return Ok(());
+                }
+                self.update(lease, entry).await;
+                Err(format!("release: {e}"))
+            }
+        }
+    }
+}
