@@ -13,19 +13,55 @@
 //!
 //! The JIT config is a credential: it is never printed, not even in part.
 //!
+//! Every option is a flag or an environment variable, so that the node's Docker provider can
+//! pass it through a tier's `env`:
+//!
+//! | variable | flag | default | meaning |
+//! |---|---|---|---|
+//! | `ACTIONS_RUNNER_INPUT_JITCONFIG` | `--jitconfig` | required | the encoded JIT config |
+//! | `BILLET_STANDIN_MODE` | `--mode` | `job` | what the runner does: the table below |
+//! | `BILLET_STANDIN_WORK_MS` | `--work-ms` | 2000 | how long a job is worked, in milliseconds |
+//! | `BILLET_STANDIN_RESULT` | `--result` | `succeeded` | the result a job is completed with |
+//! | `BILLET_STANDIN_IDLE_TIMEOUT_MS` | `--idle-timeout-ms` | 600000 | how long to wait for a job, in milliseconds |
+//! | `BILLET_STANDIN_EXIT_CODE` | `--exit-code` | 3 | mode `exit`: the code to exit with, 0 to 255 |
+//! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
+//!
+//! The modes, the normal runner and the faults the end-to-end tests play:
+//!
+//! | `BILLET_STANDIN_MODE` | what the runner does |
+//! |---|---|
+//! | `job` | the default, as above: takes a job, works `WORK_MS`, completes it, exits 0 |
+//! | `never-connect` | decodes its JIT config, then never asks the emulator anything and never takes a job; waits for a signal (SIGTERM: 143); the idle timeout does not apply |
+//! | `hang` | takes a job and never completes it, working until a signal (SIGTERM: 143) |
+//! | `ignore-sigterm` | as `job`, but every SIGTERM, from start to exit, is logged and ignored: only SIGKILL (or SIGINT) stops it early |
+//! | `allocate` | takes a job, then allocates memory in 16 MiB chunks, writing every page, until killed: under a container memory limit it is OOM-killed (137). With `ALLOCATE_MIB` it stops there, holds the memory, and works and completes the job as `job` does |
+//! | `exit` | takes a job and exits with `EXIT_CODE` without completing it, as a runner that crashed mid-job: the emulator keeps the job running and the runner registered |
+//!
+//! Once it has a job, every mode says so on stderr (`runner <name> took job <id>`) before doing
+//! what its mode does, so a test can wait for that line; a runner waiting for one says `waiting
+//! for a job`, and `never-connect` says `never connects`. Each line comes after the signal
+//! handlers are installed.
+//!
 //! | exit code | meaning |
 //! |---|---|
 //! | 0 | a job was run and completed |
 //! | 1 | no job within the idle timeout, the runner was removed, or the completion failed |
-//! | 2 | usage error: no or malformed JIT config, bad option |
+//! | 2 | usage error: no or malformed JIT config, unknown mode, bad option |
+//! | 3 | mode `exit`: took a job and left it uncompleted (the code is `EXIT_CODE`, 3 unless set) |
 //! | 130 | SIGINT |
-//! | 143 | SIGTERM |
+//! | 143 | SIGTERM (not in mode `ignore-sigterm`) |
+//!
+//! A SIGKILL, which includes the kernel's OOM killer, ends it with 137 as seen by Docker.
 
+use std::fmt;
+use std::future::Future;
+use std::pin::pin;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use base64::Engine as _;
 use clap::Parser;
+use futures::{Stream, StreamExt as _, stream};
 use scaleset::testing::{EmulatorState, JobState};
 use scaleset::{JobRequestId, RunnerId, ScaleSetId};
 use serde::Deserialize;
@@ -37,15 +73,39 @@ const POLL_INTERVAL: Duration = Duration::from_millis(200);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a failing completion is retried.
 const COMPLETE_RETRY_FOR: Duration = Duration::from_secs(30);
+/// Mode `allocate`: how much memory is allocated at a time, in MiB.
+const ALLOCATE_CHUNK_MIB: u64 = 16;
+/// Mode `allocate`: one byte in every this many is written. The smallest page size Linux uses,
+/// so every page of a chunk is touched, whatever the page size.
+const TOUCH_STRIDE_BYTES: usize = 4096;
+const MIB_BYTES: usize = 1 << 20;
 
 /// Plays an ephemeral GitHub Actions runner against the scaleset emulator: takes one job
-/// assigned to its scale set, works, completes it and exits.
-#[derive(Parser)]
+/// assigned to its scale set, works, completes it and exits. Other modes play the faults of a
+/// real runner for tests.
+#[derive(Debug, Parser)]
 #[command(version)]
 struct Cli {
     /// The encoded JIT config, as given to actions/runner.
     #[arg(long, env = "ACTIONS_RUNNER_INPUT_JITCONFIG", hide_env_values = true)]
     jitconfig: String,
+    /// What the runner does: job, never-connect, hang, ignore-sigterm, allocate or exit
+    ///
+    ///   job             take a job, work, complete it, exit 0
+    ///   never-connect   never ask the emulator anything; wait for a signal
+    ///   hang            take a job and never complete it; wait for a signal
+    ///   ignore-sigterm  as job, but log and ignore every SIGTERM
+    ///   allocate        take a job, then allocate and write memory in 16 MiB chunks until
+    ///                   killed, or up to --allocate-mib and then work and complete the job
+    ///   exit            take a job and exit with --exit-code without completing it
+    #[arg(
+        long,
+        verbatim_doc_comment,
+        env = "BILLET_STANDIN_MODE",
+        default_value = "job",
+        value_parser = Mode::parse
+    )]
+    mode: Mode,
     /// How long to work on the job, in milliseconds.
     #[arg(long, env = "BILLET_STANDIN_WORK_MS", default_value_t = 2000)]
     work_ms: u64,
@@ -59,6 +119,95 @@ struct Cli {
         default_value_t = 600_000
     )]
     idle_timeout_ms: u64,
+    /// Mode exit: the code to exit with after taking the job, 0 to 255.
+    #[arg(long, env = "BILLET_STANDIN_EXIT_CODE", default_value_t = 3, value_parser = exit_code)]
+    exit_code: u8,
+    /// Mode allocate: allocate this many MiB, then hold them and work and complete the job;
+    /// without it, allocate until killed.
+    #[arg(long, env = "BILLET_STANDIN_ALLOCATE_MIB", value_parser = allocate_mib)]
+    allocate_mib: Option<u64>,
+}
+
+/// What the runner does with its JIT config (`BILLET_STANDIN_MODE`; the module doc's table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Take a job, work, complete it: the runner as it should be.
+    Job,
+    /// Never poll nor take a job; wait for a signal.
+    NeverConnect,
+    /// Take a job and never complete it.
+    Hang,
+    /// As [`Mode::Job`], ignoring SIGTERM.
+    IgnoreSigterm,
+    /// Take a job, then allocate and touch memory until killed or the cap is reached.
+    Allocate,
+    /// Take a job and exit with the configured code without completing it.
+    Exit,
+}
+
+impl Mode {
+    /// Every mode, in the order the documentation lists them.
+    const ALL: [Self; 6] = [
+        Self::Job,
+        Self::NeverConnect,
+        Self::Hang,
+        Self::IgnoreSigterm,
+        Self::Allocate,
+        Self::Exit,
+    ];
+
+    /// The mode's name in `BILLET_STANDIN_MODE`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Job => "job",
+            Self::NeverConnect => "never-connect",
+            Self::Hang => "hang",
+            Self::IgnoreSigterm => "ignore-sigterm",
+            Self::Allocate => "allocate",
+            Self::Exit => "exit",
+        }
+    }
+
+    /// Reads a mode by its exact name.
+    ///
+    /// # Errors
+    ///
+    /// A sentence naming `BILLET_STANDIN_MODE` and every mode there is.
+    fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|mode| mode.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.into_iter().map(Self::name).collect();
+                format!(
+                    "unknown BILLET_STANDIN_MODE {name:?}; the modes are {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Reads `BILLET_STANDIN_EXIT_CODE`.
+fn exit_code(text: &str) -> Result<u8, String> {
+    text.parse().map_err(|_| {
+        format!("BILLET_STANDIN_EXIT_CODE must be a whole number from 0 to 255, not {text:?}")
+    })
+}
+
+/// Reads `BILLET_STANDIN_ALLOCATE_MIB`.
+fn allocate_mib(text: &str) -> Result<u64, String> {
+    match text.parse() {
+        Ok(mib) if mib > 0 => Ok(mib),
+        _ => Err(format!(
+            "BILLET_STANDIN_ALLOCATE_MIB must be a whole number of MiB, at least 1, not {text:?}"
+        )),
+    }
 }
 
 /// The emulator's decoded JIT config.
@@ -105,13 +254,23 @@ impl JitConfig {
 }
 
 /// Why the runner stopped without running a job.
+#[derive(Debug, PartialEq, Eq)]
 enum Failure {
     /// The emulator could not be asked (not up yet, or busy): look again.
     Transient(String),
     /// Exit 1, with this sentence.
     Runtime(String),
-    /// Exit with this code, silently (signals).
+    /// Exit with this code, silently: signals, and mode `exit` (which has said why already).
     Code(u8),
+}
+
+/// A signal that stops the runner, as [`supervise`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// SIGTERM: exit 143, except in mode `ignore-sigterm`.
+    Term,
+    /// SIGINT: exit 130.
+    Int,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -128,7 +287,10 @@ async fn main() -> ExitCode {
         eprintln!("billet-standin-runner: the result must not be empty");
         return ExitCode::from(2);
     }
-    let (mut term, mut int) = match (
+    // Installed in every mode before the first progress line, so a test that saw one may signal.
+    // Mode ignore-sigterm too receives SIGTERM, to log and drop it: without a handler it would
+    // kill the process outside a container, and as PID 1 inside one be dropped without a word.
+    let (term, int) = match (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) {
@@ -138,11 +300,15 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let outcome = tokio::select! {
-        outcome = run(&cli, &config) => outcome,
-        _ = term.recv() => Err(Failure::Code(143)),
-        _ = int.recv() => Err(Failure::Code(130)),
-    };
+    let signals = stream::select(
+        stream::unfold(term, |mut term| async move {
+            term.recv().await.map(|()| (Stop::Term, term))
+        }),
+        stream::unfold(int, |mut int| async move {
+            int.recv().await.map(|()| (Stop::Int, int))
+        }),
+    );
+    let outcome = supervise(run(&cli, &config), cli.mode, &config.runner_name, signals).await;
     match outcome {
         Ok(job) => {
             println!(
@@ -159,73 +325,209 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Waits for a job, runs it and completes it. Returns the job's id.
-async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, Failure> {
-    // Plain HTTP only. reqwest has rustls here (scaleset's default feature), and its default
-    // verifier needs the system's CA store, which the stand-in's `FROM scratch` image does not
-    // have: an empty root store keeps the client buildable there.
-    let http = reqwest::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .no_proxy()
-        .tls_certs_only(std::iter::empty())
-        .build()
-        .map_err(|e| Failure::Runtime(format!("cannot build an HTTP client: {}", chain(&e))))?;
-    let base = config.emulator.trim_end_matches('/');
-    let idle_deadline = tokio::time::Instant::now() + Duration::from_millis(cli.idle_timeout_ms);
-    eprintln!(
-        "billet-standin-runner: runner {} (id {}) waiting for a job of scale set {} at {base}",
-        config.runner_name, config.runner_id, config.scale_set_id
-    );
-
-    let mut last_error = String::new();
-    let job = loop {
-        match take_job(&http, base, config).await {
-            Ok(Some(job)) => break job,
-            Ok(None) => {}
-            Err(Failure::Transient(e)) => {
-                // Say so once per distinct error, not every 200 ms.
-                if e != last_error {
-                    eprintln!("billet-standin-runner: {e}; retrying");
-                    last_error = e;
-                }
-            }
-            Err(fatal) => return Err(fatal),
-        }
-        if tokio::time::Instant::now() >= idle_deadline {
-            let also = if last_error.is_empty() {
-                String::new()
-            } else {
-                format!(" (last error: {last_error})")
-            };
-            return Err(Failure::Runtime(format!(
-                "no job of scale set {} was assigned within {} ms{also}",
-                config.scale_set_id, cli.idle_timeout_ms
-            )));
-        }
-        tokio::time::sleep(POLL_INTERVAL).await;
-    };
-
-    tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
-
-    let complete_deadline = tokio::time::Instant::now() + COMPLETE_RETRY_FOR;
+/// Runs `work` to its end unless a signal from `signals` stops it first: SIGTERM gives
+/// `Failure::Code(143)`, except in mode `ignore-sigterm`, where it is logged and ignored; SIGINT
+/// gives `Failure::Code(130)` in every mode.
+async fn supervise<T>(
+    work: impl Future<Output = Result<T, Failure>>,
+    mode: Mode,
+    runner_name: &str,
+    signals: impl Stream<Item = Stop>,
+) -> Result<T, Failure> {
+    let mut work = pin!(work);
+    let mut signals = pin!(signals);
     loop {
-        let sent = http
-            .post(format!("{base}/_emulator/jobs/{job}/complete"))
-            .json(&serde_json::json!({ "result": cli.result }))
-            .send()
-            .await;
-        let error = match sent {
-            Ok(response) if response.status().is_success() => return Ok(job),
-            Ok(response) => format!("status {}", response.status()),
-            Err(e) => chain(&e),
-        };
-        if tokio::time::Instant::now() >= complete_deadline {
-            return Err(Failure::Runtime(format!(
-                "cannot complete job {job}: {error}"
-            )));
+        tokio::select! {
+            outcome = &mut work => return outcome,
+            Some(stop) = signals.next() => match stop {
+                Stop::Term if mode == Mode::IgnoreSigterm => eprintln!(
+                    "billet-standin-runner: runner {runner_name} ignores SIGTERM (mode {mode})"
+                ),
+                Stop::Term => return Err(Failure::Code(143)),
+                Stop::Int => return Err(Failure::Code(130)),
+            },
         }
-        tokio::time::sleep(POLL_INTERVAL).await;
     }
+}
+
+/// Does what `cli.mode` says. Returns the id of the job it ran and completed; the modes that do
+/// not complete a job return only by failing, or never.
+async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, Failure> {
+    if cli.mode == Mode::NeverConnect {
+        eprintln!(
+            "billet-standin-runner: runner {} (id {}) never connects (mode {}); waiting for a signal",
+            config.runner_name, config.runner_id, cli.mode
+        );
+        return std::future::pending().await;
+    }
+    let emulator = EmulatorLink::new(config)?;
+    let job = emulator.wait_for_job(cli).await?;
+    eprintln!(
+        "billet-standin-runner: runner {} took job {job}",
+        config.runner_name
+    );
+    match cli.mode {
+        Mode::Job | Mode::IgnoreSigterm => emulator.work_and_complete(cli, job).await,
+        Mode::Hang => {
+            eprintln!(
+                "billet-standin-runner: runner {} hangs on job {job} (mode {}): it never completes it",
+                config.runner_name, cli.mode
+            );
+            std::future::pending().await
+        }
+        Mode::Allocate => {
+            let held = allocate(&config.runner_name, cli.allocate_mib).await;
+            let completed = emulator.work_and_complete(cli, job).await;
+            drop(held);
+            completed
+        }
+        Mode::Exit => {
+            eprintln!(
+                "billet-standin-runner: runner {} exits {} without completing job {job} (mode {})",
+                config.runner_name, cli.exit_code, cli.mode
+            );
+            Err(Failure::Code(cli.exit_code))
+        }
+        Mode::NeverConnect => unreachable!("mode never-connect returns before connecting"),
+    }
+}
+
+/// The emulator's control API, as this runner uses it.
+struct EmulatorLink<'a> {
+    http: reqwest::Client,
+    /// The emulator's base URL, without a trailing `/`.
+    base: &'a str,
+    config: &'a JitConfig,
+}
+
+impl<'a> EmulatorLink<'a> {
+    fn new(config: &'a JitConfig) -> Result<Self, Failure> {
+        // Plain HTTP only. reqwest has rustls here (scaleset's default feature), and its default
+        // verifier needs the system's CA store, which the stand-in's `FROM scratch` image does
+        // not have: an empty root store keeps the client buildable there.
+        let http = reqwest::Client::builder()
+            .timeout(REQUEST_TIMEOUT)
+            .no_proxy()
+            .tls_certs_only(std::iter::empty())
+            .build()
+            .map_err(|e| Failure::Runtime(format!("cannot build an HTTP client: {}", chain(&e))))?;
+        Ok(Self {
+            http,
+            base: config.emulator.trim_end_matches('/'),
+            config,
+        })
+    }
+
+    /// Polls until this runner has a job, for at most the idle timeout. Returns the job's id.
+    async fn wait_for_job(&self, cli: &Cli) -> Result<JobRequestId, Failure> {
+        let config = self.config;
+        let idle_deadline =
+            tokio::time::Instant::now() + Duration::from_millis(cli.idle_timeout_ms);
+        let also_mode = if cli.mode == Mode::Job {
+            String::new()
+        } else {
+            format!(" (mode {})", cli.mode)
+        };
+        eprintln!(
+            "billet-standin-runner: runner {} (id {}) waiting for a job of scale set {} at {}{also_mode}",
+            config.runner_name, config.runner_id, config.scale_set_id, self.base
+        );
+
+        let mut last_error = String::new();
+        loop {
+            match take_job(&self.http, self.base, config).await {
+                Ok(Some(job)) => return Ok(job),
+                Ok(None) => {}
+                Err(Failure::Transient(e)) => {
+                    // Say so once per distinct error, not every 200 ms.
+                    if e != last_error {
+                        eprintln!("billet-standin-runner: {e}; retrying");
+                        last_error = e;
+                    }
+                }
+                Err(fatal) => return Err(fatal),
+            }
+            if tokio::time::Instant::now() >= idle_deadline {
+                let also = if last_error.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (last error: {last_error})")
+                };
+                return Err(Failure::Runtime(format!(
+                    "no job of scale set {} was assigned within {} ms{also}",
+                    config.scale_set_id, cli.idle_timeout_ms
+                )));
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+
+    /// Works on `job` for `cli.work_ms`, then completes it with `cli.result`, retrying a failed
+    /// completion for [`COMPLETE_RETRY_FOR`]. Returns the job's id.
+    async fn work_and_complete(
+        &self,
+        cli: &Cli,
+        job: JobRequestId,
+    ) -> Result<JobRequestId, Failure> {
+        tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
+
+        let complete_deadline = tokio::time::Instant::now() + COMPLETE_RETRY_FOR;
+        loop {
+            let sent = self
+                .http
+                .post(format!("{}/_emulator/jobs/{job}/complete", self.base))
+                .json(&serde_json::json!({ "result": cli.result }))
+                .send()
+                .await;
+            let error = match sent {
+                Ok(response) if response.status().is_success() => return Ok(job),
+                Ok(response) => format!("status {}", response.status()),
+                Err(e) => chain(&e),
+            };
+            if tokio::time::Instant::now() >= complete_deadline {
+                return Err(Failure::Runtime(format!(
+                    "cannot complete job {job}: {error}"
+                )));
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+/// Mode `allocate`: allocates memory in chunks of [`ALLOCATE_CHUNK_MIB`], writing one byte of
+/// every page so the kernel must back it, until `cap_mib` MiB are held (never, without a cap:
+/// under a memory limit the OOM killer ends the process). Returns what it holds; each chunk is
+/// followed by a yield, so a signal still stops the runner.
+async fn allocate(runner_name: &str, cap_mib: Option<u64>) -> Vec<Vec<u8>> {
+    let mut held = Vec::new();
+    let mut held_mib = 0;
+    eprintln!(
+        "billet-standin-runner: runner {runner_name} allocates memory (mode allocate) {}",
+        cap_mib.map_or_else(
+            || "until killed".to_owned(),
+            |cap| format!("up to {cap} MiB")
+        )
+    );
+    while let Some(chunk_mib) = next_chunk_mib(held_mib, cap_mib) {
+        let chunk_bytes =
+            MIB_BYTES * usize::try_from(chunk_mib).expect("a chunk is at most ALLOCATE_CHUNK_MIB");
+        let mut chunk = vec![0_u8; chunk_bytes];
+        for byte in chunk.iter_mut().step_by(TOUCH_STRIDE_BYTES) {
+            *byte = 1;
+        }
+        held.push(std::hint::black_box(chunk));
+        held_mib += chunk_mib;
+        eprintln!("billet-standin-runner: runner {runner_name} holds {held_mib} MiB");
+        tokio::task::yield_now().await;
+    }
+    held
+}
+
+/// The size of the next chunk [`allocate`] takes, in MiB, once it holds `held_mib`; `None` when
+/// it holds `cap_mib`.
+fn next_chunk_mib(held_mib: u64, cap_mib: Option<u64>) -> Option<u64> {
+    let left = cap_mib.map_or(ALLOCATE_CHUNK_MIB, |cap| cap.saturating_sub(held_mib));
+    (left > 0).then(|| left.min(ALLOCATE_CHUNK_MIB))
 }
 
 /// One look at the emulator: the job this runner now runs, if it got one.
@@ -342,5 +644,293 @@ mod tests {
             assert!(err.contains(says), "{err}");
             assert!(!err.contains("s3cr3t"), "{err}");
         }
+    }
+
+    /// Parses a command line of the stand-in, flags after the program name.
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("billet-standin-runner").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn every_mode_is_read_by_its_name_and_the_default_is_job() {
+        for mode in Mode::ALL {
+            assert_eq!(Mode::parse(mode.name()), Ok(mode));
+            let cli = parse(&["--jitconfig", "x", "--mode", mode.name()]).unwrap();
+            assert_eq!(cli.mode, mode);
+        }
+        let names: Vec<String> = Mode::ALL.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names,
+            [
+                "job",
+                "never-connect",
+                "hang",
+                "ignore-sigterm",
+                "allocate",
+                "exit"
+            ]
+        );
+        let cli = parse(&["--jitconfig", "x"]).unwrap();
+        assert_eq!(cli.mode, Mode::Job);
+        assert_eq!(cli.exit_code, 3);
+        assert_eq!(cli.allocate_mib, None);
+    }
+
+    #[test]
+    fn an_unknown_mode_is_a_usage_error_naming_the_variable_and_every_mode() {
+        for name in ["crash", "Job", " hang", "never_connect", ""] {
+            let err = parse(&["--jitconfig", "s3cr3t-token-value", "--mode", name]).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{err}");
+            let text = err.to_string();
+            assert!(text.contains("unknown BILLET_STANDIN_MODE"), "{text}");
+            for mode in Mode::ALL {
+                assert!(text.contains(mode.name()), "{text}");
+            }
+            assert!(!text.contains("s3cr3t"), "{text}");
+        }
+    }
+
+    #[test]
+    fn the_exit_code_is_a_byte_and_a_bad_one_is_a_usage_error_naming_the_variable() {
+        for (given, code) in [("0", 0), ("7", 7), ("255", 255)] {
+            let cli = parse(&["--jitconfig", "x", "--exit-code", given]).unwrap();
+            assert_eq!(cli.exit_code, code);
+        }
+        for given in ["256", "-1", "three", ""] {
+            let err = parse(&["--jitconfig", "x", &format!("--exit-code={given}")]).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{err}");
+            assert!(
+                err.to_string().contains("BILLET_STANDIN_EXIT_CODE"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_allocation_cap_is_optional_and_at_least_one_mib() {
+        let cli = parse(&["--jitconfig", "x", "--allocate-mib", "64"]).unwrap();
+        assert_eq!(cli.allocate_mib, Some(64));
+        for given in ["0", "-16", "1.5", "lots"] {
+            let flag = format!("--allocate-mib={given}");
+            let err = parse(&["--jitconfig", "x", &flag]).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{err}");
+            assert!(
+                err.to_string().contains("BILLET_STANDIN_ALLOCATE_MIB"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn memory_is_allocated_in_16_mib_chunks_up_to_the_cap_or_forever() {
+        for (held_mib, cap_mib, next) in [
+            (0, None, Some(16)),
+            (1 << 20, None, Some(16)),
+            (0, Some(20), Some(16)),
+            (16, Some(20), Some(4)),
+            (20, Some(20), None),
+            (32, Some(20), None),
+            (0, Some(1), Some(1)),
+        ] {
+            assert_eq!(
+                next_chunk_mib(held_mib, cap_mib),
+                next,
+                "holding {held_mib} MiB, cap {cap_mib:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_capped_allocation_holds_exactly_the_cap_with_every_page_written() {
+        let held = allocate("r", Some(20)).await;
+        let sizes: Vec<usize> = held.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [16 * MIB_BYTES, 4 * MIB_BYTES]);
+        for chunk in &held {
+            assert!(chunk.iter().step_by(TOUCH_STRIDE_BYTES).all(|&b| b == 1));
+        }
+    }
+
+    /// `stops`, then nothing more, as a process's signals.
+    fn signals(stops: &[Stop]) -> impl Stream<Item = Stop> {
+        stream::iter(stops.to_vec()).chain(stream::pending())
+    }
+
+    /// Work that ends well after the signals have been seen.
+    async fn work() -> Result<JobRequestId, Failure> {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        Ok(JobRequestId(7))
+    }
+
+    #[tokio::test]
+    async fn sigterm_ends_the_runner_with_143_and_sigint_with_130_in_every_mode_but_one() {
+        for mode in Mode::ALL {
+            let int = supervise(work(), mode, "r", signals(&[Stop::Int])).await;
+            assert_eq!(int, Err(Failure::Code(130)), "mode {mode}");
+            if mode != Mode::IgnoreSigterm {
+                let term = supervise(work(), mode, "r", signals(&[Stop::Term])).await;
+                assert_eq!(term, Err(Failure::Code(143)), "mode {mode}");
+            }
+        }
+        let unsignalled = supervise(work(), Mode::Job, "r", signals(&[])).await;
+        assert_eq!(unsignalled, Ok(JobRequestId(7)));
+    }
+
+    #[tokio::test]
+    async fn in_mode_ignore_sigterm_sigterms_are_ignored_and_the_work_runs_to_its_end() {
+        let term = [Stop::Term, Stop::Term, Stop::Term];
+        let outcome = supervise(work(), Mode::IgnoreSigterm, "r", signals(&term)).await;
+        assert_eq!(outcome, Ok(JobRequestId(7)));
+        let interrupted = [Stop::Term, Stop::Int];
+        let outcome = supervise(work(), Mode::IgnoreSigterm, "r", signals(&interrupted)).await;
+        assert_eq!(outcome, Err(Failure::Code(130)));
+    }
+
+    /// Bound on what the runner does against the in-process emulator.
+    const BOUND: Duration = Duration::from_secs(30);
+    /// How long a runner must go on not doing something. A runner in mode `job` with no work
+    /// time takes the job at its first poll and completes it at once, so this is ample.
+    const QUIET: Duration = Duration::from_secs(1);
+
+    /// The emulator with one scale set, one job assigned to it, and one runner registered.
+    struct Emulated {
+        emu: scaleset::testing::Emulator,
+        job: JobRequestId,
+        encoded: String,
+        config: JitConfig,
+    }
+
+    impl Emulated {
+        async fn start(runner_name: &str) -> Self {
+            use scaleset::{ExposeSecret as _, JitRunnerSetting, RunnerScaleSetSpec};
+
+            let emu = scaleset::testing::Emulator::start().await;
+            let client = emu.client();
+            let set = client
+                .create_runner_scale_set(&RunnerScaleSetSpec::new("standin"))
+                .await
+                .unwrap()
+                .id;
+            let session = client
+                .create_message_session(set, "standin-test")
+                .await
+                .unwrap();
+            let job = emu.queue_job(set, Vec::<String>::new());
+            assert_eq!(session.acquire_jobs(&[job]).await.unwrap(), [job]);
+            let jit = client
+                .generate_jit_config(set, &JitRunnerSetting::new(runner_name))
+                .await
+                .unwrap();
+            let encoded = jit.encoded_jit_config.expose_secret().to_owned();
+            let config = JitConfig::decode(&encoded).unwrap();
+            Self {
+                emu,
+                job,
+                encoded,
+                config,
+            }
+        }
+
+        /// The stand-in's options: the JIT config, no work time, then `args`.
+        fn cli(&self, args: &[&str]) -> Cli {
+            let mut all = vec!["--jitconfig", &self.encoded, "--work-ms", "0"];
+            all.extend(args);
+            parse(&all).unwrap()
+        }
+
+        fn job(&self) -> scaleset::testing::EmulatedJob {
+            let state = self.emu.state();
+            state
+                .jobs
+                .iter()
+                .find(|j| j.id == self.job)
+                .cloned()
+                .unwrap_or_else(|| panic!("job {} is gone: {state:#?}", self.job))
+        }
+
+        fn runner_registered(&self) -> bool {
+            let runner = self.config.runner_id;
+            self.emu.state().runners.iter().any(|r| r.id == runner)
+        }
+
+        /// Waits until the job runs on this runner, while the runner runs `run` (which must
+        /// not end first), and then checks `run` does not end within [`QUIET`].
+        async fn runs_the_job_and_goes_on(
+            &self,
+            run: impl Future<Output = Result<JobRequestId, Failure>>,
+        ) {
+            let mut run = pin!(run);
+            let (job, runner) = (self.job, self.config.runner_id);
+            tokio::select! {
+                outcome = &mut run => panic!("the runner ended first: {outcome:?}"),
+                _ = self.emu.wait_until(BOUND, |s| {
+                    s.jobs.iter().any(|j| j.id == job && j.state == JobState::Running
+                        && j.runner_id == Some(runner))
+                }) => {}
+            }
+            if let Ok(outcome) = tokio::time::timeout(QUIET, &mut run).await {
+                panic!("the runner ended: {outcome:?}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn in_mode_job_the_runner_takes_the_assigned_job_and_completes_it() {
+        let gh = Emulated::start("standin-job").await;
+        let cli = gh.cli(&["--result", "failed"]);
+        let outcome = tokio::time::timeout(BOUND, run(&cli, &gh.config)).await;
+        assert_eq!(outcome.expect("the runner finishes"), Ok(gh.job));
+        let job = gh.job();
+        assert_eq!(job.state, JobState::Completed);
+        assert_eq!(job.result.as_deref(), Some("failed"));
+        assert!(!gh.runner_registered(), "an ephemeral runner is removed");
+    }
+
+    #[tokio::test]
+    async fn in_mode_exit_the_runner_takes_the_job_and_exits_with_its_code_leaving_it_running() {
+        let gh = Emulated::start("standin-exit").await;
+        let cli = gh.cli(&["--mode", "exit", "--exit-code", "7"]);
+        let outcome = tokio::time::timeout(BOUND, run(&cli, &gh.config)).await;
+        assert_eq!(outcome.expect("the runner exits"), Err(Failure::Code(7)));
+        let job = gh.job();
+        assert_eq!(job.state, JobState::Running);
+        assert_eq!(job.runner_id, Some(gh.config.runner_id));
+        assert!(gh.runner_registered());
+    }
+
+    #[tokio::test]
+    async fn in_mode_hang_the_runner_takes_the_job_and_never_completes_it() {
+        let gh = Emulated::start("standin-hang").await;
+        let cli = gh.cli(&["--mode", "hang"]);
+        gh.runs_the_job_and_goes_on(run(&cli, &gh.config)).await;
+        assert_eq!(gh.job().state, JobState::Running);
+    }
+
+    #[tokio::test]
+    async fn in_mode_never_connect_the_runner_asks_the_emulator_nothing() {
+        let gh = Emulated::start("standin-never").await;
+        let cli = gh.cli(&["--mode", "never-connect", "--idle-timeout-ms", "1"]);
+        let outcome = tokio::time::timeout(QUIET, run(&cli, &gh.config)).await;
+        assert!(outcome.is_err(), "the runner ended: {outcome:?}");
+        let asked = gh.emu.requests_to(scaleset::testing::Endpoint::Control);
+        assert!(asked.is_empty(), "{asked:#?}");
+        assert_eq!(gh.job().state, JobState::Assigned);
+    }
+
+    #[tokio::test]
+    async fn in_mode_allocate_with_a_cap_the_runner_takes_the_job_allocates_and_completes_it() {
+        let gh = Emulated::start("standin-allocate").await;
+        let cli = gh.cli(&["--mode", "allocate", "--allocate-mib", "20"]);
+        let outcome = tokio::time::timeout(BOUND, run(&cli, &gh.config)).await;
+        assert_eq!(outcome.expect("the runner finishes"), Ok(gh.job));
+        assert_eq!(gh.job().state, JobState::Completed);
+    }
+
+    #[tokio::test]
+    async fn in_mode_ignore_sigterm_the_runner_runs_a_job_as_in_mode_job() {
+        let gh = Emulated::start("standin-ignore").await;
+        let cli = gh.cli(&["--mode", "ignore-sigterm"]);
+        let outcome = tokio::time::timeout(BOUND, run(&cli, &gh.config)).await;
+        assert_eq!(outcome.expect("the runner finishes"), Ok(gh.job));
+        assert_eq!(gh.job().state, JobState::Completed);
     }
 }
