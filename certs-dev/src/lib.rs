@@ -7,6 +7,7 @@
 //! | `ca.pem`, `ca.key` | the development CA (path length 0: it signs leaves only) |
 //! | `plane.pem`, `plane.key` | the plane: SAN DNS = plane name, EKU serverAuth + clientAuth |
 //! | `node-<name>.pem`, `node-<name>.key` | a node: SAN DNS = node name, EKU serverAuth + clientAuth |
+//! | `other-ca.pem`, `other-ca.key` | only with [`NodeOptions::other_ca`]: a second CA, which signed the node certificates |
 //!
 //! Certificates are PEM; keys are ECDSA P-256 in PKCS#8 PEM, written mode 0600. A directory created
 //! here is mode 0700; an existing one keeps its mode. Every file is written to a temporary name and
@@ -18,7 +19,11 @@
 //!
 //! [`generate_with`] lets tests make the certificates that must be refused: signed by another CA
 //! (a fresh [`generate`] into another directory), expired or not yet valid ([`Validity`]) while
-//! signed by the deployment's own CA ([`Options::ca_dir`]).
+//! signed by the deployment's own CA ([`Options::ca_dir`]). [`generate_with_nodes`] makes only
+//! the node certificates so, beside a good CA and plane certificate: expired, not yet valid,
+//! short-lived ([`Validity::lasting`]) or signed by a second CA ([`NodeOptions`]). The
+//! `billet-certs-dev` command's `--expired`, `--not-yet-valid`, `--lifetime-secs` and
+//! `--other-ca` are these.
 //!
 //! These are development credentials; nothing here is meant for a production deployment.
 
@@ -42,6 +47,12 @@ pub const CA_CERT_FILE: &str = "ca.pem";
 pub const CA_KEY_FILE: &str = "ca.key";
 /// Common name of a CA made by [`generate`].
 pub const CA_COMMON_NAME: &str = "billet development CA";
+/// File name of the second CA's certificate ([`NodeOptions::other_ca`]).
+pub const OTHER_CA_CERT_FILE: &str = "other-ca.pem";
+/// File name of the second CA's private key ([`NodeOptions::other_ca`]).
+pub const OTHER_CA_KEY_FILE: &str = "other-ca.key";
+/// Longest lifetime [`Validity::lasting`] accepts: 100 years of 365 days.
+pub const MAX_LIFETIME: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
 /// Mode of private key files.
 const KEY_FILE_MODE: u32 = 0o600;
@@ -68,11 +79,15 @@ pub struct CertFiles {
 pub struct DevCerts {
     /// The output directory.
     pub dir: PathBuf,
-    /// The CA that signed the plane and node certificates. With [`Options::ca_dir`] these are the
-    /// files in that directory, which were read, not written.
+    /// The CA that signed the plane certificate, and the node certificates unless
+    /// [`Self::other_ca`] did. With [`Options::ca_dir`] these are the files in that directory,
+    /// which were read, not written.
     pub ca: CertFiles,
     /// Whether the CA was made (and written) by this call.
     pub ca_generated: bool,
+    /// The second CA that signed the node certificates, made and written by this call
+    /// ([`NodeOptions::other_ca`]); `None` when [`Self::ca`] signed them.
+    pub other_ca: Option<CertFiles>,
     /// The plane's certificate.
     pub plane: CertFiles,
     /// One certificate per node, in the order the names were given.
@@ -90,6 +105,9 @@ impl DevCerts {
         let mut files = Vec::new();
         if self.ca_generated {
             files.extend([self.ca.cert.as_path(), self.ca.key.as_path()]);
+        }
+        if let Some(other) = &self.other_ca {
+            files.extend([other.cert.as_path(), other.key.as_path()]);
         }
         for c in std::iter::once(&self.plane).chain(&self.nodes) {
             files.extend([c.cert.as_path(), c.key.as_path()]);
@@ -134,6 +152,27 @@ impl Validity {
             not_after: now + 31 * DAY,
         }
     }
+
+    /// Valid from now for `lifetime`: a short-lived certificate, to watch one expire. A
+    /// certificate holds whole seconds and both ends are rounded down, so the written window
+    /// starts at most a second before now.
+    ///
+    /// # Errors
+    ///
+    /// A lifetime shorter than one second or longer than [`MAX_LIFETIME`].
+    pub fn lasting(lifetime: Duration) -> anyhow::Result<Self> {
+        ensure!(
+            (Duration::from_secs(1)..=MAX_LIFETIME).contains(&lifetime),
+            "a certificate's lifetime must be from 1 second to {} seconds (100 years), not {} s",
+            MAX_LIFETIME.as_secs(),
+            lifetime.as_secs_f64()
+        );
+        let now = SystemTime::now();
+        Ok(Self {
+            not_before: now,
+            not_after: now + lifetime,
+        })
+    }
 }
 
 impl Default for Validity {
@@ -151,6 +190,20 @@ pub struct Options {
     /// Sign with the CA already in this directory (`ca.pem`, `ca.key`) instead of making a new
     /// one in the output directory. It may be the output directory itself.
     pub ca_dir: Option<PathBuf>,
+}
+
+/// How the node certificates [`generate_with_nodes`] makes differ from the plane's: the negative
+/// cases, made beside a good CA and plane certificate.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeOptions {
+    /// Validity of the node certificates; `None`: [`Options::validity`], as the plane's.
+    pub validity: Option<Validity>,
+    /// Sign the node certificates with a second CA made by this call and written beside the
+    /// others as `other-ca.pem` and `other-ca.key` ([`DevCerts::other_ca`]), instead of with the
+    /// deployment's CA. It has the same common name as the deployment's CA and its own key, as
+    /// another deployment's development CA would: a verifier must check the signature, not only
+    /// the issuer's name, to refuse its certificates.
+    pub other_ca: bool,
 }
 
 /// Writes a new development CA, a plane certificate for `plane_name` and one certificate per
@@ -179,6 +232,30 @@ pub fn generate_with(
     node_names: &[&str],
     options: &Options,
 ) -> anyhow::Result<DevCerts> {
+    generate_with_nodes(
+        out_dir,
+        plane_name,
+        node_names,
+        options,
+        &NodeOptions::default(),
+    )
+}
+
+/// Like [`generate_with`], with node certificates that differ from the plane's as `nodes` says:
+/// another validity window, or signed by a second CA. The CA (made or read) and the plane
+/// certificate are as [`generate_with`] makes them; a CA made here covers the node
+/// certificates' window too.
+///
+/// # Errors
+///
+/// As [`generate_with`]; an empty window is named as the plane's or the nodes'.
+pub fn generate_with_nodes(
+    out_dir: &Path,
+    plane_name: &str,
+    node_names: &[&str],
+    options: &Options,
+    nodes: &NodeOptions,
+) -> anyhow::Result<DevCerts> {
     check_dns_name(plane_name).context("invalid plane name")?;
     for (i, name) in node_names.iter().enumerate() {
         check_dns_name(name).context("invalid node name")?;
@@ -192,26 +269,49 @@ pub fn generate_with(
         validity.not_after > validity.not_before,
         "the validity window is empty: not_after must be later than not_before"
     );
+    let node_validity = nodes.validity.unwrap_or(validity);
+    ensure!(
+        node_validity.not_after > node_validity.not_before,
+        "the node certificates' validity window is empty: not_after must be later than not_before"
+    );
 
     create_private_dir(out_dir)?;
 
     let (issuer, ca) = match &options.ca_dir {
         Some(ca_dir) => load_ca(ca_dir)?,
-        None => make_ca(out_dir, validity)?,
+        None => make_ca(
+            out_dir,
+            [CA_CERT_FILE, CA_KEY_FILE],
+            &[validity, node_validity],
+        )?,
     };
+    let other_ca = if nodes.other_ca {
+        Some(make_ca(
+            out_dir,
+            [OTHER_CA_CERT_FILE, OTHER_CA_KEY_FILE],
+            &[node_validity],
+        )?)
+    } else {
+        None
+    };
+    let node_issuer = other_ca.as_ref().map_or(&issuer, |(other, _)| other);
 
     let plane = make_leaf(out_dir, "plane", plane_name, validity, &issuer)?;
-    let nodes = node_names
+    let node_certs = node_names
         .iter()
-        .map(|name| make_leaf(out_dir, &format!("node-{name}"), name, validity, &issuer))
+        .map(|name| {
+            let stem = format!("node-{name}");
+            make_leaf(out_dir, &stem, name, node_validity, node_issuer)
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
 
     Ok(DevCerts {
         dir: out_dir.to_path_buf(),
         ca,
         ca_generated: options.ca_dir.is_none(),
+        other_ca: other_ca.map(|(_, files)| files),
         plane,
-        nodes,
+        nodes: node_certs,
     })
 }
 
@@ -261,12 +361,22 @@ pub fn check_dns_name(name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Makes a CA whose window covers both the default one and the leaves' one.
+/// Makes a CA whose window covers the default one and every one of `leaves`, and writes it as
+/// `files` (certificate, key) in `out_dir`.
 fn make_ca(
     out_dir: &Path,
-    leaves: Validity,
+    [cert_file, key_file]: [&str; 2],
+    leaves: &[Validity],
 ) -> anyhow::Result<(Issuer<'static, KeyPair>, CertFiles)> {
     let dev = Validity::dev();
+    let not_before = leaves
+        .iter()
+        .map(|v| v.not_before)
+        .fold(dev.not_before, SystemTime::min);
+    let not_after = leaves
+        .iter()
+        .map(|v| v.not_after)
+        .fold(dev.not_after, SystemTime::max);
     let mut params = CertificateParams::default();
     params.distinguished_name = common_name(CA_COMMON_NAME);
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
@@ -275,16 +385,16 @@ fn make_ca(
         KeyUsagePurpose::CrlSign,
         KeyUsagePurpose::DigitalSignature,
     ];
-    params.not_before = OffsetDateTime::from(dev.not_before.min(leaves.not_before));
-    params.not_after = OffsetDateTime::from(dev.not_after.max(leaves.not_after));
+    params.not_before = OffsetDateTime::from(not_before);
+    params.not_after = OffsetDateTime::from(not_after);
     let key = KeyPair::generate().context("cannot generate the CA key")?;
     let cert = params
         .self_signed(&key)
         .context("cannot sign the CA certificate")?;
     let files = CertFiles {
         name: CA_COMMON_NAME.to_owned(),
-        cert: out_dir.join(CA_CERT_FILE),
-        key: out_dir.join(CA_KEY_FILE),
+        cert: out_dir.join(cert_file),
+        key: out_dir.join(key_file),
     };
     write_file(&files.cert, cert.pem().as_bytes(), CERT_FILE_MODE)?;
     write_file(&files.key, key.serialize_pem().as_bytes(), KEY_FILE_MODE)?;
@@ -448,6 +558,17 @@ mod tests {
 
     /// Verifies `leaf` against the CA in `ca` for `usage` and the DNS name `name`, now.
     fn verify(ca: &Path, leaf: &Path, usage: KeyUsage, name: &str) -> Result<(), webpki::Error> {
+        verify_at(ca, leaf, usage, name, UnixTime::now())
+    }
+
+    /// As [`verify`], at `time`.
+    fn verify_at(
+        ca: &Path,
+        leaf: &Path,
+        usage: KeyUsage,
+        name: &str,
+        time: UnixTime,
+    ) -> Result<(), webpki::Error> {
         let ca = read_cert(ca);
         let anchors = [webpki::anchor_from_trusted_cert(&ca)?.to_owned()];
         let leaf = read_cert(leaf);
@@ -456,7 +577,7 @@ mod tests {
             webpki::ALL_VERIFICATION_ALGS,
             &anchors,
             &[],
-            UnixTime::now(),
+            time,
             usage,
             None,
             None,
@@ -595,6 +716,196 @@ mod tests {
             ),
             Err(webpki::Error::CertNotValidYet { .. })
         ));
+    }
+
+    /// The validity window written in the PEM certificate at `path`, in Unix seconds.
+    fn window(path: &Path) -> (i64, i64) {
+        let pem = fs::read(path).unwrap();
+        let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).unwrap();
+        let cert = pem.parse_x509().unwrap();
+        let validity = cert.validity();
+        (
+            validity.not_before.timestamp(),
+            validity.not_after.timestamp(),
+        )
+    }
+
+    /// `validity` as a certificate holds it: whole Unix seconds, rounded down.
+    fn whole_seconds(validity: Validity) -> (i64, i64) {
+        let secs = |t: SystemTime| match t.duration_since(SystemTime::UNIX_EPOCH) {
+            Ok(after) => i64::try_from(after.as_secs()).unwrap(),
+            Err(before) => panic!("{:?} before the epoch", before.duration()),
+        };
+        (secs(validity.not_before), secs(validity.not_after))
+    }
+
+    #[test]
+    fn node_certificates_get_the_window_asked_for_while_the_ca_and_the_plane_stay_good() {
+        let existing = TempDir::new();
+        let existing = generate(existing.path(), "plane", &[]).unwrap();
+        let lasting = Validity::lasting(Duration::from_secs(90)).unwrap();
+        for (what, asked) in [
+            ("expired", Validity::expired()),
+            ("not yet valid", Validity::not_yet_valid()),
+            ("lasting 90 s", lasting),
+        ] {
+            for ca_dir in [None, Some(existing.dir.clone())] {
+                let dir = TempDir::new();
+                let options = Options {
+                    ca_dir: ca_dir.clone(),
+                    ..Options::default()
+                };
+                let nodes = NodeOptions {
+                    validity: Some(asked),
+                    other_ca: false,
+                };
+                let certs = generate_with_nodes(dir.path(), "plane", &["node-a"], &options, &nodes)
+                    .unwrap();
+                let context = format!("{what}, CA {ca_dir:?}");
+                assert_eq!(
+                    window(&certs.nodes[0].cert),
+                    whole_seconds(asked),
+                    "{context}"
+                );
+                assert_eq!(
+                    window(&certs.plane.cert),
+                    whole_seconds(options.validity),
+                    "{context}"
+                );
+                verify(
+                    &certs.ca.cert,
+                    &certs.plane.cert,
+                    KeyUsage::server_auth(),
+                    "plane",
+                )
+                .unwrap_or_else(|e| panic!("{context}: the plane does not verify: {e:?}"));
+                if ca_dir.is_none() {
+                    let (ca_from, ca_until) = window(&certs.ca.cert);
+                    let (from, until) = whole_seconds(asked);
+                    assert!(
+                        ca_from <= from && until <= ca_until,
+                        "{context}: the CA does not cover the node's window"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_short_lived_certificate_verifies_now_and_is_refused_once_its_lifetime_is_over() {
+        let dir = TempDir::new();
+        let lifetime = Duration::from_secs(60);
+        let nodes = NodeOptions {
+            validity: Some(Validity::lasting(lifetime).unwrap()),
+            other_ca: false,
+        };
+        let certs = generate_with_nodes(
+            dir.path(),
+            "plane",
+            &["node-a"],
+            &Options::default(),
+            &nodes,
+        )
+        .unwrap();
+        let (ca, node) = (&certs.ca.cert, &certs.nodes[0].cert);
+        verify(ca, node, KeyUsage::client_auth(), "node-a").unwrap();
+        let later = UnixTime::since_unix_epoch(
+            SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap()
+                + lifetime
+                + Duration::from_secs(1),
+        );
+        assert!(matches!(
+            verify_at(ca, node, KeyUsage::client_auth(), "node-a", later),
+            Err(webpki::Error::CertExpired { .. })
+        ));
+    }
+
+    #[test]
+    fn a_lifetime_is_from_one_second_to_a_hundred_years() {
+        for refused in [
+            Duration::ZERO,
+            Duration::from_millis(999),
+            MAX_LIFETIME + Duration::from_secs(1),
+        ] {
+            let err = Validity::lasting(refused).unwrap_err().to_string();
+            assert!(err.contains("from 1 second to"), "{refused:?}: {err}");
+        }
+        for accepted in [Duration::from_secs(1), MAX_LIFETIME] {
+            let validity = Validity::lasting(accepted).unwrap();
+            assert_eq!(validity.not_after - accepted, validity.not_before);
+        }
+    }
+
+    #[test]
+    fn node_certificates_from_the_other_ca_are_refused_by_the_deployments_ca_and_chain_to_theirs() {
+        let dir = TempDir::new();
+        let nodes = NodeOptions {
+            validity: None,
+            other_ca: true,
+        };
+        let certs = generate_with_nodes(
+            dir.path(),
+            "plane",
+            &["node-a", "node-b"],
+            &Options::default(),
+            &nodes,
+        )
+        .unwrap();
+        let other = certs.other_ca.as_ref().expect("an other CA");
+        assert_eq!(other.cert, dir.path().join(OTHER_CA_CERT_FILE));
+        assert_eq!(other.key, dir.path().join(OTHER_CA_KEY_FILE));
+        let mode = fs::metadata(&other.key).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let written = certs.written_files();
+        assert_eq!(written.len(), 10, "{written:?}");
+        assert!(written.contains(&other.cert.as_path()) && written.contains(&other.key.as_path()));
+
+        verify(
+            &certs.ca.cert,
+            &certs.plane.cert,
+            KeyUsage::server_auth(),
+            "plane",
+        )
+        .unwrap();
+        for node in &certs.nodes {
+            let refused = verify(
+                &certs.ca.cert,
+                &node.cert,
+                KeyUsage::client_auth(),
+                &node.name,
+            );
+            // Same common name as the deployment's CA: refused for the signature, not the name.
+            assert!(
+                matches!(refused, Err(webpki::Error::InvalidSignatureForPublicKey)),
+                "{}: {refused:?}",
+                node.name
+            );
+            verify(&other.cert, &node.cert, KeyUsage::client_auth(), &node.name)
+                .unwrap_or_else(|e| panic!("{} does not chain to the other CA: {e:?}", node.name));
+        }
+    }
+
+    #[test]
+    fn an_empty_node_window_is_refused_naming_the_nodes() {
+        let dir = TempDir::new();
+        let now = SystemTime::now();
+        let nodes = NodeOptions {
+            validity: Some(Validity {
+                not_before: now,
+                not_after: now,
+            }),
+            other_ca: false,
+        };
+        let err = generate_with_nodes(dir.path(), "plane", &["n"], &Options::default(), &nodes)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("node certificates' validity window is empty"),
+            "{err}"
+        );
+        assert!(!dir.path().exists(), "nothing is written");
     }
 
     #[test]
