@@ -11,7 +11,7 @@
 //!                    "path": "billet", "sha256": "<64 hex digits>" } ] }
 //! ```
 //!
-//! [`write`] makes such a directory from a built binary (the
+//! [`write()`] makes such a directory from a built binary (the
 //! `billet-release` tool), stamping the version into the copy
 //! (`version.rs`).
 
