@@ -4,6 +4,10 @@
 //! Needs Docker and a built workspace (`cargo build --workspace`); it fails, not skips, without
 //! them. Containers run with `network_mode: host`, so the runner reaches the emulator on the
 //! host's 127.0.0.1.
+//!
+//! Of the stand-in's fault modes (`BILLET_STANDIN_MODE`), the ones whose point is how a
+//! container ends are run here too: `ignore-sigterm` as PID 1 outlasts `docker stop`'s SIGTERM,
+//! and `allocate` is OOM-killed under a memory limit. The others are tested beside the binary.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -41,7 +45,7 @@ async fn the_standin_image_runs_an_assigned_job_to_success_and_its_runner_is_gon
     ensure!(acquired == [job], "acquired {acquired:?}, expected [{job}]");
 
     let name = container_name("run");
-    create_container(&docker, &name, gh.jit_env(runner).await?).await?;
+    create_container(&docker, &name, gh.jit_env(runner).await?, None).await?;
     let outcome = with_cleanup(
         &docker,
         &name,
@@ -61,19 +65,11 @@ async fn a_standin_runner_waiting_for_a_job_exits_143_as_soon_as_it_is_stopped()
     let gh = GitHub::start("standin-image-stop").await?;
 
     let name = container_name("stop");
-    create_container(&docker, &name, gh.jit_env(runner).await?).await?;
+    create_container(&docker, &name, gh.jit_env(runner).await?, None).await?;
     let outcome = with_cleanup(&docker, &name, async {
         docker.start_container(&name, None).await?;
         // It says so once its signal handlers are installed.
-        let deadline = Instant::now() + RUN_BOUND;
-        while !logs(&docker, &name).await.contains("waiting for a job") {
-            ensure!(
-                Instant::now() < deadline,
-                "the runner did not start waiting within {RUN_BOUND:?}; logs:\n{}",
-                logs(&docker, &name).await
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_for_log(&docker, &name, "waiting for a job").await?;
 
         let stopping = Instant::now();
         // A runner ignoring SIGTERM would be killed after 10 s, exiting 137.
@@ -88,6 +84,96 @@ async fn a_standin_runner_waiting_for_a_job_exits_143_as_soon_as_it_is_stopped()
             logs(&docker, &name).await
         );
         ensure!(took < Duration::from_secs(5), "stopping took {took:?}");
+        Ok(())
+    })
+    .await;
+    gh.close().await;
+    outcome
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standin_runner_in_mode_ignore_sigterm_outlasts_sigterm_and_only_sigkill_ends_it()
+-> anyhow::Result<()> {
+    let runner = "billet-standin-image-ignore";
+    let docker = connect_docker().await?;
+    build_standin_image(&docker, &binary_path(STANDIN_BINARY)?, TAG).await?;
+    let gh = GitHub::start("standin-image-ignore").await?;
+    let job = gh.emu.queue_job(gh.set, Vec::<String>::new());
+    ensure!(gh.session.acquire_jobs(&[job]).await? == [job]);
+
+    let mut env = gh.jit_env(runner).await?;
+    set_env(&mut env, "BILLET_STANDIN_MODE", "ignore-sigterm");
+    set_env(&mut env, "BILLET_STANDIN_WORK_MS", "600000");
+    let name = container_name("ignore");
+    create_container(&docker, &name, env, None).await?;
+    let outcome = with_cleanup(&docker, &name, async {
+        docker.start_container(&name, None).await?;
+        wait_for_log(&docker, &name, &format!("took job {job}")).await?;
+
+        let grace_secs = 1;
+        let stopping = Instant::now();
+        let stop = StopContainerOptionsBuilder::default().t(grace_secs).build();
+        docker.stop_container(&name, Some(stop)).await?;
+        let took = stopping.elapsed();
+        let inspected = docker.inspect_container(&name, None).await?;
+        let exit = inspected.state.and_then(|s| s.exit_code);
+        let logs = logs(&docker, &name).await;
+        ensure!(
+            exit == Some(137),
+            "exit code {exit:?} after SIGTERM and, {grace_secs} s later, SIGKILL; logs:\n{logs}"
+        );
+        ensure!(
+            took >= Duration::from_secs(1),
+            "stopped after {took:?}, before the SIGKILL"
+        );
+        ensure!(
+            logs.contains("ignores SIGTERM"),
+            "the SIGTERM was not seen; logs:\n{logs}"
+        );
+        let state = gh.emu.state();
+        ensure!(
+            state
+                .jobs
+                .iter()
+                .any(|j| j.id == job && j.state == JobState::Running),
+            "job {job} is not left running: {state:#?}"
+        );
+        Ok(())
+    })
+    .await;
+    gh.close().await;
+    outcome
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standin_runner_in_mode_allocate_is_oom_killed_under_a_memory_limit() -> anyhow::Result<()>
+{
+    let runner = "billet-standin-image-allocate";
+    let docker = connect_docker().await?;
+    build_standin_image(&docker, &binary_path(STANDIN_BINARY)?, TAG).await?;
+    let gh = GitHub::start("standin-image-allocate").await?;
+    let job = gh.emu.queue_job(gh.set, Vec::<String>::new());
+    ensure!(gh.session.acquire_jobs(&[job]).await? == [job]);
+
+    let mut env = gh.jit_env(runner).await?;
+    set_env(&mut env, "BILLET_STANDIN_MODE", "allocate");
+    let name = container_name("allocate");
+    let limit_bytes = 64 << 20;
+    create_container(&docker, &name, env, Some(limit_bytes)).await?;
+    let outcome = with_cleanup(&docker, &name, async {
+        docker.start_container(&name, None).await?;
+        let exit = wait_exit(&docker, &name).await;
+        let logs = logs(&docker, &name).await;
+        let inspected = docker.inspect_container(&name, None).await?;
+        let oom_killed = inspected.state.and_then(|s| s.oom_killed);
+        ensure!(
+            exit.as_ref().ok() == Some(&137) && oom_killed == Some(true),
+            "exit {exit:?}, OOM-killed {oom_killed:?} under a {limit_bytes}-byte limit; logs:\n{logs}"
+        );
+        ensure!(
+            logs.contains(&format!("took job {job}")) && logs.contains("holds 16 MiB"),
+            "the runner did not take the job and allocate; logs:\n{logs}"
+        );
         Ok(())
     })
     .await;
@@ -160,14 +246,7 @@ async fn run_to_success(
         .await
         .context("cannot start the stand-in runner's container")?;
 
-    let waited = tokio::time::timeout(RUN_BOUND, docker.wait_container(name, None).next()).await;
-    let exit = match waited {
-        Err(_) => Err(format!("did not exit within {RUN_BOUND:?}")),
-        Ok(None) => Err("the wait stream ended without a status".to_owned()),
-        Ok(Some(Ok(status))) => Ok(status.status_code),
-        Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => Ok(code),
-        Ok(Some(Err(e))) => Err(format!("waiting failed: {e}")),
-    };
+    let exit = wait_exit(docker, name).await;
     let logs = logs(docker, name).await;
     match exit {
         Ok(0) => {}
@@ -203,6 +282,39 @@ async fn run_to_success(
     Ok(())
 }
 
+/// Waits, at most [`RUN_BOUND`], for the container `name` to exit; its exit code, or why there is
+/// none.
+async fn wait_exit(docker: &Docker, name: &str) -> Result<i64, String> {
+    let waited = tokio::time::timeout(RUN_BOUND, docker.wait_container(name, None).next()).await;
+    match waited {
+        Err(_) => Err(format!("did not exit within {RUN_BOUND:?}")),
+        Ok(None) => Err("the wait stream ended without a status".to_owned()),
+        Ok(Some(Ok(status))) => Ok(status.status_code),
+        Ok(Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. }))) => Ok(code),
+        Ok(Some(Err(e))) => Err(format!("waiting failed: {e}")),
+    }
+}
+
+/// Waits, at most [`RUN_BOUND`], for the container's logs to contain `line`.
+async fn wait_for_log(docker: &Docker, name: &str, line: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + RUN_BOUND;
+    while !logs(docker, name).await.contains(line) {
+        ensure!(
+            Instant::now() < deadline,
+            "the runner did not say {line:?} within {RUN_BOUND:?}; logs:\n{}",
+            logs(docker, name).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Sets `key` to `value` in a container environment, replacing an earlier value.
+fn set_env(env: &mut Vec<String>, key: &str, value: &str) {
+    env.retain(|entry| !entry.starts_with(&format!("{key}=")));
+    env.push(format!("{key}={value}"));
+}
+
 fn container_name(what: &str) -> String {
     format!("billet-standin-image-test-{what}-{}", std::process::id())
 }
@@ -211,7 +323,14 @@ fn force() -> RemoveContainerOptions {
     RemoveContainerOptionsBuilder::default().force(true).build()
 }
 
-async fn create_container(docker: &Docker, name: &str, env: Vec<String>) -> anyhow::Result<()> {
+/// Creates the container `name` of the stand-in image with `env`, limited to `memory_bytes` of
+/// memory and as much memory and swap together, if given.
+async fn create_container(
+    docker: &Docker,
+    name: &str,
+    env: Vec<String>,
+    memory_bytes: Option<i64>,
+) -> anyhow::Result<()> {
     // A container left by an earlier, killed run of this test would make the name conflict.
     let _ = docker.remove_container(name, Some(force())).await;
     docker
@@ -226,6 +345,8 @@ async fn create_container(docker: &Docker, name: &str, env: Vec<String>) -> anyh
                 )])),
                 host_config: Some(HostConfig {
                     network_mode: Some("host".to_owned()),
+                    memory: memory_bytes,
+                    memory_swap: memory_bytes,
                     ..Default::default()
                 }),
                 ..Default::default()
