@@ -21,6 +21,12 @@ fn main() -> ExitCode {
             node(args)
         }
         Ok(Cli {
+            command: Command::Check(args),
+        }) => {
+            cli::init_tracing();
+            cli::check::check(args)
+        }
+        Ok(Cli {
             command: Command::HostUpgrade(args),
         }) => host_upgrade::host_upgrade(args),
     }
@@ -31,13 +37,7 @@ fn node(args: NodeArgs) -> ExitCode {
     let (config, listen) = match args.into_config() {
         Ok(c) => c,
         Err(e) => {
-            match file {
-                Some(file) => error!(
-                    "configuration: {e} (the value came from the command line, the environment, or the snake_case key in {})",
-                    file.display()
-                ),
-                None => error!("configuration: {e}"),
-            }
+            cli::report_config_error(&e, file.as_deref());
             return ExitCode::from(exit::CONFIG);
         }
     };

@@ -3,7 +3,8 @@
 //! ...). Its values become the flags' defaults, so a flag on the command line
 //! beats its environment variable, which beats the file, which beats the
 //! built-in default. Every key is checked with the flag's own parser before
-//! anything runs, and an error names the file and the key.
+//! anything runs, and an error names the file and the key. A relative path
+//! in the file is taken relative to the file's own directory.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,18 @@ pub fn apply(command: Command, subcommand: &str, path: &Path) -> Result<Command,
                     .to_owned();
                 fail(format!("key `{key}`: {why}"))
             })?;
+        // A relative path means the file's directory, not the working
+        // directory (which is `/` under systemd).
+        let value = if arg.get_value_parser().type_id() == std::any::TypeId::of::<PathBuf>()
+            && Path::new(&value).is_relative()
+        {
+            std::path::absolute(path)
+                .ok()
+                .and_then(|p| p.parent().map(|d| d.join(&value)))
+                .map_or(value, |p| p.display().to_string())
+        } else {
+            value
+        };
         defaults.push((arg.get_id().clone(), value));
     }
     Ok(command.mut_subcommand(subcommand, |mut sub| {
@@ -134,6 +147,11 @@ mod tests {
                         .long("vcpu")
                         .value_parser(clap::value_parser!(u32)),
                 )
+                .arg(
+                    Arg::new("cert")
+                        .long("cert")
+                        .value_parser(clap::value_parser!(PathBuf)),
+                )
                 .arg(Arg::new("config").long("config")),
         )
     }
@@ -159,6 +177,30 @@ mod tests {
         assert_eq!(
             m.get_one::<std::net::SocketAddr>("listen").unwrap().port(),
             7443
+        );
+    }
+
+    #[test]
+    fn a_relative_path_in_the_file_resolves_against_the_files_directory() {
+        let p = file("cert = \"certs/node.pem\"\nlisten = \"127.0.0.1:1\"\n");
+        let m = apply(cli(), "node", &p)
+            .unwrap()
+            .try_get_matches_from(["billet", "node"])
+            .unwrap();
+        let (_, m) = m.subcommand().unwrap();
+        assert_eq!(
+            m.get_one::<PathBuf>("cert"),
+            Some(&p.parent().unwrap().join("certs/node.pem"))
+        );
+        // On the command line a relative path stays the working directory's.
+        let m = apply(cli(), "node", &p)
+            .unwrap()
+            .try_get_matches_from(["billet", "node", "--cert", "here.pem"])
+            .unwrap();
+        let (_, m) = m.subcommand().unwrap();
+        assert_eq!(
+            m.get_one::<PathBuf>("cert"),
+            Some(&PathBuf::from("here.pem"))
         );
     }
 

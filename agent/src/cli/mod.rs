@@ -14,6 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+pub mod check;
 pub mod config;
 pub mod config_file;
 pub mod exit;
@@ -31,13 +32,14 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "parsed once at start-up; boxing buys nothing"
-)]
 pub enum Command {
     /// Run the node agent: serve the control plane over mTLS gRPC.
     Node(NodeArgs),
+    /// Check a node's configuration as `billet node` would before binding
+    /// (flags, TLS material, state directory and journal, Docker engine,
+    /// upgrade configuration), exiting with the same codes; binds and
+    /// changes nothing.
+    Check(NodeArgs),
     /// Replace this node's billet. Started by `billet node` on StartUpgrade,
     /// which reads the answer on --ack-fd; run by hand it answers nothing.
     HostUpgrade(HostUpgradeArgs),
@@ -160,9 +162,15 @@ pub struct NodeArgs {
 pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
     let mut command =
         <Cli as clap::CommandFactory>::command().version(crate::upgrade::version::version());
-    let is_node = args.get(1).is_some_and(|a| a == "node");
-    if is_node && let Some(path) = config_file::named(args, std::env::var_os(config_file::ENV)) {
-        command = match config_file::apply(command, "node", &path) {
+    // `check` takes the same flags, and the same file, as `node`.
+    let sub = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .filter(|a| ["node", "check"].contains(a));
+    if let Some(sub) = sub
+        && let Some(path) = config_file::named(args, std::env::var_os(config_file::ENV))
+    {
+        command = match config_file::apply(command, sub, &path) {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("error: {e}");
@@ -177,6 +185,18 @@ pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
             let _ = e.print();
             ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 })
         })
+}
+
+/// Logs a configuration error the way `billet node` and `billet check` do:
+/// naming where the value may have come from.
+pub fn report_config_error(e: &str, file: Option<&std::path::Path>) {
+    match file {
+        Some(file) => tracing::error!(
+            "configuration: {e} (the value came from the command line, the environment, or the snake_case key in {})",
+            file.display()
+        ),
+        None => tracing::error!("configuration: {e}"),
+    }
 }
 
 /// Logs to stderr, filtered by `BILLET_LOG` (default `info`).

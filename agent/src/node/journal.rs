@@ -169,61 +169,12 @@ impl SqliteJournal {
             path: path.clone(),
             message,
         };
-        match std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-        {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let wal = sidecar(&path, "-wal");
-                if wal.exists() {
-                    // SQLite would replay it into the new journal.
-                    return Err(fail(format!(
-                        "is missing but its write-ahead log {} is not: the journal was moved without it; move {} and {} along with it, or remove them",
-                        wal.display(),
-                        wal.display(),
-                        sidecar(&path, "-shm").display()
-                    )));
-                }
-                create_whole(&path)
-                    .await
-                    .map_err(|e| fail(format!("cannot create: {e}")))?;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                return Err(fail(format!(
-                    "cannot open it for reading and writing ({e}); give the user billet node runs as read and write access to it and to {}",
-                    state_dir.display()
-                )));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem => {
-                return Err(fail(format!(
-                    "cannot open it for writing ({e}); the node records every launch before it starts it, so it needs a writable state directory"
-                )));
-            }
-            Err(e) => return Err(fail(format!("cannot open: {e}; {DAMAGED}"))),
+        if !probe(state_dir)? {
+            create_whole(&path)
+                .await
+                .map_err(|e| fail(format!("cannot create: {e}")))?;
         }
-        // No journal mode yet: until the file is known to be a journal,
-        // nothing is written to it (WAL is set, and persists, below).
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(false)
-            .busy_timeout(std::time::Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(1)
-            .connect_with(options)
-            .await
-            .map_err(|e| fail(format!("cannot open: {e}; {DAMAGED}")))?;
-        let check: String = sqlx::query_scalar("PRAGMA quick_check")
-            .fetch_one(&pool)
-            .await
-            .map_err(|e| fail(format!("cannot read: {e}; {DAMAGED}")))?;
-        if check != "ok" {
-            return Err(fail(format!(
-                "failed its integrity check: {check}; {DAMAGED}"
-            )));
-        }
-        identify(&pool).await.map_err(fail)?;
+        let pool = connect(&path, false).await?;
         sqlx::query("PRAGMA journal_mode = WAL")
             .execute(&pool)
             .await
@@ -231,6 +182,95 @@ impl SqliteJournal {
         keep_private(&path);
         Ok(Self { pool })
     }
+
+    /// Checks, as [`SqliteJournal::open`] would and without writing
+    /// anything, that `journal.db` in `state_dir` can be used: absent (a
+    /// node creates it), or a whole journal of this release that this user
+    /// can read and write. Returns whether it exists.
+    ///
+    /// # Errors
+    ///
+    /// [`JournalError::Open`], as [`SqliteJournal::open`] reports it.
+    pub async fn check(state_dir: &Path) -> Result<bool, JournalError> {
+        if !probe(state_dir)? {
+            return Ok(false);
+        }
+        connect(&state_dir.join(JOURNAL_FILE), true)
+            .await?
+            .close()
+            .await;
+        Ok(true)
+    }
+}
+
+/// Whether `journal.db` exists in `state_dir` and this user may open it for
+/// reading and writing.
+fn probe(state_dir: &Path) -> Result<bool, JournalError> {
+    let path = state_dir.join(JOURNAL_FILE);
+    let fail = |message: String| JournalError::Open {
+        path: path.clone(),
+        message,
+    };
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+    {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let wal = sidecar(&path, "-wal");
+            if wal.exists() {
+                // SQLite would replay it into the new journal.
+                return Err(fail(format!(
+                    "is missing but its write-ahead log {} is not: the journal was moved without it; move {} and {} along with it, or remove them",
+                    wal.display(),
+                    wal.display(),
+                    sidecar(&path, "-shm").display()
+                )));
+            }
+            Ok(false)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Err(fail(format!(
+            "cannot open it for reading and writing ({e}); give the user billet node runs as read and write access to it and to {}",
+            state_dir.display()
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem => Err(fail(format!(
+            "cannot open it for writing ({e}); the node records every launch before it starts it, so it needs a writable state directory"
+        ))),
+        Err(e) => Err(fail(format!("cannot open: {e}; {DAMAGED}"))),
+    }
+}
+
+/// Connects to the journal at `path` (which exists) and checks that it is
+/// whole and a journal of this release. Nothing is written: until the file
+/// is known to be a journal it gets no journal mode (the caller sets WAL,
+/// which persists).
+async fn connect(path: &Path, read_only: bool) -> Result<SqlitePool, JournalError> {
+    let fail = |message: String| JournalError::Open {
+        path: path.to_owned(),
+        message,
+    };
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(false)
+        .read_only(read_only)
+        .busy_timeout(std::time::Duration::from_secs(5));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .map_err(|e| fail(format!("cannot open: {e}; {DAMAGED}")))?;
+    let check: String = sqlx::query_scalar("PRAGMA quick_check")
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| fail(format!("cannot read: {e}; {DAMAGED}")))?;
+    if check != "ok" {
+        return Err(fail(format!(
+            "failed its integrity check: {check}; {DAMAGED}"
+        )));
+    }
+    identify(&pool).await.map_err(fail)?;
+    Ok(pool)
 }
 
 /// Builds a fresh journal at `<path>.new` (any leftover of an earlier

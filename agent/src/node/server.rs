@@ -132,13 +132,15 @@ fn warn_if_key_is_readable(key: &std::path::Path) {
     }
 }
 
-/// Loads everything that can fail before binding: TLS material, the state
-/// directory and the provider.
+/// Loads and checks the node's TLS material as [`prepare`] does: a
+/// certificate that verifies against the CA, valid now, with a key that
+/// matches it, naming a node that is not the plane. Warns when the key is
+/// readable by others.
 ///
 /// # Errors
 ///
-/// [`NodeError`] naming what is wrong.
-pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
+/// [`NodeError::Tls`] naming the file.
+pub fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
     let tls = NodeTls::load(&config.tls)?;
     if tls.node_name.as_str() == config.plane_name {
         return Err(NodeError::Tls(TlsError::Content {
@@ -150,6 +152,17 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         }));
     }
     warn_if_key_is_readable(&config.tls.key);
+    Ok(tls)
+}
+
+/// Loads everything that can fail before binding: TLS material, the state
+/// directory and the provider.
+///
+/// # Errors
+///
+/// [`NodeError`] naming what is wrong.
+pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
+    let tls = load_tls(config)?;
     prepare_state_dir(&config.state_dir)?;
     // First in the state directory: a second node on it is refused before
     // it opens the first one's journal.

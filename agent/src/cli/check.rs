@@ -1,0 +1,152 @@
+//! `billet check`: everything `billet node` checks before it binds (the
+//! flags, the upgrade configuration, the TLS material, the state directory
+//! and its journal, the Docker engine), with the same exit codes
+//! ([`super::exit`]), binding nothing, creating nothing, settling nothing.
+//!
+//! A node already running on the state directory is not a fault of the
+//! configuration (an operator checks a new configuration before restarting
+//! onto it), so it is reported, not refused.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::SystemTime;
+
+use tracing::error;
+
+use super::{NodeArgs, exit};
+use crate::node::journal::SqliteJournal;
+use crate::node::server::{self, NodeConfig, NodeError};
+use crate::provider::Owner;
+use crate::provider::docker::DockerProvider;
+
+/// Runs the check and prints what was checked, one line each, to stdout.
+/// Errors go to the log (stderr), as `billet node` reports them.
+pub fn check(args: NodeArgs) -> ExitCode {
+    let file = args.config.clone();
+    let (config, listen) = match args.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            super::report_config_error(&e, file.as_deref());
+            return ExitCode::from(exit::CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            error!("cannot start the async runtime: {e}");
+            return ExitCode::from(exit::SERVE);
+        }
+    };
+    match runtime.block_on(inspect(&config)) {
+        Ok(lines) => {
+            println!("listen: {listen} (not bound)");
+            for line in lines {
+                println!("{line}");
+            }
+            println!("ok: billet node would start with this configuration");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            error!("{e}");
+            ExitCode::from(exit::for_node_error(&e))
+        }
+    }
+}
+
+/// What [`server::prepare`] checks, in its order, without its side effects:
+/// the state directory is not created, the journal is opened read-only, the
+/// local socket is only dialled.
+///
+/// # Errors
+///
+/// The [`NodeError`] `billet node` would stop with.
+pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
+    let mut lines = Vec::new();
+    let tls = server::load_tls(config)?;
+    let expiry = tls
+        .not_after
+        .and_then(|t| t.duration_since(SystemTime::now()).ok())
+        .map_or_else(String::new, |d| {
+            format!(", expires in {} days", d.as_secs() / 86_400)
+        });
+    lines.push(format!(
+        "tls: node {} (certificate {}{expiry}), plane {}",
+        tls.node_name,
+        config.tls.cert.display(),
+        config.plane_name
+    ));
+    lines.push(state_dir(&config.state_dir)?);
+    if config.state_dir.is_dir() {
+        let exists = SqliteJournal::check(&config.state_dir).await?;
+        lines.push(format!(
+            "journal: {}",
+            if exists {
+                "readable, this release's"
+            } else {
+                "absent; the node creates it"
+            }
+        ));
+        let socket = crate::node::local::socket_path(&config.state_dir);
+        if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+            lines.push(format!(
+                "note: a node is running on this state directory ({}); a second one would be refused (exit {})",
+                socket.display(),
+                exit::STATE
+            ));
+        }
+    }
+    let docker = DockerProvider::connect(
+        &config.docker_socket,
+        Owner {
+            deployment: config.deployment.clone(),
+            node: tls.node_name.clone(),
+        },
+    )?;
+    docker.ping().await?;
+    lines.push(format!(
+        "docker: {} answers",
+        config.docker_socket.display()
+    ));
+    lines.push(match &config.upgrader {
+        Some(u) => format!(
+            "upgrades: {} with {}",
+            u.binary.display(),
+            u.config
+                .as_deref()
+                .map_or_else(String::new, |c| c.display().to_string())
+        ),
+        None => "upgrades: refused (no --upgrader-binary)".to_owned(),
+    });
+    Ok(lines)
+}
+
+/// The state directory as `billet node` would find it.
+fn state_dir(path: &Path) -> Result<String, NodeError> {
+    let err = |problem: &str| NodeError::StateDir {
+        path: path.to_owned(),
+        source: std::io::Error::other(problem.to_owned()),
+    };
+    if path.is_dir() {
+        return Ok(format!("state directory: {}", path.display()));
+    }
+    if path.exists() {
+        return Err(err(
+            "exists and is not a directory; give --state-dir a directory (it is created if missing)",
+        ));
+    }
+    let ancestor = path.ancestors().skip(1).find(|a| a.exists());
+    match ancestor {
+        Some(a) if a.is_dir() => Ok(format!(
+            "state directory: {} is absent; the node creates it (mode 0700)",
+            path.display()
+        )),
+        Some(a) => Err(err(&format!(
+            "cannot be created: {} is not a directory",
+            a.display()
+        ))),
+        None => Err(err("cannot be created: no parent directory exists")),
+    }
+}

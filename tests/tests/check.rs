@@ -1,0 +1,214 @@
+//! `billet check`: what `billet node` checks before binding, with the same
+//! exit codes (README "Exit codes"), binding and creating nothing; and a
+//! configuration file's relative paths resolve against its own directory.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use anyhow::Result;
+use billet_tests::cluster::scratch_dir;
+use billet_tests::image::{binary_path, build_process_binaries};
+
+struct Setup {
+    certs: billet_certs_dev::DevCerts,
+    dir: PathBuf,
+    state: PathBuf,
+}
+
+fn setup() -> Result<Setup> {
+    let dir = scratch_dir("check")?;
+    let certs = billet_certs_dev::generate(&dir.join("certs"), "plane", &["node-1"])?;
+    Ok(Setup {
+        certs,
+        state: dir.join("state"),
+        dir,
+    })
+}
+
+impl Setup {
+    /// `billet <sub>` with a whole node configuration on the command line,
+    /// `extra` flag/value pairs replacing or adding to it.
+    fn run(&self, sub: &str, listen: &str, extra: &[&str]) -> Result<Output> {
+        build_process_binaries()?;
+        let files = self.certs.node("node-1").expect("node files");
+        let mut flags: Vec<(String, String)> = vec![
+            ("--listen".into(), listen.into()),
+            ("--cert".into(), files.cert.display().to_string()),
+            ("--key".into(), files.key.display().to_string()),
+            ("--ca".into(), self.certs.ca.cert.display().to_string()),
+            ("--state-dir".into(), self.state.display().to_string()),
+            ("--docker-socket".into(), "/var/run/docker.sock".into()),
+        ];
+        for pair in extra.chunks(2) {
+            match flags.iter_mut().find(|(f, _)| f == pair[0]) {
+                Some(slot) => slot.1 = pair[1].to_owned(),
+                None => flags.push((pair[0].to_owned(), pair[1].to_owned())),
+            }
+        }
+        let mut command = std::process::Command::new(binary_path("billet")?);
+        command.arg(sub);
+        for (flag, value) in flags {
+            command.args([flag, value]);
+        }
+        Ok(command.env("BILLET_LOG", "info").output()?)
+    }
+}
+
+fn assert_exit(out: &Output, code: i32, mentions: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stderr.contains(mentions) || stdout.contains(mentions),
+        "the output should mention {mentions:?}:\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+}
+
+#[test]
+fn check_accepts_a_good_configuration_without_binding_its_port_or_creating_its_state_directory()
+-> Result<()> {
+    let s = setup()?;
+    // The port is taken while the check runs: a check that bound it would fail.
+    let held = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let listen = held.local_addr()?.to_string();
+    let out = s.run("check", &listen, &[])?;
+    assert_exit(&out, 0, "ok: billet node would start");
+    assert_exit(&out, 0, "node node-1");
+    assert!(
+        !s.state.exists(),
+        "check created the state directory {}",
+        s.state.display()
+    );
+    Ok(())
+}
+
+#[test]
+fn check_exits_with_the_code_billet_node_would_for_each_fault() -> Result<()> {
+    let s = setup()?;
+    let listen = "127.0.0.1:1";
+    // 2: a bad value, naming the flag.
+    assert_exit(&s.run("check", listen, &["--vcpu", "0"])?, 2, "--vcpu");
+    // 3: a certificate that cannot be read, naming it.
+    assert_exit(
+        &s.run("check", listen, &["--cert", "/nonexistent/node.pem"])?,
+        3,
+        "/nonexistent/node.pem",
+    );
+    // 3: the plane's certificate as the node's.
+    let (plane_cert, plane_key) = (
+        s.certs.plane.cert.display().to_string(),
+        s.certs.plane.key.display().to_string(),
+    );
+    assert_exit(
+        &s.run(
+            "check",
+            listen,
+            &["--cert", &plane_cert, "--key", &plane_key],
+        )?,
+        3,
+        "plane's name",
+    );
+    // 5: no engine on the socket, naming it.
+    assert_exit(
+        &s.run(
+            "check",
+            listen,
+            &["--docker-socket", "/nonexistent/docker.sock"],
+        )?,
+        5,
+        "/nonexistent/docker.sock",
+    );
+    // 6: a state directory that is a file.
+    let file = s.dir.join("a-file");
+    std::fs::write(&file, b"not a directory")?;
+    let shown = file.display().to_string();
+    assert_exit(
+        &s.run("check", listen, &["--state-dir", &shown])?,
+        6,
+        "is not a directory",
+    );
+    // 7: a journal that is not one, left as it was.
+    std::fs::create_dir_all(&s.state)?;
+    let journal = s.state.join("journal.db");
+    std::fs::write(&journal, b"not a journal ".repeat(300))?;
+    assert_exit(
+        &s.run("check", listen, &[])?,
+        7,
+        &journal.display().to_string(),
+    );
+    assert!(std::fs::read(&journal)?.starts_with(b"not a journal"));
+    Ok(())
+}
+
+#[test]
+fn check_reads_a_journal_a_node_wrote_and_notes_a_running_node() -> Result<()> {
+    let s = setup()?;
+    let port = billet_tests::cluster::free_port()?.to_string();
+    let mut node = std::process::Command::new(binary_path("billet")?);
+    build_process_binaries()?;
+    let files = s.certs.node("node-1").expect("node files");
+    node.arg("node")
+        .args(["--listen", &port])
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--ca")
+        .arg(&s.certs.ca.cert)
+        .arg("--state-dir")
+        .arg(&s.state)
+        .stderr(std::process::Stdio::null());
+    let mut child = node.spawn()?;
+    let socket = s.state.join("node.sock");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !socket.exists() {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the node never made its socket"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = s.run("check", "127.0.0.1:1", &[]);
+    let _ = child.kill();
+    let _ = child.wait();
+    let out = out?;
+    assert_exit(&out, 0, "journal: readable");
+    assert_exit(&out, 0, "a node is running on this state directory");
+    Ok(())
+}
+
+#[test]
+fn relative_paths_in_a_configuration_file_resolve_against_its_directory() -> Result<()> {
+    let s = setup()?;
+    let files = s.certs.node("node-1").expect("node files");
+    let relative = |p: &Path| {
+        p.strip_prefix(&s.dir)
+            .expect("under the scratch directory")
+            .display()
+            .to_string()
+    };
+    let config = s.dir.join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:1\"\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\nstate_dir = \"state\"\n",
+            relative(&files.cert),
+            relative(&files.key),
+            relative(&s.certs.ca.cert),
+        ),
+    )?;
+    build_process_binaries()?;
+    // Run from `/`, as systemd runs the node.
+    let out = std::process::Command::new(binary_path("billet")?)
+        .args(["check", "--config"])
+        .arg(&config)
+        .current_dir("/")
+        .output()?;
+    assert_exit(&out, 0, &s.state.display().to_string());
+    assert_exit(&out, 0, &files.cert.display().to_string());
+    Ok(())
+}
