@@ -23,7 +23,7 @@ use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions, STRAY_GRACE};
 use billet_agent::provider::fake::{Call, DestroyMode, FakeProvider, Operation};
-use billet_agent::provider::{Instance, Provider};
+use billet_agent::provider::{Exit, Instance, InstanceState, Provider};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -212,8 +212,14 @@ impl World {
         self.fake.insert_behind_back(Instance {
             id: format!("left-{name}"),
             name: name.to_owned(),
-            running,
-            terminal: false,
+            state: if running {
+                InstanceState::Running
+            } else {
+                InstanceState::Exited(Exit {
+                    code: 0,
+                    oom_killed: false,
+                })
+            },
             labels: BTreeMap::new(),
         });
     }
@@ -322,7 +328,7 @@ async fn a_launch_mints_a_registration_and_starts_an_instance_sized_from_the_lea
     assert_eq!(spec.command, vec!["/run.sh".to_owned()]);
     assert_eq!((spec.vcpu, spec.memory), (2, ByteSize(1 << 30)));
     assert_eq!(spec.jit_config.expose(), config);
-    assert!(w.fake.instance(&name(&lease.id)).unwrap().running);
+    assert!(w.fake.instance(&name(&lease.id)).unwrap().may_run());
     assert!(r.holding());
 }
 
@@ -1073,7 +1079,7 @@ async fn an_adopted_job_is_cleaned_up_when_it_finishes() {
     r.recover().await.unwrap();
     r.tend().await.unwrap();
     assert!(w.exists(&lease.id));
-    w.fake.set_state(&name(&lease.id), false, false);
+    w.fake.exit(&name(&lease.id), 0, false);
     r.tend().await.unwrap();
     assert!(!w.exists(&lease.id));
     assert_eq!(w.phase(&lease.id), Phase::Done);

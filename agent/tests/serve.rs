@@ -14,8 +14,8 @@ use std::time::Duration;
 use billet_agent::edge::tls::{NodeTls, ReloadPolicy, TlsPaths};
 use billet_agent::node::journal::MemoryJournal;
 use billet_agent::node::server::{self, NodeConfig, Prepared};
-use billet_agent::provider::Instance;
 use billet_agent::provider::fake::{FakeProvider, Operation};
+use billet_agent::provider::{Instance, InstanceState};
 use billet_proto::v1 as pb;
 use rcgen::{
     BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -351,8 +351,7 @@ impl Node {
         provider.insert_behind_back(Instance {
             id: "fake-0".into(),
             name: HELD_INSTANCE.into(),
-            running: true,
-            terminal: false,
+            state: InstanceState::Running,
             labels: Default::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -460,10 +459,7 @@ async fn the_janitor_keeps_renewing_for_the_whole_drain() {
     assert!(!node.run.is_finished(), "the drain ended while holding");
     assert!(!node.shutdown.is_cancelled());
 
-    assert!(
-        node.provider.set_state(HELD_INSTANCE, false, true),
-        "the job exits"
-    );
+    assert!(node.provider.exit(HELD_INSTANCE, 0, false), "the job exits");
     plane.send("t1", pb::command::Kind::Tend(pb::Tend {})).await;
     let tended = plane.result().await;
     assert_eq!(tended.outcome, pb::Outcome::Ok as i32, "{tended:?}");

@@ -742,11 +742,9 @@ impl Runner {
             Some(instance) => {
                 entry.absent_since = None;
                 entry.observed = true;
-                if instance.terminal {
-                    entry.unconfirmed = false;
-                    return self.finish(lease, entry).await;
-                }
-                if !entry.discard && instance.running {
+                // An instance that no longer runs is ended compute: present
+                // until destroyed, as Docker keeps an exited container.
+                if !entry.discard && instance.may_run() {
                     self.update(lease, entry).await;
                     return Ok(());
                 }

@@ -394,15 +394,12 @@ impl Runner {
             Ok(None) => {
                 entry.absent_since = Some(Instant::now());
             }
-            Ok(Some(instance)) => {
+            Ok(Some(_)) => {
+                // Running or exited, it is present until destroyed.
                 entry.observed = true;
-                if !instance.terminal {
-                    match self.provider.destroy(name).await {
-                        Ok(Teardown::Stopped) => entry.unconfirmed = false,
-                        Ok(Teardown::Requested) | Err(_) => {}
-                    }
-                } else {
-                    entry.unconfirmed = false;
+                match self.provider.destroy(name).await {
+                    Ok(Teardown::Stopped) => entry.unconfirmed = false,
+                    Ok(Teardown::Requested) | Err(_) => {}
                 }
             }
             Err(_) => {}

@@ -947,7 +947,7 @@ mod scenarios {
         assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
         assert!(result.error.is_some());
         assert!(
-            provider.instance("billet-l1").is_some_and(|i| i.running),
+            provider.instance("billet-l1").is_some_and(|i| i.may_run()),
             "the started instance is still there, held"
         );
         cancel.cancel();

@@ -28,7 +28,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bollard::errors::Error as BollardError;
@@ -41,7 +43,9 @@ use bollard::query_parameters::{
 use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
 use tokio::sync::OnceCell;
 
-use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
+use super::{
+    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
+};
 use crate::edge::model::InstanceName;
 
 /// The environment variable through which the runner receives its JIT
@@ -54,9 +58,10 @@ pub const MIN_API_VERSION: ClientVersion = ClientVersion {
     minor_version: 41,
 };
 
-/// Per-request timeout for engine calls, in seconds. `docker rm -f` of a
-/// running container is the slowest call made and takes well under this.
-const REQUEST_TIMEOUT_S: u64 = 60;
+/// The default bound on one provider call, every engine request it makes
+/// included. `docker rm -f` of a running container is the slowest call made
+/// and takes well under this.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
@@ -73,6 +78,8 @@ pub struct DockerProvider {
     /// The client at the negotiated API version; set by the first call that
     /// reaches the engine.
     client: OnceCell<Docker>,
+    /// The bound on one provider call.
+    timeout: Duration,
 }
 
 impl DockerProvider {
@@ -98,7 +105,38 @@ impl DockerProvider {
             socket: socket.to_owned(),
             owner,
             client: OnceCell::new(),
+            timeout: DEFAULT_TIMEOUT,
         })
+    }
+
+    /// The same provider with `timeout` as the bound on each call
+    /// ([`DEFAULT_TIMEOUT`] otherwise); a call that takes longer fails with
+    /// [`ProviderError::Timeout`].
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs one provider call within the bound.
+    async fn bounded<T>(
+        &self,
+        operation: &str,
+        call: impl Future<Output = Result<T, ProviderError>>,
+    ) -> Result<T, ProviderError> {
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .unwrap_or_else(|_| {
+                Err(ProviderError::Timeout {
+                    operation: operation.to_owned(),
+                    after: self.timeout,
+                })
+            })
+    }
+
+    /// bollard's own per-request bound, in whole seconds, never below one.
+    fn request_timeout_s(&self) -> u64 {
+        self.timeout.as_secs().max(1)
     }
 
     /// The socket this provider talks to.
@@ -121,12 +159,15 @@ impl DockerProvider {
     /// API is older than [`MIN_API_VERSION`].
     pub async fn ping(&self) -> Result<(), ProviderError> {
         let operation = "ping Docker";
-        let docker = self.client(operation).await?;
-        docker
-            .ping()
-            .await
-            .map(drop)
-            .map_err(|err| self.engine_error(operation, &err, None))
+        self.bounded(operation, async {
+            let docker = self.client(operation).await?;
+            docker
+                .ping()
+                .await
+                .map(drop)
+                .map_err(|err| self.engine_error(operation, &err, None))
+        })
+        .await
     }
 
     /// The engine API version in use, once a call has negotiated one.
@@ -146,9 +187,10 @@ impl DockerProvider {
     /// connects at the lower of that and bollard's.
     async fn negotiate(&self, operation: &str) -> Result<Docker, ProviderError> {
         let socket = self.socket_str();
-        let probe = Docker::connect_with_unix(socket, REQUEST_TIMEOUT_S, API_DEFAULT_VERSION)
-            .map_err(|err| self.engine_error(operation, &err, None))?
-            .with_request_modifier(unversioned);
+        let probe =
+            Docker::connect_with_unix(socket, self.request_timeout_s(), API_DEFAULT_VERSION)
+                .map_err(|err| self.engine_error(operation, &err, None))?
+                .with_request_modifier(unversioned);
         let version = probe
             .version()
             .await
@@ -177,7 +219,7 @@ impl DockerProvider {
             api = %chosen,
             "negotiated Docker API version"
         );
-        Docker::connect_with_unix(socket, REQUEST_TIMEOUT_S, &chosen)
+        Docker::connect_with_unix(socket, self.request_timeout_s(), &chosen)
             .map_err(|err| self.engine_error(operation, &err, None))
     }
 
@@ -186,21 +228,34 @@ impl DockerProvider {
         self.socket.to_str().unwrap_or_default()
     }
 
-    /// A [`ProviderError::Engine`] for `err`, with `secret` scrubbed from the
-    /// message.
+    /// The [`ProviderError`] for `err`, with `secret` scrubbed from the
+    /// message: [`ProviderError::Timeout`] for bollard's own timeout,
+    /// [`ProviderError::Unreachable`] when the socket could not be used,
+    /// [`ProviderError::Engine`] for an answer.
     fn engine_error(
         &self,
         operation: &str,
         err: &BollardError,
         secret: Option<&str>,
     ) -> ProviderError {
-        let message = describe(err, &self.socket);
-        ProviderError::Engine {
-            operation: operation.to_owned(),
-            message: match secret {
-                Some(secret) => redact(message, secret),
-                None => message,
+        let message = describe(err, &self.socket, self.timeout);
+        let message = match secret {
+            Some(secret) => redact(message, secret),
+            None => message,
+        };
+        let operation = operation.to_owned();
+        match err {
+            BollardError::RequestTimeoutError => ProviderError::Timeout {
+                operation,
+                after: self.timeout,
             },
+            BollardError::SocketNotFoundError(_)
+            | BollardError::IOError { .. }
+            | BollardError::HyperResponseError { .. }
+            | BollardError::HyperLegacyError { .. } => {
+                ProviderError::Unreachable { operation, message }
+            }
+            _ => ProviderError::Engine { operation, message },
         }
     }
 
@@ -247,16 +302,48 @@ impl DockerProvider {
             .map_err(|err| self.engine_error(operation, &err, None))?;
         let mut instances = Vec::with_capacity(summaries.len());
         for summary in summaries {
-            let instance =
+            let exited = summary.state == Some(ContainerSummaryStateEnum::EXITED);
+            let mut instance =
                 instance_from_summary(summary).map_err(|problem| ProviderError::Engine {
                     operation: operation.to_owned(),
                     message: problem,
                 })?;
-            if self.owns(&instance) {
-                instances.push(instance);
+            if !self.owns(&instance) {
+                continue;
             }
+            if exited {
+                // The list says only "exited"; the exit code and the OOM
+                // flag are in the container's own record.
+                match docker.inspect_container(&instance.id, None).await {
+                    Ok(inspected) => {
+                        let state = inspected.state.unwrap_or_default();
+                        instance.state = InstanceState::Exited(Exit {
+                            code: state.exit_code.unwrap_or(-1),
+                            oom_killed: state.oom_killed.unwrap_or(false),
+                        });
+                    }
+                    // Removed between the list and the inspect: gone.
+                    Err(err) if is_no_such_container(&err) => continue,
+                    Err(err) => return Err(self.engine_error(operation, &err, None)),
+                }
+            }
+            instances.push(instance);
         }
         Ok(instances)
+    }
+
+    async fn check_image_unbounded(&self, image: &str) -> Result<(), ProviderError> {
+        let operation = format!("check image {image}");
+        let docker = self.client(&operation).await?;
+        match docker.inspect_image(image).await {
+            Ok(_) => Ok(()),
+            Err(BollardError::DockerResponseServerError {
+                status_code: 404, ..
+            }) => Err(ProviderError::ImageUnavailable {
+                image: image.to_owned(),
+            }),
+            Err(err) => Err(self.engine_error(&operation, &err, None)),
+        }
     }
 }
 
@@ -288,6 +375,75 @@ impl Provider for DockerProvider {
     /// already in use, a missing image) or the start; after a failed start
     /// the container exists, stopped, and is left for `destroy`.
     async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let operation = format!("create {}", spec.name);
+        self.bounded(&operation, self.create_unbounded(spec)).await
+    }
+
+    /// Removes the container `name` with its anonymous volumes, killing it
+    /// if it runs (`docker rm --force --volumes`).
+    ///
+    /// Only a container carrying this owner's labels is removed: a
+    /// container of that name that is not this owner's reads as gone.
+    /// Removal is synchronous, so success is [`Teardown::Stopped`], as is a
+    /// container that does not exist.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] when the engine refuses the removal (such
+    /// as a removal already in progress); [`ProviderError::Unreachable`] or
+    /// [`ProviderError::Timeout`] when it cannot be asked.
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        let operation = format!("destroy {name}");
+        self.bounded(&operation, self.destroy_unbounded(name)).await
+    }
+
+    /// Every container labelled with this owner's deployment and node,
+    /// stopped ones included: one list request, plus one inspect for each
+    /// exited container (the list does not carry the exit code or the OOM
+    /// flag). `created` reads as [`InstanceState::Created`]; `running`,
+    /// `paused`, `restarting` and `stopping` as [`InstanceState::Running`];
+    /// `removing` and `dead` as [`InstanceState::Removing`]; a state bollard
+    /// does not know as [`InstanceState::Unknown`].
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] when the engine returns an entry without an
+    /// id or a name, or refuses a read; [`ProviderError::Unreachable`] or
+    /// [`ProviderError::Timeout`] when it cannot be read (never a partial
+    /// list).
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        let operation = "list containers";
+        self.bounded(operation, self.inventory(operation, None))
+            .await
+    }
+
+    /// The container of this owner named exactly `name`.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`].
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        let operation = format!("find {name}");
+        self.bounded(&operation, self.find_exact(&operation, name))
+            .await
+    }
+
+    /// Asks the engine for the image (`docker image inspect`): present
+    /// locally, since this provider never pulls.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::ImageUnavailable`] when the engine has no such image;
+    /// otherwise as [`Provider::list`].
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+        let operation = format!("check image {image}");
+        self.bounded(&operation, self.check_image_unbounded(image))
+            .await
+    }
+}
+
+impl DockerProvider {
+    async fn create_unbounded(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
         let (name, body) = self.container_for(&spec)?;
         let operation = format!("create {name}");
         let secret = spec.jit_config.expose();
@@ -302,7 +458,15 @@ impl Provider for DockerProvider {
                 body,
             )
             .await
-            .map_err(|err| self.engine_error(&operation, &err, Some(secret)))?;
+            .map_err(|err| match err {
+                // The create endpoint answers 404 only for a missing image.
+                BollardError::DockerResponseServerError {
+                    status_code: 404, ..
+                } => ProviderError::ImageUnavailable {
+                    image: spec.image.clone(),
+                },
+                err => self.engine_error(&operation, &err, Some(secret)),
+            })?;
         for warning in &created.warnings {
             tracing::warn!(
                 instance = %name,
@@ -333,25 +497,12 @@ impl Provider for DockerProvider {
         Ok(Instance {
             id: created.id,
             name,
-            running: true,
-            terminal: false,
+            state: InstanceState::Running,
             labels: self.labels_for(&spec).into_iter().collect(),
         })
     }
 
-    /// Removes the container `name` with its anonymous volumes, killing it
-    /// if it runs (`docker rm --force --volumes`).
-    ///
-    /// Only a container carrying this owner's labels is removed: a
-    /// container of that name that is not this owner's reads as gone.
-    /// Removal is synchronous, so success is [`Teardown::Stopped`], as is a
-    /// container that does not exist.
-    ///
-    /// # Errors
-    ///
-    /// [`ProviderError::Engine`] when the engine cannot be read or refuses
-    /// the removal (such as a removal already in progress).
-    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+    async fn destroy_unbounded(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
         let operation = format!("destroy {name}");
         let Some(instance) = self.find_exact(&operation, name).await? else {
             return Ok(Teardown::Stopped);
@@ -371,30 +522,7 @@ impl Provider for DockerProvider {
             Err(err) => Err(self.engine_error(&operation, &err, None)),
         }
     }
-
-    /// Every container labelled with this owner's deployment and node,
-    /// stopped ones included. `running` is false only for the states
-    /// `created`, `exited`, `dead` and `removing`; `terminal` is never set.
-    ///
-    /// # Errors
-    ///
-    /// [`ProviderError::Engine`] when the engine cannot be read or returns an
-    /// entry without an id or a name, or with a state bollard does not know
-    /// (never a partial list).
-    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
-        self.inventory("list containers", None).await
-    }
-
-    /// The container of this owner named exactly `name`.
-    ///
-    /// # Errors
-    ///
-    /// As [`Provider::list`].
-    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
-        self.find_exact(&format!("find {name}"), name).await
-    }
 }
-
 impl DockerProvider {
     async fn find_exact(
         &self,
@@ -572,15 +700,22 @@ fn instance_from_summary(summary: ContainerSummary) -> Result<Instance, String> 
         .find(|name| !name.is_empty() && !name.contains('/'))
         .map(str::to_owned)
         .ok_or_else(|| format!("the engine listed container {id} without a name"))?;
-    let running = !matches!(
-        summary.state,
+    let state = match summary.state {
+        Some(ContainerSummaryStateEnum::CREATED) => InstanceState::Created,
         Some(
-            ContainerSummaryStateEnum::CREATED
-                | ContainerSummaryStateEnum::EXITED
-                | ContainerSummaryStateEnum::DEAD
-                | ContainerSummaryStateEnum::REMOVING
-        )
-    );
+            ContainerSummaryStateEnum::RUNNING
+            | ContainerSummaryStateEnum::PAUSED
+            | ContainerSummaryStateEnum::RESTARTING
+            | ContainerSummaryStateEnum::STOPPING,
+        ) => InstanceState::Running,
+        // The list does not carry the exit code or the OOM flag: until the
+        // container's own record is read, how it ended is unknown.
+        Some(ContainerSummaryStateEnum::EXITED) => InstanceState::Unknown,
+        Some(ContainerSummaryStateEnum::REMOVING | ContainerSummaryStateEnum::DEAD) => {
+            InstanceState::Removing
+        }
+        Some(ContainerSummaryStateEnum::EMPTY) | None => InstanceState::Unknown,
+    };
     let labels: BTreeMap<String, String> = summary
         .labels
         .unwrap_or_default()
@@ -590,8 +725,7 @@ fn instance_from_summary(summary: ContainerSummary) -> Result<Instance, String> 
     Ok(Instance {
         id,
         name,
-        running,
-        terminal: false,
+        state,
         labels,
     })
 }
@@ -620,7 +754,7 @@ fn is_no_such_container(err: &BollardError) -> bool {
 
 /// One sentence for a bollard error, naming the socket when the engine
 /// could not be reached.
-fn describe(err: &BollardError, socket: &Path) -> String {
+fn describe(err: &BollardError, socket: &Path, timeout: Duration) -> String {
     let socket = socket.display();
     match err {
         BollardError::DockerResponseServerError {
@@ -637,7 +771,7 @@ fn describe(err: &BollardError, socket: &Path) -> String {
              that dockerd is running and that the configured socket path is right"
         ),
         BollardError::RequestTimeoutError => format!(
-            "the Docker daemon at {socket} did not answer within {REQUEST_TIMEOUT_S}s; check that \
+            "the Docker daemon at {socket} did not answer within {timeout:?}; check that \
              dockerd is healthy"
         ),
         BollardError::IOError { .. }
@@ -779,24 +913,24 @@ mod tests {
     }
 
     #[test]
-    fn only_created_exited_dead_and_removing_containers_read_as_not_running() {
+    fn each_listed_state_maps_to_what_the_engine_says_and_an_unknown_one_may_run() {
         use ContainerSummaryStateEnum as S;
-        for (state, running) in [
-            (None, true),
-            (Some(S::EMPTY), true),
-            (Some(S::CREATED), false),
-            (Some(S::RUNNING), true),
-            (Some(S::PAUSED), true),
-            (Some(S::RESTARTING), true),
-            (Some(S::EXITED), false),
-            (Some(S::REMOVING), false),
-            (Some(S::DEAD), false),
-            (Some(S::STOPPING), true),
+        for (state, expected) in [
+            (None, InstanceState::Unknown),
+            (Some(S::EMPTY), InstanceState::Unknown),
+            (Some(S::CREATED), InstanceState::Created),
+            (Some(S::RUNNING), InstanceState::Running),
+            (Some(S::PAUSED), InstanceState::Running),
+            (Some(S::RESTARTING), InstanceState::Running),
+            // Read further by an inspect in `inventory`.
+            (Some(S::EXITED), InstanceState::Unknown),
+            (Some(S::REMOVING), InstanceState::Removing),
+            (Some(S::DEAD), InstanceState::Removing),
+            (Some(S::STOPPING), InstanceState::Running),
         ] {
             let instance =
                 instance_from_summary(summary(Some("abc"), &["/billet-a"], state)).unwrap();
-            assert_eq!(instance.running, running, "{state:?}");
-            assert!(!instance.terminal);
+            assert_eq!(instance.state, expected, "{state:?}");
             assert_eq!(instance.name, "billet-a");
             assert_eq!(
                 instance.labels,
@@ -1135,7 +1269,7 @@ mod tests {
 
         let created = provider.create(spec).await.unwrap();
         assert_eq!(created.name, name.as_str());
-        assert!(created.running && !created.terminal);
+        assert_eq!(created.state, InstanceState::Running);
         assert!(!created.id.is_empty());
 
         let listed = provider.list().await.unwrap();
@@ -1143,7 +1277,7 @@ mod tests {
         let instance = &listed[0];
         assert_eq!(instance.id, created.id);
         assert_eq!(instance.name, name.as_str());
-        assert!(instance.running);
+        assert_eq!(instance.state, InstanceState::Running);
         assert_eq!(instance.lease().unwrap().as_str(), lease);
         assert_eq!(
             instance.labels,
@@ -1294,7 +1428,7 @@ mod tests {
             .await
             .unwrap()
             .expect("created before start failed");
-        assert!(!left.running, "{left:?}");
+        assert_eq!(left.state, InstanceState::Created, "{left:?}");
         assert_eq!(
             provider.destroy(&spec.name).await.unwrap(),
             Teardown::Stopped
@@ -1315,9 +1449,12 @@ mod tests {
 
         let mut missing = spec_with_image(&unique("t"), &jit, "billet-test-no-such-image:none");
         missing.env.clear();
-        let err = provider.create(missing).await.unwrap_err().to_string();
-        assert!(err.contains("404"), "{err}");
-        assert!(!err.contains(&jit), "{err}");
+        let err = provider.create(missing).await.unwrap_err();
+        assert!(
+            matches!(&err, ProviderError::ImageUnavailable { image } if image == "billet-test-no-such-image:none"),
+            "{err}"
+        );
+        assert!(!err.to_string().contains(&jit), "{err}");
     }
 
     fn spec_with_image(lease: &str, jit: &str, image: &str) -> InstanceSpec {
@@ -1327,7 +1464,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_exited_container_is_listed_as_not_running() {
+    async fn an_exited_container_is_listed_exited_with_its_code_until_destroyed() {
         let provider = provider(owner(&unique("dep"), "node-a")).await;
         let mut spec = spec(&unique("t"), &unique("jit"));
         spec.command = vec!["/bin/sleep".to_owned(), "0".to_owned()];
@@ -1341,12 +1478,20 @@ mod tests {
                 .await
                 .unwrap()
                 .expect("still there");
-            if !instance.running {
+            if let Some(exit) = instance.state.exit() {
+                assert_eq!(
+                    exit,
+                    Exit {
+                        code: 0,
+                        oom_killed: false
+                    }
+                );
+                assert!(!instance.may_run());
                 break;
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "`sleep 0` still reads as running after 30s"
+                "`sleep 0` still reads as running after 30s: {instance:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

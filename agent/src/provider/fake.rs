@@ -9,17 +9,27 @@
 //! released, or change the inventory behind the runner's back.
 //!
 //! It enforces what a real provider would: the name must be
-//! `billet-<lease>`, the command non-empty, and a name already in use is a
-//! conflict. It is deterministic: ids are `fake-1`, `fake-2`, … in creation
-//! order and listings are sorted by name.
+//! `billet-<lease>`, the command non-empty, the image present (see
+//! [`FakeProvider::remove_image`]), and a name already in use is a conflict.
+//! It models the Docker engine's view of life: an instance whose process
+//! ends ([`FakeProvider::exit`]) stays present and not running, with its
+//! exit code and OOM flag, until it is destroyed; an engine that is down
+//! ([`Engine::Unreachable`]) fails every call at once with
+//! [`ProviderError::Unreachable`], and one that hangs ([`Engine::Hanging`])
+//! fails it with [`ProviderError::Timeout`] once the fake's bound passes. It
+//! is deterministic: ids are `fake-1`, `fake-2`, … in creation order and
+//! listings are sorted by name.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use super::{Instance, InstanceSpec, Owner, Provider, ProviderError, Teardown, labels};
+use super::{
+    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
+};
 use crate::edge::model::{InstanceName, JitConfig, NodeName};
 
 /// A provider operation, for injecting failures and holding calls.
@@ -33,7 +43,28 @@ pub enum Operation {
     List,
     /// [`Provider::find`].
     Find,
+    /// [`Provider::check_image`].
+    CheckImage,
 }
+
+/// How the fake's engine answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Engine {
+    /// It answers.
+    #[default]
+    Up,
+    /// Nothing listens: every call fails at once with
+    /// [`ProviderError::Unreachable`], touching nothing.
+    Unreachable,
+    /// It accepts and never answers: every call fails with
+    /// [`ProviderError::Timeout`] once the fake's timeout passes, touching
+    /// nothing.
+    Hanging,
+}
+
+/// How long a call to a [`Engine::Hanging`] fake waits before it fails, by
+/// default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One recorded call, in the order calls arrived.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +78,8 @@ pub enum Call {
     List,
     /// `find` of this instance.
     Find(InstanceName),
+    /// `check_image` of this image.
+    CheckImage(String),
 }
 
 impl Call {
@@ -57,6 +90,7 @@ impl Call {
             Call::Destroy(_) => Operation::Destroy,
             Call::List => Operation::List,
             Call::Find(_) => Operation::Find,
+            Call::CheckImage(_) => Operation::CheckImage,
         }
     }
 }
@@ -89,6 +123,8 @@ struct State {
     create_fails_after_starting: u32,
     destroy_mode: DestroyMode,
     next_id: u64,
+    missing_images: BTreeSet<String>,
+    engine: Engine,
 }
 
 /// An in-memory [`Provider`] that records calls and can be told to fail.
@@ -101,6 +137,8 @@ pub struct FakeProvider {
     state: Mutex<State>,
     /// Operations whose calls wait until released.
     blocked: watch::Sender<BTreeSet<Operation>>,
+    /// How long a call to a hanging engine waits before failing.
+    timeout: Duration,
 }
 
 impl Default for FakeProvider {
@@ -122,7 +160,27 @@ impl FakeProvider {
             },
             state: Mutex::new(State::default()),
             blocked: watch::Sender::new(BTreeSet::new()),
+            timeout: DEFAULT_TIMEOUT,
         }
+    }
+
+    /// The same fake with `timeout` as the bound a call to a hanging engine
+    /// waits ([`DEFAULT_TIMEOUT`] otherwise).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets how the engine answers from now on.
+    pub fn set_engine(&self, engine: Engine) {
+        self.state().engine = engine;
+    }
+
+    /// Makes `image` absent: `check_image` answers
+    /// [`ProviderError::ImageUnavailable`] and `create` refuses it the same
+    /// way, creating nothing. Every image is present until removed.
+    pub fn remove_image(&self, image: &str) {
+        self.state().missing_images.insert(image.to_owned());
     }
 
     /// The same fake reporting `kind` from [`Provider::kind`].
@@ -200,17 +258,24 @@ impl FakeProvider {
             .insert(instance.name.clone(), instance);
     }
 
-    /// Changes an instance's `running` and `terminal` flags, as its exit
-    /// would. Returns whether it existed.
-    pub fn set_state(&self, name: &str, running: bool, terminal: bool) -> bool {
+    /// Changes an instance's state without any call. Returns whether it
+    /// existed.
+    pub fn set_state(&self, name: &str, state: InstanceState) -> bool {
         match self.state().instances.get_mut(name) {
             Some(instance) => {
-                instance.running = running;
-                instance.terminal = terminal;
+                instance.state = state;
                 true
             }
             None => false,
         }
+    }
+
+    /// Ends an instance's process, as the runner's own exit, a `docker
+    /// kill` (code 137) or the OOM killer (137 with `oom_killed`) would: it
+    /// stays present, [`InstanceState::Exited`], until destroyed. Returns
+    /// whether it existed.
+    pub fn exit(&self, name: &str, code: i64, oom_killed: bool) -> bool {
+        self.set_state(name, InstanceState::Exited(Exit { code, oom_killed }))
     }
 
     /// Every instance, sorted by name.
@@ -263,11 +328,29 @@ impl FakeProvider {
             Call::Destroy(name) => format!("destroy {name}"),
             Call::List => "list".to_owned(),
             Call::Find(name) => format!("find {name}"),
+            Call::CheckImage(image) => format!("check image {image}"),
         };
         self.state().calls.push(call);
         let mut blocked = self.blocked.subscribe();
         // The sender lives as long as `self`, so this cannot fail.
         let _ = blocked.wait_for(|set| !set.contains(&operation)).await;
+        let engine = self.state().engine;
+        match engine {
+            Engine::Up => {}
+            Engine::Unreachable => {
+                return Err(ProviderError::Unreachable {
+                    operation: description,
+                    message: "nothing listens at the fake engine's address".to_owned(),
+                });
+            }
+            Engine::Hanging => {
+                tokio::time::sleep(self.timeout).await;
+                return Err(ProviderError::Timeout {
+                    operation: description,
+                    after: self.timeout,
+                });
+            }
+        }
         let mut state = self.state();
         if let Some(left) = state.fail_next.get_mut(&operation)
             && *left > 0
@@ -302,6 +385,22 @@ impl Provider for FakeProvider {
         true
     }
 
+    /// Present unless [`FakeProvider::remove_image`] removed it.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::ImageUnavailable`] for a removed image; the
+    /// engine's failures as for every call.
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+        self.enter(Call::CheckImage(image.to_owned())).await?;
+        if self.state().missing_images.contains(image) {
+            return Err(ProviderError::ImageUnavailable {
+                image: image.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
     /// Records the spec and its JIT config, then creates a running
     /// instance `fake-<n>`.
     ///
@@ -332,6 +431,9 @@ impl Provider for FakeProvider {
         }
         let labels = self.labels_for(&spec);
         let mut state = self.state();
+        if state.missing_images.contains(&spec.image) {
+            return Err(ProviderError::ImageUnavailable { image: spec.image });
+        }
         if state.instances.contains_key(spec.name.as_str()) {
             return Err(ProviderError::Engine {
                 operation,
@@ -342,8 +444,7 @@ impl Provider for FakeProvider {
         let instance = Instance {
             id: format!("fake-{}", state.next_id),
             name: spec.name.as_str().to_owned(),
-            running: true,
-            terminal: false,
+            state: InstanceState::Running,
             labels,
         };
         state
@@ -439,7 +540,7 @@ mod tests {
         let created = fake.create(spec("a", "jit-a")).await.unwrap();
         assert_eq!(created.id, "fake-1");
         assert_eq!(created.name, "billet-a");
-        assert!(created.running && !created.terminal);
+        assert_eq!(created.state, InstanceState::Running);
         assert_eq!(created.lease(), Some(LeaseId::parse("l", "a").unwrap()));
         assert_eq!(created.labels[labels::EPOCH], "3");
         assert_eq!(created.labels[labels::REQUEST], "42");
@@ -480,7 +581,7 @@ mod tests {
         let err = fake.create(spec("a", "j")).await.unwrap_err();
         assert!(matches!(err, ProviderError::Engine { .. }), "{err}");
         let left = fake.instance("billet-a").expect("the instance exists");
-        assert!(left.running);
+        assert!(left.may_run());
         // The failure wore off; the name is now taken, as in Docker.
         let err = fake.create(spec("a", "j2")).await.unwrap_err();
         assert!(err.to_string().contains("already in use"), "{err}");
@@ -551,16 +652,22 @@ mod tests {
     async fn the_inventory_can_change_behind_the_runners_back() {
         let fake = FakeProvider::new();
         fake.create(spec("a", "j")).await.unwrap();
-        assert!(fake.set_state("billet-a", false, true));
+        assert!(fake.exit("billet-a", 137, true));
         let a = fake.find(&name("a")).await.unwrap().unwrap();
-        assert!(!a.running && a.terminal);
-        assert!(!fake.set_state("billet-missing", false, false));
+        assert_eq!(
+            a.state,
+            InstanceState::Exited(Exit {
+                code: 137,
+                oom_killed: true
+            })
+        );
+        assert!(!a.may_run());
+        assert!(!fake.exit("billet-missing", 0, false));
 
         fake.insert_behind_back(Instance {
             id: "other".into(),
             name: "postgres".into(),
-            running: true,
-            terminal: false,
+            state: InstanceState::Running,
             labels: BTreeMap::new(),
         });
         let names: Vec<_> = fake

@@ -8,11 +8,19 @@
 //! `destroy` is idempotent (already gone is success); `list` is a complete
 //! inventory of this node's billet instances or an error, never a partial
 //! list; `find` says explicitly whether the instance exists.
+//!
+//! Presence is not life: an instance reports its [`InstanceState`] as the
+//! engine sees it. A Docker container whose runner died is still listed,
+//! [`InstanceState::Exited`] with its exit code and OOM flag, until it is
+//! destroyed; only [`InstanceState::Running`] and [`InstanceState::Unknown`]
+//! may be doing work. Every call is bounded by a timeout and fails typed
+//! ([`ProviderError::Unreachable`], [`ProviderError::Timeout`]), never hangs.
 
 pub mod docker;
 pub mod fake;
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use thiserror::Error;
@@ -63,6 +71,52 @@ pub struct InstanceSpec {
     pub jit_config: JitConfig,
 }
 
+/// How an instance's process ended, as the engine recorded it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Exit {
+    /// The exit code (Docker `State.ExitCode`): 128 + N for a process killed
+    /// by signal N, so 137 for SIGKILL (`docker kill`, the OOM killer).
+    pub code: i64,
+    /// The kernel's OOM killer ended it under its memory limit (Docker
+    /// `State.OOMKilled`).
+    pub oom_killed: bool,
+}
+
+/// What the engine says an instance is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InstanceState {
+    /// Created and never started (Docker `created`): nothing runs in it, and
+    /// billet never starts it later.
+    Created,
+    /// Running, paused or restarting: the runner inside may be working.
+    Running,
+    /// Its process ended; the instance stays present, not running, until
+    /// destroyed (Docker `exited`).
+    Exited(Exit),
+    /// Being removed (Docker `removing`) or left half-removed (`dead`):
+    /// nothing runs in it.
+    Removing,
+    /// A state this provider does not know. It reads as may-run: not knowing
+    /// is not evidence the runner stopped.
+    Unknown,
+}
+
+impl InstanceState {
+    /// Whether a runner may be working in it: [`InstanceState::Running`] or
+    /// [`InstanceState::Unknown`].
+    pub fn may_run(self) -> bool {
+        matches!(self, InstanceState::Running | InstanceState::Unknown)
+    }
+
+    /// How it ended, when it exited.
+    pub fn exit(self) -> Option<Exit> {
+        match self {
+            InstanceState::Exited(exit) => Some(exit),
+            _ => None,
+        }
+    }
+}
+
 /// One instance as the provider sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Instance {
@@ -70,10 +124,8 @@ pub struct Instance {
     pub id: String,
     /// Its name.
     pub name: String,
-    /// Whether it may be running. An unknown state reads as running.
-    pub running: bool,
-    /// The provider positively saw it reach a state it cannot leave.
-    pub terminal: bool,
+    /// What the engine says it is doing.
+    pub state: InstanceState,
     /// Its billet labels.
     pub labels: BTreeMap<String, String>,
 }
@@ -82,6 +134,11 @@ impl Instance {
     /// The lease this instance runs under, if billet named it.
     pub fn lease(&self) -> Option<LeaseId> {
         InstanceName::lease(&self.name)
+    }
+
+    /// Whether a runner may be working in it ([`InstanceState::may_run`]).
+    pub fn may_run(&self) -> bool {
+        self.state.may_run()
     }
 }
 
@@ -94,16 +151,43 @@ pub enum Teardown {
     Stopped,
 }
 
-/// A provider call that failed.
+/// A provider call that failed. The variants are what a caller branches on;
+/// the messages are for people.
 #[derive(Debug, Error)]
 pub enum ProviderError {
-    /// The engine could not be reached or answered with an error.
+    /// The engine answered with an error.
     #[error("{operation} failed: {message}")]
     Engine {
         /// What was attempted, such as `create billet-abc`.
         operation: String,
         /// The engine's message.
         message: String,
+    },
+    /// The engine could not be reached: nothing listens at its address, or
+    /// the connection broke. Nothing was done by this call, unless it was a
+    /// create or a destroy whose request may have arrived.
+    #[error("{operation} failed: {message}")]
+    Unreachable {
+        /// What was attempted.
+        operation: String,
+        /// Why, naming the address.
+        message: String,
+    },
+    /// The engine did not answer within the provider's bound. Whether the
+    /// call took effect is unknown.
+    #[error("{operation} failed: the engine did not answer within {after:?}")]
+    Timeout {
+        /// What was attempted.
+        operation: String,
+        /// The bound that passed.
+        after: Duration,
+    },
+    /// The image a spec names is not present where the provider runs
+    /// instances (the provider never pulls).
+    #[error("image {image} is not present on this host")]
+    ImageUnavailable {
+        /// The image reference.
+        image: String,
     },
     /// The spec cannot be run by this provider.
     #[error("refused: {0}")]
@@ -119,6 +203,16 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// Whether instances share this host (a vanished instance of such a
     /// provider, once seen, needs no grace period before it counts as gone).
     fn runs_on_host(&self) -> bool;
+
+    /// Checks, before anything is registered for a launch, that an instance
+    /// of `image` could be created now: the engine answers and the image is
+    /// present (providers never pull).
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::ImageUnavailable`] when the image is missing; any
+    /// other variant when the engine cannot be asked.
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError>;
 
     /// Creates and starts an instance. Returns once it is created.
     ///
@@ -136,7 +230,8 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError>;
 
     /// Every billet instance this node runs for this deployment, stopped ones
-    /// included.
+    /// included, each with its [`InstanceState`]. One inventory read; an
+    /// instance that disappears while it is read is absent.
     ///
     /// # Errors
     ///

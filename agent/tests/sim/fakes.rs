@@ -527,7 +527,7 @@ impl Core {
             .is_some_and(|r| runner_id <= 0 || r.id == runner_id);
         if exact {
             if self.jobs.get(&name) == Some(&Job::Live)
-                && self.fake.instance(&name).is_some_and(|i| !i.terminal)
+                && self.fake.instance(&name).is_some_and(|i| i.may_run())
                 && !self.authority.contains(id)
             {
                 // As GitHub does: a runner running a job cannot be removed.
@@ -608,7 +608,7 @@ impl Core {
         let name = name_of(id);
         self.tally(who);
         if let Some(instance) = self.fake.instance(&name)
-            && !instance.terminal
+            && instance.may_run()
         {
             self.violate(format!(
                 "invariant (3) no capacity freed while an instance may exist: lease {id} went {from} -> {outcome} ({who}) while {name} still exists and may run"

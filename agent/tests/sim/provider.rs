@@ -89,7 +89,7 @@ impl Provider for SimProvider {
             let mut c = self.shared.lock();
             let lease = InstanceName::lease(&n).expect("billet names only");
             if let Some(instance) = self.fake.instance(&n)
-                && !instance.terminal
+                && instance.may_run()
                 && c.jobs.get(&n) == Some(&Job::Live)
                 && !c.authority.contains(&lease)
             {
@@ -138,6 +138,10 @@ impl Provider for SimProvider {
         let result = self.fake.list().await;
         self.shared.leave(gate).await;
         result
+    }
+
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+        self.fake.check_image(image).await
     }
 
     async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {

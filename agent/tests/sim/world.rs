@@ -556,7 +556,7 @@ impl World {
         if remove {
             self.fake.remove_behind_back(name);
         } else {
-            self.fake.set_state(name, false, true);
+            self.fake.exit(name, 0, false);
         }
         self.shared
             .lock()
@@ -575,7 +575,7 @@ impl World {
         let c = self.shared.lock();
         c.jobs
             .iter()
-            .filter(|(n, j)| **j == Job::Live && self.fake.instance(n).is_some_and(|i| !i.terminal))
+            .filter(|(n, j)| **j == Job::Live && self.fake.instance(n).is_some_and(|i| i.may_run()))
             .map(|(n, _)| n.clone())
             .collect()
     }
@@ -587,7 +587,7 @@ impl World {
                 .instances()
                 .into_iter()
                 .filter(|i| {
-                    !i.terminal
+                    i.may_run()
                         && c.jobs.get(&i.name) != Some(&Job::Live)
                         && !c.regs.contains_key(&i.name)
                 })
@@ -597,7 +597,7 @@ impl World {
         for name in strays {
             if all || self.rng.chance(50) {
                 // A runner whose registration is gone cannot connect: it exits.
-                self.fake.set_state(&name, false, true);
+                self.fake.exit(&name, 0, false);
                 self.note(
                     format!("{name}: a runner without a registration exits"),
                     None,
@@ -799,11 +799,11 @@ impl World {
                     .fake
                     .instances()
                     .into_iter()
-                    .filter(|i| !i.terminal)
+                    .filter(|i| i.may_run())
                     .map(|i| i.name)
                     .collect();
                 if let Some(name) = self.rng.pick(&names) {
-                    self.fake.set_state(&name, false, true);
+                    self.fake.exit(&name, 0, false);
                     let mut c = self.shared.lock();
                     if c.jobs.get(&name) == Some(&Job::Live) {
                         c.job_ends(&name, Job::Dead, "failed");
@@ -1091,7 +1091,7 @@ impl World {
                 Phase::Quarantine => self
                     .fake
                     .instance(&name_of(&r.id))
-                    .is_none_or(|i| i.terminal),
+                    .is_none_or(|i| !i.may_run()),
                 _ => false,
             })
             .map(|r| (r.id.clone(), r.phase))
@@ -1134,7 +1134,7 @@ impl World {
                     "invariant (1) no leaked instance: {} has no lease in the ledger",
                     instance.name
                 )),
-                Some(row) if row.phase.is_terminal() && !instance.terminal => found.push(format!(
+                Some(row) if row.phase.is_terminal() && instance.may_run() => found.push(format!(
                     "invariant (3) no capacity freed while an instance may exist: {} still runs and lease {lease} is {} ({})",
                     instance.name,
                     row.phase,
@@ -1238,7 +1238,7 @@ impl World {
                     .lease()
                     .and_then(|l| c.leases.get(&l).map(|r| r.phase.to_string()))
                     .unwrap_or_default();
-                format!("{} (running {}, lease {phase})", i.name, i.running)
+                format!("{} ({:?}, lease {phase})", i.name, i.state)
             })
             .collect();
         let regs: Vec<String> = c

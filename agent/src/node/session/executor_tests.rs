@@ -283,7 +283,9 @@ async fn a_launch_in_flight_when_a_newer_session_replaces_its_own_goes_into_cust
     assert!(node.runner.holding());
     assert_eq!(node.provider.count(Operation::Create), 1);
     assert!(
-        node.provider.instance(INSTANCE).is_some_and(|i| i.running),
+        node.provider
+            .instance(INSTANCE)
+            .is_some_and(|i| i.may_run()),
         "the job keeps running"
     );
 }
@@ -316,10 +318,7 @@ async fn a_superseded_node_holds_its_running_work_until_tends_see_it_finish() {
     assert!(node.runner.holding());
     assert!(plane.releases().is_empty());
 
-    assert!(
-        node.provider.set_state(INSTANCE, false, true),
-        "the job exits"
-    );
+    assert!(node.provider.exit(INSTANCE, 0, false), "the job exits");
     node.send(&plane.session, "c4", pb::command::Kind::Tend(pb::Tend {}))
         .await;
     assert_eq!(plane.result().await.outcome, pb::Outcome::Ok as i32);
@@ -331,7 +330,9 @@ async fn a_superseded_node_holds_its_running_work_until_tends_see_it_finish() {
         (releases[0].lease_id.as_str(), releases[0].outcome.as_str()),
         (LEASE, "done")
     );
-    assert_eq!(node.provider.count(Operation::Destroy), 0);
+    // An exited container stays until it is destroyed.
+    assert_eq!(node.provider.count(Operation::Destroy), 1);
+    assert!(node.provider.instance(INSTANCE).is_none());
 }
 
 /// 7.B.20: a completion and a tend for the same held lease do not race:
