@@ -611,6 +611,9 @@ impl DockerProvider {
         let host_config = HostConfig {
             nano_cpus: (spec.vcpu > 0).then(|| i64::from(spec.vcpu) * 1_000_000_000),
             memory: (memory > 0).then_some(memory),
+            // The limit is the lease's memory, swap included: without this
+            // the engine lets a container swap as much again.
+            memory_swap: (memory > 0).then_some(memory),
             shm_size: (shm > 0).then_some(shm),
             network_mode: spec.network.clone(),
             ..Default::default()
@@ -826,10 +829,11 @@ mod tests {
 
     use super::*;
     use crate::edge::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
+    use crate::provider::contract;
 
     const SOCKET: &str = "/var/run/docker.sock";
-    const TEST_IMAGE_REPO: &str = "billet-test-sleep";
-    const TEST_IMAGE: &str = "billet-test-sleep:dev";
+    const TEST_IMAGE_REPO: &str = "billet-test-shell";
+    const TEST_IMAGE: &str = "billet-test-shell:dev";
 
     fn owner(deployment: &str, node: &str) -> Owner {
         Owner {
@@ -1164,16 +1168,16 @@ mod tests {
 
     static TEST_IMAGE_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
-    /// Imports `billet-test-sleep:dev` (the host's `sleep` and the shared
-    /// libraries it needs, nothing else) unless the engine has it: no
-    /// registry can be reached from here.
+    /// Imports `billet-test-shell:dev` (the host's `sleep` and `sh`, and the
+    /// shared libraries they need, nothing else) unless the engine has it:
+    /// no registry can be reached from here.
     async fn ensure_test_image(docker: &Docker) {
         TEST_IMAGE_READY
             .get_or_init(|| async {
                 if docker.inspect_image(TEST_IMAGE).await.is_ok() {
                     return;
                 }
-                let tar = tokio::task::spawn_blocking(sleep_rootfs_tar).await.unwrap();
+                let tar = tokio::task::spawn_blocking(test_rootfs_tar).await.unwrap();
                 let options = CreateImageOptions {
                     from_src: Some("-".to_owned()),
                     repo: Some(TEST_IMAGE_REPO.to_owned()),
@@ -1193,14 +1197,9 @@ mod tests {
             .await;
     }
 
-    /// A tar of a root file system holding `/bin/sleep` and the libraries
-    /// `ldd` says it loads, at their host paths.
-    fn sleep_rootfs_tar() -> Vec<u8> {
-        let sleep = ["/bin/sleep", "/usr/bin/sleep"]
-            .into_iter()
-            .map(Path::new)
-            .find(|path| path.exists())
-            .expect("building the test image needs a sleep binary at /bin/sleep or /usr/bin/sleep");
+    /// A tar of a root file system holding `/bin/sleep`, `/bin/sh` and the
+    /// libraries `ldd` says they load, at their host paths.
+    fn test_rootfs_tar() -> Vec<u8> {
         let root = std::env::temp_dir().join(unique("billet-test-rootfs"));
         let copy = |from: &Path, to: &Path| {
             let target = root.join(to.strip_prefix("/").unwrap());
@@ -1209,16 +1208,25 @@ mod tests {
                 panic!("copying {} into the test image: {err}", from.display())
             });
         };
-        copy(sleep, Path::new("/bin/sleep"));
-        let ldd = Command::new("ldd")
-            .arg(sleep)
-            .output()
-            .expect("building the test image needs ldd to find sleep's libraries");
-        // A static binary makes ldd fail with "not a dynamic executable";
-        // then there is nothing to copy.
-        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-            if let Some(library) = line.split_whitespace().find(|word| word.starts_with('/')) {
-                copy(Path::new(library), Path::new(library));
+        for tool in ["sleep", "sh"] {
+            let found = [format!("/bin/{tool}"), format!("/usr/bin/{tool}")]
+                .into_iter()
+                .map(PathBuf::from)
+                .find(|path| path.exists())
+                .unwrap_or_else(|| {
+                    panic!("building the test image needs {tool} at /bin or /usr/bin")
+                });
+            copy(&found, &Path::new("/bin").join(tool));
+            let ldd = Command::new("ldd")
+                .arg(&found)
+                .output()
+                .expect("building the test image needs ldd to find the tools' libraries");
+            // A static binary makes ldd fail with "not a dynamic executable";
+            // then there is nothing to copy.
+            for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+                if let Some(library) = line.split_whitespace().find(|word| word.starts_with('/')) {
+                    copy(Path::new(library), Path::new(library));
+                }
             }
         }
         let tar = Command::new("tar")
@@ -1495,5 +1503,162 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    // ---- the provider contract (`contract.rs`) against the engine ------
+
+    /// The Docker side of the provider contract: runners are the test
+    /// image's `sh` and `sleep`, the faults are played through the engine.
+    struct DockerDriver {
+        provider: DockerProvider,
+        created: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl DockerDriver {
+        async fn new() -> Self {
+            Self {
+                provider: provider(owner(&unique("dep"), "node-a")).await,
+                created: std::sync::Mutex::new(Vec::new()),
+            }
+        }
+
+        async fn docker(&self) -> &Docker {
+            self.provider.client("test").await.unwrap()
+        }
+    }
+
+    impl Drop for DockerDriver {
+        fn drop(&mut self) {
+            drop(Leftovers(std::mem::take(
+                &mut *self.created.lock().unwrap(),
+            )));
+        }
+    }
+
+    #[async_trait]
+    impl contract::Driver for DockerDriver {
+        fn provider(&self) -> &dyn Provider {
+            &self.provider
+        }
+
+        fn spec(&self, tag: &str, behaviour: contract::Behaviour) -> InstanceSpec {
+            let mut spec = spec(&unique(tag), &unique("jit"));
+            spec.memory = ByteSize(128 << 20);
+            spec.command = match behaviour {
+                contract::Behaviour::Work => vec!["/bin/sleep".into(), "300".into()],
+                contract::Behaviour::Exit(code) => {
+                    vec!["/bin/sh".into(), "-c".into(), format!("exit {code}")]
+                }
+                // The string doubles until the limit's OOM killer ends it.
+                contract::Behaviour::Allocate => vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    "a=0123456789abcdef; while :; do a=$a$a; done".into(),
+                ],
+            };
+            self.created.lock().unwrap().push(spec.name.to_string());
+            spec
+        }
+
+        async fn enact(&self, _name: &InstanceName, _behaviour: contract::Behaviour) {}
+
+        async fn kill(&self, name: &InstanceName) {
+            self.docker()
+                .await
+                .kill_container(
+                    name.as_str(),
+                    None::<bollard::query_parameters::KillContainerOptions>,
+                )
+                .await
+                .unwrap_or_else(|err| panic!("docker kill {name}: {err}"));
+        }
+
+        async fn remove_out_of_band(&self, name: &InstanceName) {
+            let options = RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            };
+            self.docker()
+                .await
+                .remove_container(name.as_str(), Some(options))
+                .await
+                .unwrap_or_else(|err| panic!("docker rm -f {name}: {err}"));
+        }
+
+        async fn unreachable(&self) -> Box<dyn Provider> {
+            // A socket file nobody listens on any more: connections are
+            // refused.
+            let path = std::env::temp_dir().join(unique("billet-dead-engine"));
+            drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+            Box::new(
+                DockerProvider::connect(&path, self.provider.owner().clone())
+                    .unwrap()
+                    .with_timeout(Duration::from_secs(5)),
+            )
+        }
+
+        async fn hanging(&self, bound: Duration) -> Box<dyn Provider> {
+            // Accepts every connection and never reads or answers.
+            let path = std::env::temp_dir().join(unique("billet-hung-engine"));
+            let listener = tokio::net::UnixListener::bind(&path).unwrap();
+            tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((stream, _)) = listener.accept().await {
+                    held.push(stream);
+                }
+            });
+            Box::new(
+                DockerProvider::connect(&path, self.provider.owner().clone())
+                    .unwrap()
+                    .with_timeout(bound),
+            )
+        }
+
+        fn missing_image(&self) -> String {
+            "billet-test-no-such-image:none".to_owned()
+        }
+    }
+
+    #[tokio::test]
+    async fn docker_keeps_an_exited_container_with_its_code_until_destroyed() {
+        contract::an_exited_instance_is_present_with_its_code_until_destroyed(
+            &DockerDriver::new().await,
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn docker_reports_a_container_oom_killed_under_128_mib() {
+        contract::an_oom_killed_instance_says_so(&DockerDriver::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn docker_reports_a_docker_kill_as_137_without_oom() {
+        contract::a_killed_instance_is_exited_137_without_the_oom_flag(&DockerDriver::new().await)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn docker_forgets_a_container_removed_out_of_band() {
+        contract::an_instance_removed_out_of_band_is_absent(&DockerDriver::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn docker_refuses_a_missing_image_before_and_at_create() {
+        contract::a_missing_image_is_unavailable_and_creates_nothing(&DockerDriver::new().await)
+            .await;
+    }
+
+    #[tokio::test]
+    async fn docker_with_nothing_listening_fails_every_call_typed() {
+        contract::an_unreachable_engine_fails_every_call_typed(&DockerDriver::new().await).await;
+    }
+
+    #[tokio::test]
+    async fn docker_with_an_engine_that_never_answers_fails_every_call_typed_within_its_bound() {
+        contract::a_hanging_engine_fails_every_call_typed_within_its_bound(
+            &DockerDriver::new().await,
+        )
+        .await;
     }
 }

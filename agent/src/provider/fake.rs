@@ -511,6 +511,7 @@ mod tests {
 
     use super::*;
     use crate::edge::model::{ByteSize, Epoch, LeaseId, RequestId};
+    use crate::provider::contract;
 
     fn spec(lease: &str, jit: &str) -> InstanceSpec {
         let lease = LeaseId::parse("lease", lease).unwrap();
@@ -718,6 +719,113 @@ mod tests {
             .await
             .expect("list released within 5s");
         assert_eq!(listed.unwrap(), vec![]);
+    }
+
+    /// The fake's side of the provider contract (`contract.rs`): it plays
+    /// the runner's exits itself, as the engine would record them.
+    struct FakeDriver {
+        fake: FakeProvider,
+        next: std::sync::atomic::AtomicU32,
+    }
+
+    const MISSING_IMAGE: &str = "billet-no-such-image:none";
+
+    impl FakeDriver {
+        fn new() -> Self {
+            let fake = FakeProvider::new();
+            fake.remove_image(MISSING_IMAGE);
+            Self {
+                fake,
+                next: std::sync::atomic::AtomicU32::new(0),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl contract::Driver for FakeDriver {
+        fn provider(&self) -> &dyn Provider {
+            &self.fake
+        }
+
+        fn spec(&self, tag: &str, _behaviour: contract::Behaviour) -> InstanceSpec {
+            let n = self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut spec = spec(&format!("{tag}-{n}"), "jit");
+            spec.memory = ByteSize(128 << 20);
+            spec
+        }
+
+        async fn enact(&self, name: &InstanceName, behaviour: contract::Behaviour) {
+            match behaviour {
+                contract::Behaviour::Work => {}
+                contract::Behaviour::Exit(code) => {
+                    self.fake.exit(name.as_str(), code, false);
+                }
+                contract::Behaviour::Allocate => {
+                    self.fake.exit(name.as_str(), 137, true);
+                }
+            }
+        }
+
+        async fn kill(&self, name: &InstanceName) {
+            self.fake.exit(name.as_str(), 137, false);
+        }
+
+        async fn remove_out_of_band(&self, name: &InstanceName) {
+            self.fake.remove_behind_back(name.as_str());
+        }
+
+        async fn unreachable(&self) -> Box<dyn Provider> {
+            let fake = FakeProvider::new();
+            fake.set_engine(Engine::Unreachable);
+            Box::new(fake)
+        }
+
+        async fn hanging(&self, bound: Duration) -> Box<dyn Provider> {
+            let fake = FakeProvider::new().with_timeout(bound);
+            fake.set_engine(Engine::Hanging);
+            Box::new(fake)
+        }
+
+        fn missing_image(&self) -> String {
+            MISSING_IMAGE.to_owned()
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fake_keeps_an_exited_instance_with_its_code_until_destroyed() {
+        contract::an_exited_instance_is_present_with_its_code_until_destroyed(&FakeDriver::new())
+            .await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_reports_an_oom_kill() {
+        contract::an_oom_killed_instance_says_so(&FakeDriver::new()).await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_reports_a_kill_as_137_without_oom() {
+        contract::a_killed_instance_is_exited_137_without_the_oom_flag(&FakeDriver::new()).await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_forgets_an_instance_removed_out_of_band() {
+        contract::an_instance_removed_out_of_band_is_absent(&FakeDriver::new()).await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_refuses_a_missing_image_before_and_at_create() {
+        contract::a_missing_image_is_unavailable_and_creates_nothing(&FakeDriver::new()).await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_with_its_engine_down_fails_every_call_typed() {
+        contract::an_unreachable_engine_fails_every_call_typed(&FakeDriver::new()).await;
+    }
+
+    #[tokio::test]
+    async fn the_fake_with_its_engine_hanging_fails_every_call_typed_within_its_bound() {
+        contract::a_hanging_engine_fails_every_call_typed_within_its_bound(&FakeDriver::new())
+            .await;
     }
 
     #[tokio::test]

@@ -16,6 +16,7 @@
 //! may be doing work. Every call is bounded by a timeout and fails typed
 //! ([`ProviderError::Unreachable`], [`ProviderError::Timeout`]), never hangs.
 
+pub mod contract;
 pub mod docker;
 pub mod fake;
 
