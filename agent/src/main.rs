@@ -55,7 +55,7 @@ fn node(args: NodeArgs) -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let prepared = match server::prepare(&config).await {
+        let mut prepared = match server::prepare(&config).await {
             Ok(p) => p,
             Err(e) => {
                 error!("{e}");
@@ -69,6 +69,15 @@ fn node(args: NodeArgs) -> ExitCode {
                 return ExitCode::from(exit::BIND);
             }
         };
+        if let Some(addr) = config.metrics_listen {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => prepared.metrics = Some(l),
+                Err(e) => {
+                    error!("cannot listen for metrics (--metrics-listen) on {addr}: {e}");
+                    return ExitCode::from(exit::BIND);
+                }
+            }
+        }
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         if let Err(e) = server::stop_on_signals(drain.clone(), shutdown.clone()) {
             error!("cannot handle SIGTERM: {e}");

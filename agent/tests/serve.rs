@@ -361,6 +361,7 @@ impl Node {
             provider: provider.clone(),
             journal: Arc::new(MemoryJournal::default()),
             local: tokio::net::UnixListener::bind(state_dir.join("node.sock")).expect("local"),
+            metrics: None,
         };
         let config = NodeConfig {
             tls,
@@ -376,6 +377,7 @@ impl Node {
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),
             upgrader: None,
+            metrics_listen: None,
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(

@@ -111,6 +111,7 @@ impl NodeArgs {
                     expiry_warning: Duration::from_secs(args.cert_expiry_warning_days * 86_400),
                 },
                 upgrader,
+                metrics_listen: args.metrics_listen,
             },
             args.listen,
         ))

@@ -150,6 +150,20 @@ pub struct NodeArgs {
     /// Seconds StartUpgrade waits for the updater's answer before refusing.
     #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90)]
     pub upgrade_ack_wait_secs: u64,
+    /// Serve Prometheus metrics over plain HTTP at /metrics on this
+    /// address; a bare port means 127.0.0.1:PORT. Off by default.
+    #[arg(long, env = "BILLET_METRICS_LISTEN", value_parser = parse_metrics_listen)]
+    pub metrics_listen: Option<SocketAddr>,
+}
+
+/// `--metrics-listen`: an address, or a bare port on loopback.
+fn parse_metrics_listen(value: &str) -> Result<SocketAddr, String> {
+    if let Ok(port) = value.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    value
+        .parse()
+        .map_err(|_| format!("{value:?} is neither an address (127.0.0.1:9464) nor a port"))
 }
 
 /// Parses the command line, layering `billet node`'s `--config` file (or

@@ -5,7 +5,7 @@
 //! [`custody`] for compute held on the node's own authority), the plane
 //! session and its single command slot ([`session`], [`slot`]), the calls up
 //! the session ([`plane`]), the node's memory across restarts ([`journal`]),
-//! the local socket for the updater ([`local`]), and the wiring and serving
+//! the local socket for the updater ([`local`]), its metrics ([`metrics`]), and the wiring and serving
 //! of all of it ([`server`]).
 //!
 //! May not touch: generated proto types past [`session`] (conversion is
@@ -16,6 +16,7 @@
 pub mod custody;
 pub mod journal;
 pub mod local;
+pub mod metrics;
 pub mod plane;
 pub mod runner;
 pub mod server;

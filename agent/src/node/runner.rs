@@ -65,6 +65,8 @@ pub(super) struct Running {
     pub(super) instance: InstanceName,
     /// The runner registration: (GitHub runner id, name).
     pub(super) registration: (i64, String),
+    /// When its instance was created (for status and metrics).
+    pub(super) since: Instant,
 }
 
 #[derive(Debug, Default)]
@@ -73,6 +75,60 @@ pub(super) struct State {
     pub(super) launching: HashMap<LeaseId, Epoch>,
     pub(super) custody: HashMap<LeaseId, CustodyEntry>,
     pub(super) draining: bool,
+}
+
+/// Where a held lease stands on this node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldState {
+    /// Bound and being launched.
+    Launching,
+    /// Launched for its request and managed normally.
+    Running,
+    /// Held in custody, renewed until its compute is proven gone.
+    Custody,
+    /// In custody while the ledger quarantines it (no phase reported).
+    Quarantine,
+    /// In custody, to be destroyed on sight.
+    Discard,
+}
+
+impl HeldState {
+    /// Its name in status and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeldState::Launching => "launching",
+            HeldState::Running => "running",
+            HeldState::Custody => "custody",
+            HeldState::Quarantine => "quarantine",
+            HeldState::Discard => "discard",
+        }
+    }
+
+    /// Whether the node holds the lease on its own authority.
+    pub fn in_custody(self) -> bool {
+        matches!(
+            self,
+            HeldState::Custody | HeldState::Quarantine | HeldState::Discard
+        )
+    }
+}
+
+/// One lease this node holds ([`Runner::held`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLease {
+    /// The lease.
+    pub lease: LeaseId,
+    /// The epoch the node holds it at.
+    pub epoch: Epoch,
+    /// Where it stands.
+    pub state: HeldState,
+    /// Its instance (`billet-<lease id>`).
+    pub instance: InstanceName,
+    /// The runner registration's name, when known.
+    pub runner: Option<String>,
+    /// Since its instance was created (running) or custody began; `None`
+    /// while launching.
+    pub age: Option<Duration>,
 }
 
 /// Options the operator sets.
@@ -161,6 +217,48 @@ impl Runner {
     pub fn holding(&self) -> bool {
         let s = self.state();
         !(s.running.is_empty() && s.launching.is_empty() && s.custody.is_empty())
+    }
+
+    /// Every lease this node holds, for status and metrics, ordered by lease
+    /// id.
+    pub fn held(&self) -> Vec<HeldLease> {
+        let s = self.state();
+        let mut held: Vec<HeldLease> = s
+            .launching
+            .iter()
+            .map(|(lease, epoch)| HeldLease {
+                lease: lease.clone(),
+                epoch: *epoch,
+                state: HeldState::Launching,
+                instance: InstanceName::for_lease(lease),
+                runner: None,
+                age: None,
+            })
+            .chain(s.running.values().map(|r| HeldLease {
+                lease: r.lease.clone(),
+                epoch: r.epoch,
+                state: HeldState::Running,
+                instance: r.instance.clone(),
+                runner: Some(r.registration.1.clone()),
+                age: Some(r.since.elapsed()),
+            }))
+            .chain(s.custody.iter().map(|(lease, e)| HeldLease {
+                lease: lease.clone(),
+                epoch: e.epoch,
+                state: if e.discard {
+                    HeldState::Discard
+                } else if e.phase.is_none() {
+                    HeldState::Quarantine
+                } else {
+                    HeldState::Custody
+                },
+                instance: e.instance.clone(),
+                runner: e.registration.as_ref().map(|(_, name)| name.clone()),
+                age: Some(e.since.elapsed()),
+            }))
+            .collect();
+        held.sort_by(|a, b| a.lease.as_str().cmp(b.lease.as_str()));
+        held
     }
 
     /// Lease ids this node holds in custody, for tests and status.
@@ -337,6 +435,7 @@ impl Runner {
                         epoch: lease.epoch,
                         instance: name.clone(),
                         registration: (record.runner_id, record.runner_name.clone()),
+                        since: Instant::now(),
                     },
                 );
                 record.created = true;

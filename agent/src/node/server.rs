@@ -18,6 +18,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::edge::tls::{NodeTls, TlsError, TlsPaths};
 use crate::node::journal::{Journal, SqliteJournal};
+use crate::node::metrics::{MeteredJournal, MeteredPlane, MeteredProvider, Metrics};
 use crate::node::plane::PlaneLink;
 use crate::node::runner::{Runner, RunnerOptions};
 use crate::node::session::{Executor, Identity, NodeService, Recovery, execute_commands};
@@ -73,6 +74,9 @@ pub struct NodeConfig {
     /// The updater `StartUpgrade` execs. `None` (the default) refuses
     /// upgrades with a sentence saying to upgrade the node out of band.
     pub upgrader: Option<ExecUpgrader>,
+    /// Where to serve metrics (`--metrics-listen`); `None` serves none.
+    /// `main` binds it into [`Prepared::metrics`].
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -181,6 +185,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         provider: Arc::new(docker),
         journal,
         local,
+        metrics: None,
     })
 }
 
@@ -195,6 +200,9 @@ pub struct Prepared {
     pub journal: Arc<dyn Journal>,
     /// The local socket (`local.rs`), bound.
     pub local: tokio::net::UnixListener,
+    /// The metrics listener (`metrics.rs`), bound by the caller when
+    /// configured; [`prepare`] leaves it `None`.
+    pub metrics: Option<TcpListener>,
 }
 
 /// Turns SIGTERM and Ctrl-C into the node's stop: the first cancels
@@ -249,13 +257,26 @@ pub async fn run(
         provider,
         journal,
         local,
+        metrics: metrics_listener,
     } = prepared;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(Metrics::new(
+        &mut registry,
+        crate::upgrade::version::version(),
+        crate::upgrade::version::COMMIT,
+    ));
+    if let Some(not_after) = tls.not_after {
+        metrics.set_certificate_expiry(not_after);
+    }
+    let provider: Arc<dyn Provider> = Arc::new(MeteredProvider::new(provider, metrics.clone()));
+    let journal: Arc<dyn Journal> = Arc::new(MeteredJournal::new(journal, metrics.clone()));
     let link = Arc::new(PlaneLink::default());
+    let plane = Arc::new(MeteredPlane::new(link.clone(), metrics.clone()));
     let runner = Arc::new(
         Runner::new(
             provider,
-            link.clone(),
-            link.clone(),
+            plane.clone(),
+            plane,
             RunnerOptions {
                 max_custody: config.max_custody,
                 stray_grace: config.stray_grace,
@@ -263,7 +284,7 @@ pub async fn run(
         )
         .with_journal(journal.clone()),
     );
-    let slot = Arc::new(CommandSlot::new());
+    let slot = Arc::new(CommandSlot::new().with_metrics(metrics.clone()));
     slot.preload(
         journal
             .results()
@@ -383,6 +404,26 @@ pub async fn run(
                 session.close();
             }
         });
+    }
+    if let Some(listener) = metrics_listener {
+        info!(addr = ?listener.local_addr().ok(), "serving metrics at /metrics");
+        let (runner, cert) = (runner.clone(), config.tls.cert.clone());
+        let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {
+            m.observe_runner(&runner.held());
+            if let Some(not_after) = crate::node::metrics::certificate_expiry(&cert) {
+                m.set_certificate_expiry(not_after);
+            }
+        });
+        tasks.spawn(
+            crate::node::metrics::serve(
+                listener,
+                Arc::new(registry),
+                metrics.clone(),
+                scrape,
+                shutdown.clone(),
+            )
+            .instrument(info_span!("metrics")),
+        );
     }
     tasks.close();
 

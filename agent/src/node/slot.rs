@@ -22,6 +22,7 @@ use tokio::sync::Notify;
 
 use crate::edge::model::CommandId;
 use crate::edge::wire::NodeCommand;
+use crate::node::metrics::Metrics;
 use crate::node::plane::SessionLink;
 
 /// Most commands waiting at once.
@@ -42,6 +43,35 @@ pub struct Queued {
     pub session: Arc<SessionLink>,
 }
 
+/// An outcome as the metrics label it: the proto name, lower case, without
+/// its prefix.
+fn outcome_name(o: pb::Outcome) -> &'static str {
+    match o {
+        pb::Outcome::Unspecified => "unspecified",
+        pb::Outcome::Ok => "ok",
+        pb::Outcome::Failed => "failed",
+        pb::Outcome::Expired => "expired",
+        pb::Outcome::Refused => "refused",
+        pb::Outcome::InvalidArgument => "invalid_argument",
+    }
+}
+
+/// An error code as the metrics label it.
+fn error_name(c: pb::ErrorCode) -> &'static str {
+    match c {
+        pb::ErrorCode::Unspecified => "unspecified",
+        pb::ErrorCode::Fenced => "fenced",
+        pb::ErrorCode::NotFound => "not_found",
+        pb::ErrorCode::BadTransition => "bad_transition",
+        pb::ErrorCode::WrongNode => "wrong_node",
+        pb::ErrorCode::Unavailable => "unavailable",
+        pb::ErrorCode::ForceRelease => "force_release",
+        pb::ErrorCode::InvalidArgument => "invalid_argument",
+        pb::ErrorCode::Refused => "refused",
+        pb::ErrorCode::Internal => "internal",
+    }
+}
+
 /// What happened to a pushed command.
 #[derive(Debug)]
 pub enum Admission {
@@ -58,10 +88,17 @@ pub enum Admission {
 #[derive(Debug, Default)]
 struct Inner {
     queue: VecDeque<Queued>,
-    /// Ids queued or running.
-    pending: HashMap<CommandId, ()>,
+    /// Ids queued or running: when each was queued, and once running, its
+    /// kind and start (for the metrics).
+    pending: HashMap<CommandId, Pending>,
     results: HashMap<CommandId, pb::CommandResult>,
     order: VecDeque<CommandId>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    queued: std::time::Instant,
+    running: Option<(&'static str, std::time::Instant)>,
 }
 
 /// The single-item operation queue. Cheap to share behind an `Arc`.
@@ -69,6 +106,7 @@ struct Inner {
 pub struct CommandSlot {
     inner: Mutex<Inner>,
     ready: Notify,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl CommandSlot {
@@ -77,8 +115,20 @@ impl CommandSlot {
         Self::default()
     }
 
+    /// Reports queue depth and waits, and each command's outcome and
+    /// duration, to `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// Offers a command; see [`Admission`].
     pub fn push(&self, queued: Queued) -> Admission {
+        if let Some(m) = &self.metrics {
+            // Every command comes from the plane.
+            m.plane_contact();
+        }
         let mut inner = self.inner.lock().expect("slot");
         if let Some(result) = inner.results.get(&queued.id) {
             return Admission::Replay(result.clone());
@@ -94,8 +144,17 @@ impl CommandSlot {
         if inner.queue.len() >= MAX_QUEUED {
             return Admission::Full;
         }
-        inner.pending.insert(queued.id.clone(), ());
+        inner.pending.insert(
+            queued.id.clone(),
+            Pending {
+                queued: std::time::Instant::now(),
+                running: None,
+            },
+        );
         inner.queue.push_back(queued);
+        if let Some(m) = &self.metrics {
+            m.set_queue_depth(inner.queue.len());
+        }
         drop(inner);
         self.ready.notify_one();
         Admission::Queued
@@ -105,17 +164,43 @@ impl CommandSlot {
     pub async fn next(&self) -> Queued {
         loop {
             let notified = self.ready.notified();
-            if let Some(q) = self.inner.lock().expect("slot").queue.pop_front() {
+            if let Some(q) = self.take() {
                 return q;
             }
             notified.await;
         }
     }
 
+    /// The next command, marked running.
+    fn take(&self) -> Option<Queued> {
+        let mut inner = self.inner.lock().expect("slot");
+        let q = inner.queue.pop_front()?;
+        let depth = inner.queue.len();
+        if let Some(p) = inner.pending.get_mut(&q.id) {
+            let now = std::time::Instant::now();
+            p.running = Some((q.command.kind(), now));
+            if let Some(m) = &self.metrics {
+                m.command_started(now - p.queued, depth);
+            }
+        }
+        Some(q)
+    }
+
     /// Records the result of a command that has run, for redelivery.
     pub fn record(&self, id: &CommandId, result: &pb::CommandResult) {
         let mut inner = self.inner.lock().expect("slot");
-        inner.pending.remove(id);
+        if let Some(Pending {
+            running: Some((kind, started)),
+            ..
+        }) = inner.pending.remove(id)
+            && let Some(m) = &self.metrics
+        {
+            let outcome = pb::Outcome::try_from(result.outcome).map_or("unknown", outcome_name);
+            let reason = result.error.as_ref().map_or("none", |e| {
+                pb::ErrorCode::try_from(e.code).map_or("unknown", error_name)
+            });
+            m.command_done(kind, outcome, reason, started.elapsed());
+        }
         inner.results.insert(id.clone(), result.clone());
         inner.order.push_back(id.clone());
         while inner.order.len() > RESULT_MEMORY {

@@ -30,6 +30,10 @@ static STAMP: [u8; STAMP_BYTES] = {
     bytes
 };
 
+/// The commit this binary was built from (`git rev-parse --short=12`), or
+/// `unknown` (agent/build.rs).
+pub const COMMIT: &str = env!("BILLET_COMMIT");
+
 /// This binary's version: the stamped one, or the crate version when the
 /// binary was never stamped.
 pub fn version() -> &'static str {

@@ -1,0 +1,861 @@
+//! The node's metrics, in the Prometheus/OpenMetrics text exposition format
+//! (`prometheus-client`), served on an opt-in HTTP listener
+//! (`--metrics-listen`, [`serve`]) at `/metrics`.
+//!
+//! [`Metrics`] registers its families in a [`Registry`] it is given (no
+//! globals). It is fed three ways: decorators at the seams
+//! ([`MeteredProvider`], [`MeteredPlane`], [`MeteredJournal`]) time every
+//! call; the command slot reports queue waits and each command's outcome
+//! and duration; a [`Scrape`] closure reads the runner's state (leases held,
+//! custody) when Prometheus scrapes. Hooks other subsystems set:
+//! [`Metrics::set_degraded`], [`Metrics::set_clock_offset_seconds`],
+//! [`Metrics::set_certificate_expiry`].
+//!
+//! Names carry their unit (`_seconds`, `_timestamp_seconds`); counters end
+//! in `_total` (added by the encoder). No label ever holds a credential:
+//! labels are command kinds, outcomes, error codes, call names, and reasons
+//! from a closed vocabulary.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase};
+use crate::node::journal::{CustodyRecord, Journal, JournalError, LaunchRecord};
+use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use crate::node::runner::HeldLease;
+use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+
+/// The content type of the exposition (OpenMetrics text 1.0, which
+/// Prometheus scrapes natively).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Latency buckets: 1 ms to about 65 s.
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+/// A lease's place on this node, as a label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabel {
+    state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CommandLabels {
+    kind: &'static str,
+    outcome: String,
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabel {
+    step: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabel {
+    call: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallErrorLabels {
+    call: &'static str,
+    code: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+    commit: String,
+}
+
+/// The node's metric families. Cheap to share behind an `Arc`; every method
+/// takes `&self`.
+#[derive(Debug)]
+pub struct Metrics {
+    leases_held: Family<StateLabel, Gauge>,
+    custody_entries: Gauge,
+    custody_oldest_age: FloatGauge,
+    commands: Family<CommandLabels, Counter>,
+    command_duration: Histograms<KindLabel>,
+    launch_steps: Histograms<StepLabel>,
+    queue_depth: Gauge,
+    queue_wait: Histogram,
+    plane_calls: Histograms<CallLabel>,
+    plane_errors: Family<CallErrorLabels, Counter>,
+    plane_last_contact: FloatGauge,
+    provider_calls: Histograms<CallLabel>,
+    provider_errors: Family<CallLabel, Counter>,
+    journal_writes: Histograms<CallLabel>,
+    journal_errors: Family<CallLabel, Counter>,
+    degraded: Family<ReasonLabel, Gauge>,
+    clock_offset: FloatGauge,
+    certificate_expiry: FloatGauge,
+}
+
+/// The lease states [`Metrics::set_leases`] reports, always all of them (a
+/// state with no lease reads 0, not absent).
+pub const LEASE_STATES: [&str; 5] = ["launching", "running", "custody", "quarantine", "discard"];
+
+impl Metrics {
+    /// Registers every family in `registry` (names prefixed `billet_`),
+    /// with the build's version and commit as `billet_build_info`.
+    pub fn new(registry: &mut Registry, version: &str, commit: &str) -> Self {
+        let m = Self {
+            leases_held: Family::default(),
+            custody_entries: Gauge::default(),
+            custody_oldest_age: FloatGauge::default(),
+            commands: Family::default(),
+            command_duration: Family::new_with_constructor(latency),
+            launch_steps: Family::new_with_constructor(latency),
+            queue_depth: Gauge::default(),
+            queue_wait: latency(),
+            plane_calls: Family::new_with_constructor(latency),
+            plane_errors: Family::default(),
+            plane_last_contact: FloatGauge::default(),
+            provider_calls: Family::new_with_constructor(latency),
+            provider_errors: Family::default(),
+            journal_writes: Family::new_with_constructor(latency),
+            journal_errors: Family::default(),
+            degraded: Family::default(),
+            clock_offset: FloatGauge::default(),
+            certificate_expiry: FloatGauge::default(),
+        };
+        let r = registry.sub_registry_with_prefix("billet");
+        r.register(
+            "build",
+            "The running release: version and commit",
+            Info::new(BuildLabels {
+                version: version.to_owned(),
+                commit: commit.to_owned(),
+            }),
+        );
+        r.register(
+            "leases_held",
+            "Leases this node holds, by state (launching, running, custody, quarantine, discard)",
+            m.leases_held.clone(),
+        );
+        r.register(
+            "custody_entries",
+            "Leases held in node custody",
+            m.custody_entries.clone(),
+        );
+        r.register(
+            "custody_oldest_age_seconds",
+            "Age of the oldest custody entry, 0 when there is none",
+            m.custody_oldest_age.clone(),
+        );
+        r.register(
+            "commands",
+            "Commands run, by kind (launch, destroy, ...), outcome and reason (the error code)",
+            m.commands.clone(),
+        );
+        r.register(
+            "command_duration_seconds",
+            "How long a command ran, by kind (launch is the whole launch)",
+            m.command_duration.clone(),
+        );
+        r.register(
+            "launch_step_duration_seconds",
+            "The parts of a launch: bind, advance (to launching), mint (the JIT config), create (the instance, started)",
+            m.launch_steps.clone(),
+        );
+        r.register(
+            "command_queue_depth",
+            "Commands waiting for the slot",
+            m.queue_depth.clone(),
+        );
+        r.register(
+            "command_queue_wait_seconds",
+            "How long a command waited for the slot",
+            m.queue_wait.clone(),
+        );
+        r.register(
+            "plane_call_duration_seconds",
+            "Round trip of a call up the session to the plane, by call",
+            m.plane_calls.clone(),
+        );
+        r.register(
+            "plane_call_errors",
+            "Calls to the plane that failed, by call and code",
+            m.plane_errors.clone(),
+        );
+        r.register(
+            "plane_last_contact_timestamp_seconds",
+            "When the plane last sent a command or answered a call (unix seconds), 0 before it ever did",
+            m.plane_last_contact.clone(),
+        );
+        r.register(
+            "provider_call_duration_seconds",
+            "Provider (Docker) call latency, by call",
+            m.provider_calls.clone(),
+        );
+        r.register(
+            "provider_call_errors",
+            "Provider calls that failed, by call",
+            m.provider_errors.clone(),
+        );
+        r.register(
+            "journal_write_duration_seconds",
+            "Node journal write latency, by write",
+            m.journal_writes.clone(),
+        );
+        r.register(
+            "journal_write_errors",
+            "Node journal writes that failed, by write",
+            m.journal_errors.clone(),
+        );
+        r.register(
+            "degraded",
+            "1 while the node is degraded for this reason, else 0",
+            m.degraded.clone(),
+        );
+        r.register(
+            "clock_offset_seconds",
+            "This host's clock minus the plane's, as last measured",
+            m.clock_offset.clone(),
+        );
+        r.register(
+            "certificate_expiry_timestamp_seconds",
+            "When the node's certificate in force expires (unix seconds)",
+            m.certificate_expiry.clone(),
+        );
+        for state in LEASE_STATES {
+            m.leases_held.get_or_create(&StateLabel { state }).set(0);
+        }
+        m
+    }
+
+    /// Sets the held-lease gauges from one reading of the runner's state:
+    /// the count per state (states absent from `counts` read 0), and the
+    /// custody entries and the oldest one's age.
+    pub fn set_leases(&self, counts: &[(&'static str, i64)], custody: i64, oldest: Duration) {
+        for state in LEASE_STATES {
+            let n = counts
+                .iter()
+                .filter(|(s, _)| *s == state)
+                .map(|(_, n)| n)
+                .sum();
+            self.leases_held.get_or_create(&StateLabel { state }).set(n);
+        }
+        self.custody_entries.set(custody);
+        self.custody_oldest_age.set(oldest.as_secs_f64());
+    }
+
+    /// Sets the held-lease gauges from [`crate::node::runner::Runner::held`].
+    pub fn observe_runner(&self, held: &[HeldLease]) {
+        let mut counts: Vec<(&'static str, i64)> = Vec::new();
+        let (mut custody, mut oldest) = (0, Duration::ZERO);
+        for h in held {
+            let state = h.state.as_str();
+            match counts.iter_mut().find(|(s, _)| *s == state) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((state, 1)),
+            }
+            if h.state.in_custody() {
+                custody += 1;
+                oldest = oldest.max(h.age.unwrap_or_default());
+            }
+        }
+        self.set_leases(&counts, custody, oldest);
+    }
+
+    /// A command finished: `kind` as [`crate::edge::wire::NodeCommand::kind`]
+    /// names it, its outcome and error code as the wire spells them (the
+    /// proto enum names, lower case, without their prefix).
+    pub fn command_done(&self, kind: &'static str, outcome: &str, reason: &str, took: Duration) {
+        self.commands
+            .get_or_create(&CommandLabels {
+                kind,
+                outcome: outcome.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+        self.command_duration
+            .get_or_create(&KindLabel { kind })
+            .observe(took.as_secs_f64());
+    }
+
+    /// A command left the queue for the slot after waiting `waited`;
+    /// `depth` still wait behind it.
+    pub fn command_started(&self, waited: Duration, depth: usize) {
+        self.queue_wait.observe(waited.as_secs_f64());
+        self.set_queue_depth(depth);
+    }
+
+    /// How many commands wait for the slot.
+    pub fn set_queue_depth(&self, depth: usize) {
+        self.queue_depth
+            .set(i64::try_from(depth).unwrap_or(i64::MAX));
+    }
+
+    /// The plane was heard from now.
+    pub fn plane_contact(&self) {
+        self.plane_last_contact.set(unix_seconds(SystemTime::now()));
+    }
+
+    /// Sets or clears one reason the node is degraded (`billet_degraded
+    /// {reason}` 1 or 0). The health subsystem calls this; reasons are a
+    /// closed vocabulary of its own.
+    pub fn set_degraded(&self, reason: &str, degraded: bool) {
+        self.degraded
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .set(i64::from(degraded));
+    }
+
+    /// This host's clock minus the plane's, in seconds.
+    pub fn set_clock_offset_seconds(&self, offset: f64) {
+        self.clock_offset.set(offset);
+    }
+
+    /// When the certificate in force expires.
+    pub fn set_certificate_expiry(&self, not_after: SystemTime) {
+        self.certificate_expiry.set(unix_seconds(not_after));
+    }
+
+    fn plane_call(&self, call: &'static str, took: Duration, result: Result<(), &PlaneError>) {
+        self.plane_calls
+            .get_or_create(&CallLabel { call })
+            .observe(took.as_secs_f64());
+        match result {
+            Ok(()) => self.plane_contact(),
+            Err(e) => {
+                if !matches!(e, PlaneError::Unavailable(_)) {
+                    // The plane answered, with a refusal.
+                    self.plane_contact();
+                }
+                self.plane_errors
+                    .get_or_create(&CallErrorLabels {
+                        call,
+                        code: plane_code(e),
+                    })
+                    .inc();
+            }
+        }
+    }
+
+    fn step(&self, step: &'static str, took: Duration) {
+        self.launch_steps
+            .get_or_create(&StepLabel { step })
+            .observe(took.as_secs_f64());
+    }
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn plane_code(e: &PlaneError) -> &'static str {
+    match e {
+        PlaneError::Fenced(_) => "fenced",
+        PlaneError::NotFound(_) => "not_found",
+        PlaneError::BadTransition(_) => "bad_transition",
+        PlaneError::WrongNode(_) => "wrong_node",
+        PlaneError::Unavailable(_) => "unavailable",
+        PlaneError::ForceRelease(_) => "force_release",
+        PlaneError::Refused(_) => "refused",
+    }
+}
+
+/// When the first certificate in the PEM file at `path` expires; `None`
+/// when it cannot be read or parsed (the TLS watcher reports that).
+pub fn certificate_expiry(path: &std::path::Path) -> Option<SystemTime> {
+    let certs = crate::edge::tls::load_certs(path).ok()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
+    let secs = u64::try_from(cert.validity().not_after.timestamp()).ok()?;
+    Some(UNIX_EPOCH + Duration::from_secs(secs))
+}
+
+/// Reads the state the gauges show, just before each scrape is encoded.
+pub type Scrape = Arc<dyn Fn(&Metrics) + Send + Sync>;
+
+/// Serves `GET /metrics` on `listener` until `shutdown`: `scrape` runs, then
+/// `registry` is encoded. Any other path is 404. HTTP/1 only, one task per
+/// connection.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    metrics: Arc<Metrics>,
+    scrape: Scrape,
+    shutdown: CancellationToken,
+) {
+    use http_body_util::Full;
+    use hyper::body::Bytes;
+    use hyper::{Request, Response, StatusCode};
+    loop {
+        let stream = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    warn!(error = %e, "metrics listener: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let (registry, metrics, scrape) = (registry.clone(), metrics.clone(), scrape.clone());
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let (registry, metrics, scrape) =
+                    (registry.clone(), metrics.clone(), scrape.clone());
+                async move {
+                    if req.uri().path() == "/metrics" {
+                        scrape(&metrics);
+                        let mut body = String::new();
+                        match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                            Ok(()) => Response::builder()
+                                .header(hyper::header::CONTENT_TYPE, CONTENT_TYPE)
+                                .body(Full::new(Bytes::from(body))),
+                            Err(_) => Response::builder()
+                                .status(StatusCode::INTERNAL_SERVER_ERROR)
+                                .body(Full::new(Bytes::from_static(b"cannot encode metrics\n"))),
+                        }
+                    } else {
+                        Response::builder()
+                            .status(StatusCode::NOT_FOUND)
+                            .body(Full::new(Bytes::from_static(b"metrics are at /metrics\n")))
+                    }
+                }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            tokio::select! {
+                served = connection => if let Err(e) = served {
+                    debug!(error = %e, "metrics connection ended");
+                },
+                () = shutdown.cancelled() => {}
+            }
+        });
+    }
+}
+
+/// Binds the metrics listener.
+///
+/// # Errors
+///
+/// The address cannot be bound.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+fn timed<T, E>(start: Instant, result: &Result<T, E>) -> (Duration, bool) {
+    (start.elapsed(), result.is_ok())
+}
+
+/// A [`Provider`] that times every call and counts its errors.
+#[derive(Debug)]
+pub struct MeteredProvider {
+    inner: Arc<dyn Provider>,
+    metrics: Arc<Metrics>,
+}
+
+impl MeteredProvider {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Provider>, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+
+    fn observe(&self, call: &'static str, took: Duration, ok: bool) {
+        self.metrics
+            .provider_calls
+            .get_or_create(&CallLabel { call })
+            .observe(took.as_secs_f64());
+        if !ok {
+            self.metrics
+                .provider_errors
+                .get_or_create(&CallLabel { call })
+                .inc();
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for MeteredProvider {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn runs_on_host(&self) -> bool {
+        self.inner.runs_on_host()
+    }
+
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.create(spec).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("create", took, ok);
+        // The Docker provider's create also starts the container.
+        self.metrics.step("create", took);
+        r
+    }
+
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.destroy(name).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("destroy", took, ok);
+        r
+    }
+
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.list().await;
+        let (took, ok) = timed(start, &r);
+        self.observe("list", took, ok);
+        r
+    }
+
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.find(name).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("find", took, ok);
+        r
+    }
+}
+
+/// The plane seams ([`LeaseStore`], [`JitSource`]) timed per call: each
+/// call's round trip up the session, its errors by code, and the plane's
+/// last contact. Bind, Advance(launching) and mint also count as launch
+/// steps.
+#[derive(Debug)]
+pub struct MeteredPlane<P> {
+    inner: Arc<P>,
+    metrics: Arc<Metrics>,
+}
+
+impl<P> MeteredPlane<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<P>, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+
+    fn observe<T>(
+        &self,
+        call: &'static str,
+        start: Instant,
+        r: &Result<T, PlaneError>,
+    ) -> Duration {
+        let took = start.elapsed();
+        self.metrics.plane_call(call, took, r.as_ref().map(|_| ()));
+        took
+    }
+}
+
+#[async_trait]
+impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
+    async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.bind(lease, epoch).await;
+        let took = self.observe("bind", start, &r);
+        self.metrics.step("bind", took);
+        r
+    }
+
+    async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.advance(lease, epoch, phase).await;
+        let took = self.observe("advance", start, &r);
+        if phase == Phase::Launching {
+            self.metrics.step("advance", took);
+        }
+        r
+    }
+
+    async fn heartbeat(
+        &self,
+        leases: &[(LeaseId, Epoch)],
+    ) -> Result<Vec<Result<(), PlaneError>>, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.heartbeat(leases).await;
+        self.observe("heartbeat", start, &r);
+        r
+    }
+
+    async fn release(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        outcome: Phase,
+    ) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.release(lease, epoch, outcome).await;
+        self.observe("release", start, &r);
+        r
+    }
+
+    async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.lease(lease).await;
+        self.observe("lease", start, &r);
+        r
+    }
+
+    async fn launched(&self) -> Result<LaunchedSet, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.launched().await;
+        self.observe("launched", start, &r);
+        r
+    }
+
+    async fn reconcile(&self, running: &[LeaseId]) -> Result<u32, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.reconcile(running).await;
+        self.observe("reconcile", start, &r);
+        r
+    }
+
+    fn lease_ttl(&self) -> Duration {
+        self.inner.lease_ttl()
+    }
+}
+
+#[async_trait]
+impl<P: JitSource + 'static> JitSource for MeteredPlane<P> {
+    async fn mint(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_name: &InstanceName,
+    ) -> Result<Registration, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.mint(lease, epoch, runner_name).await;
+        let took = self.observe("mint", start, &r);
+        self.metrics.step("mint", took);
+        r
+    }
+
+    async fn remove_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self
+            .inner
+            .remove_runner(lease, epoch, runner_id, runner_name)
+            .await;
+        self.observe("remove_runner", start, &r);
+        r
+    }
+}
+
+/// A [`Journal`] whose writes are timed (reads are not: they happen once,
+/// at start-up).
+#[derive(Debug)]
+pub struct MeteredJournal {
+    inner: Arc<dyn Journal>,
+    metrics: Arc<Metrics>,
+}
+
+impl MeteredJournal {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Journal>, metrics: Arc<Metrics>) -> Self {
+        Self { inner, metrics }
+    }
+
+    fn observe(&self, call: &'static str, start: Instant, r: &Result<(), JournalError>) {
+        self.metrics
+            .journal_writes
+            .get_or_create(&CallLabel { call })
+            .observe(start.elapsed().as_secs_f64());
+        if r.is_err() {
+            self.metrics
+                .journal_errors
+                .get_or_create(&CallLabel { call })
+                .inc();
+        }
+    }
+}
+
+#[async_trait]
+impl Journal for MeteredJournal {
+    async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.put_launch(launch).await;
+        self.observe("put_launch", start, &r);
+        r
+    }
+
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.forget_launch(lease).await;
+        self.observe("forget_launch", start, &r);
+        r
+    }
+
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
+        self.inner.launches().await
+    }
+
+    async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.put_custody(entry).await;
+        self.observe("put_custody", start, &r);
+        r
+    }
+
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.forget_custody(lease).await;
+        self.observe("forget_custody", start, &r);
+        r
+    }
+
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
+        self.inner.custody().await
+    }
+
+    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.put_result(command, encoded).await;
+        self.observe("put_result", start, &r);
+        r
+    }
+
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
+        self.inner.results().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoded(registry: &Registry) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, registry).unwrap();
+        s
+    }
+
+    #[test]
+    fn every_lease_state_is_reported_even_at_zero_and_counts_are_replaced() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "1.2.3", "abc");
+        m.set_leases(
+            &[("running", 2), ("custody", 1)],
+            1,
+            Duration::from_secs(90),
+        );
+        let text = encoded(&registry);
+        assert!(
+            text.contains("billet_leases_held{state=\"running\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("billet_leases_held{state=\"launching\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("billet_custody_oldest_age_seconds 90.0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("billet_build_info{version=\"1.2.3\",commit=\"abc\"} 1"),
+            "{text}"
+        );
+        m.set_leases(&[], 0, Duration::ZERO);
+        assert!(encoded(&registry).contains("billet_leases_held{state=\"running\"} 0"));
+    }
+
+    #[test]
+    fn every_metric_the_grafana_dashboard_queries_is_one_the_node_serves() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "v", "c");
+        // A family shows once it has a sample: give every one of them one.
+        m.command_done("launch", "ok", "none", Duration::from_millis(1));
+        m.command_started(Duration::from_millis(1), 0);
+        m.plane_call(
+            "bind",
+            Duration::from_millis(1),
+            Err(&PlaneError::Fenced("x".into())),
+        );
+        m.step("bind", Duration::from_millis(1));
+        m.set_degraded("docker", false);
+        let call = CallLabel { call: "create" };
+        m.provider_calls.get_or_create(&call).observe(0.1);
+        m.provider_errors.get_or_create(&call).inc();
+        m.journal_writes.get_or_create(&call).observe(0.1);
+        m.journal_errors.get_or_create(&call).inc();
+        let text = encoded(&registry);
+        let dashboard = include_str!("../../../deploy/grafana-billet-node.json");
+        let mut names: Vec<&str> = dashboard
+            .match_indices("billet_")
+            .map(|(i, _)| {
+                let rest = &dashboard[i..];
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                    .unwrap_or(rest.len());
+                &rest[..end]
+            })
+            .filter(|n| *n != "billet_" && *n != "billet_node")
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        assert!(names.len() > 10, "{names:?}");
+        for name in names {
+            let family = ["_bucket", "_count", "_sum", "_total", "_info"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .unwrap_or(name);
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "the dashboard queries {name}, which the node does not serve:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_command_counts_by_kind_outcome_and_reason() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "v", "c");
+        m.command_done("launch", "failed", "internal", Duration::from_millis(5));
+        let text = encoded(&registry);
+        assert!(
+            text.contains(
+                "billet_commands_total{kind=\"launch\",outcome=\"failed\",reason=\"internal\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("billet_command_duration_seconds_count{kind=\"launch\"} 1"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,202 @@
+//! Metrics as an operator collects them: a real Prometheus server (Debian's
+//! `prometheus` package, started here on loopback with a generated
+//! configuration) scrapes a node's `--metrics-listen` endpoint while a job
+//! runs, and its HTTP API answers for the node's metrics afterwards.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use billet_tests::cluster::{Cluster, ClusterOptions, free_port, scratch_dir};
+
+const PROMETHEUS: &str = "/usr/bin/prometheus";
+
+/// A plain HTTP/1.0 GET (no client library needed): status and body.
+fn get(addr: SocketAddr, path_and_query: &str) -> Result<(u16, String)> {
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET {path_and_query} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .context("an HTTP response")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .context("a status")?
+        .parse()?;
+    Ok((status, body.to_owned()))
+}
+
+/// Prometheus, killed when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    fn start(dir: &Path, target: SocketAddr) -> Result<Self> {
+        ensure!(
+            Path::new(PROMETHEUS).exists(),
+            "{PROMETHEUS} is missing: install Debian's prometheus package (scripts/test does)"
+        );
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: billet-node\n    scrape_interval: 1s\n    scrape_timeout: 1s\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )?;
+        let addr = free_port()?;
+        let log = std::fs::File::create(dir.join("prometheus.log"))?;
+        let child = std::process::Command::new(PROMETHEUS)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("start prometheus")?;
+        Ok(Self { child, addr })
+    }
+
+    /// The samples of an instant query.
+    fn query(&self, query: &str) -> Result<Vec<serde_json::Value>> {
+        let encoded: String = query
+            .bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'.' | b'-' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        let (status, body) = get(self.addr, &format!("/api/v1/query?query={encoded}"))?;
+        ensure!(status == 200, "query {query}: {status} {body}");
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// The value of a query that yields one sample, once it does.
+    async fn wait_value(&self, query: &str, timeout: Duration) -> Result<f64> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok(samples) = self.query(query)
+                && let Some(v) = samples
+                    .first()
+                    .and_then(|s| s["value"][1].as_str())
+                    .and_then(|v| v.parse::<f64>().ok())
+            {
+                return Ok(v);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("prometheus never answered {query} within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_a_nodes_launches_and_lease_state_while_a_job_runs() -> Result<()> {
+    let metrics = free_port()?;
+    let cluster = Cluster::start(ClusterOptions {
+        node_env: vec![("BILLET_METRICS_LISTEN".into(), metrics.to_string())],
+        work_ms: 4000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let dir = scratch_dir("prometheus")?;
+    let prometheus = Prometheus::start(&dir, metrics)?;
+    // The endpoint answers in the exposition format, and only at /metrics.
+    let (status, text) = get(metrics, "/metrics")?;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("billet_build_info{"), "{text}");
+    assert_eq!(get(metrics, "/")?.0, 404);
+
+    // Prometheus has the target up before the job is queued.
+    let up = prometheus
+        .wait_value("up{job=\"billet-node\"}", Duration::from_secs(60))
+        .await?;
+    assert_eq!(up, 1.0);
+    let jobs = cluster.queue_jobs(1);
+    // While it runs, the node holds one lease.
+    prometheus
+        .wait_value(
+            "billet_leases_held{state=\"running\"} == 1",
+            Duration::from_secs(60),
+        )
+        .await?;
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(90))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+
+    let launches = prometheus
+        .wait_value(
+            "billet_commands_total{kind=\"launch\",outcome=\"ok\"}",
+            Duration::from_secs(30),
+        )
+        .await?;
+    assert_eq!(launches, 1.0);
+    prometheus
+        .wait_value(
+            "billet_commands_total{kind=\"destroy\",outcome=\"ok\"} >= 1",
+            Duration::from_secs(30),
+        )
+        .await?;
+    for step in ["bind", "advance", "mint", "create"] {
+        let n = prometheus
+            .wait_value(
+                &format!("billet_launch_step_duration_seconds_count{{step=\"{step}\"}}"),
+                Duration::from_secs(30),
+            )
+            .await?;
+        assert_eq!(n, 1.0, "launch step {step}");
+    }
+    assert!(
+        prometheus
+            .wait_value(
+                "billet_certificate_expiry_timestamp_seconds - time()",
+                Duration::from_secs(10)
+            )
+            .await?
+            > 86_400.0
+    );
+    prometheus
+        .wait_value(
+            "time() - billet_plane_last_contact_timestamp_seconds < 60",
+            Duration::from_secs(10),
+        )
+        .await?;
+    prometheus
+        .wait_value(
+            "billet_journal_write_duration_seconds_count{call=\"put_launch\"} >= 1",
+            Duration::from_secs(10),
+        )
+        .await?;
+    prometheus
+        .wait_value(
+            "billet_leases_held{state=\"running\"} == 0",
+            Duration::from_secs(30),
+        )
+        .await?;
+    drop(prometheus);
+    cluster.shutdown().await
+}
