@@ -513,6 +513,14 @@ impl Provider for MeteredProvider {
         self.inner.runs_on_host()
     }
 
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.check_image(image).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("check_image", took, ok);
+        r
+    }
+
     async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
         let start = Instant::now();
         let r = self.inner.create(spec).await;
