@@ -21,6 +21,9 @@ fn main() -> ExitCode {
             node(args)
         }
         Ok(Cli {
+            command: Command::NodeStatus(args),
+        }) => cli::status::status(args),
+        Ok(Cli {
             command: Command::Check(args),
         }) => {
             cli::init_tracing();

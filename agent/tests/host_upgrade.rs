@@ -578,6 +578,7 @@ impl billet_proto::v1::local_server::Local for DrainingNode {
             incarnation: "draining".into(),
             recovered: true,
             draining: true,
+            ..Default::default()
         }))
     }
 }

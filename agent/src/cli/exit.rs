@@ -11,6 +11,8 @@ pub const STATE: u8 = 6;
 pub const JOURNAL: u8 = 7;
 pub const UPGRADE_REFUSED: u8 = 8;
 pub const UPGRADE_FAILED: u8 = 9;
+/// `billet node status`: no node answers on the state directory's socket.
+pub const NOT_RUNNING: u8 = 10;
 pub const SERVE: u8 = 1;
 
 /// The exit code for an error of [`crate::node::server::prepare`] or

@@ -19,6 +19,7 @@ pub mod config;
 pub mod config_file;
 pub mod exit;
 pub mod host_upgrade;
+pub mod status;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -34,7 +35,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the node agent: serve the control plane over mTLS gRPC.
+    #[command(
+        after_help = "`billet node status [--state-dir DIR | --config FILE] [--json]` shows what the node on this host is doing.\n\nLogs go to stderr, filtered by BILLET_LOG (a tracing filter such as `info`, `debug` or `billet_agent=trace`; default `info`)."
+    )]
     Node(NodeArgs),
+    /// `billet node status` (parsed on its own: `node`'s flags are required
+    /// for serving, none of them for asking).
+    #[command(skip)]
+    NodeStatus(status::StatusArgs),
     /// Check a node's configuration as `billet node` would before binding
     /// (flags, TLS material, state directory and journal, Docker engine,
     /// upgrade configuration), exiting with the same codes; binds and
@@ -174,6 +182,16 @@ fn parse_metrics_listen(value: &str) -> Result<SocketAddr, String> {
 /// The exit code to stop with, after the message was printed: 2 for a bad
 /// file, key, value or flag, 0 for `--help` and `--version`.
 pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
+    if args.get(1).is_some_and(|a| a == "node") && args.get(2).is_some_and(|a| a == "status") {
+        return <status::StatusArgs as clap::Parser>::try_parse_from(&args[2..])
+            .map(|a| Cli {
+                command: Command::NodeStatus(a),
+            })
+            .map_err(|e| {
+                let _ = e.print();
+                ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 })
+            });
+    }
     let mut command =
         <Cli as clap::CommandFactory>::command().version(crate::upgrade::version::version());
     // `check` takes the same flags, and the same file, as `node`.

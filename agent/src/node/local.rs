@@ -17,6 +17,7 @@ use thiserror::Error;
 use tokio::net::{UnixListener, UnixStream};
 use tonic::{Request, Response, Status};
 
+use crate::node::metrics::Metrics;
 use crate::node::runner::Runner;
 use crate::node::session::Recovery;
 
@@ -76,6 +77,8 @@ pub struct LocalService {
     incarnation: String,
     recovery: Arc<Recovery>,
     runner: Arc<Runner>,
+    /// Plane contact, and the certificate file whose expiry is reported.
+    observed: Option<(Arc<Metrics>, PathBuf)>,
 }
 
 impl LocalService {
@@ -92,8 +95,22 @@ impl LocalService {
             incarnation,
             recovery,
             runner,
+            observed: None,
         }
     }
+
+    /// Also reports the plane's last contact (from `metrics`) and the expiry
+    /// of the certificate at `cert`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>, cert: PathBuf) -> Self {
+        self.observed = Some((metrics, cert));
+        self
+    }
+}
+
+fn unix_ms(t: std::time::SystemTime) -> i64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 #[tonic::async_trait]
@@ -102,18 +119,44 @@ impl pb::local_server::Local for LocalService {
         &self,
         _: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::LocalStatus>, Status> {
+        let (plane_contact_unix_ms, certificate_not_after_unix_ms) = match &self.observed {
+            Some((metrics, cert)) => (
+                metrics.plane_contact_at().map_or(0, unix_ms),
+                crate::node::metrics::certificate_expiry(cert).map_or(0, unix_ms),
+            ),
+            None => (0, 0),
+        };
+        let leases = self
+            .runner
+            .held()
+            .into_iter()
+            .map(|h| pb::LeaseStatus {
+                lease_id: h.lease.as_str().to_owned(),
+                epoch: h.epoch.0,
+                state: h.state.as_str().to_owned(),
+                instance: h.instance.as_str().to_owned(),
+                runner_name: h.runner.unwrap_or_default(),
+                age_ms: h
+                    .age
+                    .map_or(0, |a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
+                custody: h.state.in_custody(),
+            })
+            .collect();
         Ok(Response::new(pb::LocalStatus {
             version: self.version.clone(),
             pid: std::process::id(),
             incarnation: self.incarnation.clone(),
             recovered: self.recovery.is_done(),
             draining: self.runner.is_draining(),
+            leases,
+            plane_contact_unix_ms,
+            certificate_not_after_unix_ms,
         }))
     }
 }
 
 /// What a node answered on its local socket.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Observed {
     /// Whether `grpc.health.v1` says the `Node` service is serving.
     pub serving: bool,

@@ -321,6 +321,12 @@ impl Metrics {
         self.plane_last_contact.set(unix_seconds(SystemTime::now()));
     }
 
+    /// When the plane was last heard from, if ever.
+    pub fn plane_contact_at(&self) -> Option<SystemTime> {
+        let secs = self.plane_last_contact.get();
+        (secs > 0.0).then(|| UNIX_EPOCH + Duration::from_secs_f64(secs))
+    }
+
     /// Sets or clears one reason the node is degraded (`billet_degraded
     /// {reason}` 1 or 0). The health subsystem calls this; reasons are a
     /// closed vocabulary of its own.

@@ -313,7 +313,8 @@ pub async fn run(
         identity.incarnation.clone(),
         recovery.clone(),
         runner.clone(),
-    );
+    )
+    .with_metrics(metrics.clone(), config.tls.cert.clone());
     let service = NodeService::new(
         identity,
         runner.clone(),

@@ -1,0 +1,338 @@
+//! `billet node status`: asks a running node on its local socket
+//! (`<state_dir>/node.sock`, [`crate::node::local`]) what it is doing, and
+//! prints it as a table, or as JSON with `--json`. It reads; it changes
+//! nothing, and needs no certificate: whoever can enter the 0700 state
+//! directory may ask.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use billet_proto::v1 as pb;
+
+use super::exit;
+
+/// `billet node status`'s flags.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "status",
+    bin_name = "billet node status",
+    about = "Show what the node on this host is doing: its release, recovery, plane contact, certificate and the leases it holds"
+)]
+pub struct StatusArgs {
+    /// The node's configuration file; its `state_dir` is used (relative to
+    /// the file's directory) unless --state-dir is given.
+    #[arg(long, env = "BILLET_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The node's state directory, where its local socket is.
+    #[arg(long, env = "BILLET_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds to wait for the node's answer.
+    #[arg(long, default_value_t = 5)]
+    pub timeout_secs: u64,
+}
+
+/// The state directory when neither the flag, the environment nor a file
+/// names one: `billet node`'s default.
+const DEFAULT_STATE_DIR: &str = "/var/lib/billet";
+
+impl StatusArgs {
+    /// Where to look: `--state-dir`, else the file's `state_dir`, else the
+    /// default.
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be read or is not TOML, naming it.
+    fn state_dir(&self) -> Result<PathBuf, String> {
+        if let Some(dir) = &self.state_dir {
+            return Ok(dir.clone());
+        }
+        let Some(file) = &self.config else {
+            return Ok(PathBuf::from(DEFAULT_STATE_DIR));
+        };
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| format!("configuration file {}: cannot read: {e}", file.display()))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e| format!("configuration file {}: not valid TOML: {e}", file.display()))?;
+        Ok(match table.get("state_dir").and_then(|v| v.as_str()) {
+            Some(dir) => std::path::absolute(file)
+                .ok()
+                .and_then(|f| f.parent().map(|p| p.join(dir)))
+                .unwrap_or_else(|| PathBuf::from(dir)),
+            None => PathBuf::from(DEFAULT_STATE_DIR),
+        })
+    }
+}
+
+/// Runs `billet node status`: 0 when the node answered, [`exit::CONFIG`]
+/// for a configuration file it cannot read, [`exit::NOT_RUNNING`] when no
+/// node answers on the socket.
+pub fn status(args: StatusArgs) -> ExitCode {
+    let state_dir = match args.state_dir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(exit::CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::SERVE);
+        }
+    };
+    let observed = runtime.block_on(crate::node::local::check(
+        &state_dir,
+        Duration::from_secs(args.timeout_secs.max(1)),
+    ));
+    match observed {
+        Ok(o) => {
+            let now = SystemTime::now();
+            if args.json {
+                println!("{}", json(o.serving, &o.status, now));
+            } else {
+                print!("{}", table(o.serving, &o.status, now));
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(exit::NOT_RUNNING)
+        }
+    }
+}
+
+fn at(unix_ms: i64) -> Option<SystemTime> {
+    u64::try_from(unix_ms)
+        .ok()
+        .filter(|ms| *ms > 0)
+        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
+}
+
+/// Seconds from `now` to `t` (negative in the past).
+fn seconds_from(now: SystemTime, t: SystemTime) -> i64 {
+    match t.duration_since(now) {
+        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_secs()).unwrap_or(i64::MAX),
+    }
+}
+
+/// A duration for people: `45s`, `12m`, `3h`, `9d`.
+fn human(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+/// The JSON form: the status's own field names, ages and times in
+/// milliseconds and seconds as named.
+pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::Value {
+    let pb::LocalStatus {
+        version,
+        pid,
+        incarnation,
+        recovered,
+        draining,
+        leases,
+        plane_contact_unix_ms,
+        certificate_not_after_unix_ms,
+        // The health fields are shown once they exist.
+        ..
+    } = s;
+    serde_json::json!({
+        "version": version,
+        "pid": pid,
+        "incarnation": incarnation,
+        "serving": serving,
+        "recovered": recovered,
+        "draining": draining,
+        "plane_contact_unix_ms": plane_contact_unix_ms,
+        "plane_contact_age_secs": at(*plane_contact_unix_ms).map(|t| -seconds_from(now, t)),
+        "certificate_not_after_unix_ms": certificate_not_after_unix_ms,
+        "certificate_expires_in_secs": at(*certificate_not_after_unix_ms).map(|t| seconds_from(now, t)),
+        "leases": leases.iter().map(|l| {
+            let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
+            serde_json::json!({
+                "lease_id": lease_id,
+                "epoch": epoch,
+                "state": state,
+                "instance": instance,
+                "runner_name": runner_name,
+                "age_ms": age_ms,
+                "custody": custody,
+            })
+        }).collect::<Vec<_>>(),
+    })
+}
+
+/// The table form: the node, then one row per lease.
+pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
+    use std::fmt::Write;
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let mut out = String::new();
+    let plane = at(s.plane_contact_unix_ms).map_or_else(
+        || "never heard from".to_owned(),
+        |t| {
+            format!(
+                "last heard {} ago",
+                human(seconds_from(now, t).unsigned_abs())
+            )
+        },
+    );
+    let cert = at(s.certificate_not_after_unix_ms).map_or_else(
+        || "unreadable".to_owned(),
+        |t| match seconds_from(now, t) {
+            secs if secs >= 0 => format!("expires in {}", human(secs.unsigned_abs())),
+            secs => format!("EXPIRED {} ago", human(secs.unsigned_abs())),
+        },
+    );
+    let _ = writeln!(out, "version      {}", s.version);
+    let _ = writeln!(out, "incarnation  {}", s.incarnation);
+    let _ = writeln!(out, "pid          {}", s.pid);
+    let _ = writeln!(out, "serving      {}", yes(serving));
+    let _ = writeln!(out, "recovered    {}", yes(s.recovered));
+    let _ = writeln!(out, "draining     {}", yes(s.draining));
+    let _ = writeln!(out, "plane        {plane}");
+    let _ = writeln!(out, "certificate  {cert}");
+    let _ = writeln!(out, "leases       {}", s.leases.len());
+    if s.leases.is_empty() {
+        return out;
+    }
+    let rows: Vec<[String; 7]> = s
+        .leases
+        .iter()
+        .map(|l| {
+            [
+                l.lease_id.clone(),
+                l.epoch.to_string(),
+                l.state.clone(),
+                yes(l.custody).to_owned(),
+                l.instance.clone(),
+                if l.runner_name.is_empty() {
+                    "-".to_owned()
+                } else {
+                    l.runner_name.clone()
+                },
+                if l.age_ms == 0 {
+                    "-".to_owned()
+                } else {
+                    human(l.age_ms / 1000)
+                },
+            ]
+        })
+        .collect();
+    let header = [
+        "LEASE", "EPOCH", "STATE", "CUSTODY", "INSTANCE", "RUNNER", "AGE",
+    ];
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let line = |cells: &[&str]| {
+        cells
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
+            .trim_end()
+            .to_owned()
+    };
+    out.push('\n');
+    let _ = writeln!(out, "{}", line(&header));
+    for row in &rows {
+        let cells: Vec<&str> = row.iter().map(String::as_str).collect();
+        let _ = writeln!(out, "{}", line(&cells));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(
+        clippy::needless_update,
+        reason = "the health fields (6-10) join LocalStatus later"
+    )]
+    fn status() -> pb::LocalStatus {
+        pb::LocalStatus {
+            version: "1.2.3".into(),
+            pid: 42,
+            incarnation: "abc".into(),
+            recovered: true,
+            draining: false,
+            leases: vec![pb::LeaseStatus {
+                lease_id: "lease-1".into(),
+                epoch: 3,
+                state: "custody".into(),
+                instance: "billet-lease-1".into(),
+                runner_name: "billet-lease-1".into(),
+                age_ms: 90_000,
+                custody: true,
+            }],
+            plane_contact_unix_ms: 1_000_000_000_000 - 5_000,
+            certificate_not_after_unix_ms: 1_000_000_000_000 + 10 * 86_400_000,
+            ..Default::default()
+        }
+    }
+
+    fn now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(1_000_000_000_000)
+    }
+
+    #[test]
+    fn the_table_shows_the_node_and_one_row_per_lease() {
+        let text = table(true, &status(), now());
+        assert!(text.contains("plane        last heard 5s ago"), "{text}");
+        assert!(text.contains("certificate  expires in 10d"), "{text}");
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("lease-1"))
+            .expect("a row for the lease");
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(
+            cells,
+            [
+                "lease-1",
+                "3",
+                "custody",
+                "yes",
+                "billet-lease-1",
+                "billet-lease-1",
+                "90s"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_json_names_every_field_and_computes_ages() {
+        let v = json(true, &status(), now());
+        assert_eq!(v["plane_contact_age_secs"], 5);
+        assert_eq!(v["certificate_expires_in_secs"], 10 * 86_400);
+        assert_eq!(v["leases"][0]["state"], "custody");
+        assert_eq!(v["leases"][0]["custody"], true);
+        let never = json(
+            true,
+            &pb::LocalStatus {
+                plane_contact_unix_ms: 0,
+                ..status()
+            },
+            now(),
+        );
+        assert!(never["plane_contact_age_secs"].is_null());
+    }
+}
