@@ -472,6 +472,41 @@ async fn the_janitor_keeps_renewing_for_the_whole_drain() {
     node.stopped().await;
 }
 
+/// Health reads NOT_SERVING from the moment a drain begins, while the
+/// node still holds compute and still answers (issue #15): a probe or load
+/// balancer sends it nothing new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_not_serving_as_soon_as_a_drain_begins() {
+    let node = Node::start().await;
+    let plane = node.attach().await;
+    plane.renewed(HELD, 1).await;
+    let state_dir = node._scratch.0.join("state");
+    let before = billet_agent::node::local::check(&state_dir, Duration::from_secs(5))
+        .await
+        .expect("the node answers");
+    assert!(before.serving, "{before:?}");
+    node.drain.cancel();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = billet_agent::node::local::check(&state_dir, Duration::from_secs(5))
+            .await
+            .expect("a draining node still answers");
+        if !now.serving {
+            assert!(now.status.draining, "{now:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still SERVING 10 s into the drain"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!node.run.is_finished(), "the drain ended while holding");
+    drop(plane);
+    node.shutdown.cancel();
+    node.stopped().await;
+}
+
 /// 7.L.14: the janitor does not outlive the node. When the node stops,
 /// every task it started has ended: nothing holds the runner (and so the
 /// provider) any more.

@@ -13,4 +13,9 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// `billet.node.v1`.
 pub mod v1 {
     tonic::include_proto!("billet.node.v1");
+
+    /// The encoded `FileDescriptorSet` of `billet/node/v1/node.proto`, for
+    /// gRPC server reflection (so `grpcurl` can list and describe).
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/billet_node_v1_descriptor.bin"));
 }

@@ -23,6 +23,6 @@ pub fn for_node_error(e: &NodeError) -> u8 {
         NodeError::StateDir { .. } | NodeError::Local(_) => STATE,
         NodeError::Provider(_) => PROVIDER,
         NodeError::Journal(_) => JOURNAL,
-        NodeError::Serve(_) => SERVE,
+        NodeError::Serve(_) | NodeError::Reflection(_) => SERVE,
     }
 }

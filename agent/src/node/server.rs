@@ -102,6 +102,9 @@ pub enum NodeError {
     /// The local socket cannot be bound.
     #[error(transparent)]
     Local(#[from] crate::node::local::BindError),
+    /// The compiled-in descriptors could not be served for reflection.
+    #[error("gRPC reflection: {0}")]
+    Reflection(String),
     /// The gRPC server failed.
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
@@ -325,6 +328,7 @@ pub async fn run(
 
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
+    let drain_begun = drain.clone();
     tasks.spawn(
         execute_commands(
             runner.clone(),
@@ -432,6 +436,39 @@ pub async fn run(
     health
         .set_serving::<pb::node_server::NodeServer<NodeService>>()
         .await;
+    {
+        // A draining node takes no launches: it is not serving, whatever
+        // else it still answers (load balancers and probes read this).
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            tokio::select! {
+                () = drain_begun.cancelled() => {
+                    health
+                        .set_not_serving::<pb::node_server::NodeServer<NodeService>>()
+                        .await;
+                }
+                () = shutdown.cancelled() => {}
+            }
+        });
+    }
+    // Reflection, so grpcurl can list and describe what is served, on the
+    // port and on the local socket; v1alpha too, which older clients ask.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflect = || -> Result<_, NodeError> {
+        let v1 = reflection()
+            .build_v1()
+            .map_err(|e| NodeError::Reflection(e.to_string()))?;
+        let v1alpha = reflection()
+            .build_v1alpha()
+            .map_err(|e| NodeError::Reflection(e.to_string()))?;
+        Ok((v1, v1alpha))
+    };
+    let (port_reflection, port_reflection_alpha) = reflect()?;
+    let (local_reflection, local_reflection_alpha) = reflect()?;
     let tls_config = crate::edge::tls::watch_files(
         config.tls.clone(),
         &tls,
@@ -453,6 +490,8 @@ pub async fn run(
         tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(health)
+                .add_service(local_reflection)
+                .add_service(local_reflection_alpha)
                 .add_service(pb::local_server::LocalServer::new(local_service))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::UnixListenerStream::new(local),
@@ -471,6 +510,8 @@ pub async fn run(
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .concurrency_limit_per_connection(MAX_STREAMS_PER_CONNECTION as usize)
         .add_service(health_service)
+        .add_service(port_reflection)
+        .add_service(port_reflection_alpha)
         .add_service(
             pb::node_server::NodeServer::new(service)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
