@@ -212,11 +212,16 @@ impl Installed {
             .map(|(k, v)| format!("Environment={}\n", unit_word(&format!("{k}={v}"), false)))
             .collect();
         let log = log.display().to_string();
+        // Everything of this test's node (binary, certificates, state) is
+        // in the shared directory under /tmp: the one place the deployed
+        // unit's hardening is relaxed, as an operator's drop-in would for a
+        // --state-dir outside /var/lib/billet.
+        let shared = host.shared.display().to_string();
         write_file_in(
             host,
             &format!("/etc/systemd/system/{NODE_UNIT}.d/test.conf"),
             &format!(
-                "[Service]\nEnvironmentFile=\nExecStart=\nExecStart={}\n{environment}StandardOutput=append:{log}\nStandardError=append:{log}\n",
+                "[Service]\nEnvironmentFile=\nExecStart=\nExecStart={}\n{environment}StandardOutput=append:{log}\nStandardError=append:{log}\nPrivateTmp=no\nReadWritePaths={shared}\n",
                 exec.join(" ")
             ),
         )?;

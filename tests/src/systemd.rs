@@ -62,7 +62,7 @@ tar -C / --hard-dereference --no-recursion --ignore-failed-read -cf - -T "$out.f
 "#;
 
 /// A stand-in for the Docker engine's own unit, which the deployed unit
-/// requires: the engine is the host's, reached through its socket.
+/// wants: the engine is the host's, reached through its socket.
 const DOCKER_UNIT: &str = "[Unit]\nDescription=stand-in: the host's Docker engine\n\n[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/true\n";
 
 /// A running container whose PID 1 is systemd.
@@ -114,6 +114,10 @@ impl SystemdHost {
             // systemd needs its own bookkeeping hierarchy writable; every
             // resource controller stays as the engine mounts it, read-only.
             .args(["-v", "/sys/fs/cgroup/systemd:/sys/fs/cgroup/systemd"])
+            // Mount namespaces, so a unit's hardening (ProtectSystem=,
+            // PrivateTmp=, ...) is enforced as on a real host; without it
+            // systemd skips those settings silently.
+            .args(["--cap-add", "SYS_ADMIN"])
             .args(["-v", &mount])
             .args(["-v", &format!("{socket}:{socket}")])
             .args(["-e", "container=docker", IMAGE])
