@@ -68,6 +68,11 @@ struct Cli {
     /// set, wins over both.
     #[arg(long)]
     verbose: bool,
+    /// Only build the stand-in runner image (`billet-standin-runner:dev`)
+    /// from this checkout's binary, for a plane run by hand
+    /// (`billet-plane --emulator`), and exit.
+    #[arg(long)]
+    build_image: bool,
 }
 
 fn main() -> ExitCode {
@@ -87,6 +92,29 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.build_image {
+        return runtime.block_on(async {
+            let built = async {
+                let docker = billet_tests::image::connect_docker().await?;
+                billet_tests::image::build_standin_image(
+                    &docker,
+                    &billet_tests::image::binary_path("billet-standin-runner")?,
+                    billet_tests::cluster::STANDIN_IMAGE,
+                )
+                .await
+            };
+            match built.await {
+                Ok(()) => {
+                    println!("built {}", billet_tests::cluster::STANDIN_IMAGE);
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("billet-demo: {e:#}");
+                    ExitCode::from(2)
+                }
+            }
+        });
+    }
     runtime.block_on(run(cli, &logs))
 }
 
