@@ -21,6 +21,12 @@ fn main() -> ExitCode {
             node(args)
         }
         Ok(Cli {
+            command: Command::Completions { shell },
+        }) => cli::docs::completions(shell),
+        Ok(Cli {
+            command: Command::Man,
+        }) => cli::docs::man(),
+        Ok(Cli {
             command: Command::NodeStatus(args),
         }) => cli::status::status(args),
         Ok(Cli {

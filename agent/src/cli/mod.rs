@@ -17,6 +17,7 @@ use clap::{Parser, Subcommand};
 pub mod check;
 pub mod config;
 pub mod config_file;
+pub mod docs;
 pub mod exit;
 pub mod host_upgrade;
 pub mod status;
@@ -48,6 +49,14 @@ pub enum Command {
     /// upgrade configuration), exiting with the same codes; binds and
     /// changes nothing.
     Check(NodeArgs),
+    /// Print a shell completion script for `billet` (bash, zsh, fish,
+    /// elvish, powershell) to stdout.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print `billet`'s man page (roff, section 1) to stdout.
+    Man,
     /// Replace this node's billet. Started by `billet node` on StartUpgrade,
     /// which reads the answer on --ack-fd; run by hand it answers nothing.
     HostUpgrade(HostUpgradeArgs),
@@ -174,6 +183,21 @@ fn parse_metrics_listen(value: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{value:?} is neither an address (127.0.0.1:9464) nor a port"))
 }
 
+/// What `billet --version` prints after `billet `: the version, then the
+/// commit it was built from. The updater reads the first word
+/// ([`crate::upgrade::updater::parse_version_line`]).
+fn version_line() -> &'static str {
+    // Leaked once: clap keeps a `&'static str`.
+    Box::leak(
+        format!(
+            "{} (commit {})",
+            crate::upgrade::version::version(),
+            crate::upgrade::version::COMMIT
+        )
+        .into_boxed_str(),
+    )
+}
+
 /// Parses the command line, layering `billet node`'s `--config` file (or
 /// `BILLET_CONFIG`) under the environment and the flags.
 ///
@@ -192,8 +216,7 @@ pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
                 ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 })
             });
     }
-    let mut command =
-        <Cli as clap::CommandFactory>::command().version(crate::upgrade::version::version());
+    let mut command = <Cli as clap::CommandFactory>::command().version(version_line());
     // `check` takes the same flags, and the same file, as `node`.
     let sub = args
         .get(1)

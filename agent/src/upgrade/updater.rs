@@ -474,8 +474,8 @@ pub fn binary_version(binary: &Path) -> Result<String, String> {
         .wait_with_output()
         .map_err(|e| format!("{}: {e}", binary.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
-    match text.trim().strip_prefix("billet ") {
-        Some(v) if out.status.success() && !v.is_empty() => Ok(v.to_owned()),
+    match parse_version_line(&text) {
+        Some(v) if out.status.success() => Ok(v.to_owned()),
         _ => Err(format!(
             "{}: `--version` said {:?} ({}), not `billet <version>`",
             binary.display(),
@@ -483,6 +483,16 @@ pub fn binary_version(binary: &Path) -> Result<String, String> {
             out.status
         )),
     }
+}
+
+/// The version in `billet --version`'s line, `billet <version>` with an
+/// optional ` (commit <sha>)` after it: the first word after `billet `.
+/// Versions have no spaces ([`crate::upgrade::version::check`]).
+pub fn parse_version_line(text: &str) -> Option<&str> {
+    text.trim()
+        .strip_prefix("billet ")?
+        .split_whitespace()
+        .next()
 }
 
 /// How long a binary gets to answer `--version`.
