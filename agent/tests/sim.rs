@@ -63,6 +63,8 @@ use std::time::Instant;
 
 use world::{Bug, Gates};
 
+use fakes::Sabotage;
+
 /// Runner bugs this simulation found that are not fixed yet. Each is
 /// reached through one kind of injection, which the default run leaves out
 /// while its bug is listed here; the invariants are never relaxed. Delete a
@@ -70,7 +72,28 @@ use world::{Bug, Gates};
 /// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
 /// seeds named reproduce each bug with it (as of this version of the world:
 /// any change to the step generator renumbers them).
-const KNOWN_BUGS: &[(Bug, &str)] = &[];
+const KNOWN_BUGS: &[(Bug, &str)] = &[
+    (
+        Bug::ScaleDownKillsBusyRunner,
+        "a scale-down Destroy of a runner that has just taken its job: GitHub refuses the removal (JobStillRunning) and the node destroys it anyway (issue #11 item 4; seeds: SEEDS_SCALE_DOWN)",
+    ),
+    (
+        Bug::EarlyCompletionKillsRunner,
+        "a completion GitHub sends while the runner still works: the node destroys it at once, not after a post-job grace (issue #11 item 4; seeds: SEEDS_EARLY)",
+    ),
+    (
+        Bug::ExitedRunnerUnnoticed,
+        "a runner that exits before its job, its container kept: nothing notices, and the lease, the exited container and the registration are held forever (issue #11 item 1; seeds: SEEDS_EXITED)",
+    ),
+    (
+        Bug::VanishedIdleRunnerKeepsRegistration,
+        "a held runner whose container is removed out of band before it takes a job: custody ends without removing its registration (issue #11 item 5; seeds: SEEDS_VANISHED)",
+    ),
+    (
+        Bug::DestroyLeaksUnremovedRegistration,
+        "a scale-down Destroy whose registration removal fails (plane or GitHub unreachable): the node destroys the instance anyway, answers OK, and the registration is never removed (issue #11 item 5; seeds: SEEDS_UNREMOVED)",
+    ),
+];
 
 fn gates() -> Gates {
     let all = [
@@ -78,6 +101,11 @@ fn gates() -> Gates {
         Bug::MintReplyLost,
         Bug::ReleaseConflictWedgesCustody,
         Bug::RecoverAdoptsStray,
+        Bug::ScaleDownKillsBusyRunner,
+        Bug::EarlyCompletionKillsRunner,
+        Bug::ExitedRunnerUnnoticed,
+        Bug::VanishedIdleRunnerKeepsRegistration,
+        Bug::DestroyLeaksUnremovedRegistration,
     ];
     // `1` or `all` includes every known bug's injection; otherwise a comma
     // list of names, such as `MintReplyLost,RelaunchAfterRestart`.
@@ -98,6 +126,7 @@ fn gates() -> Gates {
         } else {
             format!("BILLET_SIM_KNOWN_BUGS={} ", include.trim())
         },
+        sabotage: None,
     }
 }
 
@@ -197,6 +226,12 @@ fn run_one_seed(seed: u64) {
         CAPTURED.with(|c| *c.borrow_mut() = Some(None));
         let result = panic::catch_unwind(AssertUnwindSafe(|| run_seed(seed, true, &gates)));
         let message = CAPTURED.with(|c| c.borrow_mut().take().flatten());
+        // A task that panicked without failing the run still fails the seed.
+        let result = match (result, &message) {
+            (Ok(_), Some(_)) => Err(()),
+            (Ok(outcome), None) => Ok(outcome),
+            (Err(_), _) => Err(()),
+        };
         let log = std::mem::take(&mut *world::LOG.lock().unwrap());
         match result {
             Ok(outcome) => {
@@ -340,7 +375,16 @@ fn run_captured(seed: u64, gates: &Gates) -> Result<world::Outcome, String> {
     CAPTURED.with(|c| *c.borrow_mut() = Some(None));
     let result = panic::catch_unwind(AssertUnwindSafe(|| run_seed(seed, false, gates)));
     let message = CAPTURED.with(|c| c.borrow_mut().take().flatten());
-    result.map_err(|_| message.unwrap_or_else(|| "panicked".into()))
+    match (result, message) {
+        (Ok(outcome), None) => Ok(outcome),
+        // A panic in a task nobody joined: tokio caught it and the run went
+        // on, but the panic hook kept it.
+        (Ok(_), Some(message)) => Err(format!(
+            "seed {seed}: a task panicked: {message}\n  reproduce: {}BILLET_SIM_SEED={seed} cargo test -p billet-agent --test sim",
+            gates.repro_env
+        )),
+        (Err(_), message) => Err(message.unwrap_or_else(|| "panicked".into())),
+    }
 }
 
 #[test]
@@ -354,4 +398,93 @@ fn a_seed_replays_the_same_steps() {
         let b = run_captured(seed, &gates).map(|o| (o.steps, o.trace));
         assert_eq!(a, b, "seed {seed} took a different path the second time");
     }
+}
+
+/// Runs seeds with a planted violation until one fails, and returns its
+/// message: proof that the check can fail.
+fn first_failure_with(sabotage: Sabotage) -> String {
+    install_capturing_hook();
+    let mut gates = gates();
+    gates.sabotage = Some(sabotage);
+    for seed in 0..200 {
+        if let Err(message) = run_captured(seed, &gates) {
+            return message;
+        }
+    }
+    panic!("no seed in 0..200 failed with {sabotage:?} planted: its check cannot fail");
+}
+
+fn assert_caught(sabotage: Sabotage, invariant: &str) {
+    let message = first_failure_with(sabotage);
+    assert!(
+        message.contains(invariant),
+        "{sabotage:?} was caught, but not as {invariant:?}: {message}"
+    );
+    assert!(
+        message.contains("BILLET_SIM_SEED="),
+        "the failure carries no reproduction line: {message}"
+    );
+}
+
+#[test]
+fn a_leaked_instance_fails_the_seed() {
+    assert_caught(
+        Sabotage::DestroyKeepsExited,
+        "invariant (1) no leaked instance",
+    );
+}
+
+#[test]
+fn a_leaked_registration_fails_the_seed_at_the_step_it_leaks() {
+    let message = first_failure_with(Sabotage::RemovalKeepsRegistration);
+    assert!(
+        message.contains("invariant (2) no leaked registration"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("at quiescence"),
+        "caught only at quiescence, not after the step: {message}"
+    );
+}
+
+#[test]
+fn capacity_freed_while_an_instance_runs_fails_the_seed() {
+    assert_caught(
+        Sabotage::DestroyKeepsRunning,
+        "invariant (3) no capacity freed while an instance may exist",
+    );
+}
+
+#[test]
+fn a_busy_runner_destroyed_without_authority_fails_the_seed() {
+    assert_caught(
+        Sabotage::KillBusyRunner,
+        "invariant (4) no live job killed without authority",
+    );
+}
+
+#[test]
+fn a_jit_config_used_twice_fails_the_seed() {
+    assert_caught(
+        Sabotage::ReuseJitConfig,
+        "invariant (5) no JIT config used twice",
+    );
+}
+
+#[test]
+fn a_lease_minted_twice_fails_the_seed() {
+    assert_caught(
+        Sabotage::MintTwice,
+        "invariant (5) no lease minted twice",
+    );
+}
+
+#[test]
+fn a_panic_in_a_spawned_task_fails_the_seed() {
+    assert_caught(Sabotage::PanicInPlaneTask, "a task panicked");
+}
+
+#[test]
+fn a_panic_in_a_task_nobody_joins_fails_the_seed() {
+    assert_caught(Sabotage::PanicInDetachedTask, "a task panicked");
 }

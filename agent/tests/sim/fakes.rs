@@ -16,6 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use billet_agent::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::provider::Instance;
 use billet_agent::provider::fake::FakeProvider;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -40,6 +41,17 @@ pub const STRAY_GRACE: Duration = secs(300);
 /// The longest the plane's background task sleeps between renewing and
 /// reaping (it wakes earlier when a renewal or an expiry is due).
 pub const PLANE_TICK: Duration = secs(30);
+
+/// How long after an early completion a runner still working may be left
+/// to exit on its own before the node may stop it (issue #11: a post-job
+/// grace, 2 min by default).
+pub const POST_JOB_GRACE: Duration = secs(120);
+
+/// Whether an instance may still run, read the way the Docker provider
+/// reports it: an exited container is present and not running.
+pub fn may_run(instance: &Instance) -> bool {
+    instance.may_run()
+}
 
 /// A node-facing ledger or JIT operation, for fault injection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -86,6 +98,28 @@ pub enum PFault {
     RequestedGone,
 }
 
+/// A violation planted on purpose, to prove an invariant's check can fail
+/// (`sim.rs`, one test per invariant). `None` in every real run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sabotage {
+    /// Destroy answers `Stopped` for an exited instance and keeps it.
+    DestroyKeepsExited,
+    /// GitHub answers a registration removal OK and keeps the registration.
+    RemovalKeepsRegistration,
+    /// Destroy answers `Stopped` for a running instance and keeps it running.
+    DestroyKeepsRunning,
+    /// Something kills a busy runner's instance through the provider.
+    KillBusyRunner,
+    /// Every create is handed the first JIT config ever used.
+    ReuseJitConfig,
+    /// The node's mint reaches the plane twice.
+    MintTwice,
+    /// The plane's background task panics at its first tick.
+    PanicInPlaneTask,
+    /// A task nobody joins panics.
+    PanicInDetachedTask,
+}
+
 /// One lease row of the ledger.
 #[derive(Debug, Clone)]
 pub struct Row {
@@ -110,6 +144,13 @@ pub struct Reg {
     pub config: String,
     /// An instance started with its config.
     pub connected: bool,
+    /// GitHub's own record that a job runs on this runner: while set, a
+    /// removal is refused (`JobStillRunning`), whoever asks.
+    pub job: bool,
+    /// The busy flag GitHub's runner listing shows. It lags behind `job`:
+    /// set only when GitHub catches up (`Core::busy_catches_up`), so a
+    /// runner that has just taken a job still lists as idle.
+    pub busy: bool,
 }
 
 /// What an instance is doing, as GitHub would know it.
@@ -117,8 +158,13 @@ pub struct Reg {
 pub enum Job {
     /// Started by a create that failed: it runs no job.
     Stray,
+    /// Connected and waiting for its job (no job assigned yet).
+    Idle,
     /// Running its job.
     Live,
+    /// GitHub reported the job completed while the runner still works
+    /// (an early completion); it exits on its own later.
+    Finishing,
     /// Its job completed; the runner exited.
     Completed,
     /// It died before its job completed (GitHub fails the job).
@@ -147,6 +193,8 @@ pub struct Faults {
     pub global: BTreeMap<LOp, VecDeque<Fault>>,
     pub instance: BTreeMap<(String, POp), VecDeque<PFault>>,
     pub list: u32,
+    /// Every call of the tend under way takes this long.
+    pub inside_tend: Option<Duration>,
 }
 
 /// A crash armed to happen at the `countdown`-th node-side call.
@@ -185,6 +233,8 @@ pub struct Core {
     pub next_lease: u64,
     /// Ground truth per instance name.
     pub jobs: BTreeMap<String, Job>,
+    /// When GitHub sent the early completion of a runner still finishing.
+    pub finishing: BTreeMap<String, Instant>,
     /// Leases an operator force-released (authority to destroy their compute).
     pub authority: BTreeSet<LeaseId>,
     /// Instances whose removal a remote backend accepted but has not done.
@@ -202,6 +252,8 @@ pub struct Core {
     pub verbose: bool,
     /// Counts of what happened, for the coverage report.
     pub tally: BTreeMap<&'static str, u64>,
+    /// A violation planted to test a check.
+    pub sabotage: Option<Sabotage>,
 }
 
 fn name_of(lease: &LeaseId) -> String {
@@ -226,6 +278,7 @@ impl Core {
             next_runner_id: 1000,
             next_lease: 1,
             jobs: BTreeMap::new(),
+            finishing: BTreeMap::new(),
             authority: BTreeSet::new(),
             pending_removal: BTreeSet::new(),
             completions: BTreeSet::new(),
@@ -237,6 +290,7 @@ impl Core {
             events: Vec::new(),
             verbose,
             tally: BTreeMap::new(),
+            sabotage: None,
         }
     }
 
@@ -446,7 +500,16 @@ impl Core {
         epoch: Epoch,
         runner_name: &str,
     ) -> Result<Registration, PlaneError> {
-        *self.mint_attempts.entry(id.clone()).or_default() += 1;
+        let attempts = self.mint_attempts.entry(id.clone()).or_default();
+        *attempts += 1;
+        if *attempts > 1 {
+            // The plane refuses a second mint below (as the stub does), so
+            // this is the node asking again: a blind retry.
+            let n = *attempts;
+            self.violate(format!(
+                "invariant (5) no lease minted twice: the node asked to mint a JIT config for {id} {n} times"
+            ));
+        }
         let row = self.owned(id)?;
         if row.epoch != epoch.0 {
             return Err(PlaneError::Fenced(format!(
@@ -483,16 +546,11 @@ impl Core {
                 lease: id.clone(),
                 config: config.clone(),
                 connected: false,
+                job: false,
+                busy: false,
             },
         );
-        let minted = self.mints.entry(id.clone()).or_default();
-        *minted += 1;
-        if *minted > 1 {
-            let n = *minted;
-            self.violate(format!(
-                "invariant (5) no lease minted twice: {id} was minted {n} times"
-            ));
-        }
+        *self.mints.entry(id.clone()).or_default() += 1;
         self.event(|| format!("github: minted {runner_name} (runner {runner_id})"));
         Ok(Registration {
             config: JitConfig::new(config),
@@ -526,17 +584,20 @@ impl Core {
             .get(&name)
             .is_some_and(|r| runner_id <= 0 || r.id == runner_id);
         if exact {
-            if self.jobs.get(&name) == Some(&Job::Live)
-                && self.fake.instance(&name).is_some_and(|i| i.may_run())
-                && !self.authority.contains(id)
-            {
-                // As GitHub does: a runner running a job cannot be removed.
-                // (Destroying its instance without authority is still
-                // invariant (4), checked by the provider.)
+            if self.regs[&name].job {
+                // As GitHub does (400 JobStillRunning), whoever asks and
+                // whatever authority they hold: a runner GitHub records as
+                // running a job cannot be removed. (Destroying its instance
+                // without authority is invariant (4), checked by the
+                // provider.)
+                self.tally("github: removal refused, job still running");
                 self.event(|| format!("github: refused to remove busy runner {name}"));
                 return Err(PlaneError::Refused(format!(
-                    "runner {name} is busy running a job"
+                    "JobStillRunning: runner {name} is still running a job"
                 )));
+            }
+            if self.sabotage == Some(Sabotage::RemovalKeepsRegistration) {
+                return Ok(());
             }
             self.regs.remove(&name);
             self.event(|| format!("github: node removed registration {name}"));
@@ -608,10 +669,10 @@ impl Core {
         let name = name_of(id);
         self.tally(who);
         if let Some(instance) = self.fake.instance(&name)
-            && instance.may_run()
+            && may_run(&instance)
         {
             self.violate(format!(
-                "invariant (3) no capacity freed while an instance may exist: lease {id} went {from} -> {outcome} ({who}) while {name} still exists and may run"
+                "invariant (3) no capacity freed while an instance may exist: lease {id} went {from} -> {outcome} ({who}) while {name} still runs"
             ));
         }
         self.event(|| format!("ledger: {id} {from} -> {outcome} at epoch {epoch} ({who})"));
@@ -755,22 +816,76 @@ impl Core {
 
     // ----- GitHub and the instances' own lives -----
 
-    /// An instance started with `config`: its runner connects.
-    pub fn connect(&mut self, config: &str) {
-        if let Some(reg) = self.regs.values_mut().find(|r| r.config == config) {
-            reg.connected = true;
+    /// An instance started with `config`: its runner connects. Whether it
+    /// has a registration to connect with.
+    pub fn connect(&mut self, config: &str) -> bool {
+        match self.regs.values_mut().find(|r| r.config == config) {
+            Some(reg) => {
+                reg.connected = true;
+                true
+            }
+            None => false,
         }
+    }
+
+    /// A connected runner takes its job: GitHub records it at once (a
+    /// removal is now refused), but its listing still shows the runner idle
+    /// until [`Core::busy_catches_up`].
+    pub fn job_starts(&mut self, name: &str) {
+        self.jobs.insert(name.to_owned(), Job::Live);
+        if let Some(reg) = self.regs.get_mut(name) {
+            reg.job = true;
+        }
+        self.event(|| format!("github: {name} took its job (listed idle until GitHub catches up)"));
+    }
+
+    /// GitHub's runner listing catches up: every runner with a job lists
+    /// as busy.
+    pub fn busy_catches_up(&mut self) {
+        for reg in self.regs.values_mut() {
+            reg.busy = reg.job;
+        }
+    }
+
+    /// Whether GitHub records a job running on this runner (what a removal
+    /// is refused on).
+    pub fn busy_at_github(&self, name: &str) -> bool {
+        self.regs.get(name).is_some_and(|r| r.job)
     }
 
     /// An instance's job ended: GitHub removes the ephemeral registration
     /// and reports the completion to the plane.
     pub fn job_ends(&mut self, name: &str, job: Job, result: &'static str) {
         self.jobs.insert(name.to_owned(), job);
+        self.finishing.remove(name);
         self.regs.remove(name);
         if let Some(lease) = InstanceName::lease(name) {
             self.completions.insert((lease, result));
         }
         self.event(|| format!("github: job on {name} ended {result}; registration removed"));
+    }
+
+    /// An instance is gone (destroyed or removed out of band): a job it was
+    /// still running dies with it, and GitHub notices at once (the runner's
+    /// connection drops).
+    pub fn gone(&mut self, name: &str) {
+        self.pending_removal.remove(name);
+        match self.jobs.get(name) {
+            Some(Job::Live) => self.job_ends(name, Job::Dead, "failed"),
+            Some(Job::Finishing) => {
+                self.jobs.insert(name.to_owned(), Job::Completed);
+                self.finishing.remove(name);
+            }
+            _ => {}
+        }
+    }
+
+    /// GitHub reports a job completed while its runner is still working
+    /// (post-job steps, log upload): the registration is retired and the
+    /// completion sent, and the runner exits on its own later.
+    pub fn completes_early(&mut self, name: &str) {
+        self.job_ends(name, Job::Finishing, "succeeded");
+        self.finishing.insert(name.to_owned(), Instant::now());
     }
 }
 
@@ -837,10 +952,9 @@ impl FakeLedger {
         slow: bool,
         effect: impl FnOnce(&mut Core) -> Result<T, PlaneError>,
     ) -> Result<T, PlaneError> {
-        let slow = if slow {
-            self.0.lock().faults.slow_ledger
-        } else {
-            None
+        let slow = {
+            let c = self.0.lock();
+            if slow { c.faults.slow_ledger } else { None }.or(c.faults.inside_tend)
         };
         let gate = self.0.enter(slow).await;
         let result = {
@@ -938,7 +1052,11 @@ impl JitSource for FakeLedger {
         runner_name: &InstanceName,
     ) -> Result<Registration, PlaneError> {
         self.call(LOp::Mint, std::slice::from_ref(lease), true, |c| {
-            c.mint(lease, epoch, runner_name.as_str())
+            let minted = c.mint(lease, epoch, runner_name.as_str());
+            if c.sabotage == Some(Sabotage::MintTwice) {
+                let _ = c.mint(lease, epoch, runner_name.as_str());
+            }
+            minted
         })
         .await
     }

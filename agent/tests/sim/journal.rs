@@ -35,6 +35,22 @@ impl SimJournal {
         *self.reads.lock().unwrap() += times;
     }
 
+    /// The leases the journal holds a launch or custody record for, read
+    /// past any armed fault (for the world's checks, not the node).
+    pub fn leases(&self) -> std::collections::BTreeSet<String> {
+        use futures::FutureExt as _;
+        let launches = self.inner.launches().now_or_never();
+        let custody = self.inner.custody().now_or_never();
+        let mut leases = std::collections::BTreeSet::new();
+        if let Some(Ok(records)) = launches {
+            leases.extend(records.into_iter().map(|r| r.lease));
+        }
+        if let Some(Ok(records)) = custody {
+            leases.extend(records.into_iter().map(|r| r.lease));
+        }
+        leases
+    }
+
     pub fn clear_faults(&self) {
         self.writes.lock().unwrap().clear();
         *self.reads.lock().unwrap() = 0;

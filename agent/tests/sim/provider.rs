@@ -7,10 +7,18 @@
 //! landing on the same instance whatever order the runner visits its
 //! entries in.
 //!
+//! It reports exits as the Docker provider does: an exited container stays
+//! present and exited, with its exit code and OOM flag (the crate's
+//! `InstanceState::Exited`), until it is destroyed; only an out-of-band
+//! removal makes it vanish.
+//!
 //! It also keeps the ground truth GitHub would have: a started instance's
-//! runner connects with its JIT config and takes its job, and a destroy of an
-//! instance whose job is still running is checked against the authority the
-//! simulation tracks (invariant 4).
+//! runner connects with its JIT config and waits for its job, and every
+//! destroy of an instance that may still run is checked against GitHub's
+//! state and the authority the simulation tracks (invariant 4): GitHub
+//! records a job running on it, or its runner is still finishing within the
+//! post-job grace after an early completion, and no operator released or
+//! plane cancelled it.
 
 use std::sync::Arc;
 
@@ -19,7 +27,7 @@ use billet_agent::edge::model::InstanceName;
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
-use crate::fakes::{Job, PFault, POp, Shared};
+use crate::fakes::{Job, POST_JOB_GRACE, PFault, POp, Sabotage, Shared, may_run};
 
 /// [`FakeProvider`] with per-instance faults, slowness and crash points.
 #[derive(Debug)]
@@ -32,10 +40,9 @@ impl SimProvider {
     /// Slowness applies to create and list only (see `FakeLedger::call`:
     /// find and destroy also run inside a tend).
     async fn enter(&self, slow: bool) -> crate::fakes::Gate {
-        let slow = if slow {
-            self.shared.lock().faults.slow_provider
-        } else {
-            None
+        let slow = {
+            let c = self.shared.lock();
+            if slow { c.faults.slow_provider } else { None }.or(c.faults.inside_tend)
         };
         self.shared.enter(slow).await
     }
@@ -51,8 +58,13 @@ impl Provider for SimProvider {
         self.fake.runs_on_host()
     }
 
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    async fn create(&self, mut spec: InstanceSpec) -> Result<Instance, ProviderError> {
         let gate = self.enter(true).await;
+        if self.shared.lock().sabotage == Some(Sabotage::ReuseJitConfig)
+            && let Some(first) = self.fake.jit_configs_used().into_iter().next()
+        {
+            spec.jit_config = first;
+        }
         let name = spec.name.as_str().to_owned();
         let config = spec.jit_config.expose().to_owned();
         let existed = self.fake.instance(&name).is_some();
@@ -67,9 +79,12 @@ impl Provider for SimProvider {
         if !existed && self.fake.instance(&name).is_some() {
             let mut c = self.shared.lock();
             c.created_since_check = true;
-            c.connect(&config);
-            let job = if result.is_ok() {
-                Job::Live
+            // Its runner connects with the config it was given and waits
+            // for its job (`Core::job_starts`); the runner of a create that
+            // failed runs no job, and its registration is removed.
+            let registered = c.connect(&config);
+            let job = if result.is_ok() && registered {
+                Job::Idle
             } else {
                 Job::Stray
             };
@@ -89,13 +104,20 @@ impl Provider for SimProvider {
             let mut c = self.shared.lock();
             let lease = InstanceName::lease(&n).expect("billet names only");
             if let Some(instance) = self.fake.instance(&n)
-                && instance.may_run()
-                && c.jobs.get(&n) == Some(&Job::Live)
+                && may_run(&instance)
                 && !c.authority.contains(&lease)
             {
-                c.violate(format!(
-                    "invariant (4) no live job killed without authority: destroy of {n} while its job is still running, with no completion, operator release or exit"
-                ));
+                if c.busy_at_github(&n) {
+                    c.violate(format!(
+                        "invariant (4) no live job killed without authority: destroy of {n} while GitHub records its job running, with no operator release or cancellation"
+                    ));
+                } else if c.jobs.get(&n) == Some(&Job::Finishing)
+                    && c.finishing.get(&n).is_some_and(|t| t.elapsed() < POST_JOB_GRACE)
+                {
+                    c.violate(format!(
+                        "invariant (4) no live job killed without authority: destroy of {n} while its runner still works after an early completion, within the post-job grace"
+                    ));
+                }
             }
             match c.take_pfault(&n, POp::Destroy) {
                 Some(PFault::Fail) => self.fake.fail_next(Operation::Destroy, 1),
@@ -111,15 +133,21 @@ impl Provider for SimProvider {
                 self.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
             }
         }
+        let lie = match (self.shared.lock().sabotage, self.fake.instance(&n)) {
+            (Some(Sabotage::DestroyKeepsExited), Some(i)) => !may_run(&i),
+            (Some(Sabotage::DestroyKeepsRunning), Some(i)) => may_run(&i),
+            _ => false,
+        };
+        if lie {
+            self.shared.leave(gate).await;
+            return Ok(Teardown::Stopped);
+        }
         let result = self.fake.destroy(name).await;
         self.fake.set_destroy_mode(DestroyMode::Stop);
         {
             let mut c = self.shared.lock();
             if self.fake.instance(&n).is_none() {
-                c.pending_removal.remove(&n);
-                if c.jobs.get(&n) == Some(&Job::Live) {
-                    c.job_ends(&n, Job::Dead, "failed");
-                }
+                c.gone(&n);
             }
         }
         self.shared.leave(gate).await;

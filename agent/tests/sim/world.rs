@@ -16,12 +16,14 @@ use billet_agent::edge::model::{
     Trust,
 };
 use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions};
+use billet_agent::provider::Exit;
 use billet_agent::provider::fake::FakeProvider;
 use futures::FutureExt as _;
 use tokio::task::JoinHandle;
 
 use crate::fakes::{
-    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Shared, secs,
+    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Shared, may_run,
+    Sabotage, secs,
 };
 use crate::journal::SimJournal;
 use crate::provider::SimProvider;
@@ -58,6 +60,28 @@ pub enum Bug {
     /// runner is kept forever, or, if it exits, the lease is released and
     /// its registration left behind.
     RecoverAdoptsStray,
+    /// A destroy without a completion (a scale-down of a runner GitHub's
+    /// lagging listing shows idle) on a runner that has just taken its job:
+    /// the removal is refused (JobStillRunning) and the node destroys the
+    /// instance anyway, killing the job.
+    ScaleDownKillsBusyRunner,
+    /// A completion GitHub sends while the runner still works (an early
+    /// completion): the node destroys the instance at once instead of
+    /// letting the runner exit within a post-job grace.
+    EarlyCompletionKillsRunner,
+    /// A runner that exits before it takes a job (its container stays,
+    /// exited): nothing reports it and GitHub never completes a job for it,
+    /// so the node holds the lease, the exited container and the
+    /// registration forever.
+    ExitedRunnerUnnoticed,
+    /// A held runner whose container is removed out of band before it takes
+    /// a job: custody ends (the instance is gone) without removing its
+    /// registration, which GitHub keeps, offline, for ever.
+    VanishedIdleRunnerKeepsRegistration,
+    /// A destroy without a completion whose registration removal fails
+    /// (the plane or GitHub unreachable): the node destroys the instance
+    /// anyway and answers OK, and the registration is left for ever.
+    DestroyLeaksUnremovedRegistration,
 }
 
 /// Which known bugs' injections a run includes.
@@ -66,6 +90,8 @@ pub struct Gates {
     pub open: std::collections::BTreeSet<Bug>,
     /// What a reproduction line must set besides the seed.
     pub repro_env: String,
+    /// A planted violation (tests of the checks only).
+    pub sabotage: Option<Sabotage>,
 }
 
 impl Gates {
@@ -111,6 +137,10 @@ enum Step {
     LateLaunch,
     CancelJob,
     JournalFault,
+    JobStarts,
+    ScaleDown,
+    EarlyCompletion,
+    GithubNotices,
 }
 
 const STEPS: &[(Step, u64)] = &[
@@ -140,6 +170,10 @@ const STEPS: &[(Step, u64)] = &[
     (Step::LateLaunch, 1),
     (Step::CancelJob, 1),
     (Step::JournalFault, 2),
+    (Step::JobStarts, 8),
+    (Step::ScaleDown, 2),
+    (Step::EarlyCompletion, 2),
+    (Step::GithubNotices, 2),
 ];
 
 fn new_runner(
@@ -186,6 +220,16 @@ fn name_of(lease: &LeaseId) -> String {
     InstanceName::for_lease(lease).as_str().to_owned()
 }
 
+/// The message of a task's panic.
+fn panic_text(e: tokio::task::JoinError) -> String {
+    let payload = e.into_panic();
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
 /// Runs `f` unless the armed crash strikes first, in which case `f` (and
 /// with it whatever the node was doing) is dropped mid-call.
 async fn guarded<F: Future>(shared: &Shared, f: F) -> Option<F::Output> {
@@ -221,6 +265,10 @@ pub struct World {
     heal_stall_at: Option<usize>,
     stats: Stats,
     gates: Gates,
+    /// Scale-downs the node refused or failed, which the plane sends again.
+    scale_down_retry: Vec<(LeaseId, RequestId)>,
+    /// The plane's background task.
+    plane_task: Option<JoinHandle<()>>,
 }
 
 impl World {
@@ -255,16 +303,27 @@ impl World {
             heal_stall_at: None,
             stats: Stats::new(),
             gates,
+            scale_down_retry: Vec::new(),
+            plane_task: None,
         };
         world.spawn_keep_alive();
         let plane = Arc::clone(&world.shared);
-        tokio::spawn(async move {
+        let panics = world.gates.sabotage == Some(Sabotage::PanicInPlaneTask);
+        world.plane_task = Some(tokio::spawn(async move {
             loop {
                 let next = plane.lock().plane_next();
                 tokio::time::sleep_until(next).await;
+                assert!(!panics, "sabotage: the plane's task panics");
                 plane.lock().plane_tick();
             }
-        });
+        }));
+        if world.gates.sabotage == Some(Sabotage::PanicInDetachedTask) {
+            // Detached on purpose: only the panic hook's record can see it.
+            drop(tokio::spawn(async {
+                tokio::time::sleep(secs(10)).await;
+                panic!("sabotage: a detached task panics");
+            }));
+        }
         world
     }
 
@@ -322,7 +381,11 @@ impl World {
     async fn restart(&mut self, why: &str) {
         if let Some(handle) = self.keep_alive.take() {
             handle.abort();
-            let _ = handle.await;
+            if let Err(e) = handle.await
+                && e.is_panic()
+            {
+                self.fail(&format!("a task panicked: KeepAlive: {}", panic_text(e)));
+            }
         }
         {
             let mut c = self.shared.lock();
@@ -432,6 +495,13 @@ impl World {
             }
             return;
         };
+        let name = name_of(&lease);
+        let idle = self.shared.lock().jobs.get(&name) == Some(&Job::Idle);
+        if idle && self.fake.instance(&name).is_some() && self.rng.chance(70) {
+            // Most runners take their job at once; the rest wait for
+            // `Step::JobStarts`.
+            self.shared.lock().job_starts(&name);
+        }
         *self
             .stats
             .entry(match kind(&r) {
@@ -549,14 +619,88 @@ impl World {
         }
     }
 
+    /// The plane scales down a runner its listing shows idle: a destroy
+    /// without a completion and without authority. GitHub's busy flag lags
+    /// behind job start, so the runner may have just taken its job; the
+    /// removal is then refused, and the node must keep the runner.
+    async fn scale_down(&mut self) {
+        let lagging = self.gates.allows(Bug::ScaleDownKillsBusyRunner);
+        let candidates: Vec<(LeaseId, RequestId)> = {
+            let c = self.shared.lock();
+            c.regs
+                .iter()
+                .filter(|(_, r)| !r.busy && (lagging || !r.job))
+                .filter(|(n, _)| self.fake.instance(n).is_some_and(|i| may_run(&i)))
+                .filter_map(|(_, r)| {
+                    c.leases
+                        .get(&r.lease)
+                        .filter(|row| !row.phase.is_terminal())
+                        .map(|row| (row.id.clone(), row.request))
+                })
+                .collect()
+        };
+        let Some((lease, request)) = self.rng.pick(&candidates) else {
+            return;
+        };
+        if !self.gates.allows(Bug::DestroyLeaksUnremovedRegistration) {
+            let c = self.shared.lock();
+            if c.faults.ledger_down
+                || c.faults
+                    .lease
+                    .get(&(lease.clone(), LOp::RemoveRunner))
+                    .is_some_and(|q| !q.is_empty())
+            {
+                return;
+            }
+        }
+        self.count("scale-downs");
+        self.scale_down_one(lease, request).await;
+    }
+
+    async fn scale_down_one(&mut self, lease: LeaseId, request: RequestId) {
+        let runner = Arc::clone(&self.runner);
+        let Some(r) = guarded(&self.shared, runner.destroy(request, None)).await else {
+            self.note(
+                format!("plane: scale down request {request} ({lease}): node crashed"),
+                None,
+            );
+            self.restart("crash").await;
+            return;
+        };
+        self.note(
+            format!("plane: scale down request {request} ({lease}) -> {}", kind(&r)),
+            r.as_ref().err().map(ToString::to_string),
+        );
+        let mut c = self.shared.lock();
+        match r {
+            Ok(()) => c.plane_release(&lease, None, Phase::Done, "plane after a scale-down"),
+            Err(e) if e.is_custody() => c.unmanage(&lease),
+            // Refused or failed: the plane asks again later.
+            Err(_) => {
+                drop(c);
+                if !self.scale_down_retry.contains(&(lease.clone(), request)) {
+                    self.scale_down_retry.push((lease, request));
+                }
+            }
+        }
+    }
+
     // ----- GitHub and the instances -----
 
+    /// A runner's container exits and stays, as Docker keeps it: present,
+    /// not running, with its exit code and OOM flag.
+    fn exit(&self, name: &str, exit: Exit) {
+        self.fake.exit(name, exit.code, exit.oom_killed);
+    }
+
     fn complete_job(&mut self, name: &str) {
-        let remove = self.rng.chance(50);
+        // An ephemeral runner exits after its job; its container stays
+        // (exited 0) unless something removes it.
+        let remove = self.rng.chance(20);
         if remove {
             self.fake.remove_behind_back(name);
         } else {
-            self.fake.exit(name, 0, false);
+            self.exit(name, Exit { code: 0, oom_killed: false });
         }
         self.shared
             .lock()
@@ -565,19 +709,75 @@ impl World {
         self.note(
             format!(
                 "github: job on {name} completes; the runner exits ({})",
-                if remove { "removed" } else { "exited" }
+                if remove { "removed" } else { "exited 0" }
             ),
             None,
         );
     }
 
-    fn live_jobs(&self) -> Vec<String> {
+    /// Instances whose runner may run and is in `job`.
+    fn runners_in(&self, job: Job) -> Vec<String> {
         let c = self.shared.lock();
         c.jobs
             .iter()
-            .filter(|(n, j)| **j == Job::Live && self.fake.instance(n).is_some_and(|i| i.may_run()))
+            .filter(|(n, j)| **j == job && self.fake.instance(n).is_some_and(|i| may_run(&i)))
             .map(|(n, _)| n.clone())
             .collect()
+    }
+
+    fn live_jobs(&self) -> Vec<String> {
+        self.runners_in(Job::Live)
+    }
+
+    /// Idle runners take their jobs (all of them, or each by chance).
+    fn jobs_start(&mut self, all: bool) {
+        for name in self.runners_in(Job::Idle) {
+            if !self.shared.lock().regs.contains_key(&name) {
+                continue;
+            }
+            if all || self.rng.chance(50) {
+                self.shared.lock().job_starts(&name);
+                self.count("jobs started");
+                self.note(format!("github: {name} takes its job"), None);
+            }
+        }
+    }
+
+    /// Runners still working after an early completion finish and exit.
+    fn finishing_exit(&mut self, all: bool) {
+        for name in self.runners_in(Job::Finishing) {
+            if all || self.rng.chance(50) {
+                self.exit(&name, Exit { code: 0, oom_killed: false });
+                let mut c = self.shared.lock();
+                c.jobs.insert(name.clone(), Job::Completed);
+                c.finishing.remove(&name);
+                drop(c);
+                self.note(format!("{name}: finishes its post-job work and exits 0"), None);
+            }
+        }
+    }
+
+    /// GitHub notices runners that died mid-job (their connection is gone):
+    /// it fails the job, retires the registration and reports the
+    /// completion.
+    fn github_notices(&mut self) {
+        let lost: Vec<String> = {
+            let c = self.shared.lock();
+            c.regs
+                .iter()
+                .filter(|(n, r)| {
+                    r.job
+                        && c.jobs.get(*n) == Some(&Job::Dead)
+                        && self.fake.instance(n).is_none_or(|i| !may_run(&i))
+                })
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        for name in lost {
+            self.shared.lock().job_ends(&name, Job::Dead, "failed");
+            self.count("lost runners noticed by GitHub");
+            self.note(format!("github: notices {name} is lost; fails its job"), None);
+        }
     }
 
     fn strays_exit(&mut self, all: bool) {
@@ -587,8 +787,8 @@ impl World {
                 .instances()
                 .into_iter()
                 .filter(|i| {
-                    i.may_run()
-                        && c.jobs.get(&i.name) != Some(&Job::Live)
+                    may_run(i)
+                        && !matches!(c.jobs.get(&i.name), Some(Job::Live | Job::Finishing))
                         && !c.regs.contains_key(&i.name)
                 })
                 .map(|i| i.name)
@@ -597,9 +797,9 @@ impl World {
         for name in strays {
             if all || self.rng.chance(50) {
                 // A runner whose registration is gone cannot connect: it exits.
-                self.fake.exit(&name, 0, false);
+                self.exit(&name, Exit { code: 1, oom_killed: false });
                 self.note(
-                    format!("{name}: a runner without a registration exits"),
+                    format!("{name}: a runner without a registration exits 1"),
                     None,
                 );
             }
@@ -610,17 +810,13 @@ impl World {
         let pending: Vec<String> = self.shared.lock().pending_removal.iter().cloned().collect();
         for name in pending {
             self.fake.remove_behind_back(&name);
-            let mut c = self.shared.lock();
-            c.pending_removal.remove(&name);
-            if c.jobs.get(&name) == Some(&Job::Live) {
-                c.job_ends(&name, Job::Dead, "failed");
-            }
-            drop(c);
+            self.shared.lock().gone(&name);
             self.note(
                 format!("backend: the requested removal of {name} completes"),
                 None,
             );
         }
+        self.shared.lock().busy_catches_up();
     }
 
     // ----- steps -----
@@ -652,6 +848,7 @@ impl World {
                 self.launch(lease, "launch").await;
             }
             Step::Complete => {
+                self.finishing_exit(false);
                 let live = self.live_jobs();
                 if let Some(name) = self.rng.pick(&live) {
                     self.complete_job(&name);
@@ -698,19 +895,35 @@ impl World {
                     }
                 }
             }
-            Step::Tend => match guarded(&self.shared, runner.tend()).await {
-                Some(r) => {
-                    self.count("tends");
-                    self.note(
-                        format!("tend -> {}", kind(&r)),
-                        r.err().map(|e| e.to_string()),
-                    );
+            Step::Tend => {
+                // Time may pass inside a tend only while it tends at most one
+                // entry: it visits entries in the runner's `HashMap` order, so
+                // with two, what the clock (or a crash) reaches first would
+                // differ from run to run.
+                let one = self.runner.custody_leases().len() <= 1;
+                if one && self.rng.chance(30) {
+                    let d = secs(self.rng.range(1, 60));
+                    self.shared.lock().faults.inside_tend = Some(d);
+                    self.count("slow tends");
+                    self.note(format!("fault: every call of the next tend takes {}ms", d.as_millis()), None);
                 }
-                None => {
-                    self.note("tend: node crashed".into(), None);
-                    self.restart("crash").await;
+                let out = guarded(&self.shared, runner.tend()).await;
+                self.shared.lock().faults.inside_tend = None;
+                match out {
+                    Some(r) => {
+                        self.count("tends");
+                        self.note(
+                            format!("tend -> {}", kind(&r)),
+                            r.err().map(|e| e.to_string()),
+                        );
+                    }
+                    None => {
+                        self.count("crash mid-tend");
+                        self.note("tend: node crashed".into(), None);
+                        self.restart("crash").await;
+                    }
                 }
-            },
+            }
             Step::Sweep => match guarded(&self.shared, runner.sweep()).await {
                 Some(r) => {
                     self.count("sweeps");
@@ -777,16 +990,23 @@ impl World {
                 );
             }
             Step::RemoveBehindBack => {
-                let names: Vec<String> =
-                    self.fake.instances().into_iter().map(|i| i.name).collect();
+                let idle_too = self.gates.allows(Bug::VanishedIdleRunnerKeepsRegistration);
+                let names: Vec<String> = {
+                    let c = self.shared.lock();
+                    self.fake
+                        .instances()
+                        .into_iter()
+                        .filter(|i| {
+                            idle_too
+                                || c.jobs.get(&i.name) != Some(&Job::Idle)
+                                || !c.regs.contains_key(&i.name)
+                        })
+                        .map(|i| i.name)
+                        .collect()
+                };
                 if let Some(name) = self.rng.pick(&names) {
                     self.fake.remove_behind_back(&name);
-                    let mut c = self.shared.lock();
-                    c.pending_removal.remove(&name);
-                    if c.jobs.get(&name) == Some(&Job::Live) {
-                        c.job_ends(&name, Job::Dead, "failed");
-                    }
-                    drop(c);
+                    self.shared.lock().gone(&name);
                     self.count("removed behind the back");
                     self.note(
                         format!("fault: {name} removed behind the node's back"),
@@ -795,25 +1015,68 @@ impl World {
                 }
             }
             Step::InstanceExits => {
-                let names: Vec<String> = self
-                    .fake
-                    .instances()
-                    .into_iter()
-                    .filter(|i| i.may_run())
-                    .map(|i| i.name)
-                    .collect();
+                // The runner dies and its container stays, exited. GitHub
+                // learns of a lost job only later (`Step::GithubNotices`);
+                // a runner that had no job yet is never reported at all.
+                let idle_too = self.gates.allows(Bug::ExitedRunnerUnnoticed);
+                let names: Vec<String> = {
+                    let c = self.shared.lock();
+                    self.fake
+                        .instances()
+                        .into_iter()
+                        .filter(|i| may_run(i))
+                        .filter(|i| {
+                            idle_too
+                                || c.jobs.get(&i.name) != Some(&Job::Idle)
+                                || !c.regs.contains_key(&i.name)
+                        })
+                        .map(|i| i.name)
+                        .collect()
+                };
                 if let Some(name) = self.rng.pick(&names) {
-                    self.fake.exit(&name, 0, false);
+                    let exit = if self.rng.chance(30) {
+                        Exit { code: 137, oom_killed: true }
+                    } else {
+                        Exit { code: 1, oom_killed: false }
+                    };
+                    self.exit(&name, exit);
                     let mut c = self.shared.lock();
-                    if c.jobs.get(&name) == Some(&Job::Live) {
-                        c.job_ends(&name, Job::Dead, "failed");
+                    match c.jobs.get(&name) {
+                        Some(Job::Live) => {
+                            c.jobs.insert(name.clone(), Job::Dead);
+                        }
+                        Some(Job::Finishing) => {
+                            c.jobs.insert(name.clone(), Job::Completed);
+                            c.finishing.remove(&name);
+                        }
+                        _ => {}
                     }
                     drop(c);
-                    self.count("runners crashed");
+                    self.count("runners died, container kept");
                     self.note(
-                        format!("fault: the runner in {name} crashes and exits"),
+                        format!("fault: the runner in {name} dies; its container stays ({exit:?})"),
                         None,
                     );
+                }
+            }
+            Step::JobStarts => self.jobs_start(false),
+            Step::GithubNotices => self.github_notices(),
+            Step::ScaleDown => self.scale_down().await,
+            Step::EarlyCompletion => {
+                if self.gates.allows(Bug::EarlyCompletionKillsRunner) {
+                    let live = self.live_jobs();
+                    if let Some(name) = self.rng.pick(&live) {
+                        self.shared.lock().completes_early(&name);
+                        self.count("early completions");
+                        self.note(
+                            format!("github: completes the job on {name} early; the runner still works"),
+                            None,
+                        );
+                        if self.rng.chance(70) {
+                            let lease = InstanceName::lease(&name).expect("billet name");
+                            self.deliver(lease, "succeeded", false).await;
+                        }
+                    }
                 }
             }
             Step::StraysExit => self.strays_exit(false),
@@ -832,14 +1095,19 @@ impl World {
                     format!("crash armed at node call {countdown} (after effect: {after_effect})"),
                     None,
                 );
-                // Not during a tend: it visits custody entries in the
-                // runner's HashMap order, so "the k-th call" would name a
-                // different entry from run to run.
-                let mut op = match self.rng.below(4) {
+                // During a tend only while it tends at most one entry: it
+                // visits custody entries in the runner's HashMap order, so
+                // with more "the k-th call" would name a different entry
+                // from run to run.
+                let mut op = match self.rng.below(5) {
                     0 | 1 => Step::NewJob,
                     2 => Step::Sweep,
-                    _ => Step::DeliverCompletion,
+                    3 => Step::DeliverCompletion,
+                    _ => Step::Tend,
                 };
+                if op == Step::Tend && self.runner.custody_leases().len() > 1 {
+                    op = Step::Sweep;
+                }
                 if op == Step::NewJob && !self.gates.allows(Bug::RecoverAdoptsStray) {
                     let c = self.shared.lock();
                     let next = (name_of(&c.peek_lease()), POp::Create);
@@ -1091,7 +1359,7 @@ impl World {
                 Phase::Quarantine => self
                     .fake
                     .instance(&name_of(&r.id))
-                    .is_none_or(|i| !i.may_run()),
+                    .is_none_or(|i| !may_run(&i)),
                 _ => false,
             })
             .map(|r| (r.id.clone(), r.phase))
@@ -1113,18 +1381,15 @@ impl World {
 
     // ----- invariants -----
 
+    /// Every invariant, after every step: the world's recorded violations
+    /// (invariants 3, 4 and 5, caught as they happen), the background
+    /// tasks, every instance (1, 3) and every registration (2).
     fn check(&mut self) {
+        self.check_tasks();
         let mut c = self.shared.lock();
         let mut found = std::mem::take(&mut c.violations);
-        // A lease that ends is checked against its instance at that moment
-        // (`Core::end`); what is left is an instance created for a lease
-        // that had already ended, so the scan runs after creates.
-        let instances = if std::mem::take(&mut c.created_since_check) {
-            self.fake.instances()
-        } else {
-            Vec::new()
-        };
-        for instance in instances {
+        c.created_since_check = false;
+        for instance in self.fake.instances() {
             let Some(lease) = instance.lease() else {
                 found.push(format!("{} is not a billet instance", instance.name));
                 continue;
@@ -1134,7 +1399,7 @@ impl World {
                     "invariant (1) no leaked instance: {} has no lease in the ledger",
                     instance.name
                 )),
-                Some(row) if row.phase.is_terminal() && instance.may_run() => found.push(format!(
+                Some(row) if row.phase.is_terminal() && may_run(&instance) => found.push(format!(
                     "invariant (3) no capacity freed while an instance may exist: {} still runs and lease {lease} is {} ({})",
                     instance.name,
                     row.phase,
@@ -1145,6 +1410,29 @@ impl World {
                 Some(_) => {}
             }
         }
+        // A registration outlives its lease only while something will still
+        // remove it: GitHub itself, once the job it records ends (an
+        // ephemeral runner is retired with its job); the runner holding the
+        // lease; the journal remembering it for the next process; or its
+        // instance being there for a sweep or a recovery to find. Otherwise
+        // nothing ever removes it.
+        let held: std::collections::BTreeSet<LeaseId> =
+            self.runner.custody_leases().into_iter().collect();
+        let remembered = self.journal.leases();
+        for (name, reg) in &c.regs {
+            let ended = c.leases.get(&reg.lease).is_none_or(|r| r.phase.is_terminal());
+            if ended
+                && !reg.job
+                && !held.contains(&reg.lease)
+                && !remembered.contains(reg.lease.as_str())
+                && self.fake.instance(name).is_none()
+            {
+                found.push(format!(
+                    "invariant (2) no leaked registration: {name} is still registered at GitHub, its lease {} ended, and nothing on the node will remove it",
+                    reg.lease
+                ));
+            }
+        }
         let configs = std::mem::take(&mut c.create_called);
         drop(c);
         if let Some(first) = found.first() {
@@ -1152,6 +1440,32 @@ impl World {
         }
         if configs {
             self.jit_configs_unique();
+        }
+    }
+
+    /// A background task that ended on its own panicked or gave up; either
+    /// breaks the node (KeepAlive) or the world (the plane).
+    fn check_tasks(&mut self) {
+        for (what, slot) in [
+            ("KeepAlive", &mut self.keep_alive),
+            ("the plane", &mut self.plane_task),
+        ] {
+            if slot.as_ref().is_some_and(JoinHandle::is_finished) {
+                let handle = slot.take().expect("finished");
+                let why = match handle.now_or_never() {
+                    Some(Err(e)) if e.is_panic() => panic_text(e),
+                    _ => "it returned".to_owned(),
+                };
+                let recent: Vec<&str> = self.recent.iter().map(String::as_str).collect();
+                panic!(
+                    "seed {} step {}: a task panicked or stopped: {what}: {why}\n  last steps: {}\n  reproduce: {}BILLET_SIM_SEED={} cargo test -p billet-agent --test sim",
+                    self.seed,
+                    self.step,
+                    recent.join(" | "),
+                    self.gates.repro_env,
+                    self.seed
+                );
+            }
         }
     }
 
@@ -1197,14 +1511,23 @@ impl World {
         self.note("quiescence: faults off".into(), None);
         for round in 0..40 {
             self.step += 1;
+            self.jobs_start(true);
             for name in self.live_jobs() {
                 self.complete_job(&name);
             }
+            self.finishing_exit(true);
             self.strays_exit(true);
+            self.github_notices();
             self.backend_catches_up();
             let pending: Vec<_> = self.shared.lock().completions.iter().cloned().collect();
             for (lease, result) in pending {
                 self.deliver(lease, result, false).await;
+            }
+            for (lease, request) in std::mem::take(&mut self.scale_down_retry) {
+                let open = !self.shared.lock().leases[&lease].phase.is_terminal();
+                if open {
+                    self.scale_down_one(lease, request).await;
+                }
             }
             let runner = Arc::clone(&self.runner);
             let r = runner.tend().await;
@@ -1290,7 +1613,9 @@ impl World {
 /// Runs one seed to the end, panicking on the first broken invariant.
 pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
     let began = tokio::time::Instant::now();
+    let sabotage = gates.sabotage;
     let mut world = World::new(seed, verbose, gates);
+    world.shared.lock().sabotage = sabotage;
     world.recover().await;
     let steps = 30 + world.rng.below(200) as usize;
     while world.step < steps {
@@ -1304,6 +1629,17 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
             log_line(&format!("[seed {seed} step {}] -- {step:?}", world.step));
         }
         world.run_step(step).await;
+        if world.gates.sabotage == Some(Sabotage::KillBusyRunner) {
+            let live = world.live_jobs();
+            let busy: Vec<String> = {
+                let c = world.shared.lock();
+                live.into_iter().filter(|n| c.busy_at_github(n)).collect()
+            };
+            if let Some(name) = busy.first() {
+                let lease = InstanceName::lease(name).expect("billet name");
+                let _ = billet_agent::provider::Provider::destroy(&*world.provider, &InstanceName::for_lease(&lease)).await;
+            }
+        }
         world.check();
     }
     world.jit_configs_unique();
@@ -1319,7 +1655,11 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
             *stats.entry(k).or_default() += v;
         }
     }
-    if let Some(handle) = world.keep_alive.take() {
+    world.check_tasks();
+    for handle in [world.keep_alive.take(), world.plane_task.take()]
+        .into_iter()
+        .flatten()
+    {
         handle.abort();
     }
     Outcome {
