@@ -27,7 +27,7 @@ use billet_agent::edge::model::InstanceName;
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
-use crate::fakes::{Job, POST_JOB_GRACE, PFault, POp, Sabotage, Shared, may_run};
+use crate::fakes::{Job, PFault, POST_JOB_GRACE, POp, Sabotage, Shared, may_run};
 
 /// [`FakeProvider`] with per-instance faults, slowness and crash points.
 #[derive(Debug)]
@@ -112,7 +112,9 @@ impl Provider for SimProvider {
                         "invariant (4) no live job killed without authority: destroy of {n} while GitHub records its job running, with no operator release or cancellation"
                     ));
                 } else if c.jobs.get(&n) == Some(&Job::Finishing)
-                    && c.finishing.get(&n).is_some_and(|t| t.elapsed() < POST_JOB_GRACE)
+                    && c.finishing
+                        .get(&n)
+                        .is_some_and(|t| t.elapsed() < POST_JOB_GRACE)
                 {
                     c.violate(format!(
                         "invariant (4) no live job killed without authority: destroy of {n} while its runner still works after an early completion, within the post-job grace"

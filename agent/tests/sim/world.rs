@@ -22,8 +22,8 @@ use futures::FutureExt as _;
 use tokio::task::JoinHandle;
 
 use crate::fakes::{
-    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Shared, may_run,
-    Sabotage, secs,
+    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Sabotage, Shared, may_run,
+    secs,
 };
 use crate::journal::SimJournal;
 use crate::provider::SimProvider;
@@ -267,6 +267,8 @@ pub struct World {
     gates: Gates,
     /// Scale-downs the node refused or failed, which the plane sends again.
     scale_down_retry: Vec<(LeaseId, RequestId)>,
+    /// Leases the plane sent a scale-down for.
+    scaled_down: std::collections::BTreeSet<LeaseId>,
     /// The plane's background task.
     plane_task: Option<JoinHandle<()>>,
 }
@@ -304,6 +306,7 @@ impl World {
             stats: Stats::new(),
             gates,
             scale_down_retry: Vec::new(),
+            scaled_down: std::collections::BTreeSet::new(),
             plane_task: None,
         };
         world.spawn_keep_alive();
@@ -658,6 +661,7 @@ impl World {
     }
 
     async fn scale_down_one(&mut self, lease: LeaseId, request: RequestId) {
+        self.scaled_down.insert(lease.clone());
         let runner = Arc::clone(&self.runner);
         let Some(r) = guarded(&self.shared, runner.destroy(request, None)).await else {
             self.note(
@@ -668,7 +672,10 @@ impl World {
             return;
         };
         self.note(
-            format!("plane: scale down request {request} ({lease}) -> {}", kind(&r)),
+            format!(
+                "plane: scale down request {request} ({lease}) -> {}",
+                kind(&r)
+            ),
             r.as_ref().err().map(ToString::to_string),
         );
         let mut c = self.shared.lock();
@@ -700,7 +707,13 @@ impl World {
         if remove {
             self.fake.remove_behind_back(name);
         } else {
-            self.exit(name, Exit { code: 0, oom_killed: false });
+            self.exit(
+                name,
+                Exit {
+                    code: 0,
+                    oom_killed: false,
+                },
+            );
         }
         self.shared
             .lock()
@@ -731,8 +744,16 @@ impl World {
 
     /// Idle runners take their jobs (all of them, or each by chance).
     fn jobs_start(&mut self, all: bool) {
+        // A runner the plane scaled down whose registration is not yet
+        // removed can still take a job; the node then destroys it once
+        // GitHub refuses the removal, a known bug.
+        let after_scale_down = self.gates.allows(Bug::ScaleDownKillsBusyRunner);
         for name in self.runners_in(Job::Idle) {
             if !self.shared.lock().regs.contains_key(&name) {
+                continue;
+            }
+            let lease = InstanceName::lease(&name).expect("billet name");
+            if !after_scale_down && self.scaled_down.contains(&lease) {
                 continue;
             }
             if all || self.rng.chance(50) {
@@ -747,12 +768,21 @@ impl World {
     fn finishing_exit(&mut self, all: bool) {
         for name in self.runners_in(Job::Finishing) {
             if all || self.rng.chance(50) {
-                self.exit(&name, Exit { code: 0, oom_killed: false });
+                self.exit(
+                    &name,
+                    Exit {
+                        code: 0,
+                        oom_killed: false,
+                    },
+                );
                 let mut c = self.shared.lock();
                 c.jobs.insert(name.clone(), Job::Completed);
                 c.finishing.remove(&name);
                 drop(c);
-                self.note(format!("{name}: finishes its post-job work and exits 0"), None);
+                self.note(
+                    format!("{name}: finishes its post-job work and exits 0"),
+                    None,
+                );
             }
         }
     }
@@ -776,7 +806,10 @@ impl World {
         for name in lost {
             self.shared.lock().job_ends(&name, Job::Dead, "failed");
             self.count("lost runners noticed by GitHub");
-            self.note(format!("github: notices {name} is lost; fails its job"), None);
+            self.note(
+                format!("github: notices {name} is lost; fails its job"),
+                None,
+            );
         }
     }
 
@@ -797,7 +830,13 @@ impl World {
         for name in strays {
             if all || self.rng.chance(50) {
                 // A runner whose registration is gone cannot connect: it exits.
-                self.exit(&name, Exit { code: 1, oom_killed: false });
+                self.exit(
+                    &name,
+                    Exit {
+                        code: 1,
+                        oom_killed: false,
+                    },
+                );
                 self.note(
                     format!("{name}: a runner without a registration exits 1"),
                     None,
@@ -905,7 +944,13 @@ impl World {
                     let d = secs(self.rng.range(1, 60));
                     self.shared.lock().faults.inside_tend = Some(d);
                     self.count("slow tends");
-                    self.note(format!("fault: every call of the next tend takes {}ms", d.as_millis()), None);
+                    self.note(
+                        format!(
+                            "fault: every call of the next tend takes {}ms",
+                            d.as_millis()
+                        ),
+                        None,
+                    );
                 }
                 let out = guarded(&self.shared, runner.tend()).await;
                 self.shared.lock().faults.inside_tend = None;
@@ -1024,7 +1069,7 @@ impl World {
                     self.fake
                         .instances()
                         .into_iter()
-                        .filter(|i| may_run(i))
+                        .filter(may_run)
                         .filter(|i| {
                             idle_too
                                 || c.jobs.get(&i.name) != Some(&Job::Idle)
@@ -1035,9 +1080,15 @@ impl World {
                 };
                 if let Some(name) = self.rng.pick(&names) {
                     let exit = if self.rng.chance(30) {
-                        Exit { code: 137, oom_killed: true }
+                        Exit {
+                            code: 137,
+                            oom_killed: true,
+                        }
                     } else {
-                        Exit { code: 1, oom_killed: false }
+                        Exit {
+                            code: 1,
+                            oom_killed: false,
+                        }
                     };
                     self.exit(&name, exit);
                     let mut c = self.shared.lock();
@@ -1069,7 +1120,9 @@ impl World {
                         self.shared.lock().completes_early(&name);
                         self.count("early completions");
                         self.note(
-                            format!("github: completes the job on {name} early; the runner still works"),
+                            format!(
+                                "github: completes the job on {name} early; the runner still works"
+                            ),
                             None,
                         );
                         if self.rng.chance(70) {
@@ -1420,7 +1473,10 @@ impl World {
             self.runner.custody_leases().into_iter().collect();
         let remembered = self.journal.leases();
         for (name, reg) in &c.regs {
-            let ended = c.leases.get(&reg.lease).is_none_or(|r| r.phase.is_terminal());
+            let ended = c
+                .leases
+                .get(&reg.lease)
+                .is_none_or(|r| r.phase.is_terminal());
             if ended
                 && !reg.job
                 && !held.contains(&reg.lease)
@@ -1637,7 +1693,11 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
             };
             if let Some(name) = busy.first() {
                 let lease = InstanceName::lease(name).expect("billet name");
-                let _ = billet_agent::provider::Provider::destroy(&*world.provider, &InstanceName::for_lease(&lease)).await;
+                let _ = billet_agent::provider::Provider::destroy(
+                    &*world.provider,
+                    &InstanceName::for_lease(&lease),
+                )
+                .await;
             }
         }
         world.check();
