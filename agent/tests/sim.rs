@@ -122,6 +122,10 @@ const KNOWN_BUGS: &[(Bug, &str)] = &[
         Bug::DestroyLeaksUnremovedRegistration,
         "a scale-down Destroy whose registration removal fails (plane or GitHub unreachable): the node destroys the instance anyway, answers OK, and the registration is never removed (issue #11 item 5; seeds 30, 75, 76)",
     ),
+    (
+        Bug::DestroyForgottenAfterRestart,
+        "a Destroy answered custody marks the held entry for teardown in memory only: a restart before its next journal write holds the runner as a job again, and an idle one is kept for ever (seeds 3364, 8277)",
+    ),
 ];
 
 fn gates() -> Gates {
@@ -135,6 +139,7 @@ fn gates() -> Gates {
         Bug::ExitedRunnerUnnoticed,
         Bug::VanishedIdleRunnerKeepsRegistration,
         Bug::DestroyLeaksUnremovedRegistration,
+        Bug::DestroyForgottenAfterRestart,
     ];
     // `1` or `all` includes every known bug's injection; otherwise a comma
     // list of names, such as `MintReplyLost,RelaunchAfterRestart`.
