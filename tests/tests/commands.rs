@@ -1,5 +1,6 @@
 //! The single slot's contract as the plane sees it over the wire.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -9,6 +10,7 @@ use billet_controlplane_stub::node_link::CommandOutcome;
 use billet_controlplane_stub::now_ms;
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER};
+use scaleset::testing::{Endpoint, Fault};
 
 fn launch(lease: &billet_controlplane_stub::ledger::Lease) -> pb::command::Kind {
     pb::command::Kind::Launch(pb::Launch {
@@ -293,15 +295,53 @@ async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_firs
     let launched = node.dispatch(launch(&lease), Duration::from_secs(30)).await;
     assert!(launched.is_ok(), "{}", launched.describe());
     assert_eq!(cluster.emulator.state().runners.len(), 1);
-    let destroyed = node
-        .dispatch(
-            pb::command::Kind::Destroy(pb::Destroy {
-                request_id: 5151,
-                job_result: None,
-            }),
-            Duration::from_secs(30),
-        )
-        .await;
+    // GitHub answers runner calls slowly, so the registration outlives the
+    // Destroy's start by seconds: wide enough to see whether the container
+    // is still there while it does.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::Runners, Duration::from_secs(2)));
+    let done = AtomicBool::new(false);
+    let destroy = async {
+        let outcome = node
+            .dispatch(
+                pb::command::Kind::Destroy(pb::Destroy {
+                    request_id: 5151,
+                    job_result: None,
+                }),
+                Duration::from_secs(30),
+            )
+            .await;
+        done.store(true, Ordering::SeqCst);
+        outcome
+    };
+    // Order, by observation: the container is read first, the registration
+    // second; a registration still there after the container was seen gone
+    // was removed after the container.
+    let watch = async {
+        let mut seen_registered_with_container = 0;
+        while !done.load(Ordering::SeqCst) {
+            let container = !cluster.containers().await?.is_empty();
+            let registered = !cluster.emulator.state().runners.is_empty();
+            anyhow::ensure!(
+                container || !registered,
+                "the container was removed while the runner was still registered"
+            );
+            if container && registered {
+                seen_registered_with_container += 1;
+            }
+            // A polling interval, not a wait for something to have happened.
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        Ok(seen_registered_with_container)
+    };
+    let (destroyed, watched) = tokio::join!(destroy, watch);
+    cluster.emulator.clear_faults();
+    let seen = watched?;
+    assert!(
+        seen > 0,
+        "the destroy never showed a moment with the registration and the container both present"
+    );
     assert!(destroyed.is_ok(), "{}", destroyed.describe());
     assert!(
         cluster.emulator.state().runners.is_empty(),

@@ -442,12 +442,109 @@ pub(crate) mod tests {
         command(cmd).command.unwrap_err().field
     }
 
+    /// A launch with every field of every message set to a distinct value,
+    /// written out in full (no `..Default::default()`), so a field added to
+    /// the proto is a compile error here until the fixture sets it.
+    pub(crate) fn full_launch() -> pb::Command {
+        pb::Command {
+            id: "cmd-42".into(),
+            deadline_unix_ms: 1_767_225_600_000,
+            kind: Some(pb::command::Kind::Launch(pb::Launch {
+                lease: Some(pb::Lease {
+                    id: "lease-7f3a".into(),
+                    epoch: 4,
+                    tier: "linux-xl".into(),
+                    phase: "assigned".into(),
+                    vcpu: 8,
+                    memory_bytes: 16 << 30,
+                    node: "node-3".into(),
+                    request_id: 4242,
+                    providers: vec!["docker".into(), "firecracker".into()],
+                    failure_reason: "image pull failed".into(),
+                }),
+                tier: Some(pb::TierSpec {
+                    label: "linux-xl".into(),
+                    image: "ghcr.io/acme/runner:2.320".into(),
+                    command: vec!["/home/runner/run.sh".into(), "--once".into()],
+                    trust: "trusted".into(),
+                    shm_bytes: 2 << 30,
+                    network: "billet-net".into(),
+                    env: vec!["RUNNER_LABELS=xl".into(), "TZ=UTC".into()],
+                }),
+                job: Some(pb::Job {
+                    request_id: 4242,
+                    run_id: 987_654,
+                    event: "push".into(),
+                    owner: "acme".into(),
+                    repository: "widgets".into(),
+                    workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main".into(),
+                }),
+            })),
+        }
+    }
+
+    /// What [`full_launch`] must convert to, written out independently of
+    /// the conversion.
+    fn full_launch_expected() -> NodeCommand {
+        NodeCommand::Launch {
+            lease: Lease {
+                id: LeaseId::parse("test", "lease-7f3a").unwrap(),
+                epoch: Epoch(4),
+                tier: "linux-xl".into(),
+                phase: Phase::Assigned,
+                vcpu: 8,
+                memory: ByteSize(16 << 30),
+                request_id: RequestId(4242),
+                providers: vec!["docker".into(), "firecracker".into()],
+                failure_reason: Some("image pull failed".into()),
+            },
+            tier: TierSpec {
+                label: "linux-xl".into(),
+                image: "ghcr.io/acme/runner:2.320".into(),
+                command: vec!["/home/runner/run.sh".into(), "--once".into()],
+                trust: Trust::Trusted,
+                shm: ByteSize(2 << 30),
+                network: Some("billet-net".into()),
+                env: vec![
+                    ("RUNNER_LABELS".into(), "xl".into()),
+                    ("TZ".into(), "UTC".into()),
+                ],
+            },
+            job: Job {
+                request_id: RequestId(4242),
+                run_id: 987_654,
+                event: "push".into(),
+                owner: "acme".into(),
+                repository: "widgets".into(),
+                workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main".into(),
+            },
+        }
+    }
+
     #[test]
-    fn a_well_formed_launch_is_accepted() {
-        let incoming = command(launch());
+    fn a_well_formed_launch_is_accepted_with_every_field_converted() {
+        let incoming = command(full_launch());
+        assert_eq!(incoming.id, "cmd-42");
+        assert_eq!(incoming.deadline_unix_ms, 1_767_225_600_000);
         let (id, cmd) = incoming.command.unwrap();
-        assert_eq!(id.as_str(), "c1");
-        assert_eq!(cmd.kind(), "launch");
+        assert_eq!(id.as_str(), "cmd-42");
+        assert_eq!(cmd, full_launch_expected());
+    }
+
+    #[test]
+    fn a_launch_sent_over_the_wire_arrives_with_every_field_it_was_sent_with() {
+        use prost::Message as _;
+        let sent = pb::PlaneMessage {
+            body: Some(pb::plane_message::Body::Command(full_launch())),
+        };
+        let bytes = sent.encode_to_vec();
+        let received = pb::PlaneMessage::decode(bytes.as_slice()).expect("decodes");
+        assert_eq!(received, sent, "the bytes lost or changed a field");
+        let Some(pb::plane_message::Body::Command(cmd)) = received.body else {
+            panic!("not a command: {received:?}");
+        };
+        let (_, cmd) = command(cmd).command.unwrap();
+        assert_eq!(cmd, full_launch_expected());
     }
 
     #[test]
@@ -704,7 +801,10 @@ pub(crate) mod properties {
         fn an_encoded_command_decodes_to_the_same_verdict(cmd in command_strategy()) {
             let bytes = pb::PlaneMessage { body: Some(pb::plane_message::Body::Command(cmd.clone())) }.encode_to_vec();
             let decoded = pb::PlaneMessage::decode(bytes.as_slice()).expect("round trip");
-            let Some(pb::plane_message::Body::Command(again)) = decoded.body else { panic!("not a command") };
+            let Some(pb::plane_message::Body::Command(again)) = decoded.body.clone() else { panic!("not a command") };
+            // The bytes carry every field as sent: the decoded message is
+            // the one encoded, not merely one that converts alike.
+            prop_assert_eq!(&again, &cmd);
             prop_assert_eq!(command(cmd).command.map(|(_, c)| c), command(again).command.map(|(_, c)| c));
         }
     }

@@ -955,6 +955,83 @@ mod tests {
         assert_eq!(linked.name, "billet-a");
     }
 
+    /// A stand-in engine on a Unix socket: `/version` answers API 1.43 and
+    /// `/containers/json` answers `containers` (raw JSON), one request per
+    /// connection; anything else is a 404.
+    fn engine_listing(containers: &'static str) -> std::path::PathBuf {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let path = std::env::temp_dir().join(unique("billet-listing-engine"));
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0_u8; 1024];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&head);
+                    let target = line.split_whitespace().nth(1).unwrap_or_default();
+                    let (status, body) = if target.ends_with("/version") {
+                        ("200 OK", r#"{"ApiVersion":"1.43","Version":"24.0.0"}"#)
+                    } else if target.contains("/containers/json") {
+                        ("200 OK", containers)
+                    } else {
+                        ("404 Not Found", r#"{"message":"no such endpoint"}"#)
+                    };
+                    let reply = format!(
+                        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(reply.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        path
+    }
+
+    #[tokio::test]
+    async fn list_fails_on_a_malformed_entry_rather_than_answering_a_partial_inventory() {
+        let labels =
+            r#"{"sh.billet.deployment":"dep","sh.billet.node":"node-1","sh.billet.lease":"a"}"#;
+        let good =
+            format!(r#"{{"Id":"c1","Names":["/billet-a"],"State":"running","Labels":{labels}}}"#);
+        let owner = owner("dep", "node-1");
+
+        // The engine answers: a well-formed inventory lists.
+        let listing: &'static str = Box::leak(format!("[{good}]").into_boxed_str());
+        let provider = DockerProvider::connect(&engine_listing(listing), owner.clone())
+            .unwrap()
+            .with_timeout(Duration::from_secs(10));
+        let listed = provider
+            .list()
+            .await
+            .expect("a well-formed inventory lists");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        assert_eq!(listed[0].name, "billet-a");
+
+        // The same inventory with an entry that has no name, or no id.
+        for bad in [
+            r#"{"Id":"c2","Names":[],"State":"running","Labels":{}}"#,
+            r#"{"Names":["/billet-b"],"State":"running","Labels":{}}"#,
+        ] {
+            let listing: &'static str = Box::leak(format!("[{good},{bad}]").into_boxed_str());
+            let provider = DockerProvider::connect(&engine_listing(listing), owner.clone())
+                .unwrap()
+                .with_timeout(Duration::from_secs(10));
+            match provider.list().await {
+                Err(ProviderError::Engine { operation, .. }) => {
+                    assert!(operation.contains("list"), "{operation}")
+                }
+                other => panic!("a malformed entry {bad} gave {other:?}, not a list failure"),
+            }
+        }
+    }
+
     #[test]
     fn a_jit_config_is_scrubbed_from_engine_messages() {
         assert_eq!(
