@@ -211,10 +211,35 @@ impl Drop for Host {
     }
 }
 
-fn wait_for_exit_of_updater() {
-    // The updater answers and then exits; give it a moment so a lingering
-    // process cannot run the stop command after the assertion.
-    std::thread::sleep(Duration::from_millis(300));
+/// Waits (at most 30 s) until the updater this host spawned has exited:
+/// no process is left whose command line names this host's configuration.
+/// The updater answers and then exits; one still lingering could run the
+/// stop command after the assertion that nothing was touched.
+fn wait_for_exit_of_updater(host: &Host) {
+    let needle = host.config.as_os_str().as_encoded_bytes().to_vec();
+    let lingering = || {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().parse::<u32>().is_ok())
+            .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+            .filter(|cmdline| {
+                cmdline
+                    .windows(needle.len())
+                    .any(|w| w == needle.as_slice())
+            })
+            .count()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while lingering() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the updater for {} did not exit within 30s",
+            host.config.display()
+        );
+        // A polling interval, not a wait for something to have happened.
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[tokio::test]
@@ -224,7 +249,7 @@ async fn a_manifest_that_is_not_the_pinned_one_is_refused_before_anything_is_tou
     spec.manifest_sha256 = Some("0".repeat(64));
     let reason = host.refused(&spec).await;
     assert!(reason.contains("the rollout pinned"), "{reason}");
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -237,7 +262,7 @@ async fn a_binary_that_is_not_the_manifests_is_refused_before_anything_is_touche
     std::fs::write(&binary, bytes).expect("tamper");
     let reason = host.refused(&host.spec(1)).await;
     assert!(reason.contains("the manifest says"), "{reason}");
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -251,7 +276,7 @@ async fn a_stale_generation_is_refused_before_anything_is_touched() {
         reason.contains("generation 4 of rollout rollout-1 is stale"),
         "{reason}"
     );
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -267,7 +292,7 @@ async fn a_second_upgrade_while_one_holds_the_host_is_refused_before_anything_is
         reason.contains("another upgrade is in progress"),
         "{reason}"
     );
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
     drop(claim);
 }
@@ -283,7 +308,7 @@ async fn a_release_missing_from_the_source_is_refused_naming_where_it_looked() {
         reason.contains(&format!("releases/8.0.0/{}", release::MANIFEST_FILE)),
         "{reason}"
     );
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -296,7 +321,7 @@ async fn an_instruction_for_the_installed_version_is_accepted_and_changes_nothin
     spec.rollout_id = None;
     spec.generation = 0;
     host.upgrade(&spec).await.expect("accepted: nothing to do");
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -307,7 +332,7 @@ async fn an_instruction_for_the_installed_version_still_advances_the_fence() {
     spec.version = env!("CARGO_PKG_VERSION").into();
     spec.manifest_sha256 = None;
     host.upgrade(&spec).await.expect("accepted: nothing to do");
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     assert_eq!(host.fence_json(), serde_json::json!({"rollout-1": 3}));
     // A delayed, older instruction of the same rollout is now stale.
     let reason = host.refused(&host.spec(2)).await;
@@ -315,7 +340,7 @@ async fn an_instruction_for_the_installed_version_still_advances_the_fence() {
         reason.contains("generation 2 of rollout rollout-1 is stale"),
         "{reason}"
     );
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     assert!(!host.dir.join("stopped").exists());
     host.assert_binary_untouched();
 }
@@ -344,7 +369,7 @@ async fn an_instruction_for_the_installed_version_pinning_another_binary_is_refu
     spec.manifest_sha256 = Some(digest);
     let reason = host.refused(&spec).await;
     assert!(reason.contains("is not that release's binary"), "{reason}");
-    wait_for_exit_of_updater();
+    wait_for_exit_of_updater(&host);
     host.assert_untouched();
 }
 
@@ -562,9 +587,11 @@ async fn a_rollback_that_cannot_restore_starts_the_node_anyway_and_says_so() {
 }
 
 /// A stand-in for a node that is draining: it answers on the local socket,
-/// serving, with `draining` set.
+/// serving, with `draining` set, and counts how often it was asked.
 #[derive(Clone)]
-struct DrainingNode;
+struct DrainingNode {
+    asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
 
 #[tonic::async_trait]
 impl billet_proto::v1::local_server::Local for DrainingNode {
@@ -572,6 +599,7 @@ impl billet_proto::v1::local_server::Local for DrainingNode {
         &self,
         _: tonic::Request<billet_proto::v1::StatusRequest>,
     ) -> Result<tonic::Response<billet_proto::v1::LocalStatus>, tonic::Status> {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(tonic::Response::new(billet_proto::v1::LocalStatus {
             version: env!("CARGO_PKG_VERSION").into(),
             pid: 1,
@@ -596,11 +624,14 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
         .set_service_status("billet.node.v1.Node", tonic_health::ServingStatus::Serving)
         .await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let draining = DrainingNode {
+        asked: Default::default(),
+    };
     let node = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(billet_proto::v1::local_server::LocalServer::new(
-                DrainingNode,
+                draining.clone(),
             ))
             .serve_with_incoming_shutdown(
                 tokio_stream::wrappers::UnixListenerStream::new(listener),
@@ -615,7 +646,15 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
         tokio::spawn(
             async move { billet_agent::upgrade::updater::settle_interrupted(&config).await },
         );
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The settle has asked twice and found the node draining both times:
+    // it has decided at least once to go on waiting.
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while draining.asked.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the settle asked the draining node twice within 30 s");
     assert!(
         !host.dir.join("started").exists(),
         "a node still draining was started over"

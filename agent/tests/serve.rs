@@ -188,6 +188,8 @@ struct Plane {
     calls: Arc<Mutex<Vec<pb::node_call::Call>>>,
     results: mpsc::UnboundedReceiver<pb::CommandResult>,
     leases: Leases,
+    /// Reads the node's stream; it ends when the node ends the session.
+    reader: JoinHandle<()>,
 }
 
 impl Plane {
@@ -229,7 +231,7 @@ impl Plane {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let (results_tx, results) = mpsc::unbounded_channel();
         let (seen, replies, ledger) = (Arc::clone(&calls), tx.clone(), Arc::clone(&leases));
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             while let Ok(Some(pb::NodeMessage { body: Some(body) })) = inbound.message().await {
                 let reply = match body {
                     pb::node_message::Body::Call(pb::NodeCall {
@@ -265,7 +267,18 @@ impl Plane {
             calls,
             results,
             leases,
+            reader,
         }
+    }
+
+    /// Waits until the node has ended the session (its stream closed).
+    async fn closed(&mut self) {
+        // Our side stays open (`commands` lives on): only the node can end
+        // the stream.
+        tokio::time::timeout(Duration::from_secs(10), &mut self.reader)
+            .await
+            .expect("the node ended the session within 10s")
+            .expect("the session reader");
     }
 
     async fn send(&self, id: &str, kind: pb::command::Kind) {
@@ -330,6 +343,7 @@ impl Plane {
 /// A node serving in this process.
 struct Node {
     provider: Arc<FakeProvider>,
+    state_dir: PathBuf,
     addr: std::net::SocketAddr,
     plane: PlaneCerts,
     drain: CancellationToken,
@@ -389,6 +403,7 @@ impl Node {
         ));
         Self {
             provider,
+            state_dir: scratch.0.join("state"),
             addr,
             plane,
             drain,
@@ -405,6 +420,23 @@ impl Node {
             lease(HELD, 3, "online", HELD_REQUEST),
         )])));
         Plane::attach(self.addr, &self.plane, leases).await
+    }
+
+    /// Waits until the node says, on its local socket, that it is draining.
+    async fn draining(&self) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Ok(seen) =
+                    billet_agent::node::local::check(&self.state_dir, Duration::from_secs(2)).await
+                    && seen.status.draining
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the node reported draining within 10s");
     }
 
     async fn stopped(self) -> Arc<FakeProvider> {
@@ -450,14 +482,12 @@ async fn the_janitor_keeps_renewing_for_the_whole_drain() {
     let mut plane = node.attach().await;
     plane.renewed(HELD, 2).await;
     node.drain.cancel();
+    node.draining().await;
     let at_drain = plane.renewals(HELD);
-    // Several TTLs of draining: renewals go on throughout.
-    tokio::time::sleep(TTL * 3).await;
-    assert!(
-        plane.renewals(HELD) >= at_drain + 3,
-        "{} renewals in three TTLs of draining",
-        plane.renewals(HELD) - at_drain
-    );
+    // Three renewals after the drain began (several TTLs of draining, each
+    // renewal due every third of one): the node renews throughout, and is
+    // still running when the third arrives.
+    plane.renewed(HELD, at_drain + 3).await;
     assert!(!node.run.is_finished(), "the drain ended while holding");
     assert!(!node.shutdown.is_cancelled());
 
@@ -514,6 +544,7 @@ async fn health_turns_not_serving_as_soon_as_a_drain_begins() {
 async fn the_janitor_does_not_outlive_the_node() {
     let node = Node::start().await;
     let plane = node.attach().await;
+    let mut plane = plane;
     plane.renewed(HELD, 3).await;
     assert!(
         Arc::strong_count(&node.provider) > 1,
@@ -529,7 +560,9 @@ async fn the_janitor_does_not_outlive_the_node() {
     .await
     .expect("a task of the stopped node still holds the runner");
     let after = plane.renewals(HELD);
-    tokio::time::sleep(TTL).await;
+    // The session's end is the signal: once the node has closed its stream,
+    // nothing it runs can reach this plane again.
+    plane.closed().await;
     assert_eq!(
         plane.renewals(HELD),
         after,
@@ -587,7 +620,9 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
     .await
     .expect("the tend reached the provider");
     node.drain.cancel();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The runner has started draining (the local socket says so) before
+    // the tend lets the queued commands reach the slot.
+    node.draining().await;
     node.provider.unblock(Operation::Find);
 
     let tend = plane.result().await;

@@ -747,7 +747,9 @@ mod tests {
     /// in-flight table and acknowledged `accepted`, its hand-over to the
     /// caller not yet done) is the answer, not a loss: otherwise the plane
     /// would call it custody while the node was told it was accepted.
-    #[tokio::test]
+    // In paused time: the deadline passes on the virtual clock, and the
+    // sleep past it returns only once every other task is idle.
+    #[tokio::test(start_paused = true)]
     async fn a_result_that_landed_as_the_deadline_passed_is_taken_not_lost() {
         let link = link("node-a");
         // Room for one message: the command, then (once the test fills it)

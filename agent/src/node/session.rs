@@ -836,8 +836,10 @@ mod scenarios {
         }
     }
 
-    /// 7.L.4
-    #[tokio::test]
+    /// 7.L.4. In paused time: the sleep below returns only once every
+    /// other task is idle, so "nothing happened" is a settled state, not a
+    /// race with a loaded machine.
+    #[tokio::test(start_paused = true)]
     async fn a_launch_queued_before_recovery_waits_for_recovery_and_then_runs() {
         let provider = Arc::new(FakeProvider::new());
         let (runner, link) = node(provider.clone());
@@ -883,8 +885,9 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// 7.L.10
-    #[tokio::test]
+    /// 7.L.10. In paused time: the sleep returns only once every other
+    /// task is idle.
+    #[tokio::test(start_paused = true)]
     async fn a_node_whose_recovery_never_succeeds_answers_no_command_and_touches_nothing() {
         let provider = Arc::new(FakeProvider::new());
         let (runner, link) = node(provider.clone());

@@ -339,7 +339,9 @@ async fn a_superseded_node_holds_its_running_work_until_tends_see_it_finish() {
 /// the tend waits in the slot while the completion's destroy is in the
 /// provider, and finds nothing left to do, so the instance is destroyed
 /// and the lease released exactly once.
-#[tokio::test]
+// In paused time: the sleep below returns only once every other task is
+// idle, so the tend has had every chance to run beside the destroy.
+#[tokio::test(start_paused = true)]
 async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
     let node = Node::start();
     let (mut plane, _) = open(&node.link, 1);
