@@ -71,7 +71,9 @@
 //!
 //! A million seeds, in release and at low priority (how long it took and
 //! what it found: ARCHITECTURE.md, the simulation's section):
-//! `BILLET_SIM_SEEDS=1000000 nice -n 19 cargo test --release -p billet-agent --test sim -- the_runner_keeps`.
+//! `BILLET_SIM_SEEDS=1000000 nice -n 19 cargo test --release -p billet-agent --test sim -- --nocapture the_runner_keeps`
+//! (with `--nocapture`, a run of 100,000 seeds or more reports its
+//! progress every 50,000).
 
 #[path = "sim/fakes.rs"]
 mod fakes;
@@ -315,6 +317,15 @@ fn the_runner_keeps_every_invariant_under_seeded_faults_restarts_and_crashes() {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                     let Some(&seed) = seeds.get(i) else { break };
+                    if seeds.len() >= 100_000 && i > 0 && i % 50_000 == 0 {
+                        // Long runs report as they go (with --nocapture), so a
+                        // run stopped early still says how far it got.
+                        eprintln!(
+                            "simulation progress: {i} seeds from {start} in {:.0}s, {} failing so far",
+                            began.elapsed().as_secs_f64(),
+                            failures.lock().unwrap().len()
+                        );
+                    }
                     match run_captured(seed, &gates) {
                         Ok(outcome) => {
                             if replay
