@@ -84,6 +84,12 @@ async fn node_status_lists_the_lease_of_a_running_job_and_nothing_once_it_is_don
         lease["runner_name"].as_str().is_some_and(|r| !r.is_empty()),
         "{lease}"
     );
+    // The launch's log lines carry its lease in the command's span.
+    let log = cluster.nodes["node-1"].log_text();
+    assert!(
+        log.contains(&format!("kind=\"launch\" lease={lease_id}}}")),
+        "no launch line names lease {lease_id} in its span:\n{log}"
+    );
     let (code, table) = status(&state_dir, false)?;
     assert_eq!(code, 0, "{table}");
     let row = table

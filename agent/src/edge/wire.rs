@@ -56,6 +56,22 @@ pub enum NodeCommand {
 }
 
 impl NodeCommand {
+    /// The lease the command names, for the log lines it causes (a
+    /// destroy names its request instead).
+    pub fn lease_id(&self) -> Option<&crate::edge::model::LeaseId> {
+        match self {
+            NodeCommand::Launch { lease, .. } | NodeCommand::AssumeCustody { lease, .. } => {
+                Some(&lease.id)
+            }
+            NodeCommand::Destroy { .. }
+            | NodeCommand::StartUpgrade(_)
+            | NodeCommand::Instances
+            | NodeCommand::Sweep
+            | NodeCommand::Tend
+            | NodeCommand::Superseded => None,
+        }
+    }
+
     /// A short name for logs.
     pub fn kind(&self) -> &'static str {
         match self {

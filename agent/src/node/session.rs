@@ -413,7 +413,11 @@ pub async fn execute_commands(
             session,
         } = queued;
         let kind = command.kind();
-        let span = info_span!("command", %id, kind);
+        // Every line the command logs carries its lease, where it names one.
+        let span = info_span!("command", %id, kind, lease = tracing::field::Empty);
+        if let Some(lease) = command.lease_id() {
+            span.record("lease", tracing::field::display(lease));
+        }
         let (result, launched) = async {
             if now_unix_ms() > deadline_unix_ms {
                 info!("expired before it started; doing nothing");
