@@ -627,6 +627,58 @@ async fn after_a_restart_a_failed_launchs_registration_goes_before_its_compute_a
     assert!(!r.holding());
 }
 
+/// A process killed mid-create never learned whether its instance started;
+/// the next one asks GitHub through the removal itself. GitHub refuses to
+/// remove a runner that has taken its job (JobStillRunning), so that runner
+/// is kept as a job; the idle one's removal succeeds and it is torn down.
+#[tokio::test]
+async fn after_a_restart_an_unconfirmed_launch_keeps_a_runner_github_calls_busy_and_tears_down_an_idle_one()
+ {
+    let w = World::new();
+    let mut leases = Vec::new();
+    for request in [21, 22] {
+        let lease = w.launching_lease(request);
+        let runner_name = name(&lease.id);
+        let registration = w
+            .core()
+            .mint(&lease.id, Epoch(1), &runner_name)
+            .expect("minted");
+        w.journal
+            .put_launch(&LaunchRecord {
+                lease: lease.id.as_str().to_owned(),
+                epoch: 1,
+                request_id: request,
+                instance: runner_name.clone(),
+                runner_id: registration.runner_id,
+                runner_name: registration.runner_name,
+                created: false,
+            })
+            .await
+            .unwrap();
+        w.put_instance(&runner_name, true);
+        leases.push(lease);
+    }
+    let (busy, idle) = (&leases[0], &leases[1]);
+    w.core().job_starts(&name(&busy.id));
+
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+
+    assert!(w.exists(&busy.id), "the busy runner's job was killed");
+    assert!(w.registered(&busy.id), "GitHub removed a busy runner");
+    assert_eq!(w.destroys_of(&busy.id), 0);
+    assert!(!w.phase(&busy.id).is_terminal());
+    assert!(
+        custody(&r).contains(&busy.id),
+        "the busy runner is not held"
+    );
+
+    assert!(!w.registered(&idle.id), "the idle runner is still routable");
+    assert!(!w.exists(&idle.id), "the idle runner was kept");
+    assert_eq!(w.phase(&idle.id), Phase::Failed);
+}
+
 #[tokio::test]
 async fn an_unconfirmed_cleanup_holds_the_capacity() {
     let w = World::new();
