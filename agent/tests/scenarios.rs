@@ -85,6 +85,21 @@ impl LeaseStore for Plane {
         self.note(format!("release {lease} {outcome}"));
         self.inner.release(lease, epoch, outcome).await
     }
+    async fn mark_failure(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError> {
+        self.note(format!("mark_failure {lease} {reason}"));
+        self.inner.mark_failure(lease, epoch, reason).await?;
+        self.reasons
+            .lock()
+            .unwrap()
+            .entry(lease.clone())
+            .or_insert_with(|| reason.to_owned());
+        Ok(())
+    }
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
         let mut l = self.inner.lease(lease).await?;
         l.failure_reason = self.reasons.lock().unwrap().get(lease).cloned();
@@ -835,7 +850,9 @@ async fn a_host_teardown_keeps_its_launch_observation() {
     w.fake.remove_behind_back(&name(&lease.id));
     r.tend().await.unwrap();
     assert!(w.phase(&lease.id).is_terminal());
-    assert_eq!(w.fake.count(Operation::Find), 1);
+    // One inventory per tend, and no find for the entry.
+    assert_eq!(w.fake.count(Operation::List), 1);
+    assert_eq!(w.fake.count(Operation::Find), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -851,8 +868,8 @@ async fn a_provider_error_resets_a_strays_run_of_absences() {
             .is_custody()
     );
     sleep(Duration::from_secs(200)).await;
-    w.fake.fail_next(Operation::Find, 1);
-    r.tend().await.expect_err("find failed");
+    w.fake.fail_next(Operation::List, 1);
+    r.tend().await.expect_err("list failed");
     sleep(Duration::from_secs(150)).await;
     r.tend().await.unwrap();
     assert!(
@@ -1683,12 +1700,12 @@ async fn keep_alive_renews_held_leases_while_tend_is_blocked_in_the_provider() {
         let stop = stop.clone();
         async move { r.keep_alive(stop).await }
     });
-    w.fake.block(Operation::Find);
+    w.fake.block(Operation::List);
     let tend = tokio::spawn({
         let r = r.clone();
         async move { r.tend().await }
     });
-    while w.fake.count(Operation::Find) == 0 {
+    while w.fake.count(Operation::List) == 0 {
         sleep(Duration::from_millis(10)).await;
     }
     let before = w.plane.heartbeats();
@@ -1696,7 +1713,7 @@ async fn keep_alive_renews_held_leases_while_tend_is_blocked_in_the_provider() {
     w.reap();
     assert!(w.plane.heartbeats() >= before + 3);
     assert_ne!(w.phase(&lease.id), Phase::Quarantine);
-    w.fake.unblock(Operation::Find);
+    w.fake.unblock(Operation::List);
     tend.await.unwrap().unwrap();
     stop.cancel();
     ka.await.unwrap();
@@ -1854,4 +1871,117 @@ async fn recover_renews_the_lease_it_adopts() {
         w.expires(&lease.id) > before,
         "recover adopted the lease without renewing it"
     );
+}
+
+// ======================= issue #11: a runner's life =======================
+
+/// The ledger's failure reason for a lease, as the node marked it.
+fn reason(w: &World, lease: &LeaseId) -> Option<String> {
+    w.plane.reasons.lock().unwrap().get(lease).cloned()
+}
+
+/// One tend after the runner's process ended under a running lease: torn
+/// down, registration removed, released with `outcome` and `why`.
+async fn ends_in_one_tend(code: i64, oom_killed: bool, outcome: Phase, why: Option<&str>) {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    assert!(w.fake.exit(&name(&lease.id), code, oom_killed));
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id), "the exited container is destroyed");
+    assert!(!w.registered(&lease.id), "the registration is removed");
+    assert_eq!(w.phase(&lease.id), outcome);
+    assert_eq!(reason(&w, &lease.id).as_deref(), why);
+    assert!(!r.holding());
+    assert_eq!(w.fake.count(Operation::List), 1, "one inventory per tend");
+    assert_eq!(w.fake.count(Operation::Find), 0, "no find per lease");
+}
+
+#[tokio::test]
+async fn a_running_runner_killed_is_released_failed_killed_within_one_tend() {
+    ends_in_one_tend(137, false, Phase::Failed, Some("killed")).await;
+}
+
+#[tokio::test]
+async fn a_running_runner_oom_killed_is_released_failed_oom_within_one_tend() {
+    ends_in_one_tend(137, true, Phase::Failed, Some("oom")).await;
+}
+
+#[tokio::test]
+async fn a_running_runner_that_exits_3_is_released_failed_exit_3_within_one_tend() {
+    ends_in_one_tend(3, false, Phase::Failed, Some("exit 3")).await;
+}
+
+#[tokio::test]
+async fn a_running_runner_that_exits_0_on_its_own_is_released_done_within_one_tend() {
+    ends_in_one_tend(0, false, Phase::Done, None).await;
+}
+
+#[tokio::test]
+async fn a_running_runner_removed_out_of_band_is_released_failed_removed_within_one_tend() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    assert!(w.fake.remove_behind_back(&name(&lease.id)));
+    r.tend().await.unwrap();
+    assert!(!w.registered(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("removed"));
+    assert!(!r.holding());
+}
+
+#[tokio::test]
+async fn a_held_job_whose_runner_was_killed_is_never_recorded_done() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    assert!(w.fake.exit(&name(&lease.id), 137, false));
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("killed"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_registration_removal_that_fails_after_the_runner_died_is_retried_with_backoff_not_every_tick()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let removals = || {
+        w.plane
+            .log()
+            .iter()
+            .filter(|l| l.starts_with(&format!("remove {}", lease.id)))
+            .count()
+    };
+    assert!(w.fake.exit(&name(&lease.id), 137, false));
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    r.tend().await.unwrap();
+    // The runner is gone, so its lease does not wait for the removal.
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!w.exists(&lease.id));
+    assert!(w.registered(&lease.id));
+    assert_eq!(removals(), 1);
+    for _ in 0..5 {
+        r.tend().await.unwrap();
+    }
+    assert_eq!(removals(), 1, "tried again on a tick, before its backoff");
+    sleep(Duration::from_millis(2100)).await;
+    r.tend().await.unwrap();
+    assert_eq!(removals(), 2, "tried again once the first backoff passed");
+    assert!(w.registered(&lease.id), "the second try failed too");
+    r.tend().await.unwrap();
+    assert_eq!(removals(), 2, "the second backoff is longer");
+    sleep(Duration::from_millis(4100)).await;
+    r.tend().await.unwrap();
+    assert_eq!(removals(), 3);
+    assert!(!w.registered(&lease.id), "removed on the third try");
+    sleep(Duration::from_secs(600)).await;
+    r.tend().await.unwrap();
+    assert_eq!(removals(), 3, "a removal that succeeded is not tried again");
 }

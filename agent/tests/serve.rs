@@ -580,7 +580,8 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
     plane.renewed(HELD, 1).await;
     // A tend holds the slot (its read of the provider waits), so what is
     // delivered next waits in the queue while the drain begins.
-    node.provider.block(Operation::Find);
+    let lists = node.provider.count(Operation::List);
+    node.provider.block(Operation::List);
     plane.send("t1", pb::command::Kind::Tend(pb::Tend {})).await;
     let mut launch = lease("l2", 1, "assigned", 12);
     launch.providers = vec!["docker".into()];
@@ -613,7 +614,7 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
         )
         .await;
     tokio::time::timeout(Duration::from_secs(10), async {
-        while node.provider.count(Operation::Find) == 0 {
+        while node.provider.count(Operation::List) == lists {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -623,7 +624,7 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
     // The runner has started draining (the local socket says so) before
     // the tend lets the queued commands reach the slot.
     node.draining().await;
-    node.provider.unblock(Operation::Find);
+    node.provider.unblock(Operation::List);
 
     let tend = plane.result().await;
     assert_eq!(

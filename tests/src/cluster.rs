@@ -57,6 +57,13 @@ pub struct ClusterOptions {
     /// `systemctl` as the updater's service manager. The cluster's
     /// directory is then made in the host's shared directory.
     pub systemd: Option<crate::systemd::SystemdTarget>,
+    /// More plain environment for each runner (`KEY=value`), such as the
+    /// stand-in's `BILLET_STANDIN_MODE`.
+    pub tier_env: Vec<String>,
+    /// Memory per runner, in bytes (the container's limit).
+    pub tier_memory_bytes: u64,
+    /// The runner image; the stand-in by default.
+    pub tier_image: String,
 }
 
 impl Default for ClusterOptions {
@@ -73,6 +80,9 @@ impl Default for ClusterOptions {
             quarantine_grace: Duration::from_secs(300),
             installed: false,
             systemd: None,
+            tier_env: Vec::new(),
+            tier_memory_bytes: 256 << 20,
+            tier_image: STANDIN_IMAGE.into(),
         }
     }
 }
@@ -587,16 +597,19 @@ impl Cluster {
             nodes: targets,
             tier: Tier {
                 label: TIER.into(),
-                image: STANDIN_IMAGE.into(),
+                image: options.tier_image.clone(),
                 command: vec!["/billet-standin-runner".into()],
                 trust: "trusted".into(),
                 vcpu: 1,
-                memory_bytes: 256 << 20,
+                memory_bytes: options.tier_memory_bytes,
                 network: "host".into(),
-                env: vec![
+                env: [
                     format!("BILLET_STANDIN_WORK_MS={}", options.work_ms),
                     "BILLET_STANDIN_IDLE_TIMEOUT_MS=120000".into(),
-                ],
+                ]
+                .into_iter()
+                .chain(options.tier_env.iter().cloned())
+                .collect(),
             },
             launch_timeout: options.launch_timeout,
             destroy_timeout: Duration::from_secs(60),

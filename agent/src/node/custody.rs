@@ -21,11 +21,23 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use super::ending::EndReason;
 use super::journal::{CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
 use super::runner::{Runner, RunnerError, Running, now_plus};
 use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
-use crate::provider::{ProviderError, Teardown};
+use crate::provider::{Instance, ProviderError, Teardown};
+
+/// Where one custody step reads its instance from.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Seen<'a> {
+    /// This tend's complete inventory.
+    Listed(&'a [Instance]),
+    /// This tend could not list the provider: nothing is judged.
+    Unread,
+    /// Ask the provider for this one instance (outside a tend).
+    Ask,
+}
 
 /// After this long in custody every tend warns, naming the lease.
 pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
@@ -55,6 +67,9 @@ pub(super) struct CustodyEntry {
     /// Not yet proven gone.
     pub(super) unconfirmed: bool,
     pub(super) since: Instant,
+    /// Why the compute ended, recorded as the lease's failure reason before
+    /// a `failed` release. Not journaled: a restart releases without it.
+    pub(super) reason: Option<EndReason>,
 }
 
 impl CustodyEntry {
@@ -78,6 +93,7 @@ impl CustodyEntry {
             absent_since: None,
             unconfirmed: true,
             since: Instant::now(),
+            reason: None,
         }
     }
 
@@ -142,6 +158,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         absent_since: None,
         unconfirmed: true,
         since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
+        reason: None,
     };
     Some((lease, entry))
 }
@@ -265,6 +282,7 @@ impl Runner {
     /// [`RunnerError::Failed`] when the provider or the ledger cannot be read,
     /// or when some orphans could not be destroyed (the next sweep retries).
     pub async fn sweep(&self) -> Result<(), RunnerError> {
+        let before = self.running_snapshot();
         let instances = self
             .provider
             .list()
@@ -275,7 +293,7 @@ impl Runner {
             .filter_map(|i| i.lease().map(|l| (l.clone(), InstanceName::for_lease(&l))))
             .collect();
         let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
-        self.hold_vanished(&ids).await;
+        self.end_gone_runners(&before, &instances).await;
         match self.ledger.reconcile(&ids).await {
             Ok(freed) if freed > 0 => {
                 info!(freed, "the plane freed quarantined leases absent here")
@@ -348,29 +366,79 @@ impl Runner {
         }
     }
 
-    /// Running requests whose instance is missing from a complete inventory
-    /// lost their compute behind this node's back (removed by hand, killed
-    /// by the engine). They move to custody as failed: the next tend finds
-    /// them gone (this host's provider saw them exist, so no grace applies),
-    /// removes any registration and releases the lease.
-    async fn hold_vanished(&self, present: &[LeaseId]) {
-        let vanished: Vec<(RequestId, Running)> = {
-            let mut s = self.state();
-            let gone: Vec<RequestId> = s
-                .running
-                .iter()
-                .filter(|(_, r)| !present.contains(&r.lease))
-                .map(|(q, _)| *q)
-                .collect();
-            gone.into_iter()
-                .filter_map(|q| s.running.remove(&q).map(|r| (q, r)))
-                .collect()
-        };
-        for (request_id, r) in vanished {
-            warn!(lease = %r.lease, instance = %r.instance, "instance vanished while its job was running; releasing its lease as failed");
+    /// The running requests, read before an inventory: each was created
+    /// before the inventory was read, so its absence from it means gone.
+    fn running_snapshot(&self) -> Vec<(RequestId, Running)> {
+        self.state()
+            .running
+            .iter()
+            .map(|(q, r)| (*q, r.clone()))
+            .collect()
+    }
+
+    /// Running requests whose compute ended, by a complete inventory read
+    /// after `before` was taken: an instance missing (removed behind this
+    /// node's back) or no longer running (exited, OOM-killed, killed, being
+    /// removed). Each moves to custody as a teardown, with its
+    /// [`EndReason`], released `failed` (or `done` for a runner that exited
+    /// 0 on its own, the end of an ephemeral runner's job) once its
+    /// instance is destroyed; this host's provider saw it exist, so no grace
+    /// applies. The same tend tears it down.
+    pub(super) async fn end_gone_runners(
+        &self,
+        before: &[(RequestId, Running)],
+        inventory: &[Instance],
+    ) {
+        for (request_id, r) in before {
+            if self.state().custody.contains_key(&r.lease) {
+                // Held already: custody's own step decides.
+                continue;
+            }
+            let reason = match inventory.iter().find(|i| i.name == r.instance.as_str()) {
+                None => Some(EndReason::Removed),
+                Some(i) if !i.may_run() => EndReason::from_state(i.state),
+                Some(_) => continue,
+            };
+            let still = {
+                let mut s = self.state();
+                let same = s
+                    .running
+                    .get(request_id)
+                    .is_some_and(|now| now.lease == r.lease);
+                if same {
+                    s.running.remove(request_id);
+                }
+                same
+            };
+            if !still {
+                continue;
+            }
+            let outcome = if reason.is_some() {
+                Phase::Failed
+            } else {
+                Phase::Done
+            };
+            match reason {
+                Some(reason) => {
+                    warn!(lease = %r.lease, instance = %r.instance, %reason, "the runner's compute ended while its job ran; tearing it down and releasing the lease as failed");
+                }
+                None => {
+                    info!(lease = %r.lease, instance = %r.instance, "the runner exited 0 on its own; tearing it down and releasing the lease");
+                }
+            }
             self.hold(
                 r.lease.clone(),
-                CustodyEntry::teardown(r.epoch, r.instance, request_id, Phase::Failed, true),
+                CustodyEntry {
+                    reason,
+                    registration: Some(r.registration.clone()),
+                    ..CustodyEntry::teardown(
+                        r.epoch,
+                        r.instance.clone(),
+                        *request_id,
+                        outcome,
+                        true,
+                    )
+                },
             )
             .await;
         }
@@ -507,21 +575,35 @@ impl Runner {
                 let registration = (record.runner_id > 0)
                     .then(|| (record.runner_id, record.runner_name.clone()))
                     .or(Some((0, String::new())));
+                // A create the journal saw succeed on this host's provider
+                // is an instance that existed: its absence now is proof it
+                // is gone (removed while the node was down), no grace.
+                let observed = record.created && self.provider.runs_on_host();
                 self.hold(
                     lease.clone(),
                     CustodyEntry {
                         registration,
                         absent_since: Some(Instant::now()),
+                        reason: observed.then_some(EndReason::Removed),
                         ..CustodyEntry::teardown(
                             Epoch(record.epoch),
                             InstanceName::for_lease(&lease),
                             RequestId(record.request_id),
                             Phase::Failed,
-                            false,
+                            observed,
                         )
                     },
                 )
                 .await;
+            } else if record.runner_id > 0 || !record.runner_name.is_empty() {
+                // The lease ended and its launch is still remembered: a
+                // registration removal an earlier process had pending (the
+                // launch record is what keeps it across a restart). Tried
+                // at the next tend, on its backoff from then on.
+                let registration = (record.runner_id, record.runner_name.clone());
+                self.state()
+                    .removals
+                    .pending_now(&lease, Epoch(record.epoch), registration);
             } else {
                 self.forget(&lease).await;
             }
@@ -621,19 +703,40 @@ impl Runner {
         }
     }
 
-    /// Advances every custody entry by one step.
+    /// One pass over this node's compute, on one provider list: running
+    /// requests whose compute ended are moved to custody
+    /// ([`Runner::end_gone_runners`]), every custody entry advances by one
+    /// step, and registration removals whose backoff has passed are tried
+    /// again. When the list fails, each custody entry asks the provider
+    /// itself.
     ///
     /// # Errors
     ///
     /// The joined messages of the entries that could not progress.
     pub async fn tend(&self) -> Result<(), RunnerError> {
-        let leases: Vec<LeaseId> = self.state().custody.keys().cloned().collect();
+        let before = self.running_snapshot();
         let mut errors = Vec::new();
+        let inventory = match self.provider.list().await {
+            Ok(list) => {
+                self.end_gone_runners(&before, &list).await;
+                Some(list)
+            }
+            Err(e) => {
+                errors.push(format!("list instances: {e}"));
+                None
+            }
+        };
+        let leases: Vec<LeaseId> = self.state().custody.keys().cloned().collect();
         for lease in leases {
-            if let Err(e) = self.tend_one(&lease).await {
+            let seen = match &inventory {
+                Some(list) => Seen::Listed(list),
+                None => Seen::Unread,
+            };
+            if let Err(e) = self.tend_one(&lease, seen).await {
                 errors.push(format!("{lease}: {e}"));
             }
         }
+        self.retry_removals().await;
         if errors.is_empty() {
             Ok(())
         } else {
@@ -641,8 +744,103 @@ impl Runner {
         }
     }
 
-    /// One step for one custody entry (spec/node.md §2.7).
-    pub(super) async fn tend_one(&self, lease: &LeaseId) -> Result<(), String> {
+    /// Tries again each registration removal whose backoff has passed.
+    /// Removed, or answered as not this node's or not in the ledger any
+    /// more, is done; refused as busy or failed for an outage waits longer.
+    pub(super) async fn retry_removals(&self) {
+        let due = self.state().removals.due();
+        for (lease, removal) in due {
+            let (id, name) = &removal.registration;
+            match self
+                .jit
+                .remove_runner(&lease, removal.epoch, *id, name)
+                .await
+            {
+                Ok(()) => {
+                    info!(%lease, tries = removal.failures + 1, "removed the registration of ended compute");
+                    self.removal_done(&lease).await;
+                }
+                Err(e @ (PlaneError::NotFound(_) | PlaneError::WrongNode(_))) => {
+                    warn!(%lease, error = %e, "giving up removing a registration the plane says is not ours");
+                    self.removal_done(&lease).await;
+                }
+                Err(e) => {
+                    let wait = self.state().removals.failed(
+                        &lease,
+                        removal.epoch,
+                        removal.registration.clone(),
+                    );
+                    warn!(%lease, error = %e, tries = removal.failures + 1, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet");
+                }
+            }
+        }
+    }
+
+    /// A pending removal is over: its launch record, which kept it across
+    /// restarts, goes too, unless the lease is held again.
+    async fn removal_done(&self, lease: &LeaseId) {
+        let held = {
+            let mut s = self.state();
+            s.removals.done(lease);
+            s.custody.contains_key(lease)
+        };
+        if !held && let Err(e) = self.journal.forget_launch(lease.as_str()).await {
+            warn!(%lease, error = %e, "cannot clear the journal; a restart tries the removal again");
+        }
+    }
+
+    /// Removes the registration of compute being torn down, routing before
+    /// compute, by the one removal policy: removed is done; for compute
+    /// that has ended (`ended`: the instance is absent or no longer runs)
+    /// any failure goes to the backoff queue and the teardown goes on, since
+    /// a runner that is gone takes no job; for compute that may still run,
+    /// an outage stops this step (the next tend tries again), and a refusal
+    /// of the exact registration holds the entry. Returns whether the
+    /// teardown may go on.
+    async fn remove_registration(
+        &self,
+        lease: &LeaseId,
+        entry: &mut CustodyEntry,
+        ended: bool,
+    ) -> Result<(), String> {
+        if self.state().removals.contains(lease) {
+            // The backoff queue owns this removal now.
+            entry.registration = None;
+            return Ok(());
+        }
+        let exact = entry.registration.clone();
+        if exact.is_none() && !entry.discard && !ended {
+            return Ok(());
+        }
+        let (id, name) = exact.clone().unwrap_or((0, String::new()));
+        match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+            Ok(()) => {
+                entry.registration = None;
+                Ok(())
+            }
+            Err(e) if ended => {
+                let wait = self.state().removals.failed(lease, entry.epoch, (id, name));
+                warn!(%lease, error = %e, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet; retrying with backoff");
+                entry.registration = None;
+                Ok(())
+            }
+            Err(e @ PlaneError::Unavailable(_)) => Err(format!(
+                "remove the registration of {lease} before destroying: {e}"
+            )),
+            Err(e) if exact.is_some() => Err(format!("remove registration {name}: {e}")),
+            Err(e) => {
+                // An answer (the lease or runner is not this node's; GitHub
+                // will not remove a busy runner) does not stop a teardown the
+                // node has authority for.
+                warn!(%lease, error = %e, "the registration was not removed; destroying on the node's authority");
+                Ok(())
+            }
+        }
+    }
+
+    /// One step for one custody entry (spec/node.md §2.7), reading the
+    /// instance as `seen` says.
+    pub(super) async fn tend_one(&self, lease: &LeaseId, seen: Seen<'_>) -> Result<(), String> {
         let Some(mut entry) = self.state().custody.get(lease).cloned() else {
             return Ok(());
         };
@@ -690,40 +888,42 @@ impl Runner {
                 }
             }
         }
-        if let Some((id, name)) = entry.registration.clone() {
-            if let Err(e) = self.jit.remove_runner(lease, entry.epoch, id, &name).await {
-                self.update(lease, entry).await;
-                return Err(format!("remove registration {name}: {e}"));
-            }
-            entry.registration = None;
-        } else if entry.discard {
-            // Routing before compute: whatever registration the plane still
-            // holds for the lease goes before the instance does. An answer
-            // (GitHub will not remove a busy runner; the lease or runner is
-            // not this node's) does not stop the teardown the node has
-            // authority for; an outage does, until the next tick, so a
-            // registration is not left behind by a passing failure.
-            match self.jit.remove_runner(lease, entry.epoch, 0, "").await {
-                Ok(()) => {}
-                Err(e @ PlaneError::Unavailable(_)) => {
-                    self.update(lease, entry).await;
-                    return Err(format!(
-                        "remove the registration of {lease} before destroying: {e}"
-                    ));
-                }
-                Err(e) => {
-                    warn!(%lease, error = %e, "the registration was not removed; destroying on the node's authority");
-                }
-            }
-        }
-        let found = match self.provider.find(&entry.instance).await {
-            Ok(found) => found,
-            Err(e) => {
+        let found = match seen {
+            Seen::Listed(list) => list
+                .iter()
+                .find(|i| i.name == entry.instance.as_str())
+                .cloned(),
+            Seen::Unread => {
+                // Could not read is not gone: a run of absences restarts.
                 entry.absent_since = None;
                 self.update(lease, entry).await;
-                return Err(format!("find {}: {e}", lease));
+                return Err("the provider could not be listed".to_owned());
             }
+            Seen::Ask => match self.provider.find(&entry.instance).await {
+                Ok(found) => found,
+                Err(e) => {
+                    entry.absent_since = None;
+                    self.update(lease, entry).await;
+                    return Err(format!("find {}: {e}", lease));
+                }
+            },
         };
+        let ended = found.as_ref().is_none_or(|i| !i.may_run());
+        if let Some(instance) = &found
+            && !instance.may_run()
+            && !entry.discard
+            && entry.reason.is_none()
+            && let Some(reason) = EndReason::from_state(instance.state)
+        {
+            // A held job whose runner died: the job did not finish.
+            warn!(%lease, instance = %entry.instance, %reason, "a held runner's compute ended; releasing its lease as failed");
+            entry.reason = Some(reason);
+            entry.outcome = Phase::Failed;
+        }
+        if let Err(e) = self.remove_registration(lease, &mut entry, ended).await {
+            self.update(lease, entry).await;
+            return Err(e);
+        }
         match found {
             None => {
                 let grace = if entry.observed && self.provider.runs_on_host() {
@@ -778,6 +978,25 @@ impl Runner {
         }
     }
 
+    /// A held lease has ended: it is no longer held, and its journal records
+    /// go, except the launch record of a registration removal still
+    /// pending, which keeps that removal across a restart.
+    async fn ended(&self, lease: &LeaseId) {
+        let pending = {
+            let mut s = self.state();
+            s.custody.remove(lease);
+            s.running.retain(|_, r| r.lease != *lease);
+            s.removals.contains(lease)
+        };
+        if pending {
+            if let Err(e) = self.journal.forget_custody(lease.as_str()).await {
+                warn!(%lease, error = %e, "cannot clear the journal; a restart re-checks this lease");
+            }
+        } else {
+            self.forget(lease).await;
+        }
+    }
+
     pub(super) async fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
         let record = custody_record(lease, &entry);
         {
@@ -793,15 +1012,30 @@ impl Runner {
     }
 
     async fn finish(&self, lease: &LeaseId, entry: CustodyEntry) -> Result<(), String> {
+        if entry.outcome == Phase::Failed
+            && let Some(reason) = entry.reason
+        {
+            match self
+                .ledger
+                .mark_failure(lease, entry.epoch, &reason.to_string())
+                .await
+            {
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    self.update(lease, entry).await;
+                    return Err(format!("record the failure reason {reason}: {e}"));
+                }
+                // Another reason recorded first, or the lease is not ours any
+                // more: the release decides.
+                Err(e) => {
+                    debug!(%lease, %reason, error = %e, "the failure reason was not recorded")
+                }
+                Ok(()) => {}
+            }
+        }
         match self.ledger.release(lease, entry.epoch, entry.outcome).await {
             Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
-                debug!(%lease, outcome = %entry.outcome, "custody ended");
-                {
-                    let mut s = self.state();
-                    s.custody.remove(lease);
-                    s.running.retain(|_, r| r.lease != *lease);
-                }
-                self.forget(lease).await;
+                info!(%lease, outcome = %entry.outcome, reason = ?entry.reason.map(|r| r.to_string()), "custody ended");
+                self.ended(lease).await;
                 Ok(())
             }
             Err(e) => {
@@ -812,12 +1046,7 @@ impl Runner {
                     && l.phase.is_terminal()
                 {
                     debug!(%lease, phase = %l.phase, "custody ended: the lease had already ended");
-                    {
-                        let mut s = self.state();
-                        s.custody.remove(lease);
-                        s.running.retain(|_, r| r.lease != *lease);
-                    }
-                    self.forget(lease).await;
+                    self.ended(lease).await;
                     return Ok(());
                 }
                 self.update(lease, entry).await;

@@ -2,7 +2,8 @@
 //! cleans up exactly what it started.
 //!
 //! Owns: lease state on this host ([`runner`] for the ordinary lifecycle,
-//! [`custody`] for compute held on the node's own authority), the plane
+//! [`custody`] for compute held on the node's own authority, [`ending`] for
+//! why compute ended and how its registration is removed), the plane
 //! session and its single command slot ([`session`], [`slot`]), the calls up
 //! the session ([`plane`]), the node's memory across restarts ([`journal`]),
 //! the local socket for the updater ([`local`]), its metrics ([`metrics`]), and the wiring and serving
@@ -14,6 +15,7 @@
 //! installed binary (that is [`crate::upgrade`]'s).
 
 pub mod custody;
+pub mod ending;
 pub mod journal;
 pub mod local;
 pub mod metrics;

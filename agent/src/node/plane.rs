@@ -111,6 +111,14 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         epoch: Epoch,
         outcome: Phase,
     ) -> Result<(), PlaneError>;
+    /// Records why the lease's job will fail (`oom`, `exit 3`, ...), before
+    /// it is released `failed`. The ledger keeps the first reason.
+    async fn mark_failure(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError>;
     /// Reads a lease.
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError>;
     /// The leases bound to this node that may have compute.
@@ -346,6 +354,22 @@ impl LeaseStore for PlaneLink {
         self.call(pb::node_call::Call::Bind(pb::Bind { lease_id, epoch }))
             .await
             .map(drop)
+    }
+
+    async fn mark_failure(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::MarkFailure(pb::MarkFailure {
+            lease_id,
+            epoch,
+            reason: reason.to_owned(),
+        }))
+        .await
+        .map(drop)
     }
 
     async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError> {

@@ -22,7 +22,8 @@ use tokio::time::Instant;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::custody::CustodyEntry;
+use super::custody::{CustodyEntry, Seen};
+use super::ending::Removals;
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
 use super::plane::{JitSource, LeaseStore};
 use crate::edge::model::{
@@ -74,6 +75,8 @@ pub(super) struct State {
     pub(super) running: HashMap<RequestId, Running>,
     pub(super) launching: HashMap<LeaseId, Epoch>,
     pub(super) custody: HashMap<LeaseId, CustodyEntry>,
+    /// Registrations still to be removed after their compute ended.
+    pub(super) removals: Removals,
     pub(super) draining: bool,
 }
 
@@ -546,7 +549,7 @@ impl Runner {
                 .collect()
         };
         for lease in held {
-            if let Err(e) = self.tend_one(&lease).await {
+            if let Err(e) = self.tend_one(&lease, Seen::Ask).await {
                 warn!(%lease, error = %e, "tending a held lease during destroy");
             }
         }

@@ -60,6 +60,7 @@ pub enum LOp {
     Advance,
     Heartbeat,
     Release,
+    MarkFailure,
     Lease,
     Launched,
     Reconcile,
@@ -134,6 +135,8 @@ pub struct Row {
     pub runner: Option<(i64, String)>,
     /// Who ended it, for diagnosis.
     pub ended_by: Option<&'static str>,
+    /// Why its job will fail, as the node marked it (the first reason).
+    pub failure_reason: Option<String>,
 }
 
 /// A GitHub runner registration.
@@ -447,8 +450,29 @@ impl Core {
             memory: billet_agent::edge::model::ByteSize(1 << 30),
             request_id: row.request,
             providers: Vec::new(),
-            failure_reason: None,
+            failure_reason: row.failure_reason.clone(),
         })
+    }
+
+    /// Keeps the first reason, as the stub's ledger does.
+    pub fn mark_failure(
+        &mut self,
+        id: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError> {
+        let row = self
+            .leases
+            .get_mut(id)
+            .ok_or_else(|| PlaneError::NotFound(format!("lease {id} is not in the ledger")))?;
+        if row.epoch != epoch.0 {
+            return Err(PlaneError::Fenced(format!(
+                "lease {id} is at epoch {}, not {epoch}",
+                row.epoch
+            )));
+        }
+        row.failure_reason.get_or_insert_with(|| reason.to_owned());
+        Ok(())
     }
 
     pub fn launched(&self) -> LaunchedSet {
@@ -695,6 +719,7 @@ impl Core {
                 force_release: false,
                 runner: None,
                 ended_by: None,
+                failure_reason: None,
             },
         );
         self.plane.insert(
@@ -1017,6 +1042,18 @@ impl LeaseStore for FakeLedger {
     ) -> Result<(), PlaneError> {
         self.call(LOp::Release, std::slice::from_ref(lease), false, |c| {
             c.release(lease, epoch, outcome)
+        })
+        .await
+    }
+
+    async fn mark_failure(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError> {
+        self.call(LOp::MarkFailure, std::slice::from_ref(lease), false, |c| {
+            c.mark_failure(lease, epoch, reason)
         })
         .await
     }

@@ -1,0 +1,229 @@
+//! A runner's life is what the provider sees (issue #11), end to end with
+//! real Docker, the real `billet node`, the stub plane and the scaleset
+//! emulator. Each scenario ends with no billet container, no runner
+//! registration and no charged capacity, the lease terminal with the right
+//! outcome and failure reason.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use billet_controlplane_stub::ledger::{Lease, Phase};
+use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
+use scaleset::JobRequestId;
+use scaleset::testing::JobState;
+
+/// How often the plane sends Tend (and Sweep).
+const TEND_INTERVAL: Duration = Duration::from_secs(2);
+
+/// "Within one tend interval": the next tend after the event, its own
+/// provider and ledger calls, and the time to read the ledger back.
+const ONE_TEND: Duration = Duration::from_secs(8);
+
+fn options(work_ms: u64) -> ClusterOptions {
+    ClusterOptions {
+        work_ms,
+        maintenance_interval: TEND_INTERVAL,
+        node_env: vec![
+            ("BILLET_ACK_TIMEOUT_SECS".into(), "2".into()),
+            ("BILLET_STRAY_GRACE_SECS".into(), "2".into()),
+        ],
+        ..ClusterOptions::default()
+    }
+}
+
+async fn leases(cluster: &Cluster) -> Result<Vec<Lease>> {
+    Ok(cluster.plane.ledger().leases().await?)
+}
+
+async fn only_lease(cluster: &Cluster) -> Result<Lease> {
+    match leases(cluster).await?.as_slice() {
+        [one] => Ok(one.clone()),
+        other => bail!("expected one lease, found {other:?}"),
+    }
+}
+
+/// Waits until `n` jobs run at the emulator.
+async fn wait_jobs_running(cluster: &Cluster, n: usize, timeout: Duration) -> Result<()> {
+    wait_until(timeout, "the jobs to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            >= n
+    })
+    .await
+}
+
+/// Waits until every lease is terminal, and returns them.
+async fn wait_all_terminal(cluster: &Cluster, timeout: Duration) -> Result<Vec<Lease>> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let all = leases(cluster).await?;
+        if !all.is_empty() && all.iter().all(|l| l.phase.is_terminal()) {
+            return Ok(all);
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the leases were not all terminal within {timeout:?}: {all:?}\nnode log:\n{}",
+                cluster.nodes["node-1"].log_text()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What GitHub does in time for a runner that died mid-job: it fails the
+/// job, and the runner's registration can then be removed.
+fn github_gives_up_on(cluster: &Cluster, jobs: &[JobRequestId]) {
+    for job in jobs {
+        cluster.emulator.complete_job(*job, Some("failed"));
+    }
+}
+
+/// No container, no charge, no registration.
+async fn ends_clean(cluster: &Cluster) -> Result<()> {
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    wait_until(Duration::from_secs(60), "no registration left", || {
+        cluster.emulator.state().runners.is_empty()
+    })
+    .await
+    .with_context(|| format!("registrations: {:?}", cluster.emulator.state().runners))
+}
+
+/// Kills the running runner's container as `docker kill` does, and checks
+/// the lease is released `failed` with `reason` within one tend.
+async fn a_runner_that_dies(cluster: &Cluster, how: Option<&str>, reason: &str) -> Result<()> {
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(cluster).await?;
+    if let Some(signal) = how {
+        cluster
+            .docker
+            .kill_container(
+                &format!("billet-{}", lease.id),
+                Some(
+                    bollard::query_parameters::KillContainerOptionsBuilder::default()
+                        .signal(signal)
+                        .build(),
+                ),
+            )
+            .await?;
+    }
+    let died = tokio::time::Instant::now();
+    // The OOM kill happens on its own once the job runs; allow for it.
+    let bound = if how.is_some() {
+        ONE_TEND
+    } else {
+        ONE_TEND + Duration::from_secs(30)
+    };
+    let ended = wait_all_terminal(cluster, bound).await?;
+    let took = died.elapsed();
+    assert_eq!(ended[0].phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended[0].failure_reason.as_deref(),
+        Some(reason),
+        "{ended:?}"
+    );
+    // Freed at once: no container and no charge, though GitHub still holds
+    // the job on the dead runner.
+    cluster.wait_clean(Duration::from_secs(5)).await?;
+    assert!(
+        !cluster.emulator.state().runners.is_empty(),
+        "GitHub let the busy runner go before the test gave up on its job"
+    );
+    github_gives_up_on(cluster, &jobs);
+    ends_clean(cluster).await?;
+    eprintln!("released {took:?} after the runner died");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_by_docker_kill_frees_its_lease_failed_killed_within_one_tend() -> Result<()>
+{
+    let cluster = Cluster::start(options(120_000)).await?;
+    a_runner_that_dies(&cluster, Some("SIGKILL"), "killed").await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_oom_killed_under_128_mib_frees_its_lease_failed_oom() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        tier_env: vec!["BILLET_STANDIN_MODE=allocate".into()],
+        tier_memory_bytes: 128 << 20,
+        ..options(120_000)
+    })
+    .await?;
+    a_runner_that_dies(&cluster, None, "oom").await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_whose_container_is_removed_out_of_band_frees_its_lease_failed_removed_within_one_tend()
+-> Result<()> {
+    let cluster = Cluster::start(options(120_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    cluster
+        .docker
+        .remove_container(
+            &format!("billet-{}", lease.id),
+            Some(bollard::query_parameters::RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            }),
+        )
+        .await?;
+    let ended = wait_all_terminal(&cluster, ONE_TEND).await?;
+    assert_eq!(ended[0].phase, Phase::Failed, "{ended:?}");
+    assert_eq!(ended[0].failure_reason.as_deref(), Some("removed"));
+    cluster.wait_clean(Duration::from_secs(5)).await?;
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees_their_slots_after_restart()
+-> Result<()> {
+    let mut cluster = Cluster::start(options(120_000)).await?;
+    let jobs = cluster.queue_jobs(3);
+    wait_jobs_running(&cluster, 3, Duration::from_secs(90)).await?;
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.kill().await?;
+    for name in cluster.containers().await? {
+        cluster
+            .docker
+            .remove_container(
+                &name,
+                Some(bollard::query_parameters::RemoveContainerOptions {
+                    force: true,
+                    ..Default::default()
+                }),
+            )
+            .await?;
+    }
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.restart().await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    // Slots freed without waiting for GitHub, which still has the three
+    // jobs on their dead runners, and well inside the stray grace a
+    // never-seen instance would get.
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    assert_eq!(ended.len(), 3, "{ended:?}");
+    for lease in &ended {
+        assert_eq!(lease.phase, Phase::Failed, "{lease:?}");
+    }
+    cluster.wait_clean(Duration::from_secs(5)).await?;
+    assert_eq!(cluster.emulator.state().runners.len(), 3);
+    // Refused as busy (GitHub still has the jobs), the removals wait on
+    // their backoff; once GitHub lets the jobs go, they succeed.
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
