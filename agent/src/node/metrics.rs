@@ -632,6 +632,18 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         r
     }
 
+    async fn mark_failure(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        reason: &str,
+    ) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.mark_failure(lease, epoch, reason).await;
+        self.observe("mark_failure", start, &r);
+        r
+    }
+
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
         let start = Instant::now();
         let r = self.inner.lease(lease).await;
