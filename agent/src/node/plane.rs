@@ -56,12 +56,16 @@ impl PlaneError {
             pb::ErrorCode::NotFound => Self::NotFound(m),
             pb::ErrorCode::BadTransition => Self::BadTransition(m),
             pb::ErrorCode::WrongNode => Self::WrongNode(m),
-            pb::ErrorCode::Unavailable => Self::Unavailable(m),
+            // Out of quota or capacity for now: retried like an outage.
+            pb::ErrorCode::Unavailable | pb::ErrorCode::ResourceExhausted => Self::Unavailable(m),
             pb::ErrorCode::ForceRelease => Self::ForceRelease(m),
+            // A scale set GitHub no longer has: nothing this node can retry;
+            // the plane decides when to launch again.
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
-            | pb::ErrorCode::Internal => Self::Refused(m),
+            | pb::ErrorCode::Internal
+            | pb::ErrorCode::ScaleSetNotFound => Self::Refused(m),
         }
     }
 
@@ -540,16 +544,19 @@ mod tests {
             pb::ErrorCode::NotFound => PlaneError::NotFound(m),
             pb::ErrorCode::BadTransition => PlaneError::BadTransition(m),
             pb::ErrorCode::WrongNode => PlaneError::WrongNode(m),
-            pb::ErrorCode::Unavailable => PlaneError::Unavailable(m),
+            pb::ErrorCode::Unavailable | pb::ErrorCode::ResourceExhausted => {
+                PlaneError::Unavailable(m)
+            }
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
-            | pb::ErrorCode::Internal => PlaneError::Refused(m),
+            | pb::ErrorCode::Internal
+            | pb::ErrorCode::ScaleSetNotFound => PlaneError::Refused(m),
         }
     }
 
-    const ALL: [pb::ErrorCode; 10] = [
+    const ALL: [pb::ErrorCode; 12] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -560,6 +567,8 @@ mod tests {
         pb::ErrorCode::InvalidArgument,
         pb::ErrorCode::Refused,
         pb::ErrorCode::Internal,
+        pb::ErrorCode::ScaleSetNotFound,
+        pb::ErrorCode::ResourceExhausted,
     ];
 
     /// 7.O.6

@@ -78,6 +78,9 @@ pub(super) struct State {
     /// Registrations still to be removed after their compute ended.
     pub(super) removals: Removals,
     pub(super) draining: bool,
+    /// What each lease this process launched charges: (vCPUs, memory
+    /// bytes), for [`Runner::held_charge`].
+    pub(super) sizes: HashMap<LeaseId, (u32, u64)>,
 }
 
 /// Where a held lease stands on this node.
@@ -264,6 +267,26 @@ impl Runner {
         held
     }
 
+    /// What the leases this node holds (launching, running, in custody)
+    /// charge, as (vCPUs, memory bytes): what `Hello` and `Instances`
+    /// report as `held`. A lease adopted after a restart is counted once
+    /// this process has launched it; until then only the plane's ledger
+    /// knows its size.
+    pub fn held_charge(&self) -> (u32, u64) {
+        let mut s = self.state();
+        let held: std::collections::HashSet<LeaseId> = s
+            .running
+            .values()
+            .map(|r| r.lease.clone())
+            .chain(s.launching.keys().cloned())
+            .chain(s.custody.keys().cloned())
+            .collect();
+        s.sizes.retain(|l, _| held.contains(l));
+        s.sizes.values().fold((0, 0), |(v, m), (lv, lm)| {
+            (v.saturating_add(*lv), m.saturating_add(*lm))
+        })
+    }
+
     /// Lease ids this node holds in custody, for tests and status.
     pub fn custody_leases(&self) -> Vec<LeaseId> {
         self.state().custody.keys().cloned().collect()
@@ -337,7 +360,12 @@ impl Runner {
             .advance(&lease.id, lease.epoch, Phase::Launching)
             .await
             .map_err(|e| RunnerError::Failed(format!("advance {} to launching: {e}", lease.id)))?;
-        self.state().launching.insert(lease.id.clone(), lease.epoch);
+        {
+            let mut s = self.state();
+            s.launching.insert(lease.id.clone(), lease.epoch);
+            s.sizes
+                .insert(lease.id.clone(), (lease.vcpu, lease.memory.0));
+        }
         // Remembered before anything is minted or created, so a node killed
         // from here on finds the launch again after a restart.
         let mut record = LaunchRecord {

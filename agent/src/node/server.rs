@@ -341,6 +341,10 @@ pub async fn run(
                     .upgrader
                     .clone()
                     .map(|u| Arc::new(u) as Arc<dyn Upgrader>),
+                capacity: billet_proto::v1::Capacity {
+                    vcpu: config.vcpu,
+                    memory_bytes: config.memory_bytes,
+                },
             },
             background.clone(),
         )

@@ -173,6 +173,7 @@ impl NodeService {
             instances,
             inventory_known,
             version: id.version.clone(),
+            held: Some(held(&self.runner)),
         }
     }
 
@@ -369,6 +370,12 @@ fn failure(
     }
 }
 
+/// What the leases `runner` holds charge, as the wire's `Capacity`.
+fn held(runner: &Runner) -> pb::Capacity {
+    let (vcpu, memory_bytes) = runner.held_charge();
+    pb::Capacity { vcpu, memory_bytes }
+}
+
 fn now_unix_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -387,6 +394,9 @@ pub struct Executor {
     /// What `StartUpgrade` execs; `None` refuses upgrades with a sentence
     /// saying to upgrade the node out of band.
     pub upgrader: Option<Arc<dyn Upgrader>>,
+    /// What this node may run at once, as `Hello` says: every `Instances`
+    /// report repeats it beside what is held.
+    pub capacity: pb::Capacity,
 }
 
 /// Runs commands off the slot one at a time until `cancel`, once start-up
@@ -431,7 +441,7 @@ pub async fn execute_commands(
                     None,
                 );
             }
-            execute(&runner, executor.upgrader.as_deref(), id.as_str(), command).await
+            execute(&runner, executor.upgrader.as_deref(), executor.capacity, id.as_str(), command).await
         }
         .instrument(span.clone())
         .await;
@@ -470,6 +480,7 @@ struct Launched {
 async fn execute(
     runner: &Runner,
     upgrader: Option<&dyn Upgrader>,
+    capacity: pb::Capacity,
     id: &str,
     command: NodeCommand,
 ) -> (pb::CommandResult, Option<Launched>) {
@@ -550,6 +561,8 @@ async fn execute(
                 r.instances = Some(pb::InstanceReport {
                     lease_ids: ids.into_iter().map(|l| l.as_str().to_owned()).collect(),
                     inventory_known: true,
+                    capacity: Some(capacity),
+                    held: Some(held(runner)),
                 });
                 (r, None)
             }
@@ -563,6 +576,8 @@ async fn execute(
                 r.instances = Some(pb::InstanceReport {
                     lease_ids: Vec::new(),
                     inventory_known: false,
+                    capacity: Some(capacity),
+                    held: Some(held(runner)),
                 });
                 (r, None)
             }
@@ -677,7 +692,7 @@ mod properties {
                 prop_assert_eq!(slot.len(), 1);
                 let queued = slot.next().await;
                 // No plane session: every ledger call fails, so nothing may be created.
-                let (result, launched) = execute(&runner, None, queued.id.as_str(), queued.command).await;
+                let (result, launched) = execute(&runner, None, pb::Capacity::default(), queued.id.as_str(), queued.command).await;
                 prop_assert!(launched.is_none());
                 prop_assert_ne!(result.outcome, pb::Outcome::Unspecified as i32);
                 prop_assert!(provider.specs().is_empty(), "an instance was created without the plane");
@@ -837,6 +852,7 @@ mod scenarios {
             journal: Arc::new(MemoryJournal::default()),
             ack_timeout: Duration::from_secs(60),
             upgrader: None,
+            capacity: pb::Capacity::default(),
         }
     }
 
@@ -969,7 +985,8 @@ mod scenarios {
             other => default_answer(other),
         });
         let (id, command) = launch("c2");
-        let (result, launched) = execute(&runner, None, id.as_str(), command).await;
+        let (result, launched) =
+            execute(&runner, None, pb::Capacity::default(), id.as_str(), command).await;
         assert!(result.custody, "{result:?}");
         assert!(
             launched.is_none(),
@@ -1010,9 +1027,49 @@ mod scenarios {
         task.await.expect("executor");
 
         let (id, command) = launch("c2");
-        let (result, launched) = execute(&runner, None, id.as_str(), command).await;
+        let (result, launched) =
+            execute(&runner, None, pb::Capacity::default(), id.as_str(), command).await;
         assert!(!result.custody, "{result:?}");
         assert!(launched.is_none());
+    }
+
+    /// Issue #12, capacity that means something: every `Instances` report
+    /// carries the node's capacity and what the leases it holds charge; a
+    /// launched lease is held, and one whose launch failed is not.
+    #[tokio::test]
+    async fn an_instances_report_says_the_capacity_and_what_the_held_leases_charge() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let _plane = open_plane(&link, default_answer);
+        let capacity = pb::Capacity {
+            vcpu: 8,
+            memory_bytes: 8 << 30,
+        };
+        let report = |r: pb::CommandResult| r.instances.expect("an instance report");
+        let (before, _) = execute(&runner, None, capacity, "i0", NodeCommand::Instances).await;
+        let before = report(before);
+        assert_eq!(before.capacity, Some(capacity));
+        assert_eq!(
+            before.held,
+            Some(pb::Capacity::default()),
+            "nothing is held yet"
+        );
+
+        let (id, command) = launch("c1");
+        let NodeCommand::Launch { lease, .. } = &command else {
+            panic!("not a launch");
+        };
+        let size = pb::Capacity {
+            vcpu: lease.vcpu,
+            memory_bytes: lease.memory.0,
+        };
+        let (result, _) = execute(&runner, None, capacity, id.as_str(), command).await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        let (after, _) = execute(&runner, None, capacity, "i1", NodeCommand::Instances).await;
+        let after = report(after);
+        assert_eq!(after.held, Some(size), "the launched lease is not counted");
+        assert_eq!(after.capacity, Some(capacity));
+        assert_eq!(after.lease_ids.len(), 1);
     }
 
     /// 7.L.12

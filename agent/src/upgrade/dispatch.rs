@@ -1514,6 +1514,7 @@ mod tests {
                 journal: Arc::new(MemoryJournal::default()),
                 ack_timeout: Duration::from_secs(60),
                 upgrader: Some(Arc::new(up) as Arc<dyn Upgrader>),
+                capacity: Default::default(),
             },
             cancel.clone(),
         ));
@@ -1597,6 +1598,7 @@ mod tests {
                     journal: Arc::new(MemoryJournal::default()),
                     ack_timeout: Duration::from_secs(60),
                     upgrader,
+                    capacity: Default::default(),
                 },
                 cancel.clone(),
             ));

@@ -171,6 +171,7 @@ impl Node {
                 journal: Arc::new(MemoryJournal::default()),
                 ack_timeout: Duration::from_secs(60),
                 upgrader: None,
+                capacity: Default::default(),
             },
             cancel.clone(),
         ));
