@@ -257,7 +257,14 @@ impl CallHandler {
                     .github
                     .mint(&lease.tier, &runner_name)
                     .await
-                    .map_err(|e| error(pb::ErrorCode::Unavailable, e.to_string()))?;
+                    .map_err(|e| {
+                        let code = if e.is_scale_set_not_found() {
+                            pb::ErrorCode::ScaleSetNotFound
+                        } else {
+                            pb::ErrorCode::Unavailable
+                        };
+                        error(code, e.to_string())
+                    })?;
                 if let Err(e) = l
                     .set_runner(&lease_id, epoch, minted.runner_id, &minted.runner_name)
                     .await
@@ -302,7 +309,7 @@ impl CallHandler {
                 self.github.remove_runner(id, &name).await.map_err(|e| {
                     // A runner running a job cannot be removed: that is an
                     // answer (the node keeps it), not an outage.
-                    let code = if e.source.is_job_still_running() {
+                    let code = if e.is_job_still_running() {
                         pb::ErrorCode::Refused
                     } else {
                         pb::ErrorCode::Unavailable
@@ -328,6 +335,7 @@ mod tests {
                 .unwrap(),
         );
         let github = Arc::new(Github::new(emulator.client()));
+        github.ensure_scale_set("linux").await.unwrap();
         let handler = CallHandler::new(ledger.clone(), github, QUARANTINE_GRACE);
         (handler, ledger, emulator)
     }
@@ -541,6 +549,7 @@ mod tests {
             .client()
             .with_retry_policy(scaleset::RetryPolicy::none());
         let github = Arc::new(Github::new(client));
+        github.ensure_scale_set("linux").await.unwrap();
         let handler = CallHandler::new(ledger.clone(), github.clone(), QUARANTINE_GRACE);
         let lease = launching_on(&ledger, "busy", "node-a").await;
         let minted = handler
@@ -603,5 +612,51 @@ mod tests {
         let after = handler.handle("node-a", remove()).await;
         assert!(after.error.is_none(), "{after:?}");
         let _ = session.close().await;
+    }
+
+    /// A scale set GitHub no longer has is a typed answer naming the set,
+    /// and it is believed for the retry interval: a second mint within it
+    /// reaches GitHub not at all.
+    #[tokio::test]
+    async fn a_deleted_scale_set_is_a_typed_answer_and_is_not_asked_again_within_the_interval() {
+        let (handler, ledger, emulator) = handler().await;
+        let set = emulator.state().scale_sets[0].id;
+        emulator
+            .client()
+            .delete_runner_scale_set(set)
+            .await
+            .unwrap();
+        let mint = |id: &str, epoch| {
+            call(pb::node_call::Call::MintJit(pb::MintJit {
+                lease_id: id.into(),
+                epoch,
+                runner_name: format!("billet-{id}"),
+                work_folder: "_work".into(),
+            }))
+        };
+        let first = launching_on(&ledger, "first", "node-a").await;
+        let before = emulator.requests().len();
+        let reply = handler.handle("node-a", mint("first", first.epoch)).await;
+        let error = reply.error.expect("an error");
+        assert_eq!(
+            error.code,
+            pb::ErrorCode::ScaleSetNotFound as i32,
+            "{error:?}"
+        );
+        assert!(error.message.contains("\"linux\""), "{}", error.message);
+        let asked = emulator.requests().len();
+        assert!(asked > before, "GitHub was not asked at all");
+
+        let second = launching_on(&ledger, "second", "node-a").await;
+        let reply = handler.handle("node-a", mint("second", second.epoch)).await;
+        assert_eq!(
+            reply.error.map(|e| e.code),
+            Some(pb::ErrorCode::ScaleSetNotFound as i32)
+        );
+        assert_eq!(
+            emulator.requests().len(),
+            asked,
+            "a mint for a set known missing reached GitHub"
+        );
     }
 }

@@ -4,21 +4,65 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use scaleset::{
     Client, ExposeSecret, JitRunnerSetting, RunnerGroupId, RunnerId, RunnerScaleSetSpec, ScaleSetId,
 };
 use thiserror::Error;
 
+/// How long a scale set GitHub said it does not have is believed missing:
+/// within it no call about the set reaches GitHub (mints are refused from
+/// the cache and the plane launches nothing for the set); after it, one
+/// lookup by name asks again.
+pub const SCALE_SET_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// A GitHub call that failed.
 #[derive(Debug, Error)]
-#[error("GitHub {operation}: {source}")]
-pub struct GithubError {
-    /// What was attempted.
-    pub operation: String,
-    /// The crate's error.
-    #[source]
-    pub source: scaleset::Error,
+pub enum GithubError {
+    /// GitHub has no scale set by this name (it was deleted, or a mint
+    /// answered 404). Typed so callers branch on it rather than on text;
+    /// the wire code is `SCALE_SET_NOT_FOUND`.
+    #[error(
+        "GitHub has no runner scale set named {set:?}; nothing is launched for it until it exists again (asked at most every {}s)",
+        SCALE_SET_RETRY.as_secs()
+    )]
+    ScaleSetNotFound {
+        /// The set's name (the tier label).
+        set: String,
+    },
+    /// Any other failure of a call.
+    #[error("GitHub {operation}: {source}")]
+    Call {
+        /// What was attempted.
+        operation: String,
+        /// The crate's error.
+        #[source]
+        source: scaleset::Error,
+    },
+}
+
+impl GithubError {
+    /// GitHub refused because the runner is running a job (an answer, not
+    /// an outage).
+    pub fn is_job_still_running(&self) -> bool {
+        matches!(self, GithubError::Call { source, .. } if source.is_job_still_running())
+    }
+
+    /// The scale set is missing.
+    pub fn is_scale_set_not_found(&self) -> bool {
+        matches!(self, GithubError::ScaleSetNotFound { .. })
+    }
+}
+
+/// What the plane believes about one scale set.
+#[derive(Debug, Clone, Copy)]
+enum SetState {
+    Found(ScaleSetId),
+    /// GitHub said it has no such set at `since`.
+    Missing {
+        since: Instant,
+    },
 }
 
 /// A minted registration. `config` is a credential.
@@ -41,19 +85,110 @@ impl std::fmt::Debug for Minted {
     }
 }
 
-/// The plane's GitHub client with a cache of scale-set ids by tier label.
+/// The plane's GitHub client with a cache of scale sets by tier label:
+/// found (its id) or missing (since when), so a deleted set costs at most
+/// one GitHub call per [`SCALE_SET_RETRY`].
 #[derive(Debug)]
 pub struct Github {
     client: Client,
-    scale_sets: Mutex<HashMap<String, ScaleSetId>>,
+    scale_sets: Mutex<HashMap<String, SetState>>,
+    retry: Duration,
 }
 
 impl Github {
-    /// Wraps a scaleset client.
+    /// Wraps a scaleset client; a missing set is asked about again after
+    /// [`SCALE_SET_RETRY`].
     pub fn new(client: Client) -> Self {
+        Self::with_retry(client, SCALE_SET_RETRY)
+    }
+
+    /// Wraps a scaleset client; a missing set is asked about again after
+    /// `retry`.
+    pub fn with_retry(client: Client, retry: Duration) -> Self {
         Self {
             client,
             scale_sets: Mutex::new(HashMap::new()),
+            retry,
+        }
+    }
+
+    /// Records that GitHub has no set named `label` (a mint or a listener
+    /// poll answered 404). Logged once per retry interval.
+    pub fn mark_missing(&self, label: &str) {
+        let mut sets = self.scale_sets.lock().expect("scale sets");
+        if !matches!(sets.get(label), Some(SetState::Missing { .. })) {
+            tracing::warn!(
+                scale_set = label,
+                retry_secs = self.retry.as_secs(),
+                "GitHub has no runner scale set by this name; launching nothing for it and asking again after the retry interval"
+            );
+        }
+        sets.insert(
+            label.to_owned(),
+            SetState::Missing {
+                since: Instant::now(),
+            },
+        );
+    }
+
+    /// The set's id from the cache, without calling GitHub: `Ok(None)` when
+    /// unknown or when a missing set's interval has passed (ask with
+    /// [`Github::scale_set`]).
+    ///
+    /// # Errors
+    ///
+    /// [`GithubError::ScaleSetNotFound`] while the set is believed missing.
+    pub fn cached_scale_set(&self, label: &str) -> Result<Option<ScaleSetId>, GithubError> {
+        match self.scale_sets.lock().expect("scale sets").get(label) {
+            Some(SetState::Found(id)) => Ok(Some(*id)),
+            Some(SetState::Missing { since }) if since.elapsed() < self.retry => {
+                Err(GithubError::ScaleSetNotFound {
+                    set: label.to_owned(),
+                })
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The set's id: from the cache, or by one lookup by name when it is
+    /// unknown or its missing interval has passed. Never creates it.
+    ///
+    /// # Errors
+    ///
+    /// [`GithubError::ScaleSetNotFound`] when GitHub has no such set (now
+    /// cached), [`GithubError::Call`] when GitHub cannot be asked.
+    pub async fn scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
+        if let Some(id) = self.cached_scale_set(label)? {
+            return Ok(id);
+        }
+        match self
+            .client
+            .get_runner_scale_set_by_name(RunnerGroupId::DEFAULT, label)
+            .await
+        {
+            Ok(Some(set)) => {
+                let was_missing = matches!(
+                    self.scale_sets
+                        .lock()
+                        .expect("scale sets")
+                        .insert(label.to_owned(), SetState::Found(set.id)),
+                    Some(SetState::Missing { .. })
+                );
+                if was_missing {
+                    tracing::info!(scale_set = label, id = %set.id, "the runner scale set is back");
+                }
+                Ok(set.id)
+            }
+            Ok(None) => {
+                self.mark_missing(label);
+                Err(GithubError::ScaleSetNotFound {
+                    set: label.to_owned(),
+                })
+            }
+            Err(source) => Err(GithubError::Call {
+                operation: format!("look up scale set {label}"),
+                source,
+            }),
         }
     }
 
@@ -69,12 +204,12 @@ impl Github {
     ///
     /// [`GithubError`] when GitHub cannot be asked.
     pub async fn ensure_scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
-        if let Some(id) = self.scale_sets.lock().expect("scale sets").get(label) {
+        if let Some(SetState::Found(id)) = self.scale_sets.lock().expect("scale sets").get(label) {
             return Ok(*id);
         }
         let err = |operation: &str| {
             let operation = format!("{operation} scale set {label}");
-            move |source| GithubError { operation, source }
+            move |source| GithubError::Call { operation, source }
         };
         let id = match self
             .client
@@ -94,7 +229,7 @@ impl Github {
         self.scale_sets
             .lock()
             .expect("scale sets")
-            .insert(label.to_owned(), id);
+            .insert(label.to_owned(), SetState::Found(id));
         Ok(id)
     }
 
@@ -103,10 +238,11 @@ impl Github {
     ///
     /// # Errors
     ///
-    /// [`GithubError`]; the scale-set cache entry is dropped so the next
-    /// mint re-resolves it.
+    /// [`GithubError::ScaleSetNotFound`] when the set is believed missing
+    /// (no call is made) or GitHub answers 404 (the set is then believed
+    /// missing for the retry interval); [`GithubError::Call`] otherwise.
     pub async fn mint(&self, tier: &str, runner_name: &str) -> Result<Minted, GithubError> {
-        let set = self.ensure_scale_set(tier).await?;
+        let set = self.scale_set(tier).await?;
         let mut setting = JitRunnerSetting::new(runner_name);
         setting.work_folder = "_work".into();
         match self.client.generate_jit_config(set, &setting).await {
@@ -120,13 +256,34 @@ impl Github {
                     runner_name: name,
                 })
             }
-            Err(source) => {
-                self.scale_sets.lock().expect("scale sets").remove(tier);
-                Err(GithubError {
-                    operation: format!("mint a JIT config for {runner_name}"),
-                    source,
+            Err(source) if source.is_not_found() => {
+                self.mark_missing(tier);
+                Err(GithubError::ScaleSetNotFound {
+                    set: tier.to_owned(),
                 })
             }
+            Err(source) => Err(GithubError::Call {
+                operation: format!("mint a JIT config for {runner_name}"),
+                source,
+            }),
+        }
+    }
+
+    /// Whether GitHub still has the registration with this id: `false` on
+    /// 404.
+    ///
+    /// # Errors
+    ///
+    /// [`GithubError::Call`] when GitHub cannot answer (5xx, timeouts):
+    /// unknown, which is not the same as gone.
+    pub async fn runner_exists(&self, runner_id: i64) -> Result<bool, GithubError> {
+        match self.client.get_runner(RunnerId(runner_id)).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.is_not_found() || e.is_runner_not_found() => Ok(false),
+            Err(source) => Err(GithubError::Call {
+                operation: format!("look up runner {runner_id}"),
+                source,
+            }),
         }
     }
 
@@ -148,7 +305,7 @@ impl Github {
                 Ok(Some(r)) => r.id,
                 Ok(None) => return Ok(()),
                 Err(source) => {
-                    return Err(GithubError {
+                    return Err(GithubError::Call {
                         operation: format!("look up runner {runner_name}"),
                         source,
                     });
@@ -158,7 +315,7 @@ impl Github {
         match self.client.remove_runner(id).await {
             Ok(()) => Ok(()),
             Err(e) if e.is_not_found() || e.is_runner_not_found() => Ok(()),
-            Err(source) => Err(GithubError {
+            Err(source) => Err(GithubError::Call {
                 operation: format!("remove runner {runner_name} ({id})"),
                 source,
             }),

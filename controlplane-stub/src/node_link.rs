@@ -130,7 +130,7 @@ struct Shared {
 }
 
 /// Fault injection for tests: drop what would otherwise flow.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LinkFaults {
     /// Drop the next N launch results on receipt (the plane never sees
     /// them and never acknowledges them).
@@ -141,6 +141,20 @@ pub struct LinkFaults {
     /// While set, do not dial the node (an open session is left alone):
     /// the node sees no plane, so it never finishes start-up recovery.
     pub hold_dial: AtomicBool,
+    /// While true, the plane and the node cannot reach each other: the open
+    /// session is cut and nothing is dialed ([`NodeLink::partition`]).
+    partitioned: watch::Sender<bool>,
+}
+
+impl Default for LinkFaults {
+    fn default() -> Self {
+        Self {
+            drop_launch_results: AtomicU64::new(0),
+            cut_on_destroy_results: AtomicU64::new(0),
+            hold_dial: AtomicBool::new(false),
+            partitioned: watch::Sender::new(false),
+        }
+    }
 }
 
 /// What the node said in `Hello`.
@@ -159,6 +173,9 @@ pub struct NodeLink {
     shared: Mutex<Shared>,
     status: watch::Sender<Option<NodeStatus>>,
     next_session: AtomicU64,
+    /// When the last session ended (or the link was made), while none is
+    /// open; `None` while attached.
+    detached_since: Mutex<Option<std::time::Instant>>,
     /// Fault injection.
     pub faults: LinkFaults,
 }
@@ -171,8 +188,26 @@ impl NodeLink {
             shared: Mutex::new(Shared::default()),
             status: watch::Sender::new(None),
             next_session: AtomicU64::new(1),
+            detached_since: Mutex::new(Some(std::time::Instant::now())),
             faults: LinkFaults::default(),
         })
+    }
+
+    /// How long the plane has had no session with this node; `None` while
+    /// one is open.
+    pub fn detached_for(&self) -> Option<Duration> {
+        self.detached_since
+            .lock()
+            .expect("link")
+            .map(|since| since.elapsed())
+    }
+
+    /// Fault injection: while `on`, the plane and this node cannot reach
+    /// each other. The open session is cut at once (the node sees its plane
+    /// go away; commands in flight are lost) and nothing is dialed until
+    /// the partition heals.
+    pub fn partition(&self, on: bool) {
+        self.faults.partitioned.send_replace(on);
     }
 
     /// The node's name.
@@ -196,7 +231,7 @@ impl NodeLink {
     ) {
         let mut backoff = Duration::from_millis(200);
         loop {
-            if self.faults.hold_dial.load(Ordering::SeqCst) {
+            if self.faults.hold_dial.load(Ordering::SeqCst) || *self.faults.partitioned.borrow() {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_millis(100)) => continue,
@@ -282,12 +317,17 @@ impl NodeLink {
         info!(node = %self.target.name, session, incarnation = %hello.incarnation,
               inventory_known = hello.inventory_known, instances = hello.instances.len(), "node attached");
         self.shared.lock().expect("link").session = Some((session, tx.clone()));
+        *self.detached_since.lock().expect("link") = None;
         self.status
             .send_replace(Some(NodeStatus { hello, session }));
 
+        let mut partitioned = self.faults.partitioned.subscribe();
         loop {
             let message = tokio::select! {
                 () = shutdown.cancelled() => return Ok(()),
+                _ = partitioned.wait_for(|p| *p) => {
+                    return Err(LinkError::Session("fault injection: partitioned from the node".into()));
+                }
                 m = inbound.message() => m,
             };
             let body = match message {
@@ -410,6 +450,7 @@ impl NodeLink {
             }
         }
         drop(shared);
+        *self.detached_since.lock().expect("link") = Some(std::time::Instant::now());
         self.status.send_replace(None);
     }
 
@@ -615,6 +656,7 @@ impl NodeLink {
     ) {
         let (tx, rx) = mpsc::channel(capacity);
         self.shared.lock().expect("link").session = Some((session, tx.clone()));
+        *self.detached_since.lock().expect("link") = None;
         self.status.send_replace(Some(NodeStatus {
             hello: pb::Hello {
                 node_name: self.target.name.clone(),

@@ -4,14 +4,15 @@
 //! reports it complete, and releases the lease. Renews the leases it manages
 //! itself, reaps expired ones, and exposes a library API for tests.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use billet_proto::v1 as pb;
+use scaleset::JobMessage;
 use scaleset::listener::{Event, Listener, Scaler};
 use thiserror::Error;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{Notify, broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, error, info, info_span, warn};
@@ -70,6 +71,19 @@ pub struct PlaneConfig {
     /// How long a quarantined lease must be absent from its node's inventory
     /// before the ledger frees it.
     pub quarantine_grace: Duration,
+    /// How long the plane keeps renewing a node's leases after losing its
+    /// session with it ([`RENEWAL_GRACE`] by default).
+    pub renewal_grace: Duration,
+    /// How long a scale set GitHub said it does not have is believed
+    /// missing ([`crate::github::SCALE_SET_RETRY`] by default).
+    pub scale_set_retry: Duration,
+    /// How often registrations are reconciled with open leases
+    /// ([`REGISTRATION_INTERVAL`] by default).
+    pub registration_interval: Duration,
+    /// How long a registration may outlive its lease, and how long GitHub
+    /// may answer 404 for an idle runner's registration, before the plane
+    /// acts ([`REGISTRATION_GRACE`] by default).
+    pub registration_grace: Duration,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -134,12 +148,123 @@ pub enum PlaneError {
     Github(#[from] crate::github::GithubError),
 }
 
-/// How many leases the plane tries for one job before giving up on it.
-pub const MAX_LAUNCH_ATTEMPTS: u32 = 3;
+/// How long the plane keeps renewing the leases bound to a node after it
+/// lost its session with that node, when [`PlaneConfig::renewal_grace`] is
+/// not set otherwise. Past it the reaper quarantines them.
+pub const RENEWAL_GRACE: Duration = Duration::from_secs(30);
+
+/// The first wait after a launch that did not end with a runner; it grows
+/// exponentially, with jitter, to [`RELAUNCH_MAX_DELAY`], with no limit on
+/// the number of tries.
+pub const RELAUNCH_MIN_DELAY: Duration = Duration::from_millis(500);
+
+/// The longest wait between two launches for the same uncovered jobs.
+pub const RELAUNCH_MAX_DELAY: Duration = Duration::from_secs(15);
+
+/// How often the plane compares registrations with open leases.
+pub const REGISTRATION_INTERVAL: Duration = Duration::from_secs(60);
+
+/// How long a registration may outlive its lease, or be missing at GitHub
+/// under an idle runner, before the plane removes or destroys it.
+pub const REGISTRATION_GRACE: Duration = Duration::from_secs(120);
+
+/// The failure reason of a lease whose idle runner lost its registration.
+pub const REGISTRATION_LOST: &str = "registration_lost";
+
+/// How often the plane looks at coverage without being woken.
+const COVER_TICK: Duration = Duration::from_millis(500);
 
 enum Work {
-    Launch(crate::ledger::Lease),
     Complete { runner_name: String, result: String },
+}
+
+/// A launch whose result the plane never saw: the node may hold compute
+/// for it, so the plane hands it over with `AssumeCustody` on the node's
+/// next session (DESIGN.md, custody moves causally).
+#[derive(Debug, Clone)]
+struct LostLaunch {
+    lease: String,
+    request_id: i64,
+}
+
+/// Coverage of the assigned jobs, in memory (the ledger holds the leases).
+#[derive(Debug)]
+struct Cover {
+    /// Jobs GitHub assigned to the scale set that no runner has taken and
+    /// that are not completed or cancelled.
+    wanted: BTreeSet<i64>,
+    /// Runner names that took a job (their leases cover nothing more).
+    taken: HashSet<String>,
+    /// Leases whose launch did not end with a runner: failed, refused,
+    /// expired, not delivered, held by the node after a failure. (A lost
+    /// launch covers while its lease is open: see `Plane::launch`.)
+    not_covering: HashSet<String>,
+    /// Leases placed on a node whose launch is not answered yet.
+    in_flight: HashMap<String, String>,
+    /// Launch delays after consecutive failures; `None` after a success.
+    backoff: Option<backon::ExponentialBackoff>,
+    /// No launch before this instant.
+    retry_at: Option<Instant>,
+    /// Nodes that refused a launch, avoided until the instant.
+    avoid: HashMap<String, Instant>,
+    /// Lost launches to hand over, per node.
+    lost: HashMap<String, Vec<LostLaunch>>,
+    /// The last time "no node has room" was logged.
+    no_room_logged: Option<Instant>,
+}
+
+impl Cover {
+    fn new() -> Self {
+        Self {
+            wanted: BTreeSet::new(),
+            taken: HashSet::new(),
+            not_covering: HashSet::new(),
+            in_flight: HashMap::new(),
+            backoff: None,
+            retry_at: None,
+            avoid: HashMap::new(),
+            lost: HashMap::new(),
+            no_room_logged: None,
+        }
+    }
+
+    /// A launch did not end with a runner: the next one waits, longer each
+    /// time in a row, with jitter.
+    fn failed(&mut self) -> Duration {
+        let backoff = self.backoff.get_or_insert_with(|| {
+            backon::BackoffBuilder::build(
+                backon::ExponentialBuilder::default()
+                    .with_jitter()
+                    .with_min_delay(RELAUNCH_MIN_DELAY)
+                    .with_max_delay(RELAUNCH_MAX_DELAY)
+                    .without_max_times(),
+            )
+        });
+        let delay = backoff.next().unwrap_or(RELAUNCH_MAX_DELAY);
+        self.retry_at = Some(Instant::now() + delay);
+        delay
+    }
+
+    fn succeeded(&mut self) {
+        self.backoff = None;
+        self.retry_at = None;
+    }
+
+    /// Whether `lease` still stands for a runner that may take an assigned
+    /// job: open, not quarantined, not tearing down, not busy, its launch
+    /// not known to have failed, its runner not known to have taken a job.
+    fn covers(&self, lease: &crate::ledger::Lease) -> bool {
+        !lease.phase.is_terminal()
+            && !matches!(
+                lease.phase,
+                Phase::Quarantine | Phase::Teardown | Phase::Busy
+            )
+            && !self.not_covering.contains(&lease.id)
+            && !lease
+                .runner_name
+                .as_ref()
+                .is_some_and(|n| self.taken.contains(n))
+    }
 }
 
 /// A running plane.
@@ -151,17 +276,14 @@ pub struct Plane {
     nodes: Vec<Arc<NodeLink>>,
     events: broadcast::Sender<PlaneEvent>,
     /// Leases the plane renews itself (reserved and launched, not held by a
-    /// node).
+    /// node), while their node is reachable or within the renewal grace.
     managed: Mutex<HashSet<String>>,
-    /// Leases whose node holds them after a lost launch reply.
-    node_held: Mutex<HashSet<String>>,
-    /// Job request ids already given a lease.
-    seen: Mutex<HashSet<i64>>,
-    /// Launch attempts per job request.
-    attempts: Mutex<HashMap<i64, u32>>,
-    /// Which node each launched lease went to.
-    placement: Mutex<HashMap<String, String>>,
-    scale_set: scaleset::ScaleSetId,
+    cover: Mutex<Cover>,
+    /// Wakes the coverage loop.
+    wake: Notify,
+    /// One coverage pass at a time, so two never reserve for the same gap.
+    pass: tokio::sync::Mutex<()>,
+    scale_set: Mutex<scaleset::ScaleSetId>,
     tasks: TaskTracker,
 }
 
@@ -178,7 +300,7 @@ impl Plane {
         shutdown: CancellationToken,
     ) -> Result<Arc<Plane>, PlaneError> {
         let ledger = Arc::new(Ledger::open(&config.ledger_path, config.lease_ttl).await?);
-        let github = Arc::new(Github::new(github));
+        let github = Arc::new(Github::with_retry(github, config.scale_set_retry));
         let scale_set = github.ensure_scale_set(&config.tier.label).await?;
         let nodes: Vec<_> = config.nodes.iter().cloned().map(NodeLink::new).collect();
         let (events, _) = broadcast::channel(1024);
@@ -188,11 +310,10 @@ impl Plane {
             nodes,
             events,
             managed: Mutex::new(HashSet::new()),
-            node_held: Mutex::new(HashSet::new()),
-            seen: Mutex::new(HashSet::new()),
-            attempts: Mutex::new(HashMap::new()),
-            placement: Mutex::new(HashMap::new()),
-            scale_set,
+            cover: Mutex::new(Cover::new()),
+            wake: Notify::new(),
+            pass: tokio::sync::Mutex::new(()),
+            scale_set: Mutex::new(scale_set),
             tasks: TaskTracker::new(),
             config,
         });
@@ -217,6 +338,11 @@ impl Plane {
                     )
                     .instrument(info_span!("node", name = %node.name())),
             );
+            plane.tasks.spawn(
+                Arc::clone(&plane)
+                    .hand_over(Arc::clone(node), shutdown.clone())
+                    .instrument(info_span!("handover", node = %node.name())),
+            );
         }
         let (work_tx, work_rx) = mpsc::unbounded_channel();
         plane
@@ -231,6 +357,12 @@ impl Plane {
         plane
             .tasks
             .spawn(Arc::clone(&plane).maintain(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).keep_covered(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).reconcile_registrations(shutdown.clone()));
         Ok(plane)
     }
 
@@ -239,9 +371,10 @@ impl Plane {
         &self.ledger
     }
 
-    /// The scale set jobs are queued on.
+    /// The scale set jobs are queued on (its current id: a set deleted and
+    /// made again has a new one).
     pub fn scale_set(&self) -> scaleset::ScaleSetId {
-        self.scale_set
+        *self.scale_set.lock().expect("scale set")
     }
 
     /// The link to a node by name.
@@ -254,6 +387,18 @@ impl Plane {
         self.events.subscribe()
     }
 
+    /// The assigned jobs no runner has taken yet, which the plane keeps
+    /// covered.
+    pub fn uncovered_jobs(&self) -> Vec<i64> {
+        self.cover
+            .lock()
+            .expect("cover")
+            .wanted
+            .iter()
+            .copied()
+            .collect()
+    }
+
     /// Waits for every task to stop after shutdown.
     pub async fn stopped(&self) {
         self.tasks.close();
@@ -264,6 +409,10 @@ impl Plane {
         let _ = self.events.send(event);
     }
 
+    /// Runs the scale-set listener, restarting it with backoff. A listener
+    /// that fails because GitHub no longer has the set marks it missing and
+    /// waits for the set to be found again (one lookup per retry interval),
+    /// then listens on the set's current id.
     async fn listen(
         self: Arc<Self>,
         work: mpsc::UnboundedSender<Work>,
@@ -273,26 +422,55 @@ impl Plane {
             plane: Arc::clone(&self),
             work,
         };
-        let listener = Listener::new(
-            self.github.client().clone(),
-            self.scale_set,
-            self.config.max_runners,
-        )
-        .owner("billet-plane")
-        .backoff(Duration::from_millis(200), Duration::from_secs(5));
+        let label = self.config.tier.label.clone();
+        let mut backoff = restart_backoff();
         loop {
-            match listener
+            let set = self.scale_set();
+            // No retries inside: every failure comes back here, where a
+            // missing set is told apart from an outage.
+            let listener =
+                Listener::new(self.github.client().clone(), set, self.config.max_runners)
+                    .owner("billet-plane")
+                    .max_failures(0);
+            let wait = match listener
                 .run(&mut scaler, shutdown.clone().cancelled_owned())
                 .await
             {
                 Ok(()) => return,
+                Err(scaleset::listener::Error::Session(e)) if e.is_not_found() => {
+                    self.github.mark_missing(&label);
+                    None
+                }
                 Err(e) => {
-                    error!(error = %e, "scale-set listener stopped; restarting");
+                    warn!(error = %e, "scale-set listener stopped; restarting");
+                    Some(backoff.next().unwrap_or(RELAUNCH_MAX_DELAY))
+                }
+            };
+            match wait {
+                Some(wait) => {
                     tokio::select! {
                         () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        () = tokio::time::sleep(wait) => {}
                     }
                 }
+                None => loop {
+                    match self.github.scale_set(&label).await {
+                        Ok(id) => {
+                            *self.scale_set.lock().expect("scale set") = id;
+                            backoff = restart_backoff();
+                            break;
+                        }
+                        Err(e) => {
+                            if !e.is_scale_set_not_found() {
+                                warn!(error = %e, "looking the scale set up");
+                            }
+                            tokio::select! {
+                                () = shutdown.cancelled() => return,
+                                () = tokio::time::sleep(self.config.scale_set_retry.min(Duration::from_secs(1))) => {}
+                            }
+                        }
+                    }
+                },
             }
         }
     }
@@ -309,11 +487,6 @@ impl Plane {
             };
             let plane = Arc::clone(&self);
             match item {
-                Work::Launch(lease) => {
-                    let span = info_span!("launch", lease = %lease.id);
-                    self.tasks
-                        .spawn(async move { plane.launch(lease).await }.instrument(span));
-                }
                 Work::Complete {
                     runner_name,
                     result,
@@ -329,27 +502,164 @@ impl Plane {
         }
     }
 
-    /// Picks the node with an open session and the fewest leases placed.
-    fn pick_node(&self) -> Option<Arc<NodeLink>> {
-        let placement = self.placement.lock().expect("placement");
-        self.nodes
-            .iter()
-            .min_by_key(|n| {
-                let attached = n.status().borrow().is_some();
-                let load = placement
-                    .values()
-                    .filter(|p| p.as_str() == n.name())
-                    .count();
-                (!attached, load)
-            })
-            .cloned()
+    /// Keeps every assigned job covered: on every wake-up and every
+    /// [`COVER_TICK`], launches what is missing.
+    async fn keep_covered(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            if let Err(e) = Arc::clone(&self).cover_once().await {
+                warn!(error = %e, "coverage pass failed; trying again");
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.wake.notified() => {}
+                () = tokio::time::sleep(COVER_TICK) => {}
+            }
+        }
     }
 
-    async fn launch(&self, lease: crate::ledger::Lease) {
-        let Some(node) = self.pick_node() else {
-            warn!("no node is configured");
-            return;
-        };
+    /// One coverage pass: as many runners starting or idle as there are
+    /// assigned jobs no runner has taken, bounded by the set's maximum and
+    /// by the nodes' free capacity. Nothing is launched during a backoff or
+    /// while the scale set is believed missing.
+    async fn cover_once(self: Arc<Self>) -> Result<(), crate::ledger::LedgerError> {
+        let _pass = self.pass.lock().await;
+        let tier = self.config.tier.clone();
+        {
+            let cover = self.cover.lock().expect("cover");
+            if cover.wanted.is_empty() {
+                return Ok(());
+            }
+            if cover.retry_at.is_some_and(|at| Instant::now() < at) {
+                return Ok(());
+            }
+        }
+        // The plane is the tier authority: it asks whether the set exists
+        // (from the cache; one lookup per retry interval while missing)
+        // before it mints anything through a node.
+        match self.github.scale_set(&tier.label).await {
+            Ok(_) => {}
+            Err(e) if e.is_scale_set_not_found() => return Ok(()),
+            Err(e) => {
+                warn!(error = %e, "cannot ask GitHub for the scale set; not launching");
+                let mut cover = self.cover.lock().expect("cover");
+                cover.failed();
+                return Ok(());
+            }
+        }
+        let open = self.ledger.open_leases().await?;
+        let mut launches = Vec::new();
+        {
+            let mut cover = self.cover.lock().expect("cover");
+            // Forget what the ledger has closed.
+            let open_ids: HashSet<&str> = open.iter().map(|l| l.id.as_str()).collect();
+            cover
+                .not_covering
+                .retain(|id| open_ids.contains(id.as_str()));
+            let covering: Vec<&crate::ledger::Lease> = open
+                .iter()
+                .filter(|l| l.tier == tier.label && cover.covers(l))
+                .collect();
+            let need = cover.wanted.len().saturating_sub(covering.len());
+            let live = u32::try_from(open.iter().filter(|l| l.tier == tier.label).count())
+                .unwrap_or(u32::MAX);
+            let room = usize::try_from(self.config.max_runners.saturating_sub(live)).unwrap_or(0);
+            let need = need.min(room);
+            if need == 0 {
+                return Ok(());
+            }
+            // What each node has charged: its open leases, plus leases placed
+            // on it and not yet bound.
+            let mut charged: HashMap<String, (u64, u64)> = HashMap::new();
+            for l in &open {
+                let node = l
+                    .node
+                    .clone()
+                    .or_else(|| cover.in_flight.get(&l.id).cloned());
+                if let Some(node) = node {
+                    let c = charged.entry(node).or_default();
+                    c.0 += u64::from(l.vcpu);
+                    c.1 += l.memory_bytes;
+                }
+            }
+            let now = Instant::now();
+            cover.avoid.retain(|_, until| *until > now);
+            let wanted: Vec<i64> = cover.wanted.iter().copied().collect();
+            for _ in 0..need {
+                let Some(node) = self.pick_node(&charged, &cover.avoid) else {
+                    if cover
+                        .no_room_logged
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
+                    {
+                        warn!(
+                            uncovered = need,
+                            "no attached node has room for another runner; the jobs wait"
+                        );
+                        cover.no_room_logged = Some(Instant::now());
+                    }
+                    break;
+                };
+                // A job with no lease of its own yet, and none on this node
+                // (a node refuses a second lease for a request it holds).
+                let on_node = |r: i64| {
+                    open.iter()
+                        .any(|l| l.request_id == r && l.node.as_deref() == Some(node.name()))
+                };
+                let has_cover = |r: i64| covering.iter().any(|l| l.request_id == r);
+                let request_id = wanted
+                    .iter()
+                    .copied()
+                    .find(|r| !has_cover(*r) && !on_node(*r))
+                    .or_else(|| wanted.iter().copied().find(|r| !has_cover(*r)))
+                    .or_else(|| wanted.first().copied());
+                let Some(request_id) = request_id else { break };
+                let c = charged.entry(node.name().to_owned()).or_default();
+                c.0 += u64::from(tier.vcpu);
+                c.1 += tier.memory_bytes;
+                launches.push((node, request_id));
+            }
+        }
+        for (node, request_id) in launches {
+            let lease = self.reserve(request_id).await?;
+            self.cover
+                .lock()
+                .expect("cover")
+                .in_flight
+                .insert(lease.id.clone(), node.name().to_owned());
+            let span = info_span!("launch", lease = %lease.id, node = node.name());
+            let plane = Arc::clone(&self);
+            self.tasks
+                .spawn(async move { plane.launch(lease, node).await }.instrument(span));
+        }
+        Ok(())
+    }
+
+    /// The attached node with the most free capacity that fits one more
+    /// runner of the tier, never one that refused a launch within its
+    /// backoff. Free is what the node said it may run (`Hello.capacity`)
+    /// less what the ledger charges on it.
+    fn pick_node(
+        &self,
+        charged: &HashMap<String, (u64, u64)>,
+        avoid: &HashMap<String, Instant>,
+    ) -> Option<Arc<NodeLink>> {
+        let tier = &self.config.tier;
+        self.nodes
+            .iter()
+            .filter(|n| !avoid.contains_key(n.name()))
+            .filter_map(|n| {
+                let status = n.status().borrow().clone()?;
+                let capacity = status.hello.capacity.unwrap_or_default();
+                let (vcpu, memory) = charged.get(n.name()).copied().unwrap_or_default();
+                let free_vcpu = u64::from(capacity.vcpu).saturating_sub(vcpu);
+                let free_memory = capacity.memory_bytes.saturating_sub(memory);
+                (free_vcpu >= u64::from(tier.vcpu) && free_memory >= tier.memory_bytes)
+                    .then(|| (free_vcpu, Arc::clone(n)))
+            })
+            .max_by_key(|(free, _)| *free)
+            .map(|(_, n)| n)
+    }
+
+    async fn launch(&self, lease: crate::ledger::Lease, node: Arc<NodeLink>) {
         let tier = &self.config.tier;
         let mut wire = lease_to_wire(&lease);
         wire.providers = vec!["docker".into()];
@@ -369,61 +679,126 @@ impl Plane {
                 ..Default::default()
             }),
         });
-        self.placement
-            .lock()
-            .expect("placement")
-            .insert(lease.id.clone(), node.name().to_owned());
         let outcome = node.dispatch(command, self.config.launch_timeout).await;
+        self.cover
+            .lock()
+            .expect("cover")
+            .in_flight
+            .remove(&lease.id);
         if outcome.is_ok() {
-            info!(node = node.name(), "launched");
+            info!("launched");
+            self.cover.lock().expect("cover").succeeded();
             self.emit(PlaneEvent::Launched {
                 lease: lease.id.clone(),
                 node: node.name().to_owned(),
             });
+            self.wake.notify_one();
             return;
         }
         let custody = outcome.is_custody();
         let reason = outcome.describe();
-        warn!(node = node.name(), %reason, custody, "launch did not succeed");
         self.emit(PlaneEvent::LaunchFailed {
             lease: lease.id.clone(),
-            reason,
+            reason: reason.clone(),
             custody,
         });
         self.managed.lock().expect("managed").remove(&lease.id);
-        if custody {
-            self.node_held
+        if let CommandOutcome::Lost(_) = &outcome {
+            // The node may well have started the runner: the lease covers
+            // its job for as long as the node keeps it open, and is
+            // replaced once the ledger closes or quarantines it (a node
+            // that restarted and found nothing, or one that went silent).
+            warn!(%reason, "the launch's result was lost; the node holds the lease");
+            self.cover
                 .lock()
-                .expect("held")
-                .insert(lease.id.clone());
+                .expect("cover")
+                .lost
+                .entry(node.name().to_owned())
+                .or_default()
+                .push(LostLaunch {
+                    lease: lease.id.clone(),
+                    request_id: lease.request_id,
+                });
+            self.wake.notify_one();
             return;
         }
-        // Nothing was started: release, and try again with a new lease.
-        if let Err(e) = self
-            .ledger
-            .release(&lease.id, lease.epoch, None, Phase::Failed, crate::now_ms())
-            .await
-        {
-            warn!(error = %e, "release after a failed launch");
-        }
-        self.placement.lock().expect("placement").remove(&lease.id);
-        let attempt = {
-            let mut attempts = self.attempts.lock().expect("attempts");
-            let n = attempts.entry(lease.request_id).or_insert(1);
-            *n += 1;
-            *n
+        let refused = matches!(&outcome, CommandOutcome::Answered(r) if r.outcome == pb::Outcome::Refused as i32);
+        let delay = {
+            let mut cover = self.cover.lock().expect("cover");
+            cover.not_covering.insert(lease.id.clone());
+            let delay = cover.failed();
+            if refused {
+                cover
+                    .avoid
+                    .insert(node.name().to_owned(), Instant::now() + delay);
+            }
+            delay
         };
-        if attempt > MAX_LAUNCH_ATTEMPTS {
-            error!(
-                request_id = lease.request_id,
-                "giving up on this job after {MAX_LAUNCH_ATTEMPTS} launch attempts"
-            );
-            return;
+        warn!(%reason, custody, retry_in = ?delay, "the launch did not end with a runner; the job gets a fresh lease");
+        if !custody {
+            // Nothing was started: the plane ends the lease itself.
+            if let Err(e) = self
+                .ledger
+                .release(&lease.id, lease.epoch, None, Phase::Failed, crate::now_ms())
+                .await
+            {
+                warn!(error = %e, "release after a failed launch");
+            }
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        match self.reserve(lease.request_id).await {
-            Ok(next) => Box::pin(self.launch(next)).await,
-            Err(e) => error!(error = %e, "reserve a lease to retry the launch"),
+        self.wake.notify_one();
+    }
+
+    /// Hands every lost launch of `node` to it with `AssumeCustody` on each
+    /// new session: the plane stopped waiting for the result, so the node
+    /// holds whatever it started until it is proven gone or its job ends.
+    async fn hand_over(self: Arc<Self>, node: Arc<NodeLink>, shutdown: CancellationToken) {
+        let mut status = node.status();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = status.changed() => if changed.is_err() { return },
+            }
+            if status.borrow_and_update().is_none() {
+                continue;
+            }
+            let lost = self
+                .cover
+                .lock()
+                .expect("cover")
+                .lost
+                .remove(node.name())
+                .unwrap_or_default();
+            for launch in lost {
+                let Ok(Some(lease)) = self.ledger.get(&launch.lease).await else {
+                    continue;
+                };
+                if lease.phase.is_terminal() {
+                    continue;
+                }
+                let outcome = node
+                    .dispatch(
+                        pb::command::Kind::AssumeCustody(pb::AssumeCustody {
+                            lease: Some(lease_to_wire(&lease)),
+                            request_id: launch.request_id,
+                        }),
+                        self.config.destroy_timeout,
+                    )
+                    .await;
+                match outcome {
+                    CommandOutcome::Answered(_) => {
+                        info!(lease = %launch.lease, outcome = %outcome.describe(), "handed a lost launch to its node")
+                    }
+                    // Not heard: send it again on the next session.
+                    _ => self
+                        .cover
+                        .lock()
+                        .expect("cover")
+                        .lost
+                        .entry(node.name().to_owned())
+                        .or_default()
+                        .push(launch),
+                }
+            }
         }
     }
 
@@ -472,15 +847,11 @@ impl Plane {
         if lease.phase.is_terminal() {
             return;
         }
-        if self.node_held.lock().expect("held").contains(&lease.id) {
-            // The node holds it: the runner exits, Tend sees it gone and releases.
-            info!(lease = %lease.id, "completion for a lease its node holds; the node will release it");
-        }
         let Some(node) = lease.node.as_deref().and_then(|n| self.node(n)).cloned() else {
             warn!(lease = %lease.id, "completed lease is bound to no known node");
             return;
         };
-        let mut backoff = Duration::from_millis(500);
+        let mut backoff = restart_backoff();
         loop {
             let outcome = node
                 .dispatch(
@@ -501,13 +872,14 @@ impl Plane {
                 self.managed.lock().expect("managed").remove(&lease.id);
                 return;
             }
-            // A lost or failed destroy is repeated: destroys are idempotent.
-            warn!(lease = %lease.id, outcome = %outcome.describe(), "destroy failed; retrying");
+            // A lost or failed destroy is repeated, and a busy one later:
+            // destroys are idempotent, and the lease stays held meanwhile.
+            let wait = backoff.next().unwrap_or(RELAUNCH_MAX_DELAY);
+            warn!(lease = %lease.id, outcome = %outcome.describe(), retry_in = ?wait, "destroy did not finish; retrying");
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep(backoff) => {}
+                () = tokio::time::sleep(wait) => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(10));
         }
         self.managed.lock().expect("managed").remove(&lease.id);
         let current = self.ledger.get(&lease.id).await.ok().flatten();
@@ -518,7 +890,6 @@ impl Plane {
             .await
         {
             Ok(_) => {
-                self.placement.lock().expect("placement").remove(&lease.id);
                 self.emit(PlaneEvent::Released {
                     lease: lease.id.clone(),
                     outcome: "done".into(),
@@ -558,6 +929,18 @@ impl Plane {
         }
     }
 
+    /// Whether the plane may renew a lease bound to `node` (or to none):
+    /// only while it holds a session with that node, or within the renewal
+    /// grace after losing it. Past it the lease expires and the reaper
+    /// quarantines it: silence frees nothing and renews nothing.
+    fn may_renew(&self, node: Option<&str>) -> bool {
+        let Some(node) = node.and_then(|n| self.node(n)) else {
+            return true;
+        };
+        node.detached_for()
+            .is_none_or(|d| d < self.config.renewal_grace)
+    }
+
     async fn renew_and_reap(self: Arc<Self>, shutdown: CancellationToken) {
         let renew_every = self.config.lease_ttl / 3;
         let mut renew = tokio::time::interval(renew_every);
@@ -574,6 +957,10 @@ impl Plane {
                                 self.managed.lock().expect("managed").remove(&id);
                                 continue;
                             }
+                            let placed = self.cover.lock().expect("cover").in_flight.get(&id).cloned();
+                            if !self.may_renew(l.node.as_deref().or(placed.as_deref())) {
+                                continue;
+                            }
                             let node = l.node.clone().unwrap_or_default();
                             if let Err(e) = self.ledger.heartbeat(&id, l.epoch, &node, crate::now_ms()).await {
                                 warn!(lease = %id, error = %e, "plane renewal refused");
@@ -585,6 +972,7 @@ impl Plane {
                     match self.ledger.reap(crate::now_ms()).await {
                         Ok(report) if !(report.quarantined.is_empty() && report.failed.is_empty()) => {
                             warn!(?report, "reaped expired leases");
+                            self.wake.notify_one();
                         }
                         Ok(_) => {}
                         Err(e) => warn!(error = %e, "reap failed"),
@@ -595,8 +983,205 @@ impl Plane {
     }
 }
 
-/// Feeds listener events to the plane: a lease is reserved durably for each
-/// newly assigned job before the message is acknowledged.
+/// What registration reconciliation remembers between passes.
+#[derive(Debug, Default)]
+struct Registrations {
+    /// Open leases whose registration GitHub answered 404, since when.
+    missing_since: HashMap<String, Instant>,
+    /// Ended leases whose registration is known gone.
+    gone: HashSet<String>,
+}
+
+/// Why a reconciliation pass stopped: GitHub or the ledger could not say.
+#[derive(Debug, Error)]
+enum ReconcileError {
+    #[error(transparent)]
+    Github(#[from] crate::github::GithubError),
+    #[error(transparent)]
+    Ledger(#[from] crate::ledger::LedgerError),
+}
+
+impl Plane {
+    /// Compares GitHub's registrations with the ledger's open leases every
+    /// [`PlaneConfig::registration_interval`] (issue #11, item 6). The plane
+    /// mints every registration of this deployment, named `billet-<lease>`
+    /// and recorded against its lease, so the ledger names every candidate.
+    async fn reconcile_registrations(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(self.config.registration_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut memory = Registrations::default();
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.registrations_once(&mut memory, &shutdown).await {
+                warn!(error = %e, "registration reconciliation stopped; nothing more is reaped until GitHub answers");
+            }
+        }
+    }
+
+    /// One pass. A registration whose lease ended more than the grace ago
+    /// is removed. An idle runner (launched, no job taken) whose
+    /// registration GitHub has answered 404 for longer than the grace is
+    /// destroyed and its lease failed with [`REGISTRATION_LOST`], at most
+    /// max(1, max_runners / 4) per pass, each after a random delay. Any
+    /// answer other than found or 404 (5xx, a timeout) ends the pass at
+    /// once: unknown is not gone, and nothing is reaped on it.
+    async fn registrations_once(
+        &self,
+        memory: &mut Registrations,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ReconcileError> {
+        let leases = self.ledger.leases().await?;
+        let grace_ms =
+            i64::try_from(self.config.registration_grace.as_millis()).unwrap_or(i64::MAX);
+        let now_ms = crate::now_ms();
+        for l in &leases {
+            let (Some(runner_id), Some(ended)) = (l.runner_id, l.ended_at_ms) else {
+                continue;
+            };
+            if memory.gone.contains(&l.id) || now_ms.saturating_sub(ended) < grace_ms {
+                continue;
+            }
+            if self.github.runner_exists(runner_id).await? {
+                let name = l
+                    .runner_name
+                    .clone()
+                    .unwrap_or_else(|| format!("billet-{}", l.id));
+                match self.github.remove_runner(runner_id, &name).await {
+                    Ok(()) => {
+                        info!(lease = %l.id, runner = %name, "removed a registration no open lease accounts for")
+                    }
+                    Err(e) if e.is_job_still_running() => {
+                        warn!(lease = %l.id, runner = %name, "a registration with no open lease is running a job; left alone");
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            memory.gone.insert(l.id.clone());
+        }
+
+        let idle: Vec<&crate::ledger::Lease> = {
+            let cover = self.cover.lock().expect("cover");
+            leases
+                .iter()
+                .filter(|l| matches!(l.phase, Phase::Launching | Phase::Online))
+                .filter(|l| l.runner_id.is_some() && l.node.is_some())
+                .filter(|l| !cover.in_flight.contains_key(&l.id) && cover.covers(l))
+                .collect()
+        };
+        let open: HashSet<&str> = idle.iter().map(|l| l.id.as_str()).collect();
+        memory
+            .missing_since
+            .retain(|id, _| open.contains(id.as_str()));
+        let mut lost = Vec::new();
+        for l in idle {
+            let Some(runner_id) = l.runner_id else {
+                continue;
+            };
+            if self.github.runner_exists(runner_id).await? {
+                memory.missing_since.remove(&l.id);
+                continue;
+            }
+            let since = *memory
+                .missing_since
+                .entry(l.id.clone())
+                .or_insert_with(Instant::now);
+            if since.elapsed() >= self.config.registration_grace {
+                lost.push(l.clone());
+            }
+        }
+        let per_pass = usize::try_from((self.config.max_runners / 4).max(1)).unwrap_or(1);
+        for lease in lost.into_iter().take(per_pass) {
+            let jitter = jitter(self.config.registration_interval / 4);
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                () = tokio::time::sleep(jitter) => {}
+            }
+            memory.missing_since.remove(&lease.id);
+            self.destroy_lost(&lease).await;
+        }
+        Ok(())
+    }
+
+    /// Destroys an idle runner whose registration GitHub no longer has: it
+    /// can never take a job. Its job is covered afresh at once.
+    async fn destroy_lost(&self, lease: &crate::ledger::Lease) {
+        let Some(node) = lease.node.as_deref().and_then(|n| self.node(n)).cloned() else {
+            return;
+        };
+        warn!(lease = %lease.id, node = node.name(), reason = REGISTRATION_LOST,
+              "an idle runner's registration is gone at GitHub; destroying it");
+        self.cover
+            .lock()
+            .expect("cover")
+            .not_covering
+            .insert(lease.id.clone());
+        self.wake.notify_one();
+        // The registration is gone, so the runner can take no job: the
+        // destroy has no job result. (Once Destroy carries force and a
+        // reason, this sends force with reason registration_lost.)
+        let outcome = node
+            .dispatch(
+                pb::command::Kind::Destroy(pb::Destroy {
+                    request_id: lease.request_id,
+                    job_result: None,
+                }),
+                self.config.destroy_timeout,
+            )
+            .await;
+        if !outcome.is_ok() {
+            warn!(lease = %lease.id, outcome = %outcome.describe(), "destroy of a runner without a registration; the next pass tries again");
+            return;
+        }
+        self.managed.lock().expect("managed").remove(&lease.id);
+        let now = crate::now_ms();
+        let _ = self
+            .ledger
+            .mark_failure(&lease.id, lease.epoch, REGISTRATION_LOST, now)
+            .await;
+        match self
+            .ledger
+            .release(&lease.id, lease.epoch, None, Phase::Failed, now)
+            .await
+        {
+            Ok(_) => self.emit(PlaneEvent::Released {
+                lease: lease.id.clone(),
+                outcome: "failed".into(),
+            }),
+            Err(e) => {
+                warn!(lease = %lease.id, error = %e, "release after destroying a runner without a registration")
+            }
+        }
+    }
+}
+
+/// A random duration below `max`, for spreading the plane's actions.
+fn jitter(max: Duration) -> Duration {
+    let nanos = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX).max(1);
+    // A v4 UUID is 122 random bits; a few of them are enough here.
+    let random = u64::try_from(uuid::Uuid::new_v4().as_u128() & u128::from(u64::MAX)).unwrap_or(0);
+    Duration::from_nanos(random % nanos)
+}
+
+/// The backoff between listener restarts and destroy retries: 200 ms
+/// doubling to 5 s, with jitter, without end.
+fn restart_backoff() -> backon::ExponentialBackoff {
+    backon::BackoffBuilder::build(
+        backon::ExponentialBuilder::default()
+            .with_jitter()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(5))
+            .without_max_times(),
+    )
+}
+
+/// Feeds listener events to the plane: an assigned job becomes wanted (and
+/// the coverage pass that reserves its lease runs before the message is
+/// acknowledged); a started job is taken, and its runner covers nothing
+/// more; a completed or cancelled job is no longer wanted.
 struct PlaneScaler {
     plane: Arc<Plane>,
     work: mpsc::UnboundedSender<Work>,
@@ -610,33 +1195,52 @@ impl Scaler for PlaneScaler {
             return Ok(());
         };
         let plane = &self.plane;
-        for job in message.jobs_assigned() {
-            let request_id = job.job.runner_request_id.get();
-            if !plane.seen.lock().expect("seen").insert(request_id) {
-                continue;
+        let mut assigned = false;
+        for job in &message.jobs {
+            match job {
+                JobMessage::Assigned(job) => {
+                    let request_id = job.job.runner_request_id.get();
+                    assigned |= plane.cover.lock().expect("cover").wanted.insert(request_id);
+                }
+                JobMessage::Started(job) => {
+                    let request_id = job.job.runner_request_id.get();
+                    {
+                        let mut cover = plane.cover.lock().expect("cover");
+                        cover.wanted.remove(&request_id);
+                        cover.taken.insert(job.runner_name.clone());
+                    }
+                    plane.emit(PlaneEvent::Started {
+                        request_id,
+                        runner_name: job.runner_name.clone(),
+                    });
+                }
+                JobMessage::Completed(job) => {
+                    let request_id = job.job.runner_request_id.get();
+                    plane
+                        .cover
+                        .lock()
+                        .expect("cover")
+                        .wanted
+                        .remove(&request_id);
+                    plane.emit(PlaneEvent::Completed {
+                        request_id,
+                        runner_name: job.runner_name.clone(),
+                        result: job.result.clone(),
+                    });
+                    if !job.runner_name.is_empty() {
+                        let _ = self.work.send(Work::Complete {
+                            runner_name: job.runner_name.clone(),
+                            result: job.result.clone(),
+                        });
+                    }
+                }
+                _ => {}
             }
-            let lease = plane.reserve(request_id).await?;
-            let _ = self.work.send(Work::Launch(lease));
         }
-        for job in message.jobs_started() {
-            plane.emit(PlaneEvent::Started {
-                request_id: job.job.runner_request_id.get(),
-                runner_name: job.runner_name.clone(),
-            });
+        if assigned {
+            Arc::clone(plane).cover_once().await?;
         }
-        for job in message.jobs_completed() {
-            plane.emit(PlaneEvent::Completed {
-                request_id: job.job.runner_request_id.get(),
-                runner_name: job.runner_name.clone(),
-                result: job.result.clone(),
-            });
-            if !job.runner_name.is_empty() {
-                let _ = self.work.send(Work::Complete {
-                    runner_name: job.runner_name.clone(),
-                    result: job.result.clone(),
-                });
-            }
-        }
+        plane.wake.notify_one();
         Ok(())
     }
 }
@@ -683,6 +1287,10 @@ mod tests {
             max_runners: 10,
             maintenance_interval: Duration::from_secs(60),
             quarantine_grace: crate::calls::QUARANTINE_GRACE,
+            renewal_grace: RENEWAL_GRACE,
+            scale_set_retry: crate::github::SCALE_SET_RETRY,
+            registration_interval: REGISTRATION_INTERVAL,
+            registration_grace: REGISTRATION_GRACE,
         };
         let plane = Arc::new(Plane {
             ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
@@ -690,11 +1298,10 @@ mod tests {
             nodes: targets.into_iter().map(NodeLink::new).collect(),
             events: broadcast::channel(64).0,
             managed: Mutex::new(HashSet::new()),
-            node_held: Mutex::new(HashSet::new()),
-            seen: Mutex::new(HashSet::new()),
-            attempts: Mutex::new(HashMap::new()),
-            placement: Mutex::new(HashMap::new()),
-            scale_set: scaleset::ScaleSetId(1),
+            cover: Mutex::new(Cover::new()),
+            wake: Notify::new(),
+            pass: tokio::sync::Mutex::new(()),
+            scale_set: Mutex::new(scaleset::ScaleSetId(1)),
             tasks: TaskTracker::new(),
             config,
         });
@@ -790,5 +1397,87 @@ mod tests {
                 };
         }
         assert!(saw_release, "no Released event for the completed lease");
+    }
+
+    /// Issue #11, item 6: a registration whose lease ended more than the
+    /// grace ago is removed at GitHub; one GitHub no longer has is
+    /// remembered as gone and not asked about again.
+    #[tokio::test]
+    async fn a_registration_that_outlived_its_lease_is_removed_once() {
+        let (plane, emulator) = plane(&["node-a"]).await;
+        plane.github.ensure_scale_set("linux").await.expect("set");
+        let lease = launched_on(&plane, 4, "node-a").await;
+        let minted = plane
+            .github
+            .mint("linux", &format!("billet-{}", lease.id))
+            .await
+            .expect("mint");
+        plane
+            .ledger
+            .set_runner(
+                &lease.id,
+                lease.epoch,
+                minted.runner_id,
+                &minted.runner_name,
+            )
+            .await
+            .expect("set runner");
+        plane
+            .ledger
+            .release(
+                &lease.id,
+                lease.epoch,
+                Some("node-a"),
+                Phase::Failed,
+                crate::now_ms(),
+            )
+            .await
+            .expect("release");
+        assert_eq!(emulator.state().runners.len(), 1);
+        let mut memory = Registrations::default();
+        let shutdown = CancellationToken::new();
+        // Within the grace nothing is touched.
+        plane
+            .registrations_once(&mut memory, &shutdown)
+            .await
+            .expect("pass");
+        assert_eq!(
+            emulator.state().runners.len(),
+            1,
+            "removed within the grace"
+        );
+        let mut config = plane.config.clone();
+        config.registration_grace = Duration::ZERO;
+        let plane = Plane {
+            config,
+            ledger: Arc::clone(&plane.ledger),
+            github: Arc::clone(&plane.github),
+            nodes: plane.nodes.clone(),
+            events: broadcast::channel(4).0,
+            managed: Mutex::new(HashSet::new()),
+            cover: Mutex::new(Cover::new()),
+            wake: Notify::new(),
+            pass: tokio::sync::Mutex::new(()),
+            scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+            tasks: TaskTracker::new(),
+        };
+        plane
+            .registrations_once(&mut memory, &shutdown)
+            .await
+            .expect("pass");
+        assert!(
+            emulator.state().runners.is_empty(),
+            "the registration was left"
+        );
+        let asked = emulator.requests().len();
+        plane
+            .registrations_once(&mut memory, &shutdown)
+            .await
+            .expect("pass");
+        assert_eq!(
+            emulator.requests().len(),
+            asked,
+            "a gone registration was asked about again"
+        );
     }
 }

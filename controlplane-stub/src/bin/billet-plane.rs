@@ -256,6 +256,10 @@ async fn main() -> ExitCode {
         max_runners: args.max_runners,
         maintenance_interval: Duration::from_secs(30),
         quarantine_grace: billet_controlplane_stub::calls::QUARANTINE_GRACE,
+        renewal_grace: billet_controlplane_stub::plane::RENEWAL_GRACE,
+        scale_set_retry: billet_controlplane_stub::github::SCALE_SET_RETRY,
+        registration_interval: billet_controlplane_stub::plane::REGISTRATION_INTERVAL,
+        registration_grace: billet_controlplane_stub::plane::REGISTRATION_GRACE,
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {

@@ -1,5 +1,5 @@
-//! The ledger's reads: `get`, `lease_by_runner_name`, `leases`, `launched`
-//! and `charged`.
+//! The ledger's reads: `get`, `lease_by_runner_name`, `leases`,
+//! `open_leases`, `launched`, `charged` and `charged_on`.
 //!
 //! Every one issues only `SELECT`s on the reader pool: `query_only`
 //! connections on a ledger file, which never wait for the writer; the one
@@ -54,6 +54,49 @@ impl Ledger {
             .iter()
             .map(lease_from_row)
             .collect()
+    }
+
+    /// Every lease not yet done or failed (quarantine included), oldest
+    /// first: what the plane's coverage and placement read.
+    ///
+    /// # Errors
+    ///
+    /// `Storage`.
+    pub async fn open_leases(&self) -> Result<Vec<Lease>> {
+        sqlx::query(
+            "SELECT * FROM leases WHERE phase NOT IN ('done', 'failed')
+             ORDER BY created_at_ms, id",
+        )
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect()
+    }
+
+    /// Capacity charged on `node`: every open lease bound to it, quarantine
+    /// included. At a quiescent point this is what the node reports it holds.
+    ///
+    /// # Errors
+    ///
+    /// `Storage`.
+    pub async fn charged_on(&self, node: &str) -> Result<Charge> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) AS leases, COALESCE(SUM(vcpu), 0) AS vcpu,
+                COALESCE(SUM(memory_bytes), 0) AS memory_bytes
+             FROM leases WHERE node = ? AND phase NOT IN ('done', 'failed')",
+        )
+        .bind(node)
+        .fetch_one(&self.reader)
+        .await?;
+        let leases: i64 = row.try_get("leases")?;
+        let vcpu: i64 = row.try_get("vcpu")?;
+        let memory_bytes: i64 = row.try_get("memory_bytes")?;
+        Ok(Charge {
+            leases: from_db("leases", leases)?,
+            vcpu: from_db("vcpu", vcpu)?,
+            memory_bytes: from_db("memory_bytes", memory_bytes)?,
+        })
     }
 
     /// The ids bound to `node`: `(launched, quarantined)`, where launched
