@@ -47,6 +47,15 @@ pub struct ClusterOptions {
     pub maintenance_interval: Duration,
     /// How long a quarantined lease must be absent before it is freed.
     pub quarantine_grace: Duration,
+    /// How long the plane renews a node's leases after losing its session.
+    pub renewal_grace: Duration,
+    /// How long the plane believes a scale set GitHub said is missing.
+    pub scale_set_retry: Duration,
+    /// How often the plane reconciles registrations with open leases.
+    pub registration_interval: Duration,
+    /// How long a registration may outlive its lease or be missing under
+    /// an idle runner.
+    pub registration_grace: Duration,
     /// Install each node the way an operator would, for upgrades: its own
     /// copy of `billet`, started and stopped by scripts a service manager
     /// would run, with `billet host-upgrade` as its updater. See
@@ -78,6 +87,10 @@ impl Default for ClusterOptions {
             docker_socket: PathBuf::from("/var/run/docker.sock"),
             maintenance_interval: Duration::from_secs(2),
             quarantine_grace: Duration::from_secs(300),
+            renewal_grace: billet_controlplane_stub::plane::RENEWAL_GRACE,
+            scale_set_retry: billet_controlplane_stub::github::SCALE_SET_RETRY,
+            registration_interval: Duration::from_secs(2),
+            registration_grace: Duration::from_secs(10),
             installed: false,
             systemd: None,
             tier_env: Vec::new(),
@@ -617,6 +630,10 @@ impl Cluster {
             max_runners: 20,
             maintenance_interval: options.maintenance_interval,
             quarantine_grace: options.quarantine_grace,
+            renewal_grace: options.renewal_grace,
+            scale_set_retry: options.scale_set_retry,
+            registration_interval: options.registration_interval,
+            registration_grace: options.registration_grace,
         };
         let plane = Plane::start(config, emulator.client(), shutdown.clone())
             .await

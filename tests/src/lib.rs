@@ -3,5 +3,6 @@
 //! node processes.
 
 pub mod cluster;
+pub mod engine_proxy;
 pub mod image;
 pub mod systemd;

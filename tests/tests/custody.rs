@@ -173,7 +173,7 @@ async fn a_node_killed_mid_launch_leaks_nothing_and_starts_no_container_after_re
     cluster
         .emulator
         .inject(Fault::delay(Endpoint::GenerateJitConfig, Duration::from_secs(3)).times(1));
-    let _jobs = cluster.queue_jobs(1);
+    let jobs = cluster.queue_jobs(1);
     let lease = wait_lease_phase(&cluster, Phase::Launching, Duration::from_secs(30)).await?;
     let name = format!("billet-{}", lease.id);
     let ids: Arc<std::sync::Mutex<BTreeSet<String>>> = Arc::default();
@@ -233,12 +233,13 @@ async fn a_node_killed_mid_launch_leaks_nothing_and_starts_no_container_after_re
         ids.is_empty(),
         "a container was started for a launch the node died in: {ids:?}"
     );
-    assert!(cluster.containers().await?.is_empty(), "a container leaked");
     let runners = cluster.emulator.state().runners;
     assert!(
         runners.iter().all(|r| r.name != name),
         "the registration minted for the dead launch was left behind: {runners:?}"
     );
+    // The job itself runs on a fresh lease, and then nothing is left.
+    end_done(&cluster, &jobs).await?;
     cluster.shutdown().await
 }
 

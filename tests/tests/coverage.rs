@@ -1,0 +1,584 @@
+//! The plane keeps every assigned job covered until GitHub says a runner
+//! took it: whatever a launch runs into (an engine that went away, a
+//! missing image, a node killed mid-mint, a draining node, a deleted scale
+//! set, a partition), the job gets a fresh lease and runs exactly once, and
+//! at the end no container, registration or charged capacity is left.
+//! Real binaries, real mTLS, real Docker, the scale-set emulator.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use billet_controlplane_stub::ledger::Phase;
+use billet_controlplane_stub::plane::PlaneEvent;
+use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, wait_until};
+use billet_tests::engine_proxy::EngineProxy;
+use scaleset::testing::{Endpoint, Fault, JobState};
+
+/// How many times each job was started by a runner, from the plane's events.
+#[derive(Clone, Default)]
+struct Starts(Arc<Mutex<HashMap<i64, Vec<String>>>>);
+
+impl Starts {
+    fn watch(cluster: &Cluster) -> Self {
+        let starts = Self::default();
+        let mut events = cluster.plane.subscribe();
+        let counts = Arc::clone(&starts.0);
+        tokio::spawn(async move {
+            while let Ok(event) = events.recv().await {
+                if let PlaneEvent::Started {
+                    request_id,
+                    runner_name,
+                } = event
+                {
+                    counts
+                        .lock()
+                        .expect("starts")
+                        .entry(request_id)
+                        .or_default()
+                        .push(runner_name);
+                }
+            }
+        });
+        starts
+    }
+
+    /// The runners that started `job`.
+    fn of(&self, job: scaleset::JobRequestId) -> Vec<String> {
+        self.0
+            .lock()
+            .expect("starts")
+            .get(&job.get())
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+fn options(work_ms: u64) -> ClusterOptions {
+    ClusterOptions {
+        work_ms,
+        node_env: vec![
+            ("BILLET_ACK_TIMEOUT_SECS".into(), "2".into()),
+            ("BILLET_STRAY_GRACE_SECS".into(), "2".into()),
+        ],
+        ..ClusterOptions::default()
+    }
+}
+
+/// Every job completed `succeeded`, started exactly once; then no
+/// container, no registration and no charged capacity is left, and every
+/// node's own report of what it holds agrees with the ledger: nothing.
+async fn all_done_once(
+    cluster: &Cluster,
+    jobs: &[scaleset::JobRequestId],
+    starts: &Starts,
+    timeout: Duration,
+) -> Result<()> {
+    cluster.wait_jobs_completed(jobs, timeout).await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    let state = cluster.emulator.state();
+    for id in jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+        assert_eq!(
+            starts.of(*id).len(),
+            1,
+            "job {id} was not started exactly once: {:?}",
+            starts.of(*id)
+        );
+    }
+    assert!(
+        state.runners.is_empty(),
+        "registrations left: {:?}",
+        state.runners
+    );
+    for name in cluster.nodes.keys() {
+        let Some(link) = cluster.plane.node(name) else {
+            continue;
+        };
+        if link.status().borrow().is_none() {
+            continue;
+        }
+        let outcome = link
+            .dispatch(
+                billet_proto::v1::command::Kind::Instances(billet_proto::v1::Instances {}),
+                Duration::from_secs(10),
+            )
+            .await;
+        let billet_controlplane_stub::node_link::CommandOutcome::Answered(result) = outcome else {
+            bail!("node {name} did not answer Instances: {outcome:?}");
+        };
+        let report = result.instances.context("an instance report")?;
+        let held = report.held.unwrap_or_default();
+        let charged = cluster.plane.ledger().charged_on(name).await?;
+        assert_eq!(
+            (u64::from(held.vcpu), held.memory_bytes),
+            (charged.vcpu, charged.memory_bytes),
+            "node {name} holds what the ledger does not charge it"
+        );
+        assert!(
+            report.capacity.is_some_and(|c| c.vcpu > 0),
+            "node {name} reported no capacity"
+        );
+    }
+    Ok(())
+}
+
+/// A condition that holds once `n` launches have failed from now on: more
+/// than the three tries a plane that gives up would make.
+fn launches_failed(cluster: &Cluster, n: usize) -> impl FnMut() -> bool + 'static {
+    let mut events = cluster.plane.subscribe();
+    let mut seen = 0;
+    move || {
+        seen += std::iter::from_fn(|| events.try_recv().ok())
+            .filter(|e| matches!(e, PlaneEvent::LaunchFailed { .. }))
+            .count();
+        seen >= n
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_queued_while_docker_is_unreachable_for_20s_runs_once_docker_is_back() -> Result<()> {
+    let proxy = EngineProxy::start().await?;
+    let cluster = Cluster::start(ClusterOptions {
+        docker_socket: proxy.path.clone(),
+        ..options(1500)
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    // Start-up recovery reads the engine; the engine goes away after it.
+    wait_until(Duration::from_secs(30), "the node to recover", || {
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("recovered; taking commands")
+    })
+    .await?;
+    let mut failed = launches_failed(&cluster, 4);
+    proxy.set_up(false);
+    let down = Instant::now();
+    let jobs = cluster.queue_jobs(1);
+    wait_until(
+        Duration::from_secs(40),
+        "four launches to fail",
+        &mut failed,
+    )
+    .await?;
+    // The engine stays away for 20 s; the job stays queued and covered.
+    wait_until(Duration::from_secs(25), "20 s to pass", || {
+        down.elapsed() >= Duration::from_secs(20)
+    })
+    .await?;
+    assert!(
+        !cluster.plane.uncovered_jobs().is_empty(),
+        "the plane stopped covering the job"
+    );
+    proxy.set_up(true);
+    all_done_once(&cluster, &jobs, &starts, Duration::from_secs(90)).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_missing_for_the_first_launch_runs_the_job_once_the_image_is_there() -> Result<()>
+{
+    let image = format!(
+        "billet-standin-later-{}:dev",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let cluster = Cluster::start(ClusterOptions {
+        tier_image: image.clone(),
+        ..options(1500)
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let mut failed = launches_failed(&cluster, 4);
+    let jobs = cluster.queue_jobs(1);
+    wait_until(
+        Duration::from_secs(30),
+        "four launches to fail",
+        &mut failed,
+    )
+    .await?;
+    // The operator pulls the image while the job waits.
+    let (repo, tag) = image.split_once(':').context("tag")?;
+    cluster
+        .docker
+        .tag_image(
+            STANDIN_IMAGE,
+            Some(bollard::query_parameters::TagImageOptions {
+                repo: Some(repo.to_owned()),
+                tag: Some(tag.to_owned()),
+            }),
+        )
+        .await?;
+    let outcome = all_done_once(&cluster, &jobs, &starts, Duration::from_secs(90)).await;
+    let _ = cluster
+        .docker
+        .remove_image(
+            &image,
+            None::<bollard::query_parameters::RemoveImageOptions>,
+            None,
+        )
+        .await;
+    outcome?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_sigkilled_mid_mint_and_restarted_runs_the_job_on_a_fresh_lease() -> Result<()> {
+    let mut cluster = Cluster::start(options(1500)).await?;
+    let starts = Starts::watch(&cluster);
+    // Minting takes three seconds: the node dies while it waits.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GenerateJitConfig, Duration::from_secs(3)).times(1));
+    let jobs = cluster.queue_jobs(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let first = loop {
+        if let Some(l) = cluster
+            .plane
+            .ledger()
+            .leases()
+            .await?
+            .into_iter()
+            .find(|l| l.phase == Phase::Launching)
+        {
+            break l;
+        }
+        if Instant::now() > deadline {
+            bail!("no launch started");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    node.kill().await?;
+    node.restart().await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    all_done_once(&cluster, &jobs, &starts, Duration::from_secs(90)).await?;
+    let first = cluster
+        .plane
+        .ledger()
+        .get(&first.id)
+        .await?
+        .context("the first lease")?;
+    assert_eq!(
+        first.phase,
+        Phase::Failed,
+        "the launch the node died in must end failed"
+    );
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_queued_while_the_only_node_drains_runs_on_a_second_node_once_it_attaches()
+-> Result<()> {
+    let mut cluster = Cluster::start(ClusterOptions {
+        nodes: vec!["node-1".into(), "node-2".into()],
+        ..options(40_000)
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let second = cluster.plane.node("node-2").context("node-2")?.clone();
+    // Only node-1 is reachable at first.
+    second.partition(true);
+    wait_until(Duration::from_secs(10), "node-2 to be cut off", || {
+        second.status().borrow().is_none()
+    })
+    .await?;
+    let first_job = cluster.queue_jobs(1);
+    wait_until(Duration::from_secs(30), "the first job to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .any(|j| j.state == JobState::Running)
+    })
+    .await?;
+    // node-1 drains (its job keeps running), then a job is queued.
+    cluster.nodes["node-1"].terminate()?;
+    wait_until(Duration::from_secs(10), "the drain to start", || {
+        cluster.nodes["node-1"].log_text().contains("draining")
+    })
+    .await?;
+    let mut failed = launches_failed(&cluster, 4);
+    let waiting = cluster.queue_jobs(1);
+    wait_until(
+        Duration::from_secs(40),
+        "the draining node to refuse four times",
+        &mut failed,
+    )
+    .await?;
+    second.partition(false);
+    cluster
+        .wait_attached("node-2", Duration::from_secs(30))
+        .await?;
+    cluster
+        .wait_jobs_completed(&waiting, Duration::from_secs(60))
+        .await?;
+    let mut ran_on = Vec::new();
+    for runner in starts.of(waiting[0]) {
+        let lease = cluster
+            .plane
+            .ledger()
+            .lease_by_runner_name(&runner)
+            .await?
+            .context("the runner's lease")?;
+        ran_on.push(lease.node);
+    }
+    assert_eq!(
+        ran_on,
+        [Some("node-2".to_owned())],
+        "where the waiting job ran"
+    );
+    let status = cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node-1")?
+        .wait(Duration::from_secs(60))
+        .await?;
+    assert!(status.success(), "node-1 exited with {status}");
+    let jobs = [first_job[0], waiting[0]];
+    all_done_once(&cluster, &jobs, &starts, Duration::from_secs(60)).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_set_github_says_is_gone_is_asked_about_once_per_30s_and_the_job_runs_when_it_is_back()
+-> Result<()> {
+    let cluster = Cluster::start(options(1500)).await?;
+    let starts = Starts::watch(&cluster);
+    // GitHub answers the mint 404: the set is gone as far as minting goes.
+    cluster
+        .emulator
+        .inject(Fault::status(Endpoint::GenerateJitConfig, 404).times(1));
+    // Record when each call about the set (mint or lookup) is made.
+    let calls: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let watch = async {
+        let mut seen = 0;
+        loop {
+            let now = cluster
+                .emulator
+                .requests_to(Endpoint::GenerateJitConfig)
+                .len()
+                + cluster.emulator.requests_to(Endpoint::ScaleSets).len();
+            if now > seen {
+                calls
+                    .lock()
+                    .expect("calls")
+                    .extend(std::iter::repeat_n(Instant::now(), now - seen));
+                seen = now;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let before = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len()
+        + cluster.emulator.requests_to(Endpoint::ScaleSets).len();
+    let jobs = cluster.queue_jobs(1);
+    tokio::select! {
+        done = all_done_once(&cluster, &jobs, &starts, Duration::from_secs(120)) => done?,
+        () = watch => unreachable!("the watch never ends"),
+    }
+    let calls = calls.lock().expect("calls").clone();
+    // Setup's own lookups came first; from the 404'd mint on, every call
+    // about the set is at least the interval after the one before, until
+    // the set is found again.
+    let calls = &calls[before..];
+    assert!(
+        calls.len() >= 3,
+        "expected the 404, a lookup and a mint: {calls:?}"
+    );
+    let gap = calls[1].duration_since(calls[0]);
+    assert!(
+        gap >= Duration::from_secs(29),
+        "GitHub was asked about a missing set again after {gap:?}"
+    );
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_partitioned_for_60s_has_its_leases_quarantined_never_freed_and_reconciled_on_heal()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        nodes: vec!["node-1".into(), "node-2".into()],
+        renewal_grace: Duration::from_secs(5),
+        lease_ttl: Duration::from_secs(6),
+        ..options(40_000)
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let jobs = cluster.queue_jobs(2);
+    wait_until(Duration::from_secs(40), "both jobs to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            == 2
+    })
+    .await?;
+    let leases = cluster.plane.ledger().open_leases().await?;
+    let cut = leases
+        .iter()
+        .find(|l| l.node.as_deref() == Some("node-2"))
+        .context("a lease on node-2: placement spreads two jobs over two nodes")?
+        .clone();
+    let link = cluster.plane.node("node-2").context("node-2")?.clone();
+    link.partition(true);
+    let partitioned = Instant::now();
+    let container = format!("billet-{}", cut.id);
+    let mut quarantined = false;
+    while partitioned.elapsed() < Duration::from_secs(60) {
+        let lease = cluster
+            .plane
+            .ledger()
+            .get(&cut.id)
+            .await?
+            .context("the lease")?;
+        quarantined |= lease.phase == Phase::Quarantine;
+        let running = cluster
+            .docker
+            .inspect_container(&container, None)
+            .await
+            .ok()
+            .and_then(|c| c.state)
+            .and_then(|s| s.running)
+            .unwrap_or(false);
+        if running {
+            assert!(
+                !lease.phase.is_terminal(),
+                "the lease was freed while its container runs: {lease:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        quarantined,
+        "the partitioned node's lease was never quarantined: the plane kept renewing it"
+    );
+    link.partition(false);
+    cluster
+        .wait_attached("node-2", Duration::from_secs(30))
+        .await?;
+    all_done_once(&cluster, &jobs, &starts, Duration::from_secs(120)).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_runner_whose_registration_github_lost_is_destroyed_only_once_github_answers()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        registration_interval: Duration::from_secs(1),
+        registration_grace: Duration::from_secs(3),
+        ..options(1500)
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    // The stand-in finds jobs through the emulator's control API: while it
+    // fails, the runner stays idle.
+    cluster
+        .emulator
+        .inject(Fault::status(Endpoint::Control, 503));
+    let jobs = cluster.queue_jobs(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (lease, runner) = loop {
+        let state = cluster.emulator.state();
+        if let Some(runner) = state.runners.first() {
+            let lease = cluster
+                .plane
+                .ledger()
+                .lease_by_runner_name(&runner.name)
+                .await?
+                .context("the runner's lease")?;
+            if cluster.containers().await?.contains(&runner.name) {
+                break (lease, runner.clone());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("no idle runner came up");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // GitHub loses the registration, and then answers 503 for a while.
+    cluster.emulator.client().remove_runner(runner.id).await?;
+    cluster
+        .emulator
+        .inject(Fault::status(Endpoint::Runners, 503));
+    let asked = cluster.emulator.requests_to(Endpoint::Runners).len();
+    wait_until(
+        Duration::from_secs(60),
+        "the plane to ask GitHub through the outage",
+        || cluster.emulator.requests_to(Endpoint::Runners).len() >= asked + 8,
+    )
+    .await?;
+    // Well past the grace, but GitHub never said 404: nothing was reaped.
+    let during = cluster
+        .plane
+        .ledger()
+        .get(&lease.id)
+        .await?
+        .context("lease")?;
+    assert!(
+        !during.phase.is_terminal(),
+        "an idle runner was destroyed while GitHub answered 503: {during:?}"
+    );
+    assert!(cluster.containers().await?.contains(&runner.name));
+    // GitHub answers again: 404 for longer than the grace, so it goes.
+    cluster.emulator.clear_faults();
+    cluster
+        .emulator
+        .inject(Fault::status(Endpoint::Control, 503));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ended = loop {
+        let l = cluster
+            .plane
+            .ledger()
+            .get(&lease.id)
+            .await?
+            .context("lease")?;
+        if l.phase.is_terminal() {
+            break l;
+        }
+        if Instant::now() > deadline {
+            bail!("the runner without a registration was never destroyed: {l:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ended.phase, Phase::Failed);
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some(billet_controlplane_stub::plane::REGISTRATION_LOST)
+    );
+    wait_until(Duration::from_secs(30), "its container to go", || {
+        !container_exists(&cluster, &runner.name)
+    })
+    .await?;
+    // The job was covered afresh all along, and runs once runners see it.
+    cluster.emulator.clear_faults();
+    all_done_once(&cluster, &jobs, &starts, Duration::from_secs(90)).await?;
+    cluster.shutdown().await
+}
+
+/// Whether a container named `name` exists, asked synchronously of the
+/// Docker command line (a `wait_until` condition cannot await).
+fn container_exists(cluster: &Cluster, name: &str) -> bool {
+    std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=sh.billet.deployment={}", cluster.deployment),
+            "--filter",
+            &format!("name=^{name}$"),
+        ])
+        .output()
+        .map(|o| !o.stdout.is_empty())
+        .unwrap_or(true)
+}
