@@ -660,6 +660,10 @@ impl NodeLink {
         self.status.send_replace(Some(NodeStatus {
             hello: pb::Hello {
                 node_name: self.target.name.clone(),
+                capacity: Some(pb::Capacity {
+                    vcpu: 64,
+                    memory_bytes: 64 << 30,
+                }),
                 ..Default::default()
             },
             session,

@@ -603,8 +603,14 @@ impl Plane {
                 let on_node = |r: i64| {
                     open.iter()
                         .any(|l| l.request_id == r && l.node.as_deref() == Some(node.name()))
+                        || launches
+                            .iter()
+                            .any(|(n, p): &(Arc<NodeLink>, i64)| *p == r && n.name() == node.name())
                 };
-                let has_cover = |r: i64| covering.iter().any(|l| l.request_id == r);
+                let has_cover = |r: i64| {
+                    covering.iter().any(|l| l.request_id == r)
+                        || launches.iter().any(|(_, p)| *p == r)
+                };
                 let request_id = wanted
                     .iter()
                     .copied()
@@ -1479,5 +1485,51 @@ mod tests {
             asked,
             "a gone registration was asked about again"
         );
+    }
+
+    /// Five jobs assigned at once get five leases in one pass, one per job
+    /// (a node refuses a second lease for a request it already runs), and
+    /// never more than the set's maximum.
+    #[tokio::test]
+    async fn one_pass_covers_each_assigned_job_with_its_own_lease_up_to_the_sets_maximum() {
+        let (plane, _emulator) = plane(&["node-a"]).await;
+        plane.github.ensure_scale_set("linux").await.expect("set");
+        let (_tx, mut rx) = plane.nodes[0].attach_for_test(1, 64);
+        plane
+            .cover
+            .lock()
+            .expect("cover")
+            .wanted
+            .extend([11, 12, 13, 14, 15]);
+        Arc::clone(&plane).cover_once().await.expect("pass");
+        let mut requests = Vec::new();
+        for _ in 0..5 {
+            let body = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .expect("a launch")
+                .and_then(|m| m.body);
+            let Some(pb::plane_message::Body::Command(pb::Command {
+                kind: Some(pb::command::Kind::Launch(launch)),
+                ..
+            })) = body
+            else {
+                panic!("expected a launch, got {body:?}");
+            };
+            requests.push(launch.lease.expect("lease").request_id);
+        }
+        requests.sort_unstable();
+        assert_eq!(requests, [11, 12, 13, 14, 15]);
+        // Covered: another pass launches nothing more.
+        Arc::clone(&plane).cover_once().await.expect("pass");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), rx.recv())
+                .await
+                .is_err(),
+            "a covered job was launched again"
+        );
+        // The set's maximum (10 here) bounds coverage, however many wait.
+        plane.cover.lock().expect("cover").wanted.extend(100..200);
+        Arc::clone(&plane).cover_once().await.expect("pass");
+        assert_eq!(plane.ledger.charged().await.expect("charged").leases, 10);
     }
 }
