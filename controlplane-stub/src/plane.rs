@@ -665,7 +665,7 @@ impl Plane {
             .map(|(_, n)| n)
     }
 
-    async fn launch(&self, lease: crate::ledger::Lease, node: Arc<NodeLink>) {
+    async fn launch(self: Arc<Self>, lease: crate::ledger::Lease, node: Arc<NodeLink>) {
         let tier = &self.config.tier;
         let mut wire = lease_to_wire(&lease);
         wire.providers = vec!["docker".into()];
@@ -709,11 +709,26 @@ impl Plane {
             custody,
         });
         self.managed.lock().expect("managed").remove(&lease.id);
-        if let CommandOutcome::Lost(_) = &outcome {
+        // A lost launch whose lease never had a registration minted has no
+        // runner and cannot get one (the ledger refuses a mint, and records
+        // none, once the lease has ended): it is a failure like any other.
+        let minted = match &outcome {
+            CommandOutcome::Lost(_) => self
+                .ledger
+                .get(&lease.id)
+                .await
+                .ok()
+                .flatten()
+                .is_none_or(|l| l.runner_id.is_some()),
+            _ => false,
+        };
+        if minted {
             // The node may well have started the runner: the lease covers
             // its job for as long as the node keeps it open, and is
             // replaced once the ledger closes or quarantines it (a node
             // that restarted and found nothing, or one that went silent).
+            // The node is told it holds the lease now if a session is
+            // open, else on the next one.
             warn!(%reason, "the launch's result was lost; the node holds the lease");
             self.cover
                 .lock()
@@ -725,10 +740,20 @@ impl Plane {
                     lease: lease.id.clone(),
                     request_id: lease.request_id,
                 });
+            if node.status().borrow().is_some() {
+                let plane = Arc::clone(&self);
+                self.tasks
+                    .spawn(async move { plane.hand_over_lost(&node).await }.in_current_span());
+            }
             self.wake.notify_one();
             return;
         }
-        let refused = matches!(&outcome, CommandOutcome::Answered(r) if r.outcome == pb::Outcome::Refused as i32);
+        let custody = custody && !matches!(outcome, CommandOutcome::Lost(_));
+        // A node that refused (draining) or is out of room says so in the
+        // outcome and the code: it is avoided for the backoff.
+        let refused = matches!(&outcome, CommandOutcome::Answered(r)
+            if r.outcome == pb::Outcome::Refused as i32
+                || r.error.as_ref().is_some_and(|e| e.code == pb::ErrorCode::ResourceExhausted as i32));
         let delay = {
             let mut cover = self.cover.lock().expect("cover");
             cover.not_covering.insert(lease.id.clone());
@@ -767,43 +792,49 @@ impl Plane {
             if status.borrow_and_update().is_none() {
                 continue;
             }
-            let lost = self
-                .cover
-                .lock()
-                .expect("cover")
-                .lost
-                .remove(node.name())
-                .unwrap_or_default();
-            for launch in lost {
-                let Ok(Some(lease)) = self.ledger.get(&launch.lease).await else {
-                    continue;
-                };
-                if lease.phase.is_terminal() {
-                    continue;
+            self.hand_over_lost(&node).await;
+        }
+    }
+
+    /// Sends `AssumeCustody` for each lost launch of `node` still open; one
+    /// the node did not answer waits for the next session.
+    async fn hand_over_lost(&self, node: &Arc<NodeLink>) {
+        let lost = self
+            .cover
+            .lock()
+            .expect("cover")
+            .lost
+            .remove(node.name())
+            .unwrap_or_default();
+        for launch in lost {
+            let Ok(Some(lease)) = self.ledger.get(&launch.lease).await else {
+                continue;
+            };
+            if lease.phase.is_terminal() {
+                continue;
+            }
+            let outcome = node
+                .dispatch(
+                    pb::command::Kind::AssumeCustody(pb::AssumeCustody {
+                        lease: Some(lease_to_wire(&lease)),
+                        request_id: launch.request_id,
+                    }),
+                    self.config.destroy_timeout,
+                )
+                .await;
+            match outcome {
+                CommandOutcome::Answered(_) => {
+                    info!(lease = %launch.lease, outcome = %outcome.describe(), "handed a lost launch to its node")
                 }
-                let outcome = node
-                    .dispatch(
-                        pb::command::Kind::AssumeCustody(pb::AssumeCustody {
-                            lease: Some(lease_to_wire(&lease)),
-                            request_id: launch.request_id,
-                        }),
-                        self.config.destroy_timeout,
-                    )
-                    .await;
-                match outcome {
-                    CommandOutcome::Answered(_) => {
-                        info!(lease = %launch.lease, outcome = %outcome.describe(), "handed a lost launch to its node")
-                    }
-                    // Not heard: send it again on the next session.
-                    _ => self
-                        .cover
-                        .lock()
-                        .expect("cover")
-                        .lost
-                        .entry(node.name().to_owned())
-                        .or_default()
-                        .push(launch),
-                }
+                // Not heard: send it again on the next session.
+                _ => self
+                    .cover
+                    .lock()
+                    .expect("cover")
+                    .lost
+                    .entry(node.name().to_owned())
+                    .or_default()
+                    .push(launch),
             }
         }
     }
