@@ -1157,6 +1157,12 @@ impl Plane {
             .not_covering
             .insert(lease.id.clone());
         self.wake.notify_one();
+        // The reason is the plane's, recorded before the node tears down
+        // (the first reason recorded stays).
+        let _ = self
+            .ledger
+            .mark_failure(&lease.id, lease.epoch, REGISTRATION_LOST, crate::now_ms())
+            .await;
         // The registration is gone, so the runner can take no job: the
         // destroy has no job result. (Once Destroy carries force and a
         // reason, this sends force with reason registration_lost.)
@@ -1175,10 +1181,6 @@ impl Plane {
         }
         self.managed.lock().expect("managed").remove(&lease.id);
         let now = crate::now_ms();
-        let _ = self
-            .ledger
-            .mark_failure(&lease.id, lease.epoch, REGISTRATION_LOST, now)
-            .await;
         match self
             .ledger
             .release(&lease.id, lease.epoch, None, Phase::Failed, now)

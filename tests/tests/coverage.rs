@@ -573,9 +573,12 @@ async fn an_idle_runner_whose_registration_github_lost_is_destroyed_only_once_gi
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(ended.phase, Phase::Failed);
-    assert_eq!(
-        ended.failure_reason.as_deref(),
-        Some(billet_controlplane_stub::plane::REGISTRATION_LOST)
+    // The plane's reason, or the node's when the stand-in, finding its
+    // registration gone, exited first and the node tore it down.
+    let reason = ended.failure_reason.clone().unwrap_or_default();
+    assert!(
+        reason == billet_controlplane_stub::plane::REGISTRATION_LOST || reason.starts_with("exit "),
+        "failed for another reason: {ended:?}"
     );
     wait_until(Duration::from_secs(30), "its container to go", || {
         !container_exists(&cluster, &runner.name)
