@@ -113,14 +113,6 @@ const KNOWN_BUGS: &[(Bug, &str)] = &[
         "a completion GitHub sends while the runner still works: the node destroys it at once, not after a post-job grace (issue #11 item 4; seeds 1, 2, 5)",
     ),
     (
-        Bug::ExitedRunnerUnnoticed,
-        "a runner that exits before it takes its job, its container kept: a running one is never noticed (lease, exited container and registration held for ever: seed 85); a held one is destroyed and released without its registration removed (seed 0) (issue #11 item 1)",
-    ),
-    (
-        Bug::VanishedIdleRunnerKeepsRegistration,
-        "a held runner whose container is removed out of band before it takes a job: custody ends without removing its registration (issue #11 item 5; seeds 0, 4, 10)",
-    ),
-    (
         Bug::DestroyLeaksUnremovedRegistration,
         "a scale-down Destroy whose registration removal fails (plane or GitHub unreachable): the node destroys the instance anyway, answers OK, and the registration is never removed (issue #11 item 5; seeds 30, 75, 76)",
     ),
