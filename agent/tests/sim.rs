@@ -309,7 +309,7 @@ fn the_runner_keeps_every_invariant_under_seeded_faults_restarts_and_crashes() {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                     let Some(&seed) = seeds.get(i) else { break };
-                    if seeds.len() >= 100_000 && i > 0 && i % 50_000 == 0 {
+                    if seeds.len() >= 100_000 && i > 0 && i.is_multiple_of(50_000) {
                         // Long runs report as they go (with --nocapture), so a
                         // run stopped early still says how far it got.
                         eprintln!(
