@@ -16,10 +16,10 @@ fn main() -> ExitCode {
         Err(code) => code,
         Ok(Cli {
             command: Command::Node(args),
-        }) => {
-            cli::init_tracing();
-            node(args)
-        }
+        }) => match cli::init_tracing(args.log_format) {
+            Ok(()) => node(args),
+            Err(code) => code,
+        },
         Ok(Cli {
             command: Command::Completions { shell },
         }) => cli::docs::completions(shell),
@@ -31,10 +31,10 @@ fn main() -> ExitCode {
         }) => cli::status::status(args),
         Ok(Cli {
             command: Command::Check(args),
-        }) => {
-            cli::init_tracing();
-            cli::check::check(args)
-        }
+        }) => match cli::init_tracing(args.log_format) {
+            Ok(()) => cli::check::check(args),
+            Err(code) => code,
+        },
         Ok(Cli {
             command: Command::HostUpgrade(args),
         }) => host_upgrade::host_upgrade(args),

@@ -213,6 +213,7 @@ impl Plane {
                 protocol_version: billet_proto::PROTOCOL_VERSION,
                 deployment: "dev".into(),
                 lease_ttl_ms: u64::try_from(TTL.as_millis()).expect("ttl"),
+                plane_clock_unix_ms: 0,
             })),
         })
         .await
@@ -294,6 +295,7 @@ impl Plane {
                 body: Some(pb::plane_message::Body::Command(pb::Command {
                     id: id.into(),
                     deadline_unix_ms,
+                    deadline_remaining_ms: Some(60_000),
                     kind: Some(kind),
                 })),
             })
@@ -392,6 +394,7 @@ impl Node {
             tls_reload: ReloadPolicy::default(),
             upgrader: None,
             metrics_listen: None,
+            min_free_disk_bytes: 0,
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(

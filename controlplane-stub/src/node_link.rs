@@ -144,6 +144,9 @@ pub struct LinkFaults {
     /// While true, the plane and the node cannot reach each other: the open
     /// session is cut and nothing is dialed ([`NodeLink::partition`]).
     partitioned: watch::Sender<bool>,
+    /// While set, send launches to the node even while it says it is
+    /// degraded (to see it refuse them).
+    pub place_on_degraded: AtomicBool,
 }
 
 impl Default for LinkFaults {
@@ -153,17 +156,27 @@ impl Default for LinkFaults {
             cut_on_destroy_results: AtomicU64::new(0),
             hold_dial: AtomicBool::new(false),
             partitioned: watch::Sender::new(false),
+            place_on_degraded: AtomicBool::new(false),
         }
     }
 }
 
-/// What the node said in `Hello`.
+/// What the node said in `Hello`, and its health as it last reported it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NodeStatus {
     /// The session's `Hello`.
     pub hello: pb::Hello,
     /// The session id (per plane process).
     pub session: u64,
+    /// The node's last `NodeStatus` (from `Hello` until the first one).
+    pub health: pb::NodeStatus,
+}
+
+impl NodeStatus {
+    /// The node takes no launches now: place nothing on it.
+    pub fn degraded(&self) -> bool {
+        self.health.degraded
+    }
 }
 
 /// One node, dialed and kept attached.
@@ -263,8 +276,11 @@ impl NodeLink {
     ) -> Result<(), LinkError> {
         let channel = dial(&self.target, tls).await?;
         let (tx, rx) = mpsc::channel::<pb::PlaneMessage>(256);
+        let mut open = open.clone();
+        // The node measures its clock's offset from this.
+        open.plane_clock_unix_ms = crate::now_ms();
         tx.send(pb::PlaneMessage {
-            body: Some(pb::plane_message::Body::Open(open.clone())),
+            body: Some(pb::plane_message::Body::Open(open)),
         })
         .await
         .map_err(|_| LinkError::Session("session closed before Open".into()))?;
@@ -318,8 +334,16 @@ impl NodeLink {
               inventory_known = hello.inventory_known, instances = hello.instances.len(), "node attached");
         self.shared.lock().expect("link").session = Some((session, tx.clone()));
         *self.detached_since.lock().expect("link") = None;
-        self.status
-            .send_replace(Some(NodeStatus { hello, session }));
+        let health = pb::NodeStatus {
+            degraded: hello.degraded,
+            reasons: hello.degraded_reasons.clone(),
+            ..Default::default()
+        };
+        self.status.send_replace(Some(NodeStatus {
+            hello,
+            session,
+            health,
+        }));
 
         let mut partitioned = self.faults.partitioned.subscribe();
         loop {
@@ -368,6 +392,19 @@ impl NodeLink {
                     );
                 }
                 pb::node_message::Body::Hello(_) => warn!("ignored a second Hello"),
+                pb::node_message::Body::Status(health) => {
+                    let was = self.status.borrow().as_ref().map(NodeStatus::degraded);
+                    if was != Some(health.degraded) {
+                        info!(node = %self.target.name, degraded = health.degraded,
+                              reasons = ?health.reasons().collect::<Vec<_>>(),
+                              clock_offset_ms = health.clock_offset_ms, "node health");
+                    }
+                    self.status.send_modify(|s| {
+                        if let Some(s) = s {
+                            s.health = health;
+                        }
+                    });
+                }
             }
         }
     }
@@ -550,8 +587,9 @@ impl Drop for Waiting<'_> {
 }
 
 impl NodeLink {
-    /// Sends a command on the current session, waiting for one to open;
-    /// returns where its result will arrive.
+    /// Sends a command on the current session, waiting for one to open
+    /// (and, for a launch, for the node to be healthy: a degraded node is
+    /// given no new work); returns where its result will arrive.
     async fn send_when_attached(
         &self,
         id: &str,
@@ -561,8 +599,14 @@ impl NodeLink {
     ) -> oneshot::Receiver<CommandOutcome> {
         let mut status = self.status.subscribe();
         loop {
+            let degraded = status
+                .borrow_and_update()
+                .as_ref()
+                .is_some_and(NodeStatus::degraded);
             let session = self.shared.lock().expect("link").session.clone();
-            if let Some((session, tx)) = session {
+            let placeable =
+                !is_launch || !degraded || self.faults.place_on_degraded.load(Ordering::SeqCst);
+            if let Some((session, tx)) = session.filter(|_| placeable) {
                 let (reply_tx, reply_rx) = oneshot::channel();
                 self.shared.lock().expect("link").in_flight.insert(
                     id.to_owned(),
@@ -575,9 +619,13 @@ impl NodeLink {
                         },
                     ),
                 );
+                // The node judges the time left on its own monotonic clock
+                // (0: already past).
+                let remaining = deadline_unix_ms.saturating_sub(crate::now_ms()).max(0);
                 let command = pb::Command {
                     id: id.to_owned(),
                     deadline_unix_ms,
+                    deadline_remaining_ms: Some(u64::try_from(remaining).unwrap_or(0)),
                     kind: Some(kind.clone()),
                 };
                 let message = pb::PlaneMessage {
@@ -667,6 +715,7 @@ impl NodeLink {
                 ..Default::default()
             },
             session,
+            health: pb::NodeStatus::default(),
         }));
         (tx, rx)
     }

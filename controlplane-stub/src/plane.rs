@@ -326,6 +326,8 @@ impl Plane {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: plane.config.deployment.clone(),
             lease_ttl_ms: u64::try_from(plane.config.lease_ttl.as_millis()).unwrap_or(u64::MAX),
+            // Stamped by the link when it sends Open.
+            plane_clock_unix_ms: 0,
         };
         for node in &plane.nodes {
             plane.tasks.spawn(

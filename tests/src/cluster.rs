@@ -372,7 +372,14 @@ impl NodeProcess {
             .append(true)
             .open(&self.log)
             .with_context(|| format!("open {}", self.log.display()))?;
-        let mut cmd = Command::new(binary_path("billet")?);
+        // `BILLET_TEST_NODE_BINARY` runs another build of `billet` as the
+        // node (an older release against this plane, or main's node to see
+        // a test fail before a fix).
+        let binary = match std::env::var_os("BILLET_TEST_NODE_BINARY") {
+            Some(path) => PathBuf::from(path),
+            None => binary_path("billet")?,
+        };
+        let mut cmd = Command::new(binary);
         cmd.args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -33,6 +33,7 @@ async fn open_session(
             protocol_version,
             deployment: deployment.to_owned(),
             lease_ttl_ms: 15_000,
+            plane_clock_unix_ms: 0,
         })),
     })
     .await

@@ -24,7 +24,7 @@ pub fn host_upgrade(args: HostUpgradeArgs) -> ExitCode {
         ),
         (None, None) => None,
     };
-    super::init_tracing();
+    super::init_tracing_lenient();
     let mut ack = match taken {
         None => AckWriter::none(),
         Some(Ok(ack)) => ack,

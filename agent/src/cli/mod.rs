@@ -171,6 +171,15 @@ pub struct NodeArgs {
     /// address; a bare port means 127.0.0.1:PORT. Off by default.
     #[arg(long, env = "BILLET_METRICS_LISTEN", value_parser = parse_metrics_listen)]
     pub metrics_listen: Option<SocketAddr>,
+    /// Below this many free bytes on the state directory's file system the
+    /// node is degraded: it refuses launches (RESOURCE_EXHAUSTED) until
+    /// space is freed.
+    #[arg(long, env = "BILLET_MIN_FREE_DISK_BYTES", default_value_t = crate::node::health::DEFAULT_MIN_FREE_DISK_BYTES)]
+    pub min_free_disk_bytes: u64,
+    /// How log lines are written to stderr: `text` for people, `json` (one
+    /// object per line, one field per value) for collectors.
+    #[arg(long, env = "BILLET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 /// `--metrics-listen`: an address, or a bare port on loopback.
@@ -196,6 +205,15 @@ fn version_line() -> &'static str {
         )
         .into_boxed_str(),
     )
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// Parses the command line, layering `billet node`'s `--config` file (or
@@ -254,14 +272,74 @@ pub fn report_config_error(e: &str, file: Option<&std::path::Path>) {
     }
 }
 
-/// Logs to stderr, filtered by `BILLET_LOG` (default `info`).
-pub fn init_tracing() {
+/// The log filter `BILLET_LOG` names (default `info` when unset or
+/// empty), checked strictly: a directive that names no level is refused,
+/// so a typo such as `inf` cannot silence the node.
+///
+/// # Errors
+///
+/// A sentence naming the variable and what is wrong with it.
+pub fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
+    let text = value
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .unwrap_or("info");
+    // A directive is `level`, `target=level` or `target[span]=level`. A
+    // bare word is read by tracing as a target at TRACE, which is how
+    // `inf` or `json` used to hide everything but that target: refuse it.
+    for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let level = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
+        if level
+            .parse::<tracing_subscriber::filter::LevelFilter>()
+            .is_err()
+        {
+            return Err(format!(
+                "BILLET_LOG={text:?}: {directive:?} names no log level; use off, error, warn, info, debug or trace, optionally as target=level, comma-separated"
+            ));
+        }
+    }
+    tracing_subscriber::EnvFilter::builder()
+        .parse(text)
+        .map_err(|e| format!("BILLET_LOG={text:?}: {e}"))
+}
+
+/// `billet host-upgrade`'s logger: text, `BILLET_LOG` when valid, else
+/// `info` with the reason on stderr (the updater must still answer the
+/// node that started it, so a bad filter does not stop it).
+pub fn init_tracing_lenient() {
+    let filter = log_filter(std::env::var("BILLET_LOG").ok().as_deref()).unwrap_or_else(|e| {
+        eprintln!("warning: {e}; logging at info");
+        tracing_subscriber::EnvFilter::new("info")
+    });
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BILLET_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// Logs to stderr in `format`, filtered by `BILLET_LOG` (default `info`).
+///
+/// # Errors
+///
+/// An invalid `BILLET_LOG`, with the message already written to stderr
+/// (there is no logger yet): the caller exits 2.
+pub fn init_tracing(format: LogFormat) -> Result<(), ExitCode> {
+    let filter = match log_filter(std::env::var("BILLET_LOG").ok().as_deref()) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Err(ExitCode::from(exit::CONFIG));
+        }
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+    Ok(())
 }

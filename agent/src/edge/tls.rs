@@ -71,7 +71,13 @@ pub struct NodeTls {
     pub node_name: NodeName,
     /// When the certificate expires, if readable.
     pub not_after: Option<SystemTime>,
+    /// When the certificate became valid, if readable.
+    pub not_before: Option<SystemTime>,
 }
+
+/// A certificate's validity window: `(not_before, not_after)`, each `None`
+/// when unreadable.
+pub type Validity = (Option<SystemTime>, Option<SystemTime>);
 
 /// Where the node's TLS material lives.
 #[derive(Debug, Clone)]
@@ -219,7 +225,7 @@ impl NodeTls {
                 paths.ca.display()
             ),
         })?;
-        let not_after = not_after(&certs[0]);
+        let (not_before, not_after) = validity(&certs[0]);
         let verifier = WebPkiClientVerifier::builder_with_provider(roots, crypto())
             .build()
             .map_err(|e| TlsError::Content {
@@ -247,15 +253,21 @@ impl NodeTls {
             config: Arc::new(config),
             node_name,
             not_after,
+            not_before,
         })
     }
 }
 
-/// When a certificate stops being valid, if it can be read.
-fn not_after(cert: &CertificateDer<'_>) -> Option<SystemTime> {
-    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
-    let secs = parsed.validity().not_after.timestamp();
-    Some(UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?))
+/// When a certificate starts and stops being valid, where readable.
+fn validity(cert: &CertificateDer<'_>) -> Validity {
+    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return (None, None);
+    };
+    let at = |secs: i64| Some(UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?));
+    (
+        at(parsed.validity().not_before.timestamp()),
+        at(parsed.validity().not_after.timestamp()),
+    )
 }
 
 /// How often the TLS files are checked for changes, and how early an
@@ -311,14 +323,19 @@ fn warn_if_expiring(tls: &NodeTls, paths: &TlsPaths, policy: &ReloadPolicy) -> b
 /// does not match, a chain that does not verify, an expired or not yet valid
 /// certificate, another node's name) leaves the current configuration in
 /// place, with a warning naming the file. Warns daily while the certificate
-/// is within `policy.expiry_warning` of expiring.
+/// is within `policy.expiry_warning` of expiring. Returns the configuration
+/// in force and the validity window of the certificate it serves.
 pub fn watch_files(
     paths: TlsPaths,
     initial: &NodeTls,
     policy: ReloadPolicy,
     cancel: CancellationToken,
-) -> watch::Receiver<Arc<rustls::ServerConfig>> {
+) -> (
+    watch::Receiver<Arc<rustls::ServerConfig>>,
+    watch::Receiver<Validity>,
+) {
     let (tx, rx) = watch::channel(initial.config.clone());
+    let (validity_tx, validity_rx) = watch::channel((initial.not_before, initial.not_after));
     let node_name = initial.node_name.clone();
     let mut warned_at = warn_if_expiring(initial, &paths, &policy).then(Instant::now);
     let mut current = initial.clone();
@@ -353,6 +370,7 @@ pub fn watch_files(
                         Ok(fresh) => {
                             info!(cert = %paths.cert.display(), "TLS material replaced; new connections use it");
                             tx.send_replace(fresh.config.clone());
+                            validity_tx.send_replace((fresh.not_before, fresh.not_after));
                             current = fresh;
                             warned_at = None;
                         }
@@ -368,7 +386,7 @@ pub fn watch_files(
         }
         .instrument(info_span!("tls_reload")),
     );
-    rx
+    (rx, validity_rx)
 }
 
 /// Accepts TCP connections and completes mTLS handshakes off the accept

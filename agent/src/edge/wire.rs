@@ -106,8 +106,12 @@ pub struct UpgradeSpec {
 pub struct Incoming {
     /// The command id, as sent (echoed in the result even when invalid).
     pub id: String,
-    /// When the command expires, in unix milliseconds.
+    /// When the command expires, in unix milliseconds on the plane's clock.
     pub deadline_unix_ms: i64,
+    /// How long it had left when the plane sent it, in milliseconds;
+    /// `None` when the plane did not say (then `deadline_unix_ms` is
+    /// judged, corrected by the measured clock offset).
+    pub deadline_remaining_ms: Option<u64>,
     /// The checked command.
     pub command: Result<(CommandId, NodeCommand), InvalidField>,
 }
@@ -117,11 +121,12 @@ pub fn command(cmd: pb::Command) -> Incoming {
     let pb::Command {
         id,
         deadline_unix_ms,
+        deadline_remaining_ms,
         kind,
     } = cmd;
     let checked = (|| {
         let command_id = CommandId::parse("command.id", &id)?;
-        if deadline_unix_ms <= 0 {
+        if deadline_remaining_ms.is_none() && deadline_unix_ms <= 0 {
             return Err(InvalidField::new(
                 "command.deadline_unix_ms",
                 "must be a positive unix time in milliseconds",
@@ -141,7 +146,41 @@ pub fn command(cmd: pb::Command) -> Incoming {
     Incoming {
         id,
         deadline_unix_ms,
+        deadline_remaining_ms,
         command: checked,
+    }
+}
+
+/// A degraded reason as the wire spells it.
+pub fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReason {
+    use crate::node::health::Reason;
+    match reason {
+        Reason::ProviderUnreachable => pb::DegradedReason::ProviderUnreachable,
+        Reason::ProviderStuck => pb::DegradedReason::ProviderStuck,
+        Reason::DiskLow => pb::DegradedReason::DiskLow,
+        Reason::JournalUnwritable => pb::DegradedReason::JournalUnwritable,
+        Reason::IdentityExpiring => pb::DegradedReason::IdentityExpiring,
+        Reason::IdentityExpired => pb::DegradedReason::IdentityExpired,
+        Reason::ClockOffset => pb::DegradedReason::ClockOffset,
+    }
+}
+
+/// The reasons of a health snapshot, as wire enum values.
+pub fn degraded_reasons(snapshot: &crate::node::health::Snapshot) -> Vec<i32> {
+    snapshot
+        .reasons
+        .iter()
+        .map(|r| degraded_reason(*r) as i32)
+        .collect()
+}
+
+/// A health snapshot as the session's `NodeStatus`.
+pub fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
+    pb::NodeStatus {
+        degraded: snapshot.degraded(),
+        reasons: degraded_reasons(snapshot),
+        clock_offset_ms: snapshot.clock_offset_ms.unwrap_or(0),
+        certificate_not_after_unix_ms: snapshot.certificate_not_after_unix_ms(),
     }
 }
 
@@ -428,6 +467,7 @@ pub(crate) mod tests {
         pb::Command {
             id: "c1".into(),
             deadline_unix_ms: 1,
+            deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
                 lease: Some(pb::Lease {
                     id: "l1".into(),
@@ -465,6 +505,7 @@ pub(crate) mod tests {
         pb::Command {
             id: "cmd-42".into(),
             deadline_unix_ms: 1_767_225_600_000,
+            deadline_remaining_ms: Some(45_000),
             kind: Some(pb::command::Kind::Launch(pb::Launch {
                 lease: Some(pb::Lease {
                     id: "lease-7f3a".into(),
@@ -542,6 +583,7 @@ pub(crate) mod tests {
         let incoming = command(full_launch());
         assert_eq!(incoming.id, "cmd-42");
         assert_eq!(incoming.deadline_unix_ms, 1_767_225_600_000);
+        assert_eq!(incoming.deadline_remaining_ms, Some(45_000));
         let (id, cmd) = incoming.command.unwrap();
         assert_eq!(id.as_str(), "cmd-42");
         assert_eq!(cmd, full_launch_expected());
@@ -626,6 +668,7 @@ pub(crate) mod tests {
         let c = pb::Command {
             id: "c".into(),
             deadline_unix_ms: 1,
+            deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Destroy(pb::Destroy {
                 request_id: 0,
                 job_result: None,
@@ -639,6 +682,7 @@ pub(crate) mod tests {
         let c = pb::Command {
             id: "c".into(),
             deadline_unix_ms: 1,
+            deadline_remaining_ms: None,
             kind: None,
         };
         assert_eq!(field_of(c), "command.kind");
@@ -772,11 +816,20 @@ pub(crate) mod properties {
     }
 
     pub(crate) fn command_strategy() -> impl Strategy<Value = pb::Command> {
-        (text(), any::<i64>(), kind()).prop_map(|(id, deadline_unix_ms, kind)| pb::Command {
-            id,
-            deadline_unix_ms,
-            kind,
-        })
+        (
+            text(),
+            any::<i64>(),
+            proptest::option::of(any::<u64>()),
+            kind(),
+        )
+            .prop_map(
+                |(id, deadline_unix_ms, deadline_remaining_ms, kind)| pb::Command {
+                    id,
+                    deadline_unix_ms,
+                    deadline_remaining_ms,
+                    kind,
+                },
+            )
     }
 
     proptest! {
@@ -803,7 +856,7 @@ pub(crate) mod properties {
                 }
                 Ok((id, checked)) => {
                     prop_assert_eq!(id.as_str(), cmd.id.as_str());
-                    prop_assert!(cmd.deadline_unix_ms > 0);
+                    prop_assert!(cmd.deadline_unix_ms > 0 || cmd.deadline_remaining_ms.is_some());
                     if let NodeCommand::Launch { lease, tier, .. } = checked {
                         prop_assert!(lease.epoch.0 > 0);
                         prop_assert!(!tier.command.is_empty());

@@ -17,6 +17,7 @@ use thiserror::Error;
 use tokio::net::{UnixListener, UnixStream};
 use tonic::{Request, Response, Status};
 
+use crate::node::health::Health;
 use crate::node::metrics::Metrics;
 use crate::node::runner::Runner;
 use crate::node::session::Recovery;
@@ -79,6 +80,7 @@ pub struct LocalService {
     runner: Arc<Runner>,
     /// Plane contact, and the certificate file whose expiry is reported.
     observed: Option<(Arc<Metrics>, PathBuf)>,
+    health: Arc<Health>,
 }
 
 impl LocalService {
@@ -96,6 +98,7 @@ impl LocalService {
             recovery,
             runner,
             observed: None,
+            health: Arc::default(),
         }
     }
 
@@ -104,6 +107,15 @@ impl LocalService {
     #[must_use]
     pub fn with_metrics(mut self, metrics: Arc<Metrics>, cert: PathBuf) -> Self {
         self.observed = Some((metrics, cert));
+        self
+    }
+
+    /// Reports `health` (degraded reasons, clock offset, the age of the
+    /// plane's last message, an expired identity) instead of a private,
+    /// always healthy one.
+    #[must_use]
+    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+        self.health = health;
         self
     }
 }
@@ -142,6 +154,7 @@ impl pb::local_server::Local for LocalService {
                 custody: h.state.in_custody(),
             })
             .collect();
+        let health = self.health.snapshot();
         Ok(Response::new(pb::LocalStatus {
             version: self.version.clone(),
             pid: std::process::id(),
@@ -151,6 +164,15 @@ impl pb::local_server::Local for LocalService {
             leases,
             plane_contact_unix_ms,
             certificate_not_after_unix_ms,
+            degraded_reasons: crate::edge::wire::degraded_reasons(&health),
+            clock_offset_ms: health.clock_offset_ms.unwrap_or(0),
+            plane_contact_age_ms: self
+                .health
+                .contact_age()
+                .map_or(-1, |age| i64::try_from(age.as_millis()).unwrap_or(i64::MAX)),
+            identity_expired: health
+                .reasons
+                .contains(&crate::node::health::Reason::IdentityExpired),
         }))
     }
 }

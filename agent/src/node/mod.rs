@@ -16,6 +16,7 @@
 
 pub mod custody;
 pub mod ending;
+pub mod health;
 pub mod journal;
 pub mod local;
 pub mod metrics;

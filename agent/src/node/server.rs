@@ -17,6 +17,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::edge::tls::{NodeTls, TlsError, TlsPaths};
+use crate::node::health::{Health, WatchedJournal, WatchedProvider};
 use crate::node::journal::{Journal, SqliteJournal};
 use crate::node::metrics::{MeteredJournal, MeteredPlane, MeteredProvider, Metrics};
 use crate::node::plane::PlaneLink;
@@ -77,6 +78,9 @@ pub struct NodeConfig {
     /// Where to serve metrics (`--metrics-listen`); `None` serves none.
     /// `main` binds it into [`Prepared::metrics`].
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Below this many free bytes on the state directory's file system the
+    /// node is degraded (`node/health.rs`).
+    pub min_free_disk_bytes: u64,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -273,6 +277,11 @@ pub async fn run(
     }
     let provider: Arc<dyn Provider> = Arc::new(MeteredProvider::new(provider, metrics.clone()));
     let journal: Arc<dyn Journal> = Arc::new(MeteredJournal::new(journal, metrics.clone()));
+    // Every provider call runs under the watchdog, every journal write is
+    // watched, and both feed the degraded state (`health.rs`).
+    let health = Arc::new(Health::new().with_probe(provider.clone()));
+    let provider: Arc<dyn Provider> = Arc::new(WatchedProvider::new(provider, health.clone()));
+    let journal: Arc<dyn Journal> = Arc::new(WatchedJournal::new(journal, health.clone()));
     let link = Arc::new(PlaneLink::default());
     let plane = Arc::new(MeteredPlane::new(link.clone(), metrics.clone()));
     let runner = Arc::new(
@@ -317,14 +326,16 @@ pub async fn run(
         recovery.clone(),
         runner.clone(),
     )
-    .with_metrics(metrics.clone(), config.tls.cert.clone());
+    .with_metrics(metrics.clone(), config.tls.cert.clone())
+    .with_health(health.clone());
     let service = NodeService::new(
         identity,
         runner.clone(),
         link.clone(),
         slot.clone(),
         recovery.clone(),
-    );
+    )
+    .with_health(health.clone());
 
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
@@ -345,6 +356,7 @@ pub async fn run(
                     vcpu: config.vcpu,
                     memory_bytes: config.memory_bytes,
                 },
+                health: health.clone(),
             },
             background.clone(),
         )
@@ -436,25 +448,6 @@ pub async fn run(
     }
     tasks.close();
 
-    let (health, health_service) = tonic_health::server::health_reporter();
-    health
-        .set_serving::<pb::node_server::NodeServer<NodeService>>()
-        .await;
-    {
-        // A draining node takes no launches: it is not serving, whatever
-        // else it still answers (load balancers and probes read this).
-        let shutdown = shutdown.clone();
-        tasks.spawn(async move {
-            tokio::select! {
-                () = drain_begun.cancelled() => {
-                    health
-                        .set_not_serving::<pb::node_server::NodeServer<NodeService>>()
-                        .await;
-                }
-                () = shutdown.cancelled() => {}
-            }
-        });
-    }
     // Reflection, so grpcurl can list and describe what is served, on the
     // port and on the local socket; v1alpha too, which older clients ask.
     let reflection = || {
@@ -473,12 +466,64 @@ pub async fn run(
     };
     let (port_reflection, port_reflection_alpha) = reflect()?;
     let (local_reflection, local_reflection_alpha) = reflect()?;
-    let tls_config = crate::edge::tls::watch_files(
+    let (tls_config, validity) = crate::edge::tls::watch_files(
         config.tls.clone(),
         &tls,
         config.tls_reload,
         shutdown.clone(),
     );
+    health.watch(
+        config.state_dir.clone(),
+        config.min_free_disk_bytes,
+        validity,
+        shutdown.clone(),
+    );
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<pb::node_server::NodeServer<NodeService>>()
+        .await;
+    {
+        // NOT_SERVING on both the port and the local socket while degraded,
+        // and from the moment a drain begins: a draining node takes no
+        // launches, whatever else it still answers (load balancers and
+        // probes read this).
+        let (mut state, runner, shutdown) = (health.subscribe(), runner.clone(), shutdown.clone());
+        let drain_begun = drain_begun.clone();
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut serving = true;
+            loop {
+                let snapshot = state.borrow_and_update().clone();
+                for reason in crate::node::health::Reason::ALL {
+                    metrics.set_degraded(reason.label(), snapshot.reasons.contains(&reason));
+                }
+                if let Some(ms) = snapshot.clock_offset_ms {
+                    #[expect(clippy::cast_precision_loss, reason = "a gauge in seconds")]
+                    metrics.set_clock_offset_seconds(ms as f64 / 1000.0);
+                }
+                let now =
+                    !snapshot.degraded() && !runner.is_draining() && !drain_begun.is_cancelled();
+                if now != serving {
+                    serving = now;
+                    if serving {
+                        reporter
+                            .set_serving::<pb::node_server::NodeServer<NodeService>>()
+                            .await;
+                    } else {
+                        reporter
+                            .set_not_serving::<pb::node_server::NodeServer<NodeService>>()
+                            .await;
+                    }
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    _ = state.changed() => {}
+                    () = drain_begun.cancelled(), if !drain_begun.is_cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+        });
+    }
     let incoming = crate::edge::tls::accept(
         listener,
         tls_config,

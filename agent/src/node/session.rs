@@ -19,6 +19,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::edge::model::{NodeName, RequestId};
 use crate::edge::wire::{self, NodeCommand};
+use crate::node::health::Health;
 use crate::node::journal::Journal;
 use crate::node::plane::{PlaneLink, SessionLink};
 use crate::node::runner::{Runner, RunnerError};
@@ -125,6 +126,7 @@ pub struct NodeService {
     link: Arc<PlaneLink>,
     slot: Arc<CommandSlot>,
     recovery: Arc<Recovery>,
+    health: Arc<Health>,
     next_session: Arc<AtomicU64>,
 }
 
@@ -144,8 +146,16 @@ impl NodeService {
             link,
             slot,
             recovery,
+            health: Arc::default(),
             next_session: Arc::new(AtomicU64::new(1)),
         }
+    }
+
+    /// Reports and feeds `health` (the node's degraded state, its clock
+    /// offset and last contact) instead of a private one.
+    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+        self.health = health;
+        self
     }
 
     async fn hello(&self) -> pb::Hello {
@@ -160,6 +170,7 @@ impl NodeService {
             }
         };
         let id = &self.identity;
+        let health = self.health.snapshot();
         pb::Hello {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: id.deployment.clone(),
@@ -174,6 +185,8 @@ impl NodeService {
             inventory_known,
             version: id.version.clone(),
             held: Some(held(&self.runner)),
+            degraded: health.degraded(),
+            degraded_reasons: wire::degraded_reasons(&health),
         }
     }
 
@@ -182,6 +195,7 @@ impl NodeService {
             protocol_version,
             deployment,
             lease_ttl_ms,
+            plane_clock_unix_ms,
         } = open;
         if *protocol_version != billet_proto::PROTOCOL_VERSION {
             let ours = billet_proto::PROTOCOL_VERSION;
@@ -205,7 +219,42 @@ impl NodeService {
                 "open.lease_ttl_ms: must be positive; the node renews held leases every third of it",
             ));
         }
+        if *plane_clock_unix_ms > 0 {
+            self.health
+                .clock_offset(now_unix_ms().saturating_sub(*plane_clock_unix_ms));
+        }
         Ok(Duration::from_millis(*lease_ttl_ms))
+    }
+
+    /// When a command expires on this node's monotonic clock: the time it
+    /// had left when the plane sent it, from now; or, from a plane that did
+    /// not say, its wall-clock deadline read through the measured offset.
+    /// Each command that carries both also samples the offset.
+    fn deadline(
+        &self,
+        deadline_unix_ms: i64,
+        deadline_remaining_ms: Option<u64>,
+    ) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        let past = now.checked_sub(Duration::from_millis(1)).unwrap_or(now);
+        if let Some(deadline_remaining_ms) = deadline_remaining_ms {
+            if deadline_remaining_ms == 0 {
+                return past;
+            }
+            let remaining = i64::try_from(deadline_remaining_ms).unwrap_or(i64::MAX);
+            if deadline_unix_ms > 0 {
+                let plane_sent = deadline_unix_ms.saturating_sub(remaining);
+                self.health
+                    .clock_offset(now_unix_ms().saturating_sub(plane_sent));
+            }
+            return now + Duration::from_millis(deadline_remaining_ms);
+        }
+        let offset = self.health.snapshot().clock_offset_ms.unwrap_or(0);
+        let plane_now = now_unix_ms().saturating_sub(offset);
+        match u64::try_from(deadline_unix_ms.saturating_sub(plane_now)) {
+            Ok(left) => now + Duration::from_millis(left),
+            Err(_) => past,
+        }
     }
 }
 
@@ -258,6 +307,27 @@ impl pb::node_server::Node for NodeService {
             "plane session open"
         );
         self.recovery.start(Arc::clone(&self.runner));
+        self.health.contact();
+        // The node's health right after Hello, and again whenever it changes.
+        {
+            let (session, mut health) = (Arc::clone(&session), self.health.subscribe());
+            tokio::spawn(async move {
+                loop {
+                    let status = wire::node_status(&health.borrow_and_update());
+                    if session
+                        .send(pb::node_message::Body::Status(status))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    tokio::select! {
+                        () = session.closed.cancelled() => return,
+                        changed = health.changed() => if changed.is_err() { return },
+                    }
+                }
+            });
+        }
 
         let session_closed = session.closed.clone();
         let this = self.clone();
@@ -268,6 +338,9 @@ impl pb::node_server::Node for NodeService {
                         () = session.closed.cancelled() => break,
                         m = inbound.message() => m,
                     };
+                    if matches!(message, Ok(Some(_))) {
+                        this.health.contact();
+                    }
                     match message {
                         Ok(Some(pb::PlaneMessage { body: Some(body) })) => {
                             this.route(&session, body).await
@@ -320,7 +393,10 @@ impl NodeService {
                     Ok((id, command)) => {
                         let admission = self.slot.push(Queued {
                             id: id.clone(),
-                            deadline_unix_ms: incoming.deadline_unix_ms,
+                            deadline: self.deadline(
+                                incoming.deadline_unix_ms,
+                                incoming.deadline_remaining_ms,
+                            ),
                             command,
                             session: Arc::clone(session),
                         });
@@ -397,6 +473,8 @@ pub struct Executor {
     /// What this node may run at once, as `Hello` says: every `Instances`
     /// report repeats it beside what is held.
     pub capacity: pb::Capacity,
+    /// Whether a launch may start (refused while degraded).
+    pub health: Arc<Health>,
 }
 
 /// Runs commands off the slot one at a time until `cancel`, once start-up
@@ -418,7 +496,7 @@ pub async fn execute_commands(
         };
         let Queued {
             id,
-            deadline_unix_ms,
+            deadline,
             command,
             session,
         } = queued;
@@ -429,7 +507,7 @@ pub async fn execute_commands(
             span.record("lease", tracing::field::display(lease));
         }
         let (result, launched) = async {
-            if now_unix_ms() > deadline_unix_ms {
+            if tokio::time::Instant::now() > deadline {
                 info!("expired before it started; doing nothing");
                 return (
                     failure(
@@ -438,6 +516,20 @@ pub async fn execute_commands(
                         pb::ErrorCode::Unspecified,
                         format!("command {id} ({kind}) expired in the queue before it started; nothing was done"),
                     ),
+                    None,
+                );
+            }
+            if matches!(command, NodeCommand::Launch { .. })
+                && let Err(refusal) = executor.health.admit_launch().await
+            {
+                info!(%refusal, "refused a launch while degraded");
+                let code = if refusal.exhausted {
+                    pb::ErrorCode::ResourceExhausted
+                } else {
+                    pb::ErrorCode::Unavailable
+                };
+                return (
+                    failure(id.as_str(), pb::Outcome::Refused, code, refusal.to_string()),
                     None,
                 );
             }
@@ -839,7 +931,7 @@ mod scenarios {
         let (id, command) = launch(id);
         let admission = slot.push(Queued {
             id,
-            deadline_unix_ms: now_unix_ms() + 60_000,
+            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
             command,
             session: Arc::clone(session),
         });
@@ -853,6 +945,7 @@ mod scenarios {
             ack_timeout: Duration::from_secs(60),
             upgrader: None,
             capacity: pb::Capacity::default(),
+            health: Arc::default(),
         }
     }
 
@@ -1081,6 +1174,7 @@ mod scenarios {
         let incoming = wire::command(pb::Command {
             id: "c1".into(),
             deadline_unix_ms: now_unix_ms() + 60_000,
+            deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
                 lease: None,
                 tier: Some(pb::TierSpec {
@@ -1123,6 +1217,7 @@ mod scenarios {
         let command = pb::Command {
             id: "c1".into(),
             deadline_unix_ms: now_unix_ms() + 60_000,
+            deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
                 lease: None,
                 tier: None,

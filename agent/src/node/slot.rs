@@ -35,8 +35,9 @@ pub const RESULT_MEMORY: usize = 4096;
 pub struct Queued {
     /// Its id.
     pub id: CommandId,
-    /// When it expires, in unix milliseconds.
-    pub deadline_unix_ms: i64,
+    /// When it expires, on this node's monotonic clock (fixed on receipt
+    /// from the time the plane said it had left).
+    pub deadline: tokio::time::Instant,
     /// What to do.
     pub command: NodeCommand,
     /// Where to answer.
@@ -244,7 +245,7 @@ mod tests {
         let (tx, _rx) = tokio::sync::mpsc::channel(1);
         Queued {
             id: CommandId::parse("id", id).unwrap(),
-            deadline_unix_ms: 1,
+            deadline: tokio::time::Instant::now(),
             command: NodeCommand::Tend,
             session: Arc::new(SessionLink::new(1, tx)),
         }

@@ -1492,14 +1492,14 @@ mod tests {
         let slot = Arc::new(CommandSlot::new());
         let (tx, mut rx) = mpsc::channel(8);
         let session = Arc::new(SessionLink::new(1, tx));
-        let far = i64::MAX;
+        let far = tokio::time::Instant::now() + Duration::from_secs(86_400);
         for (id, command) in [
             ("a1", NodeCommand::StartUpgrade(spec("1.2.3"))),
             ("a2", NodeCommand::Instances),
         ] {
             let admission = slot.push(Queued {
                 id: CommandId::parse("id", id).expect("id"),
-                deadline_unix_ms: far,
+                deadline: far,
                 command,
                 session: session.clone(),
             });
@@ -1515,6 +1515,7 @@ mod tests {
                 ack_timeout: Duration::from_secs(60),
                 upgrader: Some(Arc::new(up) as Arc<dyn Upgrader>),
                 capacity: Default::default(),
+                health: Arc::default(),
             },
             cancel.clone(),
         ));
@@ -1585,7 +1586,7 @@ mod tests {
             let slot = slot.clone();
             slot.push(Queued {
                 id: CommandId::parse("id", id).expect("id"),
-                deadline_unix_ms: i64::MAX,
+                deadline: tokio::time::Instant::now() + Duration::from_secs(86_400),
                 command: NodeCommand::StartUpgrade(spec("1.2.3")),
                 session: session.clone(),
             });
@@ -1599,6 +1600,7 @@ mod tests {
                     ack_timeout: Duration::from_secs(60),
                     upgrader,
                     capacity: Default::default(),
+                    health: Arc::default(),
                 },
                 cancel.clone(),
             ));

@@ -172,6 +172,7 @@ impl Node {
                 ack_timeout: Duration::from_secs(60),
                 upgrader: None,
                 capacity: Default::default(),
+                health: Arc::default(),
             },
             cancel.clone(),
         ));
@@ -204,6 +205,7 @@ impl Node {
         let command = pb::Command {
             id: id.into(),
             deadline_unix_ms: now_unix_ms() + 60_000,
+            deadline_remaining_ms: None,
             kind: Some(kind),
         };
         self.service

@@ -1,0 +1,686 @@
+//! The node's own judgement of whether it can do its job: [`Health`], the
+//! degraded state with its reasons, fed by the watchdog around every
+//! provider call ([`WatchedProvider`]), the journal's writes
+//! ([`WatchedJournal`]), the state directory's free space, the node's
+//! certificate and the clock offset measured against the plane.
+//!
+//! A degraded node refuses launches before anything is minted (typed
+//! `UNAVAILABLE`, or `RESOURCE_EXHAUSTED` for a full disk), says so on both
+//! health endpoints (`NOT_SERVING`) and in the session (`NodeStatus`), and
+//! keeps renewing the leases it holds and running destroys, tends and
+//! sweeps. It heals by itself: a reason is raised at the first bad
+//! observation and cleared only once its cause has been absent for
+//! [`HEAL_AFTER`] (hysteresis; measured levels also have a lower clear
+//! threshold than raise threshold).
+//!
+//! May not touch: lease state or the wire; the session reads
+//! [`Health::snapshot`] and converts it at the edge.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::edge::model::InstanceName;
+use crate::node::journal::{CustodyRecord, Journal, JournalError, LaunchRecord};
+use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+
+/// How long a reason's cause must have been absent before the reason clears.
+pub const HEAL_AFTER: Duration = Duration::from_secs(10);
+/// How often the provider is probed and the disk and certificate looked at.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// How long the provider probe (a list) may take before the provider counts
+/// as stuck.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the probe before each launch may take.
+pub const LAUNCH_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Watchdog bound on a provider `list`, `find` or `destroy`.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Watchdog bound on a provider `create` (it may unpack an image).
+pub const CREATE_TIMEOUT: Duration = Duration::from_secs(180);
+/// A clock further than this from the plane's makes the node degraded; it
+/// clears below half of it. Deadlines do not depend on it (they are judged
+/// on the monotonic clock); certificate validity and operators' logs do.
+pub const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
+/// Default free-space watermark of the state directory's file system.
+pub const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
+
+/// Why a node says it cannot take work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Reason {
+    /// A provider call failed for an outage.
+    ProviderUnreachable,
+    /// A provider call did not answer within its watchdog bound.
+    ProviderStuck,
+    /// The state directory's file system is below its watermark.
+    DiskLow,
+    /// A journal write failed.
+    JournalUnwritable,
+    /// The certificate expires soon (within a sixth of its lifetime, at
+    /// most a day).
+    IdentityExpiring,
+    /// The certificate has expired.
+    IdentityExpired,
+    /// The clock is more than [`CLOCK_OFFSET_LIMIT`] from the plane's.
+    ClockOffset,
+}
+
+impl Reason {
+    /// Every reason, in order.
+    pub const ALL: [Reason; 7] = [
+        Reason::ProviderUnreachable,
+        Reason::ProviderStuck,
+        Reason::DiskLow,
+        Reason::JournalUnwritable,
+        Reason::IdentityExpiring,
+        Reason::IdentityExpired,
+        Reason::ClockOffset,
+    ];
+
+    /// A snake_case label (the `reason` of `billet_degraded`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::ProviderUnreachable => "provider_unreachable",
+            Reason::ProviderStuck => "provider_stuck",
+            Reason::DiskLow => "disk_low",
+            Reason::JournalUnwritable => "journal_unwritable",
+            Reason::IdentityExpiring => "identity_expiring",
+            Reason::IdentityExpired => "identity_expired",
+            Reason::ClockOffset => "clock_offset",
+        }
+    }
+
+    /// Lowercase words for logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::ProviderUnreachable => "provider unreachable",
+            Reason::ProviderStuck => "provider stuck",
+            Reason::DiskLow => "state disk below its watermark",
+            Reason::JournalUnwritable => "journal not writable",
+            Reason::IdentityExpiring => "identity expiring",
+            Reason::IdentityExpired => "identity expired",
+            Reason::ClockOffset => "clock offset",
+        }
+    }
+}
+
+/// What the node says about its health at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Active reasons, in order; empty when healthy.
+    pub reasons: Vec<Reason>,
+    /// This node's wall clock minus the plane's, in milliseconds, as last
+    /// measured.
+    pub clock_offset_ms: Option<i64>,
+    /// When the node's certificate stops being valid.
+    pub certificate_not_after: Option<SystemTime>,
+}
+
+impl Snapshot {
+    /// Whether the node takes no launches.
+    pub fn degraded(&self) -> bool {
+        !self.reasons.is_empty()
+    }
+
+    /// The certificate's end as unix milliseconds; 0 when unknown.
+    pub fn certificate_not_after_unix_ms(&self) -> i64 {
+        self.certificate_not_after
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    }
+}
+
+/// Why a launch is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// A resource is exhausted (disk): `RESOURCE_EXHAUSTED`; else
+    /// `UNAVAILABLE`.
+    pub exhausted: bool,
+    /// The reasons, for the message.
+    pub reasons: Vec<Reason>,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let words: Vec<&str> = self.reasons.iter().map(|r| r.as_str()).collect();
+        write!(
+            f,
+            "this node is degraded ({}); nothing was started or minted: place the launch elsewhere or retry once it is healthy",
+            words.join(", ")
+        )
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Cause {
+    active: bool,
+    good_since: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    causes: BTreeMap<Reason, Cause>,
+    clock_offset_ms: Option<i64>,
+    certificate_not_after: Option<SystemTime>,
+    last_contact: Option<Instant>,
+}
+
+/// The degraded state. Cheap to share behind an `Arc`; every observation
+/// republishes the [`Snapshot`] when it changed.
+#[derive(Debug)]
+pub struct Health {
+    inner: Mutex<Inner>,
+    published: watch::Sender<Snapshot>,
+    probe: Mutex<Option<Arc<dyn Provider>>>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::default(),
+            published: watch::Sender::new(Snapshot::default()),
+            probe: Mutex::new(None),
+        }
+    }
+}
+
+impl Health {
+    /// A healthy node with nothing measured yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The provider probed before each launch and by [`Health::watch`].
+    pub fn with_probe(self, provider: Arc<dyn Provider>) -> Self {
+        *self.probe.lock().expect("health probe") = Some(provider);
+        self
+    }
+
+    /// Records one observation of `reason`'s cause: `bad` raises it at once;
+    /// a good one clears it once the cause has been absent [`HEAL_AFTER`].
+    pub fn observe(&self, reason: Reason, bad: bool) {
+        let mut inner = self.inner.lock().expect("health");
+        let cause = inner.causes.entry(reason).or_default();
+        if bad {
+            if !cause.active {
+                warn!(reason = reason.as_str(), "degraded: taking no launches");
+            }
+            cause.active = true;
+            cause.good_since = None;
+        } else if cause.active && cause.good_since.is_none() {
+            cause.good_since = Some(Instant::now());
+        }
+        self.publish(&mut inner);
+    }
+
+    /// Clears reasons whose cause has been absent long enough.
+    pub fn tick(&self) {
+        let mut inner = self.inner.lock().expect("health");
+        self.publish(&mut inner);
+    }
+
+    fn publish(&self, inner: &mut Inner) {
+        for (reason, cause) in &mut inner.causes {
+            if cause.active && cause.good_since.is_some_and(|t| t.elapsed() >= HEAL_AFTER) {
+                info!(reason = reason.as_str(), "healed");
+                *cause = Cause::default();
+            }
+        }
+        let snapshot = Snapshot {
+            reasons: inner
+                .causes
+                .iter()
+                .filter(|(_, c)| c.active)
+                .map(|(r, _)| *r)
+                .collect(),
+            clock_offset_ms: inner.clock_offset_ms,
+            certificate_not_after: inner.certificate_not_after,
+        };
+        self.published.send_if_modified(|current| {
+            if *current == snapshot {
+                return false;
+            }
+            *current = snapshot;
+            true
+        });
+    }
+
+    /// Records a measured clock offset (this node minus the plane), in ms.
+    pub fn clock_offset(&self, offset_ms: i64) {
+        let limit = i64::try_from(CLOCK_OFFSET_LIMIT.as_millis()).unwrap_or(i64::MAX);
+        {
+            let mut inner = self.inner.lock().expect("health");
+            if inner.clock_offset_ms != Some(offset_ms) {
+                inner.clock_offset_ms = Some(offset_ms);
+                self.publish(&mut inner);
+            }
+        }
+        if offset_ms.abs() > limit {
+            self.observe(Reason::ClockOffset, true);
+        } else if offset_ms.abs() < limit / 2 {
+            self.observe(Reason::ClockOffset, false);
+        }
+    }
+
+    /// Records the certificate the node serves now (`not_before`,
+    /// `not_after`), judged against this node's clock.
+    pub fn certificate(&self, not_before: Option<SystemTime>, not_after: Option<SystemTime>) {
+        {
+            let mut inner = self.inner.lock().expect("health");
+            inner.certificate_not_after = not_after;
+            self.publish(&mut inner);
+        }
+        let Some(not_after) = not_after else {
+            return;
+        };
+        let now = SystemTime::now();
+        let expired = now >= not_after;
+        let left = not_after.duration_since(now).unwrap_or_default();
+        let lifetime = not_before
+            .and_then(|b| not_after.duration_since(b).ok())
+            .unwrap_or(Duration::from_secs(86_400 * 6));
+        let soon = (lifetime / 6).min(Duration::from_secs(86_400));
+        self.observe(Reason::IdentityExpired, expired);
+        self.observe(Reason::IdentityExpiring, !expired && left <= soon);
+    }
+
+    /// Records that a message from the plane arrived now.
+    pub fn contact(&self) {
+        self.inner.lock().expect("health").last_contact = Some(Instant::now());
+    }
+
+    /// How long ago the plane last spoke; `None` if it never has.
+    pub fn contact_age(&self) -> Option<Duration> {
+        self.inner
+            .lock()
+            .expect("health")
+            .last_contact
+            .map(|t| t.elapsed())
+    }
+
+    /// The current state.
+    pub fn snapshot(&self) -> Snapshot {
+        self.published.borrow().clone()
+    }
+
+    /// Watches the state.
+    pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
+        self.published.subscribe()
+    }
+
+    /// Whether a launch may start now: refused while degraded, and after a
+    /// fresh probe of the provider (bounded by [`LAUNCH_PROBE_TIMEOUT`]), so
+    /// a launch arriving in the first moments of an outage mints nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Refusal`] with the reasons.
+    pub async fn admit_launch(&self) -> Result<(), Refusal> {
+        let probe = self.probe.lock().expect("health probe").clone();
+        if let Some(provider) = probe {
+            self.probe_provider(provider.as_ref(), LAUNCH_PROBE_TIMEOUT)
+                .await;
+        }
+        let snapshot = self.snapshot();
+        if snapshot.degraded() {
+            return Err(Refusal {
+                exhausted: snapshot.reasons.contains(&Reason::DiskLow),
+                reasons: snapshot.reasons,
+            });
+        }
+        Ok(())
+    }
+
+    async fn probe_provider(&self, provider: &dyn Provider, timeout: Duration) {
+        let outcome = match tokio::time::timeout(timeout, provider.list()).await {
+            Err(_) => Err(ProviderError::Timeout {
+                operation: "list (health probe)".into(),
+                after: timeout,
+            }),
+            Ok(r) => r.map(|_| ()),
+        };
+        if let Err(e) = &outcome
+            && answered(&outcome).is_none()
+        {
+            warn!(error = %e, "the provider probe failed");
+        }
+        self.provider_outcome(&outcome);
+    }
+
+    /// Feeds one provider call's outcome: a timeout raises
+    /// [`Reason::ProviderStuck`], an unreachable engine
+    /// [`Reason::ProviderUnreachable`]; any answer (an error the engine
+    /// gave included) is evidence against both.
+    pub fn provider_outcome<T>(&self, outcome: &Result<T, ProviderError>) {
+        match (answered(outcome), outcome) {
+            (Some(()), _) => {
+                self.observe(Reason::ProviderStuck, false);
+                self.observe(Reason::ProviderUnreachable, false);
+            }
+            (None, Err(ProviderError::Timeout { .. })) => {
+                self.observe(Reason::ProviderStuck, true);
+            }
+            (None, _) => self.observe(Reason::ProviderUnreachable, true),
+        }
+    }
+
+    /// Runs the checks until `cancel`: the provider probe, the state
+    /// directory's free space against `min_free_disk_bytes`, and the
+    /// certificate in force (`certificate`, its validity window).
+    pub fn watch(
+        self: &Arc<Self>,
+        state_dir: PathBuf,
+        min_free_disk_bytes: u64,
+        mut certificate: watch::Receiver<(Option<SystemTime>, Option<SystemTime>)>,
+        cancel: CancellationToken,
+    ) {
+        let probe = self.probe.lock().expect("health probe").clone();
+        if let Some(provider) = probe {
+            let (this, cancel) = (Arc::clone(self), cancel.clone());
+            tokio::spawn(
+                async move {
+                    loop {
+                        this.probe_provider(provider.as_ref(), PROBE_TIMEOUT).await;
+                        tokio::select! {
+                            () = cancel.cancelled() => return,
+                            () = tokio::time::sleep(PROBE_INTERVAL) => {}
+                        }
+                    }
+                }
+                .instrument(info_span!("provider_probe")),
+            );
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(
+            async move {
+                loop {
+                    match free_bytes(&state_dir) {
+                        Ok(free) => this.observe(Reason::DiskLow, free < min_free_disk_bytes),
+                        Err(e) => warn!(dir = %state_dir.display(), error = %e, "cannot read the state directory's free space"),
+                    }
+                    let (not_before, not_after) = *certificate.borrow_and_update();
+                    this.certificate(not_before, not_after);
+                    this.tick();
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = certificate.changed() => {}
+                    }
+                }
+            }
+            .instrument(info_span!("health")),
+        );
+    }
+}
+
+/// `Some` when the engine answered (successfully or with its own error),
+/// `None` when it could not be reached or did not answer in time.
+fn answered<T>(outcome: &Result<T, ProviderError>) -> Option<()> {
+    match outcome {
+        Err(ProviderError::Timeout { .. } | ProviderError::Unreachable { .. }) => None,
+        _ => Some(()),
+    }
+}
+
+/// Bytes available to this process on the file system holding `dir`.
+///
+/// # Errors
+///
+/// The `statvfs` failure.
+pub fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
+    let stat = nix::sys::statvfs::statvfs(dir).map_err(std::io::Error::from)?;
+    #[allow(
+        clippy::useless_conversion,
+        reason = "the field types differ by platform"
+    )]
+    Ok(u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size())))
+}
+
+/// A provider whose every call is bounded by a watchdog timeout and whose
+/// outcomes feed [`Health`]: a call that times out raises
+/// [`Reason::ProviderStuck`] and fails as an engine error (for `create`,
+/// which proves nothing about what started, the runner's failed-launch path
+/// then looks for a stray instance); a successful call is evidence the
+/// engine answers.
+#[derive(Debug)]
+pub struct WatchedProvider {
+    inner: Arc<dyn Provider>,
+    health: Arc<Health>,
+    call_timeout: Duration,
+    create_timeout: Duration,
+}
+
+impl WatchedProvider {
+    /// Wraps `inner` with the default bounds.
+    pub fn new(inner: Arc<dyn Provider>, health: Arc<Health>) -> Self {
+        Self {
+            inner,
+            health,
+            call_timeout: CALL_TIMEOUT,
+            create_timeout: CREATE_TIMEOUT,
+        }
+    }
+
+    /// Other bounds, for tests.
+    pub fn with_timeouts(mut self, call: Duration, create: Duration) -> Self {
+        self.call_timeout = call;
+        self.create_timeout = create;
+        self
+    }
+
+    async fn bounded<T>(
+        &self,
+        operation: String,
+        timeout: Duration,
+        call: impl std::future::Future<Output = Result<T, ProviderError>>,
+    ) -> Result<T, ProviderError> {
+        let outcome = match tokio::time::timeout(timeout, call).await {
+            Err(_) => Err(ProviderError::Timeout {
+                operation,
+                after: timeout,
+            }),
+            Ok(outcome) => outcome,
+        };
+        self.health.provider_outcome(&outcome);
+        outcome
+    }
+}
+
+#[async_trait]
+impl Provider for WatchedProvider {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn runs_on_host(&self) -> bool {
+        self.inner.runs_on_host()
+    }
+
+    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+        self.bounded(
+            format!("check image {image}"),
+            LAUNCH_PROBE_TIMEOUT,
+            self.inner.check_image(image),
+        )
+        .await
+    }
+
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let operation = format!("create {}", spec.name);
+        self.bounded(operation, self.create_timeout, self.inner.create(spec))
+            .await
+    }
+
+    async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
+        self.bounded(
+            format!("destroy {name}"),
+            self.call_timeout,
+            self.inner.destroy(name),
+        )
+        .await
+    }
+
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.bounded("list".into(), self.call_timeout, self.inner.list())
+            .await
+    }
+
+    async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
+        self.bounded(
+            format!("find {name}"),
+            self.call_timeout,
+            self.inner.find(name),
+        )
+        .await
+    }
+}
+
+/// A journal whose write failures raise [`Reason::JournalUnwritable`] and
+/// whose successful writes are evidence it heals.
+#[derive(Debug)]
+pub struct WatchedJournal {
+    inner: Arc<dyn Journal>,
+    health: Arc<Health>,
+}
+
+impl WatchedJournal {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Journal>, health: Arc<Health>) -> Self {
+        Self { inner, health }
+    }
+
+    fn wrote(&self, r: Result<(), JournalError>) -> Result<(), JournalError> {
+        self.health.observe(Reason::JournalUnwritable, r.is_err());
+        r
+    }
+}
+
+#[async_trait]
+impl Journal for WatchedJournal {
+    async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        self.wrote(self.inner.put_launch(launch).await)
+    }
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        self.wrote(self.inner.forget_launch(lease).await)
+    }
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
+        self.inner.launches().await
+    }
+    async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
+        self.wrote(self.inner.put_custody(entry).await)
+    }
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
+        self.wrote(self.inner.forget_custody(lease).await)
+    }
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
+        self.inner.custody().await
+    }
+    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+        self.wrote(self.inner.put_result(command, encoded).await)
+    }
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
+        self.inner.results().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::fake::{FakeProvider, Operation};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reason_is_raised_at_once_and_clears_only_after_its_cause_stayed_away() {
+        let health = Health::new();
+        health.observe(Reason::DiskLow, true);
+        assert_eq!(health.snapshot().reasons, [Reason::DiskLow]);
+        health.observe(Reason::DiskLow, false);
+        tokio::time::advance(HEAL_AFTER / 2).await;
+        health.tick();
+        assert!(health.snapshot().degraded(), "healed before the hysteresis");
+        // A relapse restarts the wait.
+        health.observe(Reason::DiskLow, true);
+        health.observe(Reason::DiskLow, false);
+        tokio::time::advance(HEAL_AFTER / 2 + Duration::from_millis(1)).await;
+        health.tick();
+        assert!(
+            health.snapshot().degraded(),
+            "a relapse did not restart the wait"
+        );
+        tokio::time::advance(HEAL_AFTER).await;
+        health.tick();
+        assert!(!health.snapshot().degraded(), "never healed");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_offset_degrades_past_the_limit_and_clears_only_well_below_it() {
+        let health = Health::new();
+        let limit = i64::try_from(CLOCK_OFFSET_LIMIT.as_millis()).expect("ms");
+        health.clock_offset(300_000);
+        assert!(
+            !health.snapshot().degraded(),
+            "five minutes off is not degraded"
+        );
+        health.clock_offset(-limit - 1);
+        assert_eq!(health.snapshot().reasons, [Reason::ClockOffset]);
+        assert_eq!(health.snapshot().clock_offset_ms, Some(-limit - 1));
+        health.clock_offset(limit * 3 / 4);
+        tokio::time::advance(HEAL_AFTER * 2).await;
+        health.tick();
+        assert!(
+            health.snapshot().degraded(),
+            "cleared between the thresholds"
+        );
+        health.clock_offset(1_000);
+        tokio::time::advance(HEAL_AFTER).await;
+        health.tick();
+        assert!(!health.snapshot().degraded());
+    }
+
+    #[tokio::test]
+    async fn an_expired_or_nearly_expired_certificate_is_a_reason() {
+        let health = Health::new();
+        let now = SystemTime::now();
+        let hour = Duration::from_secs(3600);
+        health.certificate(Some(now - 10 * hour), Some(now + 10 * hour));
+        assert!(!health.snapshot().degraded());
+        health.certificate(Some(now - 10 * hour), Some(now + hour));
+        assert_eq!(health.snapshot().reasons, [Reason::IdentityExpiring]);
+        health.certificate(Some(now - 10 * hour), Some(now - hour));
+        assert!(health.snapshot().reasons.contains(&Reason::IdentityExpired));
+    }
+
+    #[tokio::test]
+    async fn a_launch_is_refused_typed_while_degraded_and_a_full_disk_is_exhaustion() {
+        let health = Health::new().with_probe(Arc::new(FakeProvider::new()));
+        assert_eq!(health.admit_launch().await, Ok(()));
+        health.observe(Reason::JournalUnwritable, true);
+        let refusal = health.admit_launch().await.expect_err("refused");
+        assert!(!refusal.exhausted);
+        health.observe(Reason::DiskLow, true);
+        let refusal = health.admit_launch().await.expect_err("refused");
+        assert!(refusal.exhausted, "{refusal}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_provider_call_that_never_answers_is_cut_by_the_watchdog_and_degrades_the_node() {
+        let fake = Arc::new(FakeProvider::new());
+        let health = Arc::new(Health::new());
+        let watched = WatchedProvider::new(fake.clone(), health.clone())
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(1));
+        fake.block(Operation::List);
+        let listed = watched.list().await;
+        assert!(listed.is_err(), "the watchdog let a stuck call through");
+        assert_eq!(health.snapshot().reasons, [Reason::ProviderStuck]);
+        fake.unblock(Operation::List);
+        watched.list().await.expect("answers again");
+        tokio::time::advance(HEAL_AFTER).await;
+        health.tick();
+        assert!(!health.snapshot().degraded());
+    }
+}
