@@ -183,6 +183,17 @@ async fn a_job_queued_while_docker_is_unreachable_for_20s_runs_once_docker_is_ba
             .contains("recovered; taking commands")
     })
     .await?;
+    // A node whose engine is gone reports itself degraded and the plane then
+    // holds launches back; place them anyway, so that the node's own typed
+    // refusal (nothing minted) is what fails them and the plane must replace
+    // each one.
+    cluster
+        .plane
+        .node("node-1")
+        .context("node")?
+        .faults
+        .place_on_degraded
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     let mut failed = launches_failed(&cluster, 4);
     proxy.set_up(false);
     let down = Instant::now();
