@@ -6,7 +6,9 @@
 //! No image can be pulled, so [`SystemdHost::start`] packs one from this
 //! machine: the files of the installed `systemd` package (without its
 //! `tmpfiles.d` rules, which would empty directories at boot), a shell and a
-//! few tools, and the libraries they and `billet` load. Its PID 1 is
+//! few tools, `dpkg` and `passwd` with a dpkg database of its own (so a
+//! package can be installed with `dpkg -i` and its maintainer scripts run),
+//! and the libraries they and `billet` load. Its PID 1 is
 //! systemd. It shares the host's network, its Docker socket and one
 //! directory of its own ([`SystemdHost::shared`], mounted at the same path,
 //! where the cluster keeps its binaries, certificates, state and logs), so
@@ -27,7 +29,7 @@ use anyhow::{Context, Result, bail, ensure};
 /// The image's tag. It holds nothing of this repository (`billet` is run
 /// from the cluster's directory under the shared `/tmp`), only the host's
 /// systemd and the libraries `billet` needs, so one build serves a run.
-pub const IMAGE: &str = "billet-test-systemd:4";
+pub const IMAGE: &str = "billet-test-systemd:5";
 
 /// Packs [`IMAGE`] from the host. `$BILLET` is the binary whose libraries
 /// are added.
@@ -42,10 +44,14 @@ add() {
   if [ -L "$p" ]; then add "$(readlink -f "$p")"; fi
 }
 {
-  dpkg -L systemd
-  for b in sh dash sleep cat cp rm touch mkdir ls kill env true grep; do type -P "$b"; done
+  # systemd; dpkg, for installing the package (tests/tests/package.rs), with
+  # what it and a maintainer script run.
+  dpkg -L systemd dpkg passwd
+  for b in sh dash sleep cat cp rm touch mkdir ls kill env true grep \
+    tar diff ldconfig getent id install chown chmod stat gzip test; do type -P "$b"; done
   echo "$BILLET"
-  printf '%s\n' /etc/passwd /etc/group /etc/nsswitch.conf /usr/lib/os-release /etc/os-release
+  printf '%s\n' /etc/passwd /etc/group /etc/nsswitch.conf /etc/login.defs \
+    /usr/lib/os-release /etc/os-release
 } | sort -u | while read -r f; do
   if [ -n "$f" ] && { [ -L "$f" ] || [ -f "$f" ]; }; then add "$f"; fi
 done
@@ -57,8 +63,18 @@ done
 printf '%s\n' /bin /lib /lib64 /sbin >> "$out"
 # billet itself is run from the cluster's directory, not the image.
 sort -u "$out" | grep -v -e '^/dev/' -e '^/usr/lib/tmpfiles.d/' -e "^$BILLET\$" | sed 's|^/||' | sort -u > "$out.files"
-tar -C / --hard-dereference --no-recursion --ignore-failed-read -cf - -T "$out.files" 2>/dev/null \
-  | docker import -c 'CMD ["/usr/lib/systemd/systemd"]' - "$IMAGE" >/dev/null
+# A dpkg database of its own that knows only the packages whose files are
+# here and a package may depend on; no triggers, so installing runs no other
+# package's scripts (man-db's, say), which are not here.
+db=$(mktemp -d)
+trap 'rm -rf "$out" "$out.files" "$out.db" "$out.tar" "$db"' EXIT
+mkdir -p "$db/var/lib/dpkg/info" "$db/var/lib/dpkg/updates" "$db/var/lib/dpkg/triggers"
+dpkg-query -s libc6 libgcc-s1 passwd dpkg systemd > "$db/var/lib/dpkg/status"
+: > "$db/var/lib/dpkg/available"
+( cd "$db" && find var -depth -print | sort ) > "$out.db"
+tar -C / --hard-dereference --no-recursion --ignore-failed-read -cf "$out.tar" -T "$out.files" 2>/dev/null
+tar -C "$db" --no-recursion -rf "$out.tar" -T "$out.db"
+docker import -c 'CMD ["/usr/lib/systemd/systemd"]' - "$IMAGE" < "$out.tar" >/dev/null
 "#;
 
 /// A stand-in for the Docker engine's own unit, which the deployed unit

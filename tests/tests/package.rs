@@ -1,0 +1,217 @@
+//! The Debian package (README "Packaging"): built by `scripts/deb` from the
+//! build these tests already made (`--profile` of this test binary, so no
+//! second build), installed with `dpkg -i` in a container booted from this
+//! machine's systemd (`tests/src/systemd.rs`). Its postinst makes the
+//! `billet` system user, in the docker group; `billet --version` is this
+//! build's; the man page and the completions generated from the clap
+//! definitions are where `man` and the shells look; and, once the operator
+//! has put TLS material in `/etc/billet/tls` and edited the conffile
+//! `/etc/billet/node.env`, the packaged unit starts, ready, as `billet`.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, ensure};
+use billet_tests::cluster::{NODE_UNIT, free_port};
+use billet_tests::image::{binary_path, build_process_binaries, profile_dir};
+use billet_tests::systemd::SystemdHost;
+
+/// The package's files an operator relies on, beside the binary.
+const INSTALLED: [&str; 8] = [
+    "/usr/bin/billet",
+    "/lib/systemd/system/billet-node.service",
+    "/lib/systemd/system/billet-node.service.d/package.conf",
+    "/etc/billet/node.env",
+    "/usr/share/man/man1/billet.1.gz",
+    "/usr/share/bash-completion/completions/billet",
+    "/usr/share/zsh/vendor-completions/_billet",
+    "/usr/share/fish/vendor_completions.d/billet.fish",
+];
+
+/// The cargo profile this test was built with, as `cargo --profile` names it.
+fn profile() -> String {
+    match profile_dir().file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(other) => other.to_owned(),
+    }
+}
+
+/// Runs `scripts/deb` for this profile, writing the package to `deb`.
+fn build_package(deb: &Path) -> Result<()> {
+    let have = Command::new("cargo")
+        .args(["deb", "--version"])
+        .output()
+        .context("run cargo")?;
+    ensure!(
+        have.status.success(),
+        "cargo-deb is missing: `cargo install cargo-deb --locked` (scripts/test installs it)"
+    );
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/deb");
+    let out = Command::new(&script)
+        .args(["--profile", &profile(), "--fast", "-o"])
+        .arg(deb)
+        .output()
+        .with_context(|| format!("run {}", script.display()))?;
+    ensure!(
+        out.status.success() && deb.is_file(),
+        "scripts/deb failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_starts_as_that_user()
+-> Result<()> {
+    build_process_binaries()?;
+    let host = SystemdHost::start(Path::new("/var/run/docker.sock"))?;
+    let deb = host.shared.join("billet.deb");
+    build_package(&deb)?;
+    let deb = deb.display().to_string();
+
+    host.run(&["dpkg", "-i", &deb])?;
+    let listed = host.run(&["dpkg", "-L", "billet"])?;
+    for path in INSTALLED {
+        assert!(
+            listed.lines().any(|l| l == path),
+            "the package lacks {path}: {listed}"
+        );
+        host.run(&["test", "-s", path])
+            .with_context(|| format!("{path} is not installed"))?;
+    }
+    let conffiles = host.run(&["dpkg-query", "-W", "-f", "${Conffiles}", "billet"])?;
+    assert!(
+        conffiles.contains("/etc/billet/node.env"),
+        "node.env is not a conffile: {conffiles}"
+    );
+
+    // The system user, and the group that opens Docker's socket.
+    let user = host.run(&["getent", "passwd", "billet"])?;
+    let fields: Vec<&str> = user.trim().split(':').collect();
+    assert_eq!(fields.get(5), Some(&"/var/lib/billet"), "{user}");
+    assert_eq!(fields.get(6), Some(&"/usr/sbin/nologin"), "{user}");
+    let uid: u32 = fields.get(2).context("a uid")?.parse()?;
+    assert!(uid < 1000, "billet is not a system user: {user}");
+    let groups = host.run(&["id", "-nG", "billet"])?;
+    assert!(
+        groups.split_whitespace().any(|g| g == "docker"),
+        "billet is not in the docker group: {groups}"
+    );
+    let tls = host.run(&["stat", "-c", "%a %U %G", "/etc/billet/tls"])?;
+    assert_eq!(tls.trim(), "750 root billet");
+
+    // The packaged binary is this build, and says its commit.
+    let version = host.run(&["billet", "--version"])?;
+    let here = Command::new(binary_path("billet")?)
+        .arg("--version")
+        .output()?;
+    assert_eq!(version, String::from_utf8_lossy(&here.stdout));
+    assert!(
+        version.contains("(commit ") && !version.contains("unknown"),
+        "{version}"
+    );
+
+    // The documentation generated from the clap definitions.
+    let man = host.run(&["gzip", "-dc", "/usr/share/man/man1/billet.1.gz"])?;
+    assert!(man.contains(".TH billet"), "{man}");
+    for needle in ["billet\\-node", "billet\\-check", "\\-\\-state\\-dir"] {
+        assert!(man.contains(needle), "the man page lacks {needle}");
+    }
+    let bash = host.run(&["cat", "/usr/share/bash-completion/completions/billet"])?;
+    assert!(bash.contains("--metrics-listen") && bash.contains("host-upgrade"));
+
+    // Installed, not enabled: the node needs its TLS material first.
+    let enabled = host.exec(&["systemctl", "is-enabled", NODE_UNIT])?;
+    assert_eq!(String::from_utf8_lossy(&enabled.stdout).trim(), "disabled");
+    assert_eq!(host.property(NODE_UNIT, "User")?, "billet");
+    assert_eq!(
+        host.property(NODE_UNIT, "ExecStart")?
+            .split_whitespace()
+            .find(|w| w.starts_with("path="))
+            .unwrap_or_default(),
+        "path=/usr/bin/billet"
+    );
+
+    // What the operator does: certificates into /etc/billet/tls, readable
+    // by the node's group; the conffile edited; the unit started.
+    let certs = billet_certs_dev::generate(&host.shared.join("certs"), "plane", &["node-1"])?;
+    let node = certs.node("node-1").context("node-1's certificate")?;
+    for (from, to) in [
+        (&certs.ca.cert, "ca.pem"),
+        (&node.cert, "node.pem"),
+        (&node.key, "node.key"),
+    ] {
+        let to = format!("/etc/billet/tls/{to}");
+        host.run(&[
+            "install",
+            "-m",
+            "0640",
+            "-o",
+            "root",
+            "-g",
+            "billet",
+            &from.display().to_string(),
+            &to,
+        ])?;
+    }
+    let listen = free_port()?;
+    let deployment = format!("pkg-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let env = host.run(&["cat", "/etc/billet/node.env"])?;
+    let edited: String = env
+        .lines()
+        .map(|l| match l.split_once('=') {
+            Some(("BILLET_LISTEN", _)) => format!("BILLET_LISTEN={listen}"),
+            Some(("BILLET_DEPLOYMENT", _)) => format!("BILLET_DEPLOYMENT={deployment}"),
+            _ => l.to_owned(),
+        })
+        .chain([
+            "BILLET_VCPU=2".to_owned(),
+            "BILLET_MEMORY_BYTES=1073741824".to_owned(),
+        ])
+        .map(|l| l + "\n")
+        .collect();
+    host.write_file("/etc/billet/node.env", &edited)?;
+    // Type=notify: this returns once the node is ready (journal read,
+    // Docker answered, both listeners up), or fails.
+    host.run(&["systemctl", "start", NODE_UNIT])
+        .with_context(|| journal(&host))?;
+    assert_eq!(host.property(NODE_UNIT, "ActiveState")?, "active");
+    let pid = host.property(NODE_UNIT, "MainPID")?;
+    let status = host.run(&["cat", &format!("/proc/{pid}/status")])?;
+    let running_as = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .context("the node's uid")?;
+    assert_eq!(
+        running_as,
+        uid.to_string(),
+        "the node does not run as billet"
+    );
+    let state = host.run(&["stat", "-c", "%a %U", "/var/lib/billet"])?;
+    assert_eq!(state.trim(), "700 billet");
+    let said = host.run(&["billet", "node", "status", "--state-dir", "/var/lib/billet"])?;
+    assert!(
+        said.lines().any(|l| l.starts_with("version")
+            && version.contains(l.split_whitespace().last().unwrap_or("?"))),
+        "{said}"
+    );
+
+    // Stopping drains nothing (nothing is held); removing keeps the user
+    // and the operator's configuration.
+    host.run(&["systemctl", "stop", NODE_UNIT])?;
+    host.run(&["dpkg", "-r", "billet"])?;
+    host.run(&["getent", "passwd", "billet"])?;
+    let gone = host.exec(&["test", "-e", "/usr/bin/billet"])?;
+    assert!(!gone.status.success(), "dpkg -r left /usr/bin/billet");
+    host.run(&["test", "-s", "/etc/billet/node.env"])?;
+    Ok(())
+}
+
+/// The unit's journal, for a failure's context.
+fn journal(host: &SystemdHost) -> String {
+    host.exec(&["journalctl", "-u", NODE_UNIT, "--no-pager", "-n", "50"])
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
