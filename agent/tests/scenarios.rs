@@ -432,6 +432,7 @@ async fn a_launch_that_fails_after_creating_the_instance_finds_and_destroys_it()
     assert_eq!(
         w.fake.calls(),
         vec![
+            Call::CheckImage("runner:tier-image".into()),
             Call::Create(n.clone()),
             Call::Find(n.clone()),
             Call::Destroy(n)
@@ -585,7 +586,10 @@ async fn a_failed_launch_whose_registration_cannot_be_removed_leaves_compute_unt
     assert!(err.is_custody(), "{err}");
     assert_eq!(
         w.fake.calls(),
-        vec![Call::Create(InstanceName::for_lease(&lease.id))],
+        vec![
+            Call::CheckImage("runner:tier-image".into()),
+            Call::Create(InstanceName::for_lease(&lease.id))
+        ],
         "compute is not touched while routing remains"
     );
     assert!(w.registered(&lease.id));
@@ -1854,6 +1858,63 @@ async fn a_draining_node_refuses_a_launch_and_still_serves_a_destroy() {
     assert_eq!(w.fake.count(Operation::Create), 1);
     r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
     assert!(!w.exists(&running.id));
+    assert!(!r.holding());
+}
+
+/// Issue #11 item 2: an image that is not on the node is found before a
+/// registration exists; the refusal names it and nothing is bound, minted
+/// or created. The same image, once present, launches.
+#[tokio::test]
+async fn a_launch_whose_image_is_missing_binds_mints_and_creates_nothing_and_names_the_image() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.remove_image("runner:tier-image");
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("a missing image refuses the launch");
+    match &err {
+        RunnerError::ImageUnavailable { image } => assert_eq!(image, "runner:tier-image"),
+        other => panic!("refused as {other:?}"),
+    }
+    assert!(err.to_string().contains("runner:tier-image"), "{err}");
+    assert!(!w.bound(&lease.id), "bound before the image was checked");
+    assert_eq!(w.phase(&lease.id), Phase::Assigned);
+    assert!(!w.registered(&lease.id), "a registration was minted");
+    assert_eq!(w.fake.count(Operation::Create), 0);
+    assert!(!r.holding());
+    assert!(
+        w.plane.log().iter().all(|l| !l.starts_with("bind")),
+        "{:?}",
+        w.plane.log()
+    );
+    // The image is built while the job waits: the plane's next lease runs.
+    w.fake.restore_image("runner:tier-image");
+    let next = w.launched(&r, 1).await;
+    assert!(w.registered(&next.id));
+    assert!(w.exists(&next.id));
+}
+
+/// Issue #11 item 2: a provider that cannot be asked refuses the launch as
+/// unavailable, before anything is bound or minted.
+#[tokio::test]
+async fn a_launch_whose_provider_does_not_answer_is_refused_before_anything_is_bound() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake
+        .set_engine(billet_agent::provider::fake::Engine::Unreachable);
+    let lease = w.reserve(1);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("an unreachable engine refuses the launch");
+    assert!(
+        matches!(err, RunnerError::ProviderUnavailable(_)),
+        "{err:?}"
+    );
+    assert!(!w.bound(&lease.id));
+    assert!(!w.registered(&lease.id));
     assert!(!r.holding());
 }
 

@@ -111,6 +111,10 @@ pub enum PlaneEvent {
         reason: String,
         /// The node holds the lease.
         custody: bool,
+        /// The error code the node answered with, for a launch it answered
+        /// (`ERROR_CODE_IMAGE_UNAVAILABLE`, ...): what a retry decision
+        /// reads, never the message.
+        code: Option<pb::ErrorCode>,
     },
     /// A runner started a job.
     Started {
@@ -705,10 +709,18 @@ impl Plane {
         }
         let custody = outcome.is_custody();
         let reason = outcome.describe();
+        let code = match &outcome {
+            CommandOutcome::Answered(r) => r
+                .error
+                .as_ref()
+                .and_then(|e| pb::ErrorCode::try_from(e.code).ok()),
+            _ => None,
+        };
         self.emit(PlaneEvent::LaunchFailed {
             lease: lease.id.clone(),
             reason: reason.clone(),
             custody,
+            code,
         });
         self.managed.lock().expect("managed").remove(&lease.id);
         // A lost launch whose lease never had a registration minted has no
@@ -751,11 +763,21 @@ impl Plane {
             return;
         }
         let custody = custody && !matches!(outcome, CommandOutcome::Lost(_));
-        // A node that refused (draining) or is out of room says so in the
-        // outcome and the code: it is avoided for the backoff.
+        // A node that refused (draining, degraded, without the tier's image)
+        // or is out of room says so in the outcome and the code: it is
+        // avoided for the backoff. A missing image minted nothing and
+        // charged nothing; the job waits, covered, and the launch is tried
+        // again after the backoff, so an image built or loaded meanwhile
+        // lets it run.
         let refused = matches!(&outcome, CommandOutcome::Answered(r)
-            if r.outcome == pb::Outcome::Refused as i32
-                || r.error.as_ref().is_some_and(|e| e.code == pb::ErrorCode::ResourceExhausted as i32));
+            if r.outcome == pb::Outcome::Refused as i32)
+            || matches!(
+                code,
+                Some(pb::ErrorCode::ResourceExhausted | pb::ErrorCode::ImageUnavailable)
+            );
+        if code == Some(pb::ErrorCode::ImageUnavailable) {
+            warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
+        }
         let delay = {
             let mut cover = self.cover.lock().expect("cover");
             cover.not_covering.insert(lease.id.clone());

@@ -239,6 +239,14 @@ async fn an_image_missing_for_the_first_launch_runs_the_job_once_the_image_is_th
         &mut failed,
     )
     .await?;
+    // Refused before anything was registered: no JIT config was minted.
+    assert!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .is_empty(),
+        "a JIT config was minted for a launch whose image is missing"
+    );
     // The operator pulls the image while the job waits. It is an image of
     // its own (the stand-in plus a label), so another test process that
     // rebuilds the stand-in and removes its previous image cannot take it.

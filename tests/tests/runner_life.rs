@@ -227,3 +227,78 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
     ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
+
+/// Issue #11 item 2: a launch whose image does not exist on the node is
+/// refused before anything is registered: typed `IMAGE_UNAVAILABLE`
+/// naming the image, no JIT config minted at GitHub, no lease bound or
+/// charged, no container; the job stays covered and waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_unavailable()
+-> Result<()> {
+    use billet_controlplane_stub::plane::PlaneEvent;
+    use billet_proto::v1 as pb;
+    use scaleset::testing::Endpoint;
+
+    let image = format!(
+        "billet-no-such-image-{}:dev",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let cluster = Cluster::start(ClusterOptions {
+        tier_image: image.clone(),
+        ..options(1500)
+    })
+    .await?;
+    let mut events = cluster.plane.subscribe();
+    let jobs = cluster.queue_jobs(1);
+    let mut refusals = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while refusals.len() < 2 {
+        let event = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .context("two refused launches")??;
+        if let PlaneEvent::LaunchFailed {
+            reason,
+            custody,
+            code,
+            ..
+        } = event
+        {
+            assert_eq!(
+                code,
+                Some(pb::ErrorCode::ImageUnavailable),
+                "a launch failed otherwise: {reason}"
+            );
+            assert!(!custody, "the node holds a refused launch: {reason}");
+            assert!(
+                reason.contains(&image),
+                "the refusal does not name the image: {reason}"
+            );
+            refusals.push(reason);
+        }
+    }
+    assert_eq!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len(),
+        0,
+        "a JIT config was minted for a launch whose image is missing"
+    );
+    assert!(cluster.emulator.state().runners.is_empty());
+    for lease in leases(&cluster).await? {
+        assert!(
+            lease.node.is_none() && lease.runner_id.is_none(),
+            "a refused launch was bound or registered: {lease:?}"
+        );
+    }
+    cluster.wait_clean(Duration::from_secs(10)).await?;
+    assert!(
+        !cluster.plane.uncovered_jobs().is_empty(),
+        "the plane stopped covering the job"
+    );
+    // The job is cancelled: coverage ends, and nothing is left.
+    github_gives_up_on(&cluster, &jobs);
+    wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}

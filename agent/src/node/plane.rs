@@ -65,6 +65,7 @@ impl PlaneError {
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
+            | pb::ErrorCode::ImageUnavailable
             | pb::ErrorCode::ScaleSetNotFound => Self::Refused(m),
         }
     }
@@ -552,11 +553,12 @@ mod tests {
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
+            | pb::ErrorCode::ImageUnavailable
             | pb::ErrorCode::ScaleSetNotFound => PlaneError::Refused(m),
         }
     }
 
-    const ALL: [pb::ErrorCode; 12] = [
+    const ALL: [pb::ErrorCode; 13] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -567,6 +569,7 @@ mod tests {
         pb::ErrorCode::InvalidArgument,
         pb::ErrorCode::Refused,
         pb::ErrorCode::Internal,
+        pb::ErrorCode::ImageUnavailable,
         pb::ErrorCode::ScaleSetNotFound,
         pb::ErrorCode::ResourceExhausted,
     ];

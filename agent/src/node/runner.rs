@@ -49,6 +49,19 @@ pub enum RunnerError {
     /// The node refuses this command outright (draining, no updater).
     #[error("{0}")]
     Refused(String),
+    /// A launch whose image is not present where this node runs instances
+    /// (providers never pull), found before anything was bound or minted.
+    #[error(
+        "image {image} is not present on this node, so nothing was bound or minted; build or load it here"
+    )]
+    ImageUnavailable {
+        /// The image reference the tier names.
+        image: String,
+    },
+    /// A launch the provider could not be asked about (its engine did not
+    /// answer), found before anything was bound or minted: retry later.
+    #[error("{0}")]
+    ProviderUnavailable(String),
 }
 
 impl RunnerError {
@@ -348,6 +361,23 @@ impl Runner {
                 return Err(RunnerError::Failed(format!(
                     "request {} already has compute on this node under another lease; release lease {}",
                     lease.request_id, lease.id
+                )));
+            }
+        }
+        // What can be checked before a registration exists is checked
+        // first: the provider answers and has the image. A refusal here
+        // leaves nothing bound, nothing minted and no lease charged.
+        match self.provider.check_image(&tier.image).await {
+            Ok(()) => {}
+            Err(ProviderError::ImageUnavailable { image }) => {
+                warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
+                return Err(RunnerError::ImageUnavailable { image });
+            }
+            Err(e) => {
+                warn!(lease = %lease.id, error = %e, "refusing a launch: the provider cannot be asked about its image");
+                return Err(RunnerError::ProviderUnavailable(format!(
+                    "cannot check image {} before launching lease {}, so nothing was bound or minted: {e}",
+                    tier.image, lease.id
                 )));
             }
         }

@@ -588,6 +588,12 @@ async fn execute(
         Err(e) => {
             let (outcome, code) = match &e {
                 RunnerError::Refused(_) => (pb::Outcome::Refused, pb::ErrorCode::Refused),
+                RunnerError::ImageUnavailable { .. } => {
+                    (pb::Outcome::Refused, pb::ErrorCode::ImageUnavailable)
+                }
+                RunnerError::ProviderUnavailable(_) => {
+                    (pb::Outcome::Refused, pb::ErrorCode::Unavailable)
+                }
                 RunnerError::Custody(_) | RunnerError::Failed(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::Unspecified)
                 }
@@ -1087,6 +1093,34 @@ mod scenarios {
         );
     }
 
+    /// Issue #11 item 2: the refusal is typed, names the image, and
+    /// nothing is bound or minted.
+    #[tokio::test]
+    async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_before_bind() {
+        let provider = Arc::new(FakeProvider::new());
+        let (_, command) = launch("c1");
+        let NodeCommand::Launch { ref tier, .. } = command else {
+            panic!("a launch")
+        };
+        let image = tier.image.clone();
+        provider.remove_image(&image);
+        let (runner, _link) = node(provider.clone());
+        let (result, launched) =
+            execute(&runner, None, pb::Capacity::default(), "c1", command).await;
+        assert_eq!(result.outcome, pb::Outcome::Refused as i32, "{result:?}");
+        assert!(!result.custody, "{result:?}");
+        assert!(launched.is_none());
+        let error = result.error.expect("an error");
+        assert_eq!(
+            error.code,
+            pb::ErrorCode::ImageUnavailable as i32,
+            "{error:?}"
+        );
+        assert!(error.message.contains(&image), "{error:?}");
+        assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
+        assert!(!runner.holding());
+    }
+
     /// 7.L.9
     #[tokio::test]
     async fn a_launch_refused_at_bind_is_a_clean_failure_without_the_custody_flag() {
@@ -1115,7 +1149,14 @@ mod scenarios {
         assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
         assert!(result.error.is_some_and(|e| e.message.contains("bind")));
         assert_eq!(plane.calls(), ["bind"], "nothing past the refused bind");
-        assert!(provider.calls().is_empty(), "the provider was touched");
+        assert!(
+            provider
+                .calls()
+                .iter()
+                .all(|c| matches!(c, crate::provider::fake::Call::CheckImage(_))),
+            "the provider was touched past the image check: {:?}",
+            provider.calls()
+        );
         cancel.cancel();
         task.await.expect("executor");
 

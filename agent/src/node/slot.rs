@@ -70,6 +70,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::InvalidArgument => "invalid_argument",
         pb::ErrorCode::Refused => "refused",
         pb::ErrorCode::Internal => "internal",
+        pb::ErrorCode::ImageUnavailable => "image_unavailable",
         pb::ErrorCode::ScaleSetNotFound => "scale_set_not_found",
         pb::ErrorCode::ResourceExhausted => "resource_exhausted",
     }

@@ -183,6 +183,11 @@ impl FakeProvider {
         self.state().missing_images.insert(image.to_owned());
     }
 
+    /// Makes `image` present again (built or loaded while a job waits).
+    pub fn restore_image(&self, image: &str) {
+        self.state().missing_images.remove(image);
+    }
+
     /// The same fake reporting `kind` from [`Provider::kind`].
     pub fn with_kind(mut self, kind: &'static str) -> Self {
         self.kind = kind;

@@ -216,7 +216,11 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
         Ok(()) => "ok",
         Err(RunnerError::Custody(_)) => "custody",
         Err(RunnerError::Failed(_)) => "failed",
-        Err(RunnerError::Refused(_)) => "refused",
+        Err(
+            RunnerError::Refused(_)
+            | RunnerError::ImageUnavailable { .. }
+            | RunnerError::ProviderUnavailable(_),
+        ) => "refused",
     }
 }
 

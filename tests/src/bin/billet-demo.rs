@@ -601,6 +601,7 @@ fn describe(
             lease,
             reason,
             custody,
+            code: _,
         } => {
             let held = if *custody {
                 "; the node holds the lease"
