@@ -250,8 +250,14 @@ impl NodeLink {
                     () = tokio::time::sleep(Duration::from_millis(100)) => continue,
                 }
             }
+            let sessions = self.next_session.load(Ordering::Relaxed);
             let attempt = self.session(&tls, &open, &calls, &shutdown).await;
             self.end_session();
+            // A session that was established and then ended is not a failed
+            // dial: the next one starts from the shortest backoff.
+            if self.next_session.load(Ordering::Relaxed) != sessions {
+                backoff = Duration::from_millis(200);
+            }
             match attempt {
                 Ok(()) => backoff = Duration::from_millis(200),
                 Err(e) => {

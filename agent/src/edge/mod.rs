@@ -3,11 +3,13 @@
 //! Owns: the node's own types for what travels on the wire ([`model`]: ids
 //! as newtypes, phases, tiers, the JIT config as a credential), the
 //! conversion from and to generated proto types with every field checked
-//! ([`wire`]), and mTLS on the node's listener ([`tls`]).
+//! ([`wire`]), and mTLS material ([`tls`]) and the
+//! listener's accept loop with its limits ([`accept`]).
 //!
 //! May not touch: lease state, the provider or the journal. Nothing past
 //! this folder and [`crate::node::session`] sees a generated proto type.
 
+pub mod accept;
 pub mod model;
 pub mod tls;
 pub mod wire;

@@ -1,11 +1,9 @@
-//! mTLS for the node's listener: certificate loading, the node's name taken
-//! from its own certificate, and an accept loop that runs every handshake
-//! through our own rustls acceptor (so the material can later be swapped
-//! without a restart), with a handshake timeout, refusing plaintext and
-//! refusing a client whose certificate does not name the expected plane.
+//! mTLS material for the node's listener: certificate loading, the node's
+//! name taken from its own certificate, and the watch that swaps the
+//! material without a restart. The accept loop that runs every handshake
+//! through it is [`crate::edge::accept`].
 
 use std::io;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -14,22 +12,12 @@ use rustls::RootCertStore;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use thiserror::Error;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_rustls::TlsAcceptor;
-use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, info_span, warn};
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::edge::model::NodeName;
-
-/// How long a peer may take to finish the TLS handshake.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Most handshakes in progress at once; more connections wait in the kernel's
-/// backlog.
-const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// A certificate or key that cannot be used.
 #[derive(Debug, Error)]
@@ -259,7 +247,7 @@ impl NodeTls {
 }
 
 /// When a certificate starts and stops being valid, where readable.
-fn validity(cert: &CertificateDer<'_>) -> Validity {
+pub(crate) fn validity(cert: &CertificateDer<'_>) -> Validity {
     let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
         return (None, None);
     };
@@ -387,96 +375,4 @@ pub fn watch_files(
         .instrument(info_span!("tls_reload")),
     );
     (rx, validity_rx)
-}
-
-/// Accepts TCP connections and completes mTLS handshakes off the accept
-/// path, yielding only finished sessions whose client certificate names
-/// `plane_name` (when set). Every refusal is logged with the peer address and
-/// the reason; plaintext never gets past the handshake.
-///
-/// The returned channel closes when `cancel` fires.
-pub fn accept(
-    listener: TcpListener,
-    config: watch::Receiver<Arc<rustls::ServerConfig>>,
-    plane_name: Option<String>,
-    cancel: CancellationToken,
-) -> mpsc::Receiver<Result<TlsStream<TcpStream>, io::Error>> {
-    let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
-    tokio::spawn(
-        async move {
-            loop {
-                let accepted = tokio::select! {
-                    () = cancel.cancelled() => return,
-                    accepted = listener.accept() => accepted,
-                };
-                let (tcp, peer) = match accepted {
-                    Ok(pair) => pair,
-                    Err(e) => {
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-                    return;
-                };
-                // The configuration in force now: a rotation applies to the
-                // next connection, never to one already open.
-                let acceptor = TlsAcceptor::from(config.borrow().clone());
-                let tx = tx.clone();
-                let plane_name = plane_name.clone();
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    if let Some(stream) =
-                        handshake(acceptor, tcp, peer, plane_name.as_deref()).await
-                    {
-                        let _ = tx.send(Ok(stream)).await;
-                    }
-                });
-            }
-        }
-        .instrument(info_span!("tls_accept")),
-    );
-    rx
-}
-
-async fn handshake(
-    acceptor: TlsAcceptor,
-    tcp: TcpStream,
-    peer: SocketAddr,
-    plane_name: Option<&str>,
-) -> Option<TlsStream<TcpStream>> {
-    let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-        Err(_) => {
-            warn!(%peer, "refused a connection: no TLS handshake within {HANDSHAKE_TIMEOUT:?}");
-            return None;
-        }
-        Ok(Err(e)) => {
-            warn!(%peer, error = %e, "refused a connection: TLS handshake failed (plaintext, no client certificate, or one this deployment's CA did not issue)");
-            return None;
-        }
-        Ok(Ok(stream)) => stream,
-    };
-    if let Some(expected) = plane_name {
-        let names = stream
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .map(dns_names);
-        match names {
-            Some(Ok(names)) if names.iter().any(|n| n == expected) => {}
-            Some(Ok(names)) => {
-                warn!(%peer, ?names, expected, "refused a connection: the client certificate does not name the configured plane");
-                return None;
-            }
-            _ => {
-                warn!(%peer, "refused a connection: unreadable client certificate");
-                return None;
-            }
-        }
-    }
-    debug!(%peer, "mTLS session established");
-    Some(stream)
 }

@@ -475,7 +475,7 @@ pub async fn run(
     health.watch(
         config.state_dir.clone(),
         config.min_free_disk_bytes,
-        validity,
+        validity.clone(),
         shutdown.clone(),
     );
     let (reporter, health_service) = tonic_health::server::health_reporter();
@@ -524,9 +524,10 @@ pub async fn run(
             }
         });
     }
-    let incoming = crate::edge::tls::accept(
+    let incoming = crate::edge::accept::accept(
         listener,
         tls_config,
+        validity.clone(),
         Some(config.plane_name.clone()),
         shutdown.clone(),
     );
@@ -567,7 +568,10 @@ pub async fn run(
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .serve_with_incoming_shutdown(ReceiverStream::new(incoming), shutdown.cancelled());
+        .serve_with_incoming_shutdown(
+            tokio_stream::StreamExt::map(ReceiverStream::new(incoming), |a| a.map(|a| a.stream)),
+            shutdown.cancelled(),
+        );
     // A graceful stop waits for clients to hang up; one that never does
     // must not keep the node from exiting.
     let served = tokio::select! {

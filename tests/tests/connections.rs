@@ -1,0 +1,186 @@
+//! Unauthenticated connections cannot lock the plane out of a node, nor
+//! flood its log (issue #13, "Connections"). End to end: a real `billet
+//! node`, the real stub plane over real mTLS, and hostile peers on real
+//! TCP sockets.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// How a hostile peer behaves once connected.
+#[derive(Debug, Clone, Copy)]
+enum Hostile {
+    /// Says nothing at all (no TLS handshake).
+    Idle,
+    /// Starts a TLS handshake (a record header and a few bytes of a
+    /// ClientHello) and stalls.
+    Stalled,
+}
+
+/// Holds `count` connections from `source` to `node` until `stop`: each one
+/// the node drops is dialed again half a second later, as a persistent
+/// client would. Counts connections made in `made`.
+fn hold(
+    count: usize,
+    source: [u8; 4],
+    node: SocketAddr,
+    how: Hostile,
+    made: Arc<AtomicUsize>,
+    stop: CancellationToken,
+) -> tokio::task::JoinSet<()> {
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..count {
+        let (made, stop) = (Arc::clone(&made), stop.clone());
+        set.spawn(async move {
+            let mut redial = tokio::time::interval(Duration::from_millis(500));
+            while !stop.is_cancelled() {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = redial.tick() => {}
+                }
+                let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
+                    continue;
+                };
+                if socket.bind(SocketAddr::from((source, 0))).is_err() {
+                    continue;
+                }
+                let Ok(mut tcp) = socket.connect(node).await else {
+                    continue;
+                };
+                made.fetch_add(1, Ordering::Relaxed);
+                if matches!(how, Hostile::Stalled) {
+                    // A handshake record announcing 512 bytes, of which 6
+                    // arrive: ClientHello, its length, TLS 1.2.
+                    let _ = tcp
+                        .write_all(&[
+                            0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03,
+                        ])
+                        .await;
+                }
+                let mut buf = [0u8; 64];
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    // Ends when the node closes it.
+                    _ = tcp.read(&mut buf) => {}
+                }
+            }
+        });
+    }
+    set
+}
+
+/// Lines in the node's log about connections it refused or dropped.
+fn refusal_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| {
+            l.contains("refused a connection")
+                || l.contains("dropped an unfinished TLS handshake")
+                || l.contains("refused more connections")
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_out_nor_flood_the_log()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let node = cluster.nodes["node-1"].addr;
+    let link = cluster.plane.node("node-1").context("node")?;
+
+    // The hostile peers come from addresses of their own (all of 127/8 is
+    // this host), as they would in the field: the plane is 127.0.0.1.
+    let stop = CancellationToken::new();
+    let made = Arc::new(AtomicUsize::new(0));
+    let mut idle = hold(
+        500,
+        [127, 0, 0, 2],
+        node,
+        Hostile::Idle,
+        made.clone(),
+        stop.clone(),
+    );
+    let mut stalled = hold(
+        50,
+        [127, 0, 0, 3],
+        node,
+        Hostile::Stalled,
+        made.clone(),
+        stop.clone(),
+    );
+    // Past 200 a node without limits took no new connection at all (its
+    // handshake slots and listen backlog full); the rest come as they may.
+    wait_until(Duration::from_secs(30), "200 hostile connections", || {
+        made.load(Ordering::Relaxed) >= 200
+    })
+    .await?;
+    let started = tokio::time::Instant::now();
+
+    // While they are held, the plane loses its session and dials again,
+    // again and again over the minute: each time it is attached within 2 s.
+    let mut attaches = Vec::new();
+    while started.elapsed() < Duration::from_secs(60) {
+        link.partition(true);
+        let mut status = link.status();
+        tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none))
+            .await
+            .context("the partition cuts the session")??;
+        let healed = tokio::time::Instant::now();
+        link.partition(false);
+        // A bool at once: the watch's guard must not be held across awaits.
+        let attached =
+            tokio::time::timeout(Duration::from_secs(30), status.wait_for(Option::is_some))
+                .await
+                .is_ok_and(|r| r.is_ok());
+        let took = healed.elapsed();
+        assert!(
+            attached && took <= Duration::from_secs(2),
+            "with hostile connections held, the plane attached after {took:?} (bound 2 s); \
+             {} hostile connections made so far; node log:\n{}",
+            made.load(Ordering::Relaxed),
+            cluster.nodes["node-1"].log_text()
+        );
+        attaches.push(took);
+        // The next round once the hostile peers have dialed 2,000 more times.
+        let before = made.load(Ordering::Relaxed);
+        wait_until(Duration::from_secs(30), "2,000 more hostile dials", || {
+            made.load(Ordering::Relaxed) >= before + 2000
+        })
+        .await?;
+    }
+    stop.cancel();
+    while idle.join_next().await.is_some() {}
+    while stalled.join_next().await.is_some() {}
+    let made = made.load(Ordering::Relaxed);
+    assert!(made >= 550, "{made}");
+    eprintln!("plane attach times {attaches:?}; {made} hostile connections");
+
+    // The refusals are logged at a bounded rate, with what was suppressed.
+    let log = cluster.nodes["node-1"].log_text();
+    let lines = refusal_lines(&log);
+    assert!(
+        lines.len() <= 40,
+        "{} log lines about refused connections in a minute (bound 40), first ones:\n{}",
+        lines.len(),
+        lines
+            .iter()
+            .take(20)
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("suppressed")),
+        "no line says how many refusals were suppressed:\n{}",
+        lines.join("\n")
+    );
+    cluster.shutdown().await
+}
