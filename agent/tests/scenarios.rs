@@ -2046,3 +2046,167 @@ async fn a_registration_removal_that_fails_after_the_runner_died_is_retried_with
     r.tend().await.unwrap();
     assert_eq!(removals(), 3, "a removal that succeeded is not tried again");
 }
+
+// ======================= issue #11: start deadline, lease life =======================
+
+/// Issue #11 item 3: a runner that never came online is torn down once the
+/// deadline passes: its registration removed before its instance, its
+/// lease released `failed` with reason `start_deadline`.
+#[tokio::test(start_paused = true)]
+async fn a_runner_not_online_by_the_start_deadline_is_deregistered_destroyed_and_released_failed() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    sleep(Duration::from_secs(59)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "torn down before the deadline");
+    assert!(w.registered(&lease.id));
+    sleep(Duration::from_secs(2)).await;
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert!(!w.registered(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("start_deadline"));
+    assert!(!r.holding());
+    let first_removal = w
+        .plane
+        .log()
+        .into_iter()
+        .find(|l| l.starts_with("remove"))
+        .expect("a removal");
+    assert!(
+        first_removal.ends_with("after 0 destroys"),
+        "the instance went before its registration: {first_removal}"
+    );
+}
+
+/// Issue #11 item 3: GitHub refusing to remove the registration (the
+/// runner holds a job) says the runner is online: it is left running and
+/// never asked about again.
+#[tokio::test(start_paused = true)]
+async fn a_runner_busy_at_github_at_the_start_deadline_is_online_and_left_running() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    for _ in 0..3 {
+        sleep(Duration::from_secs(600)).await;
+        r.tend().await.unwrap();
+    }
+    assert!(w.exists(&lease.id), "a busy runner was torn down");
+    assert!(w.registered(&lease.id));
+    let removals = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("remove"))
+        .count();
+    assert_eq!(removals, 1, "asked again after GitHub said busy");
+    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+/// Issue #11 item 3: with the deadline off (0), a runner that never
+/// connects is not torn down on a timer.
+#[tokio::test(start_paused = true)]
+async fn a_zero_start_deadline_is_off() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::ZERO),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    sleep(Duration::from_secs(86_400)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id));
+    assert!(w.registered(&lease.id));
+}
+
+/// Issue #11 item 7: off by default, a lease lives as long as its job, a
+/// week included.
+#[tokio::test(start_paused = true)]
+async fn no_lease_life_bound_by_default_a_week_old_running_lease_keeps_running() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: None,
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    for _ in 0..7 {
+        sleep(Duration::from_secs(86_400)).await;
+        r.tend().await.unwrap();
+    }
+    assert!(w.exists(&lease.id));
+    assert_ne!(w.phase(&lease.id), Phase::Failed);
+}
+
+/// Issue #11 item 7: past the operator's bound a running lease is
+/// destroyed on that authority, though GitHub says its runner is busy, and
+/// released `failed` with reason `max_lease_life`.
+#[tokio::test(start_paused = true)]
+async fn a_running_lease_past_max_lease_life_is_destroyed_busy_or_not_and_released_failed() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: None,
+        max_lease_life: Some(Duration::from_secs(7200)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    sleep(Duration::from_secs(7199)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "destroyed within the bound");
+    sleep(Duration::from_secs(2)).await;
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("max_lease_life"));
+    assert!(!r.holding());
+}
+
+/// Issue #11 item 7: the bound holds in custody too.
+#[tokio::test(start_paused = true)]
+async fn a_lease_in_custody_past_max_lease_life_is_destroyed_and_released_failed() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: None,
+        max_lease_life: Some(Duration::from_secs(3600)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    sleep(Duration::from_secs(3599)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id));
+    sleep(Duration::from_secs(2)).await;
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("max_lease_life"));
+}
+
+/// Issue #11 item 7: a zero bound is off, not an instant kill.
+#[tokio::test(start_paused = true)]
+async fn a_zero_lease_life_bound_is_off() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: None,
+        max_lease_life: Some(Duration::ZERO),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    sleep(Duration::from_secs(3600)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id));
+}

@@ -389,6 +389,8 @@ impl Node {
             memory_bytes: 4 << 30,
             max_custody: None,
             stray_grace: Duration::from_secs(300),
+            start_deadline: None,
+            max_lease_life: None,
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),

@@ -302,3 +302,80 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
+
+/// Issue #11 item 3: a runner whose container starts but which never
+/// connects to GitHub is freed after the start deadline (5 s here): its
+/// registration removed, its container destroyed, its lease released
+/// `failed` with reason `start_deadline`; the plane keeps the job covered
+/// meanwhile, and once the job is cancelled nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_never_connects_is_freed_after_the_start_deadline() -> Result<()> {
+    const DEADLINE: Duration = Duration::from_secs(5);
+    let mut opts = options(1500);
+    opts.tier_env = vec!["BILLET_STANDIN_MODE=never-connect".into()];
+    opts.node_env.push((
+        "BILLET_START_DEADLINE_SECS".into(),
+        DEADLINE.as_secs().to_string(),
+    ));
+    let cluster = Cluster::start(opts).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_until(
+        Duration::from_secs(60),
+        "a never-connecting runner's container",
+        || !cluster.emulator.state().runners.is_empty(),
+    )
+    .await?;
+    let started = tokio::time::Instant::now();
+    let first = loop {
+        if let Some(l) = leases(&cluster).await?.into_iter().next() {
+            break l;
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            bail!("no lease");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let deadline = tokio::time::Instant::now() + DEADLINE + ONE_TEND + Duration::from_secs(10);
+    let ended = loop {
+        let l = cluster
+            .plane
+            .ledger()
+            .get(&first.id)
+            .await?
+            .context("the first lease")?;
+        if l.phase.is_terminal() {
+            break l;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
+                cluster.nodes["node-1"].log_text()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("start_deadline"),
+        "{ended:?}"
+    );
+    let container = format!("billet-{}", first.id);
+    assert!(
+        !cluster.containers().await?.contains(&container),
+        "its container outlived the lease"
+    );
+    let registered = cluster
+        .emulator
+        .state()
+        .runners
+        .iter()
+        .any(|r| r.name == container);
+    assert!(!registered, "its registration outlived the lease");
+    // The job is cancelled; the replacement runner (never connecting
+    // either) goes by the same deadline, and nothing is left.
+    github_gives_up_on(&cluster, &jobs);
+    wait_all_terminal(&cluster, DEADLINE + ONE_TEND * 2).await?;
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}

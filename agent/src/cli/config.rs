@@ -104,6 +104,12 @@ impl NodeArgs {
                 memory_bytes,
                 max_custody: args.max_custody_secs.map(Duration::from_secs),
                 stray_grace: Duration::from_secs(args.stray_grace_secs),
+                start_deadline: (args.start_deadline_secs > 0)
+                    .then(|| Duration::from_secs(args.start_deadline_secs)),
+                max_lease_life: args
+                    .max_lease_life_secs
+                    .filter(|s| *s > 0)
+                    .map(Duration::from_secs),
                 ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
                 tls_reload: crate::edge::tls::ReloadPolicy {

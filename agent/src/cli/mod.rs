@@ -142,6 +142,18 @@ pub struct NodeArgs {
     /// counts as proof it is gone.
     #[arg(long, env = "BILLET_STRAY_GRACE_SECS", default_value_t = 300)]
     pub stray_grace_secs: u64,
+    /// Seconds a runner may take from its container's creation to coming
+    /// online (GitHub sees it take a job) before it is torn down with
+    /// reason start_deadline, its registration removed first and its lease
+    /// released failed. 0 is off.
+    #[arg(long, env = "BILLET_START_DEADLINE_SECS", default_value_t = crate::node::runner::START_DEADLINE.as_secs())]
+    pub start_deadline_secs: u64,
+    /// Destroy and release as failed (reason max_lease_life) any lease
+    /// older than this many seconds, running or in custody, busy or not.
+    /// Off by default (0 is off too): time alone is not evidence a job
+    /// stalled; each hour of a lease's life is warned about.
+    #[arg(long, env = "BILLET_MAX_LEASE_LIFE_SECS")]
+    pub max_lease_life_secs: Option<u64>,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::node::session::ACK_TIMEOUT.as_secs())]

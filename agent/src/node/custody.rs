@@ -24,7 +24,7 @@ use tracing::{debug, error, info, warn};
 use super::ending::EndReason;
 use super::journal::{CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
-use super::runner::{Runner, RunnerError, Running, now_plus};
+use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
 use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
 use crate::provider::{Instance, ProviderError, Teardown};
 
@@ -444,6 +444,122 @@ impl Runner {
         }
     }
 
+    /// Running requests whose instance still runs, judged on time, by a
+    /// complete inventory: past the operator's lease-life bound
+    /// ([`RunnerOptions::max_lease_life`](super::runner::RunnerOptions)),
+    /// the instance is torn down on that authority, busy or not, with
+    /// reason `max_lease_life`; each whole hour of a lease's life is
+    /// warned about. Past the start deadline and not known online, the
+    /// registration is removed first: GitHub refuses to remove a runner
+    /// holding a job, which marks it online for good; a removal that
+    /// succeeds leaves a runner that took nothing and can take nothing, torn
+    /// down with reason `start_deadline`; an outage leaves it to the next
+    /// tend. Either teardown moves the request into custody, where this
+    /// tend's own step destroys it and releases the lease `failed`.
+    pub(super) async fn judge_running(&self, inventory: &[Instance]) {
+        let max_life = self.options.max_lease_life.filter(|d| !d.is_zero());
+        let deadline = self.options.start_deadline.filter(|d| !d.is_zero());
+        for (request_id, r) in self.running_snapshot() {
+            if self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            let runs = inventory
+                .iter()
+                .any(|i| i.name == r.instance.as_str() && i.may_run());
+            if !runs {
+                continue;
+            }
+            let age = r.since.elapsed();
+            if let Some(max) = max_life
+                && age > max
+            {
+                error!(lease = %r.lease, instance = %r.instance, age_s = age.as_secs(), max_s = max.as_secs(),
+                       online = r.online, "the lease outlived max_lease_life; destroying on the operator's bound, busy or not, and releasing it as failed");
+                self.end_running(request_id, &r, EndReason::MaxLeaseLife, None)
+                    .await;
+                continue;
+            }
+            let hours = age.as_secs() / LEASE_LIFE_WARN_EVERY.as_secs();
+            if hours > r.warned_hours {
+                if let Some(s) = self.state().running.get_mut(&request_id) {
+                    s.warned_hours = hours;
+                }
+                match max_life {
+                    Some(max) => warn!(lease = %r.lease, age_h = hours, max_s = max.as_secs(),
+                                       "this lease has lived over {hours} h; it is destroyed once it passes max_lease_life"),
+                    None => warn!(lease = %r.lease, age_h = hours,
+                                  "this lease has lived over {hours} h; no max_lease_life is set, so time alone never ends it"),
+                }
+            }
+            let Some(deadline) = deadline else { continue };
+            if r.online || age < deadline {
+                continue;
+            }
+            let (id, name) = &r.registration;
+            match self.jit.remove_runner(&r.lease, r.epoch, *id, name).await {
+                Ok(()) => {
+                    warn!(lease = %r.lease, instance = %r.instance, deadline_s = deadline.as_secs(),
+                          "the runner did not come online within the start deadline; its registration is removed, tearing it down");
+                    self.end_running(request_id, &r, EndReason::StartDeadline, None)
+                        .await;
+                }
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    warn!(lease = %r.lease, error = %e, "past the start deadline, but the registration could not be removed; the next tend tries again");
+                }
+                Err(e) => {
+                    // GitHub will not remove a runner holding a job (or the
+                    // plane answered for good): it is online.
+                    info!(lease = %r.lease, answer = %e, "past the start deadline, the runner is busy at GitHub; it came online");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.online = true;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Moves a running request whose instance still runs into custody as a
+    /// teardown released `failed` with `reason`, its registration
+    /// `registration` still to remove (`None`: by lease, not holding the
+    /// teardown back).
+    async fn end_running(
+        &self,
+        request_id: RequestId,
+        r: &Running,
+        reason: EndReason,
+        registration: Option<(i64, String)>,
+    ) {
+        let still = {
+            let mut s = self.state();
+            let same = s
+                .running
+                .get(&request_id)
+                .is_some_and(|now| now.lease == r.lease);
+            if same {
+                s.running.remove(&request_id);
+            }
+            same
+        };
+        if !still {
+            return;
+        }
+        self.hold(
+            r.lease.clone(),
+            CustodyEntry {
+                reason: Some(reason),
+                registration,
+                ..CustodyEntry::teardown(
+                    r.epoch,
+                    r.instance.clone(),
+                    request_id,
+                    Phase::Failed,
+                    true,
+                )
+            },
+        )
+        .await;
+    }
+
     /// Decides what to do with compute an earlier process left behind, once,
     /// before the first command runs (spec/node.md §2.5, with the journal):
     /// custody entries the journal remembers are held again as they were;
@@ -719,6 +835,7 @@ impl Runner {
         let inventory = match self.provider.list().await {
             Ok(list) => {
                 self.end_gone_runners(&before, &list).await;
+                self.judge_running(&list).await;
                 Some(list)
             }
             Err(e) => {
@@ -856,6 +973,20 @@ impl Runner {
             }
         } else if age > CUSTODY_WARN_AFTER {
             warn!(%lease, age_s = age.as_secs(), "billet has held this lease in custody for over an hour");
+        }
+        // The operator's bound on a lease's whole life holds in custody too,
+        // counted from custody's start (the journal keeps no earlier time).
+        if let Some(max) = self.options.max_lease_life.filter(|max| !max.is_zero())
+            && age > max
+            && !entry.discard
+        {
+            error!(%lease, age_s = age.as_secs(), max_s = max.as_secs(), "a lease in custody outlived max_lease_life; destroying on the operator's bound, busy or not, and releasing it as failed");
+            entry.discard = true;
+            entry.outcome = Phase::Failed;
+            entry.reason = entry.reason.or(Some(EndReason::MaxLeaseLife));
+            if entry.phase.is_some() {
+                entry.phase = Some(Phase::Teardown);
+            }
         }
 
         let mut renewed = false;

@@ -35,6 +35,17 @@ use crate::provider::{InstanceSpec, Provider, ProviderError, Teardown};
 /// before absence counts as proof (spec/node.md §2.0, `strayGrace`).
 pub const STRAY_GRACE: Duration = Duration::from_secs(300);
 
+/// How long a runner may take from its instance's creation to coming online
+/// before it is torn down with reason `start_deadline`, by default
+/// ([`RunnerOptions::start_deadline`]). A runner pulls nothing and connects
+/// within seconds; five minutes covers a slow host without holding a slot
+/// for long for a runner that will never connect.
+pub const START_DEADLINE: Duration = Duration::from_secs(300);
+
+/// How often a long-lived lease is warned about: once per whole hour of its
+/// life ([`RunnerOptions::max_lease_life`]).
+pub const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
+
 /// Why a runner operation did not succeed.
 #[derive(Debug, Error)]
 pub enum RunnerError {
@@ -79,8 +90,15 @@ pub(super) struct Running {
     pub(super) instance: InstanceName,
     /// The runner registration: (GitHub runner id, name).
     pub(super) registration: (i64, String),
-    /// When its instance was created (for status and metrics).
+    /// When its instance was created (for status and metrics, the start
+    /// deadline and the lease-life bound).
     pub(super) since: Instant,
+    /// GitHub has said the runner is busy (it refused to remove the
+    /// registration of a runner holding a job): the runner came online,
+    /// and the start deadline no longer applies.
+    pub(super) online: bool,
+    /// Whole hours of the lease's life already warned about.
+    pub(super) warned_hours: u64,
 }
 
 #[derive(Debug, Default)]
@@ -161,6 +179,24 @@ pub struct RunnerOptions {
     /// How long an instance never seen must stay absent before its absence
     /// counts as proof it is gone ([`STRAY_GRACE`] by default).
     pub stray_grace: Duration,
+    /// A runner not online this long after its instance was created is torn
+    /// down with reason `start_deadline`, its registration removed first
+    /// and its lease released `failed` ([`START_DEADLINE`] by default).
+    /// Online means GitHub says the runner is busy: the node asks by
+    /// removing the registration, which GitHub refuses for a runner holding
+    /// a job. `None` or zero: off.
+    pub start_deadline: Option<Duration>,
+    /// An operator's bound on a lease's whole life, running or in custody:
+    /// past it the instance is destroyed (on the operator's authority, busy
+    /// or not) and the lease released `failed` with reason
+    /// `max_lease_life`. `None` (the default) or zero: off, as for
+    /// [`RunnerOptions::max_custody`], since time alone is not evidence a
+    /// job stalled; each whole hour of a running lease's life is warned
+    /// about either way ([`LEASE_LIFE_WARN_EVERY`]). A running lease's life
+    /// is counted from its instance's creation, one in custody from when
+    /// custody began (the journal keeps no earlier time), so the bound
+    /// never passes early.
+    pub max_lease_life: Option<Duration>,
 }
 
 impl Default for RunnerOptions {
@@ -168,6 +204,8 @@ impl Default for RunnerOptions {
         Self {
             max_custody: None,
             stray_grace: STRAY_GRACE,
+            start_deadline: Some(START_DEADLINE),
+            max_lease_life: None,
         }
     }
 }
@@ -497,6 +535,8 @@ impl Runner {
                         instance: name.clone(),
                         registration: (record.runner_id, record.runner_name.clone()),
                         since: Instant::now(),
+                        online: false,
+                        warned_hours: 0,
                     },
                 );
                 record.created = true;

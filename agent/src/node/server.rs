@@ -64,6 +64,10 @@ pub struct NodeConfig {
     pub max_custody: Option<Duration>,
     /// See [`RunnerOptions::stray_grace`].
     pub stray_grace: Duration,
+    /// See [`RunnerOptions::start_deadline`].
+    pub start_deadline: Option<Duration>,
+    /// See [`RunnerOptions::max_lease_life`].
+    pub max_lease_life: Option<Duration>,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -292,6 +296,8 @@ pub async fn run(
             RunnerOptions {
                 max_custody: config.max_custody,
                 stray_grace: config.stray_grace,
+                start_deadline: config.start_deadline,
+                max_lease_life: config.max_lease_life,
             },
         )
         .with_journal(journal.clone()),
