@@ -625,3 +625,136 @@ fn container_exists(cluster: &Cluster, name: &str) -> bool {
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(true)
 }
+
+/// Issue #11 item 6, as the issue's test list has it: six idle runners
+/// whose registrations are deleted at GitHub, GitHub answering 503 for the
+/// first part of the run. Nothing is reaped during the 503s (unknown is
+/// not gone); then all six are destroyed with reason `registration_lost`,
+/// a few per pass; once the jobs are cancelled nothing is left. The
+/// runners never connect, so they stay idle and cannot notice their
+/// registration go (the start deadline, 120 s here, is well past the
+/// reaping).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn six_idle_runners_whose_registrations_github_deleted_are_reaped_only_after_its_503s()
+-> Result<()> {
+    const RUNNERS: usize = 6;
+    let mut opts = ClusterOptions {
+        registration_interval: Duration::from_secs(1),
+        registration_grace: Duration::from_secs(3),
+        tier_env: vec!["BILLET_STANDIN_MODE=never-connect".into()],
+        ..options(1500)
+    };
+    opts.node_env
+        .push(("BILLET_START_DEADLINE_SECS".into(), "120".into()));
+    let cluster = Cluster::start(opts).await?;
+    let jobs = cluster.queue_jobs(RUNNERS);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let runners = loop {
+        let state = cluster.emulator.state();
+        let containers = cluster.containers().await?;
+        if state.runners.len() == RUNNERS
+            && state.runners.iter().all(|r| containers.contains(&r.name))
+        {
+            break state.runners;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "six idle runners did not come up: {:?}, containers {containers:?}",
+                state.runners
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut leases = Vec::new();
+    for runner in &runners {
+        leases.push(
+            cluster
+                .plane
+                .ledger()
+                .lease_by_runner_name(&runner.name)
+                .await?
+                .context("the runner's lease")?,
+        );
+    }
+    // GitHub loses every registration, and then answers 503 for a while.
+    for runner in &runners {
+        cluster.emulator.client().remove_runner(runner.id).await?;
+    }
+    cluster
+        .emulator
+        .inject(Fault::status(Endpoint::Runners, 503));
+    let asked = cluster.emulator.requests_to(Endpoint::Runners).len();
+    wait_until(
+        Duration::from_secs(60),
+        "the plane to ask GitHub through the outage",
+        || cluster.emulator.requests_to(Endpoint::Runners).len() >= asked + 8,
+    )
+    .await?;
+    let containers = cluster.containers().await?;
+    for lease in &leases {
+        let now = cluster
+            .plane
+            .ledger()
+            .get(&lease.id)
+            .await?
+            .context("lease")?;
+        assert!(
+            !now.phase.is_terminal(),
+            "an idle runner was reaped while GitHub answered 503: {now:?}"
+        );
+        assert!(
+            containers.contains(&format!("billet-{}", lease.id)),
+            "a container went during the 503s"
+        );
+    }
+    // GitHub answers again: 404 past the grace, so all six go.
+    cluster.emulator.clear_faults();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let mut ended = Vec::new();
+        for lease in &leases {
+            let l = cluster
+                .plane
+                .ledger()
+                .get(&lease.id)
+                .await?
+                .context("lease")?;
+            if l.phase.is_terminal() {
+                ended.push(l);
+            }
+        }
+        if ended.len() == RUNNERS {
+            for l in &ended {
+                assert_eq!(l.phase, Phase::Failed, "{l:?}");
+                assert_eq!(
+                    l.failure_reason.as_deref(),
+                    Some(billet_controlplane_stub::plane::REGISTRATION_LOST),
+                    "{l:?}"
+                );
+            }
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("not all six runners without a registration were destroyed: {ended:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for lease in &leases {
+        let name = format!("billet-{}", lease.id);
+        wait_until(Duration::from_secs(30), "its container to go", || {
+            !container_exists(&cluster, &name)
+        })
+        .await?;
+    }
+    // The jobs are cancelled; their replacement runners (never connecting
+    // either) go by the start deadline, and nothing is left.
+    for job in &jobs {
+        cluster.emulator.complete_job(*job, Some("canceled"));
+    }
+    cluster.wait_clean(Duration::from_secs(180)).await?;
+    wait_until(Duration::from_secs(60), "no registration left", || {
+        cluster.emulator.state().runners.is_empty()
+    })
+    .await?;
+    cluster.shutdown().await
+}
