@@ -1122,6 +1122,37 @@ async fn recover_adopts_a_job_that_is_still_running() {
     assert_eq!(w.phase(&lease.id), Phase::Custody);
 }
 
+/// Issue #12: compute adopted at start-up is charged like launched
+/// compute, so the node's `held` (Hello, Instances, Sweep) covers it and
+/// the plane places nothing on its capacity.
+#[tokio::test]
+async fn a_lease_adopted_by_recovery_counts_in_what_the_node_holds() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    let r = w.runner();
+    assert_eq!(r.held_charge(), (0, 0));
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert_eq!(r.held_charge(), (lease.vcpu, lease.memory.0));
+}
+
+/// Issue #12: so is quarantined compute a sweep adopts.
+#[tokio::test(start_paused = true)]
+async fn a_lease_adopted_by_a_sweep_counts_in_what_the_node_holds() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    sleep(fakes::TTL * 2).await;
+    w.reap();
+    let r = w.runner();
+    let swept = r.sweep_inventory().await;
+    swept.result.unwrap();
+    assert_eq!(swept.listed, Some(vec![lease.id.clone()]));
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert_eq!(r.held_charge(), (lease.vcpu, lease.memory.0));
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_adopted_lease_is_kept_alive() {
     let w = World::new();

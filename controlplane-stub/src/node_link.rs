@@ -170,6 +170,12 @@ pub struct NodeStatus {
     pub session: u64,
     /// The node's last `NodeStatus` (from `Hello` until the first one).
     pub health: pb::NodeStatus,
+    /// What the node may run at once, as it last said (`Hello`, then every
+    /// `Instances` or `Sweep` report).
+    pub capacity: pb::Capacity,
+    /// What the leases it holds charge, as it last said (same sources): its
+    /// launches, custody and adopted compute.
+    pub held: pb::Capacity,
 }
 
 impl NodeStatus {
@@ -346,6 +352,8 @@ impl NodeLink {
             ..Default::default()
         };
         self.status.send_replace(Some(NodeStatus {
+            capacity: hello.capacity.unwrap_or_default(),
+            held: hello.held.unwrap_or_default(),
             hello,
             session,
             health,
@@ -432,6 +440,19 @@ impl NodeLink {
     }
 
     async fn on_result(&self, result: pb::CommandResult, tx: &mpsc::Sender<pb::PlaneMessage>) {
+        if let Some(report) = &result.instances {
+            self.status.send_if_modified(|s| {
+                let Some(s) = s else { return false };
+                let before = (s.capacity, s.held);
+                if let Some(c) = report.capacity {
+                    s.capacity = c;
+                }
+                if let Some(h) = report.held {
+                    s.held = h;
+                }
+                before != (s.capacity, s.held)
+            });
+        }
         let is_launch = self
             .shared
             .lock()
@@ -722,8 +743,24 @@ impl NodeLink {
             },
             session,
             health: pb::NodeStatus::default(),
+            capacity: pb::Capacity {
+                vcpu: 64,
+                memory_bytes: 64 << 30,
+            },
+            held: pb::Capacity::default(),
         }));
         (tx, rx)
+    }
+
+    /// Sets what the node says it holds and whether it is degraded, for
+    /// tests, as a report and a `NodeStatus` would.
+    pub(crate) fn report_for_test(&self, held: pb::Capacity, degraded: bool) {
+        self.status.send_modify(|s| {
+            if let Some(s) = s {
+                s.held = held;
+                s.health.degraded = degraded;
+            }
+        });
     }
 
     /// The node's result arriving on the session whose sender is `tx`.

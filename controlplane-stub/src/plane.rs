@@ -647,8 +647,12 @@ impl Plane {
 
     /// The attached node with the most free capacity that fits one more
     /// runner of the tier, never one that refused a launch within its
-    /// backoff. Free is what the node said it may run (`Hello.capacity`)
-    /// less what the ledger charges on it.
+    /// backoff nor one that says it is degraded. Free is what the node said
+    /// it may run less the larger of what the ledger charges on it and what
+    /// the node said it holds (`Hello`, then every `Instances` and `Sweep`
+    /// report): compute the node adopted counts even before the ledger
+    /// charges it there, and a lease placed and not yet bound counts even
+    /// before the node reports it.
     fn pick_node(
         &self,
         charged: &HashMap<String, (u64, u64)>,
@@ -660,8 +664,18 @@ impl Plane {
             .filter(|n| !avoid.contains_key(n.name()))
             .filter_map(|n| {
                 let status = n.status().borrow().clone()?;
-                let capacity = status.hello.capacity.unwrap_or_default();
+                if status.degraded()
+                    && !n
+                        .faults
+                        .place_on_degraded
+                        .load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    return None;
+                }
+                let capacity = status.capacity;
                 let (vcpu, memory) = charged.get(n.name()).copied().unwrap_or_default();
+                let vcpu = vcpu.max(u64::from(status.held.vcpu));
+                let memory = memory.max(status.held.memory_bytes);
                 let free_vcpu = u64::from(capacity.vcpu).saturating_sub(vcpu);
                 let free_memory = capacity.memory_bytes.saturating_sub(memory);
                 (free_vcpu >= u64::from(tier.vcpu) && free_memory >= tier.memory_bytes)
@@ -1588,5 +1602,83 @@ mod tests {
         plane.cover.lock().expect("cover").wanted.extend(100..200);
         Arc::clone(&plane).cover_once().await.expect("pass");
         assert_eq!(plane.ledger.charged().await.expect("charged").leases, 10);
+    }
+
+    /// Issue #12: a degraded node is never picked, and a node is never
+    /// given more than its capacity less what it says it holds, even when
+    /// the ledger charges it nothing (compute it adopted).
+    #[tokio::test]
+    async fn pick_node_skips_a_degraded_node_and_counts_what_the_node_says_it_holds() {
+        let (plane, _emulator) = plane(&["node-a", "node-b"]).await;
+        let (_tx_a, _rx_a) = plane.nodes[0].attach_for_test(1, 16);
+        let (_tx_b, _rx_b) = plane.nodes[1].attach_for_test(1, 16);
+        let none = HashMap::new();
+        let picked = |charged: &HashMap<String, (u64, u64)>| {
+            plane.pick_node(charged, &none).map(|n| n.name().to_owned())
+        };
+        // Both have 64 vCPU free; b holds 60 of them: a has more room.
+        plane.nodes[1].report_for_test(
+            pb::Capacity {
+                vcpu: 60,
+                memory_bytes: 1 << 30,
+            },
+            false,
+        );
+        assert_eq!(picked(&HashMap::new()).as_deref(), Some("node-a"));
+        // a degraded: only b, while it has room for one more (1 vCPU).
+        plane.nodes[0].report_for_test(pb::Capacity::default(), true);
+        assert_eq!(picked(&HashMap::new()).as_deref(), Some("node-b"));
+        // b holds all it has: nothing fits, whatever the ledger charges.
+        plane.nodes[1].report_for_test(
+            pb::Capacity {
+                vcpu: 64,
+                memory_bytes: 1 << 30,
+            },
+            false,
+        );
+        assert_eq!(picked(&HashMap::new()), None);
+        // The ledger's charge counts too when it is the larger.
+        plane.nodes[0].report_for_test(pb::Capacity::default(), false);
+        let full = HashMap::from([("node-a".to_owned(), (64, 0))]);
+        assert_eq!(picked(&full), None);
+    }
+
+    /// Issue #12: what a node reports in `Instances` or `Sweep` replaces
+    /// what it said in `Hello`.
+    #[tokio::test]
+    async fn a_sweep_report_updates_what_the_plane_believes_the_node_holds() {
+        let (plane, _emulator) = plane(&["node-a"]).await;
+        let (tx, _rx) = plane.nodes[0].attach_for_test(1, 16);
+        let held = pb::Capacity {
+            vcpu: 3,
+            memory_bytes: 3 << 30,
+        };
+        plane.nodes[0]
+            .answer_for_test(
+                pb::CommandResult {
+                    id: "sweep-1".into(),
+                    outcome: pb::Outcome::Ok.into(),
+                    instances: Some(pb::InstanceReport {
+                        inventory_known: true,
+                        held: Some(held),
+                        capacity: Some(pb::Capacity {
+                            vcpu: 4,
+                            memory_bytes: 4 << 30,
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                &tx,
+            )
+            .await;
+        let status = plane.nodes[0].status().borrow().clone().expect("attached");
+        assert_eq!(status.held, held);
+        assert_eq!(status.capacity.vcpu, 4);
+        // One vCPU left, and the tier needs one: still placeable, once.
+        let none = HashMap::new();
+        assert!(plane.pick_node(&HashMap::new(), &none).is_some());
+        let one_more = HashMap::from([("node-a".to_owned(), (4, 0))]);
+        assert!(plane.pick_node(&one_more, &none).is_none());
     }
 }

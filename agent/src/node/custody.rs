@@ -28,6 +28,17 @@ use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plu
 use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
 use crate::provider::{Instance, ProviderError, Teardown};
 
+/// What a sweep saw and how it ended ([`Runner::sweep_inventory`]).
+#[derive(Debug)]
+pub struct Swept {
+    /// The leases of the billet instances the provider listed when the
+    /// sweep began (orphans it then destroyed included); `None` when the
+    /// provider could not be listed, which is not the same as empty.
+    pub listed: Option<Vec<LeaseId>>,
+    /// How the sweep ended, as [`Runner::sweep`] answers.
+    pub result: Result<(), RunnerError>,
+}
+
 /// Where one custody step reads its instance from.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Seen<'a> {
@@ -282,18 +293,41 @@ impl Runner {
     /// [`RunnerError::Failed`] when the provider or the ledger cannot be read,
     /// or when some orphans could not be destroyed (the next sweep retries).
     pub async fn sweep(&self) -> Result<(), RunnerError> {
+        self.sweep_inventory().await.result
+    }
+
+    /// [`Runner::sweep`], saying also what the provider listed when the
+    /// sweep began: what `Sweep` reports to the plane.
+    pub async fn sweep_inventory(&self) -> Swept {
         let before = self.running_snapshot();
-        let instances = self
-            .provider
-            .list()
-            .await
-            .map_err(|e| RunnerError::Failed(format!("list instances: {e}")))?;
+        let instances = match self.provider.list().await {
+            Ok(instances) => instances,
+            Err(e) => {
+                return Swept {
+                    listed: None,
+                    result: Err(RunnerError::Failed(format!("list instances: {e}"))),
+                };
+            }
+        };
+        let listed = instances.iter().filter_map(Instance::lease).collect();
+        Swept {
+            listed: Some(listed),
+            result: self.sweep_listed(&before, &instances).await,
+        }
+    }
+
+    /// The sweep once the provider has been listed.
+    async fn sweep_listed(
+        &self,
+        before: &[(RequestId, Running)],
+        instances: &[Instance],
+    ) -> Result<(), RunnerError> {
         let inventory: Vec<(LeaseId, InstanceName)> = instances
             .iter()
             .filter_map(|i| i.lease().map(|l| (l.clone(), InstanceName::for_lease(&l))))
             .collect();
         let ids: Vec<LeaseId> = inventory.iter().map(|(l, _)| l.clone()).collect();
-        self.end_gone_runners(&before, &instances).await;
+        self.end_gone_runners(before, instances).await;
         match self.ledger.reconcile(&ids).await {
             Ok(freed) if freed > 0 => {
                 info!(freed, "the plane freed quarantined leases absent here")
@@ -775,6 +809,12 @@ impl Runner {
             discard: failing,
             ..CustodyEntry::job(lease.epoch, instance.clone(), lease.request_id, true)
         };
+        // Adopted compute is charged like launched compute: the plane
+        // places against what the node says it holds.
+        self.state()
+            .sizes
+            .entry(lease.id.clone())
+            .or_insert((lease.vcpu, lease.memory.0));
         self.hold(lease.id.clone(), entry).await;
     }
 

@@ -680,7 +680,25 @@ async fn execute(
                 (r, None)
             }
         },
-        NodeCommand::Sweep => (from_runner(runner.sweep().await), None),
+        // Reported like `Instances`, so the plane learns what the node
+        // holds on every maintenance pass, not only at `Hello`.
+        NodeCommand::Sweep => {
+            let swept = runner.sweep_inventory().await;
+            let report = pb::InstanceReport {
+                inventory_known: swept.listed.is_some(),
+                lease_ids: swept
+                    .listed
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|l| l.as_str().to_owned())
+                    .collect(),
+                capacity: Some(capacity),
+                held: Some(held(runner)),
+            };
+            let mut result = from_runner(swept.result);
+            result.instances = Some(report);
+            (result, None)
+        }
         NodeCommand::Tend => (from_runner(runner.tend().await), None),
         NodeCommand::Superseded => {
             runner.superseded().await;
@@ -1204,6 +1222,43 @@ mod scenarios {
         assert_eq!(after.held, Some(size), "the launched lease is not counted");
         assert_eq!(after.capacity, Some(capacity));
         assert_eq!(after.lease_ids.len(), 1);
+    }
+
+    /// Issue #12: every `Sweep` report carries the capacity and what the
+    /// held leases charge, like `Instances`, with the inventory it read.
+    #[tokio::test]
+    async fn a_sweep_report_says_the_capacity_and_what_the_held_leases_charge() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let _plane = open_plane(&link, default_answer);
+        let capacity = pb::Capacity {
+            vcpu: 8,
+            memory_bytes: 8 << 30,
+        };
+        let (id, command) = launch("c1");
+        let NodeCommand::Launch { lease, .. } = &command else {
+            panic!("not a launch");
+        };
+        let size = pb::Capacity {
+            vcpu: lease.vcpu,
+            memory_bytes: lease.memory.0,
+        };
+        let lease_id = lease.id.as_str().to_owned();
+        let (result, _) = execute(&runner, None, capacity, id.as_str(), command).await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        let (swept, _) = execute(&runner, None, capacity, "s1", NodeCommand::Sweep).await;
+        let report = swept.instances.expect("a sweep report");
+        assert_eq!(report.capacity, Some(capacity));
+        assert_eq!(report.held, Some(size));
+        assert!(report.inventory_known);
+        assert_eq!(report.lease_ids, vec![lease_id]);
+
+        // A provider that cannot be listed: no inventory, still the numbers.
+        provider.fail_next(crate::provider::fake::Operation::List, 1);
+        let (failed, _) = execute(&runner, None, capacity, "s2", NodeCommand::Sweep).await;
+        let report = failed.instances.expect("a sweep report");
+        assert!(!report.inventory_known && report.lease_ids.is_empty());
+        assert_eq!(report.held, Some(size));
     }
 
     /// 7.L.12
