@@ -390,6 +390,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
         PlaneError::Unavailable(_) => "unavailable",
         PlaneError::ForceRelease(_) => "force_release",
         PlaneError::Refused(_) => "refused",
+        PlaneError::ScaleSetNotFound(_) => "scale_set_not_found",
     }
 }
 

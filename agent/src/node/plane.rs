@@ -45,6 +45,11 @@ pub enum PlaneError {
     /// The plane refused the request for good.
     #[error("refused: {0}")]
     Refused(String),
+    /// A mint for a scale set GitHub does not have (deleted, or not yet
+    /// made): nothing this node can retry; the plane decides when to launch
+    /// for the set again.
+    #[error("scale set not found: {0}")]
+    ScaleSetNotFound(String),
 }
 
 impl PlaneError {
@@ -61,12 +66,12 @@ impl PlaneError {
             pb::ErrorCode::ForceRelease => Self::ForceRelease(m),
             // A scale set GitHub no longer has: nothing this node can retry;
             // the plane decides when to launch again.
+            pb::ErrorCode::ScaleSetNotFound => Self::ScaleSetNotFound(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
-            | pb::ErrorCode::ImageUnavailable
-            | pb::ErrorCode::ScaleSetNotFound => Self::Refused(m),
+            | pb::ErrorCode::ImageUnavailable => Self::Refused(m),
         }
     }
 
@@ -549,12 +554,12 @@ mod tests {
                 PlaneError::Unavailable(m)
             }
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
+            pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
-            | pb::ErrorCode::ImageUnavailable
-            | pb::ErrorCode::ScaleSetNotFound => PlaneError::Refused(m),
+            | pb::ErrorCode::ImageUnavailable => PlaneError::Refused(m),
         }
     }
 

@@ -25,7 +25,7 @@ use tracing::{info, warn};
 use super::custody::{CustodyEntry, Seen};
 use super::ending::Removals;
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
-use super::plane::{JitSource, LeaseStore};
+use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::edge::model::{
     Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
 };
@@ -73,6 +73,11 @@ pub enum RunnerError {
     /// answer), found before anything was bound or minted: retry later.
     #[error("{0}")]
     ProviderUnavailable(String),
+    /// A launch whose mint the plane answered `SCALE_SET_NOT_FOUND`: no
+    /// registration was made and nothing was created; the lease may be
+    /// released (wire code `ERROR_CODE_SCALE_SET_NOT_FOUND`).
+    #[error("{0}")]
+    ScaleSetNotFound(String),
 }
 
 impl RunnerError {
@@ -499,9 +504,11 @@ impl Runner {
                         "mint a JIT config for {name} failed ({mint_error}) and a registration it may have made could not be removed ({e}); holding the lease until it is"
                     )));
                 }
-                return Err(RunnerError::Failed(format!(
-                    "mint a JIT config for {name}: {mint_error}"
-                )));
+                let message = format!("mint a JIT config for {name}: {mint_error}");
+                return Err(match mint_error {
+                    PlaneError::ScaleSetNotFound(_) => RunnerError::ScaleSetNotFound(message),
+                    _ => RunnerError::Failed(message),
+                });
             }
         };
         record.runner_id = registration.runner_id;

@@ -594,6 +594,9 @@ async fn execute(
                 RunnerError::ProviderUnavailable(_) => {
                     (pb::Outcome::Refused, pb::ErrorCode::Unavailable)
                 }
+                RunnerError::ScaleSetNotFound(_) => {
+                    (pb::Outcome::Failed, pb::ErrorCode::ScaleSetNotFound)
+                }
                 RunnerError::Custody(_) | RunnerError::Failed(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::Unspecified)
                 }
@@ -1222,6 +1225,29 @@ mod scenarios {
         assert_eq!(after.held, Some(size), "the launched lease is not counted");
         assert_eq!(after.capacity, Some(capacity));
         assert_eq!(after.lease_ids.len(), 1);
+    }
+
+    /// Issue #12: a mint the plane answers `SCALE_SET_NOT_FOUND` fails the
+    /// launch with that code, not an untyped failure: nothing was created,
+    /// the lease may be released, and the plane reads the code.
+    #[tokio::test]
+    async fn a_mint_for_a_missing_scale_set_fails_the_launch_with_its_code() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let _plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::MintJit(_) => Err(pb::ErrorCode::ScaleSetNotFound),
+            other => default_answer(other),
+        });
+        let (id, command) = launch("c1");
+        let (result, launched) =
+            execute(&runner, None, pb::Capacity::default(), id.as_str(), command).await;
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert_eq!(
+            result.error.map(|e| e.code),
+            Some(pb::ErrorCode::ScaleSetNotFound as i32)
+        );
+        assert!(!result.custody && launched.is_none());
+        assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
     }
 
     /// Issue #12: every `Sweep` report carries the capacity and what the

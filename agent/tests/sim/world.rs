@@ -215,7 +215,7 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
     match r {
         Ok(()) => "ok",
         Err(RunnerError::Custody(_)) => "custody",
-        Err(RunnerError::Failed(_)) => "failed",
+        Err(RunnerError::Failed(_) | RunnerError::ScaleSetNotFound(_)) => "failed",
         Err(
             RunnerError::Refused(_)
             | RunnerError::ImageUnavailable { .. }
