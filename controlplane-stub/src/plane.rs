@@ -462,7 +462,20 @@ impl Plane {
                 None => loop {
                     match self.github.scale_set(&label).await {
                         Ok(id) => {
-                            *self.scale_set.lock().expect("scale set") = id;
+                            let old = std::mem::replace(
+                                &mut *self.scale_set.lock().expect("scale set"),
+                                id,
+                            );
+                            if old != id {
+                                // A set made again is a new set: GitHub
+                                // dropped the old one's jobs with it, so
+                                // they are not covered any more; the new
+                                // set's session assigns its own.
+                                let dropped =
+                                    std::mem::take(&mut self.cover.lock().expect("cover").wanted);
+                                info!(scale_set = %label, old = %old, new = %id, dropped = dropped.len(),
+                                      "the runner scale set was made again; listening on its new id");
+                            }
                             backoff = restart_backoff();
                             break;
                         }

@@ -441,6 +441,128 @@ async fn a_scale_set_github_says_is_gone_is_asked_about_once_per_30s_and_the_job
     cluster.shutdown().await
 }
 
+/// GitHub deletes the scale set while a launch mints for it, and it is
+/// made again by the same name, with a new id: the mint is answered with
+/// the typed `SCALE_SET_NOT_FOUND` (from GitHub's 404, to the node, back
+/// in the launch result); from then on at most one call about the set
+/// reaches GitHub per 30 s until it is found again; the deleted set's job
+/// (gone with it at GitHub) is no longer covered, and the new set's job
+/// runs exactly once, leaving nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_set_deleted_and_made_again_with_a_new_id_is_typed_asked_about_once_per_30s_and_its_job_runs()
+-> Result<()> {
+    let cluster = Cluster::start(options(1500)).await?;
+    let starts = Starts::watch(&cluster);
+    let mut events = cluster.plane.subscribe();
+    let old = cluster.plane.scale_set();
+    // Minting takes four seconds: the set is deleted while it waits.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GenerateJitConfig, Duration::from_secs(4)).times(1));
+    let gone = cluster.queue_jobs(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cluster
+        .plane
+        .ledger()
+        .leases()
+        .await?
+        .iter()
+        .any(|l| l.phase == Phase::Launching)
+    {
+        if Instant::now() > deadline {
+            bail!("no launch started minting");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let github = cluster.emulator.client();
+    github.delete_runner_scale_set(old).await?;
+    let new = github
+        .create_runner_scale_set(&scaleset::RunnerScaleSetSpec::new(
+            billet_tests::cluster::TIER,
+        ))
+        .await?
+        .id;
+    assert_ne!(new, old);
+    let calls_about_the_set = || {
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len()
+            + cluster.emulator.requests_to(Endpoint::ScaleSets).len()
+    };
+    let before = calls_about_the_set();
+    let calls: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let watch = async {
+        let mut seen = before;
+        loop {
+            let now = calls_about_the_set();
+            if now > seen {
+                calls
+                    .lock()
+                    .expect("calls")
+                    .extend(std::iter::repeat_n(Instant::now(), now - seen));
+                seen = now;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let job = cluster
+        .emulator
+        .queue_job(new, [billet_tests::cluster::TIER]);
+    let typed = async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::LaunchFailed { code, .. })
+                    if code == Some(billet_proto::v1::ErrorCode::ScaleSetNotFound) =>
+                {
+                    return Ok(());
+                }
+                Ok(PlaneEvent::LaunchFailed { code, reason, .. }) => {
+                    bail!("a launch failed with {code:?}, not SCALE_SET_NOT_FOUND: {reason}")
+                }
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => bail!("plane events: {e}"),
+            }
+        }
+    };
+    let run = async {
+        tokio::time::timeout(Duration::from_secs(30), typed)
+            .await
+            .context("no launch failed with SCALE_SET_NOT_FOUND")??;
+        all_done_once(&cluster, &[job], &starts, Duration::from_secs(120)).await
+    };
+    tokio::select! {
+        done = run => done?,
+        () = watch => unreachable!("the watch never ends"),
+    }
+    assert_eq!(
+        cluster.plane.scale_set(),
+        new,
+        "the plane listens on the new set"
+    );
+    assert!(
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .all(|j| j.id != gone[0]),
+        "the deleted set's job is still at GitHub"
+    );
+    assert!(starts.of(gone[0]).is_empty(), "the deleted set's job ran");
+    let calls = calls.lock().expect("calls").clone();
+    assert!(
+        calls.len() >= 3,
+        "expected the 404, a lookup and a mint: {calls:?}"
+    );
+    let gap = calls[1].duration_since(calls[0]);
+    assert!(
+        gap >= Duration::from_secs(29),
+        "GitHub was asked about the missing set again after {gap:?}"
+    );
+    cluster.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_partitioned_for_60s_has_its_leases_quarantined_never_freed_and_reconciled_on_heal()
 -> Result<()> {
