@@ -512,9 +512,10 @@ async fn a_scale_set_deleted_and_made_again_with_a_new_id_is_typed_asked_about_o
     let typed = async {
         loop {
             match events.recv().await {
-                Ok(PlaneEvent::LaunchFailed { code, .. })
-                    if code == Some(billet_proto::v1::ErrorCode::ScaleSetNotFound) =>
-                {
+                Ok(PlaneEvent::LaunchFailed {
+                    code: Some(billet_proto::v1::ErrorCode::ScaleSetNotFound),
+                    ..
+                }) => {
                     return Ok(());
                 }
                 Ok(PlaneEvent::LaunchFailed { code, reason, .. }) => {
