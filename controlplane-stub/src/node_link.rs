@@ -25,6 +25,10 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::calls::CallHandler;
 
+/// The session id of commands handed over by a recycled session before
+/// its successor's `Hello` was read: they belong to the next one to open.
+const NEXT_SESSION: u64 = u64::MAX;
+
 /// Most launch tombstones kept per node.
 const MAX_TOMBSTONES: usize = 1024;
 
@@ -101,6 +105,16 @@ impl CommandOutcome {
             CommandOutcome::NotDelivered(why) => format!("not delivered: {why}"),
         }
     }
+}
+
+/// How a session that opened ended.
+#[derive(Debug)]
+enum Ended {
+    /// The stream ended or the plane is stopping.
+    Closed,
+    /// The node asked for a new session (its connection reaches its
+    /// maximum age); this one, by id, goes on answering what is in flight.
+    Reattach(u64),
 }
 
 /// A dial or session failure.
@@ -258,17 +272,27 @@ impl NodeLink {
             }
             let sessions = self.next_session.load(Ordering::Relaxed);
             let attempt = self.session(&tls, &open, &calls, &shutdown).await;
-            self.end_session();
+            match attempt {
+                Ok(Ended::Reattach(id)) => {
+                    // The node asked for a fresh connection: dial again at
+                    // once; what is in flight stays in flight.
+                    self.retire_session(id);
+                    backoff = Duration::from_millis(200);
+                    continue;
+                }
+                Ok(Ended::Closed) => {
+                    self.end_session();
+                    backoff = Duration::from_millis(200);
+                }
+                Err(e) => {
+                    self.end_session();
+                    warn!(node = %self.target.name, addr = %self.target.addr, error = %e, "node session failed");
+                }
+            }
             // A session that was established and then ended is not a failed
             // dial: the next one starts from the shortest backoff.
             if self.next_session.load(Ordering::Relaxed) != sessions {
                 backoff = Duration::from_millis(200);
-            }
-            match attempt {
-                Ok(()) => backoff = Duration::from_millis(200),
-                Err(e) => {
-                    warn!(node = %self.target.name, addr = %self.target.addr, error = %e, "node session failed")
-                }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -285,7 +309,7 @@ impl NodeLink {
         open: &pb::Open,
         calls: &Arc<CallHandler>,
         shutdown: &CancellationToken,
-    ) -> Result<(), LinkError> {
+    ) -> Result<Ended, LinkError> {
         let channel = dial(&self.target, tls).await?;
         let (tx, rx) = mpsc::channel::<pb::PlaneMessage>(256);
         let mut open = open.clone();
@@ -344,7 +368,15 @@ impl NodeLink {
         let session = self.next_session.fetch_add(1, Ordering::Relaxed);
         info!(node = %self.target.name, session, incarnation = %hello.incarnation,
               inventory_known = hello.inventory_known, instances = hello.instances.len(), "node attached");
-        self.shared.lock().expect("link").session = Some((session, tx.clone()));
+        {
+            let mut shared = self.shared.lock().expect("link");
+            shared.session = Some((session, tx.clone()));
+            for (s, _) in shared.in_flight.values_mut() {
+                if *s == NEXT_SESSION {
+                    *s = session;
+                }
+            }
+        }
         *self.detached_since.lock().expect("link") = None;
         let health = pb::NodeStatus {
             degraded: hello.degraded,
@@ -359,10 +391,44 @@ impl NodeLink {
             health,
         }));
 
+        let served = self
+            .serve(session, &mut inbound, &tx, calls, shutdown, false)
+            .await;
+        if matches!(served, Ok(Ended::Reattach(_))) {
+            // The old session keeps answering what is in flight on it until
+            // the node closes it; the caller dials a new one meanwhile.
+            let (this, calls, shutdown) = (Arc::clone(self), Arc::clone(calls), shutdown.clone());
+            tokio::spawn(
+                async move {
+                    let _client = client;
+                    let drained = this
+                        .serve(session, &mut inbound, &tx, &calls, &shutdown, true)
+                        .await;
+                    debug!(session, ?drained, "a recycled session ended");
+                    this.end_drained(session);
+                }
+                .instrument(info_span!("recycled_session", session)),
+            );
+        }
+        served
+    }
+
+    /// Serves an open session's inbound messages until it ends; unless
+    /// `draining`, returns [`Ended::Reattach`] as soon as the node asks for
+    /// a new session.
+    async fn serve(
+        self: &Arc<Self>,
+        session: u64,
+        inbound: &mut tonic::Streaming<pb::NodeMessage>,
+        tx: &mpsc::Sender<pb::PlaneMessage>,
+        calls: &Arc<CallHandler>,
+        shutdown: &CancellationToken,
+        draining: bool,
+    ) -> Result<Ended, LinkError> {
         let mut partitioned = self.faults.partitioned.subscribe();
         loop {
             let message = tokio::select! {
-                () = shutdown.cancelled() => return Ok(()),
+                () = shutdown.cancelled() => return Ok(Ended::Closed),
                 _ = partitioned.wait_for(|p| *p) => {
                     return Err(LinkError::Session("fault injection: partitioned from the node".into()));
                 }
@@ -371,7 +437,7 @@ impl NodeLink {
             let body = match message {
                 Ok(Some(pb::NodeMessage { body: Some(body) })) => body,
                 Ok(Some(_)) => continue,
-                Ok(None) => return Ok(()),
+                Ok(None) => return Ok(Ended::Closed),
                 Err(s) => {
                     return Err(LinkError::Session(format!(
                         "session with {} broke: {}",
@@ -387,7 +453,7 @@ impl NodeLink {
                             "fault injection: session cut on a destroy result".into(),
                         ));
                     }
-                    self.on_result(result, &tx).await;
+                    self.on_result(result, tx).await;
                 }
                 pb::node_message::Body::Call(call) => {
                     let calls = Arc::clone(calls);
@@ -406,7 +472,11 @@ impl NodeLink {
                     );
                 }
                 pb::node_message::Body::Hello(_) => warn!("ignored a second Hello"),
+                pb::node_message::Body::Status(health) if draining => {
+                    debug!(session, ?health, "status on a recycled session");
+                }
                 pb::node_message::Body::Status(health) => {
+                    let reattach = health.reattach;
                     let was = self.status.borrow().as_ref().map(NodeStatus::degraded);
                     if was != Some(health.degraded) {
                         info!(node = %self.target.name, degraded = health.degraded,
@@ -418,6 +488,11 @@ impl NodeLink {
                             s.health = health;
                         }
                     });
+                    if reattach {
+                        info!(node = %self.target.name, session,
+                              "the node recycles this session's connection; attaching anew");
+                        return Ok(Ended::Reattach(session));
+                    }
                 }
             }
         }
@@ -489,6 +564,42 @@ impl NodeLink {
             .await;
         if let Some(waiter) = waiter {
             let _ = waiter.send(CommandOutcome::Answered(result));
+        }
+    }
+
+    /// Stops sending on session `id` (the node asked for a new one): new
+    /// commands wait for the next session, and what is in flight on it
+    /// stays in flight.
+    fn retire_session(&self, id: u64) {
+        let mut shared = self.shared.lock().expect("link");
+        if shared.session.as_ref().is_some_and(|(s, _)| *s == id) {
+            shared.session = None;
+            drop(shared);
+            *self.detached_since.lock().expect("link") = Some(std::time::Instant::now());
+            self.status.send_replace(None);
+        }
+    }
+
+    /// A recycled session `ended` is over: the node answers what was in
+    /// flight on it on its newer session, so those commands now belong to
+    /// the current one, or to the next one to open.
+    fn end_drained(&self, ended: u64) {
+        let mut shared = self.shared.lock().expect("link");
+        let current = shared.session.as_ref().map(|(s, _)| *s);
+        let left: Vec<String> = shared
+            .in_flight
+            .iter()
+            .filter(|(_, (s, _))| *s == ended)
+            .map(|(id, _)| id.clone())
+            .collect();
+        // Between the two (the newer session's Hello not yet read), they
+        // wait for whichever session opens next; their own deadlines still
+        // bound them.
+        let to = current.unwrap_or(NEXT_SESSION);
+        for id in left {
+            if let Some(entry) = shared.in_flight.get_mut(&id) {
+                entry.0 = to;
+            }
         }
     }
 

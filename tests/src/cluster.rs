@@ -73,6 +73,9 @@ pub struct ClusterOptions {
     pub tier_memory_bytes: u64,
     /// The runner image; the stand-in by default.
     pub tier_image: String,
+    /// The node certificates' lifetime from now, when short-lived ones are
+    /// wanted (the CA's and the plane's stay as usual).
+    pub node_cert_lifetime: Option<Duration>,
 }
 
 impl Default for ClusterOptions {
@@ -96,6 +99,7 @@ impl Default for ClusterOptions {
             tier_env: Vec::new(),
             tier_memory_bytes: 256 << 20,
             tier_image: STANDIN_IMAGE.into(),
+            node_cert_lifetime: None,
         }
     }
 }
@@ -532,7 +536,19 @@ impl Cluster {
         };
         let deployment = format!("dep{}", &uuid_like()[..8]);
         let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
-        let certs = billet_certs_dev::generate(&dir.join("certs"), "plane", &names)?;
+        let certs = billet_certs_dev::generate_with_nodes(
+            &dir.join("certs"),
+            "plane",
+            &names,
+            &billet_certs_dev::Options::default(),
+            &billet_certs_dev::NodeOptions {
+                validity: options
+                    .node_cert_lifetime
+                    .map(billet_certs_dev::Validity::lasting)
+                    .transpose()?,
+                ..Default::default()
+            },
+        )?;
 
         let emulator = Emulator::builder()
             .long_poll(Duration::from_millis(300))

@@ -184,3 +184,109 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
     );
     cluster.shutdown().await
 }
+
+/// A session outlives no certificate it was opened with: with a node
+/// certificate of 90 s, the node asks the plane to attach anew at three
+/// quarters of the lifetime left, the plane opens a new session on a new
+/// connection, and the old one closes once nothing on it awaits an answer.
+/// Jobs launched back to back across the hand-over all run: no launch
+/// fails or is lost, nothing is replaced, and the node never restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_is_recycled_before_its_certificate_expires_without_losing_a_command()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        node_cert_lifetime: Some(Duration::from_secs(90)),
+        work_ms: 1000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let link = cluster.plane.node("node-1").context("node")?;
+    let incarnation = link
+        .status()
+        .borrow()
+        .clone()
+        .context("attached")?
+        .hello
+        .incarnation;
+    let mut events = cluster.plane.subscribe();
+    let node = &cluster.nodes["node-1"];
+    let handed_over = || {
+        node.log_text()
+            .contains("the plane attached anew; the recycled session closes")
+    };
+
+    // Jobs one after another, each queued once the one before launched,
+    // until two have launched after the hand-over.
+    let mut jobs = Vec::new();
+    let mut after = 0;
+    let started = tokio::time::Instant::now();
+    while after < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(85),
+            "no hand-over before the certificate expired; node log:\n{}",
+            node.log_text()
+        );
+        jobs.extend(cluster.queue_jobs(1));
+        let launched = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                match events.recv().await {
+                    Ok(billet_controlplane_stub::plane::PlaneEvent::Launched { .. }) => {
+                        return Ok(());
+                    }
+                    Ok(billet_controlplane_stub::plane::PlaneEvent::LaunchFailed {
+                        reason,
+                        ..
+                    }) => return Err(reason),
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        })
+        .await;
+        match launched {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => panic!(
+                "a launch failed across the recycle: {reason}; node log:\n{}",
+                node.log_text()
+            ),
+            Err(_) => panic!(
+                "job {} did not launch within 30 s; node log:\n{}",
+                jobs.len(),
+                node.log_text()
+            ),
+        }
+        if handed_over() {
+            after += 1;
+        }
+    }
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(30))
+        .await?;
+    let log = node.log_text();
+    assert!(
+        log.contains("asking the plane to attach anew"),
+        "the node never asked:\n{log}"
+    );
+    assert!(
+        !log.contains("taking custody") && !log.contains("expired before it started"),
+        "a command was lost or expired across the recycle:\n{log}"
+    );
+    assert_eq!(
+        log.matches("billet node serving").count(),
+        1,
+        "the node restarted:\n{log}"
+    );
+    let now = link.status().borrow().clone().context("attached")?;
+    assert_eq!(now.hello.incarnation, incarnation, "the node restarted");
+    assert!(now.session > 1, "no new session: {now:?}");
+    let state = cluster.emulator.state();
+    for id in &jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+    }
+    eprintln!("{} jobs ran across the recycle", jobs.len());
+    cluster.shutdown().await
+}

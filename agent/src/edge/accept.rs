@@ -20,6 +20,7 @@
 //! server can recycle the connection before then.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::future::Future as _;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -66,6 +67,125 @@ pub struct Accepted {
     /// and the plane's certificate expires, on this node's monotonic clock;
     /// `None` when neither could be read.
     pub certificates_expire: Option<Instant>,
+}
+
+/// What share of the certificates' remaining lifetime a connection may
+/// live before its sessions are asked to move to a new connection.
+const RECYCLE_SHARE: (u32, u32) = (3, 4);
+
+/// What share of it passes before the connection is cut regardless.
+const CUT_SHARE: (u32, u32) = (9, 10);
+
+/// What the node knows of a connection; in the extensions of every request
+/// that arrives on it.
+#[derive(Debug, Clone)]
+pub struct ConnectionInfo {
+    /// Who dialed.
+    pub peer: SocketAddr,
+    /// When the sessions on it are asked to attach anew on a new connection
+    /// (three quarters of the certificates' remaining lifetime at the
+    /// handshake); `None` when no expiry could be read.
+    pub recycle_at: Option<Instant>,
+    /// When it is cut regardless (nine tenths of that lifetime): a
+    /// connection never outlives the certificates it was opened with.
+    pub cut_at: Option<Instant>,
+}
+
+impl Accepted {
+    /// The connection as the server serves it, aged from now.
+    pub fn into_connection(self) -> Connection {
+        let (recycle_at, cut_at) = ages(Instant::now(), self.certificates_expire);
+        Connection {
+            stream: self.stream,
+            info: ConnectionInfo {
+                peer: self.peer,
+                recycle_at,
+                cut_at,
+            },
+            cut: cut_at.map(|at| Box::pin(tokio::time::sleep_until(at))),
+        }
+    }
+}
+
+/// When a connection opened at `now` whose certificates expire at
+/// `expires` is recycled and when it is cut.
+fn ages(now: Instant, expires: Option<Instant>) -> (Option<Instant>, Option<Instant>) {
+    let share =
+        |(n, d): (u32, u32)| expires.map(|at| now + at.saturating_duration_since(now) * n / d);
+    (share(RECYCLE_SHARE), share(CUT_SHARE))
+}
+
+/// An accepted mTLS connection that fails every read and write once its
+/// [`ConnectionInfo::cut_at`] passes.
+#[derive(Debug)]
+pub struct Connection {
+    stream: TlsStream<TcpStream>,
+    info: ConnectionInfo,
+    cut: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Connection {
+    /// Whether the cut is due; registers for a wake-up when it is not.
+    fn cut_due(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.cut
+            .as_mut()
+            .is_some_and(|cut| cut.as_mut().poll(cx).is_ready())
+    }
+}
+
+fn aged_out() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the connection reached its maximum age (the certificates it was opened with expire soon)",
+    )
+}
+
+impl tokio::io::AsyncRead for Connection {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        if self.cut_due(cx) {
+            return std::task::Poll::Ready(Err(aged_out()));
+        }
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Connection {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        if self.cut_due(cx) {
+            return std::task::Poll::Ready(Err(aged_out()));
+        }
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Connection {
+    type ConnectInfo = ConnectionInfo;
+
+    fn connect_info(&self) -> ConnectionInfo {
+        self.info.clone()
+    }
 }
 
 /// Why a connection was refused, as the log counts it.
@@ -369,6 +489,22 @@ mod tests {
 
     fn ip(last: u8) -> IpAddr {
         IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn a_connection_is_recycled_at_three_quarters_of_its_certificates_lifetime_and_cut_at_nine_tenths()
+     {
+        let now = Instant::now();
+        let (recycle, cut) = ages(now, Some(now + Duration::from_secs(100)));
+        assert_eq!(recycle, Some(now + Duration::from_secs(75)));
+        assert_eq!(cut, Some(now + Duration::from_secs(90)));
+        assert_eq!(ages(now, None), (None, None), "no expiry read, no age");
+        let (recycle, cut) = ages(now, now.checked_sub(Duration::from_secs(1)));
+        assert_eq!(
+            (recycle, cut),
+            (Some(now), Some(now)),
+            "already expired: at once"
+        );
     }
 
     #[test]

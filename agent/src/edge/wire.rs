@@ -181,6 +181,7 @@ pub fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
         reasons: degraded_reasons(snapshot),
         clock_offset_ms: snapshot.clock_offset_ms.unwrap_or(0),
         certificate_not_after_unix_ms: snapshot.certificate_not_after_unix_ms(),
+        reattach: false,
     }
 }
 

@@ -181,6 +181,12 @@ pub struct SessionLink {
     acks: Mutex<HashMap<String, oneshot::Sender<pb::AckVerdict>>>,
     /// Fires when the session ends, for any reason.
     pub closed: CancellationToken,
+    /// Fires when its connection nears its maximum age and the plane is
+    /// asked to attach anew ([`SessionLink::recycle`]).
+    pub recycling: CancellationToken,
+    /// The session that replaced this one after a recycle: results of
+    /// commands that came on this one go there once it is closed.
+    successor: Mutex<Option<Arc<SessionLink>>>,
 }
 
 impl SessionLink {
@@ -192,7 +198,51 @@ impl SessionLink {
             calls: Mutex::new(HashMap::new()),
             acks: Mutex::new(HashMap::new()),
             closed: CancellationToken::new(),
+            recycling: CancellationToken::new(),
+            successor: Mutex::new(None),
         }
+    }
+
+    /// Marks the session as recycled: the plane is asked to attach anew,
+    /// and the session that replaces it takes over its answers.
+    pub fn recycle(&self) {
+        self.recycling.cancel();
+    }
+
+    /// Hands a recycled session's future answers to `newer`, and closes
+    /// this one once nothing it sent awaits an answer (no node call
+    /// waiting for its reply, no result for its acknowledgement), or after
+    /// `bound`.
+    pub async fn hand_over(self: Arc<Self>, newer: Arc<SessionLink>, bound: Duration) {
+        *self.successor.lock().expect("successor") = Some(newer);
+        let deadline = tokio::time::Instant::now() + bound;
+        let mut check = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            let idle = self.calls.lock().expect("calls").is_empty()
+                && self.acks.lock().expect("acks").is_empty();
+            if idle || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::select! {
+                () = self.closed.cancelled() => break,
+                _ = check.tick() => {}
+            }
+        }
+        self.close();
+    }
+
+    /// Where an answer for a command that came on this session goes: this
+    /// session while it is open, else the one a recycle handed it to.
+    pub fn live(self: &Arc<Self>) -> Arc<SessionLink> {
+        let mut at = Arc::clone(self);
+        while at.closed.is_cancelled() {
+            let next = at.successor.lock().expect("successor").clone();
+            match next {
+                Some(next) => at = next,
+                None => break,
+            }
+        }
+        at
     }
 
     /// Sends one message; fails when the session has ended.

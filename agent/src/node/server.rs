@@ -575,7 +575,9 @@ pub async fn run(
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(
-            tokio_stream::StreamExt::map(ReceiverStream::new(incoming), |a| a.map(|a| a.stream)),
+            tokio_stream::StreamExt::map(ReceiverStream::new(incoming), |a| {
+                a.map(crate::edge::accept::Accepted::into_connection)
+            }),
             shutdown.cancelled(),
         );
     // A graceful stop waits for clients to hang up; one that never does

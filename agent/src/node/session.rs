@@ -31,6 +31,9 @@ pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a result waits for its acknowledgement before the node assumes
 /// the plane missed it.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a recycled session stays open, after the plane attached anew,
+/// for the answers it still awaits.
+pub const RECYCLE_DRAIN: Duration = Duration::from_secs(30);
 /// Messages buffered toward the plane per session.
 const OUTBOUND_BUFFER: usize = 256;
 
@@ -268,7 +271,14 @@ impl pb::node_server::Node for NodeService {
         &self,
         request: Request<Streaming<pb::PlaneMessage>>,
     ) -> Result<Response<Self::AttachStream>, Status> {
-        let peer = request.remote_addr();
+        let connection = request
+            .extensions()
+            .get::<crate::edge::accept::ConnectionInfo>()
+            .cloned();
+        let peer = connection
+            .as_ref()
+            .map(|c| c.peer)
+            .or_else(|| request.remote_addr());
         let mut inbound = request.into_inner();
         let first = tokio::time::timeout(OPEN_TIMEOUT, inbound.message())
             .await
@@ -293,12 +303,38 @@ impl pb::node_server::Node for NodeService {
             .await
             .map_err(|_| Status::unavailable("session closed during Hello"))?;
         if let Some(old) = self.link.install(Arc::clone(&session), ttl) {
-            info!(
-                old = old.id,
-                new = id,
-                "a newer session replaces the older one"
-            );
-            old.close();
+            if old.recycling.is_cancelled() {
+                info!(
+                    old = old.id,
+                    new = id,
+                    "the plane attached anew; the recycled session closes once nothing on it awaits an answer"
+                );
+                tokio::spawn(old.hand_over(Arc::clone(&session), RECYCLE_DRAIN));
+            } else {
+                info!(
+                    old = old.id,
+                    new = id,
+                    "a newer session replaces the older one"
+                );
+                old.close();
+            }
+        }
+        // Before its connection's certificates expire, the plane is asked
+        // to attach anew (the connection itself is cut a little later).
+        if let Some(recycle_at) = connection.as_ref().and_then(|c| c.recycle_at) {
+            let session = Arc::clone(&session);
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = session.closed.cancelled() => {}
+                    () = tokio::time::sleep_until(recycle_at) => {
+                        info!(
+                            session = session.id,
+                            "this session's connection nears its maximum age (its certificates expire soon); asking the plane to attach anew"
+                        );
+                        session.recycle();
+                    }
+                }
+            });
         }
         info!(
             session = id,
@@ -313,7 +349,8 @@ impl pb::node_server::Node for NodeService {
             let (session, mut health) = (Arc::clone(&session), self.health.subscribe());
             tokio::spawn(async move {
                 loop {
-                    let status = wire::node_status(&health.borrow_and_update());
+                    let mut status = wire::node_status(&health.borrow_and_update());
+                    status.reattach = session.recycling.is_cancelled();
                     if session
                         .send(pb::node_message::Body::Status(status))
                         .await
@@ -324,6 +361,7 @@ impl pb::node_server::Node for NodeService {
                     tokio::select! {
                         () = session.closed.cancelled() => return,
                         changed = health.changed() => if changed.is_err() { return },
+                        () = session.recycling.cancelled(), if !session.recycling.is_cancelled() => {}
                     }
                 }
             });
@@ -539,6 +577,8 @@ pub async fn execute_commands(
         .await;
         // Expected before the command stops counting as in flight, so a
         // drain never sees a gap between the two (server.rs, DRAIN_SETTLE).
+        // A session recycled and closed since hands its answers on.
+        let session = session.live();
         let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
         if let Err(e) = executor
