@@ -52,7 +52,7 @@ pub const MAX_PENDING_PER_PEER: usize = 8;
 pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
 
 /// Refusal lines logged per [`REFUSAL_LOG_WINDOW`]; the rest are counted.
-pub const REFUSAL_LOG_BURST: u32 = 3;
+pub const REFUSAL_LOG_BURST: u32 = 10;
 
 /// A finished mTLS session from the plane.
 #[derive(Debug)]
