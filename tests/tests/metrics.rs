@@ -185,6 +185,21 @@ async fn prometheus_scrapes_a_nodes_launches_and_lease_state_while_a_job_runs() 
             Duration::from_secs(10),
         )
         .await?;
+    // Health: one series per degraded reason, none set on a healthy node,
+    // and the clock offset the session measured (this host's own clock).
+    let reasons = prometheus
+        .wait_value("count(billet_degraded)", Duration::from_secs(10))
+        .await?;
+    assert_eq!(reasons, 7.0, "one billet_degraded series per reason");
+    prometheus
+        .wait_value("sum(billet_degraded) == 0", Duration::from_secs(10))
+        .await?;
+    prometheus
+        .wait_value(
+            "abs(billet_clock_offset_seconds) < 5",
+            Duration::from_secs(10),
+        )
+        .await?;
     prometheus
         .wait_value(
             "billet_journal_write_duration_seconds_count{call=\"put_launch\"} >= 1",
