@@ -457,6 +457,15 @@ impl NodeProcess {
         self.spawn().await
     }
 
+    /// The process id of the node, while it runs as this process's child
+    /// or as an installed node with a recorded pid.
+    pub fn pid(&self) -> Option<u32> {
+        match &self.installed {
+            Some(installed) => installed.pid().ok(),
+            None => self.child.as_ref().and_then(Child::id),
+        }
+    }
+
     /// Everything it has logged so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -2,6 +2,7 @@
 //! runner image, make certificates, start the emulator, the plane and real
 //! node processes.
 
+pub mod bench;
 pub mod cluster;
 pub mod engine_proxy;
 pub mod image;
