@@ -132,6 +132,7 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
             Some(R::Launched(pb::LaunchedSet {
                 launched: leases.keys().cloned().collect(),
                 quarantined: Vec::new(),
+                leases: leases.values().cloned().collect(),
             })),
             None,
         ),

@@ -10,7 +10,7 @@ use billet_proto::v1 as pb;
 use tracing::warn;
 
 use crate::github::Github;
-use crate::ledger::{Ledger, LedgerError, Phase};
+use crate::ledger::{Lease, Ledger, LedgerError, Phase};
 
 /// How long a quarantined lease must stay absent from a node's inventory
 /// before the ledger frees it.
@@ -154,15 +154,20 @@ impl CallHandler {
                 Ok(None)
             }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
-                let mut results = Vec::with_capacity(leases.len());
-                for pb::LeaseEpoch { lease_id, epoch } in leases {
-                    let error = l
-                        .heartbeat(&lease_id, epoch, node, now)
-                        .await
-                        .err()
-                        .map(|e| ledger_error(&e));
-                    results.push(pb::HeartbeatResult { lease_id, error });
-                }
+                let asked: Vec<(String, u64)> = leases
+                    .into_iter()
+                    .map(|pb::LeaseEpoch { lease_id, epoch }| (lease_id, epoch))
+                    .collect();
+                // One write transaction for the whole batch.
+                let renewed = l.heartbeat_all(&asked, node, now).await.map_err(le)?;
+                let results = asked
+                    .into_iter()
+                    .zip(renewed)
+                    .map(|((lease_id, _), r)| pb::HeartbeatResult {
+                        lease_id,
+                        error: r.err().map(|e| ledger_error(&e)),
+                    })
+                    .collect();
                 Ok(Some(pb::plane_reply::Result::Heartbeats(
                     pb::HeartbeatResults { results },
                 )))
@@ -201,10 +206,15 @@ impl CallHandler {
                 Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
             }
             Call::Launched(pb::LaunchedLeases {}) => {
-                let (launched, quarantined) = l.launched(node).await.map_err(le)?;
+                // The leases themselves too, so a recovering node asks once.
+                let leases = l.launched_leases(node).await.map_err(le)?;
+                let (quarantined, launched): (Vec<&Lease>, Vec<&Lease>) =
+                    leases.iter().partition(|l| l.phase == Phase::Quarantine);
+                let ids = |v: Vec<&Lease>| v.into_iter().map(|l| l.id.clone()).collect();
                 Ok(Some(pb::plane_reply::Result::Launched(pb::LaunchedSet {
-                    launched,
-                    quarantined,
+                    launched: ids(launched),
+                    quarantined: ids(quarantined),
+                    leases: leases.iter().map(lease_to_wire).collect(),
                 })))
             }
             Call::Reconcile(pb::Reconcile { lease_ids }) => {

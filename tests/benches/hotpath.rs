@@ -216,7 +216,8 @@ struct EchoServer {
 
 impl EchoServer {
     async fn start(cluster: &Cluster) -> Result<Self> {
-        let read = |p: &std::path::Path| std::fs::read(p).with_context(|| format!("read {}", p.display()));
+        let read =
+            |p: &std::path::Path| std::fs::read(p).with_context(|| format!("read {}", p.display()));
         let node = cluster.certs.node(NODE).context("node certificate")?;
         let tls = ServerTlsConfig::new()
             .identity(Identity::from_pem(read(&node.cert)?, read(&node.key)?))
@@ -403,7 +404,11 @@ async fn run(config: Config) -> Result<()> {
     let _ = renewer.await;
     let leftovers = bench.clean_up().await;
     bench.echo.stop.cancel();
-    bench.cluster.shutdown().await.context("shut the cluster down")?;
+    bench
+        .cluster
+        .shutdown()
+        .await
+        .context("shut the cluster down")?;
     let _ = std::fs::remove_dir_all(&dir);
     let Some(measured) = measured else {
         bail!("interrupted; everything was cleaned up");
@@ -416,7 +421,9 @@ async fn run(config: Config) -> Result<()> {
         leftovers.join("; ")
     );
     if !config.measuring {
-        println!("hotpath bench: one small pass ran and was cleaned up (run with `cargo bench` to measure)");
+        println!(
+            "hotpath bench: one small pass ran and was cleaned up (run with `cargo bench` to measure)"
+        );
     }
     Ok(())
 }
@@ -494,7 +501,10 @@ impl Bench {
         );
         println!("  {:<58} {:>9} {:>9} {:>9}", "µs", "median", "p90", "min");
         for (label, s) in [
-            ("(a) Tend, nothing held: plane dispatch -> node result", &tend),
+            (
+                "(a) Tend, nothing held: plane dispatch -> node result",
+                &tend,
+            ),
             ("(b) bare tonic unary call", &unary),
             ("(c) bare bidi stream, one message at a time", &ping_pong),
         ] {
@@ -523,7 +533,10 @@ impl Bench {
         );
         println!();
         println!("node RSS");
-        println!("  idle after start-up:                     {:>8.1} MiB", mib(rss_idle));
+        println!(
+            "  idle after start-up:                     {:>8.1} MiB",
+            mib(rss_idle)
+        );
         println!(
             "  after {} more no-op commands ({:.1}s): {:>8.1} MiB",
             config.noops,
@@ -612,7 +625,10 @@ impl Bench {
         let mut status = node.status();
         let hello = tokio::time::timeout(
             Duration::from_secs(60),
-            status.wait_for(|s| s.as_ref().is_some_and(|s| Some(&s.hello.incarnation) != old.as_ref())),
+            status.wait_for(|s| {
+                s.as_ref()
+                    .is_some_and(|s| Some(&s.hello.incarnation) != old.as_ref())
+            }),
         )
         .await
         .context("the restarted node did not attach within 60s")?
@@ -626,10 +642,17 @@ impl Bench {
             hello.instances.len()
         );
         let outcome = node
-            .dispatch(pb::command::Kind::Instances(pb::Instances {}), COMMAND_TIMEOUT)
+            .dispatch(
+                pb::command::Kind::Instances(pb::Instances {}),
+                COMMAND_TIMEOUT,
+            )
             .await;
         let recovery = attached.elapsed();
-        ensure!(outcome.is_ok(), "Instances after recovery: {}", outcome.describe());
+        ensure!(
+            outcome.is_ok(),
+            "Instances after recovery: {}",
+            outcome.describe()
+        );
         let after_recovery = self.read_metrics().await?;
         let rss = rss_bytes(self.pid()?)?;
 
@@ -652,20 +675,27 @@ impl Bench {
                 .dispatch(pb::command::Kind::Tend(pb::Tend {}), COMMAND_TIMEOUT)
                 .await;
             tends.push(started.elapsed());
-            ensure!(outcome.is_ok(), "Tend with {n} held: {}", outcome.describe());
+            ensure!(
+                outcome.is_ok(),
+                "Tend with {n} held: {}",
+                outcome.describe()
+            );
             tend_delta = self.read_metrics().await?.since(&before);
-            slot.push(Duration::from_secs_f64(tend_delta.sum(
-                "billet_command_duration_seconds_sum",
-                &[("kind", "tend")],
-            )));
+            slot.push(Duration::from_secs_f64(
+                tend_delta.sum("billet_command_duration_seconds_sum", &[("kind", "tend")]),
+            ));
         }
 
         let keepalive = if n == 0 {
             MetricsReading::default()
         } else {
             let before = self.read_metrics().await?;
-            let heartbeats =
-                |m: &MetricsReading| m.sum("billet_plane_call_duration_seconds_count", &[("call", "heartbeat")]);
+            let heartbeats = |m: &MetricsReading| {
+                m.sum(
+                    "billet_plane_call_duration_seconds_count",
+                    &[("call", "heartbeat")],
+                )
+            };
             let since = Instant::now();
             loop {
                 let now = self.read_metrics().await?;
@@ -685,15 +715,22 @@ impl Bench {
             recovery,
             recovery_baseline: Duration::from_secs_f64(baselines.median_ms() / 1000.0),
             recovery_plane: counts(&after_recovery, "billet_plane_call_duration_seconds_count"),
-            recovery_docker: counts(&after_recovery, "billet_provider_call_duration_seconds_count"),
-            recovery_journal: counts(&after_recovery, "billet_journal_write_duration_seconds_count"),
+            recovery_docker: counts(
+                &after_recovery,
+                "billet_provider_call_duration_seconds_count",
+            ),
+            recovery_journal: counts(
+                &after_recovery,
+                "billet_journal_write_duration_seconds_count",
+            ),
             tend: Duration::from_secs_f64(tends.median_ms() / 1000.0),
             tend_slot: Duration::from_secs_f64(slot.median_ms() / 1000.0),
             tend_plane: counts(&tend_delta, "billet_plane_call_duration_seconds_count"),
             tend_docker: counts(&tend_delta, "billet_provider_call_duration_seconds_count"),
             tend_journal: counts(&tend_delta, "billet_journal_write_duration_seconds_count"),
             keepalive_plane: counts(&keepalive, "billet_plane_call_duration_seconds_count"),
-            keepalive_plane_ms: keepalive.sum("billet_plane_call_duration_seconds_sum", &[]) * 1000.0,
+            keepalive_plane_ms: keepalive.sum("billet_plane_call_duration_seconds_sum", &[])
+                * 1000.0,
             keepalive_docker: counts(&keepalive, "billet_provider_call_duration_seconds_count"),
             keepalive_journal: counts(&keepalive, "billet_journal_write_duration_seconds_count"),
             rss_bytes: rss,
@@ -850,7 +887,12 @@ impl Bench {
         }
         for runner in self.cluster.emulator.state().runners {
             found.push(format!("runner registration {}", runner.name));
-            let _ = self.cluster.emulator.client().remove_runner(runner.id).await;
+            let _ = self
+                .cluster
+                .emulator
+                .client()
+                .remove_runner(runner.id)
+                .await;
         }
         Ok(found)
     }

@@ -188,10 +188,7 @@ mod tests {
     #[test]
     fn a_reading_sums_by_name_and_labels_and_subtracts() {
         let a = MetricsReading(BTreeMap::from([
-            (
-                "billet_x_count{call=\"heartbeat\"}".to_owned(),
-                3.0,
-            ),
+            ("billet_x_count{call=\"heartbeat\"}".to_owned(), 3.0),
             ("billet_x_count{call=\"advance\"}".to_owned(), 2.0),
             ("billet_y_count{call=\"advance\"}".to_owned(), 9.0),
         ]));

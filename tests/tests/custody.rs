@@ -5,7 +5,6 @@
 //! outcome.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -15,7 +14,10 @@ use billet_controlplane_stub::ledger::{Lease, NewLease, Phase};
 use billet_controlplane_stub::node_link::CommandOutcome;
 use billet_controlplane_stub::now_ms;
 use billet_proto::v1 as pb;
-use billet_tests::cluster::{Cluster, ClusterOptions, TIER, scratch_dir, wait_until};
+use billet_tests::cluster::{Cluster, ClusterOptions, TIER, wait_until};
+// Cuts open connections too, as a stopped engine does: the node keeps its
+// connections to the engine between calls.
+use billet_tests::engine_proxy::EngineProxy;
 use scaleset::testing::{Endpoint, Fault, JobState};
 
 fn options(work_ms: u64) -> ClusterOptions {
@@ -377,45 +379,6 @@ async fn a_quarantined_lease_whose_container_is_gone_is_freed_only_after_the_gra
     cluster.shutdown().await
 }
 
-/// A Unix-socket proxy in front of the Docker engine that can be told to
-/// refuse: the engine "cannot be reached" while it is down.
-struct EngineProxy {
-    path: PathBuf,
-    up: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl EngineProxy {
-    async fn start() -> Result<Self> {
-        let path = scratch_dir("engine-proxy")?.join("docker.sock");
-        let listener = tokio::net::UnixListener::bind(&path)?;
-        let up = Arc::new(AtomicBool::new(true));
-        let flag = up.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if !flag.load(Ordering::SeqCst) {
-                    drop(client);
-                    continue;
-                }
-                tokio::spawn(async move {
-                    if let Ok(mut engine) =
-                        tokio::net::UnixStream::connect("/var/run/docker.sock").await
-                    {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut engine).await;
-                    }
-                });
-            }
-        });
-        Ok(Self { path, up, task })
-    }
-}
-
-impl Drop for EngineProxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity_is_freed()
 -> Result<()> {
@@ -431,7 +394,7 @@ async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity
     .await?;
     let jobs = cluster.queue_jobs(1);
     wait_job_running(&cluster, Duration::from_secs(30)).await?;
-    proxy.up.store(false, Ordering::SeqCst);
+    proxy.set_up(false);
 
     let node = cluster.plane.node("node-1").context("node")?;
     let outcome = node
@@ -494,7 +457,7 @@ async fn while_docker_cannot_be_reached_the_inventory_is_unknown_and_no_capacity
     }
     // The engine is back: the next vouched inventory frees it, and the job
     // that ran all along completes.
-    proxy.up.store(true, Ordering::SeqCst);
+    proxy.set_up(true);
     let freed = wait_lease_phase(&cluster, Phase::Failed, Duration::from_secs(30)).await?;
     assert_eq!(freed.id, lease.id);
     end_done(&cluster, &jobs).await?;

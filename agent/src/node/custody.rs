@@ -50,6 +50,16 @@ pub(super) enum Seen<'a> {
     Ask,
 }
 
+/// How one custody step learns whether its lease was renewed.
+#[derive(Debug)]
+pub(super) enum Renewal {
+    /// This tend's one batched heartbeat answered for the lease (`None`:
+    /// its answer did not name the lease).
+    Answered(Option<Result<(), PlaneError>>),
+    /// Renew this lease alone (a step outside a tend).
+    Ask,
+}
+
 /// After this long in custody every tend warns, naming the lease.
 pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
 
@@ -81,6 +91,11 @@ pub(super) struct CustodyEntry {
     /// Why the compute ended, recorded as the lease's failure reason before
     /// a `failed` release. Not journaled: a restart releases without it.
     pub(super) reason: Option<EndReason>,
+    /// The phase this process has reported to the ledger for the entry
+    /// (advanced, or refused as a bad transition, which is an answer too);
+    /// a tend reports `phase` only when it differs. Not journaled: a
+    /// restarted node reports once more.
+    pub(super) reported: Option<Phase>,
 }
 
 impl CustodyEntry {
@@ -105,6 +120,7 @@ impl CustodyEntry {
             unconfirmed: true,
             since: Instant::now(),
             reason: None,
+            reported: None,
         }
     }
 
@@ -145,6 +161,21 @@ pub(super) fn custody_record(lease: &LeaseId, e: &CustodyEntry) -> CustodyRecord
     }
 }
 
+/// Whether `new` differs from `old` in anything the journal records (the
+/// fields of [`CustodyRecord`]); what only this process tracks (absences,
+/// the phase reported, the reason) is not journaled.
+fn journaled_changed(old: &CustodyEntry, new: &CustodyEntry) -> bool {
+    old.epoch != new.epoch
+        || old.instance != new.instance
+        || old.request_id != new.request_id
+        || old.registration != new.registration
+        || old.outcome != new.outcome
+        || old.phase != new.phase
+        || old.discard != new.discard
+        || old.observed != new.observed
+        || old.since != new.since
+}
+
 /// Rebuilds a custody entry from the journal; `None` for a record this build
 /// cannot read (it is then re-derived from the ledger and the provider).
 pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)> {
@@ -170,16 +201,53 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         unconfirmed: true,
         since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
         reason: None,
+        reported: None,
     };
     Some((lease, entry))
 }
 
+/// The custody entry for compute found running under an open lease that
+/// no request here manages: a job left to finish (discarded when the lease
+/// records a failure), reporting `phase` unless quarantined.
+fn adoption(lease: &Lease, instance: &InstanceName, phase: Option<Phase>) -> CustodyEntry {
+    let failing = lease.failure_reason.is_some();
+    CustodyEntry {
+        outcome: if failing { Phase::Failed } else { Phase::Done },
+        phase: if lease.phase == Phase::Quarantine {
+            None
+        } else {
+            phase
+        },
+        discard: failing,
+        ..CustodyEntry::job(lease.epoch, instance.clone(), lease.request_id, true)
+    }
+}
+
 impl Runner {
     pub(super) async fn hold(&self, lease: LeaseId, entry: CustodyEntry) {
-        info!(%lease, instance = %entry.instance, "holding the lease in custody");
-        let record = custody_record(&lease, &entry);
-        self.state().custody.insert(lease, entry);
-        if let Err(e) = self.journal.put_custody(&record).await {
+        self.hold_all(vec![(lease, entry)]).await;
+    }
+
+    /// Holds every entry of `entries`, journaled in one synced transaction
+    /// (recovery holds N at once: one sync, not N).
+    pub(super) async fn hold_all(&self, entries: Vec<(LeaseId, CustodyEntry)>) {
+        if entries.is_empty() {
+            return;
+        }
+        let records: Vec<CustodyRecord> = entries
+            .iter()
+            .map(|(lease, entry)| {
+                info!(%lease, instance = %entry.instance, "holding the lease in custody");
+                custody_record(lease, entry)
+            })
+            .collect();
+        {
+            let mut s = self.state();
+            for (lease, entry) in entries {
+                s.custody.insert(lease, entry);
+            }
+        }
+        if let Err(e) = self.journal.put_custody_all(&records).await {
             error!(error = %e, "cannot journal a custody entry; a restart would forget it");
         }
     }
@@ -648,6 +716,8 @@ impl Runner {
             launches.iter().map(|l| (l.lease.as_str(), l)).collect();
         let mut seen = std::collections::HashSet::new();
         let mut adopted = Vec::new();
+        // Held together, journaled in one transaction before the renewal.
+        let mut holding = Vec::new();
         let mut failed = 0;
         for instance in &instances {
             let Some(lease) = instance.lease() else {
@@ -660,7 +730,13 @@ impl Runner {
                 continue;
             }
             if set.launched.contains(&lease) || set.quarantined.contains(&lease) {
-                match self.ledger.lease(&lease).await {
+                // The set carries the lease itself (one round trip for all
+                // of them); a plane that did not send it is asked.
+                let read = match set.lease(&lease) {
+                    Some(l) => Ok(l.clone()),
+                    None => self.ledger.lease(&lease).await,
+                };
+                match read {
                     Ok(mut l) => {
                         if let Some(r) = requests.get(lease.as_str()) {
                             l.request_id = RequestId(r.request_id);
@@ -678,7 +754,7 @@ impl Runner {
                             // worked, and the runner inside has no job: it had
                             // no future. Its routing is gone; the instance goes.
                             info!(%lease, instance = %name, "an unconfirmed launch left an idle runner; tearing it down");
-                            self.hold(
+                            holding.push((
                                 lease.clone(),
                                 CustodyEntry::teardown(
                                     l.epoch,
@@ -687,13 +763,13 @@ impl Runner {
                                     Phase::Failed,
                                     true,
                                 ),
-                            )
-                            .await;
+                            ));
                             adopted.push((lease.clone(), l.epoch));
                             continue;
                         }
                         info!(%lease, instance = %name, "adopting an instance an earlier process started");
-                        self.adopt(&l, &name, Some(Phase::Custody)).await;
+                        self.charge_adopted(&l);
+                        holding.push((l.id.clone(), adoption(&l, &name, Some(Phase::Custody))));
                         adopted.push((lease.clone(), l.epoch));
                         continue;
                     }
@@ -705,6 +781,7 @@ impl Runner {
                 failed += 1;
             }
         }
+        self.hold_all(std::mem::take(&mut holding)).await;
         // What was adopted is renewed at once (spec/node.md §7.E.11): a plane
         // that cannot take the renewal is not one to take work from yet.
         // Refusals of single leases are the next tend's to judge.
@@ -729,7 +806,7 @@ impl Runner {
                 // is an instance that existed: its absence now is proof it
                 // is gone (removed while the node was down), no grace.
                 let observed = record.created && self.provider.runs_on_host();
-                self.hold(
+                holding.push((
                     lease.clone(),
                     CustodyEntry {
                         registration,
@@ -743,8 +820,7 @@ impl Runner {
                             observed,
                         )
                     },
-                )
-                .await;
+                ));
             } else if record.runner_id > 0 || !record.runner_name.is_empty() {
                 // The lease ended and its launch is still remembered: a
                 // registration removal an earlier process had pending (the
@@ -758,6 +834,7 @@ impl Runner {
                 self.forget(&lease).await;
             }
         }
+        self.hold_all(holding).await;
         if failed > 0 {
             return Err(RunnerError::Failed(format!(
                 "recover: {failed} instances could not be destroyed"
@@ -798,24 +875,18 @@ impl Runner {
     /// Takes custody of compute found running under an open lease that no
     /// request here manages: it is left to finish, and released once gone.
     async fn adopt(&self, lease: &Lease, instance: &InstanceName, phase: Option<Phase>) {
-        let failing = lease.failure_reason.is_some();
-        let entry = CustodyEntry {
-            outcome: if failing { Phase::Failed } else { Phase::Done },
-            phase: if lease.phase == Phase::Quarantine {
-                None
-            } else {
-                phase
-            },
-            discard: failing,
-            ..CustodyEntry::job(lease.epoch, instance.clone(), lease.request_id, true)
-        };
-        // Adopted compute is charged like launched compute: the plane
-        // places against what the node says it holds.
+        self.charge_adopted(lease);
+        self.hold(lease.id.clone(), adoption(lease, instance, phase))
+            .await;
+    }
+
+    /// Adopted compute is charged like launched compute: the plane places
+    /// against what the node says it holds.
+    fn charge_adopted(&self, lease: &Lease) {
         self.state()
             .sizes
             .entry(lease.id.clone())
             .or_insert((lease.vcpu, lease.memory.0));
-        self.hold(lease.id.clone(), entry).await;
     }
 
     /// Renews held and launching leases every third of the TTL until
@@ -872,6 +943,12 @@ impl Runner {
     pub async fn tend(&self) -> Result<(), RunnerError> {
         let before = self.running_snapshot();
         let mut errors = Vec::new();
+        if before.is_empty() && self.state().custody.is_empty() {
+            // Nothing runs and nothing is held: no inventory to read, no
+            // lease to renew; only registration removals may be due.
+            self.retry_removals().await;
+            return Ok(());
+        }
         let inventory = match self.provider.list().await {
             Ok(list) => {
                 self.end_gone_runners(&before, &list).await;
@@ -883,13 +960,32 @@ impl Runner {
                 None
             }
         };
-        let leases: Vec<LeaseId> = self.state().custody.keys().cloned().collect();
-        for lease in leases {
+        let held: Vec<(LeaseId, Epoch)> = self
+            .state()
+            .custody
+            .iter()
+            .map(|(l, e)| (l.clone(), e.epoch))
+            .collect();
+        // One heartbeat for every entry (spec/node.md §2.4: heartbeat first).
+        let mut renewals: std::collections::HashMap<LeaseId, Result<(), PlaneError>> =
+            if held.is_empty() {
+                std::collections::HashMap::new()
+            } else {
+                match self.ledger.heartbeat(&held).await {
+                    Ok(results) => held.iter().map(|(l, _)| l.clone()).zip(results).collect(),
+                    Err(e) => held
+                        .iter()
+                        .map(|(l, _)| (l.clone(), Err(e.clone())))
+                        .collect(),
+                }
+            };
+        for (lease, _) in held {
             let seen = match &inventory {
                 Some(list) => Seen::Listed(list),
                 None => Seen::Unread,
             };
-            if let Err(e) = self.tend_one(&lease, seen).await {
+            let renewal = Renewal::Answered(renewals.remove(&lease));
+            if let Err(e) = self.tend_step(&lease, seen, renewal).await {
                 errors.push(format!("{lease}: {e}"));
             }
         }
@@ -998,6 +1094,17 @@ impl Runner {
     /// One step for one custody entry (spec/node.md §2.7), reading the
     /// instance as `seen` says.
     pub(super) async fn tend_one(&self, lease: &LeaseId, seen: Seen<'_>) -> Result<(), String> {
+        self.tend_step(lease, seen, Renewal::Ask).await
+    }
+
+    /// One step for one custody entry, its renewal answered as `renewal`
+    /// says.
+    async fn tend_step(
+        &self,
+        lease: &LeaseId,
+        seen: Seen<'_>,
+        renewal: Renewal,
+    ) -> Result<(), String> {
         let Some(mut entry) = self.state().custody.get(lease).cloned() else {
             return Ok(());
         };
@@ -1030,8 +1137,16 @@ impl Runner {
         }
 
         let mut renewed = false;
-        match self.ledger.heartbeat(&[(lease.clone(), entry.epoch)]).await {
-            Ok(mut r) => match r.pop() {
+        let renewal = match renewal {
+            Renewal::Answered(answer) => Ok(answer),
+            Renewal::Ask => self
+                .ledger
+                .heartbeat(&[(lease.clone(), entry.epoch)])
+                .await
+                .map(|mut r| r.pop()),
+        };
+        match renewal {
+            Ok(answer) => match answer {
                 Some(Ok(())) => renewed = true,
                 Some(Err(PlaneError::ForceRelease(_))) => {
                     entry.discard = true;
@@ -1050,9 +1165,12 @@ impl Runner {
             },
             Err(e) => return Err(format!("renew: {e}")),
         }
-        if renewed && let Some(phase) = entry.phase {
+        if renewed
+            && let Some(phase) = entry.phase
+            && entry.reported != Some(phase)
+        {
             match self.ledger.advance(lease, entry.epoch, phase).await {
-                Ok(()) | Err(PlaneError::BadTransition(_)) => {}
+                Ok(()) | Err(PlaneError::BadTransition(_)) => entry.reported = Some(phase),
                 Err(e) => {
                     self.update(lease, entry).await;
                     return Err(format!("report {phase}: {e}"));
@@ -1168,16 +1286,22 @@ impl Runner {
         }
     }
 
+    /// Replaces the held entry of `lease` (if it is still held) and
+    /// journals it when anything the journal records changed: a tend of an
+    /// entry whose state stayed the same writes nothing.
     pub(super) async fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
-        let record = custody_record(lease, &entry);
-        {
+        let record = {
             let mut s = self.state();
             let Some(slot) = s.custody.get_mut(lease) else {
                 return;
             };
+            let record = journaled_changed(slot, &entry).then(|| custody_record(lease, &entry));
             *slot = entry;
-        }
-        if let Err(e) = self.journal.put_custody(&record).await {
+            record
+        };
+        if let Some(record) = record
+            && let Err(e) = self.journal.put_custody(&record).await
+        {
             error!(error = %e, "cannot journal a custody entry; a restart would forget it");
         }
     }

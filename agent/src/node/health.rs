@@ -566,6 +566,9 @@ impl Journal for WatchedJournal {
     async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
         self.wrote(self.inner.put_launch(launch).await)
     }
+    async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        self.wrote(self.inner.amend_launch(launch).await)
+    }
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
         self.wrote(self.inner.forget_launch(lease).await)
     }
@@ -574,6 +577,9 @@ impl Journal for WatchedJournal {
     }
     async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
         self.wrote(self.inner.put_custody(entry).await)
+    }
+    async fn put_custody_all(&self, entries: &[CustodyRecord]) -> Result<(), JournalError> {
+        self.wrote(self.inner.put_custody_all(entries).await)
     }
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
         self.wrote(self.inner.forget_custody(lease).await)

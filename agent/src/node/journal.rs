@@ -24,6 +24,20 @@ pub const JOURNAL_FILE: &str = "journal.db";
 /// How many command results are kept.
 pub const RESULTS_KEPT: i64 = 4096;
 
+/// How far a journal write has reached when it returns (ARCHITECTURE.md,
+/// "What each journal write survives").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Synced to the disk (SQLite `synchronous = FULL`): survives a power
+    /// loss once the call returns.
+    Synced,
+    /// Committed but not synced (`synchronous = NORMAL` in WAL mode):
+    /// survives the process being killed at once, and a power loss once the
+    /// next synced write (which syncs every commit before it) or a
+    /// checkpoint has happened.
+    Committed,
+}
+
 /// A journal operation that failed.
 #[derive(Debug, Error)]
 pub enum JournalError {
@@ -91,19 +105,37 @@ pub struct CustodyRecord {
 /// The node's memory. Every method is idempotent.
 #[async_trait]
 pub trait Journal: Send + Sync + std::fmt::Debug {
-    /// Records (or replaces) a launch.
+    /// Records (or replaces) a launch, synced.
     async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError>;
+    /// Records a launch's progress (its registration, its created
+    /// instance) committed but not synced: the synced write of the launch's
+    /// result that follows makes it durable with one sync. A loss to a power
+    /// cut before that leaves the synced record of the launch, from which
+    /// recovery removes the registration by lease and asks whether the
+    /// runner is busy.
+    async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        self.put_launch(launch).await
+    }
     /// Forgets a launch.
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError>;
     /// Every recorded launch.
     async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError>;
-    /// Records (or replaces) a custody entry.
+    /// Records (or replaces) a custody entry, synced.
     async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError>;
+    /// Records (or replaces) every entry of `entries` in one synced
+    /// transaction: all of them or none.
+    async fn put_custody_all(&self, entries: &[CustodyRecord]) -> Result<(), JournalError> {
+        for entry in entries {
+            self.put_custody(entry).await?;
+        }
+        Ok(())
+    }
     /// Forgets a custody entry.
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError>;
     /// Every custody entry.
     async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError>;
-    /// Records a command's encoded result; old ones are dropped.
+    /// Records a command's encoded result, synced, in one transaction; old
+    /// ones are dropped.
     async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError>;
     /// Recent results, oldest first.
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError>;
@@ -181,6 +213,45 @@ impl SqliteJournal {
             .map_err(|e| fail(format!("cannot write: {e}")))?;
         keep_private(&path);
         Ok(Self { pool })
+    }
+
+    /// The journal's connection, set to write with `durability`. Set on
+    /// every write (a pragma, no I/O), so a connection the pool replaced
+    /// cannot keep another write's setting.
+    async fn connection(
+        &self,
+        durability: Durability,
+    ) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, JournalError> {
+        let mut conn = self.pool.acquire().await.map_err(io)?;
+        let pragma = match durability {
+            Durability::Synced => "PRAGMA synchronous = FULL",
+            Durability::Committed => "PRAGMA synchronous = NORMAL",
+        };
+        sqlx::query(pragma).execute(&mut *conn).await.map_err(io)?;
+        Ok(conn)
+    }
+
+    async fn write_launch(
+        &self,
+        l: &LaunchRecord,
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        let mut conn = self.connection(durability).await?;
+        sqlx::query(
+            "INSERT OR REPLACE INTO launches (lease, epoch, request_id, instance, runner_id, runner_name, created)
+             VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&l.lease)
+        .bind(i64::try_from(l.epoch).unwrap_or(i64::MAX))
+        .bind(l.request_id)
+        .bind(&l.instance)
+        .bind(l.runner_id)
+        .bind(&l.runner_name)
+        .bind(l.created)
+        .execute(&mut *conn)
+        .await
+        .map_err(io)?;
+        Ok(())
     }
 
     /// Checks, as [`SqliteJournal::open`] would and without writing
@@ -428,30 +499,52 @@ fn keep_private(path: &Path) {
     }
 }
 
+/// One custody row, inside the caller's transaction.
+async fn write_custody(
+    conn: &mut sqlx::SqliteConnection,
+    c: &CustodyRecord,
+) -> Result<(), JournalError> {
+    let (rid, rname) = c
+        .registration
+        .clone()
+        .map_or((None, None), |(i, n)| (Some(i), Some(n)));
+    sqlx::query(
+        "INSERT OR REPLACE INTO custody (lease, epoch, instance, request_id, registration_id,
+             registration_name, outcome, phase, discard, observed, since_unix_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(&c.lease)
+    .bind(i64::try_from(c.epoch).unwrap_or(i64::MAX))
+    .bind(&c.instance)
+    .bind(c.request_id)
+    .bind(rid)
+    .bind(rname)
+    .bind(&c.outcome)
+    .bind(&c.phase)
+    .bind(c.discard)
+    .bind(c.observed)
+    .bind(c.since_unix_ms)
+    .execute(&mut *conn)
+    .await
+    .map_err(io)?;
+    Ok(())
+}
+
 #[async_trait]
 impl Journal for SqliteJournal {
     async fn put_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
-        sqlx::query(
-            "INSERT OR REPLACE INTO launches (lease, epoch, request_id, instance, runner_id, runner_name, created)
-             VALUES (?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&l.lease)
-        .bind(i64::try_from(l.epoch).unwrap_or(i64::MAX))
-        .bind(l.request_id)
-        .bind(&l.instance)
-        .bind(l.runner_id)
-        .bind(&l.runner_name)
-        .bind(l.created)
-        .execute(&self.pool)
-        .await
-        .map_err(io)?;
-        Ok(())
+        self.write_launch(l, Durability::Synced).await
+    }
+
+    async fn amend_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        self.write_launch(l, Durability::Committed).await
     }
 
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        let mut conn = self.connection(Durability::Synced).await?;
         sqlx::query("DELETE FROM launches WHERE lease = ?")
             .bind(lease)
-            .execute(&self.pool)
+            .execute(&mut *conn)
             .await
             .map_err(io)?;
         Ok(())
@@ -478,36 +571,23 @@ impl Journal for SqliteJournal {
     }
 
     async fn put_custody(&self, c: &CustodyRecord) -> Result<(), JournalError> {
-        let (rid, rname) = c
-            .registration
-            .clone()
-            .map_or((None, None), |(i, n)| (Some(i), Some(n)));
-        sqlx::query(
-            "INSERT OR REPLACE INTO custody (lease, epoch, instance, request_id, registration_id,
-             registration_name, outcome, phase, discard, observed, since_unix_ms)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&c.lease)
-        .bind(i64::try_from(c.epoch).unwrap_or(i64::MAX))
-        .bind(&c.instance)
-        .bind(c.request_id)
-        .bind(rid)
-        .bind(rname)
-        .bind(&c.outcome)
-        .bind(&c.phase)
-        .bind(c.discard)
-        .bind(c.observed)
-        .bind(c.since_unix_ms)
-        .execute(&self.pool)
-        .await
-        .map_err(io)?;
+        self.put_custody_all(std::slice::from_ref(c)).await
+    }
+
+    async fn put_custody_all(&self, entries: &[CustodyRecord]) -> Result<(), JournalError> {
+        let mut conn = self.connection(Durability::Synced).await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
+        for c in entries {
+            write_custody(&mut tx, c).await?;
+        }
+        tx.commit().await.map_err(io)?;
         Ok(())
     }
 
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
         sqlx::query("DELETE FROM custody WHERE lease = ?")
             .bind(lease)
-            .execute(&self.pool)
+            .execute(&mut *self.connection(Durability::Synced).await?)
             .await
             .map_err(io)?;
         Ok(())
@@ -539,17 +619,20 @@ impl Journal for SqliteJournal {
     }
 
     async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+        let mut conn = self.connection(Durability::Synced).await?;
+        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
         sqlx::query("INSERT OR REPLACE INTO results (command, encoded) VALUES (?, ?)")
             .bind(command)
             .bind(encoded)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
             .map_err(io)?;
         sqlx::query("DELETE FROM results WHERE seq <= (SELECT MAX(seq) FROM results) - ?")
             .bind(RESULTS_KEPT)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
             .map_err(io)?;
+        tx.commit().await.map_err(io)?;
         Ok(())
     }
 

@@ -740,6 +740,13 @@ impl Journal for MeteredJournal {
         r
     }
 
+    async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.amend_launch(launch).await;
+        self.observe("amend_launch", start, &r);
+        r
+    }
+
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
         let start = Instant::now();
         let r = self.inner.forget_launch(lease).await;
@@ -754,6 +761,13 @@ impl Journal for MeteredJournal {
     async fn put_custody(&self, entry: &CustodyRecord) -> Result<(), JournalError> {
         let start = Instant::now();
         let r = self.inner.put_custody(entry).await;
+        self.observe("put_custody", start, &r);
+        r
+    }
+
+    async fn put_custody_all(&self, entries: &[CustodyRecord]) -> Result<(), JournalError> {
+        let start = Instant::now();
+        let r = self.inner.put_custody_all(entries).await;
         self.observe("put_custody", start, &r);
         r
     }

@@ -88,6 +88,17 @@ pub struct LaunchedSet {
     pub launched: Vec<LeaseId>,
     /// In quarantine.
     pub quarantined: Vec<LeaseId>,
+    /// The leases of both lists as the plane sent them with the set
+    /// (`LaunchedSet.leases`), so recovery need not read each; a lease
+    /// missing here is read on its own ([`LeaseStore::lease`]).
+    pub leases: Vec<Lease>,
+}
+
+impl LaunchedSet {
+    /// The lease `id` as sent with the set, if it was.
+    pub fn lease(&self, id: &LeaseId) -> Option<&Lease> {
+        self.leases.iter().find(|l| l.id == *id)
+    }
 }
 
 /// A minted runner registration.
@@ -507,9 +518,16 @@ impl LeaseStore for PlaneLink {
                         .filter_map(|s| LeaseId::parse("launched", s).ok())
                         .collect()
                 };
+                // A malformed lease is left out and read on its own.
+                let leases = set
+                    .leases
+                    .into_iter()
+                    .filter_map(|l| crate::edge::wire::lease(l, "launched.leases").ok())
+                    .collect();
                 Ok(LaunchedSet {
                     launched: ids(set.launched),
                     quarantined: ids(set.quarantined),
+                    leases,
                 })
             }
             _ => Err(unexpected("a launched-set read")),

@@ -513,7 +513,7 @@ impl Runner {
         };
         record.runner_id = registration.runner_id;
         record.runner_name = registration.runner_name.clone();
-        if let Err(e) = self.journal.put_launch(record).await {
+        if let Err(e) = self.journal.amend_launch(record).await {
             warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
         }
         let spec = InstanceSpec {
@@ -547,7 +547,7 @@ impl Runner {
                     },
                 );
                 record.created = true;
-                if let Err(e) = self.journal.put_launch(record).await {
+                if let Err(e) = self.journal.amend_launch(record).await {
                     warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
                 }
                 Ok(())

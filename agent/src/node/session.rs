@@ -539,6 +539,7 @@ pub async fn execute_commands(
             session,
         } = queued;
         let kind = command.kind();
+        let journaled = journaled(&command);
         // Every line the command logs carries its lease, where it names one.
         let span = info_span!("command", %id, kind, lease = tracing::field::Empty);
         if let Some(lease) = command.lease_id() {
@@ -581,10 +582,14 @@ pub async fn execute_commands(
         let session = session.live();
         let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
-        if let Err(e) = executor
-            .journal
-            .put_result(id.as_str(), &prost::Message::encode_to_vec(&result))
-            .await
+        // Synced before it is answered, for the commands whose repetition
+        // after a restart could do something twice (ARCHITECTURE.md, "What
+        // each journal write survives").
+        if journaled
+            && let Err(e) = executor
+                .journal
+                .put_result(id.as_str(), &prost::Message::encode_to_vec(&result))
+                .await
         {
             warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
         }
@@ -598,6 +603,25 @@ pub async fn execute_commands(
         )
         .instrument(span)
         .await;
+    }
+}
+
+/// Whether a command's result is journaled (synced) before it is answered:
+/// those whose loss in a restart could make a redelivered copy do something
+/// twice. `Tend`, `Sweep`, `Instances` and `Superseded` are idempotent
+/// passes over what the node holds: run again, they do what is due then,
+/// so their results are remembered in memory only (the slot still answers
+/// a redelivered copy within this process).
+fn journaled(command: &NodeCommand) -> bool {
+    match command {
+        NodeCommand::Launch { .. }
+        | NodeCommand::Destroy { .. }
+        | NodeCommand::AssumeCustody { .. }
+        | NodeCommand::StartUpgrade(_) => true,
+        NodeCommand::Instances
+        | NodeCommand::Sweep
+        | NodeCommand::Tend
+        | NodeCommand::Superseded => false,
     }
 }
 

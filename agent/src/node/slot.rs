@@ -10,7 +10,11 @@
 //!   once it has run, the recorded result is sent again;
 //! - the queue is bounded: past [`MAX_QUEUED`] waiting commands a new one is
 //!   refused at once rather than held;
-//! - the last [`RESULT_MEMORY`] results are remembered for redelivery.
+//! - results are remembered for redelivery, newest first, up to
+//!   [`RESULT_MEMORY_BYTES`] of memory (an estimate: each result's encoded
+//!   size plus its id twice and the bookkeeping around them), so what the
+//!   slot keeps is bounded by bytes whatever the commands, never by how many
+//!   have run; at least the newest result is always kept.
 //!
 //! Deadlines are the executor's business: the slot only orders.
 
@@ -27,8 +31,23 @@ use crate::node::plane::SessionLink;
 
 /// Most commands waiting at once.
 pub const MAX_QUEUED: usize = 1024;
-/// How many results are remembered for redelivery.
-pub const RESULT_MEMORY: usize = 4096;
+/// How much memory remembered results may take, in bytes (see
+/// [`remembered_bytes`]). 1 MiB holds about 6,000 results of a no-op
+/// command, several times the queue bound, so a plane redelivering what
+/// was in flight when its session broke finds every answer.
+pub const RESULT_MEMORY_BYTES: usize = 1 << 20;
+
+/// What remembering `result` under `id` costs, in bytes: its encoded size
+/// (a fair measure of what its strings and lists hold on the heap), the
+/// result's own struct, and the id twice (the map's key and the order's
+/// entry) with their `String` headers.
+pub fn remembered_bytes(id: &CommandId, result: &pb::CommandResult) -> usize {
+    prost::Message::encoded_len(result)
+        + std::mem::size_of::<pb::CommandResult>()
+        + 2 * (std::mem::size_of::<CommandId>() + id.as_str().len())
+        // A hash map slot and a deque slot.
+        + 2 * std::mem::size_of::<usize>()
+}
 
 /// A command waiting for the slot, with the session it came on.
 #[derive(Debug)]
@@ -96,7 +115,10 @@ struct Inner {
     /// kind and start (for the metrics).
     pending: HashMap<CommandId, Pending>,
     results: HashMap<CommandId, pb::CommandResult>,
-    order: VecDeque<CommandId>,
+    /// Remembered ids, oldest first, with what each costs.
+    order: VecDeque<(CommandId, usize)>,
+    /// The sum of `order`'s costs.
+    remembered_bytes: usize,
 }
 
 #[derive(Debug)]
@@ -205,13 +227,30 @@ impl CommandSlot {
             });
             m.command_done(kind, outcome, reason, started.elapsed());
         }
-        inner.results.insert(id.clone(), result.clone());
-        inner.order.push_back(id.clone());
-        while inner.order.len() > RESULT_MEMORY {
-            if let Some(old) = inner.order.pop_front() {
-                inner.results.remove(&old);
+        let cost = remembered_bytes(id, result);
+        if let Some(replaced) = inner.results.insert(id.clone(), result.clone()) {
+            // Recorded again (a preload): the older copy's cost goes.
+            let old = remembered_bytes(id, &replaced);
+            if let Some(at) = inner.order.iter().position(|(o, _)| o == id) {
+                inner.order.remove(at);
+                inner.remembered_bytes -= old;
             }
         }
+        inner.order.push_back((id.clone(), cost));
+        inner.remembered_bytes += cost;
+        while inner.remembered_bytes > RESULT_MEMORY_BYTES && inner.order.len() > 1 {
+            if let Some((old, cost)) = inner.order.pop_front() {
+                inner.results.remove(&old);
+                inner.remembered_bytes -= cost;
+            }
+        }
+    }
+
+    /// How many results are remembered, and what they cost by
+    /// [`remembered_bytes`].
+    pub fn remembered(&self) -> (usize, usize) {
+        let inner = self.inner.lock().expect("slot");
+        (inner.order.len(), inner.remembered_bytes)
     }
 
     /// Remembers results recorded by an earlier process (oldest first), so
@@ -293,6 +332,68 @@ mod tests {
         again.session = newer;
         assert!(matches!(slot.push(again), Admission::Duplicate));
         assert_eq!(slot.next().await.session.id, 2);
+    }
+
+    fn ok(id: &str) -> pb::CommandResult {
+        pb::CommandResult {
+            id: id.into(),
+            outcome: pb::Outcome::Ok.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn remembered_results_are_bounded_by_bytes_not_by_count() {
+        let slot = CommandSlot::new();
+        let small = |i: usize| CommandId::parse("id", &format!("{i:032x}")).unwrap();
+        let one = remembered_bytes(&small(0), &ok(&format!("{:032x}", 0)));
+        let fits = RESULT_MEMORY_BYTES / one;
+        // Far more small results than fit: memory stays within the bound,
+        // the newest are kept and the oldest forgotten.
+        for i in 0..fits * 3 {
+            slot.record(&small(i), &ok(&format!("{i:032x}")));
+        }
+        let (count, bytes) = slot.remembered();
+        assert!(bytes <= RESULT_MEMORY_BYTES, "{bytes} bytes remembered");
+        assert!(count >= fits - 1 && count <= fits, "{count} of {fits} kept");
+        let newest = small(fits * 3 - 1);
+        assert!(matches!(
+            slot.push(Queued {
+                id: newest,
+                ..queued("x")
+            }),
+            Admission::Replay(_)
+        ));
+        assert!(matches!(
+            slot.push(queued(&format!("{:032x}", 0))),
+            Admission::Queued
+        ));
+        // Large results take more room each: fewer are kept, and the bound
+        // holds by bytes.
+        let slot = CommandSlot::new();
+        let big = |i: usize| pb::CommandResult {
+            error: Some(pb::Error {
+                code: pb::ErrorCode::Internal.into(),
+                message: "x".repeat(16 << 10),
+            }),
+            ..ok(&format!("{i:032x}"))
+        };
+        for i in 0..200 {
+            slot.record(&small(i), &big(i));
+        }
+        let (count, bytes) = slot.remembered();
+        assert!(bytes <= RESULT_MEMORY_BYTES, "{bytes} bytes remembered");
+        assert!(count < 64, "{count} large results kept");
+        // One result larger than the whole bound is still kept, alone.
+        let huge = pb::CommandResult {
+            error: Some(pb::Error {
+                code: pb::ErrorCode::Internal.into(),
+                message: "x".repeat(RESULT_MEMORY_BYTES),
+            }),
+            ..ok("huge")
+        };
+        slot.record(&CommandId::parse("id", "huge").unwrap(), &huge);
+        assert_eq!(slot.remembered().0, 1);
     }
 
     #[tokio::test]

@@ -25,11 +25,21 @@
 //! So the first call asks the engine's unversioned `/version` endpoint which
 //! API it speaks and uses the lower of that and bollard's own; engines older
 //! than [`MIN_API_VERSION`] are refused.
+//!
+//! # Connections
+//!
+//! bollard's own Unix client closes its connection after every request
+//! (`pool_max_idle_per_host(0)`). This provider hands bollard a transport
+//! of its own ([`pooled`]): the same Unix connector behind a hyper client
+//! that keeps idle connections for [`POOL_IDLE`], so consecutive calls
+//! (a tend's list, a launch's create and start) reuse one connection
+//! rather than connecting for each request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -63,8 +73,41 @@ pub const MIN_API_VERSION: ClientVersion = ClientVersion {
 /// and takes well under this.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long an idle connection to the engine is kept for the next call.
+pub const POOL_IDLE: Duration = Duration::from_secs(30);
+
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
+
+/// A bollard client for the engine at `socket` whose connections outlive
+/// their request: hyper's pool over the same Unix connector bollard uses,
+/// keeping idle connections for [`POOL_IDLE`]. Addressed as bollard
+/// addresses a Unix socket (`unix://<hex of the path>`), which is the form
+/// the connector reads the path from.
+///
+/// # Errors
+///
+/// bollard's, when the client cannot be made.
+fn pooled(socket: &str, timeout_s: u64, version: &ClientVersion) -> Result<Docker, BollardError> {
+    let client = Arc::new(
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE)
+            .build(hyperlocal::UnixConnector),
+    );
+    let host: String = socket.bytes().fold(String::new(), |mut hex, b| {
+        let _ = write!(hex, "{b:02x}");
+        hex
+    });
+    Docker::connect_with_custom_transport(
+        move |request: BollardRequest| {
+            let client = Arc::clone(&client);
+            async move { client.request(request).await.map_err(BollardError::from) }
+        },
+        Some(format!("unix://{host}")),
+        timeout_s,
+        version,
+    )
+}
 
 /// Runs runners as containers on the Docker engine at one Unix socket.
 ///
@@ -187,10 +230,9 @@ impl DockerProvider {
     /// connects at the lower of that and bollard's.
     async fn negotiate(&self, operation: &str) -> Result<Docker, ProviderError> {
         let socket = self.socket_str();
-        let probe =
-            Docker::connect_with_unix(socket, self.request_timeout_s(), API_DEFAULT_VERSION)
-                .map_err(|err| self.engine_error(operation, &err, None))?
-                .with_request_modifier(unversioned);
+        let probe = pooled(socket, self.request_timeout_s(), API_DEFAULT_VERSION)
+            .map_err(|err| self.engine_error(operation, &err, None))?
+            .with_request_modifier(unversioned);
         let version = probe
             .version()
             .await
@@ -219,7 +261,7 @@ impl DockerProvider {
             api = %chosen,
             "negotiated Docker API version"
         );
-        Docker::connect_with_unix(socket, self.request_timeout_s(), &chosen)
+        pooled(socket, self.request_timeout_s(), &chosen)
             .map_err(|err| self.engine_error(operation, &err, None))
     }
 
@@ -1332,6 +1374,54 @@ mod tests {
             .inspect_container(name, None)
             .await
             .unwrap_or_else(|err| panic!("inspect {name}: {err}"))
+    }
+
+    /// A Unix socket in front of the engine's that counts the connections
+    /// made to it and forwards each to the engine.
+    async fn counting_proxy() -> (PathBuf, Arc<std::sync::atomic::AtomicUsize>) {
+        let dir = std::env::temp_dir().join(unique("billet-engine-count"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("docker.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut engine = tokio::net::UnixStream::connect(SOCKET)
+                        .await
+                        .unwrap_or_else(|e| {
+                            panic!("these tests need the Docker engine at {SOCKET}: {e}")
+                        });
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut engine).await;
+                });
+            }
+        });
+        (path, accepted)
+    }
+
+    #[tokio::test]
+    async fn consecutive_calls_reuse_one_connection_to_the_engine() {
+        let (socket, accepted) = counting_proxy().await;
+        let provider = DockerProvider::connect(&socket, owner(&unique("dep"), "node-a")).unwrap();
+        provider
+            .ping()
+            .await
+            .expect("the engine answers through the proxy");
+        provider.list().await.expect("list");
+        let after_first = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..10 {
+            provider.list().await.expect("list");
+            provider.ping().await.expect("ping");
+        }
+        let after = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            after,
+            after_first,
+            "20 more calls opened {} more connections to the engine",
+            after - after_first
+        );
     }
 
     #[tokio::test]

@@ -155,24 +155,34 @@ impl Ledger {
     /// to let go, `WrongNode` when bound to another node.
     pub async fn heartbeat(&self, id: &str, epoch: u64, node: &str, now_ms: i64) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, id, epoch).await?;
-        if lease.force_release {
-            return Err(LedgerError::ForceRelease(lease.id));
-        }
-        if lease.node.as_deref().is_some_and(|bound| bound != node) {
-            return Err(wrong_node(&lease, node));
-        }
-        let done = sqlx::query(
-            "UPDATE leases SET heartbeat_at_ms = ?, expires_at_ms = ? WHERE id = ? AND epoch = ?",
-        )
-        .bind(now_ms)
-        .bind(now_ms.saturating_add(self.ttl_ms()))
-        .bind(id)
-        .bind(db_epoch(epoch))
-        .execute(&mut *tx)
-        .await?;
-        expect_one_row(done.rows_affected(), id)?;
+        renew(&mut tx, id, epoch, node, now_ms, self.ttl_ms()).await?;
         finish(tx, id).await
+    }
+
+    /// Renews every `(lease id, epoch)` of `leases` for `node` in one write
+    /// transaction, each checked and renewed exactly as
+    /// [`Ledger::heartbeat`] does; a lease refused gets its own error in
+    /// its place and the others are renewed all the same. What a node's
+    /// batched `Heartbeat` asks, answered with one commit whatever its
+    /// length.
+    ///
+    /// # Errors
+    ///
+    /// The outer error when the transaction cannot be opened or committed:
+    /// then nothing was renewed. Per lease, as [`Ledger::heartbeat`].
+    pub async fn heartbeat_all(
+        &self,
+        leases: &[(String, u64)],
+        node: &str,
+        now_ms: i64,
+    ) -> Result<Vec<Result<()>>> {
+        let mut tx = self.begin_write().await?;
+        let mut results = Vec::with_capacity(leases.len());
+        for (id, epoch) in leases {
+            results.push(renew(&mut tx, id, *epoch, node, now_ms, self.ttl_ms()).await);
+        }
+        tx.commit().await?;
+        Ok(results)
     }
 
     /// Ends the lease with `outcome` (`Done` or `Failed`), freeing its
@@ -347,6 +357,35 @@ async fn load_open(conn: &mut SqliteConnection, id: &str, epoch: u64) -> Result<
     Ok(lease)
 }
 
+/// Renews one lease inside a write transaction: fenced and open, not asked
+/// to be given up, bound to `node` or to none.
+async fn renew(
+    conn: &mut SqliteConnection,
+    id: &str,
+    epoch: u64,
+    node: &str,
+    now_ms: i64,
+    ttl_ms: i64,
+) -> Result<()> {
+    let lease = load_open(conn, id, epoch).await?;
+    if lease.force_release {
+        return Err(LedgerError::ForceRelease(lease.id));
+    }
+    if lease.node.as_deref().is_some_and(|bound| bound != node) {
+        return Err(wrong_node(&lease, node));
+    }
+    let done = sqlx::query(
+        "UPDATE leases SET heartbeat_at_ms = ?, expires_at_ms = ? WHERE id = ? AND epoch = ?",
+    )
+    .bind(now_ms)
+    .bind(now_ms.saturating_add(ttl_ms))
+    .bind(id)
+    .bind(db_epoch(epoch))
+    .execute(&mut *conn)
+    .await?;
+    expect_one_row(done.rows_affected(), id)
+}
+
 /// Reads the lease back inside the transaction and commits.
 async fn finish(mut tx: Transaction<'static, Sqlite>, id: &str) -> Result<Lease> {
     let lease = load(&mut tx, id)
@@ -407,6 +446,36 @@ mod tests {
         let mut empty = new_lease("z");
         empty.vcpu = 0;
         assert_eq!(code(l.reserve(empty, 1_000).await), "invalid");
+    }
+
+    /// Issue #14: one transaction renews the batch; each lease's refusal
+    /// is its own, in its place, and does not stop the others.
+    #[tokio::test]
+    async fn a_batched_heartbeat_renews_each_lease_it_may_and_refuses_the_others_in_place() {
+        let l = ledger().await;
+        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+        lease_in(&l, "b", "n2", &[Phase::Launching], 0).await;
+        lease_in(&l, "c", "n1", &[Phase::Launching], 0).await;
+        let asked = [
+            ("a".to_owned(), 1),
+            ("b".to_owned(), 1),
+            ("missing".to_owned(), 1),
+            ("c".to_owned(), 2),
+            ("c".to_owned(), 1),
+        ];
+        let results = l.heartbeat_all(&asked, "n1", 5_000).await.unwrap();
+        let codes: Vec<&str> = results
+            .iter()
+            .map(|r| r.as_ref().map_or_else(LedgerError::code, |()| "ok"))
+            .collect();
+        assert_eq!(codes, ["ok", "wrong_node", "not_found", "fenced", "ok"]);
+        for id in ["a", "c"] {
+            let lease = l.get(id).await.unwrap().unwrap();
+            assert_eq!(lease.expires_at_ms, 5_000 + TTL_MS, "{id} not renewed");
+        }
+        let b = l.get("b").await.unwrap().unwrap();
+        assert_eq!(b.expires_at_ms, TTL_MS, "another node's lease was renewed");
+        assert!(l.heartbeat_all(&[], "n1", 6_000).await.unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -130,6 +130,27 @@ impl Ledger {
         Ok((launched, quarantined))
     }
 
+    /// The leases themselves that [`Ledger::launched`] names for `node`
+    /// (launching, online, busy, custody, teardown or quarantine), by id:
+    /// what a recovering node adopts from, read at once.
+    ///
+    /// # Errors
+    ///
+    /// `Storage`.
+    pub async fn launched_leases(&self, node: &str) -> Result<Vec<Lease>> {
+        sqlx::query(
+            "SELECT * FROM leases WHERE node = ? AND phase IN
+                ('launching', 'online', 'busy', 'custody', 'teardown', 'quarantine')
+             ORDER BY id",
+        )
+        .bind(node)
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(lease_from_row)
+        .collect()
+    }
+
     /// Capacity charged by every non-terminal lease, quarantine included.
     ///
     /// # Errors

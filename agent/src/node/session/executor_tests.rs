@@ -144,6 +144,7 @@ fn open(link: &PlaneLink, id: u64) -> (TestPlane, Option<Arc<SessionLink>>) {
 
 struct Node {
     provider: Arc<FakeProvider>,
+    journal: Arc<MemoryJournal>,
     runner: Arc<Runner>,
     link: Arc<PlaneLink>,
     service: NodeService,
@@ -163,12 +164,13 @@ impl Node {
         ));
         let slot = Arc::new(CommandSlot::new());
         let cancel = CancellationToken::new();
+        let journal = Arc::new(MemoryJournal::default());
         tokio::spawn(execute_commands(
             runner.clone(),
             slot.clone(),
             Executor {
                 recovery: Arc::new(Recovery::done()),
-                journal: Arc::new(MemoryJournal::default()),
+                journal: journal.clone(),
                 ack_timeout: Duration::from_secs(60),
                 upgrader: None,
                 capacity: Default::default(),
@@ -193,6 +195,7 @@ impl Node {
         );
         Self {
             provider,
+            journal,
             runner,
             link,
             service,
@@ -398,4 +401,53 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
     assert!(node.provider.instance(INSTANCE).is_none());
     assert_eq!(plane.releases().len(), 1, "{:?}", plane.releases());
     assert!(node.custody().is_empty());
+}
+
+/// Durability by kind (ARCHITECTURE.md, "What each journal write
+/// survives"): a launch's result is in the journal by the time the plane
+/// has it, so a redelivery after a restart is answered rather than run
+/// again; the results of the idempotent passes (Tend, Sweep, Instances) are
+/// never written, and a redelivered copy within the process is still
+/// answered from memory.
+#[tokio::test]
+async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are_answered() {
+    use crate::node::journal::Journal as _;
+    let node = Node::start();
+    let (mut plane, _) = open(&node.link, 1);
+    async fn journaled(journal: &MemoryJournal) -> Vec<String> {
+        let results = journal.results().await.expect("results");
+        results.into_iter().map(|(id, _)| id).collect()
+    }
+    node.send_launch(&plane.session, "launch-1").await;
+    let launched = plane.result().await;
+    assert_eq!(launched.outcome, pb::Outcome::Ok as i32, "{launched:?}");
+    assert_eq!(journaled(&node.journal).await, ["launch-1"]);
+    for (id, kind) in [
+        ("tend-1", pb::command::Kind::Tend(pb::Tend {})),
+        ("sweep-1", pb::command::Kind::Sweep(pb::Sweep {})),
+        (
+            "instances-1",
+            pb::command::Kind::Instances(pb::Instances {}),
+        ),
+    ] {
+        node.send(&plane.session, id, kind).await;
+        let result = plane.result().await;
+        assert_eq!(result.id, id);
+    }
+    assert_eq!(
+        journaled(&node.journal).await,
+        ["launch-1"],
+        "an idempotent command's result was journaled"
+    );
+    // Redelivered in this process: answered from memory, not run again.
+    let lists = node.provider.count(Operation::List);
+    node.send(
+        &plane.session,
+        "instances-1",
+        pb::command::Kind::Instances(pb::Instances {}),
+    )
+    .await;
+    let again = plane.result().await;
+    assert_eq!(again.id, "instances-1");
+    assert_eq!(node.provider.count(Operation::List), lists, "run again");
 }
