@@ -2343,6 +2343,7 @@ async fn a_zero_lease_life_bound_is_off() {
     sleep(Duration::from_secs(3600)).await;
     r.tend().await.unwrap();
     assert!(w.exists(&lease.id));
+}
 
 /// Issue #14: recovery with N surviving instances asks the plane for the
 /// launched set once (the set carries the leases) and journals the N
