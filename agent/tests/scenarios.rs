@@ -17,11 +17,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use billet_agent::edge::model::{
-    ByteSize, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
+    ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
+    Trust,
 };
 use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
-use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions, STRAY_GRACE};
+use billet_agent::node::runner::{
+    HeldState, POST_JOB_GRACE, Runner, RunnerError, RunnerOptions, STRAY_GRACE,
+};
 use billet_agent::provider::fake::{Call, DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Exit, Instance, InstanceState, Provider};
 use tokio::time::Instant;
@@ -728,14 +731,16 @@ async fn after_a_restart_a_failed_launchs_registration_goes_before_its_compute_a
     assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
     w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
     let err = r
-        .destroy(RequestId(3), None)
+        .destroy(RequestId(3), &DestroyOrder::scale_down())
         .await
         .expect_err("the registration is still there");
     assert!(err.is_custody(), "{err}");
     assert!(w.exists(&lease.id), "compute waits for routing");
     assert_eq!(w.destroys_of(&lease.id), 0);
 
-    r.destroy(RequestId(3), None).await.unwrap();
+    r.destroy(RequestId(3), &DestroyOrder::scale_down())
+        .await
+        .unwrap();
     assert!(!w.registered(&lease.id));
     assert!(!w.exists(&lease.id));
     assert_eq!(w.phase(&lease.id), Phase::Failed);
@@ -888,10 +893,17 @@ async fn destroy_removes_what_was_started_once_and_repeats_and_unknown_requests_
     let w = World::new();
     let r = w.runner();
     let lease = w.launched(&r, 1).await;
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&lease.id));
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
-    r.destroy(RequestId(999), None).await.unwrap();
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    r.destroy(RequestId(999), &DestroyOrder::scale_down())
+        .await
+        .unwrap();
     assert_eq!(w.fake.count(Operation::Destroy), 1);
     assert!(!r.holding());
 }
@@ -903,7 +915,7 @@ async fn an_accepted_teardown_holds_the_capacity_until_the_compute_is_provably_g
     w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
     let lease = w.launched(&r, 1).await;
     let err = r
-        .destroy(RequestId(1), Some("succeeded"))
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
         .await
         .unwrap_err();
     assert!(err.is_custody(), "{err}");
@@ -923,8 +935,9 @@ async fn a_fast_accepted_teardown_releases_on_the_first_absent_inventory() {
     let r = w.runner();
     w.fake.set_destroy_mode(DestroyMode::RequestAndRemove);
     let lease = w.launched(&r, 1).await;
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
     assert!(
-        r.destroy(RequestId(1), Some("succeeded"))
+        r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
             .await
             .unwrap_err()
             .is_custody()
@@ -941,7 +954,7 @@ async fn a_host_teardown_keeps_its_launch_observation() {
     w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
     let lease = w.launched(&r, 1).await;
     assert!(
-        r.destroy(RequestId(1), None)
+        r.destroy(RequestId(1), &DestroyOrder::scale_down())
             .await
             .unwrap_err()
             .is_custody()
@@ -950,9 +963,10 @@ async fn a_host_teardown_keeps_its_launch_observation() {
     w.fake.remove_behind_back(&name(&lease.id));
     r.tend().await.unwrap();
     assert!(w.phase(&lease.id).is_terminal());
-    // One inventory per tend, and no find for the entry.
+    // One inventory per tend, and no find for the entry: the one find is
+    // the scale-down's own read of the instance.
     assert_eq!(w.fake.count(Operation::List), 1);
-    assert_eq!(w.fake.count(Operation::Find), 0);
+    assert_eq!(w.fake.count(Operation::Find), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -988,20 +1002,22 @@ async fn a_second_destroy_for_held_compute_still_reports_custody() {
     w.fake.set_destroy_mode(DestroyMode::RequestAndKeep);
     let lease = w.launched(&r, 1).await;
     assert!(
-        r.destroy(RequestId(1), Some("succeeded"))
+        r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
             .await
             .unwrap_err()
             .is_custody()
     );
     assert!(
-        r.destroy(RequestId(1), Some("succeeded"))
+        r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
             .await
             .unwrap_err()
             .is_custody()
     );
     assert!(!w.phase(&lease.id).is_terminal());
     w.fake.remove_behind_back(&name(&lease.id));
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert_eq!(w.phase(&lease.id), Phase::Done);
     assert!(!r.holding());
 }
@@ -1014,7 +1030,9 @@ async fn a_request_with_both_custody_and_a_running_instance_still_stops_the_runn
     r.assume_custody(&lease.id, lease.epoch, RequestId(1))
         .await
         .unwrap();
-    r.destroy(RequestId(1), None).await.unwrap();
+    r.destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .unwrap();
     assert!(!w.exists(&lease.id));
     assert!(w.destroys_of(&lease.id) >= 1);
     assert!(!w.registered(&lease.id));
@@ -1027,8 +1045,9 @@ async fn an_accepted_teardown_of_a_finished_job_records_it_done() {
     let r = w.runner();
     w.fake.set_destroy_mode(DestroyMode::RequestAndRemove);
     let lease = w.launched(&r, 1).await;
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
     assert!(
-        r.destroy(RequestId(1), Some("succeeded"))
+        r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
             .await
             .unwrap_err()
             .is_custody()
@@ -1043,14 +1062,17 @@ async fn an_instance_that_will_not_die_stays_tracked_and_the_retry_removes_it() 
     let r = w.runner();
     let lease = w.launched(&r, 1).await;
     w.fake.fail_next(Operation::Destroy, 1);
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
     let err = r
-        .destroy(RequestId(1), Some("succeeded"))
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
         .await
         .unwrap_err();
     assert!(matches!(err, RunnerError::Failed(_)), "{err}");
     assert!(w.exists(&lease.id));
     assert!(r.holding());
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert_eq!(w.destroys_of(&lease.id), 2);
     assert!(!w.exists(&lease.id));
     assert!(!r.holding());
@@ -1065,7 +1087,10 @@ async fn a_completion_ends_an_adoption() {
     let r = w.runner();
     r.recover().await.unwrap();
     assert!(r.holding());
-    r.destroy(RequestId(4), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(4), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&lease.id));
     assert_eq!(w.phase(&lease.id), Phase::Done);
     assert!(!r.holding());
@@ -1079,7 +1104,10 @@ async fn a_completion_clears_both_the_running_and_the_held_compute_of_its_reques
     r.assume_custody(&lease.id, lease.epoch, RequestId(1))
         .await
         .unwrap();
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&lease.id));
     assert_eq!(w.phase(&lease.id), Phase::Done);
     assert!(!r.holding(), "neither half is left");
@@ -1095,7 +1123,11 @@ async fn a_completion_clears_every_custody_entry_for_its_request() {
     let r = w.runner();
     r.recover().await.unwrap();
     assert_eq!(custody(&r), BTreeSet::from([a.id.clone(), b.id.clone()]));
-    r.destroy(RequestId(9), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&a.id), 0, false); // the ephemeral runners exit after their job
+    w.fake.exit(&name(&b.id), 0, false);
+    r.destroy(RequestId(9), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&a.id) && !w.exists(&b.id));
     assert!(w.phase(&a.id).is_terminal() && w.phase(&b.id).is_terminal());
     assert!(!r.holding());
@@ -1110,12 +1142,207 @@ async fn a_custody_side_failure_does_not_turn_the_running_halfs_success_into_an_
         .await
         .unwrap();
     w.fault(&lease.id, LOp::Heartbeat, Fault::Refuse);
-    r.destroy(RequestId(1), Some("succeeded"))
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
         .await
         .expect("the running half stopped");
     assert!(!w.exists(&lease.id));
     r.tend().await.unwrap();
     assert!(w.phase(&lease.id).is_terminal());
+    assert!(!r.holding());
+}
+
+// ----- issue #11 item 4: a Destroy never kills a busy runner without authority -----
+
+#[tokio::test(start_paused = true)]
+async fn a_scale_down_of_a_runner_that_has_just_taken_its_job_answers_busy_and_destroys_nothing() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    // GitHub's listing still shows it idle; its own record has the job.
+    w.core().job_starts(&name(&lease.id));
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("busy");
+    assert!(
+        matches!(err, RunnerError::Busy { held: false, .. }),
+        "{err}"
+    );
+    assert!(!err.is_custody(), "the plane keeps the lease");
+    assert!(w.exists(&lease.id), "nothing killed");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert!(w.registered(&lease.id));
+    assert!(!w.phase(&lease.id).is_terminal(), "the lease is held");
+    assert!(r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_scale_down_whose_registration_removal_fails_destroys_nothing_and_asks_to_be_sent_again()
+{
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.fault(&lease.id, LOp::RemoveRunner, Fault::Refuse);
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("the plane was not reached");
+    assert!(matches!(err, RunnerError::Failed(_)), "{err}");
+    assert!(w.exists(&lease.id) && w.registered(&lease.id));
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    // Sent again once the plane answers: an idle runner goes, routing first.
+    r.destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .unwrap();
+    assert!(!w.exists(&lease.id) && !w.registered(&lease.id));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_while_the_runner_still_works_leaves_it_the_post_job_grace_and_releases_done_when_it_exits()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .expect_err("still working");
+    assert!(matches!(err, RunnerError::Busy { held: true, .. }), "{err}");
+    assert!(err.is_custody(), "the node holds the lease");
+    assert!(w.exists(&lease.id), "not killed");
+    let held = r.held();
+    assert_eq!(held[0].state, HeldState::Ending, "{held:?}");
+    sleep(Duration::from_secs(60)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "within the grace, still not killed");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert_eq!(w.phase(&lease.id), Phase::Teardown);
+    // The runner finishes its post-job work and exits.
+    w.fake.exit(&name(&lease.id), 0, false);
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(w.fake.calls().iter().all(|c| !matches!(c, Call::Stop(..))));
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_runner_still_working_past_the_post_job_grace_is_stopped_sigterm_then_sigkill_and_released_failed_post_job_timeout()
+ {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        post_job_grace: Duration::from_secs(30),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    w.fake.ignore_sigterm(&name(&lease.id));
+    assert!(
+        r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+            .await
+            .unwrap_err()
+            .is_busy()
+    );
+    sleep(Duration::from_secs(31)).await;
+    let began = Instant::now();
+    r.tend().await.unwrap();
+    assert!(
+        began.elapsed() >= Duration::from_secs(10),
+        "SIGKILL came before the stop timeout"
+    );
+    let instance = InstanceName::for_lease(&lease.id);
+    assert!(
+        w.fake
+            .calls()
+            .contains(&Call::Stop(instance, Duration::from_secs(10))),
+        "{:?}",
+        w.fake.calls()
+    );
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(
+        w.core().leases[&lease.id].failure_reason.as_deref(),
+        Some("post_job_timeout")
+    );
+    assert!(!w.registered(&lease.id));
+    assert!(!r.holding());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_forced_destroy_ends_a_busy_runner_and_records_its_reason() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    r.destroy(RequestId(1), &DestroyOrder::forced("cancelled"))
+        .await
+        .unwrap();
+    assert!(!w.exists(&lease.id), "force destroys regardless");
+    assert_eq!(
+        w.core().leases[&lease.id].failure_reason.as_deref(),
+        Some("cancelled")
+    );
+    // GitHub still has the job on the runner: its removal is on the
+    // backoff, kept in the journal for a restart.
+    assert!(w.registered(&lease.id));
+    assert!(
+        w.journal
+            .launches()
+            .await
+            .unwrap()
+            .iter()
+            .any(|l| l.lease == lease.id.as_str())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_of_a_held_job_still_working_stays_ending_across_a_restart() {
+    let w = World::new();
+    let first = w.runner();
+    let lease = w.launched(&first, 1).await;
+    first
+        .assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    let err = first
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, RunnerError::Busy { held: true, .. }), "{err}");
+    drop(first);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(r.held()[0].state, HeldState::Ending);
+    sleep(POST_JOB_GRACE + Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id), "the grace ran on across the restart");
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_scale_down_answered_custody_keeps_its_teardown_across_a_restart_even_when_the_renewal_failed()
+ {
+    let w = World::new();
+    let first = w.runner();
+    let lease = w.launched(&first, 1).await;
+    drop(first);
+    // Adopted after a restart: held in custody as a job.
+    let second = w.runner();
+    second.recover().await.unwrap();
+    assert_eq!(second.held()[0].state, HeldState::Custody);
+    w.fault(&lease.id, LOp::Heartbeat, Fault::Refuse);
+    let err = second
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .unwrap_err();
+    assert!(err.is_custody(), "{err}");
+    assert!(w.exists(&lease.id), "the renewal failed before the destroy");
+    drop(second);
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert_eq!(r.held()[0].state, HeldState::Discard, "{:?}", r.held());
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id), "the idle runner was torn down");
     assert!(!r.holding());
 }
 
@@ -1990,7 +2217,10 @@ async fn a_draining_node_refuses_a_launch_and_still_serves_a_destroy() {
     assert!(matches!(err, RunnerError::Refused(_)), "{err}");
     assert!(!w.bound(&lease.id));
     assert_eq!(w.fake.count(Operation::Create), 1);
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&running.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&running.id));
     assert!(!r.holding());
 }
@@ -2244,7 +2474,10 @@ async fn a_runner_busy_at_github_at_the_start_deadline_is_online_and_left_runnin
         .filter(|l| l.starts_with("remove"))
         .count();
     assert_eq!(removals, 1, "asked again after GitHub said busy");
-    r.destroy(RequestId(1), Some("succeeded")).await.unwrap();
+    w.fake.exit(&name(&lease.id), 0, false); // the ephemeral runner exits after its job
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
     assert!(!w.exists(&lease.id));
     assert!(!r.holding());
 }

@@ -392,6 +392,7 @@ impl Node {
             stray_grace: Duration::from_secs(300),
             start_deadline: None,
             max_lease_life: None,
+            post_job_grace: Duration::from_secs(120),
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),
@@ -616,6 +617,8 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
             pb::command::Kind::Destroy(pb::Destroy {
                 request_id: HELD_REQUEST,
                 job_result: Some("succeeded".into()),
+                force: false,
+                reason: String::new(),
             }),
         )
         .await;

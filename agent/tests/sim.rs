@@ -103,24 +103,7 @@ use fakes::Sabotage;
 /// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
 /// seeds named reproduce each bug with it (as of this version of the world:
 /// any change to the step generator renumbers them).
-const KNOWN_BUGS: &[(Bug, &str)] = &[
-    (
-        Bug::ScaleDownKillsBusyRunner,
-        "a scale-down Destroy of a runner that has just taken its job: GitHub refuses the removal (JobStillRunning) and the node destroys it anyway (issue #11 item 4; seeds 1, 2, 3)",
-    ),
-    (
-        Bug::EarlyCompletionKillsRunner,
-        "a completion GitHub sends while the runner still works: the node destroys it at once, not after a post-job grace (issue #11 item 4; seeds 1, 2, 5)",
-    ),
-    (
-        Bug::DestroyLeaksUnremovedRegistration,
-        "a scale-down Destroy whose registration removal fails (plane or GitHub unreachable): the node destroys the instance anyway, answers OK, and the registration is never removed (issue #11 item 5; seeds 30, 75, 76)",
-    ),
-    (
-        Bug::DestroyForgottenAfterRestart,
-        "a Destroy answered custody marks the held entry for teardown in memory only: a restart before its next journal write holds the runner as a job again, and an idle one is kept for ever (seeds 3364, 8277)",
-    ),
-];
+const KNOWN_BUGS: &[(Bug, &str)] = &[];
 
 fn gates() -> Gates {
     let all = [

@@ -320,7 +320,7 @@ impl CallHandler {
                     // A runner running a job cannot be removed: that is an
                     // answer (the node keeps it), not an outage.
                     let code = if e.is_job_still_running() {
-                        pb::ErrorCode::Refused
+                        pb::ErrorCode::Busy
                     } else {
                         pb::ErrorCode::Unavailable
                     };
@@ -595,7 +595,7 @@ mod tests {
         let busy = handler.handle("node-a", remove()).await;
         assert_eq!(
             busy.error.as_ref().map(|e| e.code),
-            Some(pb::ErrorCode::Refused as i32),
+            Some(pb::ErrorCode::Busy as i32),
             "{busy:?}"
         );
         assert_eq!(

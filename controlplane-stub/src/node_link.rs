@@ -903,6 +903,8 @@ mod tests {
         pb::command::Kind::Destroy(pb::Destroy {
             request_id: 7,
             job_result: None,
+            force: false,
+            reason: String::new(),
         })
     }
 

@@ -132,6 +132,12 @@ pub enum PlaneEvent {
         /// GitHub's result.
         result: String,
     },
+    /// A scale-down's Destroy was answered `BUSY`: the runner has taken a
+    /// job, nothing was destroyed, and the plane asks again later.
+    ScaleDownBusy {
+        /// The lease.
+        lease: String,
+    },
     /// The lease's compute was destroyed and the lease released.
     Released {
         /// The lease.
@@ -139,6 +145,18 @@ pub enum PlaneEvent {
         /// "done" or "failed".
         outcome: String,
     },
+}
+
+/// How a scale-down ([`Plane::scale_down`]) ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleDown {
+    /// The node destroyed the idle runner; the lease is released `done`.
+    Destroyed,
+    /// The runner's job completed meanwhile: the completion's own Destroy
+    /// ends it, and the scale-down is dropped.
+    Completed,
+    /// The lease ended, or the node holds it: nothing left to scale down.
+    Ended,
 }
 
 /// The plane could not start.
@@ -205,6 +223,8 @@ struct Cover {
     not_covering: HashSet<String>,
     /// Leases placed on a node whose launch is not answered yet.
     in_flight: HashMap<String, String>,
+    /// Runner names whose job GitHub reported completed.
+    completed: HashSet<String>,
     /// Launch delays after consecutive failures; `None` after a success.
     backoff: Option<backon::ExponentialBackoff>,
     /// No launch before this instant.
@@ -224,6 +244,7 @@ impl Cover {
             taken: HashSet::new(),
             not_covering: HashSet::new(),
             in_flight: HashMap::new(),
+            completed: HashSet::new(),
             backoff: None,
             retry_at: None,
             avoid: HashMap::new(),
@@ -946,6 +967,8 @@ impl Plane {
                     pb::command::Kind::Destroy(pb::Destroy {
                         request_id: lease.request_id,
                         job_result: Some(result.clone()),
+                        force: false,
+                        reason: String::new(),
                     }),
                     self.config.destroy_timeout,
                 )
@@ -984,6 +1007,96 @@ impl Plane {
                 });
             }
             Err(e) => warn!(lease = %lease.id, error = %e, "release after destroy"),
+        }
+    }
+
+    /// Scales down the runner of `lease_id`: a Destroy without a completion
+    /// and without force. A node that answers `BUSY` (GitHub says the
+    /// runner has taken a job) destroyed nothing; the plane asks again with
+    /// backoff (200 ms doubling to 5 s, jittered), and drops the scale-down
+    /// once the job's completion arrives (its own Destroy ends the runner),
+    /// the lease ends, or the node holds it. A destroyed runner's lease is
+    /// released `done`.
+    ///
+    /// # Errors
+    ///
+    /// [`crate::ledger::LedgerError`] when the ledger cannot be read.
+    pub async fn scale_down(
+        &self,
+        lease_id: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<ScaleDown, crate::ledger::LedgerError> {
+        let mut backoff = restart_backoff();
+        loop {
+            let Some(lease) = self.ledger.get(lease_id).await? else {
+                return Ok(ScaleDown::Ended);
+            };
+            if lease.phase.is_terminal() {
+                return Ok(ScaleDown::Ended);
+            }
+            let completed = lease
+                .runner_name
+                .as_ref()
+                .is_some_and(|n| self.cover.lock().expect("cover").completed.contains(n));
+            if completed {
+                info!(lease = %lease.id, "the job completed; the scale-down is dropped and its completion ends the runner");
+                return Ok(ScaleDown::Completed);
+            }
+            let Some(node) = lease.node.as_deref().and_then(|n| self.node(n)).cloned() else {
+                return Ok(ScaleDown::Ended);
+            };
+            let outcome = node
+                .dispatch(
+                    pb::command::Kind::Destroy(pb::Destroy {
+                        request_id: lease.request_id,
+                        job_result: None,
+                        force: false,
+                        reason: String::new(),
+                    }),
+                    self.config.destroy_timeout,
+                )
+                .await;
+            if outcome.is_ok() {
+                self.managed.lock().expect("managed").remove(&lease.id);
+                self.cover
+                    .lock()
+                    .expect("cover")
+                    .not_covering
+                    .insert(lease.id.clone());
+                self.wake.notify_one();
+                match self
+                    .ledger
+                    .release(&lease.id, lease.epoch, None, Phase::Done, crate::now_ms())
+                    .await
+                {
+                    Ok(_) => self.emit(PlaneEvent::Released {
+                        lease: lease.id.clone(),
+                        outcome: "done".into(),
+                    }),
+                    Err(e) => warn!(lease = %lease.id, error = %e, "release after a scale-down"),
+                }
+                return Ok(ScaleDown::Destroyed);
+            }
+            if outcome.is_custody() {
+                self.managed.lock().expect("managed").remove(&lease.id);
+                return Ok(ScaleDown::Ended);
+            }
+            let busy = matches!(&outcome, CommandOutcome::Answered(r)
+                if r.outcome == pb::Outcome::Busy as i32
+                    || r.error.as_ref().is_some_and(|e| e.code == pb::ErrorCode::Busy as i32));
+            let wait = backoff.next().unwrap_or(RELAUNCH_MAX_DELAY);
+            if busy {
+                info!(lease = %lease.id, retry_in = ?wait, "scale-down answered BUSY: the runner took a job; asking again later");
+                self.emit(PlaneEvent::ScaleDownBusy {
+                    lease: lease.id.clone(),
+                });
+            } else {
+                warn!(lease = %lease.id, outcome = %outcome.describe(), retry_in = ?wait, "scale-down did not finish; retrying");
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(ScaleDown::Ended),
+                () = tokio::time::sleep(wait) => {}
+            }
         }
     }
 
@@ -1215,13 +1328,14 @@ impl Plane {
             .mark_failure(&lease.id, lease.epoch, REGISTRATION_LOST, crate::now_ms())
             .await;
         // The registration is gone, so the runner can take no job: the
-        // destroy has no job result. (Once Destroy carries force and a
-        // reason, this sends force with reason registration_lost.)
+        // destroy has no job result, and is forced, with the reason.
         let outcome = node
             .dispatch(
                 pb::command::Kind::Destroy(pb::Destroy {
                     request_id: lease.request_id,
                     job_result: None,
+                    force: true,
+                    reason: REGISTRATION_LOST.into(),
                 }),
                 self.config.destroy_timeout,
             )
@@ -1306,12 +1420,11 @@ impl Scaler for PlaneScaler {
                 }
                 JobMessage::Completed(job) => {
                     let request_id = job.job.runner_request_id.get();
-                    plane
-                        .cover
-                        .lock()
-                        .expect("cover")
-                        .wanted
-                        .remove(&request_id);
+                    {
+                        let mut cover = plane.cover.lock().expect("cover");
+                        cover.wanted.remove(&request_id);
+                        cover.completed.insert(job.runner_name.clone());
+                    }
                     plane.emit(PlaneEvent::Completed {
                         request_id,
                         runner_name: job.runner_name.clone(),
@@ -1448,6 +1561,8 @@ mod tests {
             Some(pb::command::Kind::Destroy(pb::Destroy {
                 request_id: 5,
                 job_result: Some("succeeded".into()),
+                force: false,
+                reason: String::new(),
             }))
         );
         plane.nodes[1]

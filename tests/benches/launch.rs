@@ -351,6 +351,8 @@ impl Bench {
         let destroy = pb::command::Kind::Destroy(pb::Destroy {
             request_id: lease.request_id,
             job_result: None,
+            force: false,
+            reason: String::new(),
         });
         let outcome = self.node()?.dispatch(destroy, COMMAND_TIMEOUT).await;
         ensure!(

@@ -88,6 +88,8 @@ async fn a_malformed_command_is_answered_invalid_argument_naming_the_field() -> 
             pb::command::Kind::Destroy(pb::Destroy {
                 request_id: -5,
                 job_result: None,
+                force: false,
+                reason: String::new(),
             }),
             Duration::from_secs(10),
         )
@@ -111,6 +113,8 @@ async fn a_destroy_for_a_request_nothing_was_started_for_succeeds() -> Result<()
                 pb::command::Kind::Destroy(pb::Destroy {
                     request_id: 99,
                     job_result: Some("succeeded".into()),
+                    force: false,
+                    reason: String::new(),
                 }),
                 Duration::from_secs(10),
             )
@@ -308,6 +312,8 @@ async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_firs
                 pb::command::Kind::Destroy(pb::Destroy {
                     request_id: 5151,
                     job_result: None,
+                    force: false,
+                    reason: String::new(),
                 }),
                 Duration::from_secs(30),
             )

@@ -110,6 +110,7 @@ impl NodeArgs {
                     .max_lease_life_secs
                     .filter(|s| *s > 0)
                     .map(Duration::from_secs),
+                post_job_grace: Duration::from_secs(args.post_job_grace_secs),
                 ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
                 tls_reload: crate::edge::tls::ReloadPolicy {

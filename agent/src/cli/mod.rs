@@ -154,6 +154,11 @@ pub struct NodeArgs {
     /// stalled; each hour of a lease's life is warned about.
     #[arg(long, env = "BILLET_MAX_LEASE_LIFE_SECS")]
     pub max_lease_life_secs: Option<u64>,
+    /// Seconds a runner still working when its job's completion arrives is
+    /// left to exit on its own; then it is stopped (SIGTERM, SIGKILL 10 s
+    /// later) and its lease released failed (post_job_timeout).
+    #[arg(long, env = "BILLET_POST_JOB_GRACE_SECS", default_value_t = crate::node::runner::POST_JOB_GRACE.as_secs())]
+    pub post_job_grace_secs: u64,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::node::session::ACK_TIMEOUT.as_secs())]

@@ -372,6 +372,43 @@ pub struct Job {
     pub workflow_ref: String,
 }
 
+/// What a Destroy asks of the node (`Runner::destroy`; the wire's
+/// `Destroy`, proto/billet/node/v1/node.proto).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DestroyOrder {
+    /// GitHub's result, when the job's completion caused this destroy.
+    pub job_result: Option<String>,
+    /// Destroy whatever GitHub or the runner says.
+    pub force: bool,
+    /// Why, for logs and for the failure reason the node records; `None`
+    /// when the plane gave none.
+    pub reason: Option<String>,
+}
+
+impl DestroyOrder {
+    /// A scale-down: no completion, no force. A busy runner is kept.
+    pub fn scale_down() -> Self {
+        Self::default()
+    }
+
+    /// The job's completion, with GitHub's result word.
+    pub fn completion(result: &str) -> Self {
+        Self {
+            job_result: Some(result.to_owned()),
+            ..Self::default()
+        }
+    }
+
+    /// Destroy on the plane's or an operator's authority, for `reason`.
+    pub fn forced(reason: &str) -> Self {
+        Self {
+            force: true,
+            reason: (!reason.is_empty()).then(|| reason.to_owned()),
+            ..Self::default()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,8 +6,8 @@
 use billet_proto::v1 as pb;
 
 use crate::edge::model::{
-    ByteSize, CommandId, Epoch, InvalidField, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
-    Trust,
+    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, Phase, RequestId,
+    TierSpec, Trust,
 };
 
 /// Largest memory a lease may ask for (16 TiB): anything above is a typo.
@@ -33,8 +33,8 @@ pub enum NodeCommand {
     Destroy {
         /// The request.
         request_id: RequestId,
-        /// GitHub's result, when a completion triggered this.
-        job_result: Option<String>,
+        /// A completion's result, force and reason.
+        order: DestroyOrder,
     },
     /// Take responsibility for a launch whose result the plane missed.
     AssumeCustody {
@@ -208,6 +208,8 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
         Kind::Destroy(pb::Destroy {
             request_id,
             job_result,
+            force,
+            reason,
         }) => {
             if request_id <= 0 {
                 return Err(InvalidField::new(
@@ -223,9 +225,19 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                     "must be a GitHub result word such as \"succeeded\"",
                 ));
             }
+            if reason.len() > 64 || reason.chars().any(char::is_control) {
+                return Err(InvalidField::new(
+                    "destroy.reason",
+                    "must be at most 64 bytes of printable text, such as \"registration_lost\"",
+                ));
+            }
             NodeCommand::Destroy {
                 request_id: RequestId(request_id),
-                job_result,
+                order: DestroyOrder {
+                    job_result,
+                    force,
+                    reason: (!reason.is_empty()).then_some(reason),
+                },
             }
         }
         Kind::AssumeCustody(pb::AssumeCustody { lease, request_id }) => {
@@ -673,9 +685,49 @@ pub(crate) mod tests {
             kind: Some(pb::command::Kind::Destroy(pb::Destroy {
                 request_id: 0,
                 job_result: None,
+                force: false,
+                reason: String::new(),
             })),
         };
         assert_eq!(field_of(c), "destroy.request_id");
+    }
+
+    #[test]
+    fn a_destroy_carries_its_force_and_reason_and_refuses_a_reason_that_is_not_a_word() {
+        let destroy = |reason: &str| pb::Command {
+            id: "c".into(),
+            deadline_unix_ms: 1,
+            deadline_remaining_ms: None,
+            kind: Some(pb::command::Kind::Destroy(pb::Destroy {
+                request_id: 7,
+                job_result: None,
+                force: true,
+                reason: reason.into(),
+            })),
+        };
+        let (_, checked) = command(destroy("registration_lost"))
+            .command
+            .expect("valid");
+        assert_eq!(
+            checked,
+            NodeCommand::Destroy {
+                request_id: RequestId(7),
+                order: DestroyOrder::forced("registration_lost"),
+            }
+        );
+        let (_, checked) = command(destroy("")).command.expect("valid");
+        assert_eq!(
+            checked,
+            NodeCommand::Destroy {
+                request_id: RequestId(7),
+                order: DestroyOrder {
+                    force: true,
+                    ..DestroyOrder::default()
+                },
+            }
+        );
+        assert_eq!(field_of(destroy("a\nb")), "destroy.reason");
+        assert_eq!(field_of(destroy(&"x".repeat(65))), "destroy.reason");
     }
 
     #[test]
@@ -779,12 +831,20 @@ pub(crate) mod properties {
                         ..Default::default()
                     }),
                 }))),
-            (any::<i64>(), proptest::option::of(text())).prop_map(|(request_id, job_result)| Some(
-                Kind::Destroy(pb::Destroy {
-                    request_id,
-                    job_result
-                })
-            )),
+            (
+                any::<i64>(),
+                proptest::option::of(text()),
+                any::<bool>(),
+                text()
+            )
+                .prop_map(|(request_id, job_result, force, reason)| Some(
+                    Kind::Destroy(pb::Destroy {
+                        request_id,
+                        job_result,
+                        force,
+                        reason,
+                    })
+                )),
             (proptest::option::of(lease()), any::<i64>()).prop_map(|(lease, request_id)| Some(
                 Kind::AssumeCustody(pb::AssumeCustody { lease, request_id })
             )),

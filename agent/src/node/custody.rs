@@ -25,7 +25,7 @@ use super::ending::EndReason;
 use super::journal::{CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
-use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
+use crate::edge::model::{DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
 use crate::provider::{Instance, ProviderError, Teardown};
 
 /// What a sweep saw and how it ended ([`Runner::sweep_inventory`]).
@@ -96,6 +96,13 @@ pub(super) struct CustodyEntry {
     /// a tend reports `phase` only when it differs. Not journaled: a
     /// restarted node reports once more.
     pub(super) reported: Option<Phase>,
+    /// The job's completion arrived while its runner still worked: the
+    /// runner is left to exit on its own until the post-job grace (counted
+    /// from `since`) passes. Journaled as a teardown that is not discarded.
+    pub(super) ending: bool,
+    /// The reason a forced destroy gave, recorded as the failure reason
+    /// when there is no [`EndReason`]. Not journaled.
+    pub(super) forced: Option<String>,
 }
 
 impl CustodyEntry {
@@ -121,6 +128,25 @@ impl CustodyEntry {
             since: Instant::now(),
             reason: None,
             reported: None,
+            ending: false,
+            forced: None,
+        }
+    }
+
+    /// A runner still working after its job's completion: renewed, reported
+    /// as `teardown`, left to exit on its own within the post-job grace,
+    /// released `done` once its instance is gone.
+    pub(super) fn ending(
+        epoch: Epoch,
+        instance: InstanceName,
+        request_id: RequestId,
+        registration: (i64, String),
+    ) -> Self {
+        Self {
+            registration: Some(registration),
+            phase: Some(Phase::Teardown),
+            ending: true,
+            ..Self::job(epoch, instance, request_id, true)
         }
     }
 
@@ -202,6 +228,9 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
         reason: None,
         reported: None,
+        // A teardown that is not discarded is only ever an ending runner.
+        ending: !r.discard && r.phase.as_deref() == Some(Phase::Teardown.as_str()),
+        forced: None,
     };
     Some((lease, entry))
 }
@@ -1091,6 +1120,149 @@ impl Runner {
         }
     }
 
+    /// The post-job grace has passed and the runner still works: the
+    /// operator's bound overrides it. Its registration is removed (routing
+    /// first; a refusal or an outage goes to the removal backoff, since the
+    /// compute ends now), the override is logged with both signals, and the
+    /// runner is stopped: SIGTERM, then SIGKILL after the stop timeout. The
+    /// entry becomes a teardown released `failed` with `post_job_timeout`.
+    async fn overrun_post_job_grace(
+        &self,
+        lease: &LeaseId,
+        entry: &mut CustodyEntry,
+        instance: &Instance,
+    ) {
+        let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
+        let github = match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+            Ok(()) => "registration removed".to_owned(),
+            Err(e) => {
+                self.state().removals.failed(lease, entry.epoch, (id, name));
+                e.to_string()
+            }
+        };
+        entry.registration = None;
+        warn!(%lease, instance = %entry.instance, grace_s = self.options.post_job_grace.as_secs(),
+              %github, provider = ?instance.state, stop_timeout_s = self.options.stop_timeout.as_secs(),
+              "the runner kept working past the post-job grace after its job's completion; stopping it (SIGTERM, then SIGKILL)");
+        entry.discard = true;
+        entry.outcome = Phase::Failed;
+        entry.reason = Some(EndReason::PostJobTimeout);
+        if let Err(e) = self
+            .provider
+            .stop(&entry.instance, self.options.stop_timeout)
+            .await
+        {
+            warn!(%lease, error = %e, "stopping the runner failed; destroying it");
+        }
+    }
+
+    /// Applies a Destroy to a lease held in custody for its request, and
+    /// journals the entry before anything else happens (so a restart keeps
+    /// a teardown the Destroy asked for), then takes one custody step.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Busy`] (held) when the runner is left working: GitHub
+    /// refused a scale-down's removal, or it is ending after its job;
+    /// [`RunnerError::Custody`] when the removal could not be asked;
+    /// [`RunnerError::Failed`] when the step failed.
+    pub(super) async fn destroy_held(
+        &self,
+        lease: &LeaseId,
+        order: &DestroyOrder,
+    ) -> Result<(), RunnerError> {
+        let Some(mut entry) = self.state().custody.get(lease).cloned() else {
+            return Ok(());
+        };
+        let teardown = |entry: &mut CustodyEntry| {
+            entry.discard = true;
+            entry.ending = false;
+            if entry.phase.is_some() {
+                entry.phase = Some(Phase::Teardown);
+            }
+        };
+        let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
+        if order.force {
+            if entry.discard {
+                if entry.forced.is_none() {
+                    entry.forced.clone_from(&order.reason);
+                }
+            } else {
+                let provider = match self.provider.find(&entry.instance).await {
+                    Ok(Some(i)) => format!("{:?}", i.state),
+                    Ok(None) => "gone".to_owned(),
+                    Err(e) => format!("unknown ({e})"),
+                };
+                let github = match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+                    Ok(()) => "registration removed".to_owned(),
+                    Err(e) => {
+                        self.state()
+                            .removals
+                            .failed(lease, entry.epoch, (id, name.clone()));
+                        e.to_string()
+                    }
+                };
+                entry.registration = None;
+                warn!(%lease, instance = %entry.instance, reason = order.reason.as_deref().unwrap_or("-"),
+                      %github, %provider, "forced destroy of a held lease: ending the runner whatever it is doing");
+                teardown(&mut entry);
+                entry.outcome = Phase::Failed;
+                entry.forced.clone_from(&order.reason);
+            }
+        } else if entry.discard || entry.ending {
+            // A teardown, or an ending runner, is already under way.
+        } else if order.job_result.is_some() {
+            // A held job's completion: its runner exits on its own, within
+            // the post-job grace from now.
+            entry.ending = true;
+            entry.since = Instant::now();
+            if entry.phase.is_some() {
+                entry.phase = Some(Phase::Teardown);
+            }
+        } else {
+            // A scale-down of a held job: routing first, a busy one is kept.
+            match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+                Ok(()) => {
+                    entry.registration = None;
+                    teardown(&mut entry);
+                }
+                Err(e @ (PlaneError::Busy(_) | PlaneError::Refused(_))) => {
+                    info!(%lease, github = %e, "scale-down refused: the held runner is busy; it keeps running");
+                    return Err(RunnerError::Busy {
+                        message: format!(
+                            "the runner of lease {lease} is running a job (GitHub: {e}); nothing was destroyed, and this node holds the lease"
+                        ),
+                        held: true,
+                    });
+                }
+                Err(e) => {
+                    return Err(RunnerError::Custody(format!(
+                        "could not remove the registration of held lease {lease} ({e}); nothing was destroyed"
+                    )));
+                }
+            }
+        }
+        self.update(lease, entry).await;
+        self.tend_one(lease, Seen::Ask)
+            .await
+            .map_err(RunnerError::Failed)?;
+        let ending = self
+            .state()
+            .custody
+            .get(lease)
+            .is_some_and(|e| e.ending && !e.discard);
+        if ending {
+            return Err(RunnerError::Busy {
+                message: format!(
+                    "the runner of lease {lease} still works after its job; this node holds the lease and ends it once the runner exits, or after {}s",
+                    self.options.post_job_grace.as_secs()
+                ),
+                held: true,
+            });
+        }
+        Ok(())
+    }
+
     /// One step for one custody entry (spec/node.md §2.7), reading the
     /// instance as `seen` says.
     pub(super) async fn tend_one(&self, lease: &LeaseId, seen: Seen<'_>) -> Result<(), String> {
@@ -1197,6 +1369,20 @@ impl Runner {
                 }
             },
         };
+        if entry.ending && !entry.discard {
+            match &found {
+                Some(instance) if instance.may_run() => {
+                    if entry.since.elapsed() < self.options.post_job_grace {
+                        self.update(lease, entry).await;
+                        return Ok(());
+                    }
+                    self.overrun_post_job_grace(lease, &mut entry, instance)
+                        .await;
+                }
+                // It exited on its own, or is gone: its job's normal end.
+                _ => entry.discard = true,
+            }
+        }
         let ended = found.as_ref().is_none_or(|i| !i.may_run());
         if let Some(instance) = &found
             && !instance.may_run()
@@ -1270,7 +1456,7 @@ impl Runner {
     /// A held lease has ended: it is no longer held, and its journal records
     /// go, except the launch record of a registration removal still
     /// pending, which keeps that removal across a restart.
-    async fn ended(&self, lease: &LeaseId) {
+    pub(super) async fn ended(&self, lease: &LeaseId) {
         let pending = {
             let mut s = self.state();
             s.custody.remove(lease);
@@ -1308,13 +1494,12 @@ impl Runner {
 
     async fn finish(&self, lease: &LeaseId, entry: CustodyEntry) -> Result<(), String> {
         if entry.outcome == Phase::Failed
-            && let Some(reason) = entry.reason
+            && let Some(reason) = entry
+                .reason
+                .map(|r| r.to_string())
+                .or_else(|| entry.forced.clone())
         {
-            match self
-                .ledger
-                .mark_failure(lease, entry.epoch, &reason.to_string())
-                .await
-            {
+            match self.ledger.mark_failure(lease, entry.epoch, &reason).await {
                 Err(e @ PlaneError::Unavailable(_)) => {
                     self.update(lease, entry).await;
                     return Err(format!("record the failure reason {reason}: {e}"));
@@ -1329,7 +1514,7 @@ impl Runner {
         }
         match self.ledger.release(lease, entry.epoch, entry.outcome).await {
             Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
-                info!(%lease, outcome = %entry.outcome, reason = ?entry.reason.map(|r| r.to_string()), "custody ended");
+                info!(%lease, outcome = %entry.outcome, reason = ?entry.reason.map(|r| r.to_string()).or_else(|| entry.forced.clone()), "custody ended");
                 self.ended(lease).await;
                 Ok(())
             }

@@ -526,6 +526,15 @@ impl Provider for WatchedProvider {
         .await
     }
 
+    async fn stop(&self, name: &InstanceName, timeout: Duration) -> Result<(), ProviderError> {
+        self.bounded(
+            format!("stop {name}"),
+            self.call_timeout + timeout,
+            self.inner.stop(name, timeout),
+        )
+        .await
+    }
+
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
         self.bounded("list".into(), self.call_timeout, self.inner.list())
             .await

@@ -391,6 +391,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
         PlaneError::ForceRelease(_) => "force_release",
         PlaneError::Refused(_) => "refused",
         PlaneError::ScaleSetNotFound(_) => "scale_set_not_found",
+        PlaneError::Busy(_) => "busy",
     }
 }
 
@@ -543,6 +544,18 @@ impl Provider for MeteredProvider {
         let r = self.inner.destroy(name).await;
         let (took, ok) = timed(start, &r);
         self.observe("destroy", took, ok);
+        r
+    }
+
+    async fn stop(
+        &self,
+        name: &InstanceName,
+        timeout: std::time::Duration,
+    ) -> Result<(), ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.stop(name, timeout).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("stop", took, ok);
         r
     }
 

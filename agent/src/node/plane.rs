@@ -50,6 +50,10 @@ pub enum PlaneError {
     /// for the set again.
     #[error("scale set not found: {0}")]
     ScaleSetNotFound(String),
+    /// GitHub says the runner is running a job (a registration removal
+    /// answered JobStillRunning): an answer, not an outage.
+    #[error("busy: {0}")]
+    Busy(String),
 }
 
 impl PlaneError {
@@ -64,6 +68,7 @@ impl PlaneError {
             // Out of quota or capacity for now: retried like an outage.
             pb::ErrorCode::Unavailable | pb::ErrorCode::ResourceExhausted => Self::Unavailable(m),
             pb::ErrorCode::ForceRelease => Self::ForceRelease(m),
+            pb::ErrorCode::Busy => Self::Busy(m),
             // A scale set GitHub no longer has: nothing this node can retry;
             // the plane decides when to launch again.
             pb::ErrorCode::ScaleSetNotFound => Self::ScaleSetNotFound(m),
@@ -623,6 +628,7 @@ mod tests {
             }
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
             pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
+            pb::ErrorCode::Busy => PlaneError::Busy(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
@@ -631,7 +637,7 @@ mod tests {
         }
     }
 
-    const ALL: [pb::ErrorCode; 13] = [
+    const ALL: [pb::ErrorCode; 14] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -645,6 +651,7 @@ mod tests {
         pb::ErrorCode::ImageUnavailable,
         pb::ErrorCode::ScaleSetNotFound,
         pb::ErrorCode::ResourceExhausted,
+        pb::ErrorCode::Busy,
     ];
 
     /// 7.O.6

@@ -17,19 +17,20 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use backon::{BackoffBuilder as _, ConstantBuilder};
 use tokio::time::Instant;
 
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::custody::{CustodyEntry, Seen};
+use super::custody::CustodyEntry;
 use super::ending::Removals;
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::edge::model::{
-    Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
+    DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
 };
-use crate::provider::{InstanceSpec, Provider, ProviderError, Teardown};
+use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
 /// Without evidence the instance ever existed, how long it must stay absent
 /// before absence counts as proof (spec/node.md §2.0, `strayGrace`).
@@ -45,6 +46,20 @@ pub const START_DEADLINE: Duration = Duration::from_secs(300);
 /// How often a long-lived lease is warned about: once per whole hour of its
 /// life ([`RunnerOptions::max_lease_life`]).
 pub const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
+/// How long an ephemeral runner still working when its job's completion
+/// arrives is left to exit on its own before the node stops it (issue #11:
+/// 2 minutes by default; `--post-job-grace-secs`).
+pub const POST_JOB_GRACE: Duration = Duration::from_secs(120);
+
+/// How long a stopped runner gets between SIGTERM and SIGKILL.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a Destroy carrying a completion waits for a runner still
+/// running to exit, before it leaves it the post-job grace in custody.
+pub const COMPLETION_SETTLE: Duration = Duration::from_secs(2);
+
+/// How often that wait reads the instance.
+pub const COMPLETION_POLL: Duration = Duration::from_millis(200);
 
 /// Why a runner operation did not succeed.
 #[derive(Debug, Error)]
@@ -78,12 +93,32 @@ pub enum RunnerError {
     /// released (wire code `ERROR_CODE_SCALE_SET_NOT_FOUND`).
     #[error("{0}")]
     ScaleSetNotFound(String),
+    /// The runner is working, so nothing was destroyed and its instance runs
+    /// on: GitHub refused to remove its registration (JobStillRunning) under
+    /// a scale-down, or it is still working after its job's completion.
+    #[error("busy: {message}")]
+    Busy {
+        /// What GitHub and the provider said.
+        message: String,
+        /// This node holds the lease and ends the compute itself (once the
+        /// runner exits, or the post-job grace passes); otherwise the plane
+        /// keeps the lease and may ask again later.
+        held: bool,
+    },
 }
 
 impl RunnerError {
     /// Whether the node holds the lease.
     pub fn is_custody(&self) -> bool {
-        matches!(self, RunnerError::Custody(_))
+        matches!(
+            self,
+            RunnerError::Custody(_) | RunnerError::Busy { held: true, .. }
+        )
+    }
+
+    /// Whether the runner was found busy and left running.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, RunnerError::Busy { .. })
     }
 }
 
@@ -132,6 +167,9 @@ pub enum HeldState {
     Quarantine,
     /// In custody, to be destroyed on sight.
     Discard,
+    /// In custody after its job's completion, its runner left to exit on
+    /// its own within the post-job grace.
+    Ending,
 }
 
 impl HeldState {
@@ -143,6 +181,7 @@ impl HeldState {
             HeldState::Custody => "custody",
             HeldState::Quarantine => "quarantine",
             HeldState::Discard => "discard",
+            HeldState::Ending => "ending",
         }
     }
 
@@ -150,7 +189,7 @@ impl HeldState {
     pub fn in_custody(self) -> bool {
         matches!(
             self,
-            HeldState::Custody | HeldState::Quarantine | HeldState::Discard
+            HeldState::Custody | HeldState::Quarantine | HeldState::Discard | HeldState::Ending
         )
     }
 }
@@ -202,6 +241,12 @@ pub struct RunnerOptions {
     /// custody began (the journal keeps no earlier time), so the bound
     /// never passes early.
     pub max_lease_life: Option<Duration>,
+    /// How long a runner still working when its job's completion arrives is
+    /// left to exit on its own ([`POST_JOB_GRACE`] by default).
+    pub post_job_grace: Duration,
+    /// How long a runner stopped past its post-job grace gets between
+    /// SIGTERM and SIGKILL ([`STOP_TIMEOUT`]).
+    pub stop_timeout: Duration,
 }
 
 impl Default for RunnerOptions {
@@ -211,6 +256,8 @@ impl Default for RunnerOptions {
             stray_grace: STRAY_GRACE,
             start_deadline: Some(START_DEADLINE),
             max_lease_life: None,
+            post_job_grace: POST_JOB_GRACE,
+            stop_timeout: STOP_TIMEOUT,
         }
     }
 }
@@ -309,6 +356,8 @@ impl Runner {
                 epoch: e.epoch,
                 state: if e.discard {
                     HeldState::Discard
+                } else if e.ending {
+                    HeldState::Ending
                 } else if e.phase.is_none() {
                     HeldState::Quarantine
                 } else {
@@ -626,40 +675,82 @@ impl Runner {
         )))
     }
 
-    /// Removes whatever was started for a request. Idempotent: a request
-    /// nothing was started for, or whose compute is proven gone, is success.
+    /// Whether a runner still working when its job's completion arrives
+    /// exits within [`COMPLETION_SETTLE`], the usual case (an ephemeral
+    /// runner exits right after reporting its job), read every
+    /// [`COMPLETION_POLL`]. A read that fails is "not yet".
+    async fn exits_soon(&self, name: &InstanceName) -> bool {
+        let polls = u32::try_from(COMPLETION_SETTLE.as_millis() / COMPLETION_POLL.as_millis())
+            .unwrap_or(1)
+            .max(1);
+        let waits = ConstantBuilder::default()
+            .with_delay(COMPLETION_POLL)
+            .with_max_times(polls as usize)
+            .build();
+        for wait in waits {
+            tokio::time::sleep(wait).await;
+            match self.provider.find(name).await {
+                Ok(Some(i)) if i.may_run() => {}
+                Ok(_) => return true,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
+    /// Ends whatever was started for a request, as `order` allows
+    /// (issue #11 item 4). Idempotent: a request nothing was started for,
+    /// or whose compute is proven gone, is success.
+    ///
+    /// - A scale-down (no completion, no force) removes the runner's
+    ///   registration first. GitHub refusing it as busy (JobStillRunning)
+    ///   answers [`RunnerError::Busy`] and leaves the instance running and
+    ///   the lease held; a removal that fails for an outage destroys nothing
+    ///   either ([`RunnerError::Failed`], ask again).
+    /// - A completion destroys an instance that no longer runs. One whose
+    ///   runner still works is held in custody as *ending*, left to exit on
+    ///   its own within the post-job grace and judged by every tend; the
+    ///   answer is [`RunnerError::Busy`] with `held`.
+    /// - Force destroys whatever GitHub or the runner says; the override is
+    ///   logged with both, and the reason is recorded as the lease's failure
+    ///   reason.
     ///
     /// # Errors
     ///
-    /// [`RunnerError::Custody`] while anything for the request is not proven
-    /// gone; [`RunnerError::Failed`] when the provider refused (retry).
+    /// [`RunnerError::Busy`] as above; [`RunnerError::Custody`] while
+    /// anything for the request is not proven gone; [`RunnerError::Failed`]
+    /// when the provider or the plane could not be asked (retry).
     pub async fn destroy(
         &self,
         request_id: RequestId,
-        job_result: Option<&str>,
+        order: &DestroyOrder,
     ) -> Result<(), RunnerError> {
-        // Custody entries for this request: tear down now, on their own clock.
         let held: Vec<LeaseId> = {
-            let mut s = self.state();
-            s.custody
-                .iter_mut()
+            let s = self.state();
+            let mut held: Vec<LeaseId> = s
+                .custody
+                .iter()
                 .filter(|(_, e)| e.request_id == request_id)
-                .map(|(l, e)| {
-                    e.discard = true;
-                    if e.phase.is_some() {
-                        e.phase = Some(Phase::Teardown);
-                    }
-                    l.clone()
-                })
-                .collect()
+                .map(|(l, _)| l.clone())
+                .collect();
+            held.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+            held
         };
+        let mut busy = None;
         for lease in held {
-            if let Err(e) = self.tend_one(&lease, Seen::Ask).await {
-                warn!(%lease, error = %e, "tending a held lease during destroy");
+            if let Err(e) = self.destroy_held(&lease, order).await {
+                if e.is_busy() {
+                    busy = Some(e);
+                } else {
+                    warn!(%lease, error = %e, "ending a held lease during destroy");
+                }
             }
         }
         let running = self.state().running.get(&request_id).cloned();
         let Some(running) = running else {
+            if let Some(busy) = busy {
+                return Err(busy);
+            }
             let unconfirmed = self
                 .state()
                 .custody
@@ -673,18 +764,126 @@ impl Runner {
                 Ok(())
             };
         };
-        if job_result.is_none() {
-            // Not a completion: GitHub has not retired this runner, so its
-            // routing goes first. A busy runner cannot be removed; the
-            // destroy still proceeds, on the plane's authority.
-            let (id, name) = &running.registration;
-            if let Err(e) = self
+        let instance = self.provider.find(&running.instance).await.map_err(|e| {
+            RunnerError::Failed(format!(
+                "read {} before destroying it: {e}; nothing was destroyed",
+                running.instance
+            ))
+        })?;
+        let mut runs = instance.as_ref().is_some_and(Instance::may_run);
+        if runs && order.job_result.is_some() && !order.force {
+            runs = !self.exits_soon(&running.instance).await;
+        }
+        let provider_says = instance
+            .as_ref()
+            .map_or_else(|| "gone".to_owned(), |i| format!("{:?}", i.state));
+        let (id, name) = running.registration.clone();
+        let reason = order.reason.as_deref().unwrap_or("-");
+        if order.force {
+            // Routing first, but no answer stops a forced destroy.
+            let github_says = match self
                 .jit
-                .remove_runner(&running.lease, running.epoch, *id, name)
+                .remove_runner(&running.lease, running.epoch, id, &name)
                 .await
             {
-                warn!(lease = %running.lease, error = %e, "could not remove the runner registration before destroying");
+                Ok(()) => "registration removed".to_owned(),
+                Err(e) => {
+                    self.state().removals.failed(
+                        &running.lease,
+                        running.epoch,
+                        running.registration.clone(),
+                    );
+                    e.to_string()
+                }
+            };
+            if runs {
+                warn!(lease = %running.lease, request = %request_id, instance = %running.instance,
+                      %reason, github = %github_says, provider = %provider_says,
+                      "forced destroy: ending the runner whatever it is doing");
+                if let Some(why) = &order.reason
+                    && let Err(e) = self
+                        .ledger
+                        .mark_failure(&running.lease, running.epoch, why)
+                        .await
+                {
+                    warn!(lease = %running.lease, error = %e, "the forced destroy's reason was not recorded");
+                }
             }
+        } else if order.job_result.is_none() {
+            // A scale-down: GitHub has not retired this runner, and it may
+            // have just taken a job its listing does not show yet. Routing
+            // first; a busy runner is kept.
+            match self
+                .jit
+                .remove_runner(&running.lease, running.epoch, id, &name)
+                .await
+            {
+                Ok(()) => {}
+                Err(e) if !runs => {
+                    // Its compute has ended: the removal policy's backoff.
+                    let wait = self.state().removals.failed(
+                        &running.lease,
+                        running.epoch,
+                        running.registration.clone(),
+                    );
+                    warn!(lease = %running.lease, error = %e, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet; retrying with backoff");
+                }
+                Err(e @ (PlaneError::Busy(_) | PlaneError::Refused(_))) => {
+                    info!(lease = %running.lease, request = %request_id, github = %e, provider = %provider_says,
+                          "scale-down refused: the runner is busy; it keeps running");
+                    return Err(RunnerError::Busy {
+                        message: format!(
+                            "runner {name} is running a job (GitHub: {e}); nothing was destroyed"
+                        ),
+                        held: false,
+                    });
+                }
+                Err(e) => {
+                    return Err(RunnerError::Failed(format!(
+                        "could not remove the registration of {name} before destroying it ({e}); nothing was destroyed"
+                    )));
+                }
+            }
+        } else if runs {
+            // A completion while the runner still works (GitHub has been
+            // seen to send it early): an ephemeral runner exits on its own
+            // after its job, so it gets the post-job grace; every tend
+            // judges it, and the node releases the lease itself.
+            let taken = {
+                let mut s = self.state();
+                let same = s
+                    .running
+                    .get(&request_id)
+                    .is_some_and(|r| r.lease == running.lease);
+                if same {
+                    s.running.remove(&request_id);
+                }
+                same
+            };
+            if taken {
+                self.hold(
+                    running.lease.clone(),
+                    CustodyEntry::ending(
+                        running.epoch,
+                        running.instance.clone(),
+                        request_id,
+                        running.registration.clone(),
+                    ),
+                )
+                .await;
+            }
+            info!(lease = %running.lease, request = %request_id, instance = %running.instance,
+                  result = order.job_result.as_deref().unwrap_or("-"), grace_s = self.options.post_job_grace.as_secs(),
+                  "the job is complete and its runner still works; leaving it the post-job grace to exit");
+            return Err(RunnerError::Busy {
+                message: format!(
+                    "{} still runs after its job's completion; this node holds lease {} and ends it once the runner exits, or after {}s",
+                    running.instance,
+                    running.lease,
+                    self.options.post_job_grace.as_secs()
+                ),
+                held: true,
+            });
         }
         match self.provider.destroy(&running.instance).await {
             Err(e) => Err(RunnerError::Failed(format!(
@@ -694,17 +893,25 @@ impl Runner {
             Ok(teardown) => {
                 self.state().running.remove(&request_id);
                 info!(lease = %running.lease, request = %request_id, instance = %running.instance,
-                      result = job_result.unwrap_or("-"), ?teardown, "destroyed");
+                      result = order.job_result.as_deref().unwrap_or("-"), force = order.force, %reason, ?teardown, "destroyed");
                 if teardown == Teardown::Requested {
+                    let outcome = if order.force && runs {
+                        Phase::Failed
+                    } else {
+                        Phase::Done
+                    };
                     self.hold(
                         running.lease.clone(),
-                        CustodyEntry::teardown(
-                            running.epoch,
-                            running.instance.clone(),
-                            request_id,
-                            Phase::Done,
-                            self.provider.runs_on_host(),
-                        ),
+                        CustodyEntry {
+                            forced: order.force.then(|| order.reason.clone()).flatten(),
+                            ..CustodyEntry::teardown(
+                                running.epoch,
+                                running.instance.clone(),
+                                request_id,
+                                outcome,
+                                self.provider.runs_on_host(),
+                            )
+                        },
                     )
                     .await;
                     return Err(RunnerError::Custody(format!(
@@ -712,7 +919,21 @@ impl Runner {
                         running.instance
                     )));
                 }
-                self.forget(&running.lease).await;
+                let (held, pending) = {
+                    let s = self.state();
+                    (
+                        s.custody.contains_key(&running.lease),
+                        s.removals.contains(&running.lease),
+                    )
+                };
+                if held {
+                    // A custody half of the same lease ends on its own step.
+                } else if pending {
+                    // The launch record keeps the removal across a restart.
+                    self.ended(&running.lease).await;
+                } else {
+                    self.forget(&running.lease).await;
+                }
                 Ok(())
             }
         }

@@ -68,6 +68,8 @@ pub struct NodeConfig {
     pub start_deadline: Option<Duration>,
     /// See [`RunnerOptions::max_lease_life`].
     pub max_lease_life: Option<Duration>,
+    /// See [`RunnerOptions::post_job_grace`].
+    pub post_job_grace: Duration,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -298,6 +300,8 @@ pub async fn run(
                 stray_grace: config.stray_grace,
                 start_deadline: config.start_deadline,
                 max_lease_life: config.max_lease_life,
+                post_job_grace: config.post_job_grace,
+                ..RunnerOptions::default()
             },
         )
         .with_journal(journal.clone()),

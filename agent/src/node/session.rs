@@ -661,6 +661,7 @@ async fn execute(
                 RunnerError::ScaleSetNotFound(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::ScaleSetNotFound)
                 }
+                RunnerError::Busy { .. } => (pb::Outcome::Busy, pb::ErrorCode::Busy),
                 RunnerError::Custody(_) | RunnerError::Failed(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::Unspecified)
                 }
@@ -681,13 +682,9 @@ async fn execute(
             let success = r.is_ok();
             (from_runner(r), success.then_some(launched))
         }
-        NodeCommand::Destroy {
-            request_id,
-            job_result,
-        } => (
-            from_runner(runner.destroy(request_id, job_result.as_deref()).await),
-            None,
-        ),
+        NodeCommand::Destroy { request_id, order } => {
+            (from_runner(runner.destroy(request_id, &order).await), None)
+        }
         NodeCommand::AssumeCustody { lease, request_id } => (
             from_runner(
                 runner

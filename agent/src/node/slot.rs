@@ -73,6 +73,7 @@ fn outcome_name(o: pb::Outcome) -> &'static str {
         pb::Outcome::Expired => "expired",
         pb::Outcome::Refused => "refused",
         pb::Outcome::InvalidArgument => "invalid_argument",
+        pb::Outcome::Busy => "busy",
     }
 }
 
@@ -92,6 +93,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::ImageUnavailable => "image_unavailable",
         pb::ErrorCode::ScaleSetNotFound => "scale_set_not_found",
         pb::ErrorCode::ResourceExhausted => "resource_exhausted",
+        pb::ErrorCode::Busy => "busy",
     }
 }
 

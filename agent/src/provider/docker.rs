@@ -49,6 +49,7 @@ use bollard::models::{
 };
 use bollard::query_parameters::{
     CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+    StopContainerOptionsBuilder,
 };
 use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
 use tokio::sync::OnceCell;
@@ -439,6 +440,26 @@ impl Provider for DockerProvider {
         self.bounded(&operation, self.destroy_unbounded(name)).await
     }
 
+    /// `POST /containers/{id}/stop?t=<timeout>`: the engine sends SIGTERM,
+    /// and SIGKILL once the timeout passes. Bounded by the timeout plus the
+    /// provider's own bound. A container already stopped (304) or gone is
+    /// success.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::destroy`].
+    async fn stop(&self, name: &InstanceName, timeout: Duration) -> Result<(), ProviderError> {
+        let operation = format!("stop {name}");
+        let bound = self.timeout + timeout;
+        let call = self.stop_unbounded(name, timeout);
+        tokio::time::timeout(bound, call)
+            .await
+            .unwrap_or(Err(ProviderError::Timeout {
+                operation,
+                after: bound,
+            }))
+    }
+
     /// Every container labelled with this owner's deployment and node,
     /// stopped ones included: one list request, plus one inspect for each
     /// exited container (the list does not carry the exit code or the OOM
@@ -566,6 +587,31 @@ impl DockerProvider {
     }
 }
 impl DockerProvider {
+    async fn stop_unbounded(
+        &self,
+        name: &InstanceName,
+        timeout: Duration,
+    ) -> Result<(), ProviderError> {
+        let operation = format!("stop {name}");
+        let Some(instance) = self.find_exact(&operation, name).await? else {
+            return Ok(());
+        };
+        if !instance.may_run() {
+            return Ok(());
+        }
+        let docker = self.client(&operation).await?;
+        let seconds = i32::try_from(timeout.as_secs()).unwrap_or(i32::MAX);
+        let options = StopContainerOptionsBuilder::default().t(seconds).build();
+        match docker.stop_container(&instance.id, Some(options)).await {
+            Ok(()) => {
+                tracing::info!(instance = %name, id = %instance.id, timeout_s = seconds, "stopped container");
+                Ok(())
+            }
+            Err(err) if is_no_such_container(&err) || is_not_modified(&err) => Ok(()),
+            Err(err) => Err(self.engine_error(&operation, &err, None)),
+        }
+    }
+
     async fn find_exact(
         &self,
         operation: &str,
@@ -776,6 +822,17 @@ fn instance_from_summary(summary: ContainerSummary) -> Result<Instance, String> 
 }
 
 /// Whether the engine said the container does not exist.
+/// The engine's 304: the container was already stopped.
+fn is_not_modified(err: &BollardError) -> bool {
+    matches!(
+        err,
+        BollardError::DockerResponseServerError {
+            status_code: 304,
+            ..
+        }
+    )
+}
+
 fn is_no_such_container(err: &BollardError) -> bool {
     match err {
         BollardError::DockerResponseServerError {

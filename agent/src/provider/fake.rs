@@ -45,6 +45,8 @@ pub enum Operation {
     Find,
     /// [`Provider::check_image`].
     CheckImage,
+    /// [`Provider::stop`].
+    Stop,
 }
 
 /// How the fake's engine answers.
@@ -80,6 +82,8 @@ pub enum Call {
     Find(InstanceName),
     /// `check_image` of this image.
     CheckImage(String),
+    /// `stop` of this instance, with its timeout.
+    Stop(InstanceName, Duration),
 }
 
 impl Call {
@@ -91,6 +95,7 @@ impl Call {
             Call::List => Operation::List,
             Call::Find(_) => Operation::Find,
             Call::CheckImage(_) => Operation::CheckImage,
+            Call::Stop(..) => Operation::Stop,
         }
     }
 }
@@ -125,6 +130,7 @@ struct State {
     next_id: u64,
     missing_images: BTreeSet<String>,
     engine: Engine,
+    ignores_sigterm: BTreeSet<String>,
 }
 
 /// An in-memory [`Provider`] that records calls and can be told to fail.
@@ -283,6 +289,12 @@ impl FakeProvider {
         self.set_state(name, InstanceState::Exited(Exit { code, oom_killed }))
     }
 
+    /// Makes the instance's runner ignore SIGTERM: [`Provider::stop`] then
+    /// takes its whole timeout and ends it with SIGKILL (137).
+    pub fn ignore_sigterm(&self, name: &str) {
+        self.state().ignores_sigterm.insert(name.to_owned());
+    }
+
     /// Every instance, sorted by name.
     pub fn instances(&self) -> Vec<Instance> {
         self.state().instances.values().cloned().collect()
@@ -334,6 +346,7 @@ impl FakeProvider {
             Call::List => "list".to_owned(),
             Call::Find(name) => format!("find {name}"),
             Call::CheckImage(image) => format!("check image {image}"),
+            Call::Stop(name, _) => format!("stop {name}"),
         };
         self.state().calls.push(call);
         let mut blocked = self.blocked.subscribe();
@@ -485,6 +498,32 @@ impl Provider for FakeProvider {
             }
             DestroyMode::RequestAndKeep => Ok(Teardown::Requested),
         }
+    }
+
+    /// Stops a running instance: it exits 143 (SIGTERM), or, marked with
+    /// [`FakeProvider::ignore_sigterm`], 137 (SIGKILL) once `timeout` has
+    /// passed (in tokio time). Not running, or gone, is success.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] for an injected failure.
+    async fn stop(&self, name: &InstanceName, timeout: Duration) -> Result<(), ProviderError> {
+        self.enter(Call::Stop(name.clone(), timeout)).await?;
+        let stubborn = {
+            let state = self.state();
+            match state.instances.get(name.as_str()) {
+                Some(i) if i.may_run() => state.ignores_sigterm.contains(name.as_str()),
+                _ => return Ok(()),
+            }
+        };
+        let code = if stubborn {
+            tokio::time::sleep(timeout).await;
+            137
+        } else {
+            143
+        };
+        self.exit(name.as_str(), code, false);
+        Ok(())
     }
 
     /// Every instance, sorted by name.

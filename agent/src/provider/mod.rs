@@ -230,6 +230,16 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// [`ProviderError`] when the engine refused or could not be reached.
     async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError>;
 
+    /// Stops an instance's process as an operator's `docker stop -t` does:
+    /// SIGTERM, then SIGKILL once `timeout` has passed. Returns once it no
+    /// longer runs; it stays present (exited) until destroyed. One already
+    /// stopped, or gone, is success.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the engine refused or could not be reached.
+    async fn stop(&self, name: &InstanceName, timeout: Duration) -> Result<(), ProviderError>;
+
     /// Every billet instance this node runs for this deployment, stopped ones
     /// included, each with its [`InstanceState`]. One inventory read; an
     /// instance that disappears while it is read is absent.

@@ -616,7 +616,7 @@ impl Core {
                 // provider.)
                 self.tally("github: removal refused, job still running");
                 self.event(|| format!("github: refused to remove busy runner {name}"));
-                return Err(PlaneError::Refused(format!(
+                return Err(PlaneError::Busy(format!(
                     "JobStillRunning: runner {name} is still running a job"
                 )));
             }

@@ -21,6 +21,7 @@
 //! plane cancelled it.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use billet_agent::edge::model::InstanceName;
@@ -45,6 +46,34 @@ impl SimProvider {
             if slow { c.faults.slow_provider } else { None }.or(c.faults.inside_tend)
         };
         self.shared.enter(slow).await
+    }
+}
+
+impl SimProvider {
+    /// Invariant (4), wherever a runner is ended: no running instance
+    /// GitHub records as running a job, or whose runner still works within
+    /// the post-job grace after an early completion, without an operator
+    /// release or a cancellation.
+    fn check_kill(&self, c: &mut crate::fakes::Core, n: &str, how: &str) {
+        let lease = InstanceName::lease(n).expect("billet names only");
+        if let Some(instance) = self.fake.instance(n)
+            && may_run(&instance)
+            && !c.authority.contains(&lease)
+        {
+            if c.busy_at_github(n) {
+                c.violate(format!(
+                    "invariant (4) no live job killed without authority: {how} of {n} while GitHub records its job running, with no operator release or cancellation"
+                ));
+            } else if c.jobs.get(n) == Some(&Job::Finishing)
+                && c.finishing
+                    .get(n)
+                    .is_some_and(|t| t.elapsed() < POST_JOB_GRACE)
+            {
+                c.violate(format!(
+                    "invariant (4) no live job killed without authority: {how} of {n} while its runner still works after an early completion, within the post-job grace"
+                ));
+            }
+        }
     }
 }
 
@@ -97,30 +126,41 @@ impl Provider for SimProvider {
         result
     }
 
+    async fn stop(&self, name: &InstanceName, timeout: Duration) -> Result<(), ProviderError> {
+        let gate = self.enter(false).await;
+        let n = name.as_str().to_owned();
+        {
+            let mut c = self.shared.lock();
+            self.check_kill(&mut c, &n, "stop");
+            c.tally("provider: runner stopped (post-job grace passed)");
+        }
+        let result = self.fake.stop(name, timeout).await;
+        {
+            let mut c = self.shared.lock();
+            if self.fake.instance(&n).is_some_and(|i| !may_run(&i)) {
+                // The runner is gone, its container stays: as a runner dying.
+                match c.jobs.get(&n) {
+                    Some(Job::Live) => {
+                        c.jobs.insert(n.clone(), Job::Dead);
+                    }
+                    Some(Job::Finishing) => {
+                        c.jobs.insert(n.clone(), Job::Completed);
+                        c.finishing.remove(&n);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        self.shared.leave(gate).await;
+        result
+    }
+
     async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
         let gate = self.enter(false).await;
         let n = name.as_str().to_owned();
         {
             let mut c = self.shared.lock();
-            let lease = InstanceName::lease(&n).expect("billet names only");
-            if let Some(instance) = self.fake.instance(&n)
-                && may_run(&instance)
-                && !c.authority.contains(&lease)
-            {
-                if c.busy_at_github(&n) {
-                    c.violate(format!(
-                        "invariant (4) no live job killed without authority: destroy of {n} while GitHub records its job running, with no operator release or cancellation"
-                    ));
-                } else if c.jobs.get(&n) == Some(&Job::Finishing)
-                    && c.finishing
-                        .get(&n)
-                        .is_some_and(|t| t.elapsed() < POST_JOB_GRACE)
-                {
-                    c.violate(format!(
-                        "invariant (4) no live job killed without authority: destroy of {n} while its runner still works after an early completion, within the post-job grace"
-                    ));
-                }
-            }
+            self.check_kill(&mut c, &n, "destroy");
             match c.take_pfault(&n, POp::Destroy) {
                 Some(PFault::Fail) => self.fake.fail_next(Operation::Destroy, 1),
                 Some(PFault::Requested) if self.fake.instance(&n).is_some() => {

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use billet_agent::edge::model::{
-    ByteSize, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase, RequestId, TierSpec,
-    Trust,
+    ByteSize, DestroyOrder, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase,
+    RequestId, TierSpec, Trust,
 };
 use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions};
 use billet_agent::provider::Exit;
@@ -22,8 +22,8 @@ use futures::FutureExt as _;
 use tokio::task::JoinHandle;
 
 use crate::fakes::{
-    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POp, STRAY_GRACE, Sabotage, Shared, may_run,
-    secs,
+    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POST_JOB_GRACE, POp, STRAY_GRACE, Sabotage,
+    Shared, may_run, secs,
 };
 use crate::journal::SimJournal;
 use crate::provider::SimProvider;
@@ -192,6 +192,8 @@ fn new_runner(
             ledger.clone(),
             RunnerOptions {
                 stray_grace: STRAY_GRACE,
+                post_job_grace: POST_JOB_GRACE,
+                stop_timeout: secs(10),
                 ..RunnerOptions::default()
             },
         )
@@ -221,6 +223,8 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
             | RunnerError::ImageUnavailable { .. }
             | RunnerError::ProviderUnavailable(_),
         ) => "refused",
+        Err(RunnerError::Busy { held: true, .. }) => "busy (held)",
+        Err(RunnerError::Busy { held: false, .. }) => "busy",
     }
 }
 
@@ -583,7 +587,10 @@ impl World {
         } else {
             "destroy"
         };
-        let Some(r) = guarded(&self.shared, runner.destroy(request, Some(result))).await else {
+        // The plane drops a scale-down of a runner whose job completed.
+        self.scale_down_retry.retain(|(l, _)| *l != lease);
+        let order = DestroyOrder::completion(result);
+        let Some(r) = guarded(&self.shared, runner.destroy(request, &order)).await else {
             self.count("crash mid-destroy");
             self.note(
                 format!("{what} request {request} ({lease}): node crashed"),
@@ -595,6 +602,7 @@ impl World {
         self.count(match kind(&r) {
             "ok" => "destroy ok",
             "custody" => "destroy custody",
+            "busy (held)" => "destroy busy, held (runner still works)",
             _ => "destroy failed",
         });
         self.note(
@@ -675,7 +683,8 @@ impl World {
     async fn scale_down_one(&mut self, lease: LeaseId, request: RequestId) {
         self.scaled_down.insert(lease.clone());
         let runner = Arc::clone(&self.runner);
-        let Some(r) = guarded(&self.shared, runner.destroy(request, None)).await else {
+        let order = DestroyOrder::scale_down();
+        let Some(r) = guarded(&self.shared, runner.destroy(request, &order)).await else {
             self.note(
                 format!("plane: scale down request {request} ({lease}): node crashed"),
                 None,
@@ -1245,7 +1254,8 @@ impl World {
                     };
                     self.count("jobs cancelled");
                     let runner = Arc::clone(&self.runner);
-                    match guarded(&self.shared, runner.destroy(request, None)).await {
+                    let order = DestroyOrder::forced("cancelled");
+                    match guarded(&self.shared, runner.destroy(request, &order)).await {
                         Some(r) => {
                             self.note(
                                 format!(

@@ -643,6 +643,10 @@ fn describe(
                 row.queued_at.elapsed().as_secs_f64()
             ))
         }
+        PlaneEvent::ScaleDownBusy { lease } => Some(format!(
+            "{}  lease {lease}  scale-down answered busy: the runner took a job",
+            job_of_lease(lease, lease_job)
+        )),
         PlaneEvent::Released { lease, outcome } => Some(format!(
             "{}  lease {lease}  container destroyed, lease released ({outcome})",
             job_of_lease(lease, lease_job)

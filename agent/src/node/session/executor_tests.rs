@@ -363,6 +363,8 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
         .expect("custody");
     assert_eq!(node.custody(), [LEASE]);
 
+    // The ephemeral runner exits after its job.
+    node.provider.exit(INSTANCE, 0, false);
     node.provider.block(Operation::Destroy);
     node.send(
         &plane.session,
@@ -370,6 +372,8 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
         pb::command::Kind::Destroy(pb::Destroy {
             request_id: REQUEST,
             job_result: Some("succeeded".into()),
+            force: false,
+            reason: String::new(),
         }),
     )
     .await;
