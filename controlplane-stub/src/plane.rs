@@ -1031,9 +1031,6 @@ impl Plane {
             let Some(lease) = self.ledger.get(lease_id).await? else {
                 return Ok(ScaleDown::Ended);
             };
-            if lease.phase.is_terminal() {
-                return Ok(ScaleDown::Ended);
-            }
             let completed = lease
                 .runner_name
                 .as_ref()
@@ -1041,6 +1038,9 @@ impl Plane {
             if completed {
                 info!(lease = %lease.id, "the job completed; the scale-down is dropped and its completion ends the runner");
                 return Ok(ScaleDown::Completed);
+            }
+            if lease.phase.is_terminal() {
+                return Ok(ScaleDown::Ended);
             }
             let Some(node) = lease.node.as_deref().and_then(|n| self.node(n)).cloned() else {
                 return Ok(ScaleDown::Ended);

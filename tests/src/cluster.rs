@@ -520,8 +520,11 @@ impl Cluster {
     pub async fn start(options: ClusterOptions) -> Result<Cluster> {
         let docker = connect_docker().await?;
         // Once per process: parallel tests share the binaries and the tag.
-        static IMAGE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-        IMAGE
+        // The tier names the image by a tag that carries its content's id,
+        // so another checkout rebuilding `STANDIN_IMAGE` from its own binary
+        // while this one runs cannot change the runner a test starts.
+        static IMAGE: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+        let standin = IMAGE
             .get_or_try_init(|| async {
                 tokio::task::spawn_blocking(build_process_binaries).await??;
                 build_standin_image(
@@ -530,9 +533,11 @@ impl Cluster {
                     STANDIN_IMAGE,
                 )
                 .await
-                .context("build the stand-in runner image")
+                .context("build the stand-in runner image")?;
+                pin_by_content(&docker, STANDIN_IMAGE).await
             })
-            .await?;
+            .await?
+            .clone();
         let dir = match &options.systemd {
             // Where the systemd host sees it, at the same path.
             Some(host) => {
@@ -642,7 +647,11 @@ impl Cluster {
             nodes: targets,
             tier: Tier {
                 label: TIER.into(),
-                image: options.tier_image.clone(),
+                image: if options.tier_image == STANDIN_IMAGE {
+                    standin.clone()
+                } else {
+                    options.tier_image.clone()
+                },
                 command: vec!["/billet-standin-runner".into()],
                 trust: "trusted".into(),
                 vcpu: 1,
@@ -880,4 +889,37 @@ pub async fn wait_until(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(())
+}
+
+/// Tags the image `tag` names as `<repository>:c-<first 12 hex digits of
+/// its id>` (the id is the digest of the image's content) and returns that
+/// tag.
+///
+/// # Errors
+///
+/// The image cannot be inspected or tagged.
+async fn pin_by_content(docker: &bollard::Docker, tag: &str) -> Result<String> {
+    let id = docker
+        .inspect_image(tag)
+        .await
+        .with_context(|| format!("inspect {tag}"))?
+        .id
+        .with_context(|| format!("{tag} has no id"))?;
+    let digest = id.trim_start_matches("sha256:");
+    let short = digest.get(..12).unwrap_or(digest);
+    let repository = tag.split_once(':').map_or(tag, |(r, _)| r);
+    let pinned = format!("c-{short}");
+    docker
+        .tag_image(
+            tag,
+            Some(
+                bollard::query_parameters::TagImageOptionsBuilder::default()
+                    .repo(repository)
+                    .tag(&pinned)
+                    .build(),
+            ),
+        )
+        .await
+        .with_context(|| format!("tag {tag} as {repository}:{pinned}"))?;
+    Ok(format!("{repository}:{pinned}"))
 }

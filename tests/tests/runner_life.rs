@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use billet_controlplane_stub::ledger::{Lease, Phase};
+use billet_controlplane_stub::plane::{PlaneEvent, ScaleDown};
 use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
 use scaleset::JobRequestId;
 use scaleset::testing::JobState;
@@ -235,7 +236,6 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_unavailable()
 -> Result<()> {
-    use billet_controlplane_stub::plane::PlaneEvent;
     use billet_proto::v1 as pb;
     use scaleset::testing::Endpoint;
 
@@ -377,5 +377,193 @@ async fn a_runner_that_never_connects_is_freed_after_the_start_deadline() -> Res
     github_gives_up_on(&cluster, &jobs);
     wait_all_terminal(&cluster, DEADLINE + ONE_TEND * 2).await?;
     ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// Waits until the emulator reports every one of `jobs` completed, and
+/// returns when that was seen.
+async fn wait_jobs_completed(
+    cluster: &Cluster,
+    jobs: &[JobRequestId],
+    timeout: Duration,
+) -> Result<tokio::time::Instant> {
+    wait_until(timeout, "the jobs to complete at GitHub", || {
+        let state = cluster.emulator.state();
+        jobs.iter().all(|id| {
+            state
+                .jobs
+                .iter()
+                .any(|j| j.id == *id && j.state == JobState::Completed)
+        })
+    })
+    .await?;
+    Ok(tokio::time::Instant::now())
+}
+
+/// Whether the container is there and its process runs.
+async fn runs(cluster: &Cluster, name: &str) -> Result<bool> {
+    match cluster.docker.inspect_container(name, None).await {
+        Ok(c) => Ok(c.state.and_then(|s| s.running).unwrap_or(false)),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Waits until the container no longer runs (exited or removed), for at
+/// most `timeout`, and returns when that was seen.
+async fn wait_stopped(
+    cluster: &Cluster,
+    name: &str,
+    timeout: Duration,
+) -> Result<tokio::time::Instant> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if !runs(cluster, name).await? {
+            return Ok(tokio::time::Instant::now());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{name} still runs after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The job's result at GitHub.
+fn result_of(cluster: &Cluster, job: JobRequestId) -> Option<String> {
+    cluster
+        .emulator
+        .state()
+        .jobs
+        .iter()
+        .find(|j| j.id == job)
+        .and_then(|j| j.result.clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_down_while_the_runner_holds_a_job_is_answered_busy_and_the_job_completes()
+-> Result<()> {
+    let cluster = Cluster::start(options(15_000)).await?;
+    let mut events = cluster.plane.subscribe();
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    // The plane scales the runner down as if its listing showed it idle.
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let scaled = tokio::time::timeout(
+        Duration::from_secs(90),
+        cluster.plane.scale_down(&lease.id, &shutdown),
+    )
+    .await
+    .context("the scale-down never ended")??;
+    // Dropped when the completion arrived, or, when the runner had exited
+    // before the plane heard of the completion, the exited runner's
+    // container destroyed: never the job.
+    assert!(
+        matches!(scaled, ScaleDown::Completed | ScaleDown::Destroyed),
+        "the scale-down ended {scaled:?}; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    let mut busy = 0;
+    while let Ok(event) = events.try_recv() {
+        if event
+            == (PlaneEvent::ScaleDownBusy {
+                lease: lease.id.clone(),
+            })
+        {
+            busy += 1;
+        }
+    }
+    assert!(busy >= 1, "the Destroy was never answered BUSY");
+    // Nothing was killed: the job ran to its end and completed as the
+    // runner reported it.
+    wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    assert!(!runs(&cluster, &name).await?);
+    ends_clean(&cluster).await?;
+    eprintln!("the scale-down was answered BUSY {busy} times");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_while_the_runner_still_works_for_30_s_does_not_kill_it() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        tier_env: vec!["BILLET_STANDIN_POST_JOB_MS=30000".into()],
+        ..options(2_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    let completed = wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    // The plane sends the completion's Destroy at once; the runner works on.
+    let stopped = wait_stopped(&cluster, &name, Duration::from_secs(90)).await?;
+    let worked = stopped - completed;
+    assert!(
+        worked >= Duration::from_secs(25),
+        "the container stopped {worked:?} after its job's completion; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    let ended = wait_all_terminal(&cluster, ONE_TEND).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    ends_clean(&cluster).await?;
+    eprintln!("the runner worked {worked:?} after its completion and exited on its own");
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_ignoring_sigterm_past_the_post_job_grace_is_killed_and_released_failed_post_job_timeout()
+-> Result<()> {
+    let mut options = options(2_000);
+    options
+        .node_env
+        .push(("BILLET_POST_JOB_GRACE_SECS".into(), "5".into()));
+    let cluster = Cluster::start(ClusterOptions {
+        tier_env: vec![
+            "BILLET_STANDIN_MODE=ignore-sigterm".into(),
+            "BILLET_STANDIN_POST_JOB_MS=600000".into(),
+        ],
+        ..options
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    let completed = wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    // The grace (5 s), then SIGTERM, ignored, then SIGKILL 10 s later.
+    let stopped = wait_stopped(&cluster, &name, Duration::from_secs(60)).await?;
+    let lived = stopped - completed;
+    assert!(
+        lived >= Duration::from_secs(14),
+        "killed {lived:?} after its completion: before the grace and the stop timeout; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    let ended = wait_all_terminal(&cluster, ONE_TEND).await?;
+    assert_eq!(ended[0].phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended[0].failure_reason.as_deref(),
+        Some("post_job_timeout"),
+        "{ended:?}"
+    );
+    // The override was logged with both signals.
+    let log = cluster.nodes["node-1"].log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("past the post-job grace"))
+        .with_context(|| format!("no override line in the node log:\n{log}"))?;
+    assert!(
+        line.contains("github") && line.contains("provider"),
+        "{line}"
+    );
+    ends_clean(&cluster).await?;
+    eprintln!("killed {lived:?} after its completion");
     cluster.shutdown().await
 }

@@ -25,6 +25,7 @@
 //! | `BILLET_STANDIN_IDLE_TIMEOUT_MS` | `--idle-timeout-ms` | 600000 | how long to wait for a job, in milliseconds |
 //! | `BILLET_STANDIN_EXIT_CODE` | `--exit-code` | 3 | mode `exit`: the code to exit with, 0 to 255 |
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
+//! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
 //!
@@ -126,6 +127,10 @@ struct Cli {
     /// without it, allocate until killed.
     #[arg(long, env = "BILLET_STANDIN_ALLOCATE_MIB", value_parser = allocate_mib)]
     allocate_mib: Option<u64>,
+    /// How long to keep working after the job is completed (post-job steps), in
+    /// milliseconds, before exiting.
+    #[arg(long, env = "BILLET_STANDIN_POST_JOB_MS", default_value_t = 0)]
+    post_job_ms: u64,
 }
 
 /// What the runner does with its JIT config (`BILLET_STANDIN_MODE`; the module doc's table).
@@ -480,7 +485,16 @@ impl<'a> EmulatorLink<'a> {
                 .send()
                 .await;
             let error = match sent {
-                Ok(response) if response.status().is_success() => return Ok(job),
+                Ok(response) if response.status().is_success() => {
+                    if cli.post_job_ms > 0 {
+                        eprintln!(
+                            "billet-standin-runner: runner {} completed job {job}; post-job work for {} ms",
+                            self.config.runner_name, cli.post_job_ms
+                        );
+                        tokio::time::sleep(Duration::from_millis(cli.post_job_ms)).await;
+                    }
+                    return Ok(job);
+                }
                 Ok(response) => format!("status {}", response.status()),
                 Err(e) => chain(&e),
             };
@@ -883,6 +897,31 @@ mod tests {
         assert_eq!(job.state, JobState::Completed);
         assert_eq!(job.result.as_deref(), Some("failed"));
         assert!(!gh.runner_registered(), "an ephemeral runner is removed");
+    }
+
+    #[tokio::test]
+    async fn with_post_job_work_the_runner_completes_its_job_first_and_exits_only_after_it() {
+        let gh = Emulated::start("standin-post-job").await;
+        let cli = gh.cli(&["--post-job-ms", "60000"]);
+        let running = run(&cli, &gh.config);
+        tokio::pin!(running);
+        let finished = tokio::time::timeout(BOUND, async {
+            loop {
+                tokio::select! {
+                    outcome = &mut running => return Some(outcome),
+                    () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+                if gh.job().state == JobState::Completed {
+                    return None;
+                }
+            }
+        })
+        .await
+        .expect("the job completes");
+        assert_eq!(finished, None, "the runner exited before its post-job work");
+        // Completed, and still working (a minute of post-job work left).
+        let more = futures::FutureExt::now_or_never(&mut running);
+        assert!(more.is_none(), "the runner did not keep working: {more:?}");
     }
 
     #[tokio::test]
