@@ -515,7 +515,11 @@ impl World {
             return;
         };
         let name = name_of(&lease);
-        let idle = self.shared.lock().jobs.get(&name) == Some(&Job::Idle);
+        // Only a runner GitHub still has a registration for can take a job.
+        let idle = {
+            let c = self.shared.lock();
+            c.jobs.get(&name) == Some(&Job::Idle) && c.regs.contains_key(&name)
+        };
         if idle && self.fake.instance(&name).is_some() && self.rng.chance(70) {
             // Most runners take their job at once; the rest wait for
             // `Step::JobStarts`.
