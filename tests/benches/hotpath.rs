@@ -823,6 +823,8 @@ impl Bench {
         let destroy = pb::command::Kind::Destroy(pb::Destroy {
             request_id: lease.request_id,
             job_result: None,
+            force: true,
+            reason: "bench teardown".into(),
         });
         let outcome = self.node()?.dispatch(destroy, COMMAND_TIMEOUT).await;
         ensure!(
