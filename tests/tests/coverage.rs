@@ -688,11 +688,23 @@ async fn an_idle_runner_whose_registration_github_lost_is_destroyed_only_once_gi
         .get(&lease.id)
         .await?
         .context("lease")?;
+    // The stand-in may have read the emulator's state between the removal
+    // and the 503s, found its registration gone and exited 1: the node then
+    // tears it down with reason `exit 1`, which is the runner's own end, not
+    // a reaping. What may not happen is the plane reaping it on a 503
+    // (six_idle_runners_… below asserts the same with runners that never
+    // look, so that run always reaches the reaping).
+    let exited_itself = during
+        .failure_reason
+        .as_deref()
+        .is_some_and(|r| r.starts_with("exit "));
     assert!(
-        !during.phase.is_terminal(),
+        !during.phase.is_terminal() || exited_itself,
         "an idle runner was destroyed while GitHub answered 503: {during:?}"
     );
-    assert!(cluster.containers().await?.contains(&runner.name));
+    if !exited_itself {
+        assert!(cluster.containers().await?.contains(&runner.name));
+    }
     // GitHub answers again: 404 for longer than the grace, so it goes.
     cluster.emulator.clear_faults();
     cluster
