@@ -47,7 +47,8 @@ pub async fn connect_docker() -> anyhow::Result<Docker> {
 ///
 /// The build context is made in memory: a `Dockerfile` (`FROM scratch`, `COPY rootfs/ /`,
 /// `ENTRYPOINT ["/billet-standin-runner"]`) and `rootfs/` holding the binary and its shared
-/// libraries. The classic builder is used and nothing is pulled.
+/// libraries. The classic builder is used and nothing is pulled. The image `tag` named before
+/// is removed once no other tag names it (a running test's content pin keeps it).
 ///
 /// # Errors
 ///
@@ -85,15 +86,25 @@ pub async fn build_standin_image(docker: &Docker, binary: &Path, tag: &str) -> a
         format!("docker build of {tag} ended but the image is missing; build output:\n{output}")
     })?;
     if let Some(previous) = previous.filter(|p| built.id.as_ref() != Some(p)) {
-        // The image this tag named before is now untagged; without this, every rebuild of a
-        // changed binary would leave one behind. It stays if a container or another tag uses it.
-        let _ = docker
-            .remove_image(
-                &previous,
-                None::<bollard::query_parameters::RemoveImageOptions>,
-                None,
-            )
-            .await;
+        // The image this tag named before: removed when nothing names it any more, so a rebuild
+        // of a changed binary leaves no dangling image behind. One another tag still names (a
+        // running test's `:c-<id>` pin, see `cluster.rs`) stays: removing it by id would delete
+        // it under that test, whose launches then find no image. A container using it keeps it
+        // too (the engine refuses).
+        let still_named = docker
+            .inspect_image(&previous)
+            .await
+            .map(|i| i.repo_tags.is_some_and(|tags| tags.iter().any(|t| t != "<none>:<none>")))
+            .unwrap_or(true);
+        if !still_named {
+            let _ = docker
+                .remove_image(
+                    &previous,
+                    None::<bollard::query_parameters::RemoveImageOptions>,
+                    None,
+                )
+                .await;
+        }
     }
     Ok(())
 }

@@ -391,3 +391,48 @@ async fn logs(docker: &Docker, name: &str) -> String {
     }
     text
 }
+
+/// Rebuilding the stand-in's tag from another binary (another checkout's build) leaves alone the
+/// image a running test still names by its content pin (`billet-standin-runner:c-<id>`): the
+/// cluster's runners are started from that pin, and a rebuild that removed it by id left every
+/// later launch of that test refused `IMAGE_UNAVAILABLE` (found by `random_e2e` seeds 3 and 8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebuilding_the_tag_keeps_the_image_another_tag_still_names() -> anyhow::Result<()> {
+    let docker = connect_docker().await?;
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    let repository = format!("billet-rebuild-test-{suffix}");
+    let tag = format!("{repository}:dev");
+    let pinned = format!("{repository}:pinned");
+    // Two binaries of different content, each with its shared libraries: two images.
+    build_standin_image(&docker, std::path::Path::new("/bin/true"), &tag).await?;
+    let first = docker.inspect_image(&tag).await?.id.context("an id")?;
+    docker
+        .tag_image(
+            &tag,
+            Some(
+                bollard::query_parameters::TagImageOptionsBuilder::default()
+                    .repo(&repository)
+                    .tag("pinned")
+                    .build(),
+            ),
+        )
+        .await?;
+    build_standin_image(&docker, std::path::Path::new("/bin/false"), &tag).await?;
+    let second = docker.inspect_image(&tag).await?.id.context("an id")?;
+    let kept = docker.inspect_image(&pinned).await.map(|i| i.id);
+    for name in [&tag, &pinned] {
+        let _ = docker
+            .remove_image(
+                name,
+                None::<bollard::query_parameters::RemoveImageOptions>,
+                None,
+            )
+            .await;
+    }
+    ensure!(first != second, "the two builds made one image");
+    ensure!(
+        matches!(&kept, Ok(Some(id)) if *id == first),
+        "the rebuild removed the image {pinned} still names: {kept:?}"
+    );
+    Ok(())
+}
