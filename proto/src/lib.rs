@@ -1,8 +1,10 @@
 //! Generated code for the billet node wire (`billet.node.v1`).
 //!
-//! No logic lives here: the agent and the stub plane convert these messages
-//! into their own types at the edge. The protocol version both ends must
-//! agree on is [`PROTOCOL_VERSION`].
+//! The agent and the stub plane convert these messages into their own types
+//! at the edge. The one piece of logic here is [`phase`]: the lease phases
+//! `Lease.phase` spells and the edges between them, which both ends judge
+//! moves by and so must share. The protocol version both ends must agree on
+//! is [`PROTOCOL_VERSION`].
 
 #![allow(missing_docs, clippy::all, missing_debug_implementations)]
 
@@ -19,3 +21,6 @@ pub mod v1 {
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         include_bytes!(concat!(env!("OUT_DIR"), "/billet_node_v1_descriptor.bin"));
 }
+
+/// Lease phases and their legal moves.
+pub mod phase;

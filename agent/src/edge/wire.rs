@@ -6,8 +6,8 @@
 use billet_proto::v1 as pb;
 
 use crate::edge::model::{
-    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, Phase, RequestId,
-    TierSpec, Trust,
+    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, RequestId,
+    TierSpec, Trust, parse_phase,
 };
 
 /// Largest memory a lease may ask for (16 TiB): anything above is a typo.
@@ -320,7 +320,7 @@ pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
             "must be a tier label of 1 to 128 bytes",
         ));
     }
-    let phase = Phase::parse(&f("phase"), &phase)?;
+    let phase = parse_phase(&f("phase"), &phase)?;
     if vcpu > MAX_VCPU {
         return Err(InvalidField::new(
             f("vcpu"),
@@ -473,6 +473,7 @@ fn job(job: pb::Job) -> Job {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::edge::model::Phase;
 
     /// A well-formed launch command (lease `l1`, request 7), for tests here
     /// and in the session.

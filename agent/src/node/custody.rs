@@ -25,7 +25,9 @@ use super::ending::EndReason;
 use super::journal::{CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
-use crate::edge::model::{DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId};
+use crate::edge::model::{
+    DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId, parse_phase,
+};
 use crate::provider::{Instance, ProviderError, Teardown};
 
 /// What a sweep saw and how it ended ([`Runner::sweep_inventory`]).
@@ -211,7 +213,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
     let age = Duration::from_millis(u64::try_from(now_ms - r.since_unix_ms).unwrap_or(0));
     let phase = match &r.phase {
-        Some(p) => Some(Phase::parse("journal.custody.phase", p).ok()?),
+        Some(p) => Some(parse_phase("journal.custody.phase", p).ok()?),
         None => None,
     };
     let entry = CustodyEntry {
@@ -219,7 +221,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         instance: InstanceName::for_lease(&lease),
         request_id: RequestId(r.request_id),
         registration: r.registration.clone(),
-        outcome: Phase::parse("journal.custody.outcome", &r.outcome).ok()?,
+        outcome: parse_phase("journal.custody.outcome", &r.outcome).ok()?,
         phase,
         discard: r.discard,
         observed: r.observed,

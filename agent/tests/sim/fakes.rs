@@ -485,7 +485,7 @@ impl Core {
         {
             if row.phase == Phase::Quarantine {
                 set.quarantined.push(row.id.clone());
-            } else if row.phase.had_compute() {
+            } else if row.phase.may_have_compute() {
                 set.launched.push(row.id.clone());
             }
         }
@@ -822,7 +822,7 @@ impl Core {
             .iter()
             .map(|id| &self.leases[id])
             .filter(|r| !r.phase.is_terminal() && r.phase != Phase::Quarantine && r.expires < now)
-            .map(|r| (r.id.clone(), r.phase.had_compute()))
+            .map(|r| (r.id.clone(), r.phase.may_have_compute()))
             .collect();
         for (id, had_compute) in expired {
             if had_compute {
