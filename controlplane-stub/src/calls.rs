@@ -38,7 +38,7 @@ fn ledger_error(e: &LedgerError) -> pb::Error {
         LedgerError::BadTransition { .. } => pb::ErrorCode::BadTransition,
         LedgerError::WrongNode { .. } => pb::ErrorCode::WrongNode,
         LedgerError::ForceRelease(_) => pb::ErrorCode::ForceRelease,
-        LedgerError::Conflict(_) => pb::ErrorCode::Refused,
+        LedgerError::Conflict(_) | LedgerError::NoCapacity { .. } => pb::ErrorCode::Refused,
         LedgerError::Invalid(_) => pb::ErrorCode::InvalidArgument,
         LedgerError::Storage(_) => pb::ErrorCode::Unavailable,
     };

@@ -19,7 +19,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::calls::{CallHandler, lease_to_wire};
 use crate::github::Github;
-use crate::ledger::{Ledger, NewLease, Phase};
+use crate::ledger::{Ledger, NewLease, NodeCapacity, Phase};
 use crate::node_link::{CommandOutcome, NodeLink, NodeTarget, PlaneTls};
 
 /// A tier: which scale set, and how to run its runner.
@@ -50,8 +50,9 @@ pub struct PlaneConfig {
     pub deployment: String,
     /// Lease TTL.
     pub lease_ttl: Duration,
-    /// The ledger's SQLite file.
-    pub ledger_path: std::path::PathBuf,
+    /// Where the ledger is: a SQLite file (the default) or a PostgreSQL
+    /// database several planes may share.
+    pub ledger: crate::ledger::LedgerLocation,
     /// mTLS material.
     pub tls: PlaneTls,
     /// Nodes to dial.
@@ -324,7 +325,7 @@ impl Plane {
         github: scaleset::Client,
         shutdown: CancellationToken,
     ) -> Result<Arc<Plane>, PlaneError> {
-        let ledger = Arc::new(Ledger::open(&config.ledger_path, config.lease_ttl).await?);
+        let ledger = Arc::new(Ledger::connect(&config.ledger, config.lease_ttl).await?);
         let github = Arc::new(Github::with_retry(github, config.scale_set_retry));
         let scale_set = github.ensure_scale_set(&config.tier.label).await?;
         let nodes: Vec<_> = config.nodes.iter().cloned().map(NodeLink::new).collect();
@@ -614,6 +615,7 @@ impl Plane {
                 let node = l
                     .node
                     .clone()
+                    .or_else(|| l.target_node.clone())
                     .or_else(|| cover.in_flight.get(&l.id).cloned());
                 if let Some(node) = node {
                     let c = charged.entry(node).or_default();
@@ -665,7 +667,26 @@ impl Plane {
             }
         }
         for (node, request_id) in launches {
-            let lease = self.reserve(request_id).await?;
+            // The ledger checks the node's room again, in the reservation's
+            // own transaction: another plane sharing the ledger may have
+            // booked it since this pass read it.
+            let capacity = node
+                .status()
+                .borrow()
+                .as_ref()
+                .map(|s| NodeCapacity {
+                    vcpu: u64::from(s.capacity.vcpu),
+                    memory_bytes: s.capacity.memory_bytes,
+                })
+                .unwrap_or_default();
+            let lease = match self.reserve(request_id, node.name(), capacity).await {
+                Ok(lease) => lease,
+                Err(e @ crate::ledger::LedgerError::NoCapacity { .. }) => {
+                    info!(error = %e, "the ledger has no room on the node; the job waits");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             self.cover
                 .lock()
                 .expect("cover")
@@ -912,15 +933,20 @@ impl Plane {
     }
 
     /// Reserves a lease for a job request and starts renewing it.
+    /// Reserves a lease for `request_id` aimed at `node`, whose capacity is
+    /// `capacity`: the ledger refuses it (`NoCapacity`) when the node's open
+    /// leases leave no room, whoever booked them.
     async fn reserve(
         &self,
         request_id: i64,
+        node: &str,
+        capacity: NodeCapacity,
     ) -> Result<crate::ledger::Lease, crate::ledger::LedgerError> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let tier = &self.config.tier;
         let lease = self
             .ledger
-            .reserve(
+            .reserve_on(
                 NewLease {
                     id: id.clone(),
                     tier: tier.label.clone(),
@@ -929,10 +955,12 @@ impl Plane {
                     memory_bytes: tier.memory_bytes,
                     runner_name: Some(format!("billet-{id}")),
                 },
+                node,
+                capacity,
                 crate::now_ms(),
             )
             .await?;
-        info!(lease = %id, request_id, "reserved a lease for an assigned job");
+        info!(lease = %id, request_id, node, "reserved a lease for an assigned job");
         self.managed.lock().expect("managed").insert(id.clone());
         self.emit(PlaneEvent::Reserved {
             request_id,
@@ -1467,7 +1495,7 @@ mod tests {
         let config = PlaneConfig {
             deployment: "dev".into(),
             lease_ttl,
-            ledger_path: std::path::PathBuf::from(":memory:"),
+            ledger: crate::ledger::LedgerLocation::SqliteMemory,
             tls: PlaneTls {
                 ca_pem: Vec::new(),
                 cert_pem: Vec::new(),
@@ -1513,7 +1541,14 @@ mod tests {
 
     /// A lease for job `request_id`, bound to `node` and launching there.
     async fn launched_on(plane: &Plane, request_id: i64, node: &str) -> crate::ledger::Lease {
-        let lease = plane.reserve(request_id).await.expect("reserve");
+        let room = NodeCapacity {
+            vcpu: 64,
+            memory_bytes: 1 << 40,
+        };
+        let lease = plane
+            .reserve(request_id, node, room)
+            .await
+            .expect("reserve");
         let now = crate::now_ms();
         plane
             .ledger

@@ -642,7 +642,7 @@ impl Cluster {
         let config = PlaneConfig {
             deployment: deployment.clone(),
             lease_ttl: options.lease_ttl,
-            ledger_path: dir.join("ledger.db"),
+            ledger: dir.join("ledger.db").into(),
             tls,
             nodes: targets,
             tier: Tier {

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use billet_controlplane_stub::ledger::LedgerLocation;
 use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls};
 use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
 use clap::Parser;
@@ -26,9 +27,17 @@ use tracing::error;
     about = "A stand-in billet control plane"
 )]
 struct Args {
-    /// The ledger's SQLite file.
-    #[arg(long, default_value = "billet-ledger.db")]
-    ledger: PathBuf,
+    /// Where the ledger is: a SQLite file path (or `sqlite:PATH`), or a
+    /// PostgreSQL URL (`postgres://USER@HOST/DATABASE`, which several
+    /// planes may share). A password is better given in `PGPASSWORD` or the
+    /// environment variable than on the command line; it is never logged.
+    #[arg(
+        long,
+        env = "BILLET_LEDGER",
+        hide_env_values = true,
+        default_value = "billet-ledger.db"
+    )]
+    ledger: LedgerLocation,
     /// Deployment id.
     #[arg(long, default_value = "dev")]
     deployment: String,
@@ -237,7 +246,7 @@ async fn main() -> ExitCode {
     let config = PlaneConfig {
         deployment: args.deployment,
         lease_ttl: Duration::from_secs(args.lease_ttl_secs.max(1)),
-        ledger_path: args.ledger,
+        ledger: args.ledger,
         tls,
         nodes: args.nodes,
         tier: Tier {

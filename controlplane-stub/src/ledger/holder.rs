@@ -1,20 +1,24 @@
-//! The holder's writes: `reserve` opens a lease at epoch 1, and `bind`,
-//! `advance`, `heartbeat`, `release`, `mark_failure` and `set_runner` change
-//! it for whoever presents its epoch (the node it is bound to, or the plane
-//! before a bind).
+//! The holder's writes: `reserve` and `reserve_on` open a lease at epoch 1,
+//! and `bind`, `advance`, `heartbeat`, `release`, `mark_failure`,
+//! `set_runner` and `resize` change it for whoever presents its epoch (the
+//! node it is bound to, or the plane before a bind).
 //!
-//! Each of those six reads the row through `load_fenced` or `load_open`
-//! inside its `BEGIN IMMEDIATE` transaction, compares the epoch before
-//! trusting anything else in the row, and updates only
-//! `WHERE id = ? AND epoch = ?` (§1.5). None of them bumps an epoch or
-//! enters quarantine: reclaiming belongs to `reaper.rs` alone.
+//! Each of those seven reads the row through `load_fenced` or `load_open`
+//! inside its write transaction (locking it on PostgreSQL), compares the
+//! epoch before trusting anything else in the row, and updates only
+//! `WHERE id = $n AND epoch = $m` (§1.5). None of them bumps an epoch or
+//! enters quarantine: reclaiming belongs to `reaper.rs` alone. A write that
+//! adds to a node's charge (`reserve_on`, `resize`) first locks the node's
+//! row in `nodes`, then sums what the node is charged and decides, so two
+//! handles placing on one node take turns.
 
-use sqlx::sqlite::SqliteConnection;
-use sqlx::{Sqlite, Transaction};
+use sqlx::AnyConnection;
+use sqlx::{Any, Row, Transaction};
 
-use super::schema::{db_epoch, load, to_i64};
+use super::schema::{db_epoch, from_db, load, load_for_write, to_i64};
 use super::{
-    INVENTORY_ABSENCE, Lease, Ledger, LedgerError, NewLease, Phase, Result, expect_one_row,
+    Backend, INVENTORY_ABSENCE, Lease, Ledger, LedgerError, NewLease, NodeCapacity, Phase, Result,
+    expect_one_row,
 };
 
 /// Longest lease id accepted, in bytes.
@@ -22,13 +26,63 @@ const MAX_LEASE_ID_LEN: usize = 128;
 
 impl Ledger {
     /// Opens a lease for a job GitHub assigned: phase `assigned`, epoch 1,
-    /// unbound, expiring `now_ms + ttl`.
+    /// unbound and aimed at no node, expiring `now_ms + ttl`. Charges no
+    /// node until one binds it; [`Ledger::reserve_on`] checks a node's room.
     ///
     /// # Errors
     ///
     /// [`LedgerError::Invalid`] for a malformed id or a zero size;
     /// [`LedgerError::Conflict`] when the id is taken.
     pub async fn reserve(&self, new: NewLease, now_ms: i64) -> Result<Lease> {
+        let mut tx = self.begin_write().await?;
+        self.insert_lease(&mut tx, &new, None, now_ms).await?;
+        finish(tx, &new.id).await
+    }
+
+    /// As [`Ledger::reserve`], aimed at `node`, whose capacity is
+    /// `capacity` (what it reported): refused unless the lease fits in what
+    /// the node's open leases, bound or aimed there and quarantine
+    /// included, leave of it. The check and the insert are one
+    /// transaction, under the node's row lock on PostgreSQL, so handles
+    /// racing for the same room (two planes on one ledger) never book more
+    /// than `capacity` between them. Only `node` may then bind the lease.
+    ///
+    /// # Errors
+    ///
+    /// As [`Ledger::reserve`], and [`LedgerError::NoCapacity`] when the
+    /// lease does not fit (nothing is written).
+    pub async fn reserve_on(
+        &self,
+        new: NewLease,
+        node: &str,
+        capacity: NodeCapacity,
+        now_ms: i64,
+    ) -> Result<Lease> {
+        if node.is_empty() {
+            return Err(LedgerError::Invalid(format!(
+                "lease {} must be aimed at a named node",
+                new.id
+            )));
+        }
+        let mut tx = self.begin_write().await?;
+        lock_node(&mut tx, node).await?;
+        let charged = charged_on_in(&mut tx, node).await?;
+        let asked = NodeCapacity {
+            vcpu: u64::from(new.vcpu),
+            memory_bytes: new.memory_bytes,
+        };
+        check_fits(&new.id, node, asked, charged, capacity)?;
+        self.insert_lease(&mut tx, &new, Some(node), now_ms).await?;
+        finish(tx, &new.id).await
+    }
+
+    async fn insert_lease(
+        &self,
+        tx: &mut AnyConnection,
+        new: &NewLease,
+        target_node: Option<&str>,
+        now_ms: i64,
+    ) -> Result<()> {
         check_lease_id(&new.id)?;
         if new.vcpu == 0 || new.memory_bytes == 0 {
             return Err(LedgerError::Invalid(format!(
@@ -38,17 +92,11 @@ impl Ledger {
         }
         let memory_bytes = to_i64("memory_bytes", new.memory_bytes)?;
         let expires_at_ms = now_ms.saturating_add(self.ttl_ms());
-        let mut tx = self.begin_write().await?;
-        if load(&mut tx, &new.id).await?.is_some() {
-            return Err(LedgerError::Conflict(format!(
-                "lease {} already exists; lease ids are never reused",
-                new.id
-            )));
-        }
-        sqlx::query(
+        let done = sqlx::query(
             "INSERT INTO leases (id, epoch, phase, tier, request_id, runner_name, vcpu,
-                memory_bytes, expires_at_ms, heartbeat_at_ms, created_at_ms)
-             VALUES (?, 1, 'assigned', ?, ?, ?, ?, ?, ?, ?, ?)",
+                memory_bytes, expires_at_ms, heartbeat_at_ms, created_at_ms, target_node)
+             VALUES ($1, 1, 'assigned', $2, $3, $4, $5, $6, $7, $8, $8, $9)
+             ON CONFLICT (id) DO NOTHING",
         )
         .bind(&new.id)
         .bind(&new.tier)
@@ -58,10 +106,16 @@ impl Ledger {
         .bind(memory_bytes)
         .bind(expires_at_ms)
         .bind(now_ms)
-        .bind(now_ms)
+        .bind(target_node)
         .execute(&mut *tx)
         .await?;
-        finish(tx, &new.id).await
+        if done.rows_affected() == 0 {
+            return Err(LedgerError::Conflict(format!(
+                "lease {} already exists; lease ids are never reused",
+                new.id
+            )));
+        }
+        Ok(())
     }
 
     /// Binds the lease to `node`. Binding again to the same node is a no-op.
@@ -70,11 +124,11 @@ impl Ledger {
     /// # Errors
     ///
     /// `NotFound` (unknown or ended), `Fenced`, and `WrongNode` when the
-    /// lease is bound elsewhere or is already past `assigned` without a node
-    /// (it is never adopted).
+    /// lease is bound elsewhere, aimed at another node, or is already past
+    /// `assigned` without a node (it is never adopted).
     pub async fn bind(&self, id: &str, epoch: u64, node: &str, _now_ms: i64) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, id, epoch).await?;
+        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
         match lease.node.as_deref() {
             Some(bound) if bound == node => return Ok(lease),
             Some(_) => return Err(wrong_node(&lease, node)),
@@ -83,7 +137,16 @@ impl Ledger {
             }
             None => {}
         }
-        let done = sqlx::query("UPDATE leases SET node = ? WHERE id = ? AND epoch = ?")
+        if let Some(target) = lease.target_node.as_deref()
+            && target != node
+        {
+            return Err(LedgerError::WrongNode {
+                lease: lease.id.clone(),
+                bound: Some(target.to_owned()),
+                asked: node.to_owned(),
+            });
+        }
+        let done = sqlx::query("UPDATE leases SET node = $1 WHERE id = $2 AND epoch = $3")
             .bind(node)
             .bind(id)
             .bind(db_epoch(epoch))
@@ -111,7 +174,7 @@ impl Ledger {
         now_ms: i64,
     ) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, id, epoch).await?;
+        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
         if lease.node.as_deref() != Some(node) {
             return Err(wrong_node(&lease, node));
         }
@@ -126,18 +189,16 @@ impl Ledger {
         }
         let holds = matches!(to, Phase::Custody | Phase::Teardown);
         let done = sqlx::query(
-            "UPDATE leases SET phase = ?, heartbeat_at_ms = ?, expires_at_ms = ?,
-                held_at_ms = CASE WHEN ? THEN COALESCE(held_at_ms, ?) ELSE held_at_ms END,
-                ended_at_ms = CASE WHEN ? THEN ? ELSE ended_at_ms END
-             WHERE id = ? AND epoch = ?",
+            "UPDATE leases SET phase = $1, heartbeat_at_ms = $2, expires_at_ms = $3,
+                held_at_ms = CASE WHEN $4 THEN COALESCE(held_at_ms, $2) ELSE held_at_ms END,
+                ended_at_ms = CASE WHEN $5 THEN $2 ELSE ended_at_ms END
+             WHERE id = $6 AND epoch = $7",
         )
         .bind(to.as_str())
         .bind(now_ms)
         .bind(now_ms.saturating_add(self.ttl_ms()))
         .bind(holds)
-        .bind(now_ms)
         .bind(to.is_terminal())
-        .bind(now_ms)
         .bind(id)
         .bind(db_epoch(epoch))
         .execute(&mut *tx)
@@ -155,7 +216,16 @@ impl Ledger {
     /// to let go, `WrongNode` when bound to another node.
     pub async fn heartbeat(&self, id: &str, epoch: u64, node: &str, now_ms: i64) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        renew(&mut tx, id, epoch, node, now_ms, self.ttl_ms()).await?;
+        renew(
+            &mut tx,
+            self.backend,
+            id,
+            epoch,
+            node,
+            now_ms,
+            self.ttl_ms(),
+        )
+        .await?;
         finish(tx, id).await
     }
 
@@ -164,7 +234,8 @@ impl Ledger {
     /// [`Ledger::heartbeat`] does; a lease refused gets its own error in
     /// its place and the others are renewed all the same. What a node's
     /// batched `Heartbeat` asks, answered with one commit whatever its
-    /// length.
+    /// length. The leases are locked in id order, whatever the order asked,
+    /// so two batches sharing leases cannot deadlock on PostgreSQL.
     ///
     /// # Errors
     ///
@@ -176,13 +247,29 @@ impl Ledger {
         node: &str,
         now_ms: i64,
     ) -> Result<Vec<Result<()>>> {
+        let mut order: Vec<usize> = (0..leases.len()).collect();
+        order.sort_by(|a, b| leases[*a].0.cmp(&leases[*b].0));
         let mut tx = self.begin_write().await?;
-        let mut results = Vec::with_capacity(leases.len());
-        for (id, epoch) in leases {
-            results.push(renew(&mut tx, id, *epoch, node, now_ms, self.ttl_ms()).await);
+        let mut results: Vec<Option<Result<()>>> = leases.iter().map(|_| None).collect();
+        for i in order {
+            let (id, epoch) = &leases[i];
+            let renewed = renew(
+                &mut tx,
+                self.backend,
+                id,
+                *epoch,
+                node,
+                now_ms,
+                self.ttl_ms(),
+            )
+            .await;
+            results[i] = Some(renewed);
         }
         tx.commit().await?;
-        Ok(results)
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every position is renewed once"))
+            .collect())
     }
 
     /// Ends the lease with `outcome` (`Done` or `Failed`), freeing its
@@ -212,7 +299,7 @@ impl Ledger {
             )));
         }
         let mut tx = self.begin_write().await?;
-        let lease = load_fenced(&mut tx, id, epoch).await?;
+        let lease = load_fenced(&mut tx, self.backend, id, epoch).await?;
         if let Some(node) = node
             && lease.node.as_deref() != Some(node)
         {
@@ -228,14 +315,15 @@ impl Ledger {
                 )))
             };
         }
-        let done =
-            sqlx::query("UPDATE leases SET phase = ?, ended_at_ms = ? WHERE id = ? AND epoch = ?")
-                .bind(outcome.as_str())
-                .bind(now_ms)
-                .bind(id)
-                .bind(db_epoch(epoch))
-                .execute(&mut *tx)
-                .await?;
+        let done = sqlx::query(
+            "UPDATE leases SET phase = $1, ended_at_ms = $2 WHERE id = $3 AND epoch = $4",
+        )
+        .bind(outcome.as_str())
+        .bind(now_ms)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .execute(&mut *tx)
+        .await?;
         expect_one_row(done.rows_affected(), id)?;
         finish(tx, id).await
     }
@@ -265,7 +353,7 @@ impl Ledger {
             )));
         }
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, id, epoch).await?;
+        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
         match lease.failure_reason.as_deref() {
             Some(recorded) if recorded == reason => return Ok(lease),
             Some(recorded) => {
@@ -275,12 +363,13 @@ impl Ledger {
             }
             None => {}
         }
-        let done = sqlx::query("UPDATE leases SET failure_reason = ? WHERE id = ? AND epoch = ?")
-            .bind(reason)
-            .bind(id)
-            .bind(db_epoch(epoch))
-            .execute(&mut *tx)
-            .await?;
+        let done =
+            sqlx::query("UPDATE leases SET failure_reason = $1 WHERE id = $2 AND epoch = $3")
+                .bind(reason)
+                .bind(id)
+                .bind(db_epoch(epoch))
+                .execute(&mut *tx)
+                .await?;
         expect_one_row(done.rows_affected(), id)?;
         finish(tx, id).await
     }
@@ -306,7 +395,7 @@ impl Ledger {
             )));
         }
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, id, epoch).await?;
+        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
         if let (Some(recorded), Some(_)) = (lease.runner_name.as_deref(), lease.runner_id)
             && recorded != runner_name
         {
@@ -319,7 +408,7 @@ impl Ledger {
             return Ok(lease);
         }
         let done = sqlx::query(
-            "UPDATE leases SET runner_id = ?, runner_name = ? WHERE id = ? AND epoch = ?",
+            "UPDATE leases SET runner_id = $1, runner_name = $2 WHERE id = $3 AND epoch = $4",
         )
         .bind(runner_id)
         .bind(runner_name)
@@ -330,12 +419,140 @@ impl Ledger {
         expect_one_row(done.rows_affected(), id)?;
         finish(tx, id).await
     }
+
+    /// Changes what the lease bound to `node` charges to `size`, when what
+    /// the node launches differs from what was reserved (the reference's
+    /// `Resize`, §1.6: a provider that chose another instance shape). Only
+    /// a lease in `launching`; the same size again is a no-op. Fenced, and
+    /// checked like [`Ledger::reserve_on`]: the node's charge with the old
+    /// size handed back and the new one added must fit in `capacity`, under
+    /// the node's row lock. Does not renew the lease (§1.7).
+    ///
+    /// # Errors
+    ///
+    /// `Invalid` for a zero size; `NotFound`, `Fenced`, `WrongNode` (not
+    /// bound to `node`); `Conflict` when the lease is not launching;
+    /// `NoCapacity` when the new size does not fit (nothing is written).
+    pub async fn resize(
+        &self,
+        id: &str,
+        epoch: u64,
+        node: &str,
+        size: NodeCapacity,
+        capacity: NodeCapacity,
+        _now_ms: i64,
+    ) -> Result<Lease> {
+        if size.vcpu == 0 || size.memory_bytes == 0 {
+            return Err(LedgerError::Invalid(format!(
+                "lease {id} must charge at least one vCPU and one byte of memory"
+            )));
+        }
+        let vcpu = u32::try_from(size.vcpu)
+            .map_err(|_| LedgerError::Invalid(format!("{} vCPUs is too many", size.vcpu)))?;
+        let memory_bytes = to_i64("memory_bytes", size.memory_bytes)?;
+        let mut tx = self.begin_write().await?;
+        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
+        if lease.node.as_deref() != Some(node) {
+            return Err(wrong_node(&lease, node));
+        }
+        if lease.phase != Phase::Launching {
+            return Err(LedgerError::Conflict(format!(
+                "lease {id} is {}: only a launching lease is resized",
+                lease.phase
+            )));
+        }
+        if lease.vcpu == vcpu && lease.memory_bytes == size.memory_bytes {
+            return Ok(lease);
+        }
+        lock_node(&mut tx, node).await?;
+        let charged = charged_on_in(&mut tx, node).await?;
+        let others = NodeCapacity {
+            vcpu: charged.vcpu.saturating_sub(u64::from(lease.vcpu)),
+            memory_bytes: charged.memory_bytes.saturating_sub(lease.memory_bytes),
+        };
+        check_fits(id, node, size, others, capacity)?;
+        let done = sqlx::query(
+            "UPDATE leases SET vcpu = $1, memory_bytes = $2 WHERE id = $3 AND epoch = $4",
+        )
+        .bind(i64::from(vcpu))
+        .bind(memory_bytes)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .execute(&mut *tx)
+        .await?;
+        expect_one_row(done.rows_affected(), id)?;
+        finish(tx, id).await
+    }
 }
 
-/// Loads the lease and checks the epoch before anything else in the row.
-/// Ended leases are returned too (for `release`'s idempotency).
-async fn load_fenced(conn: &mut SqliteConnection, id: &str, epoch: u64) -> Result<Lease> {
-    let lease = load(conn, id)
+/// Takes `node`'s row lock until the transaction ends (creating the row
+/// the first time): every write that adds to a node's charge takes it
+/// before summing, so on PostgreSQL they take turns. On SQLite the write
+/// transaction already excludes every other writer.
+async fn lock_node(conn: &mut AnyConnection, node: &str) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO nodes (name) VALUES ($1)
+         ON CONFLICT (name) DO UPDATE SET name = excluded.name",
+    )
+    .bind(node)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// What `node` is charged inside the transaction: every open lease bound
+/// to it, or aimed at it and not yet bound.
+async fn charged_on_in(conn: &mut AnyConnection, node: &str) -> Result<NodeCapacity> {
+    let row = sqlx::query(
+        "SELECT CAST(COALESCE(SUM(vcpu), 0) AS BIGINT) AS vcpu,
+            CAST(COALESCE(SUM(memory_bytes), 0) AS BIGINT) AS memory_bytes
+         FROM leases
+         WHERE (node = $1 OR (node IS NULL AND target_node = $1))
+            AND phase NOT IN ('done', 'failed')",
+    )
+    .bind(node)
+    .fetch_one(&mut *conn)
+    .await?;
+    let vcpu: i64 = row.try_get("vcpu")?;
+    let memory_bytes: i64 = row.try_get("memory_bytes")?;
+    Ok(NodeCapacity {
+        vcpu: from_db("vcpu", vcpu)?,
+        memory_bytes: from_db("memory_bytes", memory_bytes)?,
+    })
+}
+
+/// `asked` on top of `charged` fits in `capacity`, or `NoCapacity`.
+fn check_fits(
+    lease: &str,
+    node: &str,
+    asked: NodeCapacity,
+    charged: NodeCapacity,
+    capacity: NodeCapacity,
+) -> Result<()> {
+    let fits = charged.vcpu.saturating_add(asked.vcpu) <= capacity.vcpu
+        && charged.memory_bytes.saturating_add(asked.memory_bytes) <= capacity.memory_bytes;
+    if fits {
+        Ok(())
+    } else {
+        Err(LedgerError::NoCapacity {
+            lease: lease.to_owned(),
+            node: node.to_owned(),
+            asked,
+            charged,
+            capacity,
+        })
+    }
+}
+
+/// Loads the lease for writing and checks the epoch before anything else
+/// in the row. Ended leases are returned too (for `release`'s idempotency).
+async fn load_fenced(
+    conn: &mut AnyConnection,
+    backend: Backend,
+    id: &str,
+    epoch: u64,
+) -> Result<Lease> {
+    let lease = load_for_write(conn, backend, id)
         .await?
         .ok_or_else(|| LedgerError::NotFound(id.to_owned()))?;
     if lease.epoch != epoch {
@@ -349,8 +566,13 @@ async fn load_fenced(conn: &mut SqliteConnection, id: &str, epoch: u64) -> Resul
 }
 
 /// As [`load_fenced`], with an ended lease reported as `NotFound`.
-async fn load_open(conn: &mut SqliteConnection, id: &str, epoch: u64) -> Result<Lease> {
-    let lease = load_fenced(conn, id, epoch).await?;
+async fn load_open(
+    conn: &mut AnyConnection,
+    backend: Backend,
+    id: &str,
+    epoch: u64,
+) -> Result<Lease> {
+    let lease = load_fenced(conn, backend, id, epoch).await?;
     if lease.phase.is_terminal() {
         return Err(LedgerError::NotFound(lease.id));
     }
@@ -360,14 +582,15 @@ async fn load_open(conn: &mut SqliteConnection, id: &str, epoch: u64) -> Result<
 /// Renews one lease inside a write transaction: fenced and open, not asked
 /// to be given up, bound to `node` or to none.
 async fn renew(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
+    backend: Backend,
     id: &str,
     epoch: u64,
     node: &str,
     now_ms: i64,
     ttl_ms: i64,
 ) -> Result<()> {
-    let lease = load_open(conn, id, epoch).await?;
+    let lease = load_open(conn, backend, id, epoch).await?;
     if lease.force_release {
         return Err(LedgerError::ForceRelease(lease.id));
     }
@@ -375,7 +598,7 @@ async fn renew(
         return Err(wrong_node(&lease, node));
     }
     let done = sqlx::query(
-        "UPDATE leases SET heartbeat_at_ms = ?, expires_at_ms = ? WHERE id = ? AND epoch = ?",
+        "UPDATE leases SET heartbeat_at_ms = $1, expires_at_ms = $2 WHERE id = $3 AND epoch = $4",
     )
     .bind(now_ms)
     .bind(now_ms.saturating_add(ttl_ms))
@@ -387,7 +610,7 @@ async fn renew(
 }
 
 /// Reads the lease back inside the transaction and commits.
-async fn finish(mut tx: Transaction<'static, Sqlite>, id: &str) -> Result<Lease> {
+async fn finish(mut tx: Transaction<'static, Any>, id: &str) -> Result<Lease> {
     let lease = load(&mut tx, id)
         .await?
         .ok_or_else(|| LedgerError::NotFound(id.to_owned()))?;
@@ -429,240 +652,332 @@ fn check_lease_id(id: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::test_support::{TTL, TTL_MS, code, lease_in, ledger, new_lease};
+    use crate::ledger::test_support::{
+        GIB, TTL, TTL_MS, code, lease_in, new_lease, on_both_backends,
+    };
 
-    #[tokio::test]
-    async fn a_reservation_is_assigned_at_epoch_one_and_expires_after_the_ttl() {
-        let l = ledger().await;
-        let lease = l.reserve(new_lease("a"), 1_000).await.unwrap();
-        assert_eq!(lease.phase, Phase::Assigned);
-        assert_eq!(lease.epoch, 1);
-        assert_eq!(lease.node, None);
-        assert_eq!(lease.expires_at_ms, 1_000 + TTL_MS);
-        assert_eq!(lease.runner_name.as_deref(), Some("billet-a"));
-        assert_eq!(l.lease_ttl(), TTL);
-        assert_eq!(code(l.reserve(new_lease("a"), 1_000).await), "conflict");
-        assert_eq!(code(l.reserve(new_lease("a b"), 1_000).await), "invalid");
-        let mut empty = new_lease("z");
-        empty.vcpu = 0;
-        assert_eq!(code(l.reserve(empty, 1_000).await), "invalid");
-    }
+    /// Room for four 2-vCPU, 4 GiB leases.
+    const ROOM: NodeCapacity = NodeCapacity {
+        vcpu: 8,
+        memory_bytes: 64 * GIB,
+    };
 
-    /// Issue #14: one transaction renews the batch; each lease's refusal
-    /// is its own, in its place, and does not stop the others.
-    #[tokio::test]
-    async fn a_batched_heartbeat_renews_each_lease_it_may_and_refuses_the_others_in_place() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        lease_in(&l, "b", "n2", &[Phase::Launching], 0).await;
-        lease_in(&l, "c", "n1", &[Phase::Launching], 0).await;
-        let asked = [
-            ("a".to_owned(), 1),
-            ("b".to_owned(), 1),
-            ("missing".to_owned(), 1),
-            ("c".to_owned(), 2),
-            ("c".to_owned(), 1),
-        ];
-        let results = l.heartbeat_all(&asked, "n1", 5_000).await.unwrap();
-        let codes: Vec<&str> = results
-            .iter()
-            .map(|r| r.as_ref().map_or_else(LedgerError::code, |()| "ok"))
-            .collect();
-        assert_eq!(codes, ["ok", "wrong_node", "not_found", "fenced", "ok"]);
-        for id in ["a", "c"] {
-            let lease = l.get(id).await.unwrap().unwrap();
-            assert_eq!(lease.expires_at_ms, 5_000 + TTL_MS, "{id} not renewed");
+    on_both_backends! {
+        async fn a_reservation_aimed_at_a_node_charges_it_at_once_and_binds_only_there(db) {
+            let l = db.ledger().await;
+            let lease = l.reserve_on(new_lease("a"), "n1", ROOM, 0).await.unwrap();
+            assert_eq!((lease.node, lease.target_node.as_deref()), (None, Some("n1")));
+            assert_eq!((lease.phase, lease.epoch), (Phase::Assigned, 1));
+            let charged = l.charged_on("n1").await.unwrap();
+            assert_eq!((charged.leases, charged.vcpu), (1, 2), "charged before it is bound");
+            assert_eq!(code(l.bind("a", 1, "n2", 1).await), "wrong_node");
+            let bound = l.bind("a", 1, "n1", 1).await.unwrap();
+            assert_eq!(bound.node.as_deref(), Some("n1"));
+            assert_eq!(l.charged_on("n1").await.unwrap().leases, 1, "counted once");
+
+            let tight = NodeCapacity { vcpu: 3, memory_bytes: 64 * GIB };
+            let refused = l.reserve_on(new_lease("b"), "n1", tight, 0).await.unwrap_err();
+            assert!(
+                matches!(&refused, LedgerError::NoCapacity { charged, .. } if charged.vcpu == 2),
+                "{refused}"
+            );
+            assert_eq!(l.get("b").await.unwrap(), None, "a refusal writes nothing");
+            let little_memory = NodeCapacity { vcpu: 8, memory_bytes: 6 * GIB };
+            assert_eq!(
+                code(l.reserve_on(new_lease("b"), "n1", little_memory, 0).await),
+                "no_capacity"
+            );
+            assert_eq!(code(l.reserve_on(new_lease("b"), "", ROOM, 0).await), "invalid");
+            // An ended lease charges nothing: its room is free again.
+            l.release("a", 1, Some("n1"), Phase::Done, 2).await.unwrap();
+            l.reserve_on(new_lease("b"), "n1", tight, 2).await.unwrap();
+            assert_eq!(code(l.reserve_on(new_lease("b"), "n1", ROOM, 2).await), "conflict");
         }
-        let b = l.get("b").await.unwrap().unwrap();
-        assert_eq!(b.expires_at_ms, TTL_MS, "another node's lease was renewed");
-        assert!(l.heartbeat_all(&[], "n1", 6_000).await.unwrap().is_empty());
     }
 
-    #[tokio::test]
-    async fn every_holder_write_refuses_a_stale_epoch() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        let stale = 2;
-        let refusals = [
-            code(l.bind("a", stale, "n1", 1).await),
-            code(l.advance("a", stale, "n1", Phase::Online, 1).await),
-            code(l.heartbeat("a", stale, "n1", 1).await),
-            code(l.release("a", stale, Some("n1"), Phase::Done, 1).await),
-            code(l.release("a", stale, None, Phase::Done, 1).await),
-            code(l.mark_failure("a", stale, "spot interruption", 1).await),
-            code(l.set_runner("a", stale, 5, "billet-a").await),
-        ];
-        assert_eq!(refusals, ["fenced"; 7]);
-        let lease = l.get("a").await.unwrap().unwrap();
-        assert_eq!((lease.phase, lease.epoch), (Phase::Launching, 1));
-        assert_eq!(lease.runner_id, None);
-        assert_eq!(lease.failure_reason, None);
+    on_both_backends! {
+        /// Issue #17 item 5 (the reference's `Resize`): a launching lease's
+        /// charge follows what its node launched, fenced, bound, and within
+        /// the node's room with its old size handed back.
+        async fn resize_changes_what_a_launching_lease_charges_within_the_nodes_room(db) {
+            let l = db.ledger().await;
+            l.reserve_on(new_lease("a"), "n1", ROOM, 0).await.unwrap();
+            l.bind("a", 1, "n1", 0).await.unwrap();
+            l.reserve_on(new_lease("other"), "n1", ROOM, 0).await.unwrap();
+            let bigger = NodeCapacity { vcpu: 6, memory_bytes: 8 * GIB };
+            let assigned = l.resize("a", 1, "n1", bigger, ROOM, 1).await;
+            assert_eq!(code(assigned), "conflict", "only a launching lease is resized");
+            let launching = l.advance("a", 1, "n1", Phase::Launching, 10).await.unwrap();
+
+            let resized = l.resize("a", 1, "n1", bigger, ROOM, 20).await.unwrap();
+            assert_eq!((resized.vcpu, resized.memory_bytes), (6, 8 * GIB));
+            assert_eq!(resized.expires_at_ms, launching.expires_at_ms, "a resize does not renew");
+            assert_eq!(l.charged_on("n1").await.unwrap().vcpu, 8);
+            let again = l.resize("a", 1, "n1", bigger, ROOM, 21).await.unwrap();
+            assert_eq!(again, resized);
+
+            // 6 + 2 already fill the room; 7 would not fit beside "other".
+            let too_big = NodeCapacity { vcpu: 7, memory_bytes: 8 * GIB };
+            assert_eq!(code(l.resize("a", 1, "n1", too_big, ROOM, 22).await), "no_capacity");
+            let smaller = NodeCapacity { vcpu: 1, memory_bytes: GIB };
+            assert_eq!(code(l.resize("a", 2, "n1", smaller, ROOM, 22).await), "fenced");
+            assert_eq!(code(l.resize("a", 1, "n2", smaller, ROOM, 22).await), "wrong_node");
+            let zero = NodeCapacity { vcpu: 0, memory_bytes: GIB };
+            assert_eq!(code(l.resize("a", 1, "n1", zero, ROOM, 22).await), "invalid");
+            let unchanged = l.get("a").await.unwrap().unwrap();
+            assert_eq!((unchanged.vcpu, unchanged.memory_bytes), (6, 8 * GIB));
+
+            l.resize("a", 1, "n1", smaller, ROOM, 23).await.unwrap();
+            assert_eq!(l.charged_on("n1").await.unwrap().vcpu, 3);
+            l.advance("a", 1, "n1", Phase::Online, 24).await.unwrap();
+            assert_eq!(code(l.resize("a", 1, "n1", bigger, ROOM, 25).await), "conflict");
+            l.release("a", 1, Some("n1"), Phase::Done, 26).await.unwrap();
+            assert_eq!(code(l.resize("a", 1, "n1", bigger, ROOM, 27).await), "not_found");
+        }
     }
 
-    #[tokio::test]
-    async fn bind_advance_and_release_repeat_without_effect() {
-        let l = ledger().await;
-        l.reserve(new_lease("a"), 0).await.unwrap();
-        let first = l.bind("a", 1, "n1", 10).await.unwrap();
-        let again = l.bind("a", 1, "n1", 20).await.unwrap();
-        assert_eq!(first, again);
-
-        let launching = l.advance("a", 1, "n1", Phase::Launching, 30).await.unwrap();
-        assert_eq!(launching.expires_at_ms, 30 + TTL_MS);
-        let repeat = l.advance("a", 1, "n1", Phase::Launching, 40).await.unwrap();
-        assert_eq!(repeat, launching, "a repeated advance changes nothing");
-
-        let done = l
-            .release("a", 1, Some("n1"), Phase::Done, 50)
-            .await
-            .unwrap();
-        assert_eq!(
-            (done.phase, done.ended_at_ms, done.epoch),
-            (Phase::Done, Some(50), 1)
-        );
-        let again = l
-            .release("a", 1, Some("n1"), Phase::Done, 60)
-            .await
-            .unwrap();
-        assert_eq!(again, done);
-        assert_eq!(
-            code(l.release("a", 1, Some("n1"), Phase::Failed, 60).await),
-            "conflict"
-        );
-        assert_eq!(
-            code(l.release("a", 1, None, Phase::Busy, 60).await),
-            "invalid"
-        );
-        assert_eq!(code(l.bind("a", 1, "n1", 70).await), "not_found");
-        assert_eq!(
-            code(l.advance("a", 1, "n1", Phase::Online, 70).await),
-            "not_found"
-        );
-        assert_eq!(code(l.heartbeat("a", 1, "n1", 70).await), "not_found");
-        assert_eq!(code(l.heartbeat("missing", 1, "n1", 70).await), "not_found");
+    on_both_backends! {
+        async fn a_reservation_is_assigned_at_epoch_one_and_expires_after_the_ttl(db) {
+            let l = db.ledger().await;
+            let lease = l.reserve(new_lease("a"), 1_000).await.unwrap();
+            assert_eq!(lease.phase, Phase::Assigned);
+            assert_eq!(lease.epoch, 1);
+            assert_eq!(lease.node, None);
+            assert_eq!(lease.expires_at_ms, 1_000 + TTL_MS);
+            assert_eq!(lease.runner_name.as_deref(), Some("billet-a"));
+            assert_eq!(l.lease_ttl(), TTL);
+            assert_eq!(code(l.reserve(new_lease("a"), 1_000).await), "conflict");
+            assert_eq!(code(l.reserve(new_lease("a b"), 1_000).await), "invalid");
+            let mut empty = new_lease("z");
+            empty.vcpu = 0;
+            assert_eq!(code(l.reserve(empty, 1_000).await), "invalid");
+        }
     }
 
-    #[tokio::test]
-    async fn advance_follows_the_table_and_never_enters_quarantine() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[], 0).await;
-        let err = l.advance("a", 1, "n1", Phase::Busy, 1).await.unwrap_err();
-        assert!(matches!(
-            err,
-            LedgerError::BadTransition {
-                from: Phase::Assigned,
-                to: Phase::Busy,
-                ..
+    on_both_backends! {
+        /// Issue #14: one transaction renews the batch; each lease's refusal
+        /// is its own, in its place, and does not stop the others.
+        async fn a_batched_heartbeat_renews_each_lease_it_may_and_refuses_the_others_in_place(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            lease_in(&l, "b", "n2", &[Phase::Launching], 0).await;
+            lease_in(&l, "c", "n1", &[Phase::Launching], 0).await;
+            let asked = [
+                ("a".to_owned(), 1),
+                ("b".to_owned(), 1),
+                ("missing".to_owned(), 1),
+                ("c".to_owned(), 2),
+                ("c".to_owned(), 1),
+            ];
+            let results = l.heartbeat_all(&asked, "n1", 5_000).await.unwrap();
+            let codes: Vec<&str> = results
+                .iter()
+                .map(|r| r.as_ref().map_or_else(LedgerError::code, |()| "ok"))
+                .collect();
+            assert_eq!(codes, ["ok", "wrong_node", "not_found", "fenced", "ok"]);
+            for id in ["a", "c"] {
+                let lease = l.get(id).await.unwrap().unwrap();
+                assert_eq!(lease.expires_at_ms, 5_000 + TTL_MS, "{id} not renewed");
             }
-        ));
-        l.advance("a", 1, "n1", Phase::Launching, 1).await.unwrap();
-        assert_eq!(
-            code(l.advance("a", 1, "n1", Phase::Quarantine, 2).await),
-            "bad_transition"
-        );
-        l.advance("a", 1, "n1", Phase::Online, 3).await.unwrap();
-        let custody = l.advance("a", 1, "n1", Phase::Custody, 4).await.unwrap();
-        assert_eq!(custody.held_at_ms, Some(4));
-        let teardown = l.advance("a", 1, "n1", Phase::Teardown, 5).await.unwrap();
-        assert_eq!(teardown.held_at_ms, Some(4), "held_at keeps the first hold");
-        assert_eq!(teardown.heartbeat_at_ms, 5);
-        assert_eq!(
-            code(l.advance("a", 1, "n1", Phase::Online, 6).await),
-            "bad_transition"
-        );
-        let failed = l.advance("a", 1, "n1", Phase::Failed, 7).await.unwrap();
-        assert_eq!((failed.phase, failed.ended_at_ms), (Phase::Failed, Some(7)));
+            let b = l.get("b").await.unwrap().unwrap();
+            assert_eq!(b.expires_at_ms, TTL_MS, "another node's lease was renewed");
+            assert!(l.heartbeat_all(&[], "n1", 6_000).await.unwrap().is_empty());
+        }
     }
 
-    #[tokio::test]
-    async fn a_node_cannot_touch_a_lease_bound_to_another_node() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        let err = l.bind("a", 1, "n2", 1).await.unwrap_err();
-        assert!(
-            matches!(&err, LedgerError::WrongNode { bound: Some(b), asked, .. } if b == "n1" && asked == "n2"),
-            "{err}"
-        );
-        assert_eq!(
-            code(l.advance("a", 1, "n2", Phase::Online, 1).await),
-            "wrong_node"
-        );
-        assert_eq!(code(l.heartbeat("a", 1, "n2", 1).await), "wrong_node");
-        assert_eq!(
-            code(l.release("a", 1, Some("n2"), Phase::Done, 1).await),
-            "wrong_node"
-        );
-        assert_eq!(l.get("a").await.unwrap().unwrap().phase, Phase::Launching);
-
-        // Advancing an unbound lease is refused: a node must bind first.
-        l.reserve(new_lease("b"), 0).await.unwrap();
-        assert_eq!(
-            code(l.advance("b", 1, "n1", Phase::Launching, 1).await),
-            "wrong_node"
-        );
-        // The plane may renew an unbound lease.
-        l.heartbeat("b", 1, "plane", 1).await.unwrap();
+    on_both_backends! {
+        async fn every_holder_write_refuses_a_stale_epoch(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            let stale = 2;
+            let refusals = [
+                code(l.bind("a", stale, "n1", 1).await),
+                code(l.advance("a", stale, "n1", Phase::Online, 1).await),
+                code(l.heartbeat("a", stale, "n1", 1).await),
+                code(l.release("a", stale, Some("n1"), Phase::Done, 1).await),
+                code(l.release("a", stale, None, Phase::Done, 1).await),
+                code(l.mark_failure("a", stale, "spot interruption", 1).await),
+                code(l.set_runner("a", stale, 5, "billet-a").await),
+                code(l.resize("a", stale, "n1", NodeCapacity { vcpu: 1, memory_bytes: 1 }, ROOM, 1).await),
+            ];
+            assert_eq!(refusals, ["fenced"; 8]);
+            let lease = l.get("a").await.unwrap().unwrap();
+            assert_eq!((lease.phase, lease.epoch), (Phase::Launching, 1));
+            assert_eq!(lease.runner_id, None);
+            assert_eq!(lease.failure_reason, None);
+        }
     }
 
-    #[tokio::test]
-    async fn an_unbound_lease_already_running_is_never_adopted_by_a_bind() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        sqlx::query("UPDATE leases SET node = NULL WHERE id = 'a'")
-            .execute(&l.writer)
-            .await
-            .unwrap();
-        let err = l.bind("a", 1, "n2", 1).await.unwrap_err();
-        assert!(
-            matches!(err, LedgerError::WrongNode { bound: None, .. }),
-            "{err}"
-        );
-        assert!(err.to_string().contains("no node"), "{err}");
+    on_both_backends! {
+        async fn bind_advance_and_release_repeat_without_effect(db) {
+            let l = db.ledger().await;
+            l.reserve(new_lease("a"), 0).await.unwrap();
+            let first = l.bind("a", 1, "n1", 10).await.unwrap();
+            let again = l.bind("a", 1, "n1", 20).await.unwrap();
+            assert_eq!(first, again);
+
+            let launching = l.advance("a", 1, "n1", Phase::Launching, 30).await.unwrap();
+            assert_eq!(launching.expires_at_ms, 30 + TTL_MS);
+            let repeat = l.advance("a", 1, "n1", Phase::Launching, 40).await.unwrap();
+            assert_eq!(repeat, launching, "a repeated advance changes nothing");
+
+            let done = l
+                .release("a", 1, Some("n1"), Phase::Done, 50)
+                .await
+                .unwrap();
+            assert_eq!(
+                (done.phase, done.ended_at_ms, done.epoch),
+                (Phase::Done, Some(50), 1)
+            );
+            let again = l
+                .release("a", 1, Some("n1"), Phase::Done, 60)
+                .await
+                .unwrap();
+            assert_eq!(again, done);
+            assert_eq!(
+                code(l.release("a", 1, Some("n1"), Phase::Failed, 60).await),
+                "conflict"
+            );
+            assert_eq!(
+                code(l.release("a", 1, None, Phase::Busy, 60).await),
+                "invalid"
+            );
+            assert_eq!(code(l.bind("a", 1, "n1", 70).await), "not_found");
+            assert_eq!(
+                code(l.advance("a", 1, "n1", Phase::Online, 70).await),
+                "not_found"
+            );
+            assert_eq!(code(l.heartbeat("a", 1, "n1", 70).await), "not_found");
+            assert_eq!(code(l.heartbeat("missing", 1, "n1", 70).await), "not_found");
+        }
     }
 
-    #[tokio::test]
-    async fn mark_failure_keeps_the_first_reason_and_refuses_the_reserved_marker() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        l.mark_failure("a", 1, "spot interruption", 1)
-            .await
-            .unwrap();
-        l.mark_failure("a", 1, "spot interruption", 2)
-            .await
-            .unwrap();
-        assert_eq!(
-            code(l.mark_failure("a", 1, "disk full", 3).await),
-            "conflict"
-        );
-        assert_eq!(code(l.mark_failure("a", 1, "  ", 3).await), "invalid");
-        assert_eq!(
-            code(l.mark_failure("a", 1, INVENTORY_ABSENCE, 3).await),
-            "invalid"
-        );
-        let lease = l.get("a").await.unwrap().unwrap();
-        assert_eq!(lease.failure_reason.as_deref(), Some("spot interruption"));
-        assert_eq!(lease.phase, Phase::Launching, "capacity stays charged");
+    on_both_backends! {
+        async fn advance_follows_the_table_and_never_enters_quarantine(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[], 0).await;
+            let err = l.advance("a", 1, "n1", Phase::Busy, 1).await.unwrap_err();
+            assert!(matches!(
+                err,
+                LedgerError::BadTransition {
+                    from: Phase::Assigned,
+                    to: Phase::Busy,
+                    ..
+                }
+            ));
+            l.advance("a", 1, "n1", Phase::Launching, 1).await.unwrap();
+            assert_eq!(
+                code(l.advance("a", 1, "n1", Phase::Quarantine, 2).await),
+                "bad_transition"
+            );
+            l.advance("a", 1, "n1", Phase::Online, 3).await.unwrap();
+            let custody = l.advance("a", 1, "n1", Phase::Custody, 4).await.unwrap();
+            assert_eq!(custody.held_at_ms, Some(4));
+            let teardown = l.advance("a", 1, "n1", Phase::Teardown, 5).await.unwrap();
+            assert_eq!(teardown.held_at_ms, Some(4), "held_at keeps the first hold");
+            assert_eq!(teardown.heartbeat_at_ms, 5);
+            assert_eq!(
+                code(l.advance("a", 1, "n1", Phase::Online, 6).await),
+                "bad_transition"
+            );
+            let failed = l.advance("a", 1, "n1", Phase::Failed, 7).await.unwrap();
+            assert_eq!((failed.phase, failed.ended_at_ms), (Phase::Failed, Some(7)));
+        }
     }
 
-    #[tokio::test]
-    async fn a_runner_registration_is_recorded_and_found_by_name() {
-        let l = ledger().await;
-        lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
-        let lease = l.set_runner("a", 1, 42, "billet-a").await.unwrap();
-        assert_eq!(lease.runner_id, Some(42));
-        l.set_runner("a", 1, 42, "billet-a").await.unwrap();
-        let renamed = l.set_runner("a", 1, 43, "billet-a").await.unwrap();
-        assert_eq!(
-            renamed.runner_id,
-            Some(43),
-            "a re-registration under the same name"
-        );
-        assert_eq!(
-            code(l.set_runner("a", 1, 44, "billet-other").await),
-            "conflict"
-        );
-        let found = l.lease_by_runner_name("billet-a").await.unwrap().unwrap();
-        assert_eq!(found.id, "a");
-        assert_eq!(l.lease_by_runner_name("billet-none").await.unwrap(), None);
+    on_both_backends! {
+        async fn a_node_cannot_touch_a_lease_bound_to_another_node(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            let err = l.bind("a", 1, "n2", 1).await.unwrap_err();
+            assert!(
+                matches!(&err, LedgerError::WrongNode { bound: Some(b), asked, .. } if b == "n1" && asked == "n2"),
+                "{err}"
+            );
+            assert_eq!(
+                code(l.advance("a", 1, "n2", Phase::Online, 1).await),
+                "wrong_node"
+            );
+            assert_eq!(code(l.heartbeat("a", 1, "n2", 1).await), "wrong_node");
+            assert_eq!(
+                code(l.release("a", 1, Some("n2"), Phase::Done, 1).await),
+                "wrong_node"
+            );
+            assert_eq!(l.get("a").await.unwrap().unwrap().phase, Phase::Launching);
+
+            // Advancing an unbound lease is refused: a node must bind first.
+            l.reserve(new_lease("b"), 0).await.unwrap();
+            assert_eq!(
+                code(l.advance("b", 1, "n1", Phase::Launching, 1).await),
+                "wrong_node"
+            );
+            // The plane may renew an unbound lease.
+            l.heartbeat("b", 1, "plane", 1).await.unwrap();
+        }
+    }
+
+    on_both_backends! {
+        async fn an_unbound_lease_already_running_is_never_adopted_by_a_bind(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            sqlx::query("UPDATE leases SET node = NULL WHERE id = 'a'")
+                .execute(&l.writer)
+                .await
+                .unwrap();
+            let err = l.bind("a", 1, "n2", 1).await.unwrap_err();
+            assert!(
+                matches!(err, LedgerError::WrongNode { bound: None, .. }),
+                "{err}"
+            );
+            assert!(err.to_string().contains("no node"), "{err}");
+        }
+    }
+
+    on_both_backends! {
+        async fn mark_failure_keeps_the_first_reason_and_refuses_the_reserved_marker(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            l.mark_failure("a", 1, "spot interruption", 1)
+                .await
+                .unwrap();
+            l.mark_failure("a", 1, "spot interruption", 2)
+                .await
+                .unwrap();
+            assert_eq!(
+                code(l.mark_failure("a", 1, "disk full", 3).await),
+                "conflict"
+            );
+            assert_eq!(code(l.mark_failure("a", 1, "  ", 3).await), "invalid");
+            assert_eq!(
+                code(l.mark_failure("a", 1, INVENTORY_ABSENCE, 3).await),
+                "invalid"
+            );
+            let lease = l.get("a").await.unwrap().unwrap();
+            assert_eq!(lease.failure_reason.as_deref(), Some("spot interruption"));
+            assert_eq!(lease.phase, Phase::Launching, "capacity stays charged");
+        }
+    }
+
+    on_both_backends! {
+        async fn a_runner_registration_is_recorded_and_found_by_name(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            let lease = l.set_runner("a", 1, 42, "billet-a").await.unwrap();
+            assert_eq!(lease.runner_id, Some(42));
+            l.set_runner("a", 1, 42, "billet-a").await.unwrap();
+            let renamed = l.set_runner("a", 1, 43, "billet-a").await.unwrap();
+            assert_eq!(
+                renamed.runner_id,
+                Some(43),
+                "a re-registration under the same name"
+            );
+            assert_eq!(
+                code(l.set_runner("a", 1, 44, "billet-other").await),
+                "conflict"
+            );
+            let found = l.lease_by_runner_name("billet-a").await.unwrap().unwrap();
+            assert_eq!(found.id, "a");
+            assert_eq!(l.lease_by_runner_name("billet-none").await.unwrap(), None);
+        }
     }
 }

@@ -2,8 +2,9 @@
 //! `open_leases`, `launched`, `charged` and `charged_on`.
 //!
 //! Every one issues only `SELECT`s on the reader pool: `query_only`
-//! connections on a ledger file, which never wait for the writer; the one
-//! shared connection of an in-memory ledger. Reads are unfenced: they take
+//! connections on a ledger file, which never wait for the writer; read-only
+//! sessions on PostgreSQL; the one shared connection of an in-memory
+//! ledger. Reads are unfenced: they take
 //! no epoch, open no transaction and decide nothing; a caller that acts on
 //! what it read presents the epoch to a holder write, which checks it again.
 
@@ -32,7 +33,7 @@ impl Ledger {
     /// `Storage`.
     pub async fn lease_by_runner_name(&self, name: &str) -> Result<Option<Lease>> {
         sqlx::query(
-            "SELECT * FROM leases WHERE runner_name = ? ORDER BY created_at_ms DESC, id LIMIT 1",
+            "SELECT * FROM leases WHERE runner_name = $1 ORDER BY created_at_ms DESC, id LIMIT 1",
         )
         .bind(name)
         .fetch_optional(&self.reader)
@@ -74,17 +75,19 @@ impl Ledger {
         .collect()
     }
 
-    /// Capacity charged on `node`: every open lease bound to it, quarantine
-    /// included. At a quiescent point this is what the node reports it holds.
+    /// Capacity charged on `node`: every open lease bound to it, or aimed at
+    /// it ([`Ledger::reserve_on`]) and not yet bound, quarantine included. At a quiescent point this is what the node reports it holds.
     ///
     /// # Errors
     ///
     /// `Storage`.
     pub async fn charged_on(&self, node: &str) -> Result<Charge> {
         let row = sqlx::query(
-            "SELECT COUNT(*) AS leases, COALESCE(SUM(vcpu), 0) AS vcpu,
-                COALESCE(SUM(memory_bytes), 0) AS memory_bytes
-             FROM leases WHERE node = ? AND phase NOT IN ('done', 'failed')",
+            "SELECT COUNT(*) AS leases, CAST(COALESCE(SUM(vcpu), 0) AS BIGINT) AS vcpu,
+                CAST(COALESCE(SUM(memory_bytes), 0) AS BIGINT) AS memory_bytes
+             FROM leases
+             WHERE (node = $1 OR (node IS NULL AND target_node = $1))
+                AND phase NOT IN ('done', 'failed')",
         )
         .bind(node)
         .fetch_one(&self.reader)
@@ -109,7 +112,7 @@ impl Ledger {
     /// `Storage`.
     pub async fn launched(&self, node: &str) -> Result<(Vec<String>, Vec<String>)> {
         let rows = sqlx::query(
-            "SELECT id, phase FROM leases WHERE node = ? AND phase IN
+            "SELECT id, phase FROM leases WHERE node = $1 AND phase IN
                 ('launching', 'online', 'busy', 'custody', 'teardown', 'quarantine')
              ORDER BY id",
         )
@@ -139,7 +142,7 @@ impl Ledger {
     /// `Storage`.
     pub async fn launched_leases(&self, node: &str) -> Result<Vec<Lease>> {
         sqlx::query(
-            "SELECT * FROM leases WHERE node = ? AND phase IN
+            "SELECT * FROM leases WHERE node = $1 AND phase IN
                 ('launching', 'online', 'busy', 'custody', 'teardown', 'quarantine')
              ORDER BY id",
         )
@@ -158,8 +161,8 @@ impl Ledger {
     /// `Storage`.
     pub async fn charged(&self) -> Result<Charge> {
         let row = sqlx::query(
-            "SELECT COUNT(*) AS leases, COALESCE(SUM(vcpu), 0) AS vcpu,
-                COALESCE(SUM(memory_bytes), 0) AS memory_bytes
+            "SELECT COUNT(*) AS leases, CAST(COALESCE(SUM(vcpu), 0) AS BIGINT) AS vcpu,
+                CAST(COALESCE(SUM(memory_bytes), 0) AS BIGINT) AS memory_bytes
              FROM leases WHERE phase NOT IN ('done', 'failed')",
         )
         .fetch_one(&self.reader)
@@ -180,56 +183,58 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::ledger::test_support::{GIB, TTL_MS, lease_in, ledger, new_lease};
+    use crate::ledger::test_support::{GIB, TTL_MS, lease_in, new_lease, on_both_backends};
 
-    #[tokio::test]
-    async fn launched_lists_running_and_held_leases_apart_from_quarantine() {
-        let l = ledger().await;
-        use Phase::{Custody, Launching, Online};
-        lease_in(&l, "assigned", "n1", &[], 0).await;
-        lease_in(&l, "launching", "n1", &[Launching], 0).await;
-        lease_in(&l, "custody", "n1", &[Launching, Online, Custody], 0).await;
-        lease_in(&l, "elsewhere", "n2", &[Launching], 0).await;
-        lease_in(&l, "stale", "n1", &[Launching], 0).await;
-        // Only "stale" expires.
-        for id in ["launching", "custody", "elsewhere"] {
-            l.heartbeat(id, 1, if id == "elsewhere" { "n2" } else { "n1" }, TTL_MS)
-                .await
-                .unwrap();
+    on_both_backends! {
+        async fn launched_lists_running_and_held_leases_apart_from_quarantine(db) {
+            let l = db.ledger().await;
+            use Phase::{Custody, Launching, Online};
+            lease_in(&l, "assigned", "n1", &[], 0).await;
+            lease_in(&l, "launching", "n1", &[Launching], 0).await;
+            lease_in(&l, "custody", "n1", &[Launching, Online, Custody], 0).await;
+            lease_in(&l, "elsewhere", "n2", &[Launching], 0).await;
+            lease_in(&l, "stale", "n1", &[Launching], 0).await;
+            // Only "stale" expires.
+            for id in ["launching", "custody", "elsewhere"] {
+                l.heartbeat(id, 1, if id == "elsewhere" { "n2" } else { "n1" }, TTL_MS)
+                    .await
+                    .unwrap();
+            }
+            l.heartbeat("assigned", 1, "n1", TTL_MS).await.unwrap();
+            l.reap(TTL_MS + 1).await.unwrap();
+            let (launched, quarantined) = l.launched("n1").await.unwrap();
+            assert_eq!(launched, ["custody", "launching"]);
+            assert_eq!(quarantined, ["stale"]);
+            assert_eq!(l.launched("n3").await.unwrap(), (vec![], vec![]));
         }
-        l.heartbeat("assigned", 1, "n1", TTL_MS).await.unwrap();
-        l.reap(TTL_MS + 1).await.unwrap();
-        let (launched, quarantined) = l.launched("n1").await.unwrap();
-        assert_eq!(launched, ["custody", "launching"]);
-        assert_eq!(quarantined, ["stale"]);
-        assert_eq!(l.launched("n3").await.unwrap(), (vec![], vec![]));
     }
 
-    #[tokio::test]
-    async fn charged_capacity_returns_to_zero_once_every_lease_ends() {
-        let l = ledger().await;
-        assert_eq!(l.charged().await.unwrap(), Charge::default());
-        use Phase::{Busy, Launching, Online};
-        lease_in(&l, "a", "n1", &[Launching, Online, Busy], 0).await;
-        lease_in(&l, "b", "n1", &[Launching], 0).await;
-        l.reserve(new_lease("c"), 0).await.unwrap();
-        assert_eq!(
-            l.charged().await.unwrap(),
-            Charge {
-                leases: 3,
-                vcpu: 6,
-                memory_bytes: 12 * GIB
-            }
-        );
-        l.release("a", 1, Some("n1"), Phase::Done, 1).await.unwrap();
-        l.release("c", 1, None, Phase::Failed, 1).await.unwrap();
-        // "b" is quarantined: still charged until proof arrives.
-        l.reap(TTL_MS + 1).await.unwrap();
-        assert_eq!(l.charged().await.unwrap().leases, 1);
-        l.reconcile("n1", &[], Duration::ZERO, TTL_MS + 2)
-            .await
-            .unwrap();
-        assert_eq!(l.charged().await.unwrap(), Charge::default());
-        assert_eq!(l.leases().await.unwrap().len(), 3);
+    on_both_backends! {
+        async fn charged_capacity_returns_to_zero_once_every_lease_ends(db) {
+            let l = db.ledger().await;
+            assert_eq!(l.charged().await.unwrap(), Charge::default());
+            use Phase::{Busy, Launching, Online};
+            lease_in(&l, "a", "n1", &[Launching, Online, Busy], 0).await;
+            lease_in(&l, "b", "n1", &[Launching], 0).await;
+            l.reserve(new_lease("c"), 0).await.unwrap();
+            assert_eq!(
+                l.charged().await.unwrap(),
+                Charge {
+                    leases: 3,
+                    vcpu: 6,
+                    memory_bytes: 12 * GIB
+                }
+            );
+            l.release("a", 1, Some("n1"), Phase::Done, 1).await.unwrap();
+            l.release("c", 1, None, Phase::Failed, 1).await.unwrap();
+            // "b" is quarantined: still charged until proof arrives.
+            l.reap(TTL_MS + 1).await.unwrap();
+            assert_eq!(l.charged().await.unwrap().leases, 1);
+            l.reconcile("n1", &[], Duration::ZERO, TTL_MS + 2)
+                .await
+                .unwrap();
+            assert_eq!(l.charged().await.unwrap(), Charge::default());
+            assert_eq!(l.leases().await.unwrap().len(), 3);
+        }
     }
 }

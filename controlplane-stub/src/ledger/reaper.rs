@@ -4,8 +4,13 @@
 //!
 //! This is the only code that bumps an epoch, which is what fences the
 //! previous holder; every update here still carries
-//! `WHERE id = ? AND epoch = ?` with the epoch it read in the same
-//! transaction. A lease that may have compute is quarantined, never freed,
+//! `WHERE id = $n AND epoch = $m` with the epoch it read in the same
+//! transaction. On PostgreSQL `reap` and `reconcile` lock what they read
+//! with `FOR UPDATE SKIP LOCKED`: a lease a holder (or another plane's
+//! reaper) is writing right now is left for the next tick, so each lease is
+//! reclaimed once, and a reaper never waits on, nor deadlocks with, a
+//! holder. A skipped row is re-read on the next tick, where a renewal it
+//! was waiting on has moved its expiry. A lease that may have compute is quarantined, never freed,
 //! and stays charged until proof: a node's inventory past the grace, or an
 //! operator. Nothing here takes an epoch from a caller, and nothing here
 //! moves a lease along its ordinary path (assigned, launching, online,
@@ -16,10 +21,32 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::schema::{db_epoch, duration_ms, lease_from_row, load};
+use super::schema::{db_epoch, duration_ms, lease_from_row, load_for_write};
 use super::{
-    ForceReleaseOutcome, INVENTORY_ABSENCE, Ledger, LedgerError, Phase, REAP_BATCH, ReapReport,
-    Result, expect_one_row,
+    Dialect, ForceReleaseOutcome, INVENTORY_ABSENCE, Ledger, LedgerError, Phase, REAP_BATCH,
+    ReapReport, Result, expect_one_row,
+};
+
+/// The expired live leases, oldest first.
+const EXPIRED: Dialect = Dialect {
+    sqlite: "SELECT * FROM leases
+             WHERE phase NOT IN ('done', 'failed', 'quarantine') AND expires_at_ms < $1
+             ORDER BY expires_at_ms, id LIMIT $2",
+    postgres: "SELECT * FROM leases
+             WHERE phase NOT IN ('done', 'failed', 'quarantine') AND expires_at_ms < $1
+             ORDER BY expires_at_ms, id LIMIT $2
+             FOR UPDATE SKIP LOCKED",
+};
+
+/// A node's quarantined leases expired before `$2`.
+const QUARANTINED_BEFORE: Dialect = Dialect {
+    sqlite: "SELECT id, epoch FROM leases
+             WHERE phase = 'quarantine' AND node = $1 AND expires_at_ms < $2
+             ORDER BY id",
+    postgres: "SELECT id, epoch FROM leases
+             WHERE phase = 'quarantine' AND node = $1 AND expires_at_ms < $2
+             ORDER BY id
+             FOR UPDATE SKIP LOCKED",
 };
 
 impl Ledger {
@@ -34,29 +61,25 @@ impl Ledger {
     /// `Storage`.
     pub async fn reap(&self, now_ms: i64) -> Result<ReapReport> {
         let mut tx = self.begin_write().await?;
-        let rows = sqlx::query(
-            "SELECT * FROM leases
-             WHERE phase NOT IN ('done', 'failed', 'quarantine') AND expires_at_ms < ?
-             ORDER BY expires_at_ms, id LIMIT ?",
-        )
-        .bind(now_ms)
-        .bind(REAP_BATCH)
-        .fetch_all(&mut *tx)
-        .await?;
+        let rows = sqlx::query(self.sql(EXPIRED))
+            .bind(now_ms)
+            .bind(REAP_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
         let mut report = ReapReport::default();
         for row in &rows {
             let lease = lease_from_row(row)?;
             let (sql, list) = if lease.phase.may_have_compute() {
                 (
                     "UPDATE leases SET phase = 'quarantine', epoch = epoch + 1,
-                        held_at_ms = COALESCE(held_at_ms, ?)
-                     WHERE id = ? AND epoch = ?",
+                        held_at_ms = COALESCE(held_at_ms, $1)
+                     WHERE id = $2 AND epoch = $3",
                     &mut report.quarantined,
                 )
             } else {
                 (
-                    "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = ?
-                     WHERE id = ? AND epoch = ?",
+                    "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = $1
+                     WHERE id = $2 AND epoch = $3",
                     &mut report.failed,
                 )
             };
@@ -101,15 +124,11 @@ impl Ledger {
         let grace_ms = duration_ms("grace", grace)?;
         let running: HashSet<&str> = running.iter().map(String::as_str).collect();
         let mut tx = self.begin_write().await?;
-        let rows = sqlx::query(
-            "SELECT id, epoch FROM leases
-             WHERE phase = 'quarantine' AND node = ? AND expires_at_ms < ?
-             ORDER BY id",
-        )
-        .bind(node)
-        .bind(now_ms.saturating_sub(grace_ms))
-        .fetch_all(&mut *tx)
-        .await?;
+        let rows = sqlx::query(self.sql(QUARANTINED_BEFORE))
+            .bind(node)
+            .bind(now_ms.saturating_sub(grace_ms))
+            .fetch_all(&mut *tx)
+            .await?;
         let mut freed = 0u32;
         for row in &rows {
             let id: String = row.try_get("id")?;
@@ -118,9 +137,9 @@ impl Ledger {
                 continue;
             }
             let done = sqlx::query(
-                "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = ?,
-                    failure_reason = COALESCE(failure_reason, ?)
-                 WHERE id = ? AND epoch = ?",
+                "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = $1,
+                    failure_reason = COALESCE(failure_reason, $2)
+                 WHERE id = $3 AND epoch = $4",
             )
             .bind(now_ms)
             .bind(INVENTORY_ABSENCE)
@@ -153,19 +172,19 @@ impl Ledger {
     /// phase (a running lease is released by its node).
     pub async fn force_release(&self, id: &str, now_ms: i64) -> Result<ForceReleaseOutcome> {
         let mut tx = self.begin_write().await?;
-        let lease = load(&mut tx, id)
+        let lease = load_for_write(&mut tx, self.backend, id)
             .await?
             .filter(|l| !l.phase.is_terminal())
             .ok_or_else(|| LedgerError::NotFound(id.to_owned()))?;
         let (sql, outcome) = match lease.phase {
             Phase::Quarantine => (
-                "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = ?
-                 WHERE id = ? AND epoch = ?",
+                "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = $1
+                 WHERE id = $2 AND epoch = $3",
                 ForceReleaseOutcome::Freed,
             ),
             Phase::Custody | Phase::Teardown => (
-                "UPDATE leases SET force_release = 1, held_at_ms = COALESCE(held_at_ms, ?)
-                 WHERE id = ? AND epoch = ?",
+                "UPDATE leases SET force_release = 1, held_at_ms = COALESCE(held_at_ms, $1)
+                 WHERE id = $2 AND epoch = $3",
                 ForceReleaseOutcome::Pending,
             ),
             phase => {
@@ -191,192 +210,196 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::test_support::{TTL_MS, code, lease_in, ledger, new_lease};
+    use crate::ledger::test_support::{TTL_MS, code, lease_in, new_lease, on_both_backends};
 
-    #[tokio::test]
-    async fn a_reaped_holder_is_told_fenced_not_not_found() {
-        let l = ledger().await;
-        l.reserve(new_lease("escrow"), 0).await.unwrap();
-        lease_in(&l, "live", "n1", &[Phase::Launching], 0).await;
-        l.reap(TTL_MS + 1).await.unwrap();
-        for id in ["escrow", "live"] {
-            let err = l.heartbeat(id, 1, "n1", TTL_MS + 2).await.unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    LedgerError::Fenced {
-                        held: 2,
-                        presented: 1,
-                        ..
-                    }
-                ),
-                "{id}: {err}"
+    on_both_backends! {
+        async fn a_reaped_holder_is_told_fenced_not_not_found(db) {
+            let l = db.ledger().await;
+            l.reserve(new_lease("escrow"), 0).await.unwrap();
+            lease_in(&l, "live", "n1", &[Phase::Launching], 0).await;
+            l.reap(TTL_MS + 1).await.unwrap();
+            for id in ["escrow", "live"] {
+                let err = l.heartbeat(id, 1, "n1", TTL_MS + 2).await.unwrap_err();
+                assert!(
+                    matches!(
+                        err,
+                        LedgerError::Fenced {
+                            held: 2,
+                            presented: 1,
+                            ..
+                        }
+                    ),
+                    "{id}: {err}"
+                );
+                assert_eq!(
+                    code(l.release(id, 1, None, Phase::Failed, TTL_MS + 2).await),
+                    "fenced"
+                );
+            }
+        }
+    }
+
+    on_both_backends! {
+        async fn reap_quarantines_leases_that_may_have_compute_and_fails_the_rest(db) {
+            let l = db.ledger().await;
+            l.reserve(new_lease("escrow"), 0).await.unwrap();
+            lease_in(&l, "bound", "n1", &[], 0).await;
+            lease_in(&l, "launching", "n1", &[Phase::Launching], 0).await;
+            lease_in(&l, "online", "n1", &[Phase::Launching, Phase::Online], 0).await;
+            use Phase::{Busy, Custody, Launching, Online, Teardown};
+            lease_in(&l, "busy", "n1", &[Launching, Online, Busy], 0).await;
+            lease_in(&l, "custody", "n1", &[Launching, Online, Custody], 0).await;
+            lease_in(&l, "teardown", "n1", &[Launching, Teardown], 0).await;
+            lease_in(&l, "fresh", "n1", &[Launching], 1_000).await;
+            lease_in(&l, "ended", "n1", &[Launching], 0).await;
+            l.release("ended", 1, Some("n1"), Phase::Done, 0)
+                .await
+                .unwrap();
+
+            assert_eq!(
+                l.reap(TTL_MS).await.unwrap(),
+                ReapReport::default(),
+                "not yet expired"
+            );
+            let now = TTL_MS + 1;
+            let report = l.reap(now).await.unwrap();
+            let mut quarantined = report.quarantined.clone();
+            quarantined.sort();
+            assert_eq!(
+                quarantined,
+                ["busy", "custody", "launching", "online", "teardown"]
+            );
+            let mut failed = report.failed.clone();
+            failed.sort();
+            assert_eq!(failed, ["bound", "escrow"]);
+
+            for id in &report.quarantined {
+                let lease = l.get(id).await.unwrap().unwrap();
+                assert_eq!((lease.phase, lease.epoch), (Phase::Quarantine, 2), "{id}");
+                let held = if id == "custody" || id == "teardown" {
+                    0
+                } else {
+                    now
+                };
+                assert_eq!(lease.held_at_ms, Some(held), "{id}");
+                assert_eq!(lease.ended_at_ms, None);
+            }
+            for id in &report.failed {
+                let lease = l.get(id).await.unwrap().unwrap();
+                assert_eq!(
+                    (lease.phase, lease.epoch, lease.ended_at_ms),
+                    (Phase::Failed, 2, Some(now))
+                );
+            }
+            let fresh = l.get("fresh").await.unwrap().unwrap();
+            assert_eq!((fresh.phase, fresh.epoch), (Phase::Launching, 1));
+            let ended = l.get("ended").await.unwrap().unwrap();
+            assert_eq!((ended.phase, ended.epoch), (Phase::Done, 1));
+
+            // Quarantine stays charged: five quarantined plus "fresh".
+            assert_eq!(l.charged().await.unwrap().leases, 6);
+            // A quarantined lease is never reaped again, so its epoch moves once.
+            let later = l.reap(now + 10 * TTL_MS).await.unwrap();
+            assert_eq!(later.quarantined, ["fresh"]);
+            assert_eq!(l.get("busy").await.unwrap().unwrap().epoch, 2);
+
+            let (launched, quarantined) = l.launched("n1").await.unwrap();
+            assert!(launched.is_empty(), "{launched:?}");
+            assert_eq!(quarantined.len(), 6);
+        }
+    }
+
+    on_both_backends! {
+        async fn reconcile_frees_only_absent_quarantined_leases_after_the_grace(db) {
+            let l = db.ledger().await;
+            use Phase::Launching;
+            for id in ["absent", "present", "reasoned"] {
+                lease_in(&l, id, "n1", &[Launching], 0).await;
+            }
+            l.mark_failure("reasoned", 1, "spot interruption", 0)
+                .await
+                .unwrap();
+            lease_in(&l, "other-node", "n2", &[Launching], 0).await;
+            l.reap(TTL_MS + 1).await.unwrap();
+            // A live lease on the same node, absent from the inventory.
+            lease_in(&l, "live", "n1", &[Launching], 10 * TTL_MS).await;
+
+            let grace = Duration::from_secs(300);
+            let running = vec!["present".to_owned()];
+            let within = TTL_MS + 300_000;
+            assert_eq!(l.reconcile("n1", &running, grace, within).await.unwrap(), 0);
+
+            let after = within + 1;
+            assert_eq!(l.reconcile("n1", &running, grace, after).await.unwrap(), 2);
+            let absent = l.get("absent").await.unwrap().unwrap();
+            assert_eq!((absent.phase, absent.epoch), (Phase::Failed, 3));
+            assert_eq!(absent.failure_reason.as_deref(), Some(INVENTORY_ABSENCE));
+            assert_eq!(absent.ended_at_ms, Some(after));
+            let reasoned = l.get("reasoned").await.unwrap().unwrap();
+            assert_eq!(
+                reasoned.failure_reason.as_deref(),
+                Some("spot interruption")
+            );
+            let present = l.get("present").await.unwrap().unwrap();
+            assert_eq!((present.phase, present.epoch), (Phase::Quarantine, 2));
+            let other = l.get("other-node").await.unwrap().unwrap();
+            assert_eq!(
+                other.phase,
+                Phase::Quarantine,
+                "another node's inventory is not ours"
+            );
+            let live = l.get("live").await.unwrap().unwrap();
+            assert_eq!(
+                live.phase,
+                Phase::Launching,
+                "reconcile never touches live leases"
+            );
+
+            assert_eq!(l.reconcile("n1", &running, grace, after).await.unwrap(), 0);
+            assert_eq!(l.reconcile("n2", &[], grace, after).await.unwrap(), 1);
+        }
+    }
+
+    on_both_backends! {
+        async fn force_release_frees_quarantine_and_asks_a_custody_holder_to_let_go(db) {
+            let l = db.ledger().await;
+            use Phase::{Custody, Launching, Online};
+            lease_in(&l, "q", "n1", &[Launching], 0).await;
+            l.reap(TTL_MS + 1).await.unwrap();
+            let now = TTL_MS + 2;
+            lease_in(&l, "held", "n1", &[Launching, Online, Custody], now).await;
+            lease_in(&l, "online", "n1", &[Launching, Online], now).await;
+
+            assert_eq!(
+                l.force_release("q", now).await.unwrap(),
+                ForceReleaseOutcome::Freed
+            );
+            let q = l.get("q").await.unwrap().unwrap();
+            assert_eq!((q.phase, q.epoch), (Phase::Failed, 3));
+            assert_eq!(code(l.force_release("q", now).await), "not_found");
+
+            assert_eq!(
+                l.force_release("held", now).await.unwrap(),
+                ForceReleaseOutcome::Pending
             );
             assert_eq!(
-                code(l.release(id, 1, None, Phase::Failed, TTL_MS + 2).await),
-                "fenced"
+                l.force_release("held", now).await.unwrap(),
+                ForceReleaseOutcome::Pending
             );
-        }
-    }
-
-    #[tokio::test]
-    async fn reap_quarantines_leases_that_may_have_compute_and_fails_the_rest() {
-        let l = ledger().await;
-        l.reserve(new_lease("escrow"), 0).await.unwrap();
-        lease_in(&l, "bound", "n1", &[], 0).await;
-        lease_in(&l, "launching", "n1", &[Phase::Launching], 0).await;
-        lease_in(&l, "online", "n1", &[Phase::Launching, Phase::Online], 0).await;
-        use Phase::{Busy, Custody, Launching, Online, Teardown};
-        lease_in(&l, "busy", "n1", &[Launching, Online, Busy], 0).await;
-        lease_in(&l, "custody", "n1", &[Launching, Online, Custody], 0).await;
-        lease_in(&l, "teardown", "n1", &[Launching, Teardown], 0).await;
-        lease_in(&l, "fresh", "n1", &[Launching], 1_000).await;
-        lease_in(&l, "ended", "n1", &[Launching], 0).await;
-        l.release("ended", 1, Some("n1"), Phase::Done, 0)
-            .await
-            .unwrap();
-
-        assert_eq!(
-            l.reap(TTL_MS).await.unwrap(),
-            ReapReport::default(),
-            "not yet expired"
-        );
-        let now = TTL_MS + 1;
-        let report = l.reap(now).await.unwrap();
-        let mut quarantined = report.quarantined.clone();
-        quarantined.sort();
-        assert_eq!(
-            quarantined,
-            ["busy", "custody", "launching", "online", "teardown"]
-        );
-        let mut failed = report.failed.clone();
-        failed.sort();
-        assert_eq!(failed, ["bound", "escrow"]);
-
-        for id in &report.quarantined {
-            let lease = l.get(id).await.unwrap().unwrap();
-            assert_eq!((lease.phase, lease.epoch), (Phase::Quarantine, 2), "{id}");
-            let held = if id == "custody" || id == "teardown" {
-                0
-            } else {
-                now
-            };
-            assert_eq!(lease.held_at_ms, Some(held), "{id}");
-            assert_eq!(lease.ended_at_ms, None);
-        }
-        for id in &report.failed {
-            let lease = l.get(id).await.unwrap().unwrap();
+            let held = l.get("held").await.unwrap().unwrap();
+            assert!(held.force_release);
+            assert_eq!((held.phase, held.epoch), (Phase::Custody, 1));
             assert_eq!(
-                (lease.phase, lease.epoch, lease.ended_at_ms),
-                (Phase::Failed, 2, Some(now))
+                code(l.heartbeat("held", 1, "n1", now).await),
+                "force_release"
             );
+            l.release("held", 1, Some("n1"), Phase::Failed, now)
+                .await
+                .unwrap();
+
+            assert_eq!(code(l.force_release("online", now).await), "invalid");
+            assert_eq!(code(l.force_release("missing", now).await), "not_found");
+            assert_eq!(l.get("online").await.unwrap().unwrap().phase, Phase::Online);
         }
-        let fresh = l.get("fresh").await.unwrap().unwrap();
-        assert_eq!((fresh.phase, fresh.epoch), (Phase::Launching, 1));
-        let ended = l.get("ended").await.unwrap().unwrap();
-        assert_eq!((ended.phase, ended.epoch), (Phase::Done, 1));
-
-        // Quarantine stays charged: five quarantined plus "fresh".
-        assert_eq!(l.charged().await.unwrap().leases, 6);
-        // A quarantined lease is never reaped again, so its epoch moves once.
-        let later = l.reap(now + 10 * TTL_MS).await.unwrap();
-        assert_eq!(later.quarantined, ["fresh"]);
-        assert_eq!(l.get("busy").await.unwrap().unwrap().epoch, 2);
-
-        let (launched, quarantined) = l.launched("n1").await.unwrap();
-        assert!(launched.is_empty(), "{launched:?}");
-        assert_eq!(quarantined.len(), 6);
-    }
-
-    #[tokio::test]
-    async fn reconcile_frees_only_absent_quarantined_leases_after_the_grace() {
-        let l = ledger().await;
-        use Phase::Launching;
-        for id in ["absent", "present", "reasoned"] {
-            lease_in(&l, id, "n1", &[Launching], 0).await;
-        }
-        l.mark_failure("reasoned", 1, "spot interruption", 0)
-            .await
-            .unwrap();
-        lease_in(&l, "other-node", "n2", &[Launching], 0).await;
-        l.reap(TTL_MS + 1).await.unwrap();
-        // A live lease on the same node, absent from the inventory.
-        lease_in(&l, "live", "n1", &[Launching], 10 * TTL_MS).await;
-
-        let grace = Duration::from_secs(300);
-        let running = vec!["present".to_owned()];
-        let within = TTL_MS + 300_000;
-        assert_eq!(l.reconcile("n1", &running, grace, within).await.unwrap(), 0);
-
-        let after = within + 1;
-        assert_eq!(l.reconcile("n1", &running, grace, after).await.unwrap(), 2);
-        let absent = l.get("absent").await.unwrap().unwrap();
-        assert_eq!((absent.phase, absent.epoch), (Phase::Failed, 3));
-        assert_eq!(absent.failure_reason.as_deref(), Some(INVENTORY_ABSENCE));
-        assert_eq!(absent.ended_at_ms, Some(after));
-        let reasoned = l.get("reasoned").await.unwrap().unwrap();
-        assert_eq!(
-            reasoned.failure_reason.as_deref(),
-            Some("spot interruption")
-        );
-        let present = l.get("present").await.unwrap().unwrap();
-        assert_eq!((present.phase, present.epoch), (Phase::Quarantine, 2));
-        let other = l.get("other-node").await.unwrap().unwrap();
-        assert_eq!(
-            other.phase,
-            Phase::Quarantine,
-            "another node's inventory is not ours"
-        );
-        let live = l.get("live").await.unwrap().unwrap();
-        assert_eq!(
-            live.phase,
-            Phase::Launching,
-            "reconcile never touches live leases"
-        );
-
-        assert_eq!(l.reconcile("n1", &running, grace, after).await.unwrap(), 0);
-        assert_eq!(l.reconcile("n2", &[], grace, after).await.unwrap(), 1);
-    }
-
-    #[tokio::test]
-    async fn force_release_frees_quarantine_and_asks_a_custody_holder_to_let_go() {
-        let l = ledger().await;
-        use Phase::{Custody, Launching, Online};
-        lease_in(&l, "q", "n1", &[Launching], 0).await;
-        l.reap(TTL_MS + 1).await.unwrap();
-        let now = TTL_MS + 2;
-        lease_in(&l, "held", "n1", &[Launching, Online, Custody], now).await;
-        lease_in(&l, "online", "n1", &[Launching, Online], now).await;
-
-        assert_eq!(
-            l.force_release("q", now).await.unwrap(),
-            ForceReleaseOutcome::Freed
-        );
-        let q = l.get("q").await.unwrap().unwrap();
-        assert_eq!((q.phase, q.epoch), (Phase::Failed, 3));
-        assert_eq!(code(l.force_release("q", now).await), "not_found");
-
-        assert_eq!(
-            l.force_release("held", now).await.unwrap(),
-            ForceReleaseOutcome::Pending
-        );
-        assert_eq!(
-            l.force_release("held", now).await.unwrap(),
-            ForceReleaseOutcome::Pending
-        );
-        let held = l.get("held").await.unwrap().unwrap();
-        assert!(held.force_release);
-        assert_eq!((held.phase, held.epoch), (Phase::Custody, 1));
-        assert_eq!(
-            code(l.heartbeat("held", 1, "n1", now).await),
-            "force_release"
-        );
-        l.release("held", 1, Some("n1"), Phase::Failed, now)
-            .await
-            .unwrap();
-
-        assert_eq!(code(l.force_release("online", now).await), "invalid");
-        assert_eq!(code(l.force_release("missing", now).await), "not_found");
-        assert_eq!(l.get("online").await.unwrap().unwrap().phase, Phase::Online);
     }
 }

@@ -1,12 +1,20 @@
-//! Helpers shared by the ledger's unit tests: an in-memory ledger, a
-//! temporary ledger file, a lease walked to a phase, and the refusal code of
-//! a result. Compiled only for tests; nothing outside `ledger/` uses it.
+//! Helpers shared by the ledger's unit tests: a fresh ledger database on
+//! either backend ([`TestDb`]), the macro that runs one test body on both
+//! ([`on_both_backends!`]), a lease walked to a phase, and the refusal code
+//! of a result. Compiled only for tests; nothing outside `ledger/` uses it.
+//!
+//! The PostgreSQL half of every test needs a server (`scripts/test` starts
+//! one) and fails, naming `scripts/test`, when none answers; each test gets
+//! a database of its own, dropped after it whether it passed or not.
 
 use std::fmt;
+use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Lease, Ledger, NewLease, Phase, Result};
+use super::scratch::ScratchPostgres;
+use super::{Backend, Lease, Ledger, LedgerLocation, NewLease, Phase, Result};
 
 pub(super) const TTL: Duration = Duration::from_secs(90);
 pub(super) const TTL_MS: i64 = 90_000;
@@ -23,34 +31,126 @@ pub(super) fn new_lease(id: &str) -> NewLease {
     }
 }
 
-pub(super) async fn ledger() -> Ledger {
-    Ledger::open_in_memory(TTL)
-        .await
-        .expect("open in-memory ledger")
+/// One test's ledger database: a SQLite file in the temp directory, or a
+/// scratch PostgreSQL database. Any number of [`Ledger`] handles may be
+/// opened on it, as any number of planes would.
+#[derive(Debug)]
+pub(super) struct TestDb {
+    location: LedgerLocation,
+    file: Option<PathBuf>,
+    scratch: Option<ScratchPostgres>,
 }
 
-/// A ledger file in the temp directory, removed (with its WAL) on drop.
-pub(super) struct TempDb(pub(super) PathBuf);
-
-impl TempDb {
-    pub(super) fn new() -> Self {
-        Self(std::env::temp_dir().join(format!(
-            "billet-ledger-test-{}-{}.db",
-            std::process::id(),
-            uuid::Uuid::new_v4()
-        )))
+impl TestDb {
+    /// A fresh, empty database on `backend`.
+    ///
+    /// # Panics
+    ///
+    /// When PostgreSQL is asked for and no server answers (the message
+    /// names `scripts/test`).
+    pub(super) async fn new(backend: Backend) -> TestDb {
+        match backend {
+            Backend::Sqlite => {
+                let file = std::env::temp_dir().join(format!(
+                    "billet-ledger-test-{}-{}.db",
+                    std::process::id(),
+                    uuid::Uuid::new_v4()
+                ));
+                TestDb {
+                    location: LedgerLocation::Sqlite(file.clone()),
+                    file: Some(file),
+                    scratch: None,
+                }
+            }
+            Backend::Postgres => {
+                let scratch = ScratchPostgres::create()
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                TestDb {
+                    location: scratch.location().clone(),
+                    file: None,
+                    scratch: Some(scratch),
+                }
+            }
+        }
     }
-}
 
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let mut path = self.0.clone().into_os_string();
-            path.push(suffix);
-            let _ = std::fs::remove_file(path);
+    pub(super) fn location(&self) -> &LedgerLocation {
+        &self.location
+    }
+
+    /// A new handle on the database with lease TTL `ttl`.
+    pub(super) async fn open(&self, ttl: Duration) -> Ledger {
+        Ledger::connect(&self.location, ttl)
+            .await
+            .unwrap_or_else(|e| panic!("open the ledger at {}: {e}", self.location))
+    }
+
+    /// A new handle with the tests' [`TTL`].
+    pub(super) async fn ledger(&self) -> Ledger {
+        self.open(TTL).await
+    }
+
+    async fn remove(&self) {
+        if let Some(file) = &self.file {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut path = file.clone().into_os_string();
+                path.push(suffix);
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        if let Some(scratch) = &self.scratch
+            && let Err(e) = scratch.drop_database().await
+        {
+            eprintln!("leaving a test database behind: {e}");
         }
     }
 }
+
+/// Runs `test` against a fresh database on `backend`, then removes the
+/// database, and fails as the test failed.
+pub(super) async fn run_on<F, Fut>(backend: Backend, test: F)
+where
+    F: FnOnce(Arc<TestDb>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let db = Arc::new(TestDb::new(backend).await);
+    let outcome = tokio::spawn(test(Arc::clone(&db))).await;
+    db.remove().await;
+    if let Err(e) = outcome {
+        match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(e) => panic!("the test task ended without finishing: {e}"),
+        }
+    }
+}
+
+/// Writes one async test body, `async fn name(db) { ... }` with `db` an
+/// `Arc<TestDb>`, as a module `name` holding two tests, `name::sqlite` and
+/// `name::postgres`, each on a fresh database of that backend.
+macro_rules! on_both_backends {
+    ($(#[doc = $doc:literal])* async fn $name:ident($db:ident) $body:block) => {
+        $(#[doc = $doc])*
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            async fn body($db: std::sync::Arc<$crate::ledger::test_support::TestDb>) $body
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sqlite() {
+                $crate::ledger::test_support::run_on($crate::ledger::Backend::Sqlite, body).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                $crate::ledger::test_support::run_on($crate::ledger::Backend::Postgres, body)
+                    .await;
+            }
+        }
+    };
+}
+pub(super) use on_both_backends;
 
 /// Reserves, binds to `node` and advances through `path`.
 pub(super) async fn lease_in(l: &Ledger, id: &str, node: &str, path: &[Phase], now: i64) -> Lease {
