@@ -662,6 +662,11 @@ mod tests {
         memory_bytes: 64 * GIB,
     };
 
+    const ONE: NodeCapacity = NodeCapacity {
+        vcpu: 1,
+        memory_bytes: 1,
+    };
+
     on_both_backends! {
         async fn a_reservation_aimed_at_a_node_charges_it_at_once_and_binds_only_there(db) {
             let l = db.ledger().await;
@@ -798,7 +803,7 @@ mod tests {
                 code(l.release("a", stale, None, Phase::Done, 1).await),
                 code(l.mark_failure("a", stale, "spot interruption", 1).await),
                 code(l.set_runner("a", stale, 5, "billet-a").await),
-                code(l.resize("a", stale, "n1", NodeCapacity { vcpu: 1, memory_bytes: 1 }, ROOM, 1).await),
+                code(l.resize("a", stale, "n1", ONE, ROOM, 1).await),
             ];
             assert_eq!(refusals, ["fenced"; 8]);
             let lease = l.get("a").await.unwrap().unwrap();

@@ -76,7 +76,8 @@ impl Ledger {
     }
 
     /// Capacity charged on `node`: every open lease bound to it, or aimed at
-    /// it ([`Ledger::reserve_on`]) and not yet bound, quarantine included. At a quiescent point this is what the node reports it holds.
+    /// it ([`Ledger::reserve_on`]) and not yet bound, quarantine included.
+    /// At a quiescent point this is what the node reports it holds.
     ///
     /// # Errors
     ///
