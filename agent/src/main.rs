@@ -30,6 +30,9 @@ fn main() -> ExitCode {
             command: Command::NodeStatus(args),
         }) => cli::status::status(args),
         Ok(Cli {
+            command: Command::NodeEnroll(args),
+        }) => cli::enroll::enroll(args),
+        Ok(Cli {
             command: Command::Check(args),
         }) => match cli::init_tracing(args.log_format) {
             Ok(()) => cli::check::check(args),

@@ -1,7 +1,8 @@
 //! Answers the node's calls. Every call is authorised against the identity
 //! of the session it arrived on (the name the node's certificate carries,
 //! which is the node the plane dialed): a node may touch only leases bound to
-//! it, and may mint only for a lease it holds at `launching`.
+//! it, and may mint only for a lease it holds at `launching`; the plane's
+//! CA signs a certificate request only for that name.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use billet_proto::v1 as pb;
 use tracing::warn;
 
 use crate::github::Github;
+use crate::identity::{NodeCa, SignError};
 use crate::ledger::{Lease, Ledger, LedgerError, Phase};
 
 /// How long a quarantined lease must stay absent from a node's inventory
@@ -22,6 +24,7 @@ pub struct CallHandler {
     ledger: Arc<Ledger>,
     github: Arc<Github>,
     quarantine_grace: Duration,
+    ca: Option<Arc<NodeCa>>,
 }
 
 fn error(code: pb::ErrorCode, message: impl Into<String>) -> pb::Error {
@@ -41,6 +44,16 @@ fn ledger_error(e: &LedgerError) -> pb::Error {
         LedgerError::Conflict(_) | LedgerError::NoCapacity { .. } => pb::ErrorCode::Refused,
         LedgerError::Invalid(_) => pb::ErrorCode::InvalidArgument,
         LedgerError::Storage(_) => pb::ErrorCode::Unavailable,
+    };
+    error(code, e.to_string())
+}
+
+/// A refusal to sign, as the wire carries it: `ERROR_CODE_IDENTITY_REFUSED`,
+/// or `ERROR_CODE_INTERNAL` when the CA itself failed.
+pub fn sign_error(e: &SignError) -> pb::Error {
+    let code = match e {
+        SignError::Malformed(_) | SignError::WrongName { .. } => pb::ErrorCode::IdentityRefused,
+        SignError::Signing(_) => pb::ErrorCode::Internal,
     };
     error(code, e.to_string())
 }
@@ -70,7 +83,16 @@ impl CallHandler {
             ledger,
             github,
             quarantine_grace,
+            ca: None,
         }
+    }
+
+    /// Signs nodes' certificate requests (`RenewCertificate`) with `ca`;
+    /// without it they are refused, `ERROR_CODE_UNAVAILABLE`.
+    #[must_use]
+    pub fn with_ca(mut self, ca: Option<Arc<NodeCa>>) -> Self {
+        self.ca = ca;
+        self
     }
 
     /// Answers one call from `node`.
@@ -92,6 +114,9 @@ impl CallHandler {
             Err(e) => {
                 if e.code == pb::ErrorCode::WrongNode as i32 {
                     warn!(node, error = %e.message, "refused a node call on a lease that is not the node's");
+                }
+                if e.code == pb::ErrorCode::IdentityRefused as i32 {
+                    warn!(node, error = %e.message, "refused to sign a node's certificate request");
                 }
                 pb::PlaneReply {
                     call_id,
@@ -292,6 +317,22 @@ impl CallHandler {
                     runner_name: minted.runner_name,
                 })))
             }
+            Call::RenewCertificate(pb::RenewCertificate { csr_pem }) => {
+                let ca = self.ca.as_ref().ok_or_else(|| {
+                    error(
+                        pb::ErrorCode::Unavailable,
+                        "this plane holds no CA key (billet-plane --ca-key) and signs no certificates",
+                    )
+                })?;
+                // Only for the node the session authenticated.
+                let chain = ca.sign(&csr_pem, node).map_err(|e| sign_error(&e))?;
+                tracing::info!(node, "signed a renewed certificate for the session's node");
+                Ok(Some(pb::plane_reply::Result::Certificate(
+                    pb::IssuedCertificate {
+                        certificate_chain_pem: chain,
+                    },
+                )))
+            }
             Call::RemoveRunner(pb::RemoveRunner {
                 lease_id,
                 epoch: _,
@@ -378,6 +419,79 @@ mod tests {
             call_id: 9,
             call: Some(call),
         }
+    }
+
+    fn test_ca() -> Arc<NodeCa> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+        params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert = params.self_signed(&key).unwrap();
+        Arc::new(
+            NodeCa::from_pem(&cert.pem(), &key.serialize_pem(), Duration::from_secs(600)).unwrap(),
+        )
+    }
+
+    fn renewal(name: &str) -> pb::NodeCall {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let csr = rcgen::CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .serialize_request(&key)
+            .unwrap()
+            .pem()
+            .unwrap();
+        call(pb::node_call::Call::RenewCertificate(
+            pb::RenewCertificate { csr_pem: csr },
+        ))
+    }
+
+    /// Issue #13 item 3: the plane's CA signs a certificate request only
+    /// for the node the session authenticated; one naming another node is
+    /// refused with a typed code, and a plane without a CA key says so.
+    #[tokio::test]
+    async fn a_renewal_is_signed_only_for_the_sessions_own_node() {
+        let (handler, _ledger, _emulator) = handler().await;
+        let refused = handler.handle("node-a", renewal("node-a")).await;
+        assert_eq!(
+            refused.error.map(|e| e.code),
+            Some(pb::ErrorCode::Unavailable as i32),
+            "a plane without a CA key signs nothing"
+        );
+        let handler = handler.with_ca(Some(test_ca()));
+        let signed = handler.handle("node-a", renewal("node-a")).await;
+        assert!(signed.error.is_none(), "{:?}", signed.error);
+        assert!(matches!(
+            signed.result,
+            Some(pb::plane_reply::Result::Certificate(pb::IssuedCertificate { ref certificate_chain_pem }))
+                if certificate_chain_pem.contains("BEGIN CERTIFICATE")
+        ));
+        let other = handler.handle("node-a", renewal("node-b")).await;
+        let e = other.error.expect("refused");
+        assert_eq!(
+            e.code,
+            pb::ErrorCode::IdentityRefused as i32,
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("node-b"), "{}", e.message);
+        assert!(other.result.is_none());
+        let garbage = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::RenewCertificate(
+                    pb::RenewCertificate {
+                        csr_pem: "not a request".into(),
+                    },
+                )),
+            )
+            .await;
+        assert_eq!(
+            garbage.error.map(|e| e.code),
+            Some(pb::ErrorCode::IdentityRefused as i32)
+        );
     }
 
     #[tokio::test]

@@ -4,7 +4,9 @@
 //! It never depends on the agent crate: it speaks the wire like any plane.
 
 pub mod calls;
+pub mod enroll;
 pub mod github;
+pub mod identity;
 pub mod ledger;
 pub mod node_link;
 pub mod plane;

@@ -161,6 +161,9 @@ pub struct LinkFaults {
     /// While set, send launches to the node even while it says it is
     /// degraded (to see it refuse them).
     pub place_on_degraded: AtomicBool,
+    /// While set, answer every certificate renewal `ERROR_CODE_UNAVAILABLE`
+    /// without asking the CA (a plane that cannot sign for now).
+    pub refuse_renewals: AtomicBool,
 }
 
 impl Default for LinkFaults {
@@ -171,6 +174,7 @@ impl Default for LinkFaults {
             hold_dial: AtomicBool::new(false),
             partitioned: watch::Sender::new(false),
             place_on_degraded: AtomicBool::new(false),
+            refuse_renewals: AtomicBool::new(false),
         }
     }
 }
@@ -454,6 +458,25 @@ impl NodeLink {
                         ));
                     }
                     self.on_result(result, tx).await;
+                }
+                pb::node_message::Body::Call(call)
+                    if matches!(call.call, Some(pb::node_call::Call::RenewCertificate(_)))
+                        && self.faults.refuse_renewals.load(Ordering::SeqCst) =>
+                {
+                    warn!(node = %self.target.name, "fault injection: refusing a certificate renewal");
+                    let _ = tx
+                        .send(pb::PlaneMessage {
+                            body: Some(pb::plane_message::Body::Reply(pb::PlaneReply {
+                                call_id: call.call_id,
+                                error: Some(pb::Error {
+                                    code: pb::ErrorCode::Unavailable.into(),
+                                    message: "fault injection: this plane signs nothing for now"
+                                        .into(),
+                                }),
+                                result: None,
+                            })),
+                        })
+                        .await;
                 }
                 pb::node_message::Body::Call(call) => {
                     let calls = Arc::clone(calls);

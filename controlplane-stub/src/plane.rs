@@ -85,6 +85,10 @@ pub struct PlaneConfig {
     /// may answer 404 for an idle runner's registration, before the plane
     /// acts ([`REGISTRATION_GRACE`] by default).
     pub registration_grace: Duration,
+    /// The deployment CA with its key, to sign nodes' certificate requests
+    /// (renewals over the session, enrolments with a join token); `None`:
+    /// the plane signs nothing.
+    pub node_ca: Option<Arc<crate::identity::NodeCa>>,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -343,11 +347,10 @@ impl Plane {
             tasks: TaskTracker::new(),
             config,
         });
-        let calls = Arc::new(CallHandler::new(
-            ledger,
-            github,
-            plane.config.quarantine_grace,
-        ));
+        let calls = Arc::new(
+            CallHandler::new(ledger, github, plane.config.quarantine_grace)
+                .with_ca(plane.config.node_ca.clone()),
+        );
         let open = pb::Open {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: plane.config.deployment.clone(),
@@ -397,6 +400,32 @@ impl Plane {
     /// The ledger.
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    /// Serves the enrolment endpoint (`enroll.rs`) on `listener` until
+    /// `shutdown`, with the plane's certificate and its CA.
+    pub fn serve_enrollment(&self, listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+        let service =
+            crate::enroll::EnrollmentService::new(self.ledger.clone(), self.config.node_ca.clone());
+        let tls = self.config.tls.clone();
+        self.tasks.spawn(
+            async move {
+                if let Err(e) = crate::enroll::serve(listener, &tls, service, shutdown).await {
+                    warn!(error = %e, "the enrolment endpoint stopped");
+                }
+            }
+            .instrument(info_span!("enrollment")),
+        );
+    }
+
+    /// Issues a one-time join token for `node`, good for `ttl`; the token
+    /// is answered once and never stored.
+    ///
+    /// # Errors
+    ///
+    /// [`PlaneError`] when the ledger cannot record it.
+    pub async fn issue_join_token(&self, node: &str, ttl: Duration) -> Result<String, PlaneError> {
+        Ok(crate::identity::issue_join_token(&self.ledger, node, ttl, crate::now_ms()).await?)
     }
 
     /// The scale set jobs are queued on (its current id: a set deleted and
@@ -1522,6 +1551,7 @@ mod tests {
             scale_set_retry: crate::github::SCALE_SET_RETRY,
             registration_interval: REGISTRATION_INTERVAL,
             registration_grace: REGISTRATION_GRACE,
+            node_ca: None,
         };
         let plane = Arc::new(Plane {
             ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),

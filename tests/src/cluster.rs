@@ -76,6 +76,11 @@ pub struct ClusterOptions {
     /// The node certificates' lifetime from now, when short-lived ones are
     /// wanted (the CA's and the plane's stay as usual).
     pub node_cert_lifetime: Option<Duration>,
+    /// The plane holds the CA key and signs node certificates lasting this
+    /// long (renewals over the session, enrolments); `None`: it signs none.
+    pub plane_signs: Option<Duration>,
+    /// Serve the plane's enrolment endpoint ([`Cluster::enroll_addr`]).
+    pub enrollment: bool,
 }
 
 impl Default for ClusterOptions {
@@ -100,6 +105,8 @@ impl Default for ClusterOptions {
             tier_memory_bytes: 256 << 20,
             tier_image: STANDIN_IMAGE.into(),
             node_cert_lifetime: None,
+            plane_signs: None,
+            enrollment: false,
         }
     }
 }
@@ -490,6 +497,9 @@ pub struct Cluster {
     pub deployment: String,
     /// The development certificates.
     pub certs: billet_certs_dev::DevCerts,
+    /// Where the plane's enrolment endpoint listens, with
+    /// [`ClusterOptions::enrollment`].
+    pub enroll_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
 }
 
@@ -675,10 +685,28 @@ impl Cluster {
             scale_set_retry: options.scale_set_retry,
             registration_interval: options.registration_interval,
             registration_grace: options.registration_grace,
+            node_ca: match options.plane_signs {
+                None => None,
+                Some(lifetime) => Some(Arc::new(
+                    billet_controlplane_stub::identity::NodeCa::from_pem(
+                        &std::fs::read_to_string(&certs.ca.cert)?,
+                        &std::fs::read_to_string(&certs.ca.key)?,
+                        lifetime,
+                    )?,
+                )),
+            },
         };
         let plane = Plane::start(config, emulator.client(), shutdown.clone())
             .await
             .context("start the plane")?;
+        let enroll_addr = if options.enrollment {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            plane.serve_enrollment(listener, shutdown.clone());
+            Some(addr)
+        } else {
+            None
+        };
         let cluster = Cluster {
             emulator,
             plane,
@@ -687,6 +715,7 @@ impl Cluster {
             docker,
             deployment,
             certs,
+            enroll_addr,
             shutdown,
         };
         for name in &options.nodes {

@@ -94,7 +94,10 @@ pub async fn build_standin_image(docker: &Docker, binary: &Path, tag: &str) -> a
         let still_named = docker
             .inspect_image(&previous)
             .await
-            .map(|i| i.repo_tags.is_some_and(|tags| tags.iter().any(|t| t != "<none>:<none>")))
+            .map(|i| {
+                i.repo_tags
+                    .is_some_and(|tags| tags.iter().any(|t| t != "<none>:<none>"))
+            })
             .unwrap_or(true);
         if !still_named {
             let _ = docker

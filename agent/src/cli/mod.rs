@@ -18,6 +18,7 @@ pub mod check;
 pub mod config;
 pub mod config_file;
 pub mod docs;
+pub mod enroll;
 pub mod exit;
 pub mod host_upgrade;
 pub mod status;
@@ -37,13 +38,16 @@ pub struct Cli {
 pub enum Command {
     /// Run the node agent: serve the control plane over mTLS gRPC.
     #[command(
-        after_help = "`billet node status [--state-dir DIR | --config FILE] [--json]` shows what the node on this host is doing.\n\nLogs go to stderr, filtered by BILLET_LOG (a tracing filter such as `info`, `debug` or `billet_agent=trace`; default `info`)."
+        after_help = "`billet node status [--state-dir DIR | --config FILE] [--json]` shows what the node on this host is doing.\n\n`billet node enroll --plane HOST:PORT (--token-file FILE | --token T)` re-enrols a node whose certificate expired with a join token from the plane, without a restart.\n\nLogs go to stderr, filtered by BILLET_LOG (a tracing filter such as `info`, `debug` or `billet_agent=trace`; default `info`)."
     )]
     Node(NodeArgs),
     /// `billet node status` (parsed on its own: `node`'s flags are required
     /// for serving, none of them for asking).
     #[command(skip)]
     NodeStatus(status::StatusArgs),
+    /// `billet node enroll` (parsed on its own, like `status`).
+    #[command(skip)]
+    NodeEnroll(enroll::EnrollArgs),
     /// Check a node's configuration as `billet node` would before binding
     /// (flags, TLS material, state directory and journal, Docker engine,
     /// upgrade configuration), exiting with the same codes; binds and
@@ -245,6 +249,16 @@ pub fn parse(args: &[OsString]) -> Result<Cli, ExitCode> {
         return <status::StatusArgs as clap::Parser>::try_parse_from(&args[2..])
             .map(|a| Cli {
                 command: Command::NodeStatus(a),
+            })
+            .map_err(|e| {
+                let _ = e.print();
+                ExitCode::from(if e.use_stderr() { exit::CONFIG } else { 0 })
+            });
+    }
+    if args.get(1).is_some_and(|a| a == "node") && args.get(2).is_some_and(|a| a == "enroll") {
+        return <enroll::EnrollArgs as clap::Parser>::try_parse_from(&args[2..])
+            .map(|a| Cli {
+                command: Command::NodeEnroll(a),
             })
             .map_err(|e| {
                 let _ = e.print();

@@ -47,25 +47,39 @@ impl StatusArgs {
     ///
     /// The file cannot be read or is not TOML, naming it.
     fn state_dir(&self) -> Result<PathBuf, String> {
-        if let Some(dir) = &self.state_dir {
-            return Ok(dir.clone());
-        }
-        let Some(file) = &self.config else {
-            return Ok(PathBuf::from(DEFAULT_STATE_DIR));
-        };
-        let text = std::fs::read_to_string(file)
-            .map_err(|e| format!("configuration file {}: cannot read: {e}", file.display()))?;
-        let table: toml::Table = text
-            .parse()
-            .map_err(|e| format!("configuration file {}: not valid TOML: {e}", file.display()))?;
-        Ok(match table.get("state_dir").and_then(|v| v.as_str()) {
-            Some(dir) => std::path::absolute(file)
-                .ok()
-                .and_then(|f| f.parent().map(|p| p.join(dir)))
-                .unwrap_or_else(|| PathBuf::from(dir)),
-            None => PathBuf::from(DEFAULT_STATE_DIR),
-        })
+        resolve_state_dir(self.state_dir.as_ref(), self.config.as_ref())
     }
+}
+
+/// Where a node's local socket is: `state_dir`, else the `state_dir` of the
+/// configuration file `config` (relative to the file's directory), else
+/// the default.
+///
+/// # Errors
+///
+/// The file cannot be read or is not TOML, naming it.
+pub(crate) fn resolve_state_dir(
+    state_dir: Option<&PathBuf>,
+    config: Option<&PathBuf>,
+) -> Result<PathBuf, String> {
+    if let Some(dir) = state_dir {
+        return Ok(dir.clone());
+    }
+    let Some(file) = config else {
+        return Ok(PathBuf::from(DEFAULT_STATE_DIR));
+    };
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("configuration file {}: cannot read: {e}", file.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| format!("configuration file {}: not valid TOML: {e}", file.display()))?;
+    Ok(match table.get("state_dir").and_then(|v| v.as_str()) {
+        Some(dir) => std::path::absolute(file)
+            .ok()
+            .and_then(|f| f.parent().map(|p| p.join(dir)))
+            .unwrap_or_else(|| PathBuf::from(dir)),
+        None => PathBuf::from(DEFAULT_STATE_DIR),
+    })
 }
 
 /// Runs `billet node status`: 0 when the node answered, [`exit::CONFIG`]
@@ -147,7 +161,10 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         leases,
         plane_contact_unix_ms,
         certificate_not_after_unix_ms,
-        // The health fields are shown once they exist.
+        certificate_remaining_ms,
+        certificate_renew_at_unix_ms,
+        identity_expired,
+        // The other health fields are shown once they exist.
         ..
     } = s;
     serde_json::json!({
@@ -161,6 +178,10 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         "plane_contact_age_secs": at(*plane_contact_unix_ms).map(|t| -seconds_from(now, t)),
         "certificate_not_after_unix_ms": certificate_not_after_unix_ms,
         "certificate_expires_in_secs": at(*certificate_not_after_unix_ms).map(|t| seconds_from(now, t)),
+        "certificate_remaining_ms": certificate_remaining_ms,
+        "certificate_renew_at_unix_ms": certificate_renew_at_unix_ms,
+        "identity": identity(s, now),
+        "identity_expired": identity_expired,
         "leases": leases.iter().map(|l| {
             let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
             serde_json::json!({
@@ -174,6 +195,24 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
             })
         }).collect::<Vec<_>>(),
     })
+}
+
+/// The identity line: `expired` with what to do, or when the certificate
+/// in force is renewed.
+fn identity(s: &pb::LocalStatus, now: SystemTime) -> String {
+    if s.identity_expired {
+        return "identity expired: the plane cannot attach; re-enrol with a join token (billet node enroll)".into();
+    }
+    match at(s.certificate_renew_at_unix_ms) {
+        Some(t) if seconds_from(now, t) > 0 => {
+            format!(
+                "renewed by the plane in {}",
+                human(seconds_from(now, t).unsigned_abs())
+            )
+        }
+        Some(_) => "renewal due: asking the plane".into(),
+        None => "renewal time unknown".into(),
+    }
 }
 
 /// The table form: the node, then one row per lease.
@@ -205,6 +244,7 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     let _ = writeln!(out, "draining     {}", yes(s.draining));
     let _ = writeln!(out, "plane        {plane}");
     let _ = writeln!(out, "certificate  {cert}");
+    let _ = writeln!(out, "identity     {}", identity(s, now));
     let _ = writeln!(out, "leases       {}", s.leases.len());
     if s.leases.is_empty() {
         return out;
@@ -294,11 +334,35 @@ mod tests {
         UNIX_EPOCH + Duration::from_millis(1_000_000_000_000)
     }
 
+    /// Issue #13 item 3: an expired identity says so, with what to do; a
+    /// live one says when it is renewed.
+    #[test]
+    fn the_identity_line_says_expired_or_when_the_plane_renews_it() {
+        let mut s = status();
+        s.certificate_renew_at_unix_ms = 1_000_000_000_000 + 3_600_000;
+        let text = table(true, &s, now());
+        assert!(
+            text.contains("identity     renewed by the plane in 60m"),
+            "{text}"
+        );
+        s.identity_expired = true;
+        let text = table(false, &s, now());
+        assert!(text.contains("identity     identity expired"), "{text}");
+        let j = json(false, &s, now());
+        assert_eq!(j["identity_expired"], true);
+        assert!(
+            j["identity"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("identity expired"))
+        );
+    }
+
     #[test]
     fn the_table_shows_the_node_and_one_row_per_lease() {
         let text = table(true, &status(), now());
         assert!(text.contains("plane        last heard 5s ago"), "{text}");
         assert!(text.contains("certificate  expires in 10d"), "{text}");
+        assert!(text.contains("identity     renewal time unknown"), "{text}");
         let row = text
             .lines()
             .find(|l| l.starts_with("lease-1"))

@@ -4,12 +4,14 @@
 //! as newtypes, phases, tiers, the JIT config as a credential), the
 //! conversion from and to generated proto types with every field checked
 //! ([`wire`]), and mTLS material ([`tls`]) and the
-//! listener's accept loop with its limits ([`accept`]).
+//! listener's accept loop with its limits ([`accept`]), and the one call
+//! the node dials, re-enrolment at the plane's endpoint ([`enroll`]).
 //!
 //! May not touch: lease state, the provider or the journal. Nothing past
 //! this folder and [`crate::node::session`] sees a generated proto type.
 
 pub mod accept;
+pub mod enroll;
 pub mod model;
 pub mod tls;
 pub mod wire;

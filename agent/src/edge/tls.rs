@@ -91,8 +91,16 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 ///
 /// [`TlsError`] when the file cannot be read or holds no certificate.
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bytes = read(path)?;
-    let certs = rustls_pemfile::certs(&mut bytes.as_slice())
+    parse_certs(&read(path)?, path)
+}
+
+/// Parses every certificate in PEM `bytes`; `path` names them in errors.
+///
+/// # Errors
+///
+/// [`TlsError::Content`] when `bytes` hold no certificate.
+pub fn parse_certs(bytes: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = rustls_pemfile::certs(&mut &bytes[..])
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Content {
             path: path.to_owned(),
@@ -114,8 +122,17 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 /// [`TlsError`] when the file cannot be read or holds no key. The key's
 /// bytes never appear in an error.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let bytes = read(path)?;
-    rustls_pemfile::private_key(&mut bytes.as_slice())
+    parse_key(&read(path)?, path)
+}
+
+/// Parses the first private key in PEM `bytes`; `path` names it in errors.
+///
+/// # Errors
+///
+/// [`TlsError::Content`] when `bytes` hold no key; the key's bytes never
+/// appear in an error.
+pub fn parse_key(bytes: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    rustls_pemfile::private_key(&mut &bytes[..])
         .map_err(|_| TlsError::Content {
             path: path.to_owned(),
             problem: "not valid PEM".into(),
@@ -158,8 +175,30 @@ impl NodeTls {
     /// [`TlsError`] naming the file at fault: unreadable, not PEM, a
     /// certificate without a DNS name, a key that does not match.
     pub fn load(paths: &TlsPaths) -> Result<Self, TlsError> {
-        let certs = load_certs(&paths.cert)?;
-        let key = load_key(&paths.key)?;
+        Self::from_parts(paths, load_certs(&paths.cert)?, load_key(&paths.key)?)
+    }
+
+    /// Checks a certificate chain and key that are not on disk yet (a
+    /// renewal's) as [`NodeTls::load`] checks files: against the CA at
+    /// `paths.ca`, valid now, the key matching; errors name `paths`' files,
+    /// where they are about to be written.
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeTls::load`].
+    pub fn from_pem(paths: &TlsPaths, cert_pem: &[u8], key_pem: &[u8]) -> Result<Self, TlsError> {
+        Self::from_parts(
+            paths,
+            parse_certs(cert_pem, &paths.cert)?,
+            parse_key(key_pem, &paths.key)?,
+        )
+    }
+
+    fn from_parts(
+        paths: &TlsPaths,
+        certs: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+    ) -> Result<Self, TlsError> {
         let names = dns_names(&certs[0]).map_err(|problem| TlsError::Content {
             path: paths.cert.clone(),
             problem,
@@ -304,29 +343,154 @@ fn warn_if_expiring(tls: &NodeTls, paths: &TlsPaths, policy: &ReloadPolicy) -> b
     false
 }
 
+/// The node's identity files as the reload path owns them: a writer
+/// ([`IdentityFiles::replace`], a renewal or an enrolment) and the watcher
+/// take turns on them, so the watcher never reads a new key beside the old
+/// certificate, and the writer wakes the watcher at once instead of waiting
+/// for its next check.
+#[derive(Debug, Clone)]
+pub struct IdentityFiles {
+    paths: TlsPaths,
+    turn: Arc<tokio::sync::Mutex<()>>,
+    check_now: Arc<tokio::sync::Notify>,
+    validity: watch::Receiver<Validity>,
+}
+
+/// Mode of the private key file the node writes.
+const KEY_FILE_MODE: u32 = 0o600;
+/// Mode of the certificate file the node writes.
+const CERT_FILE_MODE: u32 = 0o644;
+/// How long [`IdentityFiles::replace`] waits for the watcher to serve what
+/// it wrote.
+const SWAP_WAIT: Duration = Duration::from_secs(10);
+
+impl IdentityFiles {
+    /// Where the files are.
+    pub fn paths(&self) -> &TlsPaths {
+        &self.paths
+    }
+
+    /// The validity window of the certificate in force.
+    pub fn validity(&self) -> Validity {
+        *self.validity.borrow()
+    }
+
+    /// Watches the validity window of the certificate in force.
+    pub fn watch_validity(&self) -> watch::Receiver<Validity> {
+        self.validity.clone()
+    }
+
+    /// Writes a new certificate chain and key over the identity files, each
+    /// through a temporary file renamed into place (the key 0600), while the
+    /// watcher waits; then has the watcher load, check and serve them through
+    /// the reload path, and waits until the certificate in force is the new
+    /// one (its `not_after` is `expect_not_after`). The caller has checked
+    /// them ([`NodeTls::from_pem`]).
+    ///
+    /// # Errors
+    ///
+    /// [`TlsError::Read`] naming the file that could not be written (its
+    /// directory must be writable by the node); [`TlsError::Content`] when
+    /// the watcher did not put the new certificate in force within 10 s.
+    pub async fn replace(
+        &self,
+        cert_pem: &[u8],
+        key_pem: &[u8],
+        expect_not_after: Option<SystemTime>,
+    ) -> Result<(), TlsError> {
+        {
+            let _turn = self.turn.lock().await;
+            let key_tmp = write_temporary(&self.paths.key, key_pem, KEY_FILE_MODE)?;
+            let cert_tmp = write_temporary(&self.paths.cert, cert_pem, CERT_FILE_MODE)?;
+            rename(&key_tmp, &self.paths.key)?;
+            rename(&cert_tmp, &self.paths.cert)?;
+        }
+        self.check_now.notify_one();
+        let mut validity = self.validity.clone();
+        let swapped = tokio::time::timeout(
+            SWAP_WAIT,
+            validity.wait_for(|(_, not_after)| *not_after == expect_not_after),
+        )
+        .await;
+        match swapped {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(TlsError::Content {
+                path: self.paths.cert.clone(),
+                problem: format!(
+                    "written, but not in force after {SWAP_WAIT:?}; the reload's warning says why"
+                ),
+            }),
+        }
+    }
+}
+
+/// Writes `contents` to a fresh temporary file beside `path` with `mode`,
+/// synced; answers its path.
+fn write_temporary(path: &Path, contents: &[u8], mode: u32) -> Result<PathBuf, TlsError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    let name = path
+        .file_name()
+        .map_or_else(|| "identity".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.new"));
+    let fail = |source| TlsError::Read {
+        path: tmp.clone(),
+        source,
+    };
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail(e)),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(fail)?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+        .and_then(|()| file.write_all(contents))
+        .and_then(|()| file.sync_all())
+        .map_err(fail)?;
+    Ok(tmp)
+}
+
+fn rename(from: &Path, to: &Path) -> Result<(), TlsError> {
+    std::fs::rename(from, to).map_err(|source| TlsError::Read {
+        path: to.to_owned(),
+        source,
+    })
+}
+
 /// Re-reads the certificate, key and CA when they change (checked every
-/// `policy.interval`, and at once on SIGHUP) and publishes each new
-/// configuration that validates: new connections use it at once, sessions
-/// already open keep theirs. A replacement that fails validation (a key that
-/// does not match, a chain that does not verify, an expired or not yet valid
-/// certificate, another node's name) leaves the current configuration in
-/// place, with a warning naming the file. Warns daily while the certificate
-/// is within `policy.expiry_warning` of expiring. Returns the configuration
-/// in force and the validity window of the certificate it serves.
+/// `policy.interval`, at once on SIGHUP, and at once after an
+/// [`IdentityFiles::replace`]) and publishes each new configuration that
+/// validates: new connections use it at once, sessions already open keep
+/// theirs. A replacement that fails validation (a key that does not match,
+/// a chain that does not verify, an expired or not yet valid certificate,
+/// another node's name) leaves the current configuration in place, with a
+/// warning naming the file. Warns daily while the certificate is within
+/// `policy.expiry_warning` of expiring. Returns the configuration in force
+/// and the handle on the files, which also watches the validity window of
+/// the certificate in force.
 pub fn watch_files(
     paths: TlsPaths,
     initial: &NodeTls,
     policy: ReloadPolicy,
     cancel: CancellationToken,
-) -> (
-    watch::Receiver<Arc<rustls::ServerConfig>>,
-    watch::Receiver<Validity>,
-) {
+) -> (watch::Receiver<Arc<rustls::ServerConfig>>, IdentityFiles) {
     let (tx, rx) = watch::channel(initial.config.clone());
     let (validity_tx, validity_rx) = watch::channel((initial.not_before, initial.not_after));
     let node_name = initial.node_name.clone();
     let mut warned_at = warn_if_expiring(initial, &paths, &policy).then(Instant::now);
     let mut current = initial.clone();
+    let files = IdentityFiles {
+        paths: paths.clone(),
+        turn: Arc::default(),
+        check_now: Arc::default(),
+        validity: validity_rx,
+    };
+    let (turn, check_now) = (files.turn.clone(), files.check_now.clone());
     tokio::spawn(
         async move {
             let mut seen = read_all(&paths);
@@ -343,8 +507,11 @@ pub fn watch_files(
                 tokio::select! {
                     () = cancel.cancelled() => return,
                     () = tokio::time::sleep(policy.interval) => {}
+                    () = check_now.notified() => {}
                     () = hup => info!("SIGHUP: checking the TLS files"),
                 }
+                // A writer replacing the files finishes first.
+                let _turn = turn.lock().await;
                 let now = read_all(&paths);
                 if now.is_some() && now != seen {
                     seen = now;
@@ -374,5 +541,5 @@ pub fn watch_files(
         }
         .instrument(info_span!("tls_reload")),
     );
-    (rx, validity_rx)
+    (rx, files)
 }

@@ -1,8 +1,10 @@
 //! The node's local socket, `<state_dir>/node.sock`: `grpc.health.v1` and
 //! `billet.node.v1.Local/Status` over a unix socket, without TLS, for the
-//! updater on the same host. Whoever can enter the 0700 state directory can
-//! already read the node's journal; the socket tells them nothing more, and
-//! it offers no command.
+//! updater on the same host, and `billet.node.v1.Local/Enroll`, the one
+//! thing it can be asked to do: re-enrol with a join token
+//! ([`crate::node::identity`]). Whoever can enter the 0700 state directory
+//! can already read the node's journal; the socket tells them nothing more,
+//! and enrolment needs a token only the plane issues.
 //!
 //! The updater's health check ([`check`]) is: health `SERVING` for the
 //! `Node` service, the expected version, and start-up recovery done (which
@@ -18,6 +20,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tonic::{Request, Response, Status};
 
 use crate::node::health::Health;
+use crate::node::identity::{IdentityError, IdentityKeeper};
 use crate::node::metrics::Metrics;
 use crate::node::runner::Runner;
 use crate::node::session::Recovery;
@@ -81,6 +84,7 @@ pub struct LocalService {
     /// Plane contact, and the certificate file whose expiry is reported.
     observed: Option<(Arc<Metrics>, PathBuf)>,
     health: Arc<Health>,
+    identity: Option<Arc<IdentityKeeper>>,
 }
 
 impl LocalService {
@@ -99,6 +103,7 @@ impl LocalService {
             runner,
             observed: None,
             health: Arc::default(),
+            identity: None,
         }
     }
 
@@ -116,6 +121,14 @@ impl LocalService {
     #[must_use]
     pub fn with_health(mut self, health: Arc<Health>) -> Self {
         self.health = health;
+        self
+    }
+
+    /// Reports when the certificate is renewed and serves `Enroll` through
+    /// `identity`; without it `Enroll` is refused.
+    #[must_use]
+    pub fn with_identity(mut self, identity: Arc<IdentityKeeper>) -> Self {
+        self.identity = Some(identity);
         self
     }
 }
@@ -155,7 +168,20 @@ impl pb::local_server::Local for LocalService {
             })
             .collect();
         let health = self.health.snapshot();
+        let certificate_remaining_ms = health.certificate_not_after.map_or(0, |t| {
+            match t.duration_since(std::time::SystemTime::now()) {
+                Ok(left) => i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1),
+                Err(past) => -i64::try_from(past.duration().as_millis()).unwrap_or(i64::MAX),
+            }
+        });
+        let certificate_renew_at_unix_ms = self
+            .identity
+            .as_ref()
+            .and_then(|i| i.renew_at())
+            .map_or(0, unix_ms);
         Ok(Response::new(pb::LocalStatus {
+            certificate_remaining_ms,
+            certificate_renew_at_unix_ms,
             version: self.version.clone(),
             pid: std::process::id(),
             incarnation: self.incarnation.clone(),
@@ -174,6 +200,34 @@ impl pb::local_server::Local for LocalService {
                 .reasons
                 .contains(&crate::node::health::Reason::IdentityExpired),
         }))
+    }
+
+    async fn enroll(
+        &self,
+        request: Request<pb::EnrollRequest>,
+    ) -> Result<Response<pb::EnrollResult>, Status> {
+        let pb::EnrollRequest {
+            token,
+            plane_address,
+        } = request.into_inner();
+        let identity = self.identity.as_ref().ok_or_else(|| {
+            Status::failed_precondition("this node cannot enrol: it keeps no identity files")
+        })?;
+        let token = crate::edge::enroll::JoinToken::parse(&token)
+            .map_err(|e| Status::invalid_argument(format!("token: {e}")))?;
+        if plane_address.trim().is_empty() {
+            return Err(Status::invalid_argument(
+                "plane_address: give the plane's enrolment endpoint as HOST:PORT",
+            ));
+        }
+        match identity.enroll(&token, plane_address.trim()).await {
+            Ok(not_after) => Ok(Response::new(pb::EnrollResult {
+                certificate_not_after_unix_ms: unix_ms(not_after),
+            })),
+            Err(e @ IdentityError::Refused(_)) => Err(Status::permission_denied(e.to_string())),
+            Err(e @ IdentityError::Unavailable(_)) => Err(Status::unavailable(e.to_string())),
+            Err(e) => Err(Status::failed_precondition(e.to_string())),
+        }
     }
 }
 
@@ -213,7 +267,57 @@ pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, Stri
         })?
 }
 
-async fn ask(path: PathBuf) -> Result<Observed, String> {
+/// Why [`enroll`] did not put a new certificate in force.
+#[derive(Debug, Error)]
+pub enum EnrollFailure {
+    /// No node answers on the socket.
+    #[error("{0}")]
+    NotRunning(String),
+    /// The plane refused the token or the request (unknown, used, expired,
+    /// another node's).
+    #[error("{0}")]
+    Refused(String),
+    /// Anything else: the plane unreachable, the certificate not
+    /// installable; the message says which.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Asks the node whose state directory is `state_dir` to re-enrol with
+/// `token` at the plane's enrolment endpoint `plane_address`, giving up
+/// after `timeout`; answers when the new certificate expires (unix ms).
+///
+/// # Errors
+///
+/// [`EnrollFailure`].
+pub async fn enroll(
+    state_dir: &Path,
+    token: &crate::edge::enroll::JoinToken,
+    plane_address: &str,
+    timeout: Duration,
+) -> Result<i64, EnrollFailure> {
+    let path = socket_path(state_dir);
+    let shown = path.display().to_string();
+    let asked = async {
+        let channel = connect(path).await.map_err(EnrollFailure::NotRunning)?;
+        pb::local_client::LocalClient::new(channel)
+            .enroll(pb::EnrollRequest {
+                token: token.expose().to_owned(),
+                plane_address: plane_address.to_owned(),
+            })
+            .await
+            .map(|r| r.into_inner().certificate_not_after_unix_ms)
+            .map_err(|s| match s.code() {
+                tonic::Code::PermissionDenied => EnrollFailure::Refused(s.message().to_owned()),
+                _ => EnrollFailure::Failed(s.message().to_owned()),
+            })
+    };
+    tokio::time::timeout(timeout, asked)
+        .await
+        .map_err(|_| EnrollFailure::Failed(format!("no answer on {shown} within {timeout:?}")))?
+}
+
+async fn connect(path: PathBuf) -> Result<tonic::transport::Channel, String> {
     let shown = path.display().to_string();
     if !path.exists() {
         return Err(format!(
@@ -222,7 +326,7 @@ async fn ask(path: PathBuf) -> Result<Observed, String> {
     }
     // The URI is required by the API and unused: the connector dials the
     // socket.
-    let channel = tonic::transport::Endpoint::from_static("http://node.local")
+    tonic::transport::Endpoint::from_static("http://node.local")
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
             async move {
@@ -232,7 +336,12 @@ async fn ask(path: PathBuf) -> Result<Observed, String> {
             }
         }))
         .await
-        .map_err(|e| format!("{shown}: cannot connect: {e}"))?;
+        .map_err(|e| format!("{shown}: cannot connect: {e}"))
+}
+
+async fn ask(path: PathBuf) -> Result<Observed, String> {
+    let shown = path.display().to_string();
+    let channel = connect(path).await?;
     let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
         .check(tonic_health::pb::HealthCheckRequest {
             service: <pb::node_server::NodeServer<crate::node::session::NodeService> as tonic::server::NamedService>::NAME.to_owned(),

@@ -86,6 +86,11 @@ struct CallErrorLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: String,
 }
@@ -118,6 +123,8 @@ pub struct Metrics {
     degraded: Family<ReasonLabel, Gauge>,
     clock_offset: FloatGauge,
     certificate_expiry: FloatGauge,
+    certificate_remaining: FloatGauge,
+    certificate_renewals: Family<OutcomeLabel, Counter>,
 }
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
@@ -147,6 +154,8 @@ impl Metrics {
             degraded: Family::default(),
             clock_offset: FloatGauge::default(),
             certificate_expiry: FloatGauge::default(),
+            certificate_remaining: FloatGauge::default(),
+            certificate_renewals: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("billet");
         r.register(
@@ -247,6 +256,16 @@ impl Metrics {
             "When the node's certificate in force expires (unix seconds)",
             m.certificate_expiry.clone(),
         );
+        r.register(
+            "certificate_remaining_seconds",
+            "How long the node's certificate in force has left (negative once expired)",
+            m.certificate_remaining.clone(),
+        );
+        r.register(
+            "certificate_renewals",
+            "Certificate renewals and enrolments, by outcome (renewed, enrolled, refused, failed)",
+            m.certificate_renewals.clone(),
+        );
         for state in LEASE_STATES {
             m.leases_held.get_or_create(&StateLabel { state }).set(0);
         }
@@ -344,8 +363,23 @@ impl Metrics {
     }
 
     /// When the certificate in force expires.
+    /// Also sets the time it has left, from now.
     pub fn set_certificate_expiry(&self, not_after: SystemTime) {
         self.certificate_expiry.set(unix_seconds(not_after));
+        let left = match not_after.duration_since(SystemTime::now()) {
+            Ok(d) => d.as_secs_f64(),
+            Err(e) => -e.duration().as_secs_f64(),
+        };
+        self.certificate_remaining.set(left);
+    }
+
+    /// A renewal or enrolment ended: `outcome` is one of `renewed`,
+    /// `enrolled`, `refused` (the plane will not sign) or `failed` (no
+    /// answer, or a certificate that did not verify).
+    pub fn certificate_renewal(&self, outcome: &'static str) {
+        self.certificate_renewals
+            .get_or_create(&OutcomeLabel { outcome })
+            .inc();
     }
 
     fn plane_call(&self, call: &'static str, took: Duration, result: Result<(), &PlaneError>) {
@@ -392,6 +426,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
         PlaneError::Refused(_) => "refused",
         PlaneError::ScaleSetNotFound(_) => "scale_set_not_found",
         PlaneError::Busy(_) => "busy",
+        PlaneError::IdentityRefused(_) => "identity_refused",
     }
 }
 

@@ -54,6 +54,11 @@ pub enum PlaneError {
     /// answered JobStillRunning): an answer, not an outage.
     #[error("busy: {0}")]
     Busy(String),
+    /// The plane will not sign this certificate request (it names another
+    /// node than the session's, or is malformed): asking again with the
+    /// same request is pointless.
+    #[error("identity refused: {0}")]
+    IdentityRefused(String),
 }
 
 impl PlaneError {
@@ -72,6 +77,7 @@ impl PlaneError {
             // A scale set GitHub no longer has: nothing this node can retry;
             // the plane decides when to launch again.
             pb::ErrorCode::ScaleSetNotFound => Self::ScaleSetNotFound(m),
+            pb::ErrorCode::IdentityRefused => Self::IdentityRefused(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
@@ -556,6 +562,33 @@ impl LeaseStore for PlaneLink {
     }
 }
 
+impl PlaneLink {
+    /// Asks the plane's CA to sign `csr_pem` (a PKCS#10 request, PEM, for
+    /// this node's name) over the current session; answers the new
+    /// certificate chain, PEM.
+    ///
+    /// # Errors
+    ///
+    /// [`PlaneError::IdentityRefused`] when the plane will not sign it;
+    /// [`PlaneError::Unavailable`] with no session or no answer; any other
+    /// refusal as the plane typed it.
+    pub async fn renew_certificate(&self, csr_pem: &str) -> Result<String, PlaneError> {
+        match self
+            .call(pb::node_call::Call::RenewCertificate(
+                pb::RenewCertificate {
+                    csr_pem: csr_pem.to_owned(),
+                },
+            ))
+            .await?
+        {
+            Some(pb::plane_reply::Result::Certificate(pb::IssuedCertificate {
+                certificate_chain_pem,
+            })) if !certificate_chain_pem.is_empty() => Ok(certificate_chain_pem),
+            _ => Err(unexpected("a certificate renewal")),
+        }
+    }
+}
+
 #[async_trait]
 impl JitSource for PlaneLink {
     async fn mint(
@@ -629,6 +662,7 @@ mod tests {
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
             pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
             pb::ErrorCode::Busy => PlaneError::Busy(m),
+            pb::ErrorCode::IdentityRefused => PlaneError::IdentityRefused(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
@@ -637,7 +671,7 @@ mod tests {
         }
     }
 
-    const ALL: [pb::ErrorCode; 14] = [
+    const ALL: [pb::ErrorCode; 15] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -652,6 +686,7 @@ mod tests {
         pb::ErrorCode::ScaleSetNotFound,
         pb::ErrorCode::ResourceExhausted,
         pb::ErrorCode::Busy,
+        pb::ErrorCode::IdentityRefused,
     ];
 
     /// 7.O.6

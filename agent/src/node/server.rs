@@ -330,6 +330,30 @@ pub async fn run(
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
     let recovery = Arc::new(Recovery::default());
+    let (tls_config, identity_files) = crate::edge::tls::watch_files(
+        config.tls.clone(),
+        &tls,
+        config.tls_reload,
+        shutdown.clone(),
+    );
+    let validity = identity_files.watch_validity();
+    // Renewed over the session at two thirds of its lifetime; re-enrolled
+    // through the local socket once expired (`identity.rs`).
+    let keeper = Arc::new(
+        crate::node::identity::IdentityKeeper::new(
+            identity_files,
+            identity.node_name.clone(),
+            config.plane_name.clone(),
+            link.clone(),
+        )
+        .with_metrics(metrics.clone()),
+    );
+    tokio::spawn(
+        keeper
+            .clone()
+            .keep(shutdown.clone())
+            .instrument(info_span!("identity")),
+    );
     let local_service = crate::node::local::LocalService::new(
         identity.version.clone(),
         identity.incarnation.clone(),
@@ -337,7 +361,8 @@ pub async fn run(
         runner.clone(),
     )
     .with_metrics(metrics.clone(), config.tls.cert.clone())
-    .with_health(health.clone());
+    .with_health(health.clone())
+    .with_identity(keeper);
     let service = NodeService::new(
         identity,
         runner.clone(),
@@ -476,12 +501,6 @@ pub async fn run(
     };
     let (port_reflection, port_reflection_alpha) = reflect()?;
     let (local_reflection, local_reflection_alpha) = reflect()?;
-    let (tls_config, validity) = crate::edge::tls::watch_files(
-        config.tls.clone(),
-        &tls,
-        config.tls_reload,
-        shutdown.clone(),
-    );
     health.watch(
         config.state_dir.clone(),
         config.min_free_disk_bytes,

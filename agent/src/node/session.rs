@@ -928,6 +928,7 @@ mod scenarios {
             Call::MintJit(_) => "mint_jit",
             Call::RemoveRunner(_) => "remove_runner",
             Call::MarkFailure(_) => "mark_failure",
+            Call::RenewCertificate(_) => "renew_certificate",
         }
     }
 

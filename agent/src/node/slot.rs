@@ -94,6 +94,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::ScaleSetNotFound => "scale_set_not_found",
         pb::ErrorCode::ResourceExhausted => "resource_exhausted",
         pb::ErrorCode::Busy => "busy",
+        pb::ErrorCode::IdentityRefused => "identity_refused",
     }
 }
 

@@ -7,6 +7,12 @@
 //! operator can attach a plane to a node on one machine in one command.
 //! `billet-plane --queue-job URL` then queues a job there (one request to
 //! the emulator's control API) and exits.
+//!
+//! With `--ca-key` the plane signs its nodes' certificate renewals, and
+//! with `--enroll-listen ADDR` it serves the enrolment endpoint a node
+//! whose certificate expired re-enrols at. `billet-plane --ledger PATH
+//! [--lease-ttl-secs N] --join-token NODE` prints a one-time join token for that node (recorded
+//! in the ledger the running plane reads) and exits.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -45,19 +51,38 @@ struct Args {
     #[arg(long, default_value_t = 90)]
     lease_ttl_secs: u64,
     /// Deployment CA (PEM).
-    #[arg(long, required_unless_present = "queue_job")]
+    #[arg(long, required_unless_present_any = ["queue_job", "join_token"])]
     ca: Option<PathBuf>,
+    /// The deployment CA's private key (PEM): the plane then signs its
+    /// nodes' certificate requests (renewals, enrolments).
+    #[arg(long)]
+    ca_key: Option<PathBuf>,
+    /// Lifetime of the node certificates the plane signs, in seconds.
+    #[arg(long, default_value_t = 30 * 24 * 3600)]
+    node_cert_lifetime_secs: u64,
+    /// Serve the enrolment endpoint (TLS with the plane's certificate; a
+    /// node presents a join token instead of a client certificate) on this
+    /// address, such as 0.0.0.0:7443. Needs --ca-key.
+    #[arg(long, requires = "ca_key")]
+    enroll_listen: Option<SocketAddr>,
+    /// Print a one-time join token for this node, recorded in --ledger,
+    /// and exit.
+    #[arg(long, conflicts_with_all = ["emulator", "queue_job"])]
+    join_token: Option<String>,
+    /// How long a join token from --join-token is good for, in seconds.
+    #[arg(long, default_value_t = 3600)]
+    join_token_ttl_secs: u64,
     /// The plane's certificate (PEM).
-    #[arg(long, required_unless_present = "queue_job")]
+    #[arg(long, required_unless_present_any = ["queue_job", "join_token"])]
     cert: Option<PathBuf>,
     /// The plane's key (PEM).
-    #[arg(long, required_unless_present = "queue_job")]
+    #[arg(long, required_unless_present_any = ["queue_job", "join_token"])]
     key: Option<PathBuf>,
     /// A node to dial, as NAME=HOST:PORT; repeatable.
-    #[arg(long = "node", required_unless_present = "queue_job", value_parser = parse_node)]
+    #[arg(long = "node", required_unless_present_any = ["queue_job", "join_token"], value_parser = parse_node)]
     nodes: Vec<NodeTarget>,
     /// GitHub config URL (an organization or repository URL).
-    #[arg(long, required_unless_present_any = ["emulator", "queue_job"], conflicts_with = "emulator")]
+    #[arg(long, required_unless_present_any = ["emulator", "queue_job", "join_token"], conflicts_with = "emulator")]
     github_url: Option<String>,
     /// A personal access token.
     #[arg(long, env = "BILLET_GITHUB_PAT", hide_env_values = true)]
@@ -150,6 +175,30 @@ async fn queue_job(url: &str, tier: &str) -> Result<String, String> {
         .map_err(|e| format!("{url}/_emulator/jobs: {e}"))
 }
 
+/// `--join-token`: records a token for `node` in the ledger at `location`
+/// and answers it. The ledger records `lease_ttl` as the plane does, so
+/// give the running plane's `--lease-ttl-secs`.
+async fn join_token(
+    location: &LedgerLocation,
+    lease_ttl: Duration,
+    node: &str,
+    ttl_secs: u64,
+) -> Result<String, String> {
+    let ledger = billet_controlplane_stub::ledger::Ledger::connect(location, lease_ttl)
+        .await
+        .map_err(|e| format!("--ledger: {e}"))?;
+    let token = billet_controlplane_stub::identity::issue_join_token(
+        &ledger,
+        node,
+        Duration::from_secs(ttl_secs.max(1)),
+        billet_controlplane_stub::now_ms(),
+    )
+    .await
+    .map_err(|e| format!("--ledger: {e}"));
+    ledger.close().await;
+    token
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
@@ -169,6 +218,20 @@ async fn main() -> ExitCode {
             }
             Err(e) => {
                 error!("--queue-job: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    if let Some(node) = &args.join_token {
+        let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
+        return match join_token(&args.ledger, lease_ttl, node, args.join_token_ttl_secs).await {
+            Ok(token) => {
+                // The token is printed, once, for the operator; never logged.
+                println!("{token}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("--join-token: {e}");
                 ExitCode::from(1)
             }
         };
@@ -226,6 +289,40 @@ async fn main() -> ExitCode {
             return ExitCode::from(3);
         }
     };
+    let node_ca = match &args.ca_key {
+        None => None,
+        Some(path) => {
+            let loaded = std::fs::read_to_string(ca)
+                .map_err(|e| format!("cannot read {}: {e}", ca.display()))
+                .and_then(|cert| {
+                    let key = std::fs::read_to_string(path)
+                        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                    billet_controlplane_stub::identity::NodeCa::from_pem(
+                        &cert,
+                        &key,
+                        Duration::from_secs(args.node_cert_lifetime_secs.max(60)),
+                    )
+                    .map_err(|e| format!("--ca / --ca-key: {e}"))
+                });
+            match loaded {
+                Ok(ca) => Some(std::sync::Arc::new(ca)),
+                Err(e) => {
+                    error!("{e}");
+                    return ExitCode::from(3);
+                }
+            }
+        }
+    };
+    let enroll_listener = match args.enroll_listen {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                error!("--enroll-listen: cannot listen on {addr}: {e}");
+                return ExitCode::from(4);
+            }
+        },
+    };
     let credentials = match scaleset::Credentials::personal_access_token(github_pat) {
         Ok(c) => c,
         Err(e) => {
@@ -269,6 +366,7 @@ async fn main() -> ExitCode {
         scale_set_retry: billet_controlplane_stub::github::SCALE_SET_RETRY,
         registration_interval: billet_controlplane_stub::plane::REGISTRATION_INTERVAL,
         registration_grace: billet_controlplane_stub::plane::REGISTRATION_GRACE,
+        node_ca,
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {
@@ -278,6 +376,9 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(listener) = enroll_listener {
+        plane.serve_enrollment(listener, shutdown.clone());
+    }
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(mut term) => {
             tokio::select! {

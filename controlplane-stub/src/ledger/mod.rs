@@ -71,6 +71,8 @@
 //! - `reaper.rs`: `reap`, `reconcile` and `force_release`, the only code
 //!   that bumps an epoch.
 //! - `reads.rs`: the reads, on the read-only pool.
+//! - `tokens.rs`: one-time join tokens (issue, check, redeem), kept by id
+//!   with only a hash of their secret; no lease rule.
 //! - `scratch.rs`: [`scratch::ScratchPostgres`], a throwaway PostgreSQL
 //!   database for tests and the benchmark.
 
@@ -83,6 +85,7 @@ mod schema;
 pub mod scratch;
 #[cfg(test)]
 mod test_support;
+mod tokens;
 
 use std::path::Path;
 use std::time::Duration;
@@ -93,6 +96,7 @@ use thiserror::Error;
 pub use location::LedgerLocation;
 pub use phase::Phase;
 use schema::{migrate, postgres_pools, sqlite_file_pools, sqlite_memory_pool};
+pub use tokens::TokenRefused;
 
 /// The TTL the reference ledger uses when none is configured (§1.7).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(90);

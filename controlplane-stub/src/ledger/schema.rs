@@ -72,6 +72,18 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             "CREATE TABLE nodes (name TEXT PRIMARY KEY NOT NULL) STRICT",
         ],
     ),
+    (
+        3,
+        "join tokens",
+        &["CREATE TABLE join_tokens (
+            id TEXT PRIMARY KEY NOT NULL,
+            secret_sha256 TEXT NOT NULL,
+            node TEXT NOT NULL,
+            expires_at_ms INTEGER NOT NULL,
+            used_at_ms INTEGER,
+            created_at_ms INTEGER NOT NULL
+        ) STRICT"],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -121,6 +133,18 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             "CREATE INDEX leases_target_node_idx ON leases (target_node)",
             "CREATE TABLE nodes (name TEXT PRIMARY KEY NOT NULL)",
         ],
+    ),
+    (
+        3,
+        "join tokens",
+        &["CREATE TABLE join_tokens (
+            id TEXT PRIMARY KEY NOT NULL,
+            secret_sha256 TEXT NOT NULL,
+            node TEXT NOT NULL,
+            expires_at_ms BIGINT NOT NULL,
+            used_at_ms BIGINT,
+            created_at_ms BIGINT NOT NULL
+        )"],
     ),
 ];
 

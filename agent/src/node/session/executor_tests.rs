@@ -92,7 +92,8 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
         | Call::Advance(_)
         | Call::Release(_)
         | Call::RemoveRunner(_)
-        | Call::MarkFailure(_) => None,
+        | Call::MarkFailure(_)
+        | Call::RenewCertificate(_) => None,
     }
 }
 

@@ -1,0 +1,376 @@
+//! Identity that never lapses while attached (issue #13 item 3): a node
+//! renews its certificate through the plane over the session, with jobs
+//! flowing, without a restart; and a node whose certificate expired anyway
+//! keeps its compute, says `identity expired`, and comes back with a
+//! one-time join token through `billet node enroll`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use billet_controlplane_stub::plane::PlaneEvent;
+use billet_tests::cluster::{Cluster, ClusterOptions};
+use billet_tests::image::binary_path;
+
+fn run_billet(args: &[&str]) -> Result<(i32, String)> {
+    let out = std::process::Command::new(binary_path("billet")?)
+        .args(args)
+        .output()?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
+}
+
+fn status(state_dir: &Path) -> Result<serde_json::Value> {
+    let dir = state_dir.display().to_string();
+    let (code, text) = run_billet(&["node", "status", "--state-dir", &dir, "--json"])?;
+    ensure!(code == 0, "billet node status --json exited {code}: {text}");
+    serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))
+}
+
+/// Waits, bounded, until the node's status satisfies `check`.
+async fn wait_status(
+    state_dir: &Path,
+    timeout: Duration,
+    what: &str,
+    check: impl Fn(&serde_json::Value) -> bool,
+) -> Result<serde_json::Value> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let v = status(state_dir)?;
+        if check(&v) {
+            return Ok(v);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("{what} not seen within {timeout:?}; last status: {v}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn not_after_ms(cert: &Path) -> Result<i64> {
+    let at = billet_agent::node::metrics::certificate_expiry(cert)
+        .with_context(|| format!("{} holds no readable certificate", cert.display()))?;
+    Ok(i64::try_from(
+        at.duration_since(std::time::UNIX_EPOCH)?.as_millis(),
+    )?)
+}
+
+/// A certificate of 75 s, renewed through the plane at two thirds of its
+/// lifetime while jobs run back to back: no launch fails or is lost, the
+/// node keeps its pid and incarnation, the renewed certificate (an hour
+/// long) is on disk and in force, and jobs still launch after the original
+/// certificate's end, so the sessions opened after the renewal (the
+/// recycled one included) run on the new one. On main the node never asks,
+/// its certificate expires under it and the plane cannot attach again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_lived_certificate_is_renewed_through_the_plane_while_jobs_run_without_a_restart()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        node_cert_lifetime: Some(Duration::from_secs(75)),
+        plane_signs: Some(Duration::from_secs(3600)),
+        work_ms: 1000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let node = &cluster.nodes["node-1"];
+    let cert = cluster.certs.node("node-1").context("files")?.cert.clone();
+    let original_not_after = not_after_ms(&cert)?;
+    let link = cluster.plane.node("node-1").context("node")?;
+    let incarnation = link
+        .status()
+        .borrow()
+        .clone()
+        .context("attached")?
+        .hello
+        .incarnation;
+    let pid = node.pid().context("pid")?;
+    let mut events = cluster.plane.subscribe();
+
+    // Jobs one after another until two have launched after the original
+    // certificate's end (and its renewal).
+    let mut jobs = Vec::new();
+    let mut after_expiry = 0;
+    let started = tokio::time::Instant::now();
+    while after_expiry < 2 {
+        ensure!(
+            started.elapsed() < Duration::from_secs(180),
+            "jobs did not keep launching past the original certificate's end; node log:\n{}",
+            node.log_text()
+        );
+        jobs.extend(cluster.queue_jobs(1));
+        let launched = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                match events.recv().await {
+                    Ok(PlaneEvent::Launched { .. }) => return Ok(()),
+                    Ok(PlaneEvent::LaunchFailed { reason, .. }) => return Err(reason),
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        })
+        .await;
+        match launched {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => bail!(
+                "a launch failed across the renewal: {reason}; node log:\n{}",
+                node.log_text()
+            ),
+            Err(_) => bail!(
+                "job {} did not launch within 30 s; node log:\n{}",
+                jobs.len(),
+                node.log_text()
+            ),
+        }
+        if billet_controlplane_stub::now_ms() > original_not_after + 2_000 {
+            after_expiry += 1;
+        }
+    }
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(60))
+        .await?;
+
+    let log = node.log_text();
+    ensure!(
+        log.contains("certificate renewed through the plane"),
+        "the node never renewed:\n{log}"
+    );
+    ensure!(
+        !log.contains("taking custody") && !log.contains("expired before it started"),
+        "a command was lost or expired across the renewal:\n{log}"
+    );
+    ensure!(
+        log.matches("billet node serving").count() == 1,
+        "the node restarted:\n{log}"
+    );
+    assert_eq!(node.pid(), Some(pid), "the node's process changed");
+    let now = link.status().borrow().clone().context("attached")?;
+    assert_eq!(now.hello.incarnation, incarnation, "the node restarted");
+    assert!(now.session > 1, "no session after the renewal: {now:?}");
+
+    let renewed_not_after = not_after_ms(&cert)?;
+    ensure!(
+        renewed_not_after > original_not_after + 30 * 60 * 1000,
+        "the certificate on disk was not renewed: {original_not_after} -> {renewed_not_after}"
+    );
+    let v = status(&cluster.dir.join("state-node-1"))?;
+    assert_eq!(
+        v["certificate_not_after_unix_ms"].as_i64(),
+        Some(renewed_not_after),
+        "{v}"
+    );
+    ensure!(
+        v["certificate_remaining_ms"]
+            .as_i64()
+            .is_some_and(|ms| ms > 30 * 60 * 1000),
+        "remaining lifetime not reported: {v}"
+    );
+    assert_eq!(v["identity_expired"], false, "{v}");
+    let state = cluster.emulator.state();
+    for id in &jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+    }
+    eprintln!("{} jobs ran across the renewal", jobs.len());
+    cluster.shutdown().await
+}
+
+/// A node whose renewals keep failing lets its 40 s certificate expire with
+/// a job running: the plane can no longer attach, the node keeps the
+/// container running, and its status says `identity expired`. The plane
+/// issues a join token; `billet node enroll` hands it to the node through
+/// its local socket; the node gets a fresh certificate from the enrolment
+/// endpoint without a restart, the plane attaches again, the container has
+/// not been touched, and the same token is refused a second time (as is a
+/// token issued for another node). On main there is no `billet node
+/// enroll`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_certificate_expired_keeps_its_compute_and_re_enrols_with_a_one_time_token()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        node_cert_lifetime: Some(Duration::from_secs(40)),
+        plane_signs: Some(Duration::from_secs(3600)),
+        enrollment: true,
+        work_ms: 600_000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let link = cluster.plane.node("node-1").context("node")?;
+    // The plane cannot sign for now: the renewal at two thirds fails, and
+    // keeps failing.
+    link.faults
+        .refuse_renewals
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let node = &cluster.nodes["node-1"];
+    let state_dir = cluster.dir.join("state-node-1");
+    let pid = node.pid().context("pid")?;
+    let incarnation = link
+        .status()
+        .borrow()
+        .clone()
+        .context("attached")?
+        .hello
+        .incarnation;
+
+    let mut events = cluster.plane.subscribe();
+    cluster.queue_jobs(1);
+    let lease = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::Launched { lease, .. }) => return Ok(lease),
+                Ok(PlaneEvent::LaunchFailed { reason, .. }) => return Err(reason),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    })
+    .await
+    .context("the job did not launch within 30 s")?
+    .map_err(|r| anyhow::anyhow!("the launch failed: {r}"))?;
+    let container = format!("billet-{lease}");
+    let running = |docker: &bollard::Docker| {
+        let docker = docker.clone();
+        let name = container.clone();
+        async move {
+            docker
+                .inspect_container(&name, None)
+                .await
+                .ok()
+                .and_then(|c| c.state)
+                .and_then(|s| s.running)
+                .unwrap_or(false)
+        }
+    };
+    ensure!(running(&cluster.docker).await, "{container} is not running");
+
+    let expired = wait_status(
+        &state_dir,
+        Duration::from_secs(90),
+        "identity expired",
+        |v| v["identity_expired"] == true,
+    )
+    .await?;
+    ensure!(
+        expired["certificate_remaining_ms"]
+            .as_i64()
+            .is_some_and(|ms| ms < 0),
+        "{expired}"
+    );
+    let dir = state_dir.display().to_string();
+    let (_, table) = run_billet(&["node", "status", "--state-dir", &dir])?;
+    ensure!(table.contains("identity expired"), "{table}");
+    ensure!(
+        running(&cluster.docker).await,
+        "the node's compute did not survive its identity's expiry; log:\n{}",
+        node.log_text()
+    );
+    ensure!(
+        expired["leases"]
+            .as_array()
+            .is_some_and(|l| l.iter().any(|l| l["lease_id"] == lease.as_str())),
+        "the node forgot the lease: {expired}"
+    );
+    // Every session was cut before the certificate's end, and none opens
+    // on an expired one.
+    let mut attached = link.status();
+    tokio::time::timeout(Duration::from_secs(10), attached.wait_for(Option::is_none))
+        .await
+        .context("the plane is still attached to a node whose certificate expired")??;
+
+    let plane = cluster
+        .enroll_addr
+        .context("enrolment endpoint")?
+        .to_string();
+    // A token for another node does not enrol this one.
+    let other = cluster
+        .plane
+        .issue_join_token("node-2", Duration::from_secs(600))
+        .await?;
+    let (code, text) = run_billet(&[
+        "node",
+        "enroll",
+        "--state-dir",
+        &dir,
+        "--plane",
+        &plane,
+        "--token",
+        &other,
+    ])?;
+    assert_eq!(code, 3, "enrolled with another node's token: {text}");
+
+    let token = cluster
+        .plane
+        .issue_join_token("node-1", Duration::from_secs(600))
+        .await?;
+    let token_file = cluster.dir.join("join-token");
+    std::fs::write(&token_file, format!("{token}\n"))?;
+    let file = token_file.display().to_string();
+    let (code, text) = run_billet(&[
+        "node",
+        "enroll",
+        "--state-dir",
+        &dir,
+        "--plane",
+        &plane,
+        "--token-file",
+        &file,
+    ])?;
+    assert_eq!(
+        code,
+        0,
+        "billet node enroll: {text}\nnode log:\n{}",
+        node.log_text()
+    );
+    ensure!(text.contains("enrolled"), "{text}");
+
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let healed = wait_status(
+        &state_dir,
+        Duration::from_secs(30),
+        "identity healed",
+        |v| v["identity_expired"] == false,
+    )
+    .await?;
+    ensure!(
+        healed["certificate_remaining_ms"]
+            .as_i64()
+            .is_some_and(|ms| ms > 30 * 60 * 1000),
+        "{healed}"
+    );
+    assert_eq!(node.pid(), Some(pid), "the node restarted");
+    let now = link.status().borrow().clone().context("attached")?;
+    assert_eq!(now.hello.incarnation, incarnation, "the node restarted");
+    ensure!(
+        running(&cluster.docker).await,
+        "re-enrolment touched the compute; log:\n{}",
+        node.log_text()
+    );
+
+    // The token was for one use.
+    let (code, text) = run_billet(&[
+        "node",
+        "enroll",
+        "--state-dir",
+        &dir,
+        "--plane",
+        &plane,
+        "--token-file",
+        &file,
+    ])?;
+    assert_eq!(code, 3, "a used token enrolled again: {text}");
+    ensure!(text.contains("used already"), "{text}");
+    // Tokens never reach a log.
+    let secret = token.rsplit('.').next().context("secret")?;
+    ensure!(
+        !node.log_text().contains(secret),
+        "the node logged the join token"
+    );
+    cluster.shutdown().await
+}
