@@ -609,6 +609,13 @@ impl billet_proto::v1::local_server::Local for DrainingNode {
             ..Default::default()
         }))
     }
+
+    async fn enroll(
+        &self,
+        _: tonic::Request<billet_proto::v1::EnrollRequest>,
+    ) -> Result<tonic::Response<billet_proto::v1::EnrollResult>, tonic::Status> {
+        Err(tonic::Status::unimplemented("a draining node enrols nothing"))
+    }
 }
 
 #[tokio::test]

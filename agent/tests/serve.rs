@@ -175,6 +175,14 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         Call::Bind(_) | Call::Advance(_) | Call::RemoveRunner(_) | Call::MarkFailure(_) => {
             (None, None)
         }
+        // This plane holds no CA.
+        Call::RenewCertificate(_) => (
+            None,
+            Some(pb::Error {
+                code: pb::ErrorCode::Unavailable.into(),
+                message: "this test plane signs nothing".into(),
+            }),
+        ),
     };
     pb::PlaneReply {
         call_id: 0,

@@ -205,6 +205,13 @@ impl pb::local_server::Local for Echo {
     ) -> Result<Response<pb::LocalStatus>, Status> {
         Ok(Response::new(pb::LocalStatus::default()))
     }
+
+    async fn enroll(
+        &self,
+        _: Request<pb::EnrollRequest>,
+    ) -> Result<Response<pb::EnrollResult>, Status> {
+        Err(Status::unimplemented("the echo service enrols nothing"))
+    }
 }
 
 /// The echo service, served over mTLS with the node's own certificate, and a channel to it

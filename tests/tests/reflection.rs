@@ -140,7 +140,7 @@ async fn reflection_lists_and_describes_the_services_on_the_local_socket_and_the
     }
     assert_eq!(
         describe(local_channel(&socket).await?, "billet.node.v1.Local").await?,
-        ["Status"]
+        ["Status", "Enroll"]
     );
     let alpha = list_alpha(local_channel(&socket).await?).await?;
     assert!(
