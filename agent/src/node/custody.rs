@@ -483,7 +483,28 @@ impl Runner {
     /// Destroys an instance no open lease accounts for; false when the
     /// provider refused (the next sweep retries). A destroy the provider only
     /// accepted is left for the next sweep to confirm.
+    ///
+    /// Its lease has ended, so nothing else will remove its runner's
+    /// registration: the removal is queued first (with the registration the
+    /// journal's launch record names, else by lease), and that launch record
+    /// is kept until the removal is done, so a restart tries it again. Before
+    /// this, an orphan destroyed at recovery left its runner registered for
+    /// ever (the million-seed run, seed 134578: a lease force-released while
+    /// its custody entry could not be journaled).
     async fn destroy_orphan(&self, lease: &LeaseId, name: &InstanceName) -> bool {
+        let record = match self.journal.launches().await {
+            Ok(all) => all.into_iter().find(|r| r.lease == lease.as_str()),
+            Err(e) => {
+                warn!(%lease, error = %e, "cannot read the journal; removing the orphan's registration by lease");
+                None
+            }
+        };
+        let (epoch, registration) = record.map_or((Epoch(0), (0, String::new())), |r| {
+            (Epoch(r.epoch), (r.runner_id, r.runner_name))
+        });
+        self.state()
+            .removals
+            .pending_now(lease, epoch, registration);
         match self.provider.destroy(name).await {
             Err(e) => {
                 warn!(%lease, error = %e, "destroying an orphan failed");
@@ -492,8 +513,8 @@ impl Runner {
             Ok(Teardown::Requested) => true,
             Ok(Teardown::Stopped) => {
                 info!(%lease, instance = %name, "destroyed an orphan");
-                self.state().running.retain(|_, r| r.lease != *lease);
-                self.forget(lease).await;
+                // Keeps the launch record while the removal is pending.
+                self.ended(lease).await;
                 true
             }
         }
@@ -852,17 +873,20 @@ impl Runner {
                         )
                     },
                 ));
-            } else if record.runner_id > 0 || !record.runner_name.is_empty() {
+            } else {
                 // The lease ended and its launch is still remembered: a
                 // registration removal an earlier process had pending (the
                 // launch record is what keeps it across a restart). Tried
-                // at the next tend, on its backoff from then on.
+                // at the next tend, on its backoff from then on. A record
+                // without the runner's id or name is removed by lease: a
+                // crash between the mint and its journal write leaves the
+                // registration unknown but real (the million-seed run,
+                // seed 74039, found it forgotten here); a lease never
+                // minted has none, and the plane answers that as done.
                 let registration = (record.runner_id, record.runner_name.clone());
                 self.state()
                     .removals
                     .pending_now(&lease, Epoch(record.epoch), registration);
-            } else {
-                self.forget(&lease).await;
             }
         }
         self.hold_all(holding).await;
