@@ -614,7 +614,9 @@ impl billet_proto::v1::local_server::Local for DrainingNode {
         &self,
         _: tonic::Request<billet_proto::v1::EnrollRequest>,
     ) -> Result<tonic::Response<billet_proto::v1::EnrollResult>, tonic::Status> {
-        Err(tonic::Status::unimplemented("a draining node enrols nothing"))
+        Err(tonic::Status::unimplemented(
+            "a draining node enrols nothing",
+        ))
     }
 }
 

@@ -132,7 +132,9 @@ impl fmt::Display for Op {
                 "SIGKILL {node}{} and restart it after {down_ms} ms",
                 if *mid_launch { " mid-launch" } else { "" }
             ),
-            Op::DropLaunchResults { node, n } => write!(f, "drop {node}'s next {n} launch result(s)"),
+            Op::DropLaunchResults { node, n } => {
+                write!(f, "drop {node}'s next {n} launch result(s)")
+            }
             Op::CutOnDestroyResults { node, n } => {
                 write!(f, "cut {node}'s session on its next {n} destroy result(s)")
             }
@@ -140,7 +142,10 @@ impl fmt::Display for Op {
                 endpoint,
                 status,
                 times,
-            } => write!(f, "GitHub answers {status} to {times} {endpoint:?} request(s)"),
+            } => write!(
+                f,
+                "GitHub answers {status} to {times} {endpoint:?} request(s)"
+            ),
             Op::RemoveContainer { pick } => write!(f, "docker rm -f a container (pick {pick})"),
             Op::Pause { ms } => write!(f, "pause {ms} ms"),
             Op::Quiesce => write!(f, "quiescent point"),
@@ -299,7 +304,9 @@ impl InFlight {
                     Ok(PlaneEvent::Reserved { lease, .. }) => {
                         set.lock().expect("in flight").insert(lease);
                     }
-                    Ok(PlaneEvent::Launched { lease, .. } | PlaneEvent::LaunchFailed { lease, .. }) => {
+                    Ok(
+                        PlaneEvent::Launched { lease, .. } | PlaneEvent::LaunchFailed { lease, .. },
+                    ) => {
                         set.lock().expect("in flight").remove(&lease);
                     }
                     Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
@@ -476,7 +483,9 @@ async fn moving(cluster: &Cluster, in_flight: &InFlight) -> Result<Option<String
         .map(|l| format!("{} {}", l.id, l.phase))
         .collect();
     if !transient.is_empty() {
-        return Ok(Some(format!("leases reserved or tearing down: {transient:?}")));
+        return Ok(Some(format!(
+            "leases reserved or tearing down: {transient:?}"
+        )));
     }
     let state = cluster.emulator.state();
     let waiting: Vec<i64> = state
@@ -572,7 +581,9 @@ impl Run {
                             .open_leases()
                             .await?
                             .iter()
-                            .any(|l| l.phase == Phase::Launching && l.node.as_deref() == Some(node));
+                            .any(|l| {
+                                l.phase == Phase::Launching && l.node.as_deref() == Some(node)
+                            });
                         if launching {
                             self.journal.note("  a launch is in flight on it");
                             break;
@@ -588,7 +599,8 @@ impl Run {
                 self.cluster
                     .wait_attached(node, Duration::from_secs(60))
                     .await?;
-                self.journal.note(format_args!("  {node} is attached again"));
+                self.journal
+                    .note(format_args!("  {node} is attached again"));
             }
             Op::DropLaunchResults { node, n } => {
                 self.cluster
@@ -647,8 +659,10 @@ impl Run {
                 }),
             )
             .await;
-        self.journal
-            .note(format_args!("  removed {name}: {:?}", removed.map(|()| "ok")));
+        self.journal.note(format_args!(
+            "  removed {name}: {:?}",
+            removed.map(|()| "ok")
+        ));
         // GitHub notices a runner lost mid-job and fails its job; the
         // emulator leaves that to its caller.
         let state = self.cluster.emulator.state();
@@ -660,8 +674,9 @@ impl Run {
         {
             self.cluster.emulator.complete_job(job, Some("failed"));
             self.lost.insert(job.get());
-            self.journal
-                .note(format_args!("  its runner was running job {job}: GitHub fails it"));
+            self.journal.note(format_args!(
+                "  its runner was running job {job}: GitHub fails it"
+            ));
         }
         Ok(())
     }
@@ -709,7 +724,8 @@ impl Run {
                 }
             }
             if last != noted {
-                self.journal.note(format_args!("  waiting: {}", last.trim_end()));
+                self.journal
+                    .note(format_args!("  waiting: {}", last.trim_end()));
                 noted.clone_from(&last);
             }
             if started.elapsed() > QUIESCE_WITHIN {
@@ -726,7 +742,10 @@ impl Run {
     fn check_watch(&self) -> Result<()> {
         let found = self.freed_while_running.lock().expect("violations").clone();
         if !found.is_empty() {
-            bail!("capacity freed while its instance runs:\n{}", found.join("\n"));
+            bail!(
+                "capacity freed while its instance runs:\n{}",
+                found.join("\n")
+            );
         }
         Ok(())
     }
@@ -801,7 +820,10 @@ async fn a_seeded_random_run_keeps_ledger_containers_and_registrations_in_step_a
     let ops = ops_from_env()?;
     let plan = schedule(seed, ops);
     // The plane runs in this process: its log goes to a file of its own.
-    let plane_log = std::env::temp_dir().join(format!("billet-random-e2e-{seed}-{}.log", std::process::id()));
+    let plane_log = std::env::temp_dir().join(format!(
+        "billet-random-e2e-{seed}-{}.log",
+        std::process::id()
+    ));
     let file = std::fs::File::create(&plane_log)
         .with_context(|| format!("create {}", plane_log.display()))?;
     let _ = tracing_subscriber::fmt()
@@ -853,15 +875,21 @@ async fn a_seeded_random_run_keeps_ledger_containers_and_registrations_in_step_a
         }
     }
     if outcome.is_ok() {
-        run.journal.note("the end: every job completes, nothing is left");
+        run.journal
+            .note("the end: every job completes, nothing is left");
         outcome = run.finish().await.context("the end");
     }
     if let Err(e) = outcome {
-        let views = Views::read(&run.cluster).await.map_or_else(
-            |e| format!("  (views unreadable: {e})\n"),
-            |v| v.diff(),
-        );
-        let leases = run.cluster.plane.ledger().open_leases().await.unwrap_or_default();
+        let views = Views::read(&run.cluster)
+            .await
+            .map_or_else(|e| format!("  (views unreadable: {e})\n"), |v| v.diff());
+        let leases = run
+            .cluster
+            .plane
+            .ledger()
+            .open_leases()
+            .await
+            .unwrap_or_default();
         let state = run.cluster.emulator.state();
         let jobs: Vec<String> = state
             .jobs
