@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -951,4 +951,47 @@ async fn pin_by_content(docker: &bollard::Docker, tag: &str) -> Result<String> {
         .await
         .with_context(|| format!("tag {tag} as {repository}:{pinned}"))?;
     Ok(format!("{repository}:{pinned}"))
+}
+
+/// How many times each job was started by a runner, from the plane's
+/// events: the runners that started each job, by its request id, so a test
+/// can check every job ran exactly once.
+#[derive(Clone, Debug, Default)]
+pub struct Starts(Arc<Mutex<HashMap<i64, Vec<String>>>>);
+
+impl Starts {
+    /// Counts every start the plane reports from now on, in a task of
+    /// its own.
+    pub fn watch(cluster: &Cluster) -> Self {
+        let starts = Self::default();
+        let mut events = cluster.plane.subscribe();
+        let counts = Arc::clone(&starts.0);
+        tokio::spawn(async move {
+            while let Ok(event) = events.recv().await {
+                if let billet_controlplane_stub::plane::PlaneEvent::Started {
+                    request_id,
+                    runner_name,
+                } = event
+                {
+                    counts
+                        .lock()
+                        .expect("starts")
+                        .entry(request_id)
+                        .or_default()
+                        .push(runner_name);
+                }
+            }
+        });
+        starts
+    }
+
+    /// The runners that started `job`.
+    pub fn of(&self, job: scaleset::JobRequestId) -> Vec<String> {
+        self.0
+            .lock()
+            .expect("starts")
+            .get(&job.get())
+            .cloned()
+            .unwrap_or_default()
+    }
 }

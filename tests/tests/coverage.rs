@@ -5,55 +5,15 @@
 //! at the end no container, registration or charged capacity is left.
 //! Real binaries, real mTLS, real Docker, the scale-set emulator.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use billet_controlplane_stub::ledger::Phase;
 use billet_controlplane_stub::plane::PlaneEvent;
-use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, wait_until};
+use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, Starts, wait_until};
 use billet_tests::engine_proxy::EngineProxy;
 use scaleset::testing::{Endpoint, Fault, JobState};
-
-/// How many times each job was started by a runner, from the plane's events.
-#[derive(Clone, Default)]
-struct Starts(Arc<Mutex<HashMap<i64, Vec<String>>>>);
-
-impl Starts {
-    fn watch(cluster: &Cluster) -> Self {
-        let starts = Self::default();
-        let mut events = cluster.plane.subscribe();
-        let counts = Arc::clone(&starts.0);
-        tokio::spawn(async move {
-            while let Ok(event) = events.recv().await {
-                if let PlaneEvent::Started {
-                    request_id,
-                    runner_name,
-                } = event
-                {
-                    counts
-                        .lock()
-                        .expect("starts")
-                        .entry(request_id)
-                        .or_default()
-                        .push(runner_name);
-                }
-            }
-        });
-        starts
-    }
-
-    /// The runners that started `job`.
-    fn of(&self, job: scaleset::JobRequestId) -> Vec<String> {
-        self.0
-            .lock()
-            .expect("starts")
-            .get(&job.get())
-            .cloned()
-            .unwrap_or_default()
-    }
-}
 
 /// Builds `tag` as `from` plus a label: a distinct image whose parent is
 /// `from`, so `from` cannot be removed from under it.

@@ -30,7 +30,7 @@ use anyhow::{Context, Result, bail};
 use billet_controlplane_stub::ledger::{Lease, Phase};
 use billet_controlplane_stub::node_link::CommandOutcome;
 use billet_controlplane_stub::plane::PlaneEvent;
-use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
+use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until};
 use scaleset::testing::{Endpoint, Fault, JobState};
 
 /// Operations when `BILLET_E2E_OPS` is not set: about the issue's "40 in
@@ -246,45 +246,6 @@ impl Journal {
         let line = format!("[{:7.1}s] {line}", start.elapsed().as_secs_f64());
         eprintln!("random_e2e: {line}");
         self.lines.push(line);
-    }
-}
-
-/// How many times each job was started by a runner, from the plane's
-/// events.
-#[derive(Clone, Default)]
-struct Starts(Arc<Mutex<HashMap<i64, Vec<String>>>>);
-
-impl Starts {
-    fn watch(cluster: &Cluster) -> Self {
-        let starts = Self::default();
-        let mut events = cluster.plane.subscribe();
-        let counts = Arc::clone(&starts.0);
-        tokio::spawn(async move {
-            while let Ok(event) = events.recv().await {
-                if let PlaneEvent::Started {
-                    request_id,
-                    runner_name,
-                } = event
-                {
-                    counts
-                        .lock()
-                        .expect("starts")
-                        .entry(request_id)
-                        .or_default()
-                        .push(runner_name);
-                }
-            }
-        });
-        starts
-    }
-
-    fn of(&self, job: scaleset::JobRequestId) -> Vec<String> {
-        self.0
-            .lock()
-            .expect("starts")
-            .get(&job.get())
-            .cloned()
-            .unwrap_or_default()
     }
 }
 
