@@ -305,10 +305,16 @@ impl CallHandler {
                     .await
                 {
                     // Never hand out a registration the ledger cannot name.
-                    let _ = self
+                    // One this removal misses is found by its name by the
+                    // plane's registration pass once the lease has ended.
+                    if let Err(removal) = self
                         .github
                         .remove_runner(minted.runner_id, &minted.runner_name)
-                        .await;
+                        .await
+                    {
+                        tracing::warn!(lease = %lease_id, runner = %minted.runner_name, error = %removal,
+                            "a registration the ledger refused to record could not be removed; the registration pass removes it by name");
+                    }
                     return Err(ledger_error(&e));
                 }
                 Ok(Some(pb::plane_reply::Result::Jit(pb::JitConfig {

@@ -287,6 +287,21 @@ impl Github {
         }
     }
 
+    /// The id of the registration named `runner_name`, if GitHub has one.
+    ///
+    /// # Errors
+    ///
+    /// [`GithubError::Call`] when GitHub cannot answer (5xx, timeouts).
+    pub async fn runner_by_name(&self, runner_name: &str) -> Result<Option<i64>, GithubError> {
+        match self.client.get_runner_by_name(runner_name).await {
+            Ok(found) => Ok(found.map(|r| r.id.0)),
+            Err(source) => Err(GithubError::Call {
+                operation: format!("look up runner {runner_name}"),
+                source,
+            }),
+        }
+    }
+
     /// Removes a runner by id, or by name when the id is unknown. Already
     /// gone is success.
     ///

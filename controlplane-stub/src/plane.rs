@@ -188,6 +188,13 @@ pub const RELAUNCH_MIN_DELAY: Duration = Duration::from_millis(500);
 /// The longest wait between two launches for the same uncovered jobs.
 pub const RELAUNCH_MAX_DELAY: Duration = Duration::from_secs(15);
 
+/// How long after its lease ended a registration the ledger never recorded
+/// is still looked for by name ([`Plane::registrations_once`]), in
+/// milliseconds: one hour. Such a registration exists only when a mint's
+/// recording and its immediate removal both failed, which is seconds
+/// before the lease ended, not hours.
+const UNRECORDED_LOOKBACK_MS: i64 = 60 * 60 * 1000;
+
 /// How often the plane compares registrations with open leases.
 pub const REGISTRATION_INTERVAL: Duration = Duration::from_secs(60);
 
@@ -824,14 +831,22 @@ impl Plane {
         // A lost launch whose lease never had a registration minted has no
         // runner and cannot get one (the ledger refuses a mint, and records
         // none, once the lease has ended): it is a failure like any other.
+        // The node may still be launching, so the check and the release are
+        // one ledger transaction: a mint recorded in between would leave a
+        // runner started on a lease already ended. A ledger error counts as
+        // minted, the careful side (the lease stays open and covered).
         let minted = match &outcome {
-            CommandOutcome::Lost(_) => self
+            CommandOutcome::Lost(_) => match self
                 .ledger
-                .get(&lease.id)
+                .release_unminted(&lease.id, lease.epoch, crate::now_ms())
                 .await
-                .ok()
-                .flatten()
-                .is_none_or(|l| l.runner_id.is_some()),
+            {
+                Ok(released) => released.is_none(),
+                Err(e) => {
+                    warn!(error = %e, "the lost launch's lease could not be judged; it is treated as minted");
+                    true
+                }
+            },
             _ => false,
         };
         if minted {
@@ -888,8 +903,9 @@ impl Plane {
             delay
         };
         warn!(%reason, custody, retry_in = ?delay, "the launch did not end with a runner; the job gets a fresh lease");
-        if !custody {
-            // Nothing was started: the plane ends the lease itself.
+        if !custody && !matches!(outcome, CommandOutcome::Lost(_)) {
+            // Nothing was started: the plane ends the lease itself (a lost
+            // launch's lease was ended above, with the mint check).
             if let Err(e) = self
                 .ledger
                 .release(&lease.id, lease.epoch, None, Phase::Failed, crate::now_ms())
@@ -1280,7 +1296,8 @@ impl Plane {
     }
 
     /// One pass. A registration whose lease ended more than the grace ago
-    /// is removed. An idle runner (launched, no job taken) whose
+    /// is removed (found by its recorded id, or by its name when the ledger
+    /// recorded none and the lease ended within an hour). An idle runner (launched, no job taken) whose
     /// registration GitHub has answered 404 for longer than the grace is
     /// destroyed and its lease failed with [`REGISTRATION_LOST`], at most
     /// max(1, max_runners / 4) per pass, each after a random delay. Any
@@ -1296,12 +1313,31 @@ impl Plane {
             i64::try_from(self.config.registration_grace.as_millis()).unwrap_or(i64::MAX);
         let now_ms = crate::now_ms();
         for l in &leases {
-            let (Some(runner_id), Some(ended)) = (l.runner_id, l.ended_at_ms) else {
+            let Some(ended) = l.ended_at_ms else {
                 continue;
             };
             if memory.gone.contains(&l.id) || now_ms.saturating_sub(ended) < grace_ms {
                 continue;
             }
+            let runner_id = match l.runner_id {
+                Some(id) => Some(id),
+                // A lease that ended with no registration recorded may still
+                // have one: a mint GitHub answered whose recording the
+                // ledger refused (the lease ended meanwhile) and whose
+                // immediate removal failed. It can only be named, so it is
+                // looked up by name, once, for leases that ended within
+                // UNRECORDED_LOOKBACK.
+                None if now_ms.saturating_sub(ended) <= UNRECORDED_LOOKBACK_MS => {
+                    self.github
+                        .runner_by_name(&format!("billet-{}", l.id))
+                        .await?
+                }
+                None => None,
+            };
+            let Some(runner_id) = runner_id else {
+                memory.gone.insert(l.id.clone());
+                continue;
+            };
             if self.github.runner_exists(runner_id).await? {
                 let name = l
                     .runner_name
@@ -1512,6 +1548,14 @@ mod tests {
     /// A plane over an in-memory ledger with links to `nodes`, none dialed:
     /// tests attach them with `NodeLink::attach_for_test`.
     async fn plane(nodes: &[&str]) -> (Arc<Plane>, scaleset::testing::Emulator) {
+        plane_configured(nodes, |_| {}).await
+    }
+
+    /// As [`plane`], with `configure` applied to the configuration first.
+    async fn plane_configured(
+        nodes: &[&str],
+        configure: impl FnOnce(&mut PlaneConfig),
+    ) -> (Arc<Plane>, scaleset::testing::Emulator) {
         let emulator = scaleset::testing::Emulator::builder().start().await;
         let lease_ttl = Duration::from_secs(60);
         let targets: Vec<NodeTarget> = nodes
@@ -1553,6 +1597,8 @@ mod tests {
             registration_grace: REGISTRATION_GRACE,
             node_ca: None,
         };
+        let mut config = config;
+        configure(&mut config);
         let plane = Arc::new(Plane {
             ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
             github: Arc::new(Github::new(emulator.client())),
@@ -1749,6 +1795,54 @@ mod tests {
             asked,
             "a gone registration was asked about again"
         );
+    }
+
+    /// A mint GitHub answered but the ledger refused to record (the lease
+    /// ended meanwhile), whose immediate removal failed too, leaves a
+    /// registration no lease names by id: the pass finds it by its name
+    /// once the lease has ended, removes it, and asks no more.
+    #[tokio::test]
+    async fn a_registration_the_ledger_never_recorded_is_found_by_name_and_removed() {
+        let (plane, emulator) = plane_configured(&["node-a"], |c| {
+            c.registration_grace = Duration::ZERO;
+        })
+        .await;
+        plane.github.ensure_scale_set("linux").await.expect("set");
+        let lease = launched_on(&plane, 5, "node-a").await;
+        plane
+            .github
+            .mint("linux", &format!("billet-{}", lease.id))
+            .await
+            .expect("mint");
+        plane
+            .ledger
+            .release(
+                &lease.id,
+                lease.epoch,
+                Some("node-a"),
+                Phase::Failed,
+                crate::now_ms(),
+            )
+            .await
+            .expect("release");
+        assert_eq!(emulator.state().runners.len(), 1);
+        let mut memory = Registrations::default();
+        let shutdown = CancellationToken::new();
+        plane
+            .registrations_once(&mut memory, &shutdown)
+            .await
+            .expect("pass");
+        assert!(
+            emulator.state().runners.is_empty(),
+            "the unrecorded registration was left: {:?}",
+            emulator.state().runners
+        );
+        let asked = emulator.requests().len();
+        plane
+            .registrations_once(&mut memory, &shutdown)
+            .await
+            .expect("pass");
+        assert_eq!(emulator.requests().len(), asked, "asked about it again");
     }
 
     /// Five jobs assigned at once get five leases in one pass, one per job

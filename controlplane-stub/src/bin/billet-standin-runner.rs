@@ -25,6 +25,7 @@
 //! | `BILLET_STANDIN_IDLE_TIMEOUT_MS` | `--idle-timeout-ms` | 600000 | how long to wait for a job, in milliseconds |
 //! | `BILLET_STANDIN_EXIT_CODE` | `--exit-code` | 3 | mode `exit`: the code to exit with, 0 to 255 |
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
+//! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -131,6 +132,10 @@ struct Cli {
     /// milliseconds, before exiting.
     #[arg(long, env = "BILLET_STANDIN_POST_JOB_MS", default_value_t = 0)]
     post_job_ms: u64,
+    /// How long to wait after start before the first look at the emulator, in milliseconds:
+    /// the runner stays idle (registered, taking no job) until then.
+    #[arg(long, env = "BILLET_STANDIN_FIRST_LOOK_MS", default_value_t = 0)]
+    first_look_ms: u64,
 }
 
 /// What the runner does with its JIT config (`BILLET_STANDIN_MODE`; the module doc's table).
@@ -437,6 +442,9 @@ impl<'a> EmulatorLink<'a> {
             "billet-standin-runner: runner {} (id {}) waiting for a job of scale set {} at {}{also_mode}",
             config.runner_name, config.runner_id, config.scale_set_id, self.base
         );
+        if cli.first_look_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(cli.first_look_ms)).await;
+        }
 
         let mut last_error = String::new();
         loop {
@@ -953,6 +961,25 @@ mod tests {
         let asked = gh.emu.requests_to(scaleset::testing::Endpoint::Control);
         assert!(asked.is_empty(), "{asked:#?}");
         assert_eq!(gh.job().state, JobState::Assigned);
+    }
+
+    #[tokio::test]
+    async fn a_runner_with_a_first_look_delay_stays_idle_until_then_and_then_runs_the_job() {
+        let gh = Emulated::start("standin-first-look").await;
+        let first_look = QUIET * 2;
+        let cli = gh.cli(&["--first-look-ms", &first_look.as_millis().to_string()]);
+        let mut running = std::pin::pin!(run(&cli, &gh.config));
+        let early = tokio::time::timeout(QUIET, running.as_mut()).await;
+        assert!(
+            early.is_err(),
+            "the runner ended before its first look: {early:?}"
+        );
+        let asked = gh.emu.requests_to(scaleset::testing::Endpoint::Control);
+        assert!(asked.is_empty(), "asked before its first look: {asked:#?}");
+        assert_eq!(gh.job().state, JobState::Assigned);
+        let outcome = tokio::time::timeout(BOUND, running).await;
+        assert_eq!(outcome.expect("the runner finishes"), Ok(gh.job));
+        assert_eq!(gh.job().state, JobState::Completed);
     }
 
     #[tokio::test]

@@ -328,6 +328,58 @@ impl Ledger {
         finish(tx, id).await
     }
 
+    /// Ends the lease `failed` unless a runner registration is recorded for
+    /// it, deciding and writing in one transaction under the lease's row
+    /// lock. A plane whose launch result was lost uses it: the node may
+    /// still be launching, and a mint recorded between a read of the lease
+    /// and a separate release would leave a runner started on a lease the
+    /// plane had ended (its job then killed when the node learns the lease
+    /// is gone). With the decision here, either the release comes first
+    /// and the mint is refused ([`Ledger::set_runner`] needs an open
+    /// lease), or the mint comes first and nothing is released.
+    ///
+    /// Returns `Ok(Some(lease))` when the lease ended here or had already
+    /// ended `failed`, `Ok(None)` when a registration is recorded (the
+    /// lease is left as it is: the node may well have started a runner).
+    ///
+    /// # Errors
+    ///
+    /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
+    pub async fn release_unminted(
+        &self,
+        id: &str,
+        epoch: u64,
+        now_ms: i64,
+    ) -> Result<Option<Lease>> {
+        let mut tx = self.begin_write().await?;
+        let lease = load_fenced(&mut tx, self.backend, id, epoch).await?;
+        if lease.phase.is_terminal() {
+            return if lease.phase == Phase::Failed {
+                Ok(Some(lease))
+            } else {
+                Err(LedgerError::Conflict(format!(
+                    "lease {id} already ended as {}; it cannot also end as failed",
+                    lease.phase
+                )))
+            };
+        }
+        if lease.runner_id.is_some() {
+            return Ok(None);
+        }
+        let done = sqlx::query(
+            "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+             WHERE id = $3 AND epoch = $4 AND runner_id IS NULL",
+        )
+        .bind(Phase::Failed.as_str())
+        .bind(now_ms)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .execute(&mut *tx)
+        .await?;
+        expect_one_row(done.rows_affected(), id)?;
+        finish(tx, id).await.map(Some)
+    }
+
     /// Records why the job will fail. The first reason stays; the same
     /// reason again is a no-op. Capacity stays charged.
     ///
@@ -697,6 +749,62 @@ mod tests {
             l.release("a", 1, Some("n1"), Phase::Done, 2).await.unwrap();
             l.reserve_on(new_lease("b"), "n1", tight, 2).await.unwrap();
             assert_eq!(code(l.reserve_on(new_lease("b"), "n1", ROOM, 2).await), "conflict");
+        }
+    }
+
+    on_both_backends! {
+        /// A lost launch's lease is ended only while no registration is
+        /// recorded: a mint that lands first keeps it open, and one that
+        /// comes after is refused.
+        async fn a_lost_launch_is_released_only_while_nothing_is_minted(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            let ended = l.release_unminted("a", 1, 1).await.unwrap().expect("released");
+            assert_eq!(ended.phase, Phase::Failed);
+            assert_eq!(code(l.set_runner("a", 1, 7, "r-a").await), "not_found");
+            assert_eq!(l.release_unminted("a", 1, 2).await.unwrap().map(|l| l.phase), Some(Phase::Failed));
+
+            lease_in(&l, "b", "n1", &[Phase::Launching], 0).await;
+            l.set_runner("b", 1, 8, "r-b").await.unwrap();
+            assert_eq!(l.release_unminted("b", 1, 1).await.unwrap(), None);
+            let kept = l.get("b").await.unwrap().unwrap();
+            assert_eq!((kept.phase, kept.runner_id), (Phase::Launching, Some(8)));
+
+            lease_in(&l, "c", "n1", &[Phase::Launching], 0).await;
+            l.release("c", 1, Some("n1"), Phase::Done, 1).await.unwrap();
+            assert_eq!(code(l.release_unminted("c", 1, 2).await), "conflict");
+            assert_eq!(code(l.release_unminted("c", 2, 2).await), "fenced");
+        }
+    }
+
+    on_both_backends! {
+        /// The mint and the lost launch's release race: whichever commits
+        /// first wins, and the lease never ends with a registration
+        /// recorded after it ended.
+        async fn a_mint_racing_a_lost_launch_release_never_lands_on_an_ended_lease(db) {
+            let l = db.ledger().await;
+            for i in 0..20 {
+                let id = format!("race-{i}");
+                lease_in(&l, &id, "n1", &[Phase::Launching], 0).await;
+                let name = format!("r-{i}");
+                let (mint, release) = tokio::join!(
+                    l.set_runner(&id, 1, 100 + i, &name),
+                    l.release_unminted(&id, 1, 1),
+                );
+                let lease = l.get(&id).await.unwrap().unwrap();
+                match (mint.is_ok(), release.unwrap()) {
+                    (true, None) => {
+                        assert_eq!((lease.phase, lease.runner_id), (Phase::Launching, Some(100 + i)));
+                    }
+                    (false, Some(ended)) => {
+                        assert_eq!(ended.phase, Phase::Failed);
+                        assert_eq!((lease.phase, lease.runner_id), (Phase::Failed, None));
+                    }
+                    (minted, released) => {
+                        panic!("lease {id}: mint ok {minted}, release {released:?}, now {lease:?}")
+                    }
+                }
+            }
         }
     }
 
