@@ -10,9 +10,12 @@
 //!   `StartUpgrade`, the updater, releases and version stamping.
 //! - [`edge`]: where the outside world's shapes become the node's own: the
 //!   node's types, the proto conversions, and mTLS.
+//! - [`cache`]: the node-local cache: sticky disks, their generations,
+//!   mounts, commits and eviction.
 //! - [`cli`]: the command line, the configuration layering and the exit
 //!   codes of the `billet` binary.
 
+pub mod cache;
 pub mod cli;
 pub mod edge;
 pub mod node;

@@ -1,8 +1,9 @@
 //! The node journal: the node's memory across its own restarts. The ledger
 //! stays the authority; the journal remembers what only this node knows:
 //! each launch (lease, epoch, request id, runner registration, instance),
-//! each custody entry with why it is held, and recent command results for
-//! redelivery.
+//! each custody entry with why it is held, recent command results for
+//! redelivery, and the cache's sticky-disk mounts ([`MountJournal`]), so a
+//! restarted node still owns what its guests mounted.
 //!
 //! [`SqliteJournal`] keeps it in `journal.db` in the state directory (mode
 //! 0600, through sqlx); [`MemoryJournal`] is the seam's fake. A journal that
@@ -141,6 +142,46 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError>;
 }
 
+/// One sticky-disk mount as journaled (`crate::cache`): recorded before
+/// the clone is made, so a node killed while cloning finds it again, and
+/// kept until the mount is committed or discarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountRecord {
+    /// The mount's id, which names its directory under the cache's
+    /// `mounts/`.
+    pub mount: String,
+    /// The lease whose instance has it bound.
+    pub lease: String,
+    /// The sticky-disk key (within the node's deployment).
+    pub key: String,
+    /// The generation it was cloned from; `None` for a cold mount.
+    pub parent: Option<u64>,
+    /// `"cas"` or `"last-writer-wins"`.
+    pub policy: String,
+    /// False for a fallback mount (an empty directory after a failed
+    /// clone): it is never committed.
+    pub committable: bool,
+    /// The job ended with GitHub's result `succeeded`: its end commits the
+    /// mount instead of discarding it.
+    pub succeeded: bool,
+    /// When the mount was made, unix milliseconds.
+    pub since_unix_ms: i64,
+}
+
+/// The cache's part of the node's memory: the sticky-disk mounts that are
+/// neither committed nor discarded. A seam of its own, apart from
+/// [`Journal`], so the runner's decorators (health, metrics) need not know
+/// the cache.
+#[async_trait]
+pub trait MountJournal: Send + Sync + std::fmt::Debug {
+    /// Records (or replaces) a mount, synced.
+    async fn put_mount(&self, mount: &MountRecord) -> Result<(), JournalError>;
+    /// Forgets a mount, synced.
+    async fn forget_mount(&self, mount: &str) -> Result<(), JournalError>;
+    /// Every recorded mount, by id.
+    async fn mounts(&self) -> Result<Vec<MountRecord>, JournalError>;
+}
+
 /// The journal in SQLite.
 #[derive(Debug)]
 pub struct SqliteJournal {
@@ -162,13 +203,23 @@ CREATE TABLE IF NOT EXISTS custody (
 CREATE TABLE IF NOT EXISTS results (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, command TEXT NOT NULL UNIQUE, encoded BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cache_mounts (
+    mount TEXT PRIMARY KEY, lease TEXT NOT NULL, key TEXT NOT NULL, parent INTEGER,
+    policy TEXT NOT NULL, committable INTEGER NOT NULL, succeeded INTEGER NOT NULL,
+    since_unix_ms INTEGER NOT NULL
+);
 ";
+
+/// The tables schema 2 added to schema 1 (the sticky-disk mounts), which a
+/// journal of schema 1 gets when a node of this release opens it.
+const SCHEMA_2_TABLES: &[&str] = &["cache_mounts"];
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
 pub const APPLICATION_ID: i64 = 0x626c_746a;
-/// `PRAGMA user_version`: the journal's schema version.
-pub const SCHEMA_VERSION: i64 = 1;
+/// `PRAGMA user_version`: the journal's schema version (2 added
+/// `cache_mounts`).
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Stamps a database as a journal of this schema. Both values are this
 /// module's integer constants.
@@ -340,7 +391,7 @@ async fn connect(path: &Path, read_only: bool) -> Result<SqlitePool, JournalErro
             "failed its integrity check: {check}; {DAMAGED}"
         )));
     }
-    identify(&pool).await.map_err(fail)?;
+    identify(&pool, read_only).await.map_err(fail)?;
     Ok(pool)
 }
 
@@ -421,8 +472,9 @@ async fn schema_shape() -> Result<BTreeMap<String, Vec<String>>, sqlx::Error> {
 
 /// Checks that the open database is a billet node journal of this schema.
 /// A journal from before the application id was set (its tables exactly
-/// this schema's) is stamped with it.
-async fn identify(pool: &SqlitePool) -> Result<(), String> {
+/// this schema's) is stamped with it; one of schema 1 gets schema 2's
+/// tables (unless `read_only`, which only checks).
+async fn identify(pool: &SqlitePool, read_only: bool) -> Result<(), String> {
     let read = |e: sqlx::Error| format!("cannot read: {e}; {DAMAGED}");
     let id: i64 = sqlx::query_scalar("PRAGMA application_id")
         .fetch_one(pool)
@@ -451,9 +503,30 @@ async fn identify(pool: &SqlitePool) -> Result<(), String> {
     let expected = schema_shape()
         .await
         .map_err(|e| format!("cannot check it against the schema: {e}"))?;
+    // A journal of schema 1 (or older, without an id) is this schema less
+    // the tables schema 2 added: given them, in one transaction.
+    let mut schema_1 = expected.clone();
+    schema_1.retain(|table, _| !SCHEMA_2_TABLES.contains(&table.as_str()));
+    if version < SCHEMA_VERSION && found == schema_1 {
+        if read_only {
+            return Ok(());
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "BEGIN IMMEDIATE; {SCHEMA} {} COMMIT;",
+            stamp().0
+        )))
+        .execute(pool)
+        .await
+        .map_err(|e| format!("cannot upgrade it to journal schema {SCHEMA_VERSION}: {e}"))?;
+        return Ok(());
+    }
+    // A table with other columns says more than a missing one.
+    let differs = |(table, columns): &(&String, &Vec<String>)| found.get(*table) != Some(*columns);
     if let Some((table, columns)) = expected
         .iter()
-        .find(|(table, columns)| found.get(*table) != Some(*columns))
+        .filter(|(table, _)| found.contains_key(*table))
+        .find(differs)
+        .or_else(|| expected.iter().find(differs))
     {
         let what = if id == 0 {
             "is not a billet node journal"
@@ -652,6 +725,59 @@ impl Journal for SqliteJournal {
     }
 }
 
+#[async_trait]
+impl MountJournal for SqliteJournal {
+    async fn put_mount(&self, m: &MountRecord) -> Result<(), JournalError> {
+        sqlx::query(
+            "INSERT OR REPLACE INTO cache_mounts (mount, lease, key, parent, policy, committable, succeeded, since_unix_ms)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&m.mount)
+        .bind(&m.lease)
+        .bind(&m.key)
+        .bind(m.parent.map(|g| i64::try_from(g).unwrap_or(i64::MAX)))
+        .bind(&m.policy)
+        .bind(m.committable)
+        .bind(m.succeeded)
+        .bind(m.since_unix_ms)
+        .execute(&mut *self.connection(Durability::Synced).await?)
+        .await
+        .map_err(io)?;
+        Ok(())
+    }
+
+    async fn forget_mount(&self, mount: &str) -> Result<(), JournalError> {
+        sqlx::query("DELETE FROM cache_mounts WHERE mount = ?")
+            .bind(mount)
+            .execute(&mut *self.connection(Durability::Synced).await?)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn mounts(&self) -> Result<Vec<MountRecord>, JournalError> {
+        let rows = sqlx::query("SELECT * FROM cache_mounts ORDER BY mount")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| {
+                let parent: Option<i64> = r.try_get("parent").map_err(io)?;
+                Ok(MountRecord {
+                    mount: r.try_get("mount").map_err(io)?,
+                    lease: r.try_get("lease").map_err(io)?,
+                    key: r.try_get("key").map_err(io)?,
+                    parent: parent.and_then(|g| u64::try_from(g).ok()),
+                    policy: r.try_get("policy").map_err(io)?,
+                    committable: r.try_get("committable").map_err(io)?,
+                    succeeded: r.try_get("succeeded").map_err(io)?,
+                    since_unix_ms: r.try_get("since_unix_ms").map_err(io)?,
+                })
+            })
+            .collect()
+    }
+}
+
 /// A journal in memory: the seam's fake, and what a runner without a state
 /// directory uses. Survives a [`crate::node::runner::Runner`] being rebuilt over
 /// it, which is how tests model a restart.
@@ -660,6 +786,31 @@ pub struct MemoryJournal {
     launches: Mutex<BTreeMap<String, LaunchRecord>>,
     custody: Mutex<BTreeMap<String, CustodyRecord>>,
     results: Mutex<Vec<(String, Vec<u8>)>>,
+    mounts: Mutex<BTreeMap<String, MountRecord>>,
+}
+
+#[async_trait]
+impl MountJournal for MemoryJournal {
+    async fn put_mount(&self, mount: &MountRecord) -> Result<(), JournalError> {
+        self.mounts
+            .lock()
+            .expect("journal")
+            .insert(mount.mount.clone(), mount.clone());
+        Ok(())
+    }
+    async fn forget_mount(&self, mount: &str) -> Result<(), JournalError> {
+        self.mounts.lock().expect("journal").remove(mount);
+        Ok(())
+    }
+    async fn mounts(&self) -> Result<Vec<MountRecord>, JournalError> {
+        Ok(self
+            .mounts
+            .lock()
+            .expect("journal")
+            .values()
+            .cloned()
+            .collect())
+    }
 }
 
 #[async_trait]
@@ -896,7 +1047,7 @@ mod tests {
         sqlite(&d.join(JOURNAL_FILE), "PRAGMA user_version = 9;").await;
         let err = refused(&d).await;
         assert!(
-            err.contains("journal schema 9") && err.contains("reads 1"),
+            err.contains("journal schema 9") && err.contains("reads 2"),
             "{err}"
         );
     }
@@ -945,6 +1096,95 @@ mod tests {
         let j = SqliteJournal::open(&d).await.unwrap();
         j.put_launch(&launch("a")).await.unwrap();
         assert!(!d.join(JOURNAL_FILE).with_extension("db.new").exists());
+    }
+
+    fn mount(id: &str) -> MountRecord {
+        MountRecord {
+            mount: id.into(),
+            lease: "l1".into(),
+            key: "npm".into(),
+            parent: Some(7),
+            policy: "cas".into(),
+            committable: true,
+            succeeded: false,
+            since_unix_ms: 5,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reopened_journal_remembers_the_cache_mounts() {
+        let d = dir();
+        {
+            let j = SqliteJournal::open(&d).await.unwrap();
+            j.put_mount(&mount("m1")).await.unwrap();
+            j.put_mount(&MountRecord {
+                parent: None,
+                committable: false,
+                ..mount("m2")
+            })
+            .await
+            .unwrap();
+            j.put_mount(&mount("m3")).await.unwrap();
+            j.forget_mount("m3").await.unwrap();
+            j.put_mount(&MountRecord {
+                succeeded: true,
+                ..mount("m1")
+            })
+            .await
+            .unwrap();
+        }
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(
+            j.mounts().await.unwrap(),
+            vec![
+                MountRecord {
+                    succeeded: true,
+                    ..mount("m1")
+                },
+                MountRecord {
+                    parent: None,
+                    committable: false,
+                    ..mount("m2")
+                },
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_schema_1_journal_keeps_its_records_and_gains_the_cache_mounts() {
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        // Exactly what schema 1 wrote: its three tables, stamped version 1.
+        sqlite(
+            &path,
+            "PRAGMA application_id = 1651274858; PRAGMA user_version = 1;
+             CREATE TABLE launches (
+                lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, request_id INTEGER NOT NULL,
+                instance TEXT NOT NULL, runner_id INTEGER NOT NULL, runner_name TEXT NOT NULL,
+                created INTEGER NOT NULL);
+             CREATE TABLE custody (
+                lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, instance TEXT NOT NULL,
+                request_id INTEGER NOT NULL, registration_id INTEGER, registration_name TEXT,
+                outcome TEXT NOT NULL, phase TEXT, discard INTEGER NOT NULL, observed INTEGER NOT NULL,
+                since_unix_ms INTEGER NOT NULL);
+             CREATE TABLE results (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT, command TEXT NOT NULL UNIQUE, encoded BLOB NOT NULL);
+             INSERT INTO launches VALUES ('a', 2, 7, 'billet-a', 11, 'billet-a', 1);",
+        )
+        .await;
+        // `billet check` reads it as it is, writing nothing.
+        assert!(SqliteJournal::check(&d).await.unwrap());
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(j.launches().await.unwrap(), vec![launch("a")]);
+        j.put_mount(&mount("m1")).await.unwrap();
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        drop(j);
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(j.mounts().await.unwrap(), vec![mount("m1")]);
     }
 
     #[tokio::test]

@@ -1,0 +1,179 @@
+//! The node-local cache (issue #16): so far, sticky disks (spec/cache.md
+//! §1.1, §2.4, §4). A sticky disk is a directory a job asks for by key and
+//! path; the node binds a copy-on-write clone of the key's current
+//! generation at that path before the job's compute starts, and at the end
+//! of a successful job the clone's contents become the key's next
+//! immutable generation, compare-and-swap on the generation it was cloned
+//! from. A cache can make a job faster and never changes its result: every
+//! failure here is a warning and a cold directory.
+//!
+//! - [`store`]: [`Store`], the generations, mounts, commits and eviction on
+//!   the node's disk, its mounts recorded in the node journal
+//!   ([`crate::node::journal::MountJournal`]).
+//! - [`clone`]: how a mount is made: reflink per file, or a sparse copy.
+//!
+//! Invariant: this module never sees a lease's compute or the provider;
+//! the runner asks it for mounts before compute starts and settles them
+//! once compute is proven gone.
+
+pub mod clone;
+pub mod store;
+
+pub use store::{
+    CacheError, Committed, EvictReport, Eviction, Generation, Mount, STORE_LOCK, Settled, Store,
+};
+
+use thiserror::Error;
+
+/// Most sticky disks one job may mount (the reference's
+/// `provider.MaxVolumes`, spec/cache.md §1.1).
+pub const MAX_STICKY_DISKS: usize = 5;
+
+/// Longest sticky-disk key, in bytes (spec/cache.md §2.4).
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// The key prefix the Docker image store reserves (spec/cache.md §2.4):
+/// no sticky disk may claim it.
+pub const RESERVED_PREFIX: &str = "docker-images/";
+
+/// A sticky disk's key, within the node's deployment: non-empty, at most
+/// [`MAX_KEY_BYTES`], no surrounding whitespace, no control character, not
+/// under [`RESERVED_PREFIX`]. Used verbatim, so two repositories of one
+/// deployment that use the same key share it (spec/cache.md §1.1: prefix
+/// it with the repository).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DiskKey(String);
+
+/// Why a sticky disk a tier asks for is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum DiskError {
+    /// The key is empty.
+    #[error("the key is empty; name the cache, e.g. \"<repository>-npm\"")]
+    EmptyKey,
+    /// The key is longer than [`MAX_KEY_BYTES`].
+    #[error("the key is {0} bytes; at most {MAX_KEY_BYTES} are allowed")]
+    LongKey(usize),
+    /// The key has surrounding whitespace or a control character.
+    #[error("the key {0:?} has surrounding whitespace or a control character; remove it")]
+    KeyCharacters(String),
+    /// The key claims the Docker image store's namespace.
+    #[error("the key {0:?} starts with {RESERVED_PREFIX:?}, which the Docker image store reserves")]
+    ReservedKey(String),
+    /// The path is not absolute.
+    #[error("the path {0:?} is not absolute; give the path inside the job, e.g. \"/cache/npm\"")]
+    RelativePath(String),
+    /// The path is `/`, or has `.`/`..` parts or a control character.
+    #[error(
+        "the path {0:?} is not a plain absolute directory; no \".\", \"..\" or control characters, and not \"/\""
+    )]
+    BadPath(String),
+    /// Two disks of one job at one path.
+    #[error("two sticky disks are mounted at {0:?}; give each its own path")]
+    SamePath(String),
+    /// More than [`MAX_STICKY_DISKS`].
+    #[error("{0} sticky disks were asked for; a job may mount at most {MAX_STICKY_DISKS}")]
+    TooMany(usize),
+}
+
+impl DiskKey {
+    /// Checks a key.
+    ///
+    /// # Errors
+    ///
+    /// [`DiskError::EmptyKey`], [`DiskError::LongKey`],
+    /// [`DiskError::KeyCharacters`], [`DiskError::ReservedKey`].
+    pub fn parse(key: &str) -> Result<Self, DiskError> {
+        if key.is_empty() {
+            return Err(DiskError::EmptyKey);
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(DiskError::LongKey(key.len()));
+        }
+        if key.trim() != key || key.chars().any(char::is_control) {
+            return Err(DiskError::KeyCharacters(key.to_owned()));
+        }
+        if key.starts_with(RESERVED_PREFIX) {
+            return Err(DiskError::ReservedKey(key.to_owned()));
+        }
+        Ok(Self(key.to_owned()))
+    }
+
+    /// The key.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for DiskKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// How a commit treats a key whose head moved since the mount was cloned
+/// (spec/cache.md §2.4, §4.2 "Publication policies").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// Compare-and-swap on the parent generation: the first commit after a
+    /// generation wins, and a later one cloned from the same generation is
+    /// rejected as a conflict and discarded (the default).
+    #[default]
+    Cas,
+    /// The commit becomes the head whatever the head is now (the
+    /// reference's `last-write-wins`, which its BuildKit state uses): the
+    /// tier opts into losing the other job's commit.
+    LastWriterWins,
+}
+
+impl Policy {
+    /// Its name in the journal and in logs: `cas`, `last-writer-wins`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Cas => "cas",
+            Policy::LastWriterWins => "last-writer-wins",
+        }
+    }
+
+    /// The policy named `name` ([`Policy::as_str`]).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "cas" => Some(Policy::Cas),
+            "last-writer-wins" => Some(Policy::LastWriterWins),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_must_be_plain_bounded_and_outside_the_image_store() {
+        assert_eq!(DiskKey::parse("repo-npm").unwrap().as_str(), "repo-npm");
+        assert_eq!(DiskKey::parse(""), Err(DiskError::EmptyKey));
+        assert_eq!(
+            DiskKey::parse(&"k".repeat(513)),
+            Err(DiskError::LongKey(513))
+        );
+        assert!(DiskKey::parse(&"k".repeat(512)).is_ok());
+        for bad in [" npm", "npm ", "np\nm", "n\0pm"] {
+            assert!(
+                matches!(DiskKey::parse(bad), Err(DiskError::KeyCharacters(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            DiskKey::parse("docker-images/amd64"),
+            Err(DiskError::ReservedKey(_))
+        ));
+    }
+
+    #[test]
+    fn a_policy_is_named_in_both_directions() {
+        for p in [Policy::Cas, Policy::LastWriterWins] {
+            assert_eq!(Policy::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(Policy::parse("last-write-wins"), None);
+    }
+}

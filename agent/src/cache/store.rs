@@ -1,0 +1,1267 @@
+//! The sticky-disk store: per deployment and key, immutable generations on
+//! the node's disk, per job a writable clone of the current one.
+//!
+//! The storage contract is the reference's (spec/cache.md §4.2, §4.4) in
+//! a local, directory-shaped form for the Docker provider, which binds a
+//! directory where a microVM would attach a block image:
+//!
+//! ```text
+//! <cache dir>/
+//!   lock                       flock'd for the store's life: one node per directory
+//!   keys/<digest>/state.json   the key: its head, its next generation number, and
+//!                              each generation's publication and last use
+//!   keys/<digest>/g/<n>/       generation n, an immutable tree
+//!   mounts/<mount id>/         a job's writable clone (or its empty fallback)
+//!   trash/                     what is being removed
+//! ```
+//!
+//! `<digest>` is the first 32 hex digits of SHA-256 over the deployment,
+//! a NUL and the key, so keys of two deployments sharing a directory never
+//! meet and any key is a safe file name.
+//!
+//! - **Mount** ([`Store::mount`]): the mount is journaled first (an intent:
+//!   a node killed while cloning finds it), then the head generation is
+//!   cloned ([`super::clone::clone_tree`]) and its last use refreshed. A
+//!   key with no generation gives an empty, committable directory (cold).
+//!   A clone that fails gives an empty directory that is never committed:
+//!   the job goes on cold and nothing is published from it.
+//! - **Commit** ([`Store::commit`]): under the store's lock, compare the
+//!   key's head with the generation the mount was cloned from. Equal (or
+//!   [`Policy::LastWriterWins`]): sync the filesystem, rename the mount's
+//!   directory to the next generation (O(1): the clone's contents *are*
+//!   the generation), then replace `state.json` (write, fsync, rename,
+//!   fsync the directory: the head moves last). Otherwise the commit is a
+//!   [`Committed::Conflict`] and the mount is discarded. A commit that
+//!   fails midway leaves the old `state.json`, so the head stays at the
+//!   previous generation, whose tree nothing touched; the half-made
+//!   generation goes to the trash, and a crash before that leaves a
+//!   generation directory no state names, collected when the store opens.
+//! - **Eviction** ([`Store::evict`]): a generation some open mount was
+//!   cloned from is never removed. Others go when superseded (no longer
+//!   the head), when the head was last used longer ago than the retention,
+//!   and, least recently used first, while the cache holds more than its
+//!   byte budget.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+use tracing::{info, warn};
+
+use super::clone::{CloneMethod, ReflinkSupport, clone_tree, tree_bytes};
+use super::{DiskKey, Policy};
+use crate::edge::model::LeaseId;
+use crate::node::journal::{JournalError, MountJournal, MountRecord};
+
+/// The lock file in the cache directory.
+pub const STORE_LOCK: &str = "lock";
+/// Each key's state file.
+const STATE_FILE: &str = "state.json";
+/// Where `state.json` is written before it is renamed into place.
+const STATE_TEMP: &str = "state.json.tmp";
+
+/// A generation of a key: 1, 2, ... in the order they were committed,
+/// never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Generation(pub u64);
+
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "g{}", self.0)
+    }
+}
+
+/// A store operation that failed.
+#[derive(Debug, Error)]
+pub enum CacheError {
+    /// The cache directory cannot be used.
+    #[error("cache directory {path}: {message}")]
+    Open {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// A file operation failed.
+    #[error("cache: {op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// The node journal failed.
+    #[error("cache: {0}")]
+    Journal(#[from] JournalError),
+    /// No mount has this id.
+    #[error("cache: no mount {0}")]
+    UnknownMount(String),
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CacheError + 'a {
+    move |source| CacheError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A mount made for a job: the directory to bind at the disk's path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    /// Its id (the name of its directory).
+    pub id: String,
+    /// The directory the provider binds.
+    pub dir: PathBuf,
+    /// The generation it was cloned from; `None` when cold.
+    pub parent: Option<Generation>,
+    /// False for a fallback: an empty directory after a failed clone,
+    /// never committed.
+    pub committable: bool,
+    /// How it was cloned; `None` when cold or a fallback.
+    pub method: Option<CloneMethod>,
+}
+
+/// What a commit did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Committed {
+    /// The mount's contents are the key's new head.
+    Published(Generation),
+    /// The key's head moved since the mount was cloned (from `parent`; it
+    /// is `head` now) and the policy is [`Policy::Cas`]: nothing was
+    /// published and the mount is discarded.
+    Conflict {
+        /// What the mount was cloned from.
+        parent: Option<Generation>,
+        /// The key's head when it committed.
+        head: Option<Generation>,
+    },
+    /// A fallback mount: discarded, never published.
+    NotCommittable,
+}
+
+/// What settling a mount at the end of its job did ([`Store::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// The job succeeded, so the mount was committed.
+    Committed(Committed),
+    /// The job did not succeed: the mount was discarded.
+    Discarded,
+}
+
+/// The eviction rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eviction {
+    /// A head generation not used (mounted) for this long goes
+    /// (spec/cache.md §4.2: 168 h).
+    pub retention: Duration,
+    /// The most bytes the generations may hold; the least recently used
+    /// go first until they fit. `None`: no bound.
+    pub budget_bytes: Option<u64>,
+}
+
+impl Default for Eviction {
+    fn default() -> Self {
+        Self {
+            retention: Duration::from_secs(168 * 3600),
+            budget_bytes: None,
+        }
+    }
+}
+
+/// What an eviction removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EvictReport {
+    /// (key, generation) removed.
+    pub removed: Vec<(String, Generation)>,
+    /// Bytes they held on the disk.
+    pub freed_bytes: u64,
+    /// Generations kept because a mount was cloned from them.
+    pub kept_mounted: usize,
+}
+
+/// One generation's provenance.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct GenerationMeta {
+    published_unix_ms: i64,
+    used_unix_ms: i64,
+}
+
+/// A key's `state.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct KeyState {
+    deployment: String,
+    key: String,
+    head: Option<u64>,
+    next: u64,
+    generations: BTreeMap<u64, GenerationMeta>,
+}
+
+/// The sticky-disk store of one deployment in one directory. One per
+/// directory: [`Store::open`] holds an exclusive `flock` on its lock file.
+/// Operations are serialised by one lock; their file work runs on tokio's
+/// blocking pool.
+#[derive(Debug)]
+pub struct Store {
+    dirs: Arc<Dirs>,
+    journal: Arc<dyn MountJournal>,
+    reflink: Arc<ReflinkSupport>,
+    mounts: tokio::sync::Mutex<BTreeMap<String, MountRecord>>,
+    _lock: fs::File,
+}
+
+#[derive(Debug)]
+struct Dirs {
+    root: PathBuf,
+    deployment: String,
+}
+
+impl Dirs {
+    fn key_dir(&self, key: &str) -> PathBuf {
+        let mut hash = Sha256::new();
+        hash.update(self.deployment.as_bytes());
+        hash.update([0]);
+        hash.update(key.as_bytes());
+        let digest = hash.finalize();
+        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+        self.root.join("keys").join(hex)
+    }
+
+    fn mount_dir(&self, id: &str) -> PathBuf {
+        self.root.join("mounts").join(id)
+    }
+
+    fn generation_dir(&self, key: &str, g: u64) -> PathBuf {
+        self.key_dir(key).join("g").join(g.to_string())
+    }
+
+    fn read_state(&self, key: &str) -> Result<KeyState, CacheError> {
+        let path = self.key_dir(key).join(STATE_FILE);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| CacheError::Io {
+                op: "parse",
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(KeyState {
+                deployment: self.deployment.clone(),
+                key: key.to_owned(),
+                head: None,
+                next: 1,
+                generations: BTreeMap::new(),
+            }),
+            Err(e) => Err(io("read", &path)(e)),
+        }
+    }
+
+    /// Replaces a key's state: written aside, synced, renamed into place,
+    /// the directory synced; the old state stands until the rename.
+    fn write_state(&self, state: &KeyState) -> Result<(), CacheError> {
+        let dir = self.key_dir(&state.key);
+        fs::create_dir_all(dir.join("g")).map_err(io("create", &dir))?;
+        let temp = dir.join(STATE_TEMP);
+        let bytes = serde_json::to_vec_pretty(state).expect("state serialises");
+        let mut file = fs::File::create(&temp).map_err(io("create", &temp))?;
+        file.write_all(&bytes).map_err(io("write", &temp))?;
+        file.sync_all().map_err(io("sync", &temp))?;
+        let path = dir.join(STATE_FILE);
+        fs::rename(&temp, &path).map_err(io("rename", &temp))?;
+        fs::File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("sync", &dir))
+    }
+
+    /// Moves `path` (if it exists) to the trash and removes it there.
+    fn remove(&self, path: &Path) -> Result<(), CacheError> {
+        let trash = self
+            .root
+            .join("trash")
+            .join(uuid::Uuid::new_v4().simple().to_string());
+        match fs::rename(path, &trash) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io("move to the trash", path)(e)),
+        }
+        fs::remove_dir_all(&trash).map_err(io("remove", &trash))
+    }
+
+    /// Every key state in the store.
+    fn states(&self) -> Result<Vec<KeyState>, CacheError> {
+        let keys = self.root.join("keys");
+        let mut states = Vec::new();
+        for entry in fs::read_dir(&keys).map_err(io("read", &keys))? {
+            let path = entry.map_err(io("read", &keys))?.path().join(STATE_FILE);
+            match fs::read(&path) {
+                Ok(bytes) => match serde_json::from_slice::<KeyState>(&bytes) {
+                    Ok(state) if state.deployment == self.deployment => states.push(state),
+                    Ok(_) => {}
+                    Err(e) => {
+                        warn!(file = %path.display(), error = %e, "an unreadable sticky-disk state is left alone")
+                    }
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("read", &path)(e)),
+            }
+        }
+        Ok(states)
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, CacheError> + Send + 'static,
+) -> Result<T, CacheError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
+impl Store {
+    /// Opens (creating it, mode 0700) the store of `deployment` in `root`
+    /// and takes its lock; loads the journal's mounts; removes what a
+    /// crash left: the trash, mount directories the journal does not name,
+    /// generation directories no state names.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Open`] when the directory cannot be made or locked
+    /// (another node uses it), [`CacheError::Journal`] when the mounts
+    /// cannot be read.
+    pub async fn open(
+        root: &Path,
+        deployment: &str,
+        journal: Arc<dyn MountJournal>,
+    ) -> Result<Self, CacheError> {
+        let records = journal.mounts().await?;
+        let dirs = Arc::new(Dirs {
+            root: root.to_owned(),
+            deployment: deployment.to_owned(),
+        });
+        let d = dirs.clone();
+        let named: BTreeSet<String> = records.iter().map(|r| r.mount.clone()).collect();
+        let lock = blocking(move || open_dirs(&d, &named)).await?;
+        Ok(Self {
+            dirs,
+            journal,
+            reflink: Arc::new(ReflinkSupport::default()),
+            mounts: tokio::sync::Mutex::new(
+                records.into_iter().map(|r| (r.mount.clone(), r)).collect(),
+            ),
+            _lock: lock,
+        })
+    }
+
+    /// Whether this store's filesystem shares extents, once a clone has
+    /// found out.
+    pub fn reflinks(&self) -> Option<bool> {
+        self.reflink.known()
+    }
+
+    /// The head generation of `key`; `None` when it has none.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when its state cannot be read.
+    pub async fn head(&self, key: &DiskKey) -> Result<Option<Generation>, CacheError> {
+        let _held = self.mounts.lock().await;
+        let dirs = self.dirs.clone();
+        let key = key.as_str().to_owned();
+        blocking(move || Ok(dirs.read_state(&key)?.head.map(Generation))).await
+    }
+
+    /// The directory of generation `g` of `key` (whether or not it exists).
+    pub fn generation_dir(&self, key: &DiskKey, g: Generation) -> PathBuf {
+        self.dirs.generation_dir(key.as_str(), g.0)
+    }
+
+    /// The open mounts, as journaled.
+    pub async fn mounts(&self) -> Vec<MountRecord> {
+        self.mounts.lock().await.values().cloned().collect()
+    }
+
+    /// Makes a mount of `key` for `lease`'s job: a clone of the key's head
+    /// generation, an empty committable directory when the key has none,
+    /// or an empty directory that is never committed when the clone (or
+    /// its journal record) fails.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] only when not even an empty directory can be
+    /// made; the job then goes on without this disk.
+    pub async fn mount(
+        &self,
+        lease: &LeaseId,
+        key: &DiskKey,
+        policy: Policy,
+    ) -> Result<Mount, CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        let id = format!("{}-{}", lease.as_str(), uuid::Uuid::new_v4().simple());
+        let dirs = self.dirs.clone();
+        let k = key.as_str().to_owned();
+        let head = blocking(move || dirs.read_state(&k)).await.map(|s| s.head);
+        let mut record = MountRecord {
+            mount: id.clone(),
+            lease: lease.as_str().to_owned(),
+            key: key.as_str().to_owned(),
+            parent: head.as_ref().ok().copied().flatten(),
+            policy: policy.as_str().to_owned(),
+            committable: head.is_ok(),
+            succeeded: false,
+            since_unix_ms: now_unix_ms(),
+        };
+        if let Err(e) = &head {
+            warn!(%lease, %key, error = %e, "the sticky disk's state cannot be read; the job gets an empty directory and nothing is published from it");
+        }
+        // The intent first: a node killed while cloning finds the mount in
+        // its journal and discards it.
+        if let Err(e) = self.journal.put_mount(&record).await {
+            warn!(%lease, %key, error = %e, "cannot journal the sticky disk's mount; the job gets an empty directory and nothing is published from it");
+            record.committable = false;
+        }
+        let dirs = self.dirs.clone();
+        let support = self.reflink.clone();
+        let parent = record.parent.filter(|_| record.committable);
+        let (k, mid) = (key.as_str().to_owned(), id.clone());
+        let cloned = blocking(move || {
+            let dir = dirs.mount_dir(&mid);
+            let Some(g) = parent else {
+                fs::create_dir(&dir).map_err(io("create", &dir))?;
+                return Ok(None);
+            };
+            let made = clone_tree(&dirs.generation_dir(&k, g), &dir, &support)
+                .map_err(io("clone into", &dir));
+            if made.is_err() {
+                let _ = dirs.remove(&dir);
+            }
+            let made = made?;
+            let mut state = dirs.read_state(&k)?;
+            if let Some(meta) = state.generations.get_mut(&g) {
+                meta.used_unix_ms = now_unix_ms();
+                dirs.write_state(&state)?;
+            }
+            Ok(Some(made))
+        })
+        .await;
+        let method = match cloned {
+            Ok(made) => made.map(|m| m.method),
+            Err(e) if record.parent.is_some() && record.committable => {
+                warn!(%lease, %key, parent = record.parent, error = %e, "cannot clone the sticky disk; the job gets an empty directory and nothing is published from it");
+                record.committable = false;
+                let dirs = self.dirs.clone();
+                let mid = id.clone();
+                let made = blocking(move || {
+                    let dir = dirs.mount_dir(&mid);
+                    let _ = dirs.remove(&dir);
+                    fs::create_dir(&dir).map_err(io("create", &dir))
+                })
+                .await;
+                if let Err(e) = made {
+                    let _ = self.journal.forget_mount(&id).await;
+                    return Err(e);
+                }
+                if let Err(e) = self.journal.put_mount(&record).await {
+                    warn!(%lease, %key, error = %e, "cannot journal that the sticky disk is a fallback");
+                }
+                None
+            }
+            Err(e) => {
+                let _ = self.journal.forget_mount(&id).await;
+                return Err(e);
+            }
+        };
+        let mount = Mount {
+            id: id.clone(),
+            dir: self.dirs.mount_dir(&id),
+            parent: record.parent.map(Generation),
+            committable: record.committable,
+            method,
+        };
+        info!(%lease, %key, mount = %id, parent = ?mount.parent, committable = mount.committable, ?method, "sticky disk mounted");
+        mounts.insert(id, record);
+        Ok(mount)
+    }
+
+    /// Records that `lease`'s job ended with GitHub's result `succeeded`,
+    /// so settling its mounts commits them. Journaled.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Journal`]: the mark is then kept in memory only.
+    pub async fn mark_succeeded(&self, lease: &LeaseId) -> Result<(), CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        for record in mounts.values_mut().filter(|r| r.lease == lease.as_str()) {
+            if !record.succeeded {
+                record.succeeded = true;
+                self.journal.put_mount(record).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles every mount of `lease`, whose compute is proven gone:
+    /// commits the mounts of a job marked succeeded
+    /// ([`Store::mark_succeeded`]) and discards the others.
+    pub async fn settle(&self, lease: &LeaseId) -> Vec<(String, Result<Settled, CacheError>)> {
+        let ids: Vec<(String, bool)> = self
+            .mounts
+            .lock()
+            .await
+            .values()
+            .filter(|r| r.lease == lease.as_str())
+            .map(|r| (r.mount.clone(), r.succeeded))
+            .collect();
+        let mut settled = Vec::new();
+        for (id, succeeded) in ids {
+            let outcome = if succeeded {
+                self.commit(&id).await.map(Settled::Committed)
+            } else {
+                self.discard(&id).await.map(|()| Settled::Discarded)
+            };
+            match &outcome {
+                Ok(s) => info!(%lease, mount = %id, outcome = ?s, "sticky disk settled"),
+                Err(e) => {
+                    warn!(%lease, mount = %id, error = %e, "sticky disk not settled; discarding it")
+                }
+            }
+            settled.push((id, outcome));
+        }
+        settled
+    }
+
+    /// Commits a mount: its contents become the key's next generation when
+    /// the key's head is still the generation it was cloned from, or
+    /// whatever the head is under [`Policy::LastWriterWins`]. A conflict
+    /// and a fallback mount are discarded. The mount is gone afterwards,
+    /// whatever the outcome.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownMount`]; [`CacheError::Io`] when the commit
+    /// failed midway: the key's head is still the previous generation,
+    /// whole, and what the commit had made is removed.
+    pub async fn commit(&self, mount: &str) -> Result<Committed, CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        let record = mounts
+            .get(mount)
+            .cloned()
+            .ok_or_else(|| CacheError::UnknownMount(mount.to_owned()))?;
+        let policy = Policy::parse(&record.policy).unwrap_or_default();
+        let dirs = self.dirs.clone();
+        let r = record.clone();
+        let outcome = blocking(move || commit_blocking(&dirs, &r, policy)).await;
+        if let Err(e) = &outcome {
+            warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head");
+            let dirs = self.dirs.clone();
+            let id = mount.to_owned();
+            blocking(move || dirs.remove(&dirs.mount_dir(&id))).await?;
+        }
+        self.journal.forget_mount(mount).await?;
+        mounts.remove(mount);
+        match &outcome {
+            Ok(Committed::Published(g)) => {
+                info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed")
+            }
+            Ok(Committed::Conflict { parent, head }) => {
+                warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
+            }
+            Ok(Committed::NotCommittable) | Err(_) => {}
+        }
+        outcome
+    }
+
+    /// Discards a mount and its contents. Idempotent for a mount whose
+    /// directory is gone.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownMount`], [`CacheError::Io`],
+    /// [`CacheError::Journal`].
+    pub async fn discard(&self, mount: &str) -> Result<(), CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        if !mounts.contains_key(mount) {
+            return Err(CacheError::UnknownMount(mount.to_owned()));
+        }
+        let dirs = self.dirs.clone();
+        let id = mount.to_owned();
+        blocking(move || dirs.remove(&dirs.mount_dir(&id))).await?;
+        self.journal.forget_mount(mount).await?;
+        mounts.remove(mount);
+        Ok(())
+    }
+
+    /// Discards the mounts of every lease not in `held`: what a restarted
+    /// node's journal names for compute it no longer has.
+    pub async fn discard_unheld(&self, held: &BTreeSet<String>) {
+        let stale: Vec<String> = self
+            .mounts
+            .lock()
+            .await
+            .values()
+            .filter(|r| !held.contains(&r.lease))
+            .map(|r| r.mount.clone())
+            .collect();
+        for id in stale {
+            if let Err(e) = self.discard(&id).await {
+                warn!(mount = %id, error = %e, "cannot discard the mount of a lease no longer held");
+            }
+        }
+    }
+
+    /// Removes generations by `rules`, never one an open mount was cloned
+    /// from, at `now_unix_ms`.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when the store cannot be read or a generation
+    /// removed; what was removed before stays removed.
+    pub async fn evict(
+        &self,
+        rules: Eviction,
+        now_unix_ms: i64,
+    ) -> Result<EvictReport, CacheError> {
+        let mounts = self.mounts.lock().await;
+        let pinned: BTreeSet<(String, u64)> = mounts
+            .values()
+            .filter_map(|r| r.parent.map(|g| (r.key.clone(), g)))
+            .collect();
+        let dirs = self.dirs.clone();
+        let report = blocking(move || evict_blocking(&dirs, &pinned, rules, now_unix_ms)).await?;
+        drop(mounts);
+        for (key, g) in &report.removed {
+            info!(%key, generation = %g, "sticky-disk generation evicted");
+        }
+        Ok(report)
+    }
+}
+
+/// Makes the store's directories, takes the lock, and removes what a
+/// crash left behind.
+fn open_dirs(dirs: &Dirs, named: &BTreeSet<String>) -> Result<fs::File, CacheError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let fail = |message: String| CacheError::Open {
+        path: dirs.root.clone(),
+        message,
+    };
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dirs.root)
+        .map_err(|e| {
+            fail(format!(
+                "cannot create it: {e}; give the node a writable --cache-dir"
+            ))
+        })?;
+    let _ = fs::set_permissions(&dirs.root, fs::Permissions::from_mode(0o700));
+    for sub in ["keys", "mounts", "trash"] {
+        let path = dirs.root.join(sub);
+        fs::create_dir_all(&path).map_err(|e| fail(format!("cannot create {sub}/: {e}")))?;
+    }
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dirs.root.join(STORE_LOCK))
+        .map_err(|e| fail(format!("cannot open its lock file: {e}")))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
+        |e| {
+            fail(format!(
+                "is in use by another process ({e}); give each node its own --cache-dir"
+            ))
+        },
+    )?;
+    let trash = dirs.root.join("trash");
+    for entry in fs::read_dir(&trash).map_err(io("read", &trash))? {
+        let path = entry.map_err(io("read", &trash))?.path();
+        let _ = fs::remove_dir_all(&path).or_else(|_| fs::remove_file(&path));
+    }
+    let mounts = dirs.root.join("mounts");
+    for entry in fs::read_dir(&mounts).map_err(io("read", &mounts))? {
+        let entry = entry.map_err(io("read", &mounts))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !named.contains(&name) {
+            // Made and never journaled: no instance can have it bound.
+            dirs.remove(&entry.path())?;
+        }
+    }
+    for state in dirs.states()? {
+        let g = dirs.key_dir(&state.key).join("g");
+        let Ok(entries) = fs::read_dir(&g) else {
+            continue;
+        };
+        for entry in entries {
+            let entry = entry.map_err(io("read", &g))?;
+            let known = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u64>().ok())
+                .is_some_and(|n| state.generations.contains_key(&n));
+            if !known {
+                // A commit that did not finish.
+                dirs.remove(&entry.path())?;
+            }
+        }
+        let _ = fs::remove_file(dirs.key_dir(&state.key).join(STATE_TEMP));
+    }
+    Ok(lock)
+}
+
+fn commit_blocking(
+    dirs: &Dirs,
+    record: &MountRecord,
+    policy: Policy,
+) -> Result<Committed, CacheError> {
+    let dir = dirs.mount_dir(&record.mount);
+    if !record.committable {
+        dirs.remove(&dir)?;
+        return Ok(Committed::NotCommittable);
+    }
+    let mut state = dirs.read_state(&record.key)?;
+    if state.head != record.parent && policy == Policy::Cas {
+        dirs.remove(&dir)?;
+        return Ok(Committed::Conflict {
+            parent: record.parent.map(Generation),
+            head: state.head.map(Generation),
+        });
+    }
+    // What the job wrote reaches the disk before any state names it.
+    let handle = fs::File::open(&dir).map_err(io("open", &dir))?;
+    rustix::fs::syncfs(&handle).map_err(|e| io("sync", &dir)(e.into()))?;
+    drop(handle);
+    let g = state.next;
+    let generation = dirs.generation_dir(&record.key, g);
+    let parent = generation.parent().expect("a generation has a parent");
+    fs::create_dir_all(parent).map_err(io("create", parent))?;
+    fs::rename(&dir, &generation).map_err(io("rename into", &generation))?;
+    let now = now_unix_ms();
+    state.head = Some(g);
+    state.next = g + 1;
+    state.generations.insert(
+        g,
+        GenerationMeta {
+            published_unix_ms: now,
+            used_unix_ms: now,
+        },
+    );
+    if let Err(e) = dirs.write_state(&state) {
+        // The old state stands: the head is the previous generation. The
+        // half-made one goes.
+        let _ = dirs.remove(&generation);
+        return Err(e);
+    }
+    Ok(Committed::Published(Generation(g)))
+}
+
+fn evict_blocking(
+    dirs: &Dirs,
+    pinned: &BTreeSet<(String, u64)>,
+    rules: Eviction,
+    now_unix_ms: i64,
+) -> Result<EvictReport, CacheError> {
+    let mut report = EvictReport::default();
+    let retention_ms = i64::try_from(rules.retention.as_millis()).unwrap_or(i64::MAX);
+    let mut states = dirs.states()?;
+    // (used, key index, generation, bytes) of every generation kept.
+    let mut kept: Vec<(i64, usize, u64, u64)> = Vec::new();
+    for (index, state) in states.iter_mut().enumerate() {
+        let mut gone = Vec::new();
+        for (g, meta) in &state.generations {
+            if pinned.contains(&(state.key.clone(), *g)) {
+                report.kept_mounted += 1;
+                continue;
+            }
+            let superseded = state.head != Some(*g);
+            let stale = now_unix_ms.saturating_sub(meta.used_unix_ms) >= retention_ms;
+            if superseded || stale {
+                gone.push(*g);
+            }
+        }
+        remove_generations(dirs, state, &gone, &mut report)?;
+        for (g, meta) in &state.generations {
+            let bytes = tree_bytes(&dirs.generation_dir(&state.key, *g)).unwrap_or(0);
+            kept.push((meta.used_unix_ms, index, *g, bytes));
+        }
+    }
+    if let Some(budget) = rules.budget_bytes {
+        let mut total: u64 = kept.iter().map(|k| k.3).sum();
+        kept.sort_by_key(|k| (k.0, k.1, k.2));
+        for (_, index, g, bytes) in kept {
+            if total <= budget {
+                break;
+            }
+            let state = &mut states[index];
+            if pinned.contains(&(state.key.clone(), g)) {
+                continue;
+            }
+            remove_generations(dirs, state, &[g], &mut report)?;
+            total = total.saturating_sub(bytes);
+        }
+    }
+    Ok(report)
+}
+
+/// Drops `gone` from `state` (the state first, so it never names a
+/// missing tree), then their trees.
+fn remove_generations(
+    dirs: &Dirs,
+    state: &mut KeyState,
+    gone: &[u64],
+    report: &mut EvictReport,
+) -> Result<(), CacheError> {
+    if gone.is_empty() {
+        return Ok(());
+    }
+    for g in gone {
+        state.generations.remove(g);
+        if state.head == Some(*g) {
+            state.head = None;
+        }
+    }
+    dirs.write_state(state)?;
+    for g in gone {
+        let path = dirs.generation_dir(&state.key, *g);
+        report.freed_bytes += tree_bytes(&path).unwrap_or(0);
+        dirs.remove(&path)?;
+        report.removed.push((state.key.clone(), Generation(*g)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::journal::{MemoryJournal, SqliteJournal};
+
+    fn dir() -> PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("billet-cache-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Waits until the clock has moved past the current millisecond, so
+    /// the uses the test makes are ordered.
+    fn next_millisecond() {
+        let now = now_unix_ms();
+        while now_unix_ms() == now {
+            std::thread::yield_now();
+        }
+    }
+
+    fn key(k: &str) -> DiskKey {
+        DiskKey::parse(k).unwrap()
+    }
+
+    fn lease(l: &str) -> LeaseId {
+        LeaseId::parse("lease", l).unwrap()
+    }
+
+    async fn store(root: &Path) -> (Store, Arc<MemoryJournal>) {
+        let journal = Arc::new(MemoryJournal::default());
+        (
+            Store::open(root, "dev", journal.clone()).await.unwrap(),
+            journal,
+        )
+    }
+
+    /// Mounts `k` for `l`, writes `counter` into it, marks it succeeded and
+    /// settles it.
+    async fn publish(s: &Store, l: &str, k: &str, counter: &str) -> Settled {
+        let m = s.mount(&lease(l), &key(k), Policy::Cas).await.unwrap();
+        fs::write(m.dir.join("counter"), counter).unwrap();
+        s.mark_succeeded(&lease(l)).await.unwrap();
+        let settled = s.settle(&lease(l)).await;
+        assert_eq!(settled.len(), 1);
+        settled.into_iter().next().unwrap().1.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_cold_mount_is_an_empty_committable_directory_whose_commit_is_the_first_generation() {
+        let root = dir();
+        let (s, journal) = store(&root).await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!((m.parent, m.committable), (None, true));
+        assert_eq!(fs::read_dir(&m.dir).unwrap().count(), 0);
+        // Journaled before the job could use it.
+        assert_eq!(journal.mounts().await.unwrap().len(), 1);
+        fs::write(m.dir.join("counter"), "1").unwrap();
+        assert_eq!(
+            s.commit(&m.id).await.unwrap(),
+            Committed::Published(Generation(1))
+        );
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        assert!(!m.dir.exists(), "the mount became the generation");
+        assert!(journal.mounts().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_second_mount_finds_what_the_first_committed_and_cannot_change_it() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l1", "npm", "1").await;
+        let m = s
+            .mount(&lease("l2"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!(m.parent, Some(Generation(1)));
+        assert_eq!(fs::read_to_string(m.dir.join("counter")).unwrap(), "1");
+        fs::write(m.dir.join("counter"), "2").unwrap();
+        let g1 = s.generation_dir(&key("npm"), Generation(1));
+        assert_eq!(fs::read_to_string(g1.join("counter")).unwrap(), "1");
+        s.mark_succeeded(&lease("l2")).await.unwrap();
+        s.settle(&lease("l2")).await;
+        let m = s
+            .mount(&lease("l3"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!(m.parent, Some(Generation(2)));
+        assert_eq!(fs::read_to_string(m.dir.join("counter")).unwrap(), "2");
+        // Another key, and the same key of another deployment, are apart.
+        let other = s
+            .mount(&lease("l3"), &key("go"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!(other.parent, None);
+        drop(s);
+        let (s2, _) = {
+            let journal = Arc::new(MemoryJournal::default());
+            (
+                Store::open(&root, "prod", journal.clone()).await.unwrap(),
+                journal,
+            )
+        };
+        assert_eq!(s2.head(&key("npm")).await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn two_jobs_that_mounted_one_generation_commit_in_turn_and_the_second_is_a_conflict() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "7").await;
+        let a = s
+            .mount(&lease("la"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        let b = s
+            .mount(&lease("lb"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        fs::write(a.dir.join("counter"), "a").unwrap();
+        fs::write(b.dir.join("counter"), "b").unwrap();
+        assert_eq!(
+            s.commit(&a.id).await.unwrap(),
+            Committed::Published(Generation(2))
+        );
+        assert_eq!(
+            s.commit(&b.id).await.unwrap(),
+            Committed::Conflict {
+                parent: Some(Generation(1)),
+                head: Some(Generation(2)),
+            }
+        );
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(2)));
+        let g2 = s.generation_dir(&key("npm"), Generation(2));
+        assert_eq!(fs::read_to_string(g2.join("counter")).unwrap(), "a");
+        assert!(!b.dir.exists(), "the rejected mount is discarded");
+        // Two cold mounts too: the first commit makes the key, the second
+        // conflicts with it.
+        let c = s
+            .mount(&lease("lc"), &key("go"), Policy::Cas)
+            .await
+            .unwrap();
+        let d = s
+            .mount(&lease("ld"), &key("go"), Policy::Cas)
+            .await
+            .unwrap();
+        assert!(matches!(
+            s.commit(&c.id).await.unwrap(),
+            Committed::Published(_)
+        ));
+        assert!(matches!(
+            s.commit(&d.id).await.unwrap(),
+            Committed::Conflict { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn under_last_writer_wins_the_second_commit_becomes_the_head() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "buildkit", "7").await;
+        let a = s
+            .mount(&lease("la"), &key("buildkit"), Policy::LastWriterWins)
+            .await
+            .unwrap();
+        let b = s
+            .mount(&lease("lb"), &key("buildkit"), Policy::LastWriterWins)
+            .await
+            .unwrap();
+        fs::write(a.dir.join("counter"), "a").unwrap();
+        fs::write(b.dir.join("counter"), "b").unwrap();
+        assert_eq!(
+            s.commit(&a.id).await.unwrap(),
+            Committed::Published(Generation(2))
+        );
+        assert_eq!(
+            s.commit(&b.id).await.unwrap(),
+            Committed::Published(Generation(3))
+        );
+        let g3 = s.generation_dir(&key("buildkit"), Generation(3));
+        assert_eq!(fs::read_to_string(g3.join("counter")).unwrap(), "b");
+    }
+
+    #[tokio::test]
+    async fn a_failed_mount_is_an_empty_directory_that_is_never_committed() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        // The generation's tree is lost under the store.
+        fs::remove_dir_all(s.generation_dir(&key("npm"), Generation(1))).unwrap();
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert!(!m.committable);
+        assert_eq!(fs::read_dir(&m.dir).unwrap().count(), 0);
+        fs::write(m.dir.join("counter"), "junk").unwrap();
+        s.mark_succeeded(&lease("l1")).await.unwrap();
+        let settled = s.settle(&lease("l1")).await;
+        assert_eq!(
+            settled[0].1.as_ref().unwrap(),
+            &Settled::Committed(Committed::NotCommittable)
+        );
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        assert!(!m.dir.exists());
+    }
+
+    #[tokio::test]
+    async fn a_job_that_did_not_succeed_publishes_nothing() {
+        let root = dir();
+        let (s, journal) = store(&root).await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        fs::write(m.dir.join("counter"), "1").unwrap();
+        let settled = s.settle(&lease("l1")).await;
+        assert_eq!(settled[0].1.as_ref().unwrap(), &Settled::Discarded);
+        assert_eq!(s.head(&key("npm")).await.unwrap(), None);
+        assert!(!m.dir.exists());
+        assert!(journal.mounts().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_commit_that_fails_midway_leaves_the_head_at_the_previous_generation_intact() {
+        let root = dir();
+        let (s, journal) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        fs::write(m.dir.join("counter"), "2").unwrap();
+        // The new state cannot be written: the commit fails after the
+        // mount was renamed to generation 2.
+        let temp = root
+            .join("keys")
+            .join(s.dirs.key_dir("npm").file_name().unwrap())
+            .join(STATE_TEMP);
+        fs::create_dir(&temp).unwrap();
+        assert!(matches!(
+            s.commit(&m.id).await,
+            Err(CacheError::Io { op: "create", .. })
+        ));
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        let g1 = s.generation_dir(&key("npm"), Generation(1));
+        assert_eq!(fs::read_to_string(g1.join("counter")).unwrap(), "1");
+        assert!(
+            !s.generation_dir(&key("npm"), Generation(2)).exists(),
+            "the half-made generation is collected"
+        );
+        assert!(!m.dir.exists());
+        assert!(journal.mounts().await.unwrap().is_empty());
+        fs::remove_dir(&temp).unwrap();
+        let m = s
+            .mount(&lease("l2"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!(fs::read_to_string(m.dir.join("counter")).unwrap(), "1");
+    }
+
+    #[tokio::test]
+    async fn a_crash_between_the_rename_and_the_state_leaves_a_generation_collected_on_open() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        // What a node killed between the two steps leaves: a tree under
+        // the next generation's name that no state names.
+        let g2 = s.generation_dir(&key("npm"), Generation(2));
+        fs::create_dir_all(&g2).unwrap();
+        fs::write(g2.join("counter"), "partial").unwrap();
+        drop(s);
+        let (s, _) = store(&root).await;
+        assert!(!g2.exists());
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        assert!(matches!(
+            publish(&s, "l1", "npm", "2").await,
+            Settled::Committed(Committed::Published(Generation(2)))
+        ));
+    }
+
+    #[tokio::test]
+    async fn eviction_never_removes_a_generation_a_mount_was_cloned_from() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        publish(&s, "l0", "go", "1").await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        // Everything is past its retention.
+        let all = Eviction {
+            retention: Duration::ZERO,
+            budget_bytes: Some(0),
+        };
+        let report = s.evict(all, now_unix_ms() + 1).await.unwrap();
+        assert_eq!(report.removed, vec![("go".to_owned(), Generation(1))]);
+        assert_eq!(report.kept_mounted, 1);
+        assert!(s.generation_dir(&key("npm"), Generation(1)).exists());
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        // Once the mount is gone, so is its generation.
+        s.discard(&m.id).await.unwrap();
+        let report = s.evict(all, now_unix_ms() + 1).await.unwrap();
+        assert_eq!(report.removed, vec![("npm".to_owned(), Generation(1))]);
+        assert_eq!(s.head(&key("npm")).await.unwrap(), None);
+        // A key that lost its head starts cold, with a new number.
+        assert!(matches!(
+            publish(&s, "l2", "npm", "x").await,
+            Settled::Committed(Committed::Published(Generation(2)))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_superseded_generation_goes_once_no_mount_holds_it_and_a_fresh_head_stays() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        let held = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        publish(&s, "l2", "npm", "2").await;
+        let rules = Eviction::default();
+        let report = s.evict(rules, now_unix_ms()).await.unwrap();
+        assert!(report.removed.is_empty(), "g1 is mounted: {report:?}");
+        s.discard(&held.id).await.unwrap();
+        let report = s.evict(rules, now_unix_ms()).await.unwrap();
+        assert_eq!(report.removed, vec![("npm".to_owned(), Generation(1))]);
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(2)));
+        assert!(s.generation_dir(&key("npm"), Generation(2)).exists());
+    }
+
+    #[tokio::test]
+    async fn over_its_byte_budget_the_cache_evicts_the_least_recently_used_first() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        for k in ["old", "mid", "new"] {
+            let m = s.mount(&lease("l0"), &key(k), Policy::Cas).await.unwrap();
+            fs::write(m.dir.join("blob"), vec![1u8; 64 << 10]).unwrap();
+            s.commit(&m.id).await.unwrap();
+            next_millisecond();
+        }
+        // Used in the order old, mid, new: "old" is mounted (and
+        // discarded) again last, so "mid" is the least recently used.
+        let m = s
+            .mount(&lease("l1"), &key("old"), Policy::Cas)
+            .await
+            .unwrap();
+        s.discard(&m.id).await.unwrap();
+        let one = tree_bytes(&s.generation_dir(&key("new"), Generation(1))).unwrap();
+        let rules = Eviction {
+            retention: Duration::from_secs(3600),
+            budget_bytes: Some(2 * one + one / 2),
+        };
+        let report = s.evict(rules, now_unix_ms()).await.unwrap();
+        assert_eq!(report.removed, vec![("mid".to_owned(), Generation(1))]);
+        assert!(report.freed_bytes >= 64 << 10);
+        assert_eq!(s.head(&key("old")).await.unwrap(), Some(Generation(1)));
+        assert_eq!(s.head(&key("new")).await.unwrap(), Some(Generation(1)));
+    }
+
+    #[tokio::test]
+    async fn a_restarted_node_still_owns_what_its_guests_mounted() {
+        let root = dir();
+        let state = dir();
+        let journal = Arc::new(SqliteJournal::open(&state).await.unwrap());
+        let s = Store::open(&root, "dev", journal.clone()).await.unwrap();
+        publish(&s, "l0", "npm", "1").await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        fs::write(m.dir.join("counter"), "2").unwrap();
+        s.mark_succeeded(&lease("l1")).await.unwrap();
+        // A mount directory nobody journaled (a crash before the intent).
+        fs::create_dir(root.join("mounts").join("stray")).unwrap();
+        drop(s);
+        drop(journal);
+        let journal = Arc::new(SqliteJournal::open(&state).await.unwrap());
+        let s = Store::open(&root, "dev", journal).await.unwrap();
+        assert!(!root.join("mounts/stray").exists());
+        assert_eq!(s.mounts().await.len(), 1);
+        // Its generation is still protected, and its end still commits.
+        let report = s
+            .evict(
+                Eviction {
+                    retention: Duration::ZERO,
+                    budget_bytes: Some(0),
+                },
+                now_unix_ms() + 1,
+            )
+            .await
+            .unwrap();
+        assert!(report.removed.is_empty(), "{report:?}");
+        let settled = s.settle(&lease("l1")).await;
+        assert_eq!(
+            settled[0].1.as_ref().unwrap(),
+            &Settled::Committed(Committed::Published(Generation(2)))
+        );
+        // A lease the restarted node no longer holds has its mounts dropped.
+        let stale = s
+            .mount(&lease("l9"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        s.discard_unheld(&BTreeSet::from(["l1".to_owned()])).await;
+        assert!(!stale.dir.exists());
+        assert!(s.mounts().await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_second_store_on_one_directory_is_refused() {
+        let root = dir();
+        let (_s, _) = store(&root).await;
+        let err = Store::open(&root, "dev", Arc::new(MemoryJournal::default()))
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("in use by another process"),
+            "{err}"
+        );
+    }
+}
