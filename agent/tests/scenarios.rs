@@ -20,6 +20,7 @@ use billet_agent::edge::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
+use billet_agent::node::ending::{EndReason, SpotAction};
 use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use billet_agent::node::runner::{
@@ -2657,4 +2658,81 @@ async fn a_tend_with_nothing_held_touches_nothing() {
     r.tend().await.unwrap();
     assert_eq!(w.fake.count(Operation::List), lists);
     assert_eq!(w.plane.heartbeats(), heartbeats);
+}
+
+// ----- spec/node.md §7.D: interruptions (issue #17 item 3) -----
+
+const SPOT: EndReason = EndReason::SpotInterruption(SpotAction::Terminate);
+
+#[tokio::test]
+async fn a_spot_interruption_fails_every_running_lease_with_its_reason_and_destroys_its_instance() {
+    let w = World::new();
+    let r = w.runner();
+    let a = w.launched(&r, 1).await;
+    let b = w.launched(&r, 2).await;
+    w.core().job_starts(&name(&a.id));
+    let done = r.interrupt(SPOT).await;
+    assert_eq!((done.ended, done.unrecorded), (2, 0));
+    for lease in [&a, &b] {
+        assert!(!w.exists(&lease.id), "{} still runs", lease.id);
+        assert_eq!(
+            w.core().leases[&lease.id].failure_reason.as_deref(),
+            Some("ec2 spot interruption: terminate")
+        );
+    }
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&a.id), Phase::Failed);
+    assert_eq!(w.phase(&b.id), Phase::Failed);
+    assert!(!r.holding());
+    // Idempotent: a standing notice asked about again ends nothing more.
+    assert_eq!(r.interrupt(SPOT).await, Default::default());
+}
+
+/// §7.D.2: the reason is durable before anything is destroyed; a plane
+/// that cannot record it leaves the runner alone until it can.
+#[tokio::test]
+async fn an_interruption_destroys_nothing_until_its_reason_is_recorded() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.fault(&lease.id, LOp::MarkFailure, Fault::Refuse);
+    let done = r.interrupt(SPOT).await;
+    assert_eq!((done.ended, done.unrecorded), (0, 1));
+    assert!(
+        w.exists(&lease.id),
+        "destroyed before its reason was recorded"
+    );
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    let done = r.interrupt(SPOT).await;
+    assert_eq!((done.ended, done.unrecorded), (1, 0));
+    assert!(!w.exists(&lease.id));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(
+        w.core().leases[&lease.id].failure_reason.as_deref(),
+        Some("ec2 spot interruption: terminate")
+    );
+}
+
+/// A lease in custody (its job left to finish) gets the same treatment:
+/// discarded, its instance destroyed, released failed with the reason.
+#[tokio::test]
+async fn a_spot_interruption_ends_a_lease_held_in_custody_too() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    let done = r.interrupt(SPOT).await;
+    assert_eq!((done.ended, done.unrecorded), (1, 0));
+    assert!(!w.exists(&lease.id));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(
+        w.core().leases[&lease.id].failure_reason.as_deref(),
+        Some("ec2 spot interruption: terminate")
+    );
+    assert!(!r.holding());
 }

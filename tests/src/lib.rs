@@ -6,4 +6,5 @@ pub mod bench;
 pub mod cluster;
 pub mod engine_proxy;
 pub mod image;
+pub mod imds;
 pub mod systemd;

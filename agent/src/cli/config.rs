@@ -120,6 +120,7 @@ impl NodeArgs {
                 upgrader,
                 metrics_listen: args.metrics_listen,
                 min_free_disk_bytes: args.min_free_disk_bytes,
+                spot_imds: args.spot_imds,
             },
             args.listen,
         ))

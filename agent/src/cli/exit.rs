@@ -24,5 +24,8 @@ pub fn for_node_error(e: &NodeError) -> u8 {
         NodeError::Provider(_) => PROVIDER,
         NodeError::Journal(_) => JOURNAL,
         NodeError::Serve(_) | NodeError::Reflection(_) => SERVE,
+        // The flag's parser refuses a bad endpoint before start-up; this is
+        // the same refusal reached another way.
+        NodeError::Interruptions(_) => CONFIG,
     }
 }

@@ -197,6 +197,13 @@ pub struct NodeArgs {
     /// space is freed.
     #[arg(long, env = "BILLET_MIN_FREE_DISK_BYTES", default_value_t = crate::node::health::DEFAULT_MIN_FREE_DISK_BYTES)]
     pub min_free_disk_bytes: u64,
+    /// Watch the EC2 spot interruption notice at this instance-metadata
+    /// base URL (IMDSv2; on EC2, http://169.254.169.254): a notice makes
+    /// the node take no more work and fail every lease it holds with
+    /// `ec2 spot interruption: <action>`, destroying its runners. Off by
+    /// default.
+    #[arg(long, env = "BILLET_SPOT_IMDS", value_parser = parse_spot_imds)]
+    pub spot_imds: Option<String>,
     /// How log lines are written to stderr: `text` for people, `json` (one
     /// object per line, one field per value) for collectors.
     #[arg(long, env = "BILLET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -373,4 +380,11 @@ pub fn init_tracing(format: LogFormat) -> Result<(), ExitCode> {
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
     Ok(())
+}
+
+/// `--spot-imds`: an instance-metadata base URL the IMDS reader accepts.
+fn parse_spot_imds(value: &str) -> Result<String, String> {
+    crate::node::interruption::Imds::new(value)
+        .map(|_| value.to_owned())
+        .map_err(|e| e.to_string())
 }

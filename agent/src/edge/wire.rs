@@ -162,6 +162,7 @@ pub fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReaso
         Reason::IdentityExpiring => pb::DegradedReason::IdentityExpiring,
         Reason::IdentityExpired => pb::DegradedReason::IdentityExpired,
         Reason::ClockOffset => pb::DegradedReason::ClockOffset,
+        Reason::SpotInterruption => pb::DegradedReason::SpotInterruption,
     }
 }
 

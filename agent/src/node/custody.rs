@@ -62,6 +62,16 @@ pub(super) enum Renewal {
     Ask,
 }
 
+/// What one [`Runner::interrupt`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Interrupted {
+    /// Leases failed with the reason and set to be destroyed.
+    pub ended: usize,
+    /// Leases whose reason the plane could not record: left as they were,
+    /// for the next pass.
+    pub unrecorded: usize,
+}
+
 /// After this long in custody every tend warns, naming the lease.
 pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
 
@@ -668,6 +678,98 @@ impl Runner {
                         s.online = true;
                     }
                 }
+            }
+        }
+    }
+
+    /// Acts on a notice that the host's capacity is being taken back (a spot
+    /// interruption, [`crate::node::interruption`]; the reference's
+    /// `WatchInterruptions` handling, spec/node.md §2.11, applied to the
+    /// whole host since a Docker node's leases share its capacity). Every
+    /// running lease and every custody entry not already discarded first
+    /// has `reason` recorded as its failure reason, durable in the ledger
+    /// before anything is destroyed; then it becomes a custody teardown
+    /// released `failed`, and its instance is destroyed at once rather than
+    /// at the next tend (the tend proves it gone and releases the lease). A
+    /// lease whose reason the plane could not record (unavailable) is left
+    /// as it is and counted in [`Interrupted::unrecorded`]; the caller asks
+    /// again while the notice stands. An answer other than success (the
+    /// lease fenced, ended, or already holding another reason) is an answer
+    /// from the ledger: the lease is ended all the same. Idempotent.
+    pub async fn interrupt(&self, reason: EndReason) -> Interrupted {
+        let why = reason.to_string();
+        let mut done = Interrupted::default();
+        let mut destroy = Vec::new();
+        for (request_id, r) in self.running_snapshot() {
+            if self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            if !self.record_interruption(&r.lease, r.epoch, &why).await {
+                done.unrecorded += 1;
+                continue;
+            }
+            warn!(lease = %r.lease, instance = %r.instance, reason = %why,
+                  "the host's capacity is being taken back: failing the lease and destroying its runner");
+            self.end_running(request_id, &r, reason, None).await;
+            destroy.push(r.instance.clone());
+            done.ended += 1;
+        }
+        let held: Vec<(LeaseId, Epoch)> = self
+            .state()
+            .custody
+            .iter()
+            .filter(|(_, e)| !e.discard)
+            .map(|(l, e)| (l.clone(), e.epoch))
+            .collect();
+        for (lease, epoch) in held {
+            if !self.record_interruption(&lease, epoch, &why).await {
+                done.unrecorded += 1;
+                continue;
+            }
+            let record = {
+                let mut s = self.state();
+                let Some(e) = s.custody.get_mut(&lease) else {
+                    continue;
+                };
+                if e.discard || e.epoch != epoch {
+                    continue;
+                }
+                e.discard = true;
+                e.ending = false;
+                e.outcome = Phase::Failed;
+                e.reason = Some(reason);
+                if e.phase.is_some() {
+                    e.phase = Some(Phase::Teardown);
+                }
+                destroy.push(e.instance.clone());
+                custody_record(&lease, e)
+            };
+            warn!(%lease, reason = %why, "the host's capacity is being taken back: the held lease is failed and its instance destroyed");
+            if let Err(e) = self.journal.put_custody_all(&[record]).await {
+                error!(%lease, error = %e, "cannot journal the interrupted custody entry; a restart holds it as it was");
+            }
+            done.ended += 1;
+        }
+        for instance in destroy {
+            if let Err(e) = self.provider.destroy(&instance).await {
+                warn!(%instance, error = %e, "destroying an interrupted instance failed; the next tend destroys it");
+            }
+        }
+        done
+    }
+
+    /// Records an interruption's reason for one lease: `false` when the
+    /// plane could not be asked (nothing is ended then).
+    async fn record_interruption(&self, lease: &LeaseId, epoch: Epoch, why: &str) -> bool {
+        match self.ledger.mark_failure(lease, epoch, why).await {
+            Ok(()) => true,
+            Err(e @ PlaneError::Unavailable(_)) => {
+                warn!(%lease, error = %e, "the interruption's reason could not be recorded; the lease is ended once it is");
+                false
+            }
+            Err(e) => {
+                info!(%lease, answer = %e, "the ledger answered the interruption's reason; ending the lease");
+                true
             }
         }
     }

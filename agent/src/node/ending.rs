@@ -5,7 +5,9 @@
 //! [`EndReason`] is what the ledger records as the lease's failure reason
 //! (through `MarkFailure`, before the release), spelled as issue #11 names
 //! them: `oom`, `exit <code>`, `killed`, `removed`, `start_deadline`,
-//! `post_job_timeout`, `registration_lost`, `max_lease_life`.
+//! `post_job_timeout`, `registration_lost`, `max_lease_life`, and
+//! `ec2 spot interruption: <action>` (the reference's spelling, spec/node.md
+//! §2.11).
 //!
 //! [`Removals`] holds the registrations still to be removed once the compute
 //! is gone: a removal GitHub answers with 404 is done; one it refuses as
@@ -48,6 +50,43 @@ pub enum EndReason {
     RegistrationLost,
     /// The lease outlived the operator's bound on a lease's life.
     MaxLeaseLife,
+    /// The cloud is taking the host's spot capacity back
+    /// ([`crate::node::interruption`]).
+    SpotInterruption(SpotAction),
+}
+
+/// What EC2 will do to a spot instance it takes back: the `action` of the
+/// instance-metadata notice `/latest/meta-data/spot/instance-action`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SpotAction {
+    /// The instance is terminated.
+    Terminate,
+    /// The instance is stopped.
+    Stop,
+    /// The instance is hibernated.
+    Hibernate,
+}
+
+impl SpotAction {
+    /// Reads the notice's `action` (`terminate`, `stop`, `hibernate`);
+    /// `None` for anything else.
+    pub fn parse(action: &str) -> Option<Self> {
+        match action {
+            "terminate" => Some(SpotAction::Terminate),
+            "stop" => Some(SpotAction::Stop),
+            "hibernate" => Some(SpotAction::Hibernate),
+            _ => None,
+        }
+    }
+
+    /// The action as EC2 spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpotAction::Terminate => "terminate",
+            SpotAction::Stop => "stop",
+            SpotAction::Hibernate => "hibernate",
+        }
+    }
 }
 
 impl EndReason {
@@ -87,6 +126,9 @@ impl fmt::Display for EndReason {
             EndReason::PostJobTimeout => f.write_str("post_job_timeout"),
             EndReason::RegistrationLost => f.write_str("registration_lost"),
             EndReason::MaxLeaseLife => f.write_str("max_lease_life"),
+            EndReason::SpotInterruption(action) => {
+                write!(f, "ec2 spot interruption: {}", action.as_str())
+            }
         }
     }
 }
@@ -234,6 +276,7 @@ mod tests {
             EndReason::PostJobTimeout,
             EndReason::RegistrationLost,
             EndReason::MaxLeaseLife,
+            EndReason::SpotInterruption(SpotAction::Terminate),
         ]
         .iter()
         .map(ToString::to_string)
@@ -248,9 +291,17 @@ mod tests {
                 "start_deadline",
                 "post_job_timeout",
                 "registration_lost",
-                "max_lease_life"
+                "max_lease_life",
+                "ec2 spot interruption: terminate"
             ]
         );
+        for action in ["terminate", "stop", "hibernate"] {
+            assert_eq!(
+                SpotAction::parse(action).map(SpotAction::as_str),
+                Some(action)
+            );
+        }
+        assert_eq!(SpotAction::parse("reboot"), None);
     }
 
     #[test]

@@ -69,11 +69,14 @@ pub enum Reason {
     IdentityExpired,
     /// The clock is more than [`CLOCK_OFFSET_LIMIT`] from the plane's.
     ClockOffset,
+    /// The cloud gave notice that it takes the host's spot capacity back
+    /// ([`crate::node::interruption`]).
+    SpotInterruption,
 }
 
 impl Reason {
     /// Every reason, in order.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::ProviderUnreachable,
         Reason::ProviderStuck,
         Reason::DiskLow,
@@ -81,6 +84,7 @@ impl Reason {
         Reason::IdentityExpiring,
         Reason::IdentityExpired,
         Reason::ClockOffset,
+        Reason::SpotInterruption,
     ];
 
     /// A snake_case label (the `reason` of `billet_degraded`).
@@ -93,6 +97,7 @@ impl Reason {
             Reason::IdentityExpiring => "identity_expiring",
             Reason::IdentityExpired => "identity_expired",
             Reason::ClockOffset => "clock_offset",
+            Reason::SpotInterruption => "spot_interruption",
         }
     }
 
@@ -106,6 +111,7 @@ impl Reason {
             Reason::IdentityExpiring => "identity expiring",
             Reason::IdentityExpired => "identity expired",
             Reason::ClockOffset => "clock offset",
+            Reason::SpotInterruption => "spot interruption notice",
         }
     }
 }

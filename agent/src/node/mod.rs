@@ -7,7 +7,8 @@
 //! session and its single command slot ([`session`], [`slot`]), the calls up
 //! the session ([`plane`]), the node's memory across restarts ([`journal`]),
 //! the local socket for the updater ([`local`]), its metrics ([`metrics`]),
-//! its certificate's renewal and re-enrolment ([`identity`]), and the wiring and serving
+//! its certificate's renewal and re-enrolment ([`identity`]), spot
+//! interruption notices ([`interruption`]), and the wiring and serving
 //! of all of it ([`server`]).
 //!
 //! May not touch: generated proto types past [`session`] (conversion is
@@ -19,6 +20,7 @@ pub mod custody;
 pub mod ending;
 pub mod health;
 pub mod identity;
+pub mod interruption;
 pub mod journal;
 pub mod local;
 pub mod metrics;

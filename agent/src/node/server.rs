@@ -87,6 +87,9 @@ pub struct NodeConfig {
     /// Below this many free bytes on the state directory's file system the
     /// node is degraded (`node/health.rs`).
     pub min_free_disk_bytes: u64,
+    /// The instance-metadata base URL whose spot interruption notice the
+    /// node watches (`node/interruption.rs`); `None` watches none.
+    pub spot_imds: Option<String>,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -112,6 +115,9 @@ pub enum NodeError {
     /// The local socket cannot be bound.
     #[error(transparent)]
     Local(#[from] crate::node::local::BindError),
+    /// The spot interruption notice cannot be watched as configured.
+    #[error("spot interruptions: {0}")]
+    Interruptions(String),
     /// The compiled-in descriptors could not be served for reflection.
     #[error("gRPC reflection: {0}")]
     Reflection(String),
@@ -371,6 +377,23 @@ pub async fn run(
         recovery.clone(),
     )
     .with_health(health.clone());
+
+    if let Some(endpoint) = &config.spot_imds {
+        let source = crate::node::interruption::Imds::new(endpoint)
+            .map_err(|e| NodeError::Interruptions(e.to_string()))?;
+        info!(%endpoint, "watching the spot interruption notice");
+        tokio::spawn(
+            crate::node::interruption::watch(
+                Arc::new(source),
+                runner.clone(),
+                health.clone(),
+                recovery.clone(),
+                crate::node::interruption::POLL_INTERVAL,
+                shutdown.clone(),
+            )
+            .instrument(info_span!("interruptions")),
+        );
+    }
 
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
