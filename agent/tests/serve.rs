@@ -407,6 +407,7 @@ impl Node {
             upgrader: None,
             metrics_listen: None,
             min_free_disk_bytes: 0,
+            spot_imds: None,
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(
