@@ -4,11 +4,22 @@
 //! real mTLS, real Docker.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use billet_agent::node::local;
-use billet_tests::cluster::{Cluster, ClusterOptions};
+use billet_agent::node::session::NodeService;
+use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls, dial};
+use billet_controlplane_stub::plane::PlaneEvent;
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until};
+use billet_tests::engine_proxy::EngineProxy;
+use scaleset::testing::{Endpoint, JobState};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 /// libfaketime's preload library (Debian `libfaketime`, installed with
 /// `faketime` by scripts/test).
@@ -155,4 +166,275 @@ fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Res
     let json: serde_json::Value = serde_json::from_str(line).context("a JSON line")?;
     assert_eq!(json["level"], "ERROR", "{line}");
     Ok(())
+}
+
+/// Every plane event from now on, with when it was seen.
+#[derive(Clone, Default)]
+struct Events(Arc<Mutex<Vec<(Instant, PlaneEvent)>>>);
+
+impl Events {
+    fn watch(cluster: &Cluster) -> Self {
+        let events = Self::default();
+        let (mut rx, seen) = (cluster.plane.subscribe(), Arc::clone(&events.0));
+        tokio::spawn(async move {
+            while let Ok(event) = rx.recv().await {
+                seen.lock().expect("events").push((Instant::now(), event));
+            }
+        });
+        events
+    }
+
+    /// The launch failures seen since `since`: (lease, custody, code).
+    fn launch_failures(&self, since: Instant) -> Vec<(String, bool, Option<pb::ErrorCode>)> {
+        self.0
+            .lock()
+            .expect("events")
+            .iter()
+            .filter(|(at, _)| *at >= since)
+            .filter_map(|(_, e)| match e {
+                PlaneEvent::LaunchFailed {
+                    lease,
+                    custody,
+                    code,
+                    ..
+                } => Some((lease.clone(), *custody, *code)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Polls an async `condition` every 200 ms until it yields a value or
+/// `timeout` passes; the last error or the last unmet state is named.
+async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut condition: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match condition().await {
+            Ok(Some(t)) => return Ok(t),
+            Ok(None) => String::from("not yet"),
+            Err(e) => format!("{e:#}"),
+        };
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what} ({last})");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What the node's port says over the plane's own mTLS: whether
+/// `grpc.health.v1` calls the `Node` service serving.
+async fn port_serving(cluster: &Cluster, node: &str) -> Result<bool> {
+    let read = |p: &Path| std::fs::read(p).with_context(|| format!("read {}", p.display()));
+    let tls = PlaneTls {
+        ca_pem: read(&cluster.certs.ca.cert)?,
+        cert_pem: read(&cluster.certs.plane.cert)?,
+        key_pem: read(&cluster.certs.plane.key)?,
+    };
+    let target = NodeTarget {
+        name: node.into(),
+        addr: cluster.nodes[node].addr,
+    };
+    let channel = dial(&target, &tls).await?;
+    let answer = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service:
+                <pb::node_server::NodeServer<NodeService> as tonic::server::NamedService>::NAME
+                    .to_owned(),
+        })
+        .await?
+        .into_inner();
+    Ok(answer.status == ServingStatus::Serving as i32)
+}
+
+fn has(reasons: &[i32], reason: pb::DegradedReason) -> bool {
+    reasons.contains(&(reason as i32))
+}
+
+/// Issue #13: the Docker socket accepts connections and never answers while
+/// jobs run. Within 30 s the node says it is degraded (provider stuck) on
+/// the port, the local socket and the session, and the plane stops placing
+/// work there; a launch that was already queued behind the stuck call, and
+/// one placed anyway, are refused at once, typed UNAVAILABLE, with nothing
+/// minted and nothing handed to custody; a command busy past the slot's
+/// bound adds `slot stuck`. The running jobs are left alone. When the socket
+/// answers again the node heals by itself and every job runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when_it_answers()
+-> Result<()> {
+    let proxy = EngineProxy::start().await?;
+    let cluster = Cluster::start(ClusterOptions {
+        docker_socket: proxy.path.clone(),
+        work_ms: 40_000,
+        launch_timeout: Duration::from_secs(30),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let events = Events::watch(&cluster);
+    let state = state_dir(&cluster, "node-1");
+    let link = Arc::clone(cluster.plane.node("node-1").context("node")?);
+    let running = cluster.queue_jobs(2);
+    wait_until(Duration::from_secs(60), "two jobs to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            == 2
+    })
+    .await?;
+    let containers = cluster.containers().await?;
+    assert_eq!(containers.len(), 2, "{containers:?}");
+
+    // The engine hangs. A command that reads it takes the slot and does not
+    // come back; a launch placed now, before anyone knows, queues behind it.
+    proxy.set_hung(true);
+    let hung_at = Instant::now();
+    let minted = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len();
+    let stuck = {
+        let link = Arc::clone(&link);
+        tokio::spawn(async move {
+            link.dispatch(
+                pb::command::Kind::Instances(pb::Instances {}),
+                Duration::from_secs(150),
+            )
+            .await
+        })
+    };
+    link.faults.place_on_degraded.store(true, Ordering::SeqCst);
+    let queued = cluster.queue_jobs(1);
+
+    // Degraded within 30 s, everywhere it is said.
+    eventually(
+        Duration::from_secs(30),
+        "the node to say it is degraded",
+        || async {
+            let observed = status(&state).await?;
+            let plane = link.status().borrow().clone().context("attached")?;
+            let port = port_serving(&cluster, "node-1").await?;
+            Ok((!observed.serving
+                && has(
+                    &observed.status.degraded_reasons,
+                    pb::DegradedReason::ProviderStuck,
+                )
+                && !port
+                && plane.degraded()
+                && plane
+                    .health
+                    .reasons()
+                    .any(|r| r == pb::DegradedReason::ProviderStuck))
+            .then_some(()))
+        },
+    )
+    .await?;
+    eprintln!("degraded after {:?}", hung_at.elapsed());
+
+    // The queued launch, and the one placed anyway, are refused at once
+    // (not after the stuck call, not by the plane's own timeout), typed.
+    wait_until(
+        Duration::from_secs(30).saturating_sub(hung_at.elapsed()),
+        "a launch on the degraded node to be refused",
+        || !events.launch_failures(hung_at).is_empty(),
+    )
+    .await?;
+    link.faults.place_on_degraded.store(false, Ordering::SeqCst);
+    let placing_stopped = Instant::now();
+    let refused = events.launch_failures(hung_at);
+    for (lease, custody, code) in &refused {
+        assert_eq!(
+            *code,
+            Some(pb::ErrorCode::Unavailable),
+            "lease {lease}: {refused:?}"
+        );
+        assert!(!custody, "lease {lease} was handed to custody: {refused:?}");
+    }
+
+    // One command has held the slot past its bound: `slot stuck`, and the
+    // status says for how long.
+    let busy_ms = eventually(Duration::from_secs(45), "slot stuck", || async {
+        let observed = status(&state).await?;
+        Ok(has(
+            &observed.status.degraded_reasons,
+            pb::DegradedReason::SlotStuck,
+        )
+        .then_some(observed.status.slot_busy_ms))
+    })
+    .await?;
+    assert!(busy_ms >= 20_000, "slot busy for {busy_ms} ms");
+
+    // Nothing minted, nothing in custody, the running jobs untouched.
+    assert_eq!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len(),
+        minted,
+        "a registration was minted while the engine hung"
+    );
+    let observed = status(&state).await?;
+    assert!(
+        observed.status.leases.iter().all(|l| !l.custody),
+        "{:?}",
+        observed.status.leases
+    );
+    assert_eq!(
+        observed.status.leases.len(),
+        2,
+        "{:?}",
+        observed.status.leases
+    );
+    assert_eq!(cluster.containers().await?, containers);
+
+    // The socket answers again: healthy by itself, everywhere.
+    proxy.set_hung(false);
+    eventually(Duration::from_secs(60), "the node to heal", || async {
+        let observed = status(&state).await?;
+        let plane = link.status().borrow().clone().context("attached")?;
+        let port = port_serving(&cluster, "node-1").await?;
+        Ok((observed.serving
+            && observed.status.degraded_reasons.is_empty()
+            && port
+            && !plane.degraded())
+        .then_some(()))
+    })
+    .await?;
+    // While it said it was degraded, the plane placed nothing on it.
+    let healed_at = Instant::now();
+    let placed: Vec<_> = events
+        .0
+        .lock()
+        .expect("events")
+        .iter()
+        .filter(|(at, e)| {
+            *at > placing_stopped + Duration::from_secs(2)
+                && *at < healed_at
+                && matches!(
+                    e,
+                    PlaneEvent::Launched { .. } | PlaneEvent::LaunchFailed { .. }
+                )
+        })
+        .map(|(_, e)| format!("{e:?}"))
+        .collect();
+    assert!(placed.is_empty(), "placed on a degraded node: {placed:?}");
+
+    let jobs: Vec<_> = running.iter().chain(&queued).copied().collect();
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    for id in &jobs {
+        assert_eq!(starts.of(*id).len(), 1, "job {id}: {:?}", starts.of(*id));
+    }
+    assert!(cluster.emulator.state().runners.is_empty());
+    let _ = stuck.await;
+    cluster.shutdown().await
 }

@@ -164,6 +164,8 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         certificate_remaining_ms,
         certificate_renew_at_unix_ms,
         identity_expired,
+        degraded_reasons,
+        slot_busy_ms,
         // The other health fields are shown once they exist.
         ..
     } = s;
@@ -182,6 +184,8 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         "certificate_renew_at_unix_ms": certificate_renew_at_unix_ms,
         "identity": identity(s, now),
         "identity_expired": identity_expired,
+        "degraded_reasons": degraded_reasons.iter().map(|r| reason_name(*r)).collect::<Vec<_>>(),
+        "slot_busy_ms": slot_busy_ms,
         "leases": leases.iter().map(|l| {
             let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
             serde_json::json!({
@@ -195,6 +199,36 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
             })
         }).collect::<Vec<_>>(),
     })
+}
+
+/// A degraded reason as `billet_degraded`'s label spells it
+/// (`provider_stuck`, `slot_stuck`, ...).
+fn reason_name(reason: i32) -> String {
+    pb::DegradedReason::try_from(reason).map_or_else(
+        |_| format!("reason_{reason}"),
+        |r| {
+            r.as_str_name()
+                .trim_start_matches("DEGRADED_REASON_")
+                .to_ascii_lowercase()
+        },
+    )
+}
+
+/// The degraded line: `no`, or the reasons.
+fn degraded(s: &pb::LocalStatus) -> String {
+    if s.degraded_reasons.is_empty() {
+        return "no".into();
+    }
+    let reasons: Vec<String> = s.degraded_reasons.iter().map(|r| reason_name(*r)).collect();
+    format!("yes: {} (taking no launches)", reasons.join(", "))
+}
+
+/// The slot line: idle, or how long its command has run.
+fn slot(s: &pb::LocalStatus) -> String {
+    match u64::try_from(s.slot_busy_ms) {
+        Ok(ms) if ms > 0 => format!("busy for {}", human(ms / 1000)),
+        _ => "idle".into(),
+    }
 }
 
 /// The identity line: `expired` with what to do, or when the certificate
@@ -242,6 +276,8 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     let _ = writeln!(out, "serving      {}", yes(serving));
     let _ = writeln!(out, "recovered    {}", yes(s.recovered));
     let _ = writeln!(out, "draining     {}", yes(s.draining));
+    let _ = writeln!(out, "degraded     {}", degraded(s));
+    let _ = writeln!(out, "slot         {}", slot(s));
     let _ = writeln!(out, "plane        {plane}");
     let _ = writeln!(out, "certificate  {cert}");
     let _ = writeln!(out, "identity     {}", identity(s, now));
@@ -380,6 +416,35 @@ mod tests {
                 "90s"
             ]
         );
+    }
+
+    /// Issue #13: the reasons a node is degraded, and how long the slot's
+    /// command has run, are on the status.
+    #[test]
+    fn the_status_says_why_the_node_is_degraded_and_how_long_the_slot_is_busy() {
+        let text = table(true, &status(), now());
+        assert!(text.contains("degraded     no\n"), "{text}");
+        assert!(text.contains("slot         idle\n"), "{text}");
+        let s = pb::LocalStatus {
+            degraded_reasons: vec![
+                pb::DegradedReason::ProviderStuck as i32,
+                pb::DegradedReason::SlotStuck as i32,
+            ],
+            slot_busy_ms: 42_000,
+            ..status()
+        };
+        let text = table(false, &s, now());
+        assert!(
+            text.contains("degraded     yes: provider_stuck, slot_stuck"),
+            "{text}"
+        );
+        assert!(text.contains("slot         busy for 42s"), "{text}");
+        let j = json(false, &s, now());
+        assert_eq!(
+            j["degraded_reasons"],
+            serde_json::json!(["provider_stuck", "slot_stuck"])
+        );
+        assert_eq!(j["slot_busy_ms"], 42_000);
     }
 
     #[test]

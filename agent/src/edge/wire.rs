@@ -163,6 +163,7 @@ pub fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReaso
         Reason::IdentityExpired => pb::DegradedReason::IdentityExpired,
         Reason::ClockOffset => pb::DegradedReason::ClockOffset,
         Reason::SpotInterruption => pb::DegradedReason::SpotInterruption,
+        Reason::SlotStuck => pb::DegradedReason::SlotStuck,
     }
 }
 

@@ -29,6 +29,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use crate::edge::model::InstanceName;
 use crate::node::journal::{CustodyRecord, Journal, JournalError, LaunchRecord};
+use crate::node::slot::CommandSlot;
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
 /// How long a reason's cause must have been absent before the reason clears.
@@ -48,6 +49,15 @@ pub const CREATE_TIMEOUT: Duration = Duration::from_secs(180);
 /// clears below half of it. Deadlines do not depend on it (they are judged
 /// on the monotonic clock); certificate validity and operators' logs do.
 pub const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
+/// A command that has held the command slot longer than this makes the node
+/// degraded ([`Reason::SlotStuck`]) until the slot moves again: everything
+/// queued behind it waits, so a launch placed here would too. Longer than
+/// any command takes when the node is well (a launch's plane calls and
+/// create take seconds), shorter than the provider watchdog's
+/// [`CALL_TIMEOUT`], so a call that hangs shows here before it is cut, and
+/// a wait the provider watchdog does not bound (a plane call, a journal
+/// write) shows at all.
+pub const SLOT_STUCK_AFTER: Duration = Duration::from_secs(30);
 /// Default free-space watermark of the state directory's file system.
 pub const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
 
@@ -72,11 +82,14 @@ pub enum Reason {
     /// The cloud gave notice that it takes the host's spot capacity back
     /// ([`crate::node::interruption`]).
     SpotInterruption,
+    /// One command has held the command slot longer than
+    /// [`SLOT_STUCK_AFTER`].
+    SlotStuck,
 }
 
 impl Reason {
     /// Every reason, in order.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::ProviderUnreachable,
         Reason::ProviderStuck,
         Reason::DiskLow,
@@ -85,6 +98,7 @@ impl Reason {
         Reason::IdentityExpired,
         Reason::ClockOffset,
         Reason::SpotInterruption,
+        Reason::SlotStuck,
     ];
 
     /// A snake_case label (the `reason` of `billet_degraded`).
@@ -98,6 +112,7 @@ impl Reason {
             Reason::IdentityExpired => "identity_expired",
             Reason::ClockOffset => "clock_offset",
             Reason::SpotInterruption => "spot_interruption",
+            Reason::SlotStuck => "slot_stuck",
         }
     }
 
@@ -112,6 +127,7 @@ impl Reason {
             Reason::IdentityExpired => "identity expired",
             Reason::ClockOffset => "clock offset",
             Reason::SpotInterruption => "spot interruption notice",
+            Reason::SlotStuck => "command slot stuck",
         }
     }
 }
@@ -184,6 +200,7 @@ pub struct Health {
     inner: Mutex<Inner>,
     published: watch::Sender<Snapshot>,
     probe: Mutex<Option<Arc<dyn Provider>>>,
+    slot: Mutex<Option<Arc<CommandSlot>>>,
 }
 
 impl Default for Health {
@@ -192,6 +209,7 @@ impl Default for Health {
             inner: Mutex::default(),
             published: watch::Sender::new(Snapshot::default()),
             probe: Mutex::new(None),
+            slot: Mutex::new(None),
         }
     }
 }
@@ -206,6 +224,24 @@ impl Health {
     pub fn with_probe(self, provider: Arc<dyn Provider>) -> Self {
         *self.probe.lock().expect("health probe") = Some(provider);
         self
+    }
+
+    /// Sets the command slot whose progress [`Health::watch`] watches.
+    pub fn watch_slot(&self, slot: Arc<CommandSlot>) {
+        *self.slot.lock().expect("health slot") = Some(slot);
+    }
+
+    /// Records how long the command running in the slot has run (`None`:
+    /// idle): past [`SLOT_STUCK_AFTER`] raises [`Reason::SlotStuck`].
+    pub fn slot_progress(&self, busy: Option<Duration>) {
+        let stuck = busy.is_some_and(|b| b > SLOT_STUCK_AFTER);
+        if stuck && !self.snapshot().reasons.contains(&Reason::SlotStuck) {
+            warn!(
+                busy_s = busy.unwrap_or_default().as_secs(),
+                "one command has held the command slot past its bound; what is queued behind it waits"
+            );
+        }
+        self.observe(Reason::SlotStuck, stuck);
     }
 
     /// Records one observation of `reason`'s cause: `bad` raises it at once;
@@ -333,14 +369,18 @@ impl Health {
             self.probe_provider(provider.as_ref(), LAUNCH_PROBE_TIMEOUT)
                 .await;
         }
+        self.refusal().map_or(Ok(()), Err)
+    }
+
+    /// Why a launch would be refused now, judged on what is known without
+    /// probing anything (for a launch that must not wait); `None` while
+    /// healthy.
+    pub fn refusal(&self) -> Option<Refusal> {
         let snapshot = self.snapshot();
-        if snapshot.degraded() {
-            return Err(Refusal {
-                exhausted: snapshot.reasons.contains(&Reason::DiskLow),
-                reasons: snapshot.reasons,
-            });
-        }
-        Ok(())
+        snapshot.degraded().then(|| Refusal {
+            exhausted: snapshot.reasons.contains(&Reason::DiskLow),
+            reasons: snapshot.reasons,
+        })
     }
 
     async fn probe_provider(&self, provider: &dyn Provider, timeout: Duration) {
@@ -377,8 +417,9 @@ impl Health {
     }
 
     /// Runs the checks until `cancel`: the provider probe, the state
-    /// directory's free space against `min_free_disk_bytes`, and the
-    /// certificate in force (`certificate`, its validity window).
+    /// directory's free space against `min_free_disk_bytes`, the
+    /// certificate in force (`certificate`, its validity window) and, every
+    /// second, the command slot's progress.
     pub fn watch(
         self: &Arc<Self>,
         state_dir: PathBuf,
@@ -403,9 +444,13 @@ impl Health {
             );
         }
         let this = Arc::clone(self);
+        let slot = self.slot.lock().expect("health slot").clone();
         tokio::spawn(
             async move {
                 loop {
+                    if let Some(slot) = &slot {
+                        this.slot_progress(slot.busy_for());
+                    }
                     match free_bytes(&state_dir) {
                         Ok(free) => this.observe(Reason::DiskLow, free < min_free_disk_bytes),
                         Err(e) => warn!(dir = %state_dir.display(), error = %e, "cannot read the state directory's free space"),
@@ -686,6 +731,24 @@ mod tests {
         health.observe(Reason::DiskLow, true);
         let refusal = health.admit_launch().await.expect_err("refused");
         assert!(refusal.exhausted, "{refusal}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_command_holding_the_slot_past_its_bound_degrades_until_the_slot_moves() {
+        let health = Health::new();
+        health.slot_progress(None);
+        health.slot_progress(Some(SLOT_STUCK_AFTER));
+        assert!(!health.snapshot().degraded(), "stuck at the bound itself");
+        health.slot_progress(Some(SLOT_STUCK_AFTER + Duration::from_secs(1)));
+        assert_eq!(health.snapshot().reasons, [Reason::SlotStuck]);
+        let refusal = health.refusal().expect("refused");
+        assert!(!refusal.exhausted, "a stuck slot is not exhaustion");
+        // The command ends; the slot moves again: healed after the wait.
+        health.slot_progress(None);
+        health.slot_progress(Some(Duration::from_secs(1)));
+        tokio::time::advance(HEAL_AFTER).await;
+        health.tick();
+        assert!(!health.snapshot().degraded());
     }
 
     #[tokio::test(start_paused = true)]

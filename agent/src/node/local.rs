@@ -24,6 +24,7 @@ use crate::node::identity::{IdentityError, IdentityKeeper};
 use crate::node::metrics::Metrics;
 use crate::node::runner::Runner;
 use crate::node::session::Recovery;
+use crate::node::slot::CommandSlot;
 
 /// The socket's file name inside the state directory.
 pub const SOCKET_FILE: &str = "node.sock";
@@ -85,6 +86,7 @@ pub struct LocalService {
     observed: Option<(Arc<Metrics>, PathBuf)>,
     health: Arc<Health>,
     identity: Option<Arc<IdentityKeeper>>,
+    slot: Option<Arc<CommandSlot>>,
 }
 
 impl LocalService {
@@ -104,6 +106,7 @@ impl LocalService {
             observed: None,
             health: Arc::default(),
             identity: None,
+            slot: None,
         }
     }
 
@@ -121,6 +124,13 @@ impl LocalService {
     #[must_use]
     pub fn with_health(mut self, health: Arc<Health>) -> Self {
         self.health = health;
+        self
+    }
+
+    /// Reports how long the command running in `slot` has run.
+    #[must_use]
+    pub fn with_slot(mut self, slot: Arc<CommandSlot>) -> Self {
+        self.slot = Some(slot);
         self
     }
 
@@ -199,6 +209,11 @@ impl pb::local_server::Local for LocalService {
             identity_expired: health
                 .reasons
                 .contains(&crate::node::health::Reason::IdentityExpired),
+            slot_busy_ms: self
+                .slot
+                .as_ref()
+                .and_then(|s| s.busy_for())
+                .map_or(0, |b| i64::try_from(b.as_millis()).unwrap_or(i64::MAX)),
         }))
     }
 

@@ -313,6 +313,7 @@ pub async fn run(
         .with_journal(journal.clone()),
     );
     let slot = Arc::new(CommandSlot::new().with_metrics(metrics.clone()));
+    health.watch_slot(slot.clone());
     slot.preload(
         journal
             .results()
@@ -368,6 +369,7 @@ pub async fn run(
     )
     .with_metrics(metrics.clone(), config.tls.cert.clone())
     .with_health(health.clone())
+    .with_slot(slot.clone())
     .with_identity(keeper);
     let service = NodeService::new(
         identity,

@@ -429,7 +429,12 @@ impl NodeService {
                         let _ = session.send(pb::node_message::Body::Result(result)).await;
                     }
                     Ok((id, command)) => {
-                        let admission = self.slot.push(Queued {
+                        // A degraded node refuses a launch at once, never
+                        // queueing it behind what may be a stuck command.
+                        let refusal = matches!(command, NodeCommand::Launch { .. })
+                            .then(|| self.health.refusal())
+                            .flatten();
+                        let queued = Queued {
                             id: id.clone(),
                             deadline: self.deadline(
                                 incoming.deadline_unix_ms,
@@ -437,7 +442,15 @@ impl NodeService {
                             ),
                             command,
                             session: Arc::clone(session),
-                        });
+                        };
+                        let admission = match refusal {
+                            Some(refusal) => {
+                                info!(%id, %refusal, "refused a launch at once while degraded");
+                                self.slot
+                                    .answer_now(queued, refused_launch(id.as_str(), &refusal))
+                            }
+                            None => self.slot.push(queued),
+                        };
                         match admission {
                             Admission::Queued | Admission::Duplicate => {}
                             Admission::Replay(result) => {
@@ -523,6 +536,11 @@ pub async fn execute_commands(
     executor: Executor,
     cancel: CancellationToken,
 ) {
+    // Ends with `cancel`, as the executor does.
+    tokio::spawn(
+        refuse_waiting_launches(slot.clone(), executor.health.clone(), cancel.clone())
+            .instrument(info_span!("refuse_waiting_launches")),
+    );
     tokio::select! {
         () = cancel.cancelled() => return,
         () = executor.recovery.wait() => {}
@@ -562,15 +580,7 @@ pub async fn execute_commands(
                 && let Err(refusal) = executor.health.admit_launch().await
             {
                 info!(%refusal, "refused a launch while degraded");
-                let code = if refusal.exhausted {
-                    pb::ErrorCode::ResourceExhausted
-                } else {
-                    pb::ErrorCode::Unavailable
-                };
-                return (
-                    failure(id.as_str(), pb::Outcome::Refused, code, refusal.to_string()),
-                    None,
-                );
+                return (refused_launch(id.as_str(), &refusal), None);
             }
             execute(&runner, executor.upgrader.as_deref(), executor.capacity, id.as_str(), command).await
         }
@@ -604,6 +614,52 @@ pub async fn execute_commands(
         .instrument(span)
         .await;
     }
+}
+
+/// While the node is degraded, answers every launch waiting in the slot
+/// refused (typed as [`refused_launch`] says) instead of letting it wait
+/// behind the command running, which may be the stuck one that made the
+/// node degraded: a plane that waited past its timeout would take the lease
+/// for held by the node although nothing started. Looks whenever the health
+/// changes and every second (a launch may have been queued just as the node
+/// became degraded), until `cancel`.
+async fn refuse_waiting_launches(
+    slot: Arc<CommandSlot>,
+    health: Arc<Health>,
+    cancel: CancellationToken,
+) {
+    let mut state = health.subscribe();
+    loop {
+        if let Some(refusal) = health.refusal() {
+            for waiting in slot.take_waiting_launches() {
+                info!(id = %waiting.id, %refusal, "refused a waiting launch: the node is degraded");
+                let result = refused_launch(waiting.id.as_str(), &refusal);
+                slot.record(&waiting.id, &result);
+                let _ = waiting
+                    .session
+                    .live()
+                    .send(pb::node_message::Body::Result(result))
+                    .await;
+            }
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            changed = state.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    }
+}
+
+/// A launch refused by a degraded node: `OUTCOME_REFUSED` with
+/// `ERROR_CODE_RESOURCE_EXHAUSTED` for a full disk, else
+/// `ERROR_CODE_UNAVAILABLE`; nothing was bound, minted or started.
+fn refused_launch(id: &str, refusal: &crate::node::health::Refusal) -> pb::CommandResult {
+    let code = if refusal.exhausted {
+        pb::ErrorCode::ResourceExhausted
+    } else {
+        pb::ErrorCode::Unavailable
+    };
+    failure(id, pb::Outcome::Refused, code, refusal.to_string())
 }
 
 /// Whether a command's result is journaled (synced) before it is answered:
@@ -1036,6 +1092,115 @@ mod scenarios {
             capacity: pb::Capacity::default(),
             health: Arc::default(),
         }
+    }
+
+    /// Issue #13, a hung engine: a launch queued behind a command the
+    /// engine never answers is refused, typed UNAVAILABLE, as soon as the
+    /// node is degraded, not after the stuck command (the plane would have
+    /// timed it out and taken the lease for held by the node); one arriving
+    /// while degraded is refused at once and never queued; the slot's
+    /// watchdog sees the stuck command. Nothing is bound or minted.
+    #[tokio::test(start_paused = true)]
+    async fn a_launch_behind_a_stuck_command_is_refused_once_degraded_and_a_new_one_at_once() {
+        use crate::node::health::{Reason, SLOT_STUCK_AFTER};
+        let provider = Arc::new(FakeProvider::new());
+        provider.block(crate::provider::fake::Operation::List);
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let health = Arc::new(Health::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            Executor {
+                health: health.clone(),
+                ..executor(Arc::new(Recovery::done()))
+            },
+            cancel.clone(),
+        ));
+        let admission = slot.push(Queued {
+            id: CommandId::parse("id", "i1").expect("id"),
+            deadline: tokio::time::Instant::now() + Duration::from_secs(600),
+            command: NodeCommand::Instances,
+            session: Arc::clone(&plane.session),
+        });
+        assert!(matches!(admission, Admission::Queued));
+        push_launch(&slot, &plane.session, "c1");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(slot.busy_for().is_some(), "the Instances is not running");
+        assert!(
+            plane.results.try_recv().is_err(),
+            "answered while healthy and stuck"
+        );
+
+        // The watchdog: past the bound, the slot is stuck.
+        health.slot_progress(slot.busy_for());
+        assert!(!health.snapshot().degraded());
+        tokio::time::sleep(SLOT_STUCK_AFTER).await;
+        health.slot_progress(slot.busy_for());
+        assert_eq!(health.snapshot().reasons, [Reason::SlotStuck]);
+
+        let result = plane.result().await;
+        assert_eq!(result.id, "c1");
+        assert_eq!(result.outcome, pb::Outcome::Refused as i32, "{result:?}");
+        assert_eq!(
+            result.error.as_ref().map(|e| e.code),
+            Some(pb::ErrorCode::Unavailable as i32)
+        );
+        assert!(!result.custody, "{result:?}");
+        assert!(slot.is_empty(), "the refused launch is still queued");
+
+        // A launch arriving now is answered at once, never queued.
+        let identity = Identity {
+            node_name: NodeName::parse("node", "node-1").expect("name"),
+            deployment: "dev".into(),
+            incarnation: "i".into(),
+            vcpu: 1,
+            memory_bytes: 1,
+            version: "0".into(),
+        };
+        let service = NodeService::new(
+            identity,
+            runner.clone(),
+            link.clone(),
+            slot.clone(),
+            Arc::new(Recovery::done()),
+        )
+        .with_health(health.clone());
+        let mut command = crate::edge::wire::tests::launch();
+        command.id = "c2".into();
+        command.deadline_remaining_ms = Some(60_000);
+        service
+            .route(
+                &plane.session,
+                pb::plane_message::Body::Command(command.clone()),
+            )
+            .await;
+        let result = plane.result().await;
+        assert_eq!(result.id, "c2");
+        assert_eq!(
+            result.error.as_ref().map(|e| e.code),
+            Some(pb::ErrorCode::Unavailable as i32)
+        );
+        assert!(slot.is_empty(), "a launch was queued on a degraded node");
+        // Redelivered, it gets the same answer.
+        service
+            .route(&plane.session, pb::plane_message::Body::Command(command))
+            .await;
+        assert_eq!(plane.result().await, result);
+        assert!(
+            plane.calls().is_empty(),
+            "the plane was called: {:?}",
+            plane.calls()
+        );
+        assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
+
+        provider.unblock(crate::provider::fake::Operation::List);
+        let instances = plane.result().await;
+        assert_eq!(instances.id, "i1");
+        cancel.cancel();
+        task.await.expect("executor");
     }
 
     /// 7.L.4. In paused time: the sleep below returns only once every

@@ -126,8 +126,8 @@ struct Inner {
 
 #[derive(Debug)]
 struct Pending {
-    queued: std::time::Instant,
-    running: Option<(&'static str, std::time::Instant)>,
+    queued: tokio::time::Instant,
+    running: Option<(&'static str, tokio::time::Instant)>,
 }
 
 /// The single-item operation queue. Cheap to share behind an `Arc`.
@@ -176,7 +176,7 @@ impl CommandSlot {
         inner.pending.insert(
             queued.id.clone(),
             Pending {
-                queued: std::time::Instant::now(),
+                queued: tokio::time::Instant::now(),
                 running: None,
             },
         );
@@ -187,6 +187,75 @@ impl CommandSlot {
         drop(inner);
         self.ready.notify_one();
         Admission::Queued
+    }
+
+    /// Answers a command at once with `result` instead of queueing it (a
+    /// launch a degraded node refuses): a copy already queued, running or
+    /// run is treated as by [`CommandSlot::push`]; otherwise `result` is
+    /// recorded for redelivery and handed back as [`Admission::Replay`], to
+    /// be sent.
+    pub fn answer_now(&self, queued: Queued, result: pb::CommandResult) -> Admission {
+        let mut inner = self.inner.lock().expect("slot");
+        if let Some(recorded) = inner.results.get(&queued.id) {
+            return Admission::Replay(recorded.clone());
+        }
+        if inner.pending.contains_key(&queued.id) {
+            if let Some(waiting) = inner.queue.iter_mut().find(|q| q.id == queued.id) {
+                waiting.session = queued.session;
+            }
+            return Admission::Duplicate;
+        }
+        drop(inner);
+        if let Some(m) = &self.metrics {
+            m.plane_contact();
+        }
+        self.answered(queued.command.kind(), &result, std::time::Duration::ZERO);
+        self.record(&queued.id, &result);
+        Admission::Replay(result)
+    }
+
+    /// Takes every launch still waiting (not the command running) out of
+    /// the queue, in arrival order, for the caller to answer: a degraded
+    /// node refuses them rather than let them wait behind a stuck command.
+    /// Each must be answered with [`CommandSlot::record`].
+    pub fn take_waiting_launches(&self) -> Vec<Queued> {
+        let mut inner = self.inner.lock().expect("slot");
+        let (launches, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut inner.queue)
+            .into_iter()
+            .partition(|q| matches!(q.command, NodeCommand::Launch { .. }));
+        inner.queue = rest;
+        if let Some(m) = &self.metrics {
+            m.set_queue_depth(inner.queue.len());
+        }
+        for q in &launches {
+            if let Some(p) = inner.pending.get_mut(&q.id) {
+                // Counted as run (for no time) when recorded.
+                p.running = Some((q.command.kind(), tokio::time::Instant::now()));
+            }
+        }
+        launches.into()
+    }
+
+    /// How long the command running now has run; `None` while the slot is
+    /// idle.
+    pub fn busy_for(&self) -> Option<std::time::Duration> {
+        self.inner
+            .lock()
+            .expect("slot")
+            .pending
+            .values()
+            .filter_map(|p| p.running.map(|(_, started)| started.elapsed()))
+            .max()
+    }
+
+    fn answered(&self, kind: &'static str, result: &pb::CommandResult, took: std::time::Duration) {
+        if let Some(m) = &self.metrics {
+            let outcome = pb::Outcome::try_from(result.outcome).map_or("unknown", outcome_name);
+            let reason = result.error.as_ref().map_or("none", |e| {
+                pb::ErrorCode::try_from(e.code).map_or("unknown", error_name)
+            });
+            m.command_done(kind, outcome, reason, took);
+        }
     }
 
     /// Waits for the next command in arrival order.
@@ -206,7 +275,7 @@ impl CommandSlot {
         let q = inner.queue.pop_front()?;
         let depth = inner.queue.len();
         if let Some(p) = inner.pending.get_mut(&q.id) {
-            let now = std::time::Instant::now();
+            let now = tokio::time::Instant::now();
             p.running = Some((q.command.kind(), now));
             if let Some(m) = &self.metrics {
                 m.command_started(now - p.queued, depth);
@@ -222,13 +291,8 @@ impl CommandSlot {
             running: Some((kind, started)),
             ..
         }) = inner.pending.remove(id)
-            && let Some(m) = &self.metrics
         {
-            let outcome = pb::Outcome::try_from(result.outcome).map_or("unknown", outcome_name);
-            let reason = result.error.as_ref().map_or("none", |e| {
-                pb::ErrorCode::try_from(e.code).map_or("unknown", error_name)
-            });
-            m.command_done(kind, outcome, reason, started.elapsed());
+            self.answered(kind, result, started.elapsed());
         }
         let cost = remembered_bytes(id, result);
         if let Some(replaced) = inner.results.insert(id.clone(), result.clone()) {
@@ -397,6 +461,73 @@ mod tests {
         };
         slot.record(&CommandId::parse("id", "huge").unwrap(), &huge);
         assert_eq!(slot.remembered().0, 1);
+    }
+
+    fn launch(id: &str) -> Queued {
+        let mut command = crate::edge::wire::tests::launch();
+        command.id = id.into();
+        command.deadline_remaining_ms = Some(60_000);
+        let (_, command) = crate::edge::wire::command(command)
+            .command
+            .expect("a launch");
+        Queued {
+            command,
+            ..queued(id)
+        }
+    }
+
+    fn refused(id: &str) -> pb::CommandResult {
+        pb::CommandResult {
+            id: id.into(),
+            outcome: pb::Outcome::Refused.into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_launches_can_be_taken_out_and_the_running_command_timed() {
+        let slot = CommandSlot::new();
+        assert_eq!(slot.busy_for(), None);
+        for q in [queued("t1"), launch("l1"), queued("t2"), launch("l2")] {
+            assert!(matches!(slot.push(q), Admission::Queued));
+        }
+        let running = slot.next().await;
+        assert_eq!(running.id.as_str(), "t1");
+        tokio::time::advance(std::time::Duration::from_secs(7)).await;
+        assert_eq!(slot.busy_for(), Some(std::time::Duration::from_secs(7)));
+        let taken: Vec<String> = slot
+            .take_waiting_launches()
+            .iter()
+            .map(|q| q.id.as_str().to_owned())
+            .collect();
+        assert_eq!(taken, ["l1", "l2"]);
+        assert_eq!(slot.len(), 1, "the other commands stay");
+        for id in ["l1", "l2"] {
+            slot.record(&CommandId::parse("id", id).unwrap(), &refused(id));
+        }
+        slot.record(&running.id, &ok("t1"));
+        assert_eq!(slot.busy_for(), None);
+        assert_eq!(slot.next().await.id.as_str(), "t2");
+        assert!(matches!(slot.push(launch("l1")), Admission::Replay(_)));
+    }
+
+    #[tokio::test]
+    async fn a_command_answered_now_is_not_queued_and_is_remembered() {
+        let slot = CommandSlot::new();
+        match slot.answer_now(launch("l1"), refused("l1")) {
+            Admission::Replay(r) => assert_eq!(r, refused("l1")),
+            other => panic!("{other:?}"),
+        }
+        assert!(slot.is_empty());
+        assert_eq!(slot.in_flight(), 0);
+        assert!(matches!(slot.push(launch("l1")), Admission::Replay(_)));
+        // A copy already queued is not answered twice.
+        assert!(matches!(slot.push(launch("l2")), Admission::Queued));
+        assert!(matches!(
+            slot.answer_now(launch("l2"), refused("l2")),
+            Admission::Duplicate
+        ));
+        assert_eq!(slot.len(), 1);
     }
 
     #[tokio::test]
