@@ -73,11 +73,13 @@ impl Plane {
     }
 }
 
-/// A journal that counts its writes (each call one transaction).
+/// A journal that counts its writes (each call one transaction) and can be
+/// told to fail its next custody writes (a full or failing disk).
 #[derive(Debug, Default)]
 struct CountingJournal {
     inner: MemoryJournal,
     writes: Mutex<usize>,
+    custody_failures: Mutex<u32>,
 }
 
 impl CountingJournal {
@@ -86,6 +88,21 @@ impl CountingJournal {
     }
     fn writes(&self) -> usize {
         *self.writes.lock().unwrap()
+    }
+    /// The next `times` custody writes fail.
+    fn fail_custody_writes(&self, times: u32) {
+        *self.custody_failures.lock().unwrap() += times;
+    }
+    fn custody_write(&self) -> Result<(), billet_agent::node::journal::JournalError> {
+        self.wrote();
+        let mut failures = self.custody_failures.lock().unwrap();
+        if *failures > 0 {
+            *failures -= 1;
+            return Err(billet_agent::node::journal::JournalError::Io(
+                "injected: disk I/O error".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -114,14 +131,14 @@ impl Journal for CountingJournal {
         &self,
         entry: &billet_agent::node::journal::CustodyRecord,
     ) -> Result<(), billet_agent::node::journal::JournalError> {
-        self.wrote();
+        self.custody_write()?;
         self.inner.put_custody(entry).await
     }
     async fn put_custody_all(
         &self,
         entries: &[billet_agent::node::journal::CustodyRecord],
     ) -> Result<(), billet_agent::node::journal::JournalError> {
-        self.wrote();
+        self.custody_write()?;
         self.inner.put_custody_all(entries).await
     }
     async fn forget_custody(
@@ -2735,4 +2752,85 @@ async fn a_spot_interruption_ends_a_lease_held_in_custody_too() {
         Some("ec2 spot interruption: terminate")
     );
     assert!(!r.holding());
+}
+
+/// A runner over `w`'s provider and plane whose journal is `journal`.
+fn runner_over(w: &World, journal: &Arc<CountingJournal>) -> Runner {
+    let provider: Arc<dyn Provider> = w.fake.clone();
+    Runner::new(
+        provider,
+        w.plane.clone(),
+        w.plane.clone(),
+        RunnerOptions::default(),
+    )
+    .with_journal(journal.clone())
+}
+
+/// The leases the journal holds custody records for.
+async fn journaled_custody(journal: &CountingJournal) -> BTreeSet<String> {
+    journal
+        .custody()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.lease)
+        .collect()
+}
+
+/// Issue #14: a custody entry whose journal write failed (a full disk, an
+/// I/O error) is written again by the next tend, though nothing in it
+/// changed since: a restart must not forget compute this node holds. Once
+/// written, a tend that changes nothing writes nothing.
+#[tokio::test]
+async fn a_custody_entry_whose_journal_write_failed_is_written_at_the_next_tend() {
+    let w = World::new();
+    let journal = Arc::new(CountingJournal::default());
+    let r = runner_over(&w, &journal);
+    let lease = w.launched(&r, 1).await;
+    journal.fail_custody_writes(1);
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    assert!(
+        journaled_custody(&journal).await.is_empty(),
+        "the injected failure did not fail the write"
+    );
+    r.tend().await.unwrap();
+    assert_eq!(
+        journaled_custody(&journal).await,
+        BTreeSet::from([lease.id.as_str().to_owned()]),
+        "the next tend did not write the entry again"
+    );
+    let writes = journal.writes();
+    r.tend().await.unwrap();
+    assert_eq!(
+        journal.writes(),
+        writes,
+        "a tend that changed nothing wrote"
+    );
+}
+
+/// Issue #14: recovery's adoptions, journaled in one transaction that
+/// failed, are written at the next tend (in one transaction again).
+#[tokio::test]
+async fn adoptions_whose_journal_write_failed_are_written_at_the_next_tend() {
+    let w = World::new();
+    let leases: BTreeSet<String> = (1..=3)
+        .map(|i| {
+            let lease = w.launching_lease(i);
+            w.put_instance(&name(&lease.id), true);
+            lease.id.as_str().to_owned()
+        })
+        .collect();
+    let journal = Arc::new(CountingJournal::default());
+    journal.fail_custody_writes(1);
+    let r = runner_over(&w, &journal);
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r).len(), leases.len());
+    assert!(journaled_custody(&journal).await.is_empty());
+    let writes = journal.writes();
+    r.tend().await.unwrap();
+    assert_eq!(journaled_custody(&journal).await, leases);
+    assert_eq!(journal.writes(), writes + 1, "written one by one");
 }

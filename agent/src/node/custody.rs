@@ -115,6 +115,10 @@ pub(super) struct CustodyEntry {
     /// The reason a forced destroy gave, recorded as the failure reason
     /// when there is no [`EndReason`]. Not journaled.
     pub(super) forced: Option<String>,
+    /// The journal may not hold the entry as it is: its last write failed
+    /// (a full or failing disk). The next tend writes it again, changed or
+    /// not ([`Runner::rejournal`]). Not journaled.
+    pub(super) unjournaled: bool,
 }
 
 impl CustodyEntry {
@@ -142,6 +146,7 @@ impl CustodyEntry {
             reported: None,
             ending: false,
             forced: None,
+            unjournaled: false,
         }
     }
 
@@ -243,6 +248,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         // A teardown that is not discarded is only ever an ending runner.
         ending: !r.discard && r.phase.as_deref() == Some(Phase::Teardown.as_str()),
         forced: None,
+        unjournaled: false,
     };
     Some((lease, entry))
 }
@@ -282,15 +288,59 @@ impl Runner {
                 custody_record(lease, entry)
             })
             .collect();
+        let leases: Vec<LeaseId> = entries.iter().map(|(lease, _)| lease.clone()).collect();
         {
             let mut s = self.state();
             for (lease, entry) in entries {
                 s.custody.insert(lease, entry);
             }
         }
-        if let Err(e) = self.journal.put_custody_all(&records).await {
-            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
+        let written = self.journal.put_custody_all(&records).await;
+        if let Err(e) = &written {
+            error!(error = %e, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
         }
+        self.mark_journaled(&leases, written.is_ok());
+    }
+
+    /// Records whether the journal now holds the held entries of `leases`
+    /// as they are (`journaled`), or must be written again by the next
+    /// tend.
+    fn mark_journaled(&self, leases: &[LeaseId], journaled: bool) {
+        let mut s = self.state();
+        for lease in leases {
+            if let Some(entry) = s.custody.get_mut(lease) {
+                entry.unjournaled = !journaled;
+            }
+        }
+    }
+
+    /// Writes again, in one synced transaction, every held entry whose
+    /// last journal write failed; run at the start of each tend, so a
+    /// failed write is retried on the tend's clock and not only when the
+    /// entry next changes. Nothing to write: no I/O.
+    pub(super) async fn rejournal(&self) {
+        let (leases, records): (Vec<LeaseId>, Vec<CustodyRecord>) = {
+            let s = self.state();
+            s.custody
+                .iter()
+                .filter(|(_, entry)| entry.unjournaled)
+                .map(|(lease, entry)| (lease.clone(), custody_record(lease, entry)))
+                .unzip()
+        };
+        if records.is_empty() {
+            return;
+        }
+        let written = self.journal.put_custody_all(&records).await;
+        match &written {
+            Ok(()) => info!(
+                entries = records.len(),
+                "journaled custody entries whose earlier write had failed"
+            ),
+            Err(e) => {
+                error!(error = %e, entries = records.len(), "still cannot journal custody entries; the next tend tries again, and a restart before it succeeds would forget them");
+            }
+        }
+        self.mark_journaled(&leases, written.is_ok());
     }
 
     /// Takes responsibility for a lease whose successful launch the plane
@@ -1106,6 +1156,9 @@ impl Runner {
             self.retry_removals().await;
             return Ok(());
         }
+        // A custody entry the journal failed to take is written again
+        // first, whatever this tend then does with it.
+        self.rejournal().await;
         let inventory = match self.provider.list().await {
             Ok(list) => {
                 self.end_gone_runners(&before, &list).await;
@@ -1601,22 +1654,31 @@ impl Runner {
     }
 
     /// Replaces the held entry of `lease` (if it is still held) and
-    /// journals it when anything the journal records changed: a tend of an
-    /// entry whose state stayed the same writes nothing.
+    /// journals it when anything the journal records changed, or when its
+    /// last write failed: a tend of an entry whose state stayed the same
+    /// writes nothing. A write that fails marks the entry for the next
+    /// tend ([`Runner::rejournal`]).
     pub(super) async fn update(&self, lease: &LeaseId, entry: CustodyEntry) {
         let record = {
             let mut s = self.state();
             let Some(slot) = s.custody.get_mut(lease) else {
                 return;
             };
-            let record = journaled_changed(slot, &entry).then(|| custody_record(lease, &entry));
-            *slot = entry;
+            let write = slot.unjournaled || entry.unjournaled || journaled_changed(slot, &entry);
+            let record = write.then(|| custody_record(lease, &entry));
+            let unjournaled = slot.unjournaled || entry.unjournaled;
+            *slot = CustodyEntry {
+                unjournaled,
+                ..entry
+            };
             record
         };
-        if let Some(record) = record
-            && let Err(e) = self.journal.put_custody(&record).await
-        {
-            error!(error = %e, "cannot journal a custody entry; a restart would forget it");
+        if let Some(record) = record {
+            let written = self.journal.put_custody(&record).await;
+            if let Err(e) = &written {
+                error!(%lease, error = %e, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
+            }
+            self.mark_journaled(std::slice::from_ref(lease), written.is_ok());
         }
     }
 
