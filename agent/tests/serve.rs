@@ -172,9 +172,11 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
             })),
             None,
         ),
-        Call::Bind(_) | Call::Advance(_) | Call::RemoveRunner(_) | Call::MarkFailure(_) => {
-            (None, None)
-        }
+        Call::Bind(_)
+        | Call::Advance(_)
+        | Call::BindAdvance(_)
+        | Call::RemoveRunner(_)
+        | Call::MarkFailure(_) => (None, None),
         // This plane holds no CA.
         Call::RenewCertificate(_) => (
             None,
@@ -669,6 +671,7 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
 
     let touched_l2 = plane.calls().iter().any(|c| match c {
         pb::node_call::Call::Bind(b) => b.lease_id == "l2",
+        pb::node_call::Call::BindAdvance(b) => b.lease_id == "l2",
         pb::node_call::Call::MintJit(m) => m.lease_id == "l2",
         _ => false,
     });

@@ -178,6 +178,24 @@ impl CallHandler {
                     .map_err(le)?;
                 Ok(None)
             }
+            Call::BindAdvance(pb::BindAdvance {
+                lease_id,
+                epoch,
+                phase,
+            }) => {
+                let phase = Phase::parse(&phase).ok_or_else(|| {
+                    error(
+                        pb::ErrorCode::InvalidArgument,
+                        format!("bind_advance.phase: {phase:?} is not a lease phase"),
+                    )
+                })?;
+                // One ledger transaction: bound and advanced, or neither.
+                let lease = l
+                    .bind_advance(&lease_id, epoch, node, phase, now)
+                    .await
+                    .map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
+            }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
                 let asked: Vec<(String, u64)> = leases
                     .into_iter()
@@ -500,6 +518,86 @@ mod tests {
         );
     }
 
+    /// Issue #14: `BindAdvance` binds the lease to the session's node and
+    /// moves it to the phase asked in one call, answered with the lease as
+    /// the ledger then holds it; refusals carry the codes Bind and Advance
+    /// carry, and a phase that is not one is an invalid argument.
+    #[tokio::test]
+    async fn bind_advance_answers_the_lease_bound_and_launching() {
+        let (handler, ledger, _emulator) = handler().await;
+        let reserved = ledger
+            .reserve(
+                NewLease {
+                    id: "l1".into(),
+                    tier: "linux".into(),
+                    request_id: 1,
+                    vcpu: 1,
+                    memory_bytes: 1 << 20,
+                    runner_name: Some("billet-l1".into()),
+                },
+                crate::now_ms(),
+            )
+            .await
+            .unwrap();
+        let ask = |epoch: u64, phase: &str| {
+            call(pb::node_call::Call::BindAdvance(pb::BindAdvance {
+                lease_id: "l1".into(),
+                epoch,
+                phase: phase.into(),
+            }))
+        };
+        let reply = handler
+            .handle("node-a", ask(reserved.epoch, "launching"))
+            .await;
+        assert!(reply.error.is_none(), "{:?}", reply.error);
+        let Some(pb::plane_reply::Result::Lease(lease)) = reply.result else {
+            panic!("not answered with the lease: {reply:?}");
+        };
+        assert_eq!(
+            (lease.id.as_str(), lease.node.as_str(), lease.phase.as_str()),
+            ("l1", "node-a", "launching")
+        );
+        let held = ledger.get("l1").await.unwrap().unwrap();
+        assert_eq!(
+            (held.node.as_deref(), held.phase),
+            (Some("node-a"), Phase::Launching)
+        );
+        let code = |reply: pb::PlaneReply| reply.error.map(|e| e.code);
+        assert_eq!(
+            code(
+                handler
+                    .handle("node-a", ask(reserved.epoch + 1, "launching"))
+                    .await
+            ),
+            Some(pb::ErrorCode::Fenced as i32)
+        );
+        assert_eq!(
+            code(
+                handler
+                    .handle("node-b", ask(reserved.epoch, "launching"))
+                    .await
+            ),
+            Some(pb::ErrorCode::WrongNode as i32)
+        );
+        assert_eq!(
+            code(handler.handle("node-a", ask(reserved.epoch, "busy")).await),
+            Some(pb::ErrorCode::BadTransition as i32)
+        );
+        assert_eq!(
+            code(
+                handler
+                    .handle("node-a", ask(reserved.epoch, "sideways"))
+                    .await
+            ),
+            Some(pb::ErrorCode::InvalidArgument as i32)
+        );
+        assert_eq!(
+            ledger.get("l1").await.unwrap().unwrap(),
+            held,
+            "a refusal wrote"
+        );
+    }
+
     #[tokio::test]
     async fn a_node_asking_for_another_nodes_lease_is_refused_and_the_lease_is_untouched() {
         let (handler, ledger, emulator) = handler().await;
@@ -527,6 +625,11 @@ mod tests {
             pb::node_call::Call::Bind(pb::Bind {
                 lease_id: "theirs".into(),
                 epoch: lease.epoch,
+            }),
+            pb::node_call::Call::BindAdvance(pb::BindAdvance {
+                lease_id: "theirs".into(),
+                epoch: lease.epoch,
+                phase: "launching".into(),
             }),
             pb::node_call::Call::MintJit(pb::MintJit {
                 lease_id: "theirs".into(),

@@ -5,7 +5,8 @@
 //! - **(a) Launch**: the plane's [`NodeLink::dispatch`] of a `Launch` command to a real
 //!   `billet node` process over mTLS, from sending the command to receiving its result. It covers
 //!   the session, the node's single slot, `Bind` and `Advance(launching)` written to the plane's
-//!   SQLite ledger through node calls on the session, the JIT config minted by the plane from the
+//!   SQLite ledger in one node call on the session (`BindAdvance`, one transaction), the JIT config
+//!   minted by the plane from the
 //!   scale-set emulator, and the Docker provider's create and start of the container.
 //! - **(b) baseline**: what a launch cannot do without: a JIT config minted from the scale-set
 //!   emulator exactly as the plane mints one (the stub's `Github::mint`), then the same container

@@ -161,7 +161,7 @@ async fn prometheus_scrapes_a_nodes_launches_and_lease_state_while_a_job_runs() 
             Duration::from_secs(30),
         )
         .await?;
-    for step in ["bind", "advance", "mint", "create"] {
+    for step in ["bind_advance", "mint", "create"] {
         let n = prometheus
             .wait_value(
                 &format!("billet_launch_step_duration_seconds_count{{step=\"{step}\"}}"),

@@ -613,8 +613,8 @@ impl Provider for MeteredProvider {
 
 /// The plane seams ([`LeaseStore`], [`JitSource`]) timed per call: each
 /// call's round trip up the session, its errors by code, and the plane's
-/// last contact. Bind, Advance(launching) and mint also count as launch
-/// steps.
+/// last contact. Bind, Advance(launching), BindAdvance(launching) and mint
+/// also count as launch steps.
 #[derive(Debug)]
 pub struct MeteredPlane<P> {
     inner: Arc<P>,
@@ -655,6 +655,21 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         let took = self.observe("advance", start, &r);
         if phase == Phase::Launching {
             self.metrics.step("advance", took);
+        }
+        r
+    }
+
+    async fn bind_advance(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        phase: Phase,
+    ) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.bind_advance(lease, epoch, phase).await;
+        let took = self.observe("bind_advance", start, &r);
+        if phase == Phase::Launching {
+            self.metrics.step("bind_advance", took);
         }
         r
     }

@@ -8,7 +8,7 @@
 //! transient ledger failure.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -131,6 +131,23 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
     async fn bind(&self, lease: &LeaseId, epoch: Epoch) -> Result<(), PlaneError>;
     /// Moves the lease to `phase` (idempotent for the phase it has).
     async fn advance(&self, lease: &LeaseId, epoch: Epoch, phase: Phase) -> Result<(), PlaneError>;
+    /// [`LeaseStore::bind`] then [`LeaseStore::advance`] to `phase`, as the
+    /// launch path asks them; a store that can do both in one round trip
+    /// (the plane's `BindAdvance`) does, and the plane then writes both or
+    /// neither. This default makes the two calls in turn.
+    ///
+    /// # Errors
+    ///
+    /// The bind's refusal, else the advance's, as those calls give them.
+    async fn bind_advance(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        phase: Phase,
+    ) -> Result<(), PlaneError> {
+        self.bind(lease, epoch).await?;
+        self.advance(lease, epoch, phase).await
+    }
     /// Renews every listed lease in one call; one result per lease, in order.
     async fn heartbeat(
         &self,
@@ -337,6 +354,10 @@ pub struct PlaneLink {
     ttl: watch::Sender<Duration>,
     next_call: AtomicU64,
     call_timeout: Duration,
+    /// The current session's plane answered `BindAdvance` as a call it does
+    /// not know (it predates it): send `Bind` and `Advance` instead until
+    /// another session is installed.
+    split_bind_advance: AtomicBool,
 }
 
 impl Default for PlaneLink {
@@ -353,6 +374,7 @@ impl PlaneLink {
             ttl: watch::Sender::new(Duration::ZERO),
             next_call: AtomicU64::new(1),
             call_timeout,
+            split_bind_advance: AtomicBool::new(false),
         }
     }
 
@@ -364,6 +386,7 @@ impl PlaneLink {
         lease_ttl: Duration,
     ) -> Option<Arc<SessionLink>> {
         self.ttl.send_replace(lease_ttl);
+        self.split_bind_advance.store(false, Ordering::Relaxed);
         self.current.lock().expect("current").replace(session)
     }
 
@@ -389,6 +412,16 @@ impl PlaneLink {
         &self,
         call: pb::node_call::Call,
     ) -> Result<Option<pb::plane_reply::Result>, PlaneError> {
+        let reply = self.call_raw(call).await?;
+        match reply.error {
+            Some(error) => Err(PlaneError::from_wire(error)),
+            None => Ok(reply.result),
+        }
+    }
+
+    /// Sends `call` and waits for its reply, error included as the wire
+    /// carries it.
+    async fn call_raw(&self, call: pb::node_call::Call) -> Result<pb::PlaneReply, PlaneError> {
         let session = self
             .current()
             .ok_or_else(|| PlaneError::Unavailable("no plane session is open".into()))?;
@@ -405,16 +438,12 @@ impl PlaneLink {
             session.calls.lock().expect("calls").remove(&call_id);
             return Err(e);
         }
-        let reply = tokio::select! {
+        tokio::select! {
             reply = rx => reply.map_err(|_| PlaneError::Unavailable("the session ended before the plane answered".into())),
             () = tokio::time::sleep(self.call_timeout) => {
                 session.calls.lock().expect("calls").remove(&call_id);
                 Err(PlaneError::Unavailable(format!("the plane did not answer within {:?}", self.call_timeout)))
             }
-        }?;
-        match reply.error {
-            Some(error) => Err(PlaneError::from_wire(error)),
-            None => Ok(reply.result),
         }
     }
 }
@@ -463,6 +492,37 @@ impl LeaseStore for PlaneLink {
         }))
         .await
         .map(drop)
+    }
+
+    /// One `BindAdvance` round trip; to a plane that predates it (it
+    /// answers `INVALID_ARGUMENT`, the call missing), `Bind` then `Advance`,
+    /// for the rest of that session.
+    async fn bind_advance(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        phase: Phase,
+    ) -> Result<(), PlaneError> {
+        if !self.split_bind_advance.load(Ordering::Relaxed) {
+            let (lease_id, epoch_wire) = lease_epoch(lease, epoch);
+            let reply = self
+                .call_raw(pb::node_call::Call::BindAdvance(pb::BindAdvance {
+                    lease_id,
+                    epoch: epoch_wire,
+                    phase: phase.as_str().into(),
+                }))
+                .await?;
+            match reply.error {
+                None => return Ok(()),
+                Some(e) if e.code == pb::ErrorCode::InvalidArgument as i32 => {
+                    tracing::info!(error = %e.message, "the plane does not know BindAdvance; binding and advancing in two calls");
+                    self.split_bind_advance.store(true, Ordering::Relaxed);
+                }
+                Some(e) => return Err(PlaneError::from_wire(e)),
+            }
+        }
+        self.bind(lease, epoch).await?;
+        self.advance(lease, epoch, phase).await
     }
 
     async fn heartbeat(

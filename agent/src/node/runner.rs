@@ -474,14 +474,16 @@ impl Runner {
             }
         }
         let name = InstanceName::for_lease(&lease.id);
+        // Bound and launching in one round trip (one ledger transaction).
         self.ledger
-            .bind(&lease.id, lease.epoch)
+            .bind_advance(&lease.id, lease.epoch, Phase::Launching)
             .await
-            .map_err(|e| RunnerError::Failed(format!("bind {}: {e}", lease.id)))?;
-        self.ledger
-            .advance(&lease.id, lease.epoch, Phase::Launching)
-            .await
-            .map_err(|e| RunnerError::Failed(format!("advance {} to launching: {e}", lease.id)))?;
+            .map_err(|e| {
+                RunnerError::Failed(format!(
+                    "bind {} and advance it to launching: {e}",
+                    lease.id
+                ))
+            })?;
         {
             let mut s = self.state();
             s.launching.insert(lease.id.clone(), lease.epoch);

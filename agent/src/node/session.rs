@@ -976,6 +976,7 @@ mod scenarios {
         match call {
             Call::Bind(_) => "bind",
             Call::Advance(_) => "advance",
+            Call::BindAdvance(_) => "bind_advance",
             Call::Heartbeat(_) => "heartbeat",
             Call::Release(_) => "release",
             Call::GetLease(_) => "get_lease",
@@ -1242,7 +1243,7 @@ mod scenarios {
         let result = plane.result().await;
         assert_eq!(result.id, "c1");
         assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
-        assert_eq!(plane.calls(), ["bind", "advance", "mint_jit"]);
+        assert_eq!(plane.calls(), ["bind_advance", "mint_jit"]);
         assert_eq!(
             provider.instances().len(),
             1,
@@ -1250,6 +1251,63 @@ mod scenarios {
         );
         cancel.cancel();
         task.await.expect("executor");
+    }
+
+    /// Issue #14: a launch binds its lease and advances it to launching in
+    /// one plane round trip (`BindAdvance`), so the plane is asked twice
+    /// before the create, where it was asked three times (`Bind`,
+    /// `Advance`, then the mint).
+    #[tokio::test]
+    async fn a_launch_asks_the_plane_twice_before_it_creates() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner,
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        assert_eq!(
+            plane.calls(),
+            ["bind_advance", "mint_jit"],
+            "plane round trips on the launch path"
+        );
+        assert_eq!(provider.instances().len(), 1);
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// Issue #14: a plane that predates `BindAdvance` answers it
+    /// `INVALID_ARGUMENT` (the call is missing); the node then binds and
+    /// advances in two calls, and on that session asks `BindAdvance` no
+    /// more.
+    #[tokio::test]
+    async fn a_plane_that_predates_bind_advance_is_asked_bind_then_advance() {
+        use crate::node::plane::LeaseStore as _;
+        let (_runner, link) = node(Arc::new(FakeProvider::new()));
+        let plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::BindAdvance(_) => Err(pb::ErrorCode::InvalidArgument),
+            other => default_answer(other),
+        });
+        let lease = crate::edge::model::LeaseId::parse("lease", "l1").expect("id");
+        let epoch = crate::edge::model::Epoch(1);
+        link.bind_advance(&lease, epoch, crate::edge::model::Phase::Launching)
+            .await
+            .expect("bound and launching");
+        assert_eq!(plane.calls(), ["bind_advance", "bind", "advance"]);
+        link.bind_advance(&lease, epoch, crate::edge::model::Phase::Launching)
+            .await
+            .expect("bound and launching, again");
+        assert_eq!(
+            plane.calls(),
+            ["bind_advance", "bind", "advance", "bind", "advance"]
+        );
     }
 
     /// 7.L.10. In paused time: the sleep returns only once every other
@@ -1375,7 +1433,7 @@ mod scenarios {
         let provider = Arc::new(FakeProvider::new());
         let (runner, link) = node(provider.clone());
         let mut plane = open_plane(&link, |call| match call {
-            pb::node_call::Call::Bind(_) => Err(pb::ErrorCode::Refused),
+            pb::node_call::Call::BindAdvance(_) => Err(pb::ErrorCode::Refused),
             other => default_answer(other),
         });
         let slot = Arc::new(CommandSlot::new());
@@ -1396,7 +1454,11 @@ mod scenarios {
         );
         assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
         assert!(result.error.is_some_and(|e| e.message.contains("bind")));
-        assert_eq!(plane.calls(), ["bind"], "nothing past the refused bind");
+        assert_eq!(
+            plane.calls(),
+            ["bind_advance"],
+            "nothing past the refused bind"
+        );
         assert!(
             provider
                 .calls()

@@ -1,9 +1,10 @@
 //! The holder's writes: `reserve` and `reserve_on` open a lease at epoch 1,
-//! and `bind`, `advance`, `heartbeat`, `release`, `mark_failure`,
-//! `set_runner` and `resize` change it for whoever presents its epoch (the
-//! node it is bound to, or the plane before a bind).
+//! and `bind`, `advance`, `bind_advance` (the two in one transaction),
+//! `heartbeat`, `release`, `mark_failure`, `set_runner` and `resize` change
+//! it for whoever presents its epoch (the node it is bound to, or the plane
+//! before a bind).
 //!
-//! Each of those seven reads the row through `load_fenced` or `load_open`
+//! Each of those eight reads the row through `load_fenced` or `load_open`
 //! inside its write transaction (locking it on PostgreSQL), compares the
 //! epoch before trusting anything else in the row, and updates only
 //! `WHERE id = $n AND epoch = $m` (§1.5). None of them bumps an epoch or
@@ -128,31 +129,7 @@ impl Ledger {
     /// `assigned` without a node (it is never adopted).
     pub async fn bind(&self, id: &str, epoch: u64, node: &str, _now_ms: i64) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
-        match lease.node.as_deref() {
-            Some(bound) if bound == node => return Ok(lease),
-            Some(_) => return Err(wrong_node(&lease, node)),
-            None if !matches!(lease.phase, Phase::Capacity | Phase::Assigned) => {
-                return Err(wrong_node(&lease, node));
-            }
-            None => {}
-        }
-        if let Some(target) = lease.target_node.as_deref()
-            && target != node
-        {
-            return Err(LedgerError::WrongNode {
-                lease: lease.id.clone(),
-                bound: Some(target.to_owned()),
-                asked: node.to_owned(),
-            });
-        }
-        let done = sqlx::query("UPDATE leases SET node = $1 WHERE id = $2 AND epoch = $3")
-            .bind(node)
-            .bind(id)
-            .bind(db_epoch(epoch))
-            .execute(&mut *tx)
-            .await?;
-        expect_one_row(done.rows_affected(), id)?;
+        bind_in(&mut tx, self.backend, id, epoch, node).await?;
         finish(tx, id).await
     }
 
@@ -174,36 +151,51 @@ impl Ledger {
         now_ms: i64,
     ) -> Result<Lease> {
         let mut tx = self.begin_write().await?;
-        let lease = load_open(&mut tx, self.backend, id, epoch).await?;
-        if lease.node.as_deref() != Some(node) {
-            return Err(wrong_node(&lease, node));
-        }
-        if to == Phase::Quarantine {
-            return Err(bad_transition(&lease, to));
-        }
-        if lease.phase == to {
-            return Ok(lease);
-        }
-        if !lease.phase.can_move_to(to) {
-            return Err(bad_transition(&lease, to));
-        }
-        let holds = matches!(to, Phase::Custody | Phase::Teardown);
-        let done = sqlx::query(
-            "UPDATE leases SET phase = $1, heartbeat_at_ms = $2, expires_at_ms = $3,
-                held_at_ms = CASE WHEN $4 THEN COALESCE(held_at_ms, $2) ELSE held_at_ms END,
-                ended_at_ms = CASE WHEN $5 THEN $2 ELSE ended_at_ms END
-             WHERE id = $6 AND epoch = $7",
+        advance_in(
+            &mut tx,
+            self.backend,
+            id,
+            epoch,
+            node,
+            to,
+            now_ms,
+            self.ttl_ms(),
         )
-        .bind(to.as_str())
-        .bind(now_ms)
-        .bind(now_ms.saturating_add(self.ttl_ms()))
-        .bind(holds)
-        .bind(to.is_terminal())
-        .bind(id)
-        .bind(db_epoch(epoch))
-        .execute(&mut *tx)
         .await?;
-        expect_one_row(done.rows_affected(), id)?;
+        finish(tx, id).await
+    }
+
+    /// [`Ledger::bind`] then [`Ledger::advance`] to `to`, in one write
+    /// transaction: what a node's `BindAdvance` asks on its launch path
+    /// (one round trip and one commit where there were two). Both halves
+    /// happen, or neither: a refused advance leaves the lease unbound if
+    /// the bind was new.
+    ///
+    /// # Errors
+    ///
+    /// As [`Ledger::bind`], then as [`Ledger::advance`], checked in that
+    /// order on the same row.
+    pub async fn bind_advance(
+        &self,
+        id: &str,
+        epoch: u64,
+        node: &str,
+        to: Phase,
+        now_ms: i64,
+    ) -> Result<Lease> {
+        let mut tx = self.begin_write().await?;
+        bind_in(&mut tx, self.backend, id, epoch, node).await?;
+        advance_in(
+            &mut tx,
+            self.backend,
+            id,
+            epoch,
+            node,
+            to,
+            now_ms,
+            self.ttl_ms(),
+        )
+        .await?;
         finish(tx, id).await
     }
 
@@ -631,6 +623,88 @@ async fn load_open(
     Ok(lease)
 }
 
+/// Binds the lease to `node` inside a write transaction, as
+/// [`Ledger::bind`] describes; already bound to `node` writes nothing.
+async fn bind_in(
+    conn: &mut AnyConnection,
+    backend: Backend,
+    id: &str,
+    epoch: u64,
+    node: &str,
+) -> Result<()> {
+    let lease = load_open(conn, backend, id, epoch).await?;
+    match lease.node.as_deref() {
+        Some(bound) if bound == node => return Ok(()),
+        Some(_) => return Err(wrong_node(&lease, node)),
+        None if !matches!(lease.phase, Phase::Capacity | Phase::Assigned) => {
+            return Err(wrong_node(&lease, node));
+        }
+        None => {}
+    }
+    if let Some(target) = lease.target_node.as_deref()
+        && target != node
+    {
+        return Err(LedgerError::WrongNode {
+            lease: lease.id.clone(),
+            bound: Some(target.to_owned()),
+            asked: node.to_owned(),
+        });
+    }
+    let done = sqlx::query("UPDATE leases SET node = $1 WHERE id = $2 AND epoch = $3")
+        .bind(node)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .execute(&mut *conn)
+        .await?;
+    expect_one_row(done.rows_affected(), id)
+}
+
+/// Moves the lease bound to `node` to `to` inside a write transaction,
+/// renewing it for `ttl_ms`, as [`Ledger::advance`] describes; the phase
+/// it has already writes nothing.
+#[allow(clippy::too_many_arguments)]
+async fn advance_in(
+    conn: &mut AnyConnection,
+    backend: Backend,
+    id: &str,
+    epoch: u64,
+    node: &str,
+    to: Phase,
+    now_ms: i64,
+    ttl_ms: i64,
+) -> Result<()> {
+    let lease = load_open(conn, backend, id, epoch).await?;
+    if lease.node.as_deref() != Some(node) {
+        return Err(wrong_node(&lease, node));
+    }
+    if to == Phase::Quarantine {
+        return Err(bad_transition(&lease, to));
+    }
+    if lease.phase == to {
+        return Ok(());
+    }
+    if !lease.phase.can_move_to(to) {
+        return Err(bad_transition(&lease, to));
+    }
+    let holds = matches!(to, Phase::Custody | Phase::Teardown);
+    let done = sqlx::query(
+        "UPDATE leases SET phase = $1, heartbeat_at_ms = $2, expires_at_ms = $3,
+            held_at_ms = CASE WHEN $4 THEN COALESCE(held_at_ms, $2) ELSE held_at_ms END,
+            ended_at_ms = CASE WHEN $5 THEN $2 ELSE ended_at_ms END
+         WHERE id = $6 AND epoch = $7",
+    )
+    .bind(to.as_str())
+    .bind(now_ms)
+    .bind(now_ms.saturating_add(ttl_ms))
+    .bind(holds)
+    .bind(to.is_terminal())
+    .bind(id)
+    .bind(db_epoch(epoch))
+    .execute(&mut *conn)
+    .await?;
+    expect_one_row(done.rows_affected(), id)
+}
+
 /// Renews one lease inside a write transaction: fenced and open, not asked
 /// to be given up, bound to `node` or to none.
 async fn renew(
@@ -962,6 +1036,52 @@ mod tests {
             );
             assert_eq!(code(l.heartbeat("a", 1, "n1", 70).await), "not_found");
             assert_eq!(code(l.heartbeat("missing", 1, "n1", 70).await), "not_found");
+        }
+    }
+
+    on_both_backends! {
+        /// Issue #14: the launch path's Bind and Advance(launching) in one
+        /// transaction leave the lease as the two calls would, repeat
+        /// without effect, refuse with the same codes, and on a refused
+        /// advance leave the bind undone.
+        async fn bind_advance_is_a_bind_then_an_advance_in_one_transaction(db) {
+            let l = db.ledger().await;
+            l.reserve(new_lease("two"), 0).await.unwrap();
+            l.bind("two", 1, "n1", 10).await.unwrap();
+            let by_two = l.advance("two", 1, "n1", Phase::Launching, 10).await.unwrap();
+            l.reserve(new_lease("one"), 0).await.unwrap();
+            let by_one = l.bind_advance("one", 1, "n1", Phase::Launching, 10).await.unwrap();
+            assert_eq!(
+                (by_one.node.as_deref(), by_one.phase, by_one.epoch, by_one.expires_at_ms),
+                (Some("n1"), Phase::Launching, 1, 10 + TTL_MS)
+            );
+            assert_eq!(
+                Lease { id: by_two.id.clone(), runner_name: by_two.runner_name.clone(), ..by_one.clone() },
+                by_two,
+                "one transaction left the lease as the two calls do"
+            );
+            assert_eq!(l.get("one").await.unwrap().as_ref(), Some(&by_one));
+            let again = l.bind_advance("one", 1, "n1", Phase::Launching, 20).await.unwrap();
+            assert_eq!(again, by_one, "a repeated bind_advance changes nothing");
+
+            // Refused as each half would be, and nothing written.
+            assert_eq!(code(l.bind_advance("one", 2, "n1", Phase::Launching, 30).await), "fenced");
+            assert_eq!(code(l.bind_advance("one", 1, "n2", Phase::Launching, 30).await), "wrong_node");
+            assert_eq!(code(l.bind_advance("missing", 1, "n1", Phase::Launching, 30).await), "not_found");
+            l.reserve_on(new_lease("aimed"), "n1", ROOM, 0).await.unwrap();
+            assert_eq!(code(l.bind_advance("aimed", 1, "n2", Phase::Launching, 30).await), "wrong_node");
+            assert_eq!(l.get("one").await.unwrap().as_ref(), Some(&by_one));
+
+            // A refused advance undoes the bind with it.
+            l.reserve(new_lease("fresh"), 0).await.unwrap();
+            for to in [Phase::Busy, Phase::Quarantine] {
+                assert_eq!(code(l.bind_advance("fresh", 1, "n1", to, 30).await), "bad_transition");
+            }
+            let fresh = l.get("fresh").await.unwrap().unwrap();
+            assert_eq!((fresh.node, fresh.phase), (None, Phase::Assigned), "half a bind_advance was written");
+
+            l.release("one", 1, Some("n1"), Phase::Done, 40).await.unwrap();
+            assert_eq!(code(l.bind_advance("one", 1, "n1", Phase::Launching, 50).await), "not_found");
         }
     }
 

@@ -90,6 +90,7 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
         Call::Reconcile(_) => Some(R::Reconciled(pb::ReconcileResult { freed: 0 })),
         Call::Bind(_)
         | Call::Advance(_)
+        | Call::BindAdvance(_)
         | Call::Release(_)
         | Call::RemoveRunner(_)
         | Call::MarkFailure(_)
