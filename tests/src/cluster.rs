@@ -81,6 +81,10 @@ pub struct ClusterOptions {
     pub plane_signs: Option<Duration>,
     /// Serve the plane's enrolment endpoint ([`Cluster::enroll_addr`]).
     pub enrollment: bool,
+    /// Where the nodes' state directories (`state-<name>`) are made;
+    /// `None`: in the cluster's scratch directory. A test puts them on a
+    /// file system of its own (a small one that it fills).
+    pub state_root: Option<PathBuf>,
 }
 
 impl Default for ClusterOptions {
@@ -107,6 +111,7 @@ impl Default for ClusterOptions {
             node_cert_lifetime: None,
             plane_signs: None,
             enrollment: false,
+            state_root: None,
         }
     }
 }
@@ -584,7 +589,11 @@ impl Cluster {
         for name in &options.nodes {
             let files = certs.node(name).context("node certificate")?;
             let addr = free_port()?;
-            let state_dir = dir.join(format!("state-{name}"));
+            let state_dir = options
+                .state_root
+                .as_deref()
+                .unwrap_or(&dir)
+                .join(format!("state-{name}"));
             let args = vec![
                 "node".to_owned(),
                 "--listen".into(),

@@ -438,3 +438,175 @@ async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when
     let _ = stuck.await;
     cluster.shutdown().await
 }
+
+/// A small file system for a node's state directory (a tmpfs of
+/// `size_mib`), mounted for one test and unmounted however it ends.
+struct SmallFs {
+    path: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(size_mib: u64) -> Result<Self> {
+        let path = billet_tests::cluster::scratch_dir("small-fs")?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size_mib}m,mode=0700")])
+            .arg("tmpfs")
+            .arg(&path)
+            .output()
+            .context("run mount")?;
+        if !out.status.success() {
+            bail!(
+                "cannot mount a {size_mib} MiB tmpfs at {} (this test needs root): {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(Self { path })
+    }
+
+    /// Writes `name` until the file system is full.
+    fn fill(&self, name: &str) -> Result<PathBuf> {
+        use std::io::Write as _;
+        let file = self.path.join(name);
+        let mut f = std::fs::File::create(&file)?;
+        let chunk = vec![0xa5u8; 1 << 20];
+        loop {
+            match f.write_all(&chunk) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                Err(e) => return Err(e).context("fill"),
+            }
+        }
+        // What is left is less than a chunk: fill it byte-sized.
+        while f.write_all(&[0xa5; 512]).is_ok() {}
+        Ok(file)
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        // Lazy: a node still holding a file there does not keep it mounted.
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+/// Issue #13: the node's state directory on a small file system that
+/// fills up. The node says it is degraded (state disk low, journal not
+/// writable, the latter found by its own probe, not by a failed custody
+/// write), the plane withdraws its capacity, and a launch placed anyway is
+/// refused typed RESOURCE_EXHAUSTED before anything is minted; once the
+/// filler is deleted the node heals by itself, is placed on again, and a
+/// job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_when_space_is_freed()
+-> Result<()> {
+    // Declared first, dropped last: unmounted after the node is gone.
+    let small = SmallFs::mount(128)?;
+    let cluster = Cluster::start(ClusterOptions {
+        state_root: Some(small.path.clone()),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let events = Events::watch(&cluster);
+    let state = small.path.join("state-node-1");
+    let link = Arc::clone(cluster.plane.node("node-1").context("node")?);
+    let first = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&first, Duration::from_secs(90))
+        .await?;
+    // Idle: no journal write is due, so only a probe can find the journal
+    // unwritable.
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    assert!(
+        status(&state).await?.serving,
+        "healthy before the disk fills"
+    );
+
+    let filler = small.fill("filler")?;
+    let full_at = Instant::now();
+    eventually(
+        Duration::from_secs(30),
+        "the node to say its disk is full",
+        || async {
+            let observed = status(&state).await?;
+            let plane = link.status().borrow().clone().context("attached")?;
+            let port = port_serving(&cluster, "node-1").await?;
+            let reasons = &observed.status.degraded_reasons;
+            Ok((!observed.serving
+                && has(reasons, pb::DegradedReason::DiskLow)
+                && has(reasons, pb::DegradedReason::JournalUnwritable)
+                && !port
+                && plane.degraded())
+            .then_some(()))
+        },
+    )
+    .await?;
+    eprintln!("degraded after {:?}", full_at.elapsed());
+    let log = cluster.nodes["node-1"].log_text();
+    assert!(
+        log.contains("the journal probe cannot write the state directory"),
+        "the probe's error is not in the log:\n{log}"
+    );
+
+    // Placed anyway: refused, typed, before anything is minted.
+    let minted = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len();
+    link.faults.place_on_degraded.store(true, Ordering::SeqCst);
+    let placed_at = Instant::now();
+    let second = cluster.queue_jobs(1);
+    wait_until(
+        Duration::from_secs(30),
+        "a launch on the full node to be refused",
+        || !events.launch_failures(placed_at).is_empty(),
+    )
+    .await?;
+    link.faults.place_on_degraded.store(false, Ordering::SeqCst);
+    let refused = events.launch_failures(placed_at);
+    for (lease, custody, code) in &refused {
+        assert_eq!(
+            *code,
+            Some(pb::ErrorCode::ResourceExhausted),
+            "lease {lease}: {refused:?}"
+        );
+        assert!(!custody, "lease {lease} was handed to custody: {refused:?}");
+    }
+    assert_eq!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len(),
+        minted,
+        "a registration was minted for a launch on a full node"
+    );
+
+    // Space freed: healthy by itself, placed on again, the job runs.
+    std::fs::remove_file(&filler)?;
+    eventually(Duration::from_secs(60), "the node to heal", || async {
+        let observed = status(&state).await?;
+        let plane = link.status().borrow().clone().context("attached")?;
+        let port = port_serving(&cluster, "node-1").await?;
+        Ok((observed.serving
+            && observed.status.degraded_reasons.is_empty()
+            && port
+            && !plane.degraded()
+            && plane.capacity.vcpu > 0)
+            .then_some(()))
+    })
+    .await?;
+    cluster
+        .wait_jobs_completed(&second, Duration::from_secs(120))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    for id in first.iter().chain(&second) {
+        assert_eq!(starts.of(*id).len(), 1, "job {id}: {:?}", starts.of(*id));
+    }
+    assert!(cluster.emulator.state().runners.is_empty());
+    cluster.shutdown().await
+}

@@ -297,7 +297,9 @@ impl Runner {
         }
         let written = self.journal.put_custody_all(&records).await;
         if let Err(e) = &written {
-            error!(error = %e, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
+            if let Some(suppressed) = self.journal_log.admit() {
+                error!(error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
+            }
         }
         self.mark_journaled(&leases, written.is_ok());
     }
@@ -337,7 +339,9 @@ impl Runner {
                 "journaled custody entries whose earlier write had failed"
             ),
             Err(e) => {
-                error!(error = %e, entries = records.len(), "still cannot journal custody entries; the next tend tries again, and a restart before it succeeds would forget them");
+                if let Some(suppressed) = self.journal_log.admit() {
+                    error!(error = %e, suppressed, entries = records.len(), "still cannot journal custody entries; the next tend tries again, and a restart before it succeeds would forget them");
+                }
             }
         }
         self.mark_journaled(&leases, written.is_ok());
@@ -1676,7 +1680,9 @@ impl Runner {
         if let Some(record) = record {
             let written = self.journal.put_custody(&record).await;
             if let Err(e) = &written {
-                error!(%lease, error = %e, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
+                if let Some(suppressed) = self.journal_log.admit() {
+                    error!(%lease, error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
+                }
             }
             self.mark_journaled(std::slice::from_ref(lease), written.is_ok());
         }

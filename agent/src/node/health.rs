@@ -58,6 +58,13 @@ pub const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
 /// a wait the provider watchdog does not bound (a plane call, a journal
 /// write) shows at all.
 pub const SLOT_STUCK_AFTER: Duration = Duration::from_secs(30);
+/// How often at most a repeated failure (a journal write, the journal
+/// probe) is logged on its own line; the lines in between are counted and
+/// the next line says how many were suppressed.
+pub const REPEATED_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+/// The file the journal probe writes, syncs and removes in the state
+/// directory on every health tick.
+pub const JOURNAL_PROBE_FILE: &str = ".journal-probe";
 /// Default free-space watermark of the state directory's file system.
 pub const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
 
@@ -201,6 +208,8 @@ pub struct Health {
     published: watch::Sender<Snapshot>,
     probe: Mutex<Option<Arc<dyn Provider>>>,
     slot: Mutex<Option<Arc<CommandSlot>>>,
+    journal_probe_log: LogLimit,
+    journal_probing: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Health {
@@ -210,6 +219,8 @@ impl Default for Health {
             published: watch::Sender::new(Snapshot::default()),
             probe: Mutex::new(None),
             slot: Mutex::new(None),
+            journal_probe_log: LogLimit::default(),
+            journal_probing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -242,6 +253,42 @@ impl Health {
             );
         }
         self.observe(Reason::SlotStuck, stuck);
+    }
+
+    /// Probes whether the journal's directory `dir` can be written
+    /// ([`probe_writable`], off the async threads, bounded by
+    /// [`PROBE_TIMEOUT`]) and feeds [`Reason::JournalUnwritable`] with the
+    /// answer, so the reason is raised and cleared by observation, not only
+    /// by a failed journal write. A probe still running from an earlier
+    /// tick counts as a failure and starts no other. Failures are logged
+    /// with their error, at most once per [`REPEATED_FAILURE_LOG_EVERY`].
+    pub async fn probe_journal(&self, dir: &std::path::Path) {
+        use std::sync::atomic::Ordering;
+        let outcome = if self.journal_probing.swap(true, Ordering::SeqCst) {
+            Err("the previous probe has not returned".to_owned())
+        } else {
+            let dir = dir.to_owned();
+            let probe = tokio::task::spawn_blocking(move || probe_writable(&dir));
+            let outcome = match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+                Err(_) => Err(format!("no answer within {PROBE_TIMEOUT:?}")),
+                Ok(Err(e)) => Err(format!("the probe task failed: {e}")),
+                Ok(Ok(r)) => r.map_err(|e| e.to_string()),
+            };
+            // A probe that timed out still runs: the flag stays set until
+            // it returns (it holds no handle to clear it), so at most one
+            // hangs. Cleared here when it did return.
+            if !matches!(&outcome, Err(e) if e.starts_with("no answer")) {
+                self.journal_probing.store(false, Ordering::SeqCst);
+            }
+            outcome
+        };
+        if let Err(e) = &outcome
+            && let Some(suppressed) = self.journal_probe_log.admit()
+        {
+            warn!(dir = %dir.display(), error = %e, suppressed,
+                  "the journal probe cannot write the state directory");
+        }
+        self.observe(Reason::JournalUnwritable, outcome.is_err());
     }
 
     /// Records one observation of `reason`'s cause: `bad` raises it at once;
@@ -419,7 +466,8 @@ impl Health {
     /// Runs the checks until `cancel`: the provider probe, the state
     /// directory's free space against `min_free_disk_bytes`, the
     /// certificate in force (`certificate`, its validity window) and, every
-    /// second, the command slot's progress.
+    /// second, the command slot's progress and whether the journal's
+    /// directory can be written ([`Health::probe_journal`]).
     pub fn watch(
         self: &Arc<Self>,
         state_dir: PathBuf,
@@ -451,6 +499,7 @@ impl Health {
                     if let Some(slot) = &slot {
                         this.slot_progress(slot.busy_for());
                     }
+                    this.probe_journal(&state_dir).await;
                     match free_bytes(&state_dir) {
                         Ok(free) => this.observe(Reason::DiskLow, free < min_free_disk_bytes),
                         Err(e) => warn!(dir = %state_dir.display(), error = %e, "cannot read the state directory's free space"),
@@ -491,6 +540,68 @@ pub fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
         reason = "the field types differ by platform"
     )]
     Ok(u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size())))
+}
+
+/// A log line's rate limit, for a failure that repeats on every tick (a
+/// journal that cannot be written): the first occurrence is logged, then at
+/// most one per `every`; those in between are counted, and the next line
+/// logged carries how many were suppressed.
+#[derive(Debug)]
+pub struct LogLimit {
+    every: Duration,
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl LogLimit {
+    /// At most one line per `every`.
+    pub fn new(every: Duration) -> Self {
+        Self {
+            every,
+            state: Mutex::new((None, 0)),
+        }
+    }
+
+    /// `Some(suppressed)` when this occurrence is to be logged (with the
+    /// count suppressed since the last line logged), `None` when it is
+    /// counted instead.
+    pub fn admit(&self) -> Option<u64> {
+        let mut state = self.state.lock().expect("log limit");
+        let (last, suppressed) = &mut *state;
+        if last.is_some_and(|t| t.elapsed() < self.every) {
+            *suppressed += 1;
+            return None;
+        }
+        *last = Some(Instant::now());
+        Some(std::mem::take(suppressed))
+    }
+}
+
+impl Default for LogLimit {
+    fn default() -> Self {
+        Self::new(REPEATED_FAILURE_LOG_EVERY)
+    }
+}
+
+/// Writes, syncs and removes a small file ([`JOURNAL_PROBE_FILE`]) in
+/// `dir`: whether the journal's directory takes a write that needs a fresh
+/// block now (a full file system, a read-only remount, an I/O error fail
+/// it), without touching the journal itself.
+///
+/// # Errors
+///
+/// The failed step's I/O error.
+pub fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let path = dir.join(JOURNAL_PROBE_FILE);
+    let written = (|| {
+        let mut file = std::fs::File::create(&path)?;
+        // One page: a file system with no free block refuses it.
+        file.write_all(&[0u8; 4096])?;
+        file.sync_all()
+    })();
+    let removed = std::fs::remove_file(&path);
+    written?;
+    removed
 }
 
 /// A provider whose every call is bounded by a watchdog timeout and whose
@@ -749,6 +860,51 @@ mod tests {
         tokio::time::advance(HEAL_AFTER).await;
         health.tick();
         assert!(!health.snapshot().degraded());
+    }
+
+    #[tokio::test]
+    async fn the_journal_probe_raises_and_clears_journal_unwritable_by_observation() {
+        let health = Health::new();
+        let dir = std::env::temp_dir().join(format!("billet-probe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // A directory that cannot be written (here: gone) fails the probe.
+        health.probe_journal(&dir).await;
+        assert_eq!(health.snapshot().reasons, [Reason::JournalUnwritable]);
+        std::fs::create_dir_all(&dir).expect("dir");
+        health.probe_journal(&dir).await;
+        assert!(
+            health.snapshot().degraded(),
+            "cleared before the hysteresis"
+        );
+        assert!(
+            !dir.join(JOURNAL_PROBE_FILE).exists(),
+            "the probe left its file"
+        );
+        // Clears HEAL_AFTER after the first good probe.
+        {
+            let mut inner = health.inner.lock().expect("health");
+            let cause = inner
+                .causes
+                .get_mut(&Reason::JournalUnwritable)
+                .expect("cause");
+            cause.good_since = cause.good_since.map(|t| t - HEAL_AFTER);
+        }
+        health.probe_journal(&dir).await;
+        assert!(!health.snapshot().degraded());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repeated_failure_is_logged_once_per_window_with_the_count_suppressed() {
+        let limit = LogLimit::new(Duration::from_secs(60));
+        assert_eq!(limit.admit(), Some(0), "the first is logged");
+        for _ in 0..59 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert_eq!(limit.admit(), None);
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(limit.admit(), Some(59), "the next line says what it hid");
+        assert_eq!(limit.admit(), None);
     }
 
     #[tokio::test(start_paused = true)]

@@ -270,6 +270,9 @@ pub struct Runner {
     pub(super) jit: Arc<dyn JitSource>,
     pub(super) options: RunnerOptions,
     pub(super) journal: Arc<dyn Journal>,
+    /// Rate limit of the line a failed custody journal write logs (it may
+    /// fail on every tend while the disk is full).
+    pub(super) journal_log: crate::node::health::LogLimit,
     pub(super) state: Mutex<State>,
 }
 
@@ -291,6 +294,7 @@ impl Runner {
             jit,
             options,
             journal: Arc::new(MemoryJournal::default()),
+            journal_log: crate::node::health::LogLimit::default(),
             state: Mutex::new(State::default()),
         }
     }
