@@ -419,6 +419,7 @@ fn tier(trust: Trust) -> TierSpec {
         shm: ByteSize(0),
         network: None,
         env: vec![("TIER".into(), "t".into())],
+        sticky_disks: Vec::new(),
     }
 }
 
@@ -2833,4 +2834,78 @@ async fn adoptions_whose_journal_write_failed_are_written_at_the_next_tend() {
     r.tend().await.unwrap();
     assert_eq!(journaled_custody(&journal).await, leases);
     assert_eq!(journal.writes(), writes + 1, "written one by one");
+}
+
+// ======================= Sticky disks (issue #16) =======================
+
+#[tokio::test]
+async fn a_sticky_disk_is_bound_at_launch_committed_after_a_succeeded_job_and_discarded_otherwise()
+{
+    use billet_agent::cache::{DiskKey, Generation, Policy, StickyDisk, Store};
+    let w = World::new();
+    let root = std::env::temp_dir().join(format!(
+        "billet-scenario-cache-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let store = Arc::new(
+        Store::open(&root, "dev", Arc::new(MemoryJournal::default()))
+            .await
+            .unwrap(),
+    );
+    let provider: Arc<dyn Provider> = w.fake.clone();
+    let r = Runner::new(
+        provider,
+        w.plane.clone(),
+        w.plane.clone(),
+        RunnerOptions::default(),
+    )
+    .with_journal(w.journal.clone())
+    .with_cache(store.clone());
+    let mut t = tier(Trust::Trusted);
+    t.sticky_disks = vec![StickyDisk::new("npm", "/cache/npm", Policy::Cas).unwrap()];
+    let key = DiskKey::parse("npm").unwrap();
+
+    // A succeeded job: bound before its compute started, committed once it
+    // is gone.
+    let first = w.reserve(1);
+    r.launch(first.clone(), t.clone(), job(1, "push"))
+        .await
+        .unwrap();
+    let spec = w.fake.specs()[0].clone();
+    assert_eq!(spec.binds.len(), 1);
+    assert_eq!(spec.binds[0].guest, "/cache/npm");
+    std::fs::write(spec.binds[0].host.join("n"), "1").unwrap();
+    w.fake.exit(&name(&first.id), 0, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
+
+    // A failed job finds it and publishes nothing.
+    let second = w.reserve(2);
+    r.launch(second.clone(), t.clone(), job(2, "push"))
+        .await
+        .unwrap();
+    let spec = w.fake.specs()[1].clone();
+    assert_eq!(
+        std::fs::read_to_string(spec.binds[0].host.join("n")).unwrap(),
+        "1"
+    );
+    std::fs::write(spec.binds[0].host.join("n"), "2").unwrap();
+    w.fake.exit(&name(&second.id), 1, false);
+    r.destroy(RequestId(2), &DestroyOrder::completion("failed"))
+        .await
+        .unwrap();
+    assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
+    assert!(!spec.binds[0].host.exists());
+
+    // A forced destroy of a job GitHub says succeeded publishes nothing
+    // either: the node cannot know the tree is whole.
+    let third = w.reserve(3);
+    r.launch(third.clone(), t, job(3, "push")).await.unwrap();
+    let mut forced = DestroyOrder::completion("succeeded");
+    forced.force = true;
+    r.destroy(RequestId(3), &forced).await.unwrap();
+    assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
+    assert!(store.mounts().await.is_empty());
 }

@@ -387,6 +387,7 @@ impl Node {
             tls: NodeTls::load(&tls).expect("node TLS"),
             provider: provider.clone(),
             journal: Arc::new(MemoryJournal::default()),
+            cache: None,
             local: tokio::net::UnixListener::bind(state_dir.join("node.sock")).expect("local"),
             metrics: None,
         };
@@ -394,6 +395,7 @@ impl Node {
             tls,
             plane_name: PLANE.into(),
             deployment: "dev".into(),
+            cache_dir: state_dir.join("cache"),
             state_dir,
             docker_socket: PathBuf::from("/nonexistent/docker.sock"),
             vcpu: 2,

@@ -41,6 +41,8 @@ pub struct Tier {
     pub network: String,
     /// Plain environment for the runner (`KEY=value`).
     pub env: Vec<String>,
+    /// Sticky disks each runner gets (the node checks them).
+    pub sticky_disks: Vec<pb::StickyDisk>,
 }
 
 /// Everything the plane needs.
@@ -790,6 +792,7 @@ impl Plane {
                 shm_bytes: 0,
                 network: tier.network.clone(),
                 env: tier.env.clone(),
+                sticky_disks: tier.sticky_disks.clone(),
             }),
             job: Some(pb::Job {
                 request_id: lease.request_id,
@@ -1584,6 +1587,7 @@ mod tests {
                 memory_bytes: 1 << 20,
                 network: String::new(),
                 env: Vec::new(),
+                sticky_disks: Vec::new(),
             },
             launch_timeout: Duration::from_secs(30),
             destroy_timeout: Duration::from_secs(30),

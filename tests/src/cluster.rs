@@ -73,6 +73,8 @@ pub struct ClusterOptions {
     pub tier_memory_bytes: u64,
     /// The runner image; the stand-in by default.
     pub tier_image: String,
+    /// Sticky disks each runner of the tier gets.
+    pub sticky_disks: Vec<billet_proto::v1::StickyDisk>,
     /// The node certificates' lifetime from now, when short-lived ones are
     /// wanted (the CA's and the plane's stay as usual).
     pub node_cert_lifetime: Option<Duration>,
@@ -108,6 +110,7 @@ impl Default for ClusterOptions {
             tier_env: Vec::new(),
             tier_memory_bytes: 256 << 20,
             tier_image: STANDIN_IMAGE.into(),
+            sticky_disks: Vec::new(),
             node_cert_lifetime: None,
             plane_signs: None,
             enrollment: false,
@@ -683,6 +686,7 @@ impl Cluster {
                 .into_iter()
                 .chain(options.tier_env.iter().cloned())
                 .collect(),
+                sticky_disks: options.sticky_disks.clone(),
             },
             launch_timeout: options.launch_timeout,
             destroy_timeout: Duration::from_secs(60),

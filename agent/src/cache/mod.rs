@@ -110,6 +110,75 @@ impl std::fmt::Display for DiskKey {
     }
 }
 
+/// Longest sticky-disk path, in bytes.
+pub const MAX_PATH_BYTES: usize = 4096;
+
+/// One sticky disk a tier asks for: the key's clone bound at `path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StickyDisk {
+    /// The cache's name.
+    pub key: DiskKey,
+    /// Where the job sees it: absolute, plain, not `/`.
+    pub path: String,
+    /// What its commit does when the key moved.
+    pub policy: Policy,
+}
+
+impl StickyDisk {
+    /// Checks one disk.
+    ///
+    /// # Errors
+    ///
+    /// [`DiskKey::parse`]'s errors, [`DiskError::RelativePath`],
+    /// [`DiskError::BadPath`].
+    pub fn new(key: &str, path: &str, policy: Policy) -> Result<Self, DiskError> {
+        let key = DiskKey::parse(key)?;
+        if !path.starts_with('/') {
+            return Err(DiskError::RelativePath(path.to_owned()));
+        }
+        let plain = std::path::Path::new(path)
+            .components()
+            .skip(1)
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if path == "/"
+            || !plain
+            || path.len() > MAX_PATH_BYTES
+            || path.contains("/./")
+            || path.ends_with("/.")
+            || path.chars().any(char::is_control)
+        {
+            return Err(DiskError::BadPath(path.to_owned()));
+        }
+        Ok(Self {
+            key,
+            path: path.to_owned(),
+            policy,
+        })
+    }
+}
+
+/// Checks a job's list of disks: at most [`MAX_STICKY_DISKS`], each at its
+/// own path.
+///
+/// # Errors
+///
+/// [`DiskError::TooMany`], [`DiskError::SamePath`].
+pub fn check_disks(disks: &[StickyDisk]) -> Result<(), DiskError> {
+    if disks.len() > MAX_STICKY_DISKS {
+        return Err(DiskError::TooMany(disks.len()));
+    }
+    for (i, disk) in disks.iter().enumerate() {
+        let path = disk.path.trim_end_matches('/');
+        if disks[..i]
+            .iter()
+            .any(|d| d.path.trim_end_matches('/') == path)
+        {
+            return Err(DiskError::SamePath(disk.path.clone()));
+        }
+    }
+    Ok(())
+}
+
 /// How a commit treats a key whose head moved since the mount was cloned
 /// (spec/cache.md §2.4, §4.2 "Publication policies").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]

@@ -98,6 +98,9 @@ impl NodeArgs {
                 },
                 plane_name: args.plane_name,
                 deployment: args.deployment,
+                cache_dir: args
+                    .cache_dir
+                    .unwrap_or_else(|| args.state_dir.join("cache")),
                 state_dir: args.state_dir,
                 docker_socket: args.docker_socket,
                 vcpu,

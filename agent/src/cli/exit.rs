@@ -20,7 +20,7 @@ pub const SERVE: u8 = 1;
 pub fn for_node_error(e: &NodeError) -> u8 {
     match e {
         NodeError::Tls(_) => TLS,
-        NodeError::StateDir { .. } | NodeError::Local(_) => STATE,
+        NodeError::StateDir { .. } | NodeError::Local(_) | NodeError::Cache(_) => STATE,
         NodeError::Provider(_) => PROVIDER,
         NodeError::Journal(_) => JOURNAL,
         NodeError::Serve(_) | NodeError::Reflection(_) => SERVE,

@@ -124,6 +124,12 @@ pub struct NodeArgs {
     /// Where the node keeps its state (created with mode 0700).
     #[arg(long, env = "BILLET_STATE_DIR", default_value = "/var/lib/billet")]
     pub state_dir: PathBuf,
+    /// Where the node keeps its sticky disks' generations and mounts
+    /// (created with mode 0700); `<state-dir>/cache` by default. Reflinks
+    /// make mounts cheap where this file system has them (XFS with
+    /// reflink=1, btrfs); elsewhere each mount copies its generation.
+    #[arg(long, env = "BILLET_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
     /// The Docker engine's Unix socket.
     #[arg(
         long,

@@ -260,6 +260,8 @@ pub struct TierSpec {
     pub network: Option<String>,
     /// Plain environment (`KEY`, `value`); never a credential.
     pub env: Vec<(String, String)>,
+    /// Sticky disks, checked ([`crate::cache::check_disks`]).
+    pub sticky_disks: Vec<crate::cache::StickyDisk>,
 }
 
 /// The GitHub job behind a launch; diagnostic only.

@@ -5,6 +5,8 @@
 
 use billet_proto::v1 as pb;
 
+use crate::cache::{Policy, StickyDisk};
+
 use crate::edge::model::{
     ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, RequestId,
     TierSpec, Trust, parse_phase,
@@ -363,6 +365,7 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         shm_bytes,
         network,
         env,
+        sticky_disks,
     } = tier;
     if label.is_empty() {
         return Err(InvalidField::new("launch.tier.label", "must not be empty"));
@@ -420,7 +423,51 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         shm: ByteSize(shm_bytes),
         network,
         env,
+        sticky_disks: sticky(sticky_disks)?,
     })
+}
+
+/// Converts and checks a tier's sticky disks, naming the one at fault
+/// (`launch.tier.sticky_disks[2].path`).
+fn sticky(disks: Vec<pb::StickyDisk>) -> Result<Vec<StickyDisk>, InvalidField> {
+    const FIELD: &str = "launch.tier.sticky_disks";
+    if disks.len() > crate::cache::MAX_STICKY_DISKS {
+        return Err(InvalidField::new(
+            FIELD,
+            crate::cache::DiskError::TooMany(disks.len()).to_string(),
+        ));
+    }
+    let disks = disks
+        .into_iter()
+        .enumerate()
+        .map(|(i, disk)| {
+            let pb::StickyDisk {
+                key,
+                path,
+                publication,
+            } = disk;
+            let policy = match pb::StickyPublication::try_from(publication) {
+                Ok(pb::StickyPublication::Cas) => Policy::Cas,
+                Ok(pb::StickyPublication::LastWriterWins) => Policy::LastWriterWins,
+                Err(_) => {
+                    return Err(InvalidField::new(
+                        format!("{FIELD}[{i}].publication"),
+                        format!("{publication} is neither CAS (0) nor LAST_WRITER_WINS (1)"),
+                    ));
+                }
+            };
+            StickyDisk::new(&key, &path, policy).map_err(|e| {
+                let part = match e {
+                    crate::cache::DiskError::RelativePath(_)
+                    | crate::cache::DiskError::BadPath(_) => "path",
+                    _ => "key",
+                };
+                InvalidField::new(format!("{FIELD}[{i}].{part}"), e.to_string())
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    crate::cache::check_disks(&disks).map_err(|e| InvalidField::new(FIELD, e.to_string()))?;
+    Ok(disks)
 }
 
 /// Checks an image reference: `[registry/]name[:tag][@sha256:digest]`, ASCII
@@ -543,6 +590,18 @@ pub(crate) mod tests {
                     shm_bytes: 2 << 30,
                     network: "billet-net".into(),
                     env: vec!["RUNNER_LABELS=xl".into(), "TZ=UTC".into()],
+                    sticky_disks: vec![
+                        pb::StickyDisk {
+                            key: "widgets-npm".into(),
+                            path: "/home/runner/.npm".into(),
+                            publication: pb::StickyPublication::Cas.into(),
+                        },
+                        pb::StickyDisk {
+                            key: "widgets-buildkit".into(),
+                            path: "/var/lib/buildkit".into(),
+                            publication: pb::StickyPublication::LastWriterWins.into(),
+                        },
+                    ],
                 }),
                 job: Some(pb::Job {
                     request_id: 4242,
@@ -581,6 +640,15 @@ pub(crate) mod tests {
                 env: vec![
                     ("RUNNER_LABELS".into(), "xl".into()),
                     ("TZ".into(), "UTC".into()),
+                ],
+                sticky_disks: vec![
+                    StickyDisk::new("widgets-npm", "/home/runner/.npm", Policy::Cas).unwrap(),
+                    StickyDisk::new(
+                        "widgets-buildkit",
+                        "/var/lib/buildkit",
+                        Policy::LastWriterWins,
+                    )
+                    .unwrap(),
                 ],
             },
             job: Job {
@@ -677,6 +745,45 @@ pub(crate) mod tests {
             "launch.job.request_id"
         );
         assert_eq!(edit(&|l| l.tier = None), "launch.tier");
+    }
+
+    #[test]
+    fn a_bad_sticky_disk_is_refused_naming_the_disk_and_saying_what_to_fix() {
+        let with = |disks: Vec<pb::StickyDisk>| {
+            let mut c = full_launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                l.tier.as_mut().unwrap().sticky_disks = disks;
+            }
+            command(c).command.unwrap_err()
+        };
+        let disk = |key: &str, path: &str| pb::StickyDisk {
+            key: key.into(),
+            path: path.into(),
+            publication: pb::StickyPublication::Cas.into(),
+        };
+        let six = (0..6)
+            .map(|i| disk(&format!("k{i}"), &format!("/c/{i}")))
+            .collect();
+        let e = with(six);
+        assert_eq!(e.field, "launch.tier.sticky_disks");
+        assert!(e.problem.contains("at most 5"), "{}", e.problem);
+        let e = with(vec![disk("npm", "/c/npm"), disk("go", "cache/go")]);
+        assert_eq!(e.field, "launch.tier.sticky_disks[1].path");
+        assert!(e.problem.contains("not absolute"), "{}", e.problem);
+        let e = with(vec![disk("", "/c/npm")]);
+        assert_eq!(e.field, "launch.tier.sticky_disks[0].key");
+        assert!(e.problem.contains("empty"), "{}", e.problem);
+        let e = with(vec![disk("npm", "/c/../etc")]);
+        assert_eq!(e.field, "launch.tier.sticky_disks[0].path");
+        let e = with(vec![disk("npm", "/c/npm"), disk("go", "/c/npm/")]);
+        assert_eq!(e.field, "launch.tier.sticky_disks");
+        assert!(e.problem.contains("its own path"), "{}", e.problem);
+        let e = with(vec![disk("docker-images/amd64", "/c")]);
+        assert_eq!(e.field, "launch.tier.sticky_disks[0].key");
+        let mut odd = disk("npm", "/c/npm");
+        odd.publication = 9;
+        let e = with(vec![odd]);
+        assert_eq!(e.field, "launch.tier.sticky_disks[0].publication");
     }
 
     #[test]
@@ -813,6 +920,7 @@ pub(crate) mod properties {
                     shm_bytes,
                     network,
                     env,
+                    sticky_disks: Vec::new(),
                 }
             })
     }

@@ -1046,6 +1046,20 @@ impl Runner {
             }
         }
         self.hold_all(holding).await;
+        // Sticky disks the journal names for leases this process does not
+        // hold any more: their compute is gone, and they are discarded.
+        if let Some(cache) = &self.cache {
+            let held: std::collections::BTreeSet<String> = {
+                let s = self.state();
+                s.custody
+                    .keys()
+                    .chain(s.launching.keys())
+                    .map(|l| l.as_str().to_owned())
+                    .chain(s.running.values().map(|r| r.lease.as_str().to_owned()))
+                    .collect()
+            };
+            cache.discard_unheld(&held).await;
+        }
         if failed > 0 {
             return Err(RunnerError::Failed(format!(
                 "recover: {failed} instances could not be destroyed"
@@ -1627,8 +1641,10 @@ impl Runner {
         }
     }
 
-    /// Forgets a lease's launch and custody records.
+    /// Forgets a lease's launch and custody records, once its compute is
+    /// proven gone (or was never started), and settles its sticky disks.
     pub(super) async fn forget(&self, lease: &LeaseId) {
+        self.settle_disks(lease).await;
         let forgot = async {
             self.journal.forget_custody(lease.as_str()).await?;
             self.journal.forget_launch(lease.as_str()).await
@@ -1649,6 +1665,7 @@ impl Runner {
             s.removals.contains(lease)
         };
         if pending {
+            self.settle_disks(lease).await;
             if let Err(e) = self.journal.forget_custody(lease.as_str()).await {
                 warn!(%lease, error = %e, "cannot clear the journal; a restart re-checks this lease");
             }

@@ -27,10 +27,11 @@ use super::custody::CustodyEntry;
 use super::ending::Removals;
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
 use super::plane::{JitSource, LeaseStore, PlaneError};
+use crate::cache::Store;
 use crate::edge::model::{
     DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
 };
-use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+use crate::provider::{Bind, Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
 /// Without evidence the instance ever existed, how long it must stay absent
 /// before absence counts as proof (spec/node.md §2.0, `strayGrace`).
@@ -274,6 +275,8 @@ pub struct Runner {
     /// fail on every tend while the disk is full).
     pub(super) journal_log: crate::node::health::LogLimit,
     pub(super) state: Mutex<State>,
+    /// The sticky-disk store; `None`: tiers' sticky disks are not mounted.
+    pub(super) cache: Option<Arc<Store>>,
 }
 
 pub(super) fn now_plus(grace: Duration, since: Instant) -> bool {
@@ -296,6 +299,48 @@ impl Runner {
             journal: Arc::new(MemoryJournal::default()),
             journal_log: crate::node::health::LogLimit::default(),
             state: Mutex::new(State::default()),
+            cache: None,
+        }
+    }
+
+    /// Mounts tiers' sticky disks from `cache` and settles them when their
+    /// compute is gone.
+    #[must_use]
+    pub fn with_cache(mut self, cache: Arc<Store>) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    /// Mounts each sticky disk of `tier` for `lease`, before its compute
+    /// starts. A disk that cannot be mounted at all is left out (a
+    /// warning): the job goes on without it.
+    async fn mount_disks(&self, lease: &LeaseId, tier: &TierSpec) -> Vec<Bind> {
+        let Some(cache) = &self.cache else {
+            if !tier.sticky_disks.is_empty() {
+                warn!(%lease, disks = tier.sticky_disks.len(), "this node has no cache; the job runs without its sticky disks");
+            }
+            return Vec::new();
+        };
+        let mut binds = Vec::new();
+        for disk in &tier.sticky_disks {
+            match cache.mount(lease, &disk.key, disk.policy).await {
+                Ok(mount) => binds.push(Bind {
+                    host: mount.dir,
+                    guest: disk.path.clone(),
+                }),
+                Err(e) => {
+                    warn!(%lease, key = %disk.key, error = %e, "the sticky disk cannot be mounted; the job runs without it");
+                }
+            }
+        }
+        binds
+    }
+
+    /// Settles the sticky disks of `lease`, whose compute is proven gone:
+    /// committed when its job succeeded, discarded otherwise.
+    pub(super) async fn settle_disks(&self, lease: &LeaseId) {
+        if let Some(cache) = &self.cache {
+            cache.settle(lease).await;
         }
     }
 
@@ -584,6 +629,7 @@ impl Runner {
             network: tier.network.clone(),
             env: tier.env.clone(),
             jit_config: registration.config,
+            binds: self.mount_disks(&lease.id, tier).await,
         };
         match self.provider.create(spec).await {
             Ok(instance) => {
@@ -731,6 +777,32 @@ impl Runner {
         request_id: RequestId,
         order: &DestroyOrder,
     ) -> Result<(), RunnerError> {
+        if order.job_result.as_deref() == Some("succeeded")
+            && !order.force
+            && let Some(cache) = &self.cache
+        {
+            // GitHub says the job succeeded: its sticky disks are committed
+            // once its compute is gone, whichever path ends it.
+            let leases: Vec<LeaseId> = {
+                let s = self.state();
+                s.running
+                    .get(&request_id)
+                    .map(|r| r.lease.clone())
+                    .into_iter()
+                    .chain(
+                        s.custody
+                            .iter()
+                            .filter(|(_, e)| e.request_id == request_id)
+                            .map(|(l, _)| l.clone()),
+                    )
+                    .collect()
+            };
+            for lease in leases {
+                if let Err(e) = cache.mark_succeeded(&lease).await {
+                    warn!(%lease, error = %e, "cannot journal that the job succeeded; a restart before its end discards its sticky disks");
+                }
+            }
+        }
         let held: Vec<LeaseId> = {
             let s = self.state();
             let mut held: Vec<LeaseId> = s

@@ -54,6 +54,8 @@ pub struct NodeConfig {
     pub deployment: String,
     /// Where the node keeps its state (mode 0700).
     pub state_dir: PathBuf,
+    /// Where the sticky-disk store lives (mode 0700).
+    pub cache_dir: PathBuf,
     /// The Docker engine's socket.
     pub docker_socket: PathBuf,
     /// vCPUs offered.
@@ -112,6 +114,9 @@ pub enum NodeError {
     /// The node journal cannot be used.
     #[error(transparent)]
     Journal(#[from] crate::node::journal::JournalError),
+    /// The cache directory cannot be used (or another node holds it).
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheError),
     /// The local socket cannot be bound.
     #[error(transparent)]
     Local(#[from] crate::node::local::BindError),
@@ -191,6 +196,9 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     // it opens the first one's journal.
     let local = crate::node::local::bind(&config.state_dir).await?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
+    let cache = Arc::new(
+        crate::cache::Store::open(&config.cache_dir, &config.deployment, journal.clone()).await?,
+    );
     let docker = DockerProvider::connect(
         &config.docker_socket,
         Owner {
@@ -203,6 +211,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         tls,
         provider: Arc::new(docker),
         journal,
+        cache: Some(cache),
         local,
         metrics: None,
     })
@@ -217,6 +226,9 @@ pub struct Prepared {
     pub provider: Arc<dyn Provider>,
     /// The node journal, readable.
     pub journal: Arc<dyn Journal>,
+    /// The sticky-disk store, open and locked; `None`: sticky disks are
+    /// not mounted.
+    pub cache: Option<Arc<crate::cache::Store>>,
     /// The local socket (`local.rs`), bound.
     pub local: tokio::net::UnixListener,
     /// The metrics listener (`metrics.rs`), bound by the caller when
@@ -275,6 +287,7 @@ pub async fn run(
         tls,
         provider,
         journal,
+        cache,
         local,
         metrics: metrics_listener,
     } = prepared;
@@ -312,6 +325,14 @@ pub async fn run(
         )
         .with_journal(journal.clone()),
     );
+    let runner = match cache {
+        Some(cache) => Arc::new(
+            Arc::into_inner(runner)
+                .expect("the runner is not shared yet")
+                .with_cache(cache),
+        ),
+        None => runner,
+    };
     let slot = Arc::new(CommandSlot::new().with_metrics(metrics.clone()));
     health.watch_slot(slot.clone());
     slot.preload(

@@ -704,6 +704,20 @@ impl DockerProvider {
             memory_swap: (memory > 0).then_some(memory),
             shm_size: (shm > 0).then_some(shm),
             network_mode: spec.network.clone(),
+            // Structured mounts, not `binds` strings, so a path with a `:`
+            // cannot be read as options.
+            mounts: (!spec.binds.is_empty()).then(|| {
+                spec.binds
+                    .iter()
+                    .map(|b| bollard::models::Mount {
+                        target: Some(b.guest.clone()),
+                        source: Some(b.host.to_string_lossy().into_owned()),
+                        typ: Some(bollard::models::MountType::BIND),
+                        read_only: Some(false),
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
             ..Default::default()
         };
         let body = ContainerCreateBody {
@@ -960,6 +974,7 @@ mod tests {
             network: Some("none".to_owned()),
             env: vec![("RUNNER_TIER".to_owned(), "small".to_owned())],
             jit_config: JitConfig::new(jit.to_owned()),
+            binds: Vec::new(),
         }
     }
 
@@ -1727,6 +1742,45 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    #[tokio::test]
+    async fn a_bound_directory_is_what_the_container_reads_and_writes_at_its_path() {
+        let provider = provider(owner(&unique("dep"), "node-a")).await;
+        let host = std::env::temp_dir().join(unique("billet-bind"));
+        std::fs::create_dir_all(&host).unwrap();
+        std::fs::write(host.join("counter"), "41\n").unwrap();
+        let mut spec = spec(&unique("t"), &unique("jit"));
+        spec.command = vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            "read n < /cache/npm/counter && echo $((n + 1)) > /cache/npm/counter".into(),
+        ];
+        spec.binds = vec![crate::provider::Bind {
+            host: host.clone(),
+            guest: "/cache/npm".into(),
+        }];
+        let _leftovers = Leftovers(vec![spec.name.to_string()]);
+        provider.create(spec.clone()).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let instance = provider.find(&spec.name).await.unwrap().expect("present");
+            if let Some(exit) = instance.state.exit() {
+                assert_eq!(exit.code, 0, "{instance:?}");
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "still running after 30s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            std::fs::read_to_string(host.join("counter"))
+                .unwrap()
+                .trim(),
+            "42"
+        );
     }
 
     // ---- the provider contract (`contract.rs`) against the engine ------

@@ -572,6 +572,7 @@ mod tests {
             network: None,
             env: vec![],
             jit_config: JitConfig::new(jit.into()),
+            binds: Vec::new(),
         }
     }
 

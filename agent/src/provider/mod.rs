@@ -70,6 +70,18 @@ pub struct InstanceSpec {
     /// The single-use registration. Reaches the instance only as
     /// `ACTIONS_RUNNER_INPUT_JITCONFIG`.
     pub jit_config: JitConfig,
+    /// Host directories bound read-write into the instance (its sticky
+    /// disks' mounts).
+    pub binds: Vec<Bind>,
+}
+
+/// A host directory bound read-write into an instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bind {
+    /// The directory on the host (a sticky disk's mount).
+    pub host: std::path::PathBuf,
+    /// Where the instance sees it: an absolute path.
+    pub guest: String,
 }
 
 /// How an instance's process ended, as the engine recorded it.

@@ -210,6 +210,7 @@ fn tier() -> TierSpec {
         shm: ByteSize(0),
         network: None,
         env: Vec::new(),
+        sticky_disks: Vec::new(),
     }
 }
 

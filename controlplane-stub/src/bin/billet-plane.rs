@@ -355,6 +355,7 @@ async fn main() -> ExitCode {
             memory_bytes: args.memory_bytes,
             network: args.network,
             env: args.env,
+            sticky_disks: Vec::new(),
         },
         launch_timeout: Duration::from_secs(300),
         destroy_timeout: Duration::from_secs(120),

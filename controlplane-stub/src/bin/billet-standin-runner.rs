@@ -26,6 +26,7 @@
 //! | `BILLET_STANDIN_EXIT_CODE` | `--exit-code` | 3 | mode `exit`: the code to exit with, 0 to 255 |
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
 //! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
+//! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -132,6 +133,9 @@ struct Cli {
     /// milliseconds, before exiting.
     #[arg(long, env = "BILLET_STANDIN_POST_JOB_MS", default_value_t = 0)]
     post_job_ms: u64,
+    /// A sticky disk's counter file, read and written incremented as the job's work.
+    #[arg(long, env = "BILLET_STANDIN_STICKY")]
+    sticky: Option<std::path::PathBuf>,
     /// How long to wait after start before the first look at the emulator, in milliseconds:
     /// the runner stays idle (registered, taking no job) until then.
     #[arg(long, env = "BILLET_STANDIN_FIRST_LOOK_MS", default_value_t = 0)]
@@ -281,6 +285,43 @@ enum Stop {
     Term,
     /// SIGINT: exit 130.
     Int,
+}
+
+/// Increments the decimal counter in `path` (a missing file counts 0), saying so on stderr; a
+/// file that cannot be read, parsed or written is said, and nothing else happens: a cache never
+/// fails a job.
+fn count(path: &std::path::Path) {
+    let old = match std::fs::read_to_string(path) {
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!(
+                    "billet-standin-runner: sticky counter {}: not a number: {e}",
+                    path.display()
+                );
+                return;
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => {
+            eprintln!(
+                "billet-standin-runner: sticky counter {}: {e}",
+                path.display()
+            );
+            return;
+        }
+    };
+    let new = old + 1;
+    match std::fs::write(path, format!("{new}\n")) {
+        Ok(()) => eprintln!(
+            "billet-standin-runner: sticky counter {}: {old} -> {new}",
+            path.display()
+        ),
+        Err(e) => eprintln!(
+            "billet-standin-runner: sticky counter {}: {e}",
+            path.display()
+        ),
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -483,6 +524,9 @@ impl<'a> EmulatorLink<'a> {
         job: JobRequestId,
     ) -> Result<JobRequestId, Failure> {
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
+        if let Some(path) = &cli.sticky {
+            count(path);
+        }
 
         let complete_deadline = tokio::time::Instant::now() + COMPLETE_RETRY_FOR;
         loop {
@@ -624,6 +668,23 @@ mod tests {
 
     fn encode(json: &str) -> String {
         base64::engine::general_purpose::STANDARD.encode(json)
+    }
+
+    #[test]
+    fn the_sticky_counter_counts_from_a_missing_file_and_leaves_a_bad_one_alone() {
+        let dir = std::env::temp_dir().join(format!("standin-sticky-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = dir.join("n");
+        let _ = std::fs::remove_file(&n);
+        count(&n);
+        assert_eq!(std::fs::read_to_string(&n).unwrap(), "1\n");
+        count(&n);
+        assert_eq!(std::fs::read_to_string(&n).unwrap(), "2\n");
+        std::fs::write(&n, "two").unwrap();
+        count(&n);
+        assert_eq!(std::fs::read_to_string(&n).unwrap(), "two");
+        // A disk that is not there: said, and nothing else.
+        count(&dir.join("missing").join("n"));
     }
 
     #[test]
