@@ -210,16 +210,22 @@ CREATE TABLE IF NOT EXISTS cache_mounts (
 );
 ";
 
-/// The tables schema 2 added to schema 1 (the sticky-disk mounts), which a
-/// journal of schema 1 gets when a node of this release opens it.
-const SCHEMA_2_TABLES: &[&str] = &["cache_mounts"];
+/// The tables added to schema 1 since it was first released (the
+/// sticky-disk mounts), which a journal without them gets when a node of
+/// this release opens it. Adding a table does not change the schema
+/// version: a release before it checks only the tables it knows and ignores
+/// another, so a rollback through `billet host-upgrade` to that release
+/// still reads a journal this one wrote.
+const ADDED_TABLES: &[&str] = &["cache_mounts"];
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
 pub const APPLICATION_ID: i64 = 0x626c_746a;
-/// `PRAGMA user_version`: the journal's schema version (2 added
-/// `cache_mounts`).
-pub const SCHEMA_VERSION: i64 = 2;
+/// `PRAGMA user_version`: the journal's schema version. It changes only
+/// with a change an older release cannot read (a column changed or
+/// removed), which makes that release refuse the journal; an added table
+/// ([`ADDED_TABLES`]) is not one.
+pub const SCHEMA_VERSION: i64 = 1;
 
 /// Stamps a database as a journal of this schema. Both values are this
 /// module's integer constants.
@@ -472,8 +478,8 @@ async fn schema_shape() -> Result<BTreeMap<String, Vec<String>>, sqlx::Error> {
 
 /// Checks that the open database is a billet node journal of this schema.
 /// A journal from before the application id was set (its tables exactly
-/// this schema's) is stamped with it; one of schema 1 gets schema 2's
-/// tables (unless `read_only`, which only checks).
+/// this schema's) is stamped with it; one without the added tables gets
+/// them (unless `read_only`, which only checks).
 async fn identify(pool: &SqlitePool, read_only: bool) -> Result<(), String> {
     let read = |e: sqlx::Error| format!("cannot read: {e}; {DAMAGED}");
     let id: i64 = sqlx::query_scalar("PRAGMA application_id")
@@ -503,11 +509,11 @@ async fn identify(pool: &SqlitePool, read_only: bool) -> Result<(), String> {
     let expected = schema_shape()
         .await
         .map_err(|e| format!("cannot check it against the schema: {e}"))?;
-    // A journal of schema 1 (or older, without an id) is this schema less
-    // the tables schema 2 added: given them, in one transaction.
+    // A journal written before the added tables (or older, without an id)
+    // is this schema less them: given them, in one transaction.
     let mut schema_1 = expected.clone();
-    schema_1.retain(|table, _| !SCHEMA_2_TABLES.contains(&table.as_str()));
-    if version < SCHEMA_VERSION && found == schema_1 {
+    schema_1.retain(|table, _| !ADDED_TABLES.contains(&table.as_str()));
+    if found == schema_1 {
         if read_only {
             return Ok(());
         }
@@ -1047,7 +1053,7 @@ mod tests {
         sqlite(&d.join(JOURNAL_FILE), "PRAGMA user_version = 9;").await;
         let err = refused(&d).await;
         assert!(
-            err.contains("journal schema 9") && err.contains("reads 2"),
+            err.contains("journal schema 9") && err.contains("reads 1"),
             "{err}"
         );
     }
@@ -1181,10 +1187,20 @@ mod tests {
             .fetch_one(&j.pool)
             .await
             .unwrap();
-        assert_eq!(version, SCHEMA_VERSION);
+        // Still version 1: the release before the cache checks only the
+        // tables it knows, so a rollback to it reads this journal (it
+        // refuses any version above its own).
+        assert_eq!(version, 1, "an added table changed the schema version");
         drop(j);
         let j = SqliteJournal::open(&d).await.unwrap();
         assert_eq!(j.mounts().await.unwrap(), vec![mount("m1")]);
+        let fresh = dir();
+        let j = SqliteJournal::open(&fresh).await.unwrap();
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(version, 1, "a new journal is stamped for the release before it");
     }
 
     #[tokio::test]
