@@ -1200,7 +1200,10 @@ mod tests {
             .fetch_one(&j.pool)
             .await
             .unwrap();
-        assert_eq!(version, 1, "a new journal is stamped for the release before it");
+        assert_eq!(
+            version, 1,
+            "a new journal is stamped for the release before it"
+        );
     }
 
     #[tokio::test]
