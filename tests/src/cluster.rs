@@ -811,6 +811,37 @@ impl Cluster {
             .collect())
     }
 
+    /// Waits until the ledger's lease `id` has ended (done or failed) and
+    /// returns it.
+    ///
+    /// # Errors
+    ///
+    /// When the lease is unknown or the ledger cannot be read, or when
+    /// `timeout` passes first, naming `what` and the lease as it stands.
+    pub async fn wait_lease_ended(
+        &self,
+        id: &str,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<billet_controlplane_stub::ledger::Lease> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let lease = self
+                .plane
+                .ledger()
+                .get(id)
+                .await?
+                .with_context(|| format!("lease {id}"))?;
+            if lease.phase.is_terminal() {
+                return Ok(lease);
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!("{what} after {timeout:?}: {lease:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// What the ledger still charges.
     ///
     /// # Errors

@@ -658,22 +658,13 @@ async fn an_idle_runner_whose_registration_github_lost_is_destroyed_only_once_gi
     assert!(cluster.containers().await?.contains(&runner.name));
     // GitHub answers again: 404 for longer than the grace, so it goes.
     cluster.emulator.clear_faults();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let ended = loop {
-        let l = cluster
-            .plane
-            .ledger()
-            .get(&lease.id)
-            .await?
-            .context("lease")?;
-        if l.phase.is_terminal() {
-            break l;
-        }
-        if Instant::now() > deadline {
-            bail!("the runner without a registration was never destroyed: {l:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let ended = cluster
+        .wait_lease_ended(
+            &lease.id,
+            Duration::from_secs(60),
+            "the runner without a registration was never destroyed",
+        )
+        .await?;
     assert_eq!(ended.phase, Phase::Failed);
     assert_eq!(
         ended.failure_reason.as_deref(),

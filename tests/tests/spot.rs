@@ -98,22 +98,13 @@ async fn a_spot_notice_fails_the_running_lease_with_its_reason_and_the_node_take
     );
 
     imds.post("terminate");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let ended = loop {
-        let l = cluster
-            .plane
-            .ledger()
-            .get(&lease.id)
-            .await?
-            .context("lease")?;
-        if l.phase.is_terminal() {
-            break l;
-        }
-        if Instant::now() > deadline {
-            bail!("the interrupted lease never ended: {l:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let ended = cluster
+        .wait_lease_ended(
+            &lease.id,
+            Duration::from_secs(60),
+            "the interrupted lease never ended",
+        )
+        .await?;
     assert_eq!(ended.phase, Phase::Failed);
     assert_eq!(
         ended.failure_reason.as_deref(),
