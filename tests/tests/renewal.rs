@@ -374,3 +374,234 @@ async fn a_node_whose_certificate_expired_keeps_its_compute_and_re_enrols_with_a
     );
     cluster.shutdown().await
 }
+
+/// A node whose certificate expired while it was down starts on it (issue
+/// #13: on main it exits 3): it leaves the container a previous
+/// incarnation left running untouched, serves its local socket saying
+/// `identity expired` (not serving, degraded for that reason), and stays
+/// up, although no plane can attach. `billet node enroll` with a join token
+/// brings it back without a restart: the plane attaches, recovery adopts
+/// the container and its lease, and a new job launches and runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_started_on_an_expired_certificate_keeps_its_compute_and_re_enrols_without_a_restart()
+-> Result<()> {
+    let mut cluster = Cluster::start(ClusterOptions {
+        node_cert_lifetime: Some(Duration::from_secs(20)),
+        plane_signs: Some(Duration::from_secs(3600)),
+        enrollment: true,
+        work_ms: 600_000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let link = cluster.plane.node("node-1").context("node")?;
+    link.faults
+        .refuse_renewals
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let state_dir = cluster.dir.join("state-node-1");
+    let cert = cluster.certs.node("node-1").context("files")?.cert.clone();
+    let not_after = not_after_ms(&cert)?;
+
+    let mut events = cluster.plane.subscribe();
+    let first = cluster.queue_jobs(1);
+    let lease = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::Launched { lease, .. }) => return Ok(lease),
+                Ok(PlaneEvent::LaunchFailed { reason, .. }) => return Err(reason),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    })
+    .await
+    .context("the job did not launch within 30 s")?
+    .map_err(|r| anyhow::anyhow!("the launch failed: {r}"))?;
+    let container = format!("billet-{lease}");
+    let running = |docker: &bollard::Docker| {
+        let docker = docker.clone();
+        let name = container.clone();
+        async move {
+            docker
+                .inspect_container(&name, None)
+                .await
+                .ok()
+                .and_then(|c| c.state)
+                .and_then(|s| s.running)
+                .unwrap_or(false)
+        }
+    };
+
+    // The node goes down with the job running, and its certificate
+    // expires meanwhile.
+    cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node")?
+        .kill()
+        .await?;
+    billet_tests::cluster::wait_until(
+        Duration::from_secs(60),
+        "the node's certificate to expire",
+        || billet_controlplane_stub::now_ms() > not_after + 1_000,
+    )
+    .await?;
+    ensure!(
+        running(&cluster.docker).await,
+        "{container} did not outlive its node"
+    );
+
+    let node = cluster.nodes.get_mut("node-1").context("node")?;
+    let restarted_at = node.log_text().len();
+    node.restart().await?;
+    let pid = node.pid().context("pid")?;
+    let node = &cluster.nodes["node-1"];
+    // Up, on its local socket, saying why no plane can attach.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let expired = loop {
+        ensure!(
+            billet_tests::cluster::alive(pid),
+            "the node did not start on its expired certificate; its log:\n{}",
+            node.log_text()
+        );
+        if let Ok(v) = status(&state_dir)
+            && v["identity_expired"] == true
+            && v["degraded_reasons"]
+                .as_array()
+                .is_some_and(|r| r.iter().any(|r| r == "identity_expired"))
+        {
+            break v;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the node never said `identity expired` and degraded; status {:?}; log:\n{}",
+            status(&state_dir).ok(),
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(expired["serving"], false, "{expired}");
+    // Whether what it finds is still its own is the plane's to say:
+    // recovery waits for the first session, touching nothing meanwhile.
+    assert_eq!(expired["recovered"], false, "{expired}");
+    let dir = state_dir.display().to_string();
+    let (_, table) = run_billet(&["node", "status", "--state-dir", &dir])?;
+    ensure!(table.contains("identity expired"), "{table}");
+    ensure!(
+        node.log_text()
+            .contains("the node's certificate has expired"),
+        "no warning at start-up:\n{}",
+        node.log_text()
+    );
+    ensure!(
+        link.status().borrow().is_none(),
+        "the plane attached to a node whose certificate expired"
+    );
+    // Still up once the plane has dialed and refused its certificate.
+    billet_tests::cluster::wait_until(
+        Duration::from_secs(30),
+        "the plane to dial and refuse the expired certificate",
+        || node.log_text()[restarted_at..].contains("TLS handshake failed"),
+    )
+    .await?;
+    ensure!(
+        billet_tests::cluster::alive(pid),
+        "the node stopped; its log:\n{}",
+        node.log_text()
+    );
+    ensure!(
+        running(&cluster.docker).await,
+        "the restarted node touched the compute; log:\n{}",
+        node.log_text()
+    );
+
+    let plane = cluster
+        .enroll_addr
+        .context("enrolment endpoint")?
+        .to_string();
+    let token = cluster
+        .plane
+        .issue_join_token("node-1", Duration::from_secs(600))
+        .await?;
+    let token_file = cluster.dir.join("join-token");
+    std::fs::write(&token_file, format!("{token}\n"))?;
+    let file = token_file.display().to_string();
+    let (code, text) = run_billet(&[
+        "node",
+        "enroll",
+        "--state-dir",
+        &dir,
+        "--plane",
+        &plane,
+        "--token-file",
+        &file,
+    ])?;
+    assert_eq!(
+        code,
+        0,
+        "billet node enroll: {text}\nnode log:\n{}",
+        node.log_text()
+    );
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let healed = wait_status(
+        &state_dir,
+        Duration::from_secs(30),
+        "identity healed, recovered, the lease adopted and serving",
+        |v| {
+            v["identity_expired"] == false
+                && v["recovered"] == true
+                && v["serving"] == true
+                && v["leases"]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|l| l["lease_id"] == lease.as_str()))
+        },
+    )
+    .await?;
+    ensure!(
+        healed["degraded_reasons"]
+            .as_array()
+            .is_some_and(Vec::is_empty),
+        "{healed}"
+    );
+    assert_eq!(node.pid(), Some(pid), "the node restarted to re-enrol");
+    ensure!(
+        running(&cluster.docker).await,
+        "re-enrolment touched the compute; log:\n{}",
+        node.log_text()
+    );
+
+    // And it takes work again.
+    let second = cluster.queue_jobs(1);
+    let runs = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let state = cluster.emulator.state();
+            if state
+                .jobs
+                .iter()
+                .any(|j| j.id == second[0] && j.state == scaleset::testing::JobState::Running)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    })
+    .await;
+    ensure!(
+        runs.is_ok(),
+        "a job queued after the re-enrolment did not run; node log:\n{}",
+        node.log_text()
+    );
+    let state = cluster.emulator.state();
+    let job = state
+        .jobs
+        .iter()
+        .find(|j| j.id == first[0])
+        .context("job")?;
+    assert_eq!(
+        job.state,
+        scaleset::testing::JobState::Running,
+        "the first job did not run on: {job:?}"
+    );
+    cluster.shutdown().await
+}

@@ -85,8 +85,12 @@ fn an_unreadable_certificate_exits_3_naming_the_file() -> Result<()> {
     Ok(())
 }
 
+/// A certificate of this deployment's CA that has expired does not stop
+/// start-up (issue #13): the node keeps what it holds and waits to be
+/// re-enrolled, with a warning saying so. Here start-up goes on past the TLS
+/// material and stops at the missing engine (exit 5).
 #[test]
-fn an_expired_node_certificate_exits_3_naming_the_file() -> Result<()> {
+fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
     let (certs, state) = setup()?;
     let expired = billet_certs_dev::generate_with(
         &scratch_dir("expired")?,
@@ -104,9 +108,42 @@ fn an_expired_node_certificate_exits_3_naming_the_file() -> Result<()> {
         &["--cert", &cert, "--key", &key],
         &certs,
         &state,
-        "/var/run/docker.sock",
+        "/nonexistent/docker.sock",
     )?;
-    assert_exit(&out, 3, &cert);
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
+    assert_exit(&out, 5, "the node's certificate has expired");
+    Ok(())
+}
+
+/// Expiry is the only fault start-up tolerates: an expired certificate of
+/// another CA, and one not valid yet, still exit 3 naming the file.
+#[test]
+fn an_expired_certificate_of_another_ca_and_one_not_yet_valid_exit_3() -> Result<()> {
+    let (certs, state) = setup()?;
+    for (validity, ca_dir) in [
+        (billet_certs_dev::Validity::expired(), None),
+        (
+            billet_certs_dev::Validity::not_yet_valid(),
+            Some(certs.dir.clone()),
+        ),
+    ] {
+        let bad = billet_certs_dev::generate_with(
+            &scratch_dir("bad-dates")?,
+            "plane",
+            &["node-1"],
+            &billet_certs_dev::Options { validity, ca_dir },
+        )?;
+        let files = bad.node("node-1").expect("files");
+        let cert = files.cert.display().to_string();
+        let key = files.key.display().to_string();
+        let out = node(
+            &["--cert", &cert, "--key", &key],
+            &certs,
+            &state,
+            "/var/run/docker.sock",
+        )?;
+        assert_exit(&out, 3, &cert);
+    }
     Ok(())
 }
 

@@ -66,12 +66,15 @@ pub fn check(args: NodeArgs) -> ExitCode {
 pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
     let mut lines = Vec::new();
     let tls = server::load_tls(config)?;
-    let expiry = tls
-        .not_after
-        .and_then(|t| t.duration_since(SystemTime::now()).ok())
-        .map_or_else(String::new, |d| {
-            format!(", expires in {} days", d.as_secs() / 86_400)
-        });
+    let expiry = if tls.expired {
+        ", expired: the node starts, but must be re-enrolled (billet node enroll)".to_owned()
+    } else {
+        tls.not_after
+            .and_then(|t| t.duration_since(SystemTime::now()).ok())
+            .map_or_else(String::new, |d| {
+                format!(", expires in {} days", d.as_secs() / 86_400)
+            })
+    };
     lines.push(format!(
         "tls: node {} (certificate {}{expiry}), plane {}",
         tls.node_name,

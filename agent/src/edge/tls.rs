@@ -61,6 +61,9 @@ pub struct NodeTls {
     pub not_after: Option<SystemTime>,
     /// When the certificate became valid, if readable.
     pub not_before: Option<SystemTime>,
+    /// The certificate had expired when it was loaded (only
+    /// [`NodeTls::load_at_start`] accepts one).
+    pub expired: bool,
 }
 
 /// A certificate's validity window: `(not_before, not_after)`, each `None`
@@ -175,7 +178,33 @@ impl NodeTls {
     /// [`TlsError`] naming the file at fault: unreadable, not PEM, a
     /// certificate without a DNS name, a key that does not match.
     pub fn load(paths: &TlsPaths) -> Result<Self, TlsError> {
-        Self::from_parts(paths, load_certs(&paths.cert)?, load_key(&paths.key)?)
+        Self::from_parts(
+            paths,
+            load_certs(&paths.cert)?,
+            load_key(&paths.key)?,
+            Lapsed::Refuse,
+        )
+    }
+
+    /// As [`NodeTls::load`], except that a certificate that has expired,
+    /// but otherwise verifies (it chains to the CA and was valid for its
+    /// name during its lifetime, its key matches), is accepted, with
+    /// [`NodeTls::expired`] set: a node started on it keeps the compute it
+    /// holds and is re-enrolled through its local socket, since no plane
+    /// can attach to it. Malformed files, another CA, a name that does not
+    /// verify, a key that does not match and a certificate not valid yet
+    /// are refused as by [`NodeTls::load`].
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeTls::load`], expiry excepted.
+    pub fn load_at_start(paths: &TlsPaths) -> Result<Self, TlsError> {
+        Self::from_parts(
+            paths,
+            load_certs(&paths.cert)?,
+            load_key(&paths.key)?,
+            Lapsed::Tolerate,
+        )
     }
 
     /// Checks a certificate chain and key that are not on disk yet (a
@@ -191,6 +220,7 @@ impl NodeTls {
             paths,
             parse_certs(cert_pem, &paths.cert)?,
             parse_key(key_pem, &paths.key)?,
+            Lapsed::Refuse,
         )
     }
 
@@ -198,6 +228,7 @@ impl NodeTls {
         paths: &TlsPaths,
         certs: Vec<CertificateDer<'static>>,
         key: PrivateKeyDer<'static>,
+        lapsed: Lapsed,
     ) -> Result<Self, TlsError> {
         let names = dns_names(&certs[0]).map_err(|problem| TlsError::Content {
             path: paths.cert.clone(),
@@ -237,22 +268,43 @@ impl NodeTls {
                 path: paths.cert.clone(),
                 problem: format!("the DNS name is not a valid server name: {e}"),
             })?;
-        rustls::client::danger::ServerCertVerifier::verify_server_cert(
-            own.as_ref(),
-            &certs[0],
-            &certs[1..],
-            &server_name,
-            &[],
-            rustls::pki_types::UnixTime::now(),
-        )
-        .map_err(|e| TlsError::Content {
+        let (not_before, not_after) = validity(&certs[0]);
+        let verify = |at: rustls::pki_types::UnixTime| {
+            rustls::client::danger::ServerCertVerifier::verify_server_cert(
+                own.as_ref(),
+                &certs[0],
+                &certs[1..],
+                &server_name,
+                &[],
+                at,
+            )
+        };
+        let refused = |e: rustls::Error| TlsError::Content {
             path: paths.cert.clone(),
             problem: format!(
                 "does not verify against the CA bundle {} for name {node_name}: {e}",
                 paths.ca.display()
             ),
-        })?;
-        let (not_before, not_after) = validity(&certs[0]);
+        };
+        let expired = match verify(rustls::pki_types::UnixTime::now()) {
+            Ok(_) => false,
+            Err(e) if lapsed == Lapsed::Tolerate && is_expiry(&e) => {
+                // Everything but the date is checked again, as of a moment
+                // inside the certificate's own lifetime.
+                let inside = match (not_before, not_after) {
+                    (Some(b), Some(a)) => a
+                        .duration_since(b)
+                        .ok()
+                        .map(|life| b + life / 2)
+                        .and_then(|t| t.duration_since(UNIX_EPOCH).ok()),
+                    _ => None,
+                }
+                .ok_or_else(|| refused(e.clone()))?;
+                verify(rustls::pki_types::UnixTime::since_unix_epoch(inside)).map_err(refused)?;
+                true
+            }
+            Err(e) => return Err(refused(e)),
+        };
         let verifier = WebPkiClientVerifier::builder_with_provider(roots, crypto())
             .build()
             .map_err(|e| TlsError::Content {
@@ -281,8 +333,28 @@ impl NodeTls {
             node_name,
             not_after,
             not_before,
+            expired,
         })
     }
+}
+
+/// Whether [`NodeTls`] loading accepts a certificate that has expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lapsed {
+    /// Refused, as every other fault (renewals, enrolments, replacements).
+    Refuse,
+    /// Accepted at start-up, when everything else verifies.
+    Tolerate,
+}
+
+/// Whether rustls refused a certificate only for having expired.
+fn is_expiry(e: &rustls::Error) -> bool {
+    matches!(
+        e,
+        rustls::Error::InvalidCertificate(
+            rustls::CertificateError::Expired | rustls::CertificateError::ExpiredContext { .. }
+        )
+    )
 }
 
 /// When a certificate starts and stops being valid, where readable.

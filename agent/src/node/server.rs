@@ -161,15 +161,17 @@ fn warn_if_key_is_readable(key: &std::path::Path) {
 }
 
 /// Loads and checks the node's TLS material as [`prepare`] does: a
-/// certificate that verifies against the CA, valid now, with a key that
-/// matches it, naming a node that is not the plane. Warns when the key is
-/// readable by others.
+/// certificate that verifies against the CA, with a key that matches it,
+/// naming a node that is not the plane. A certificate that has expired but
+/// verifies otherwise is accepted with a warning ([`NodeTls::load_at_start`]):
+/// the node starts, keeps what it holds, and waits to be re-enrolled
+/// (`billet node enroll`). Warns when the key is readable by others.
 ///
 /// # Errors
 ///
 /// [`NodeError::Tls`] naming the file.
 pub fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
-    let tls = NodeTls::load(&config.tls)?;
+    let tls = NodeTls::load_at_start(&config.tls)?;
     if tls.node_name.as_str() == config.plane_name {
         return Err(NodeError::Tls(TlsError::Content {
             path: config.tls.cert.clone(),
@@ -180,6 +182,15 @@ pub fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
         }));
     }
     warn_if_key_is_readable(&config.tls.key);
+    if tls.expired {
+        warn!(
+            cert = %config.tls.cert.display(),
+            not_after = ?tls.not_after,
+            "the node's certificate has expired: starting anyway to keep the compute it holds, \
+             but no plane can attach until it is re-enrolled \
+             (billet node enroll --plane HOST:PORT --token-file FILE, with a join token from the plane)"
+        );
+    }
     Ok(tls)
 }
 
