@@ -99,7 +99,7 @@ async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_star
         "billet is not in the docker group: {groups}"
     );
     let tls = host.run(&["stat", "-c", "%a %U %G", "/etc/billet/tls"])?;
-    assert_eq!(tls.trim(), "750 root billet");
+    assert_eq!(tls.trim(), "750 billet billet");
 
     // The packaged binary is this build, and says its commit.
     let version = host.run(&["billet", "--version"])?;
@@ -134,8 +134,19 @@ async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_star
     );
 
     // What the operator does: certificates into /etc/billet/tls, readable
-    // by the node's group; the conffile edited; the unit started.
-    let certs = billet_certs_dev::generate(&host.shared.join("certs"), "plane", &["node-1"])?;
+    // by the node's group; the conffile edited; the unit started. The
+    // node's certificate has expired (it was down past its end): the node
+    // starts on it all the same and is re-enrolled below.
+    let certs = billet_certs_dev::generate_with_nodes(
+        &host.shared.join("certs"),
+        "plane",
+        &["node-1"],
+        &billet_certs_dev::Options::default(),
+        &billet_certs_dev::NodeOptions {
+            validity: Some(billet_certs_dev::Validity::expired()),
+            ..Default::default()
+        },
+    )?;
     let node = certs.node("node-1").context("node-1's certificate")?;
     for (from, to) in [
         (&certs.ca.cert, "ca.pem"),
@@ -198,6 +209,67 @@ async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_star
         "{said}"
     );
 
+    // The installed service writes its TLS directory: a plane attached to
+    // nothing yet (the node's certificate has expired) enrols it with a
+    // join token, and the node writes the new key and certificate there
+    // itself, as billet, the key private; the plane then attaches.
+    let (plane, enroll_addr, shutdown, _github) =
+        plane_for(&certs, &host, listen, &deployment).await?;
+    let token = plane
+        .issue_join_token("node-1", std::time::Duration::from_secs(600))
+        .await?;
+    let token_file = host.shared.join("join-token");
+    std::fs::write(&token_file, format!("{token}\n"))?;
+    let enrolled = host.exec(&[
+        "billet",
+        "node",
+        "enroll",
+        "--state-dir",
+        "/var/lib/billet",
+        "--plane",
+        &enroll_addr.to_string(),
+        "--token-file",
+        &token_file.display().to_string(),
+    ])?;
+    ensure!(
+        enrolled.status.success(),
+        "billet node enroll in the packaged service failed: {}{}\n{}",
+        String::from_utf8_lossy(&enrolled.stdout),
+        String::from_utf8_lossy(&enrolled.stderr),
+        journal(&host)
+    );
+    let key = host.run(&["stat", "-c", "%a %U", "/etc/billet/tls/node.key"])?;
+    assert_eq!(
+        key.trim(),
+        "600 billet",
+        "the new key is not the node's alone"
+    );
+    let cert = host.run(&["stat", "-c", "%U", "/etc/billet/tls/node.pem"])?;
+    assert_eq!(
+        cert.trim(),
+        "billet",
+        "the node did not write its certificate"
+    );
+    let written = host.run(&["cat", "/etc/billet/tls/node.pem"])?;
+    ensure!(
+        written != std::fs::read_to_string(&node.cert)?,
+        "the certificate on disk is still the expired one"
+    );
+    let link = plane.node("node-1").context("node-1's link")?;
+    let mut attached = link.status();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        attached.wait_for(Option::is_some),
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "the plane did not attach after the enrolment: {}",
+            journal(&host)
+        )
+    })??;
+    shutdown.cancel();
+
     // Stopping drains nothing (nothing is held); removing keeps the user
     // and the operator's configuration.
     host.run(&["systemctl", "stop", NODE_UNIT])?;
@@ -207,6 +279,77 @@ async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_star
     assert!(!gone.status.success(), "dpkg -r left /usr/bin/billet");
     host.run(&["test", "-s", "/etc/billet/node.env"])?;
     Ok(())
+}
+
+/// A plane of `deployment` that dials the packaged node at `listen` and serves its
+/// enrolment endpoint, signing with the certificates' CA; GitHub is the
+/// emulator (returned, to be kept alive), and no job is queued.
+async fn plane_for(
+    certs: &billet_certs_dev::DevCerts,
+    host: &SystemdHost,
+    listen: std::net::SocketAddr,
+    deployment: &str,
+) -> Result<(
+    std::sync::Arc<billet_controlplane_stub::plane::Plane>,
+    std::net::SocketAddr,
+    tokio_util::sync::CancellationToken,
+    scaleset::testing::Emulator,
+)> {
+    use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls};
+    use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
+    use std::time::Duration;
+    let read = |p: &Path| std::fs::read(p).with_context(|| format!("read {}", p.display()));
+    let github = scaleset::testing::Emulator::builder().start().await;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let config = PlaneConfig {
+        deployment: deployment.to_owned(),
+        lease_ttl: Duration::from_secs(15),
+        ledger: host.shared.join("ledger.db").into(),
+        tls: PlaneTls {
+            ca_pem: read(&certs.ca.cert)?,
+            cert_pem: read(&certs.plane.cert)?,
+            key_pem: read(&certs.plane.key)?,
+        },
+        nodes: vec![NodeTarget {
+            name: "node-1".into(),
+            addr: listen,
+        }],
+        tier: Tier {
+            label: "billet-package".into(),
+            image: "unused:never-launched".into(),
+            command: Vec::new(),
+            trust: "trusted".into(),
+            vcpu: 1,
+            memory_bytes: 256 << 20,
+            network: "host".into(),
+            env: Vec::new(),
+            sticky_disks: Vec::new(),
+        },
+        launch_timeout: Duration::from_secs(60),
+        destroy_timeout: Duration::from_secs(60),
+        reap_interval: Duration::from_secs(1),
+        max_runners: 1,
+        maintenance_interval: Duration::from_secs(2),
+        quarantine_grace: Duration::from_secs(300),
+        renewal_grace: billet_controlplane_stub::plane::RENEWAL_GRACE,
+        scale_set_retry: billet_controlplane_stub::github::SCALE_SET_RETRY,
+        registration_interval: Duration::from_secs(60),
+        registration_grace: Duration::from_secs(120),
+        node_ca: Some(std::sync::Arc::new(
+            billet_controlplane_stub::identity::NodeCa::from_pem(
+                &std::fs::read_to_string(&certs.ca.cert)?,
+                &std::fs::read_to_string(&certs.ca.key)?,
+                Duration::from_secs(3600),
+            )?,
+        )),
+    };
+    let plane = Plane::start(config, github.client(), shutdown.clone())
+        .await
+        .context("start the plane")?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    plane.serve_enrollment(listener, shutdown.clone());
+    Ok((plane, addr, shutdown, github))
 }
 
 /// The unit's journal, for a failure's context.
