@@ -412,6 +412,7 @@ impl Node {
             metrics_listen: None,
             min_free_disk_bytes: 0,
             spot_imds: None,
+            registry_mirrors: Vec::new(),
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(

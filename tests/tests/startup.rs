@@ -204,6 +204,20 @@ fn an_invalid_value_exits_2_naming_the_flag() -> Result<()> {
 }
 
 #[test]
+fn a_registry_mirror_that_is_not_an_http_url_exits_2_naming_the_flag() -> Result<()> {
+    let (certs, state) = setup()?;
+    let out = node(
+        &["--registry-mirror", "mirror.example:5000"],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 2, "--registry-mirror");
+    assert_exit(&out, 2, "give a registry mirror such as https://");
+    Ok(())
+}
+
+#[test]
 fn the_state_directory_is_created_private() -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let (certs, state) = setup()?;

@@ -124,6 +124,7 @@ impl NodeArgs {
                 metrics_listen: args.metrics_listen,
                 min_free_disk_bytes: args.min_free_disk_bytes,
                 spot_imds: args.spot_imds,
+                registry_mirrors: args.registry_mirror,
             },
             args.listen,
         ))

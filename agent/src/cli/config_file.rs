@@ -78,10 +78,23 @@ pub fn apply(command: Command, subcommand: &str, path: &Path) -> Result<Command,
                 known.join(", ")
             )));
         };
-        let value = match value {
-            toml::Value::String(s) => s.clone(),
-            toml::Value::Integer(i) => i.to_string(),
-            toml::Value::Boolean(b) => b.to_string(),
+        // A list is for a flag that may be repeated (`registry_mirror`).
+        let values: Vec<String> = match value {
+            toml::Value::String(s) => vec![s.clone()],
+            toml::Value::Integer(i) => vec![i.to_string()],
+            toml::Value::Boolean(b) => vec![b.to_string()],
+            toml::Value::Array(items) if matches!(arg.get_action(), clap::ArgAction::Append) => {
+                items
+                    .iter()
+                    .map(|item| match item {
+                        toml::Value::String(s) => Ok(s.clone()),
+                        other => Err(fail(format!(
+                            "key `{key}`: expected a list of strings, found a {} in it",
+                            other.type_str()
+                        ))),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
             other => {
                 return Err(fail(format!(
                     "key `{key}`: expected a string, an integer or a boolean, found {}",
@@ -89,40 +102,47 @@ pub fn apply(command: Command, subcommand: &str, path: &Path) -> Result<Command,
                 )));
             }
         };
-        // The flag's own parser judges the value: a one-flag command parses it.
         let long = arg.get_long().unwrap_or(key.as_str());
-        Command::new("check")
-            .no_binary_name(true)
-            .arg(arg.clone().required(false))
-            .try_get_matches_from([format!("--{long}"), value.clone()])
-            .map_err(|e| {
-                let why = e.to_string();
-                let why = why
-                    .lines()
-                    .next()
-                    .unwrap_or("")
-                    .trim_start_matches("error: ")
-                    .to_owned();
-                fail(format!("key `{key}`: {why}"))
-            })?;
-        // A relative path means the file's directory, not the working
-        // directory (which is `/` under systemd).
-        let value = if arg.get_value_parser().type_id() == std::any::TypeId::of::<PathBuf>()
-            && Path::new(&value).is_relative()
-        {
-            std::path::absolute(path)
-                .ok()
-                .and_then(|p| p.parent().map(|d| d.join(&value)))
-                .map_or(value, |p| p.display().to_string())
-        } else {
-            value
-        };
-        defaults.push((arg.get_id().clone(), value));
+        let mut checked = Vec::new();
+        for value in values {
+            // The flag's own parser judges the value: a one-flag command parses it.
+            Command::new("check")
+                .no_binary_name(true)
+                .arg(arg.clone().required(false))
+                .try_get_matches_from([format!("--{long}"), value.clone()])
+                .map_err(|e| {
+                    let why = e.to_string();
+                    let why = why
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                        .trim_start_matches("error: ")
+                        .to_owned();
+                    fail(format!("key `{key}`: {why}"))
+                })?;
+            // A relative path means the file's directory, not the working
+            // directory (which is `/` under systemd).
+            let value = if arg.get_value_parser().type_id() == std::any::TypeId::of::<PathBuf>()
+                && Path::new(&value).is_relative()
+            {
+                std::path::absolute(path)
+                    .ok()
+                    .and_then(|p| p.parent().map(|d| d.join(&value)))
+                    .map_or(value, |p| p.display().to_string())
+            } else {
+                value
+            };
+            checked.push(value);
+        }
+        defaults.push((arg.get_id().clone(), checked));
     }
     Ok(command.mut_subcommand(subcommand, |mut sub| {
-        for (id, value) in defaults {
-            let value: &'static str = Box::leak(value.into_boxed_str());
-            sub = sub.mut_arg(id, |a| a.default_value(value).required(false));
+        for (id, values) in defaults {
+            let values: Vec<&'static str> = values
+                .into_iter()
+                .map(|v| &*Box::leak(v.into_boxed_str()))
+                .collect();
+            sub = sub.mut_arg(id, |a| a.default_values(values).required(false));
         }
         sub
     }))
@@ -152,8 +172,37 @@ mod tests {
                         .long("cert")
                         .value_parser(clap::value_parser!(PathBuf)),
                 )
+                .arg(
+                    Arg::new("registry_mirror")
+                        .long("registry-mirror")
+                        .action(clap::ArgAction::Append)
+                        .value_parser(crate::provider::mirrors::parse_mirror),
+                )
                 .arg(Arg::new("config").long("config")),
         )
+    }
+
+    #[test]
+    fn a_list_fills_a_repeatable_flag_each_item_checked_and_only_there() {
+        let p = file("registry_mirror = [\"https://a.example\", \"http://b.example:5000\"]\n");
+        let m = apply(cli(), "node", &p)
+            .unwrap()
+            .try_get_matches_from(["billet", "node", "--listen", "127.0.0.1:1"])
+            .unwrap();
+        let (_, m) = m.subcommand().unwrap();
+        let got: Vec<&String> = m.get_many::<String>("registry_mirror").unwrap().collect();
+        assert_eq!(got, ["https://a.example", "http://b.example:5000"]);
+        let bad = file("registry_mirror = [\"https://a.example\", \"mirror.example\"]\n");
+        let e = apply(cli(), "node", &bad).unwrap_err().to_string();
+        assert!(
+            e.contains("key `registry_mirror`") && e.contains("is not a URL"),
+            "{e}"
+        );
+        let not_a_list_key = file("vcpu = [1, 2]\n");
+        let e = apply(cli(), "node", &not_a_list_key)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("key `vcpu`") && e.contains("found array"), "{e}");
     }
 
     fn file(text: &str) -> PathBuf {

@@ -210,6 +210,19 @@ pub struct NodeArgs {
     /// default.
     #[arg(long, env = "BILLET_SPOT_IMDS", value_parser = parse_spot_imds)]
     pub spot_imds: Option<String>,
+    /// A pull-through registry mirror handed to every guest (an http:// or
+    /// https:// URL); repeat the flag for several, or separate them with
+    /// commas in BILLET_REGISTRY_MIRRORS. A guest that runs Docker finds
+    /// them in its /etc/docker/daemon.json, every guest in
+    /// BILLET_REGISTRY_MIRRORS. The node's own image pulls use the engine's
+    /// configuration. None by default.
+    #[arg(
+        long = "registry-mirror",
+        env = "BILLET_REGISTRY_MIRRORS",
+        value_delimiter = ',',
+        value_parser = crate::provider::mirrors::parse_mirror
+    )]
+    pub registry_mirror: Vec<String>,
     /// How log lines are written to stderr: `text` for people, `json` (one
     /// object per line, one field per value) for collectors.
     #[arg(long, env = "BILLET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]

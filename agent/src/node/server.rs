@@ -92,6 +92,10 @@ pub struct NodeConfig {
     /// The instance-metadata base URL whose spot interruption notice the
     /// node watches (`node/interruption.rs`); `None` watches none.
     pub spot_imds: Option<String>,
+    /// Pull-through registry mirrors handed to every guest
+    /// (`provider/mirrors.rs`), each checked by
+    /// [`crate::provider::mirrors::parse_mirror`]; empty hands none.
+    pub registry_mirrors: Vec<String>,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -210,13 +214,24 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     let cache = Arc::new(
         crate::cache::Store::open(&config.cache_dir, &config.deployment, journal.clone()).await?,
     );
+    let mirrors = crate::provider::mirrors::GuestMirrors::prepare(
+        &config.state_dir,
+        config.registry_mirrors.clone(),
+    )
+    .map_err(|source| NodeError::StateDir {
+        path: config
+            .state_dir
+            .join(crate::provider::mirrors::DAEMON_JSON_FILE),
+        source,
+    })?;
     let docker = DockerProvider::connect(
         &config.docker_socket,
         Owner {
             deployment: config.deployment.clone(),
             node: tls.node_name.clone(),
         },
-    )?;
+    )?
+    .with_registry_mirrors(mirrors);
     docker.ping().await?;
     Ok(Prepared {
         tls,

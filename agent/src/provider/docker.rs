@@ -124,6 +124,8 @@ pub struct DockerProvider {
     client: OnceCell<Docker>,
     /// The bound on one provider call.
     timeout: Duration,
+    /// The registry mirrors every container is handed (`mirrors.rs`).
+    mirrors: super::mirrors::GuestMirrors,
 }
 
 impl DockerProvider {
@@ -150,7 +152,19 @@ impl DockerProvider {
             owner,
             client: OnceCell::new(),
             timeout: DEFAULT_TIMEOUT,
+            mirrors: super::mirrors::GuestMirrors::default(),
         })
+    }
+
+    /// The same provider handing `mirrors` to every container it creates:
+    /// their daemon configuration bound read-only at
+    /// [`super::mirrors::GUEST_DAEMON_JSON`], and
+    /// [`super::mirrors::MIRRORS_ENV`] in the environment (replacing a
+    /// tier's own). No mirrors: neither.
+    #[must_use]
+    pub fn with_registry_mirrors(mut self, mirrors: super::mirrors::GuestMirrors) -> Self {
+        self.mirrors = mirrors;
+        self
     }
 
     /// The same provider with `timeout` as the bound on each call
@@ -675,6 +689,9 @@ impl DockerProvider {
                     spec.name
                 )));
             }
+            if key == super::mirrors::MIRRORS_ENV && self.mirrors.env_value().is_some() {
+                continue;
+            }
             if key == JIT_CONFIG_ENV {
                 return Err(ProviderError::Refused(format!(
                     "{}: the plain environment may not set {JIT_CONFIG_ENV}; the JIT config is \
@@ -683,6 +700,9 @@ impl DockerProvider {
                 )));
             }
             env.push(format!("{key}={value}"));
+        }
+        if let Some(mirrors) = self.mirrors.env_value() {
+            env.push(format!("{}={mirrors}", super::mirrors::MIRRORS_ENV));
         }
         env.push(format!("{JIT_CONFIG_ENV}={secret}"));
 
@@ -706,8 +726,9 @@ impl DockerProvider {
             network_mode: spec.network.clone(),
             // Structured mounts, not `binds` strings, so a path with a `:`
             // cannot be read as options.
-            mounts: (!spec.binds.is_empty()).then(|| {
-                spec.binds
+            mounts: {
+                let mut mounts: Vec<bollard::models::Mount> = spec
+                    .binds
                     .iter()
                     .map(|b| bollard::models::Mount {
                         target: Some(b.guest.clone()),
@@ -716,8 +737,18 @@ impl DockerProvider {
                         read_only: Some(false),
                         ..Default::default()
                     })
-                    .collect()
-            }),
+                    .collect();
+                if let Some(daemon_json) = self.mirrors.daemon_json() {
+                    mounts.push(bollard::models::Mount {
+                        target: Some(super::mirrors::GUEST_DAEMON_JSON.to_owned()),
+                        source: Some(daemon_json.to_string_lossy().into_owned()),
+                        typ: Some(bollard::models::MountType::BIND),
+                        read_only: Some(true),
+                        ..Default::default()
+                    });
+                }
+                (!mounts.is_empty()).then_some(mounts)
+            },
             ..Default::default()
         };
         let body = ContainerCreateBody {
@@ -1178,6 +1209,54 @@ mod tests {
             "removal of container billet-a is already in progress"
         )));
         assert!(!is_no_such_container(&BollardError::RequestTimeoutError));
+    }
+
+    #[test]
+    fn registry_mirrors_reach_a_container_as_a_read_only_daemon_json_and_an_env_and_none_as_neither()
+     {
+        let plain = offline();
+        let (_, body) = plain.container_for(&spec("lease-1", "c2VjcmV0")).unwrap();
+        let env = body.env.unwrap();
+        assert!(
+            !env.iter()
+                .any(|e| e.starts_with(super::super::mirrors::MIRRORS_ENV)),
+            "{env:?}"
+        );
+        assert_eq!(body.host_config.unwrap().mounts, None);
+
+        let dir = std::env::temp_dir().join(unique("billet-mirrors-provider"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let urls = vec![
+            "https://m1.example".to_owned(),
+            "http://m2.example:5000".to_owned(),
+        ];
+        let mirrors = super::super::mirrors::GuestMirrors::prepare(&dir, urls).unwrap();
+        let daemon_json = mirrors.daemon_json().unwrap().to_owned();
+        let provider = offline().with_registry_mirrors(mirrors);
+        let mut with_own = spec("lease-1", "c2VjcmV0");
+        with_own.env.push((
+            super::super::mirrors::MIRRORS_ENV.to_owned(),
+            "https://the-tier.example".to_owned(),
+        ));
+        let (_, body) = provider.container_for(&with_own).unwrap();
+        let env = body.env.unwrap();
+        let given: Vec<&String> = env
+            .iter()
+            .filter(|e| e.starts_with(super::super::mirrors::MIRRORS_ENV))
+            .collect();
+        assert_eq!(
+            given,
+            ["BILLET_REGISTRY_MIRRORS=https://m1.example,http://m2.example:5000"]
+        );
+        let mounts = body.host_config.unwrap().mounts.unwrap();
+        assert_eq!(mounts.len(), 1, "{mounts:?}");
+        assert_eq!(mounts[0].target.as_deref(), Some("/etc/docker/daemon.json"));
+        assert_eq!(
+            mounts[0].source.as_deref(),
+            Some(daemon_json.to_str().unwrap())
+        );
+        assert_eq!(mounts[0].read_only, Some(true));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

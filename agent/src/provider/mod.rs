@@ -19,6 +19,7 @@
 pub mod contract;
 pub mod docker;
 pub mod fake;
+pub mod mirrors;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -40,6 +40,10 @@
 //! | `allocate` | takes a job, then allocates memory in 16 MiB chunks, writing every page, until killed: under a container memory limit it is OOM-killed (137). With `ALLOCATE_MIB` it stops there, holds the memory, and works and completes the job as `job` does |
 //! | `exit` | takes a job and exits with `EXIT_CODE` without completing it, as a runner that crashed mid-job: the emulator keeps the job running and the runner registered |
 //!
+//! At start, before anything else, it says on stderr what registry mirrors its node handed it
+//! (`registry mirrors: env <BILLET_REGISTRY_MIRRORS or unset>; daemon.json <the registry-mirrors
+//! of /etc/docker/daemon.json, or absent>`), for tests that a guest sees exactly those.
+//!
 //! Once it has a job, every mode says so on stderr (`runner <name> took job <id>`) before doing
 //! what its mode does, so a test can wait for that line; a runner waiting for one says `waiting
 //! for a job`, and `never-connect` says `never connects`. Each line comes after the signal
@@ -324,6 +328,27 @@ fn count(path: &std::path::Path) {
     }
 }
 
+/// Where a guest that runs Docker finds its daemon configuration.
+const DAEMON_JSON: &str = "/etc/docker/daemon.json";
+
+/// What the runner sees of the registry mirrors its node hands it, in one line:
+/// `env <value of BILLET_REGISTRY_MIRRORS, or unset>; daemon.json <its registry-mirrors as
+/// JSON, or absent>`. A daemon configuration that is not JSON is said so.
+fn registry_mirrors(env: Option<&str>, daemon_json: &std::path::Path) -> String {
+    let env = env.map_or_else(|| "unset".to_owned(), |v| format!("{v:?}"));
+    let file = match std::fs::read_to_string(daemon_json) {
+        Ok(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(v) => v
+                .get("registry-mirrors")
+                .map_or_else(|| "no registry-mirrors".to_owned(), ToString::to_string),
+            Err(e) => format!("not JSON: {e}"),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => "absent".to_owned(),
+        Err(e) => format!("unreadable: {e}"),
+    };
+    format!("env {env}; daemon.json {file}")
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -338,6 +363,13 @@ async fn main() -> ExitCode {
         eprintln!("billet-standin-runner: the result must not be empty");
         return ExitCode::from(2);
     }
+    eprintln!(
+        "billet-standin-runner: registry mirrors: {}",
+        registry_mirrors(
+            std::env::var("BILLET_REGISTRY_MIRRORS").ok().as_deref(),
+            std::path::Path::new(DAEMON_JSON)
+        )
+    );
     // Installed in every mode before the first progress line, so a test that saw one may signal.
     // Mode ignore-sigterm too receives SIGTERM, to log and drop it: without a handler it would
     // kill the process outside a container, and as PID 1 inside one be dropped without a word.
