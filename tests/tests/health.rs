@@ -527,6 +527,7 @@ async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_wh
         "healthy before the disk fills"
     );
 
+    let log_before = cluster.nodes["node-1"].log_text().len();
     let filler = small.fill("filler")?;
     let full_at = Instant::now();
     eventually(
@@ -584,6 +585,37 @@ async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_wh
             .len(),
         minted,
         "a registration was minted for a launch on a full node"
+    );
+
+    // Full for at least 20 health ticks (one a second, each probing the
+    // journal and failing): the failure is logged at a bounded rate, once
+    // a minute, not once a tick.
+    wait_until(Duration::from_secs(60), "20 s of a full state disk", || {
+        full_at.elapsed() >= Duration::from_secs(20)
+    })
+    .await?;
+    let window = full_at.elapsed();
+    let log = cluster.nodes["node-1"].log_text();
+    let full_log = &log[log_before..];
+    let probe_lines = full_log
+        .lines()
+        .filter(|l| l.contains("the journal probe cannot write the state directory"))
+        .count();
+    let journal_lines = full_log
+        .lines()
+        .filter(|l| l.contains("cannot journal"))
+        .count();
+    eprintln!(
+        "over {window:?} of a full disk: {probe_lines} journal probe lines, {journal_lines} journal write lines"
+    );
+    let bound = usize::try_from(window.as_secs() / 60).unwrap_or(0) + 1;
+    assert!(
+        probe_lines >= 1 && probe_lines <= bound,
+        "{probe_lines} journal probe lines over {window:?} (bound {bound}):\n{full_log}"
+    );
+    assert!(
+        journal_lines <= 2 * bound,
+        "{journal_lines} journal write failure lines over {window:?}:\n{full_log}"
     );
 
     // Space freed: healthy by itself, placed on again, the job runs.
