@@ -1974,6 +1974,54 @@ async fn a_vanished_adopted_container_is_released_without_waiting() {
     assert!(!r.holding());
 }
 
+/// Issue #14: the launch record is synced while the lease is bound, so a
+/// node can die with the record written and the lease never bound. The
+/// restarted node starts nothing for it and holds a removal by lease for
+/// it; the plane's redelivered launch of the same lease binds, which drops
+/// that removal, so the new runner keeps its registration (the simulation's
+/// seed 4347 found it removed at the next tend, the lease launching for
+/// ever).
+#[tokio::test]
+async fn a_launch_record_whose_lease_was_never_bound_does_not_unregister_the_relaunched_runner() {
+    let w = World::new();
+    let lease = w.reserve(1);
+    w.journal
+        .put_launch(&LaunchRecord {
+            lease: lease.id.as_str().to_owned(),
+            epoch: 1,
+            request_id: 1,
+            instance: name(&lease.id),
+            runner_id: 0,
+            runner_name: String::new(),
+            created: false,
+        })
+        .await
+        .unwrap();
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert!(!w.bound(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Assigned);
+    assert_eq!(w.fake.count(Operation::Create), 0);
+    r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect("the lease launches");
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id));
+    assert!(
+        w.registered(&lease.id),
+        "the relaunched runner lost its registration"
+    );
+    assert_eq!(w.phase(&lease.id), Phase::Launching);
+    assert_eq!(w.fake.count(Operation::Create), 1);
+    assert!(r.holding());
+    let records = w.journal.launches().await.unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert!(
+        records[0].created && records[0].runner_id > 0,
+        "{records:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_unseen_stray_from_before_a_restart_still_waits_the_grace() {
     let w = World::new();
@@ -2267,6 +2315,9 @@ async fn a_launch_whose_image_is_missing_binds_mints_and_creates_nothing_and_nam
     assert!(!w.registered(&lease.id), "a registration was minted");
     assert_eq!(w.fake.count(Operation::Create), 0);
     assert!(!r.holding());
+    // The launch record is written while the image is checked (issue #14):
+    // a refusal clears it, so a restart finds nothing to clean up.
+    assert_eq!(w.journal.launches().await.unwrap(), Vec::new());
     assert!(
         w.plane.log().iter().all(|l| !l.starts_with("bind")),
         "{:?}",
@@ -2298,6 +2349,7 @@ async fn a_launch_whose_provider_does_not_answer_is_refused_before_anything_is_b
     );
     assert!(!w.bound(&lease.id));
     assert!(!w.registered(&lease.id));
+    assert_eq!(w.journal.launches().await.unwrap(), Vec::new());
     assert!(!r.holding());
 }
 

@@ -44,8 +44,8 @@ use billet_controlplane_stub::ledger::{Charge, Lease, NewLease, Phase};
 use billet_controlplane_stub::node_link::NodeLink;
 use billet_controlplane_stub::now_ms;
 use billet_proto::v1 as pb;
-use billet_tests::bench::Samples;
-use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER};
+use billet_tests::bench::{MetricsReading, Samples};
+use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER, free_port};
 use billet_tests::image::{STANDIN_ENTRYPOINT, connect_docker, profile_dir};
 use bollard::Docker;
 use bollard::models::{ContainerCreateBody, HostConfig};
@@ -148,6 +148,19 @@ struct Bench {
     next_request_id: i64,
     /// Mints as the plane does, for the baseline.
     github: Github,
+    /// The node's `--metrics-listen` address, read for the per-step breakdown.
+    metrics: std::net::SocketAddr,
+}
+
+/// What one run measured: (a) whole, (b) whole and in its two parts, and the node's own
+/// metrics over the measured iterations (warm-up excluded).
+#[derive(Debug, Default)]
+struct Measured {
+    launch: Samples,
+    baseline: Samples,
+    baseline_mint: Samples,
+    baseline_create: Samples,
+    node: MetricsReading,
 }
 
 async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
@@ -161,9 +174,11 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
          first if stale (cargo is quiet meanwhile; a first build takes minutes)",
         profile_dir().display()
     );
+    let metrics = free_port()?;
     let cluster = Cluster::start(ClusterOptions {
         nodes: vec![NODE.to_owned()],
         node_log: "warn".into(),
+        node_env: vec![("BILLET_METRICS_LISTEN".into(), metrics.to_string())],
         ..ClusterOptions::default()
     })
     .await
@@ -175,6 +190,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         cluster,
         docker,
         next_request_id: FIRST_REQUEST_ID,
+        metrics,
     };
 
     let measuring_since = Instant::now();
@@ -202,7 +218,13 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
     let Some(measured) = measured else {
         bail!("interrupted; everything was cleaned up");
     };
-    let (launch, baseline) = measured?;
+    let Measured {
+        launch,
+        baseline,
+        baseline_mint,
+        baseline_create,
+        node,
+    } = measured?;
     let leftovers = leftovers?;
     ensure!(
         leftovers.is_empty(),
@@ -264,11 +286,95 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         billet_tests::bench::median(&ratios),
         ratios[ratios.len() - 1]
     );
+    print_breakdown(&node, iterations, &baseline_mint, &baseline_create);
+    println!();
     println!(
         "  nothing left behind: no container, no open lease, no runner registration ({:.1}s measuring)",
         measuring_took.as_secs_f64()
     );
     Ok(())
+}
+
+/// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,
+/// beside the baseline's two parts. Means, since the node exports histograms (sum and count).
+fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, create: &Samples) {
+    let mean_ms = |family: &str, labels: &[(&str, &str)]| {
+        let count = node.sum(&format!("{family}_count"), labels);
+        (count > 0.0).then(|| node.sum(&format!("{family}_sum"), labels) * 1000.0 / count)
+    };
+    let per_launch_ms = |family: &str, labels: &[(&str, &str)]| {
+        node.sum(&format!("{family}_sum"), labels) * 1000.0 / iterations as f64
+    };
+    let mean = |s: &Samples| {
+        s.0.iter().map(Duration::as_secs_f64).sum::<f64>() * 1000.0 / s.0.len().max(1) as f64
+    };
+    let show = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+    println!();
+    println!(
+        "  where (a)'s time goes, means over the measured iterations (ms; the node's metrics):"
+    );
+    println!("  {:<60} {:>8} {:>8}", "step", "(a)", "(b)");
+    let command = mean_ms("billet_command_duration_seconds", &[("kind", "launch")]);
+    let queued = mean_ms("billet_command_queue_wait_seconds", &[]);
+    let check = mean_ms(
+        "billet_provider_call_duration_seconds",
+        &[("call", "check_image")],
+    );
+    let bind = mean_ms(
+        "billet_launch_step_duration_seconds",
+        &[("step", "bind_advance")],
+    );
+    let minted = mean_ms("billet_launch_step_duration_seconds", &[("step", "mint")]);
+    let created = mean_ms("billet_launch_step_duration_seconds", &[("step", "create")]);
+    let journal = ["put_launch", "amend_launch"]
+        .map(|w| per_launch_ms("billet_journal_write_duration_seconds", &[("call", w)]));
+    let result = mean_ms(
+        "billet_journal_write_duration_seconds",
+        &[("call", "put_result")],
+    );
+    let rows: [(&str, Option<f64>, Option<f64>); 8] = [
+        ("wait for the command slot (every command)", queued, None),
+        ("image check (one Docker inspect)", check, None),
+        ("BindAdvance: plane round trip + ledger commit", bind, None),
+        ("launch record, synced (per launch)", Some(journal[0]), None),
+        (
+            "JIT mint: plane round trip + GitHub + ledger commit",
+            minted,
+            Some(mean(mint)),
+        ),
+        (
+            "launch record amended twice, committed (per launch)",
+            Some(journal[1]),
+            None,
+        ),
+        ("Docker create + start", created, Some(mean(create))),
+        (
+            "result, synced (per write, launch or destroy)",
+            result,
+            None,
+        ),
+    ];
+    for (label, a, b) in rows {
+        println!("  {label:<60} {:>8} {:>8}", show(a), show(b));
+    }
+    // The result is written after the command's own duration ends.
+    let parts: f64 = [check, bind, minted, created]
+        .into_iter()
+        .flatten()
+        .sum::<f64>()
+        + journal.iter().sum::<f64>();
+    println!(
+        "  {:<60} {:>8}",
+        "the launch command in the node (slot start -> result)",
+        show(command)
+    );
+    if let Some(command) = command {
+        println!(
+            "  {:<60} {:>8.1}",
+            "  of which not in a step above (overlapped steps make it negative)",
+            command - parts
+        );
+    }
 }
 
 impl Bench {
@@ -281,10 +387,14 @@ impl Bench {
     }
 
     /// Warm-up, then `iterations` of (a) and (b), alternating which goes first.
-    async fn measure(&mut self, iterations: usize, warmup: usize) -> Result<(Samples, Samples)> {
-        let (mut launch, mut baseline) = (Samples::default(), Samples::default());
+    async fn measure(&mut self, iterations: usize, warmup: usize) -> Result<Measured> {
+        let mut measured = Measured::default();
+        let mut before = MetricsReading::default();
         for i in 0..warmup + iterations {
-            let (a, b) = if i % 2 == 0 {
+            if i == warmup {
+                before = MetricsReading::read(self.metrics).await?;
+            }
+            let (a, (mint, create)) = if i % 2 == 0 {
                 let a = self.launch_once().await.context("(a) launch")?;
                 (a, self.baseline_once().await.context("(b) baseline")?)
             } else {
@@ -292,11 +402,14 @@ impl Bench {
                 (self.launch_once().await.context("(a) launch")?, b)
             };
             if i >= warmup {
-                launch.0.push(a);
-                baseline.0.push(b);
+                measured.launch.0.push(a);
+                measured.baseline.0.push(mint + create);
+                measured.baseline_mint.0.push(mint);
+                measured.baseline_create.0.push(create);
             }
         }
-        Ok((launch, baseline))
+        measured.node = MetricsReading::read(self.metrics).await?.since(&before);
+        Ok(measured)
     }
 
     /// Reserves a lease, times its Launch, then destroys it, releases it and removes its runner
@@ -393,9 +506,9 @@ impl Bench {
         Ok(())
     }
 
-    /// Times minting a JIT config and creating and starting the same container directly, then
-    /// removes both (untimed).
-    async fn baseline_once(&mut self) -> Result<Duration> {
+    /// Times minting a JIT config, then creating and starting the same container directly, then
+    /// removes both (untimed). Returns the two parts: (mint, create + start).
+    async fn baseline_once(&mut self) -> Result<(Duration, Duration)> {
         let request_id = self.take_request_id();
         let id = short_id();
         let name = format!("billet-{id}");
@@ -407,6 +520,7 @@ impl Bench {
             .mint(TIER, &name)
             .await
             .with_context(|| format!("mint a JIT config for {name}"))?;
+        let mint_took = started.elapsed();
         env.push(format!("ACTIONS_RUNNER_INPUT_JITCONFIG={}", minted.config));
         let labels = HashMap::from([
             (
@@ -449,6 +563,7 @@ impl Bench {
             .await
             .with_context(|| format!("start {name}"))?;
         let elapsed = started.elapsed();
+        let create_took = elapsed - mint_took;
 
         self.docker
             .remove_container(
@@ -465,7 +580,7 @@ impl Bench {
             .remove_runner(minted.runner_id, &minted.runner_name)
             .await
             .with_context(|| format!("remove the runner registration {name}"))?;
-        Ok(elapsed)
+        Ok((mint_took, create_took))
     }
 
     fn take_request_id(&mut self) -> i64 {

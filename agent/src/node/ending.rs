@@ -228,6 +228,21 @@ impl Removals {
         self.pending.remove(lease);
     }
 
+    /// A launch of `lease` at `epoch` was just bound, so the lease is live
+    /// at that epoch and a removal pending for it at the same epoch is of a
+    /// launch record whose lease was never bound (no mint can have
+    /// happened: the plane mints only for a bound, launching lease, and a
+    /// lease that ended since would have refused the bind). Drops that
+    /// removal, which would otherwise take the new runner's registration;
+    /// one at another epoch stays. Returns whether one was dropped.
+    pub fn superseded(&mut self, lease: &LeaseId, epoch: Epoch) -> bool {
+        let same = self.pending.get(lease).is_some_and(|r| r.epoch == epoch);
+        if same {
+            self.pending.remove(lease);
+        }
+        same
+    }
+
     /// Whether a removal for `lease` is pending.
     pub fn contains(&self, lease: &LeaseId) -> bool {
         self.pending.contains_key(lease)

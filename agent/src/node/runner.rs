@@ -505,40 +505,7 @@ impl Runner {
                 )));
             }
         }
-        // What can be checked before a registration exists is checked
-        // first: the provider answers and has the image. A refusal here
-        // leaves nothing bound, nothing minted and no lease charged.
-        match self.provider.check_image(&tier.image).await {
-            Ok(()) => {}
-            Err(ProviderError::ImageUnavailable { image }) => {
-                warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
-                return Err(RunnerError::ImageUnavailable { image });
-            }
-            Err(e) => {
-                warn!(lease = %lease.id, error = %e, "refusing a launch: the provider cannot be asked about its image");
-                return Err(RunnerError::ProviderUnavailable(format!(
-                    "cannot check image {} before launching lease {}, so nothing was bound or minted: {e}",
-                    tier.image, lease.id
-                )));
-            }
-        }
         let name = InstanceName::for_lease(&lease.id);
-        // Bound and launching in one round trip (one ledger transaction).
-        self.ledger
-            .bind_advance(&lease.id, lease.epoch, Phase::Launching)
-            .await
-            .map_err(|e| {
-                RunnerError::Failed(format!(
-                    "bind {} and advance it to launching: {e}",
-                    lease.id
-                ))
-            })?;
-        {
-            let mut s = self.state();
-            s.launching.insert(lease.id.clone(), lease.epoch);
-            s.sizes
-                .insert(lease.id.clone(), (lease.vcpu, lease.memory.0));
-        }
         // Remembered before anything is minted or created, so a node killed
         // from here on finds the launch again after a restart.
         let mut record = LaunchRecord {
@@ -550,7 +517,44 @@ impl Runner {
             runner_name: String::new(),
             created: false,
         };
-        let result = match self.journal.put_launch(&record).await {
+        // The record is synced while the image is checked and the lease
+        // bound, since neither needs it: only the mint must wait for it. A
+        // record whose lease was never bound is safe to find after a crash
+        // (recovery fails the launch or removes a registration by lease,
+        // which the plane answers as done when none was minted). A lease
+        // whose earlier record still carries a pending registration removal
+        // is not overwritten until its bind proves this launch current.
+        let pending_removal = self.state().removals.contains(&lease.id);
+        let (journaled, prepared) = if pending_removal {
+            let prepared = self.check_and_bind(&lease, &tier).await;
+            let journaled = match &prepared {
+                Ok(()) => {
+                    if self.state().removals.superseded(&lease.id, lease.epoch) {
+                        info!(lease = %lease.id, "the lease was bound again: its record's pending removal was of a launch never bound, and is dropped");
+                    }
+                    self.journal.put_launch(&record).await
+                }
+                Err(_) => Ok(()),
+            };
+            (journaled, prepared)
+        } else {
+            tokio::join!(
+                self.journal.put_launch(&record),
+                self.check_and_bind(&lease, &tier)
+            )
+        };
+        if let Err(refused) = prepared {
+            // Nothing was minted. The record this launch wrote goes; one an
+            // earlier launch of the lease left (a pending removal) stays.
+            if !pending_removal {
+                if let Err(e) = self.journal.forget_launch(lease.id.as_str()).await {
+                    warn!(lease = %lease.id, error = %e, "cannot clear the record of a launch that was refused; a restart re-checks it");
+                }
+            }
+            self.state().launching.remove(&lease.id);
+            return Err(refused);
+        }
+        let result = match journaled {
             Err(e) => Err(RunnerError::Failed(format!(
                 "cannot journal the launch of {}, so nothing was started: {e}",
                 lease.id
@@ -569,6 +573,42 @@ impl Runner {
             self.forget(&lease.id).await;
         }
         result
+    }
+
+    /// What can be checked before a registration exists is checked first:
+    /// the provider answers and has the image. A refusal here leaves
+    /// nothing bound, nothing minted and no lease charged. Then the lease
+    /// is bound and advanced to launching in one round trip (one ledger
+    /// transaction), and counted as launching here.
+    async fn check_and_bind(&self, lease: &Lease, tier: &TierSpec) -> Result<(), RunnerError> {
+        match self.provider.check_image(&tier.image).await {
+            Ok(()) => {}
+            Err(ProviderError::ImageUnavailable { image }) => {
+                warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
+                return Err(RunnerError::ImageUnavailable { image });
+            }
+            Err(e) => {
+                warn!(lease = %lease.id, error = %e, "refusing a launch: the provider cannot be asked about its image");
+                return Err(RunnerError::ProviderUnavailable(format!(
+                    "cannot check image {} before launching lease {}, so nothing was bound or minted: {e}",
+                    tier.image, lease.id
+                )));
+            }
+        }
+        self.ledger
+            .bind_advance(&lease.id, lease.epoch, Phase::Launching)
+            .await
+            .map_err(|e| {
+                RunnerError::Failed(format!(
+                    "bind {} and advance it to launching: {e}",
+                    lease.id
+                ))
+            })?;
+        let mut s = self.state();
+        s.launching.insert(lease.id.clone(), lease.epoch);
+        s.sizes
+            .insert(lease.id.clone(), (lease.vcpu, lease.memory.0));
+        Ok(())
     }
 
     async fn launch_bound(
