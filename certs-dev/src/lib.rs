@@ -204,6 +204,10 @@ pub struct NodeOptions {
     /// another deployment's development CA would: a verifier must check the signature, not only
     /// the issuer's name, to refuse its certificates.
     pub other_ca: bool,
+    /// IP addresses a node's certificate names besides its DNS name, by node name: a node on a
+    /// network address of its own (the fleet harness's network namespaces) has a certificate
+    /// naming both. A name not among the nodes is refused.
+    pub addresses: std::collections::BTreeMap<String, std::net::IpAddr>,
 }
 
 /// Writes a new development CA, a plane certificate for `plane_name` and one certificate per
@@ -275,6 +279,14 @@ pub fn generate_with_nodes(
         "the node certificates' validity window is empty: not_after must be later than not_before"
     );
 
+    if let Some(name) = nodes
+        .addresses
+        .keys()
+        .find(|name| !node_names.contains(&name.as_str()))
+    {
+        anyhow::bail!("an address is given for {name:?}, which is not among the nodes");
+    }
+
     create_private_dir(out_dir)?;
 
     let (issuer, ca) = match &options.ca_dir {
@@ -296,12 +308,13 @@ pub fn generate_with_nodes(
     };
     let node_issuer = other_ca.as_ref().map_or(&issuer, |(other, _)| other);
 
-    let plane = make_leaf(out_dir, "plane", plane_name, validity, &issuer)?;
+    let plane = make_leaf(out_dir, "plane", plane_name, None, validity, &issuer)?;
     let node_certs = node_names
         .iter()
         .map(|name| {
             let stem = format!("node-{name}");
-            make_leaf(out_dir, &stem, name, node_validity, node_issuer)
+            let address = nodes.addresses.get(*name).copied();
+            make_leaf(out_dir, &stem, name, address, node_validity, node_issuer)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
 
@@ -421,12 +434,13 @@ fn load_ca(ca_dir: &Path) -> anyhow::Result<(Issuer<'static, KeyPair>, CertFiles
     Ok((issuer, files))
 }
 
-/// Makes a leaf for `dns_name`, usable for TLS server and client authentication, and writes it
-/// as `<stem>.pem` and `<stem>.key`.
+/// Makes a leaf for `dns_name` (and `address`, when given), usable for TLS server and client
+/// authentication, and writes it as `<stem>.pem` and `<stem>.key`.
 fn make_leaf(
     out_dir: &Path,
     stem: &str,
     dns_name: &str,
+    address: Option<std::net::IpAddr>,
     validity: Validity,
     issuer: &Issuer<'_, KeyPair>,
 ) -> anyhow::Result<CertFiles> {
@@ -436,6 +450,9 @@ fn make_leaf(
         vec![SanType::DnsName(dns_name.try_into().with_context(
             || format!("{dns_name:?} is not a valid DNS name"),
         )?)];
+    params
+        .subject_alt_names
+        .extend(address.map(SanType::IpAddress));
     params.is_ca = IsCa::ExplicitNoCa;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![
@@ -718,6 +735,53 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn a_node_given_an_address_gets_a_certificate_naming_it_beside_its_name() {
+        let dir = TempDir::new();
+        let address: std::net::IpAddr = "10.77.3.11".parse().unwrap();
+        let nodes = NodeOptions {
+            addresses: [("node-a".to_owned(), address)].into_iter().collect(),
+            ..NodeOptions::default()
+        };
+        let certs = generate_with_nodes(
+            dir.path(),
+            "plane",
+            &["node-a", "node-b"],
+            &Options::default(),
+            &nodes,
+        )
+        .unwrap();
+        let sans = |name: &str| {
+            let pem = fs::read(&certs.node(name).unwrap().cert).unwrap();
+            let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).unwrap();
+            let cert = pem.parse_x509().unwrap();
+            let san = cert.subject_alternative_name().unwrap().unwrap();
+            san.value
+                .general_names
+                .iter()
+                .map(|n| format!("{n:?}"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            sans("node-a"),
+            ["DNSName(\"node-a\")", "IPAddress([10, 77, 3, 11])"]
+        );
+        assert_eq!(sans("node-b"), ["DNSName(\"node-b\")"]);
+        let err = generate_with_nodes(
+            dir.path(),
+            "plane",
+            &["node-b"],
+            &Options::default(),
+            &nodes,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("\"node-a\", which is not among the nodes"),
+            "{err}"
+        );
+    }
+
     /// The validity window written in the PEM certificate at `path`, in Unix seconds.
     fn window(path: &Path) -> (i64, i64) {
         let pem = fs::read(path).unwrap();
@@ -758,6 +822,7 @@ mod tests {
                 let nodes = NodeOptions {
                     validity: Some(asked),
                     other_ca: false,
+                    ..NodeOptions::default()
                 };
                 let certs = generate_with_nodes(dir.path(), "plane", &["node-a"], &options, &nodes)
                     .unwrap();
@@ -798,6 +863,7 @@ mod tests {
         let nodes = NodeOptions {
             validity: Some(Validity::lasting(lifetime).unwrap()),
             other_ca: false,
+            ..NodeOptions::default()
         };
         let certs = generate_with_nodes(
             dir.path(),
@@ -844,6 +910,7 @@ mod tests {
         let nodes = NodeOptions {
             validity: None,
             other_ca: true,
+            ..NodeOptions::default()
         };
         let certs = generate_with_nodes(
             dir.path(),
@@ -897,6 +964,7 @@ mod tests {
                 not_after: now,
             }),
             other_ca: false,
+            ..NodeOptions::default()
         };
         let err = generate_with_nodes(dir.path(), "plane", &["n"], &Options::default(), &nodes)
             .unwrap_err()

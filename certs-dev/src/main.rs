@@ -88,6 +88,7 @@ impl Cli {
         let nodes = NodeOptions {
             validity: node_validity,
             other_ca: self.other_ca,
+            ..NodeOptions::default()
         };
         Ok((options, nodes))
     }

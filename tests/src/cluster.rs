@@ -87,7 +87,29 @@ pub struct ClusterOptions {
     /// `None`: in the cluster's scratch directory. A test puts them on a
     /// file system of its own (a small one that it fills).
     pub state_root: Option<PathBuf>,
+    /// Nodes that run on a network host of their own (by node name): each
+    /// such node listens on its host's address and runs inside its network
+    /// namespace (`ip netns exec`), with a certificate naming the address
+    /// as well as the name. Others run on 127.0.0.1. See `fleet.rs`.
+    pub hosts: HashMap<String, NodeHost>,
+    /// The vCPUs each node reports (`--vcpu`); every runner takes one.
+    pub node_vcpu: u32,
 }
+
+/// Where a node runs when it has a network of its own: its namespace and
+/// its address there.
+#[derive(Debug, Clone)]
+pub struct NodeHost {
+    /// The network namespace (`ip netns` name) the node runs in.
+    pub netns: String,
+    /// The node's address in it, which it listens on and its certificate
+    /// names.
+    pub addr: std::net::IpAddr,
+}
+
+/// The port a node on a host of its own listens on (every host has its
+/// own address, so all share it).
+pub const HOST_PORT: u16 = 7443;
 
 impl Default for ClusterOptions {
     fn default() -> Self {
@@ -115,6 +137,8 @@ impl Default for ClusterOptions {
             plane_signs: None,
             enrollment: false,
             state_root: None,
+            hosts: HashMap::new(),
+            node_vcpu: 8,
         }
     }
 }
@@ -171,6 +195,7 @@ impl Installed {
         log: &Path,
         state_dir: &Path,
         systemd: Option<&crate::systemd::SystemdTarget>,
+        netns: Option<&str>,
     ) -> Result<Self> {
         let root = dir.join(format!("install-{name}"));
         std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
@@ -208,7 +233,9 @@ impl Installed {
         write_script(
             &installed.start,
             &format!(
-                "#!/bin/sh\n# Starts billet node {name} in the background, as a service manager would.\n{exports}{} {} >>{} 2>&1 </dev/null &\necho $! >{}\n",
+                "#!/bin/sh\n# Starts billet node {name} in the background, as a service manager would.\n{exports}{}{} {} >>{} 2>&1 </dev/null &\necho $! >{}\n",
+                // `ip netns exec` execs the node in place: the pid is its.
+                netns.map_or(String::new(), |ns| format!("ip netns exec {} ", quote(ns))),
                 quote(&installed.binary.display().to_string()),
                 argv.join(" "),
                 quote(&log.display().to_string()),
@@ -375,6 +402,8 @@ pub struct NodeProcess {
     /// Set when the node is installed for upgrades: then its process is
     /// started and stopped by the scripts, not held as a child.
     pub installed: Option<Installed>,
+    /// The network namespace it runs in, when it has a host of its own.
+    pub netns: Option<String>,
     /// The argv it was started with, to restart it.
     args: Vec<String>,
     env: Vec<(String, String)>,
@@ -398,7 +427,15 @@ impl NodeProcess {
             Some(path) => PathBuf::from(path),
             None => binary_path("billet")?,
         };
-        let mut cmd = Command::new(binary);
+        let mut cmd = match &self.netns {
+            // `ip netns exec` execs the node in place: the child is the node.
+            Some(ns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]).arg(binary);
+                cmd
+            }
+            None => Command::new(binary),
+        };
         cmd.args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -509,6 +546,8 @@ pub struct Cluster {
     /// [`ClusterOptions::enrollment`].
     pub enroll_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
+    /// What the plane was started with, to start it again.
+    plane_config: PlaneConfig,
 }
 
 /// A fresh scratch directory under the system temp dir.
@@ -578,6 +617,11 @@ impl Cluster {
                     .node_cert_lifetime
                     .map(billet_certs_dev::Validity::lasting)
                     .transpose()?,
+                addresses: options
+                    .hosts
+                    .iter()
+                    .map(|(name, host)| (name.clone(), host.addr))
+                    .collect(),
                 ..Default::default()
             },
         )?;
@@ -591,7 +635,11 @@ impl Cluster {
         let mut targets = Vec::new();
         for name in &options.nodes {
             let files = certs.node(name).context("node certificate")?;
-            let addr = free_port()?;
+            let host = options.hosts.get(name);
+            let addr = match host {
+                Some(host) => SocketAddr::new(host.addr, HOST_PORT),
+                None => free_port()?,
+            };
             let state_dir = options
                 .state_root
                 .as_deref()
@@ -616,7 +664,7 @@ impl Cluster {
                 "--docker-socket".into(),
                 options.docker_socket.display().to_string(),
                 "--vcpu".into(),
-                "8".into(),
+                options.node_vcpu.to_string(),
                 "--memory-bytes".into(),
                 (8u64 << 30).to_string(),
             ];
@@ -633,6 +681,7 @@ impl Cluster {
                     &log,
                     &state_dir,
                     options.systemd.as_ref(),
+                    host.map(|h| h.netns.as_str()),
                 )?)
             } else {
                 None
@@ -642,6 +691,7 @@ impl Cluster {
                 addr,
                 log,
                 installed,
+                netns: host.map(|h| h.netns.clone()),
                 args,
                 env,
                 child: None,
@@ -709,7 +759,7 @@ impl Cluster {
                 )),
             },
         };
-        let plane = Plane::start(config, emulator.client(), shutdown.clone())
+        let plane = Plane::start(config.clone(), emulator.client(), shutdown.clone())
             .await
             .context("start the plane")?;
         let enroll_addr = if options.enrollment {
@@ -730,11 +780,39 @@ impl Cluster {
             certs,
             enroll_addr,
             shutdown,
+            plane_config: config,
         };
         for name in &options.nodes {
             cluster.wait_attached(name, Duration::from_secs(30)).await?;
         }
         Ok(cluster)
+    }
+
+    /// Stops the plane (every task, its sessions with the nodes and its
+    /// listener) and starts a new one on the same ledger, GitHub and nodes,
+    /// as a plane's host restarting it would; returns once every node is
+    /// attached to the new plane. The enrolment endpoint is not served
+    /// again. Subscriptions to the old plane's events end.
+    ///
+    /// # Errors
+    ///
+    /// When the new plane cannot start or a node does not attach in time.
+    pub async fn restart_plane(&mut self) -> Result<()> {
+        self.shutdown.cancel();
+        self.plane.stopped().await;
+        self.shutdown = CancellationToken::new();
+        self.plane = Plane::start(
+            self.plane_config.clone(),
+            self.emulator.client(),
+            self.shutdown.clone(),
+        )
+        .await
+        .context("start the plane again")?;
+        let names: Vec<String> = self.nodes.keys().cloned().collect();
+        for name in names {
+            self.wait_attached(&name, Duration::from_secs(60)).await?;
+        }
+        Ok(())
     }
 
     /// Waits until the plane has a session with `node`.

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod cluster;
 pub mod engine_proxy;
+pub mod fleet;
 pub mod image;
 pub mod imds;
 pub mod systemd;
