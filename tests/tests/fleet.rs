@@ -161,3 +161,257 @@ async fn a_partitioned_node_keeps_its_jobs_and_is_recovered_once_healed() -> Res
     fleet.cluster.shutdown().await?;
     Ok(())
 }
+
+/// A node's host is lost for good while its runners work (the node killed,
+/// its network cut, its containers gone, GitHub failing their jobs): the
+/// plane notices the silence, and once the renewal grace and the lease TTL
+/// have passed its leases are quarantined (still charged: nothing vouches
+/// for that host again). The jobs queued behind it run on the other two.
+/// Prints the time from the loss to the quarantine against the grace.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_host_lost_for_good_is_quarantined_and_its_work_covered_by_the_others() -> Result<()> {
+    let options = options(3, 8_000);
+    let (grace, ttl) = (options.renewal_grace, options.lease_ttl);
+    let mut fleet = Fleet::start(options).await?;
+    let starts = Starts::watch(&fleet.cluster);
+    let watch = fleet.watch_capacity(VCPU);
+    let first = fleet.cluster.queue_jobs(6);
+    wait_until(Duration::from_secs(60), "six jobs to run", || {
+        let state = fleet.cluster.emulator.state();
+        state
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            == 6
+    })
+    .await?;
+    let lost = "node-1";
+    let on_lost = jobs_on(&fleet, lost).await?;
+    ensure!(on_lost.len() == VCPU as usize, "{lost} runs {on_lost:?}");
+    // Queued before the loss, waiting for room: the survivors run them.
+    let queued = fleet.cluster.queue_jobs(4);
+    let lost_at = Instant::now();
+    let failed = fleet.lose_host(lost).await?;
+    let failed: BTreeSet<i64> = failed.iter().map(|j| j.get()).collect();
+    ensure!(
+        failed == on_lost,
+        "GitHub failed {failed:?}, {lost} ran {on_lost:?}"
+    );
+    let link = fleet.cluster.plane.node(lost).context("link")?;
+    let mut status = link.status();
+    tokio::time::timeout(Duration::from_secs(90), status.wait_for(Option::is_none))
+        .await
+        .context("the plane never noticed the loss")??;
+    let noticed = lost_at.elapsed();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let quarantined = loop {
+        let leases: Vec<_> = fleet
+            .cluster
+            .plane
+            .ledger()
+            .open_leases()
+            .await?
+            .into_iter()
+            .filter(|l| l.node.as_deref() == Some(lost))
+            .collect();
+        if !leases.is_empty() && leases.iter().all(|l| l.phase == Phase::Quarantine) {
+            break leases;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{lost}'s leases are not all quarantined: {leases:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let to_quarantine = lost_at.elapsed();
+    println!(
+        "host loss: the plane lost the session after {:.1} s; {} lease(s) quarantined {:.1} s after the loss \
+         (renewal grace {:.0} s + lease TTL {:.0} s = {:.0} s after the session's loss, {:.1} s measured)",
+        noticed.as_secs_f64(),
+        quarantined.len(),
+        to_quarantine.as_secs_f64(),
+        grace.as_secs_f64(),
+        ttl.as_secs_f64(),
+        (grace + ttl).as_secs_f64(),
+        (to_quarantine - noticed).as_secs_f64(),
+    );
+    ensure!(
+        to_quarantine - noticed >= grace,
+        "quarantined before the renewal grace had passed"
+    );
+    fleet
+        .cluster
+        .wait_jobs_completed(&queued, Duration::from_secs(120))
+        .await?;
+    let survivors: Vec<_> = first
+        .iter()
+        .copied()
+        .filter(|j| !on_lost.contains(&j.get()))
+        .chain(queued.iter().copied())
+        .collect();
+    each_ran_once(&fleet, &starts, &survivors, "succeeded")?;
+    for job in &queued {
+        let runner = starts.of(*job).concat();
+        ensure!(
+            !fleet.containers_of(lost).await?.contains(&runner),
+            "job {job} ran on the lost host"
+        );
+    }
+    // Nothing is left but the lost host's quarantine, still charged.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let containers = fleet.cluster.containers().await?;
+        let mut charged = Vec::new();
+        for node in ["node-2", "node-3"] {
+            charged.push(fleet.cluster.plane.ledger().charged_on(node).await?.leases);
+        }
+        if containers.is_empty() && charged == [0, 0] {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "not clean: containers {containers:?}, leases charged on the survivors {charged:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let charged = fleet.cluster.plane.ledger().charged_on(lost).await?;
+    ensure!(
+        charged.leases as usize == quarantined.len(),
+        "the lost host's quarantine is charged as {charged:?}"
+    );
+    let seen = watch.finish().await?;
+    ensure!(seen.over.is_empty(), "over capacity: {:?}", seen.over);
+    fleet.cluster.shutdown().await?;
+    Ok(())
+}
+
+/// The plane is stopped and started again on the same ledger while every
+/// node runs jobs: the nodes attach to the new plane, every job completes
+/// once, and nothing is left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_plane_restarted_under_a_busy_fleet_loses_no_job_and_leaks_nothing() -> Result<()> {
+    let mut fleet = Fleet::start(options(3, 8_000)).await?;
+    let before = Starts::watch(&fleet.cluster);
+    let watch = fleet.watch_capacity(VCPU);
+    let mut jobs = fleet.cluster.queue_jobs(6);
+    wait_until(Duration::from_secs(60), "every node to run jobs", || {
+        let state = fleet.cluster.emulator.state();
+        state
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            == 6
+    })
+    .await?;
+    for node in names(3) {
+        ensure!(
+            jobs_on(&fleet, &node).await?.len() == VCPU as usize,
+            "{node} is not full"
+        );
+    }
+    let restarting = Instant::now();
+    fleet.cluster.restart_plane().await?;
+    println!(
+        "the plane restarted and every node attached again in {:.1} s",
+        restarting.elapsed().as_secs_f64()
+    );
+    let after = Starts::watch(&fleet.cluster);
+    jobs.extend(fleet.cluster.queue_jobs(3));
+    fleet
+        .cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await?;
+    fleet.cluster.wait_clean(Duration::from_secs(90)).await?;
+    let state = fleet.cluster.emulator.state();
+    for id in &jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        ensure!(job.result.as_deref() == Some("succeeded"), "{job:?}");
+        let runners = [before.of(*id), after.of(*id)].concat();
+        ensure!(runners.len() == 1, "job {id} was started by {runners:?}");
+    }
+    ensure!(
+        state.runners.is_empty(),
+        "registrations left: {:?}",
+        state.runners
+    );
+    let seen = watch.finish().await?;
+    ensure!(seen.over.is_empty(), "over capacity: {:?}", seen.over);
+    fleet.cluster.shutdown().await?;
+    Ok(())
+}
+
+/// The whole fleet upgraded one node at a time while jobs run (issue #17
+/// item 2, through the same `StartUpgrade` and `billet host-upgrade` path
+/// as `upgrade.rs`, each node installed as an operator installs it): each
+/// node comes back on the new release before the next is asked, every job
+/// (those running across each node's restart and those queued during the
+/// rollout) completes once and succeeded, no node is booked beyond its
+/// capacity, and nothing is left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rolling_upgrade_of_the_fleet_kills_no_job_and_double_books_nothing() -> Result<()> {
+    let fleet = Fleet::start(ClusterOptions {
+        installed: true,
+        ..options(3, 8_000)
+    })
+    .await?;
+    let cluster = &fleet.cluster;
+    let starts = Starts::watch(cluster);
+    let watch = fleet.watch_capacity(VCPU);
+    let first = cluster.nodes["node-1"]
+        .installed
+        .clone()
+        .context("installed")?;
+    let before = billet_agent::upgrade::updater::binary_version(&first.binary)
+        .map_err(anyhow::Error::msg)?;
+    let next = format!("{before}-rolling.1");
+    // One release source serves the fleet.
+    let digest = first.publish(&next)?;
+    let mut jobs = cluster.queue_jobs(6);
+    wait_until(Duration::from_secs(60), "every node to run jobs", || {
+        let state = cluster.emulator.state();
+        state
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            >= 4
+    })
+    .await?;
+    let rollout = Instant::now();
+    for node in names(3) {
+        let result = cluster
+            .start_upgrade(&node, &next, &digest, "rollout-fleet", 1)
+            .await?;
+        ensure!(
+            result.outcome == billet_proto::v1::Outcome::Ok as i32,
+            "{node}'s updater refused: {:?}",
+            result.error
+        );
+        // Work keeps arriving while the node restarts.
+        jobs.extend(cluster.queue_jobs(2));
+        cluster
+            .wait_hello_version(&node, &next, Duration::from_secs(120))
+            .await?;
+        println!(
+            "{node} serves {next} {:.1} s into the rollout",
+            rollout.elapsed().as_secs_f64()
+        );
+    }
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(90)).await?;
+    each_ran_once(&fleet, &starts, &jobs, "succeeded")?;
+    for node in cluster.nodes.values() {
+        let installed = node.installed.as_ref().context("installed")?;
+        let version = billet_agent::upgrade::updater::binary_version(&installed.binary)
+            .map_err(anyhow::Error::msg)?;
+        ensure!(version == next, "{} runs {version}", node.name);
+    }
+    let seen = watch.finish().await?;
+    ensure!(seen.over.is_empty(), "over capacity: {:?}", seen.over);
+    fleet.cluster.shutdown().await?;
+    Ok(())
+}
