@@ -337,6 +337,22 @@ impl Installed {
         )
     }
 
+    /// Writes release `version` (the current build of `billet`, stamped
+    /// with it by the release tool) into the release source; returns the
+    /// manifest digest to pin.
+    ///
+    /// # Errors
+    ///
+    /// When the build cannot be read or the release written.
+    pub fn publish(&self, version: &str) -> Result<String> {
+        let binary = std::fs::read(binary_path("billet")?)?;
+        Ok(billet_agent::upgrade::release::write(
+            &self.releases,
+            version,
+            binary,
+        )?)
+    }
+
     /// The pid the start script recorded last.
     ///
     /// # Errors
@@ -811,6 +827,72 @@ impl Cluster {
         let names: Vec<String> = self.nodes.keys().cloned().collect();
         for name in names {
             self.wait_attached(&name, Duration::from_secs(60)).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `StartUpgrade` to `node` for release `version` (its manifest
+    /// pinned by `digest`, as [`Installed::publish`] returns it) in
+    /// rollout `rollout_id`, and returns the node's answer.
+    ///
+    /// # Errors
+    ///
+    /// When there is no such node or the command was not answered.
+    pub async fn start_upgrade(
+        &self,
+        node: &str,
+        version: &str,
+        digest: &str,
+        rollout_id: &str,
+        generation: u64,
+    ) -> Result<billet_proto::v1::CommandResult> {
+        use billet_controlplane_stub::node_link::CommandOutcome;
+        use billet_proto::v1 as pb;
+        let link = self.plane.node(node).context("node link")?;
+        let outcome = link
+            .dispatch(
+                pb::command::Kind::StartUpgrade(pb::StartUpgrade {
+                    version: version.into(),
+                    manifest_sha256: digest.into(),
+                    rollout_id: rollout_id.into(),
+                    generation,
+                }),
+                Duration::from_secs(120),
+            )
+            .await;
+        match outcome {
+            CommandOutcome::Answered(result) => Ok(result),
+            other => bail!("StartUpgrade to {node} was not answered: {other:?}"),
+        }
+    }
+
+    /// Waits until the plane's current session with `node` says `version`
+    /// in its `Hello`.
+    ///
+    /// # Errors
+    ///
+    /// When it does not within `timeout`; the node's log is included.
+    pub async fn wait_hello_version(
+        &self,
+        node: &str,
+        version: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let link = self.plane.node(node).context("node link")?;
+        let mut status = link.status();
+        let seen = tokio::time::timeout(
+            timeout,
+            status.wait_for(|s| s.as_ref().is_some_and(|s| s.hello.version == version)),
+        )
+        .await;
+        if !matches!(seen, Ok(Ok(_))) {
+            bail!(
+                "the plane never saw version {version} in {node}'s Hello; its log:\n{}",
+                self.nodes
+                    .get(node)
+                    .map(NodeProcess::log_text)
+                    .unwrap_or_default()
+            );
         }
         Ok(())
     }

@@ -10,10 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use billet_agent::upgrade::release::{self, Artifact, Manifest};
 use billet_agent::upgrade::updater::{JOURNAL_FILE, Record, Step};
-use billet_controlplane_stub::node_link::{CommandOutcome, NodeLink};
+use billet_controlplane_stub::node_link::NodeLink;
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, Installed, wait_until, write_script};
-use billet_tests::image::binary_path;
 use billet_tests::systemd::SystemdHost;
 
 const NODE: &str = "node-1";
@@ -38,8 +37,7 @@ fn installed(cluster: &Cluster) -> Result<Installed> {
 /// Writes release `version` (the current build, stamped) into the node's
 /// release source; returns the manifest digest to pin.
 fn publish(installed: &Installed, version: &str) -> Result<String> {
-    let binary = std::fs::read(binary_path("billet")?)?;
-    Ok(release::write(&installed.releases, version, binary)?)
+    installed.publish(version)
 }
 
 async fn start_upgrade(
@@ -48,22 +46,9 @@ async fn start_upgrade(
     digest: &str,
     generation: u64,
 ) -> Result<pb::CommandResult> {
-    let link = cluster.plane.node(NODE).context("node link")?;
-    let outcome = link
-        .dispatch(
-            pb::command::Kind::StartUpgrade(pb::StartUpgrade {
-                version: version.into(),
-                manifest_sha256: digest.into(),
-                rollout_id: "rollout-e2e".into(),
-                generation,
-            }),
-            Duration::from_secs(120),
-        )
-        .await;
-    match outcome {
-        CommandOutcome::Answered(result) => Ok(result),
-        other => bail!("StartUpgrade was not answered: {other:?}"),
-    }
+    cluster
+        .start_upgrade(NODE, version, digest, "rollout-e2e", generation)
+        .await
 }
 
 fn journal(installed: &Installed) -> Result<Record> {
@@ -78,20 +63,7 @@ fn journal(installed: &Installed) -> Result<Record> {
 /// Waits until the plane's current session with the node says `version` in
 /// its `Hello`.
 async fn wait_hello_version(cluster: &Cluster, version: &str, timeout: Duration) -> Result<()> {
-    let link = cluster.plane.node(NODE).context("node link")?;
-    let mut status = link.status();
-    let seen = tokio::time::timeout(
-        timeout,
-        status.wait_for(|s| s.as_ref().is_some_and(|s| s.hello.version == version)),
-    )
-    .await;
-    if !matches!(seen, Ok(Ok(_))) {
-        bail!(
-            "the plane never saw version {version} in Hello; the node's log:\n{}",
-            cluster.nodes[NODE].log_text()
-        );
-    }
-    Ok(())
+    cluster.wait_hello_version(NODE, version, timeout).await
 }
 
 /// The node still runs a job after whatever the upgrade did, and the

@@ -1,14 +1,15 @@
 //! `billet-demo`: the README's "run the main job".
 //!
 //! Starts a whole billet on this machine through [`Cluster`]: the scale-set emulator as GitHub,
-//! the stub plane in this process, one real `billet node` process that the plane dials over
-//! mTLS, and the stand-in runner image built from this checkout's own binary. It queues N jobs on
+//! the stub plane in this process, real `billet node` processes (one by default; `--nodes N`,
+//! each then in a network namespace of its own on a private bridge, `billet_tests::fleet`) that
+//! the plane dials over mTLS, and the stand-in runner image built from this checkout's own binary. It queues N jobs on
 //! the emulator, prints one line per plane event while they run, then a row per job and the
 //! checks that nothing was left behind: no billet container, no capacity charged in the ledger,
 //! no runner registration in the emulator.
 //!
 //! ```text
-//! cargo run -p billet-tests --bin billet-demo -- [--jobs 5] [--work-ms 3000] [--timeout-secs 300] [--verbose]
+//! cargo run -p billet-tests --bin billet-demo -- [--jobs 5] [--nodes 1] [--work-ms 3000] [--timeout-secs 300] [--verbose]
 //! ```
 //!
 //! It needs a running Docker engine. The `billet` and `billet-standin-runner` binaries are built
@@ -30,6 +31,7 @@ use anyhow::{Context as _, Result, bail};
 use billet_controlplane_stub::ledger::Charge;
 use billet_controlplane_stub::plane::PlaneEvent;
 use billet_tests::cluster::{Cluster, ClusterOptions};
+use billet_tests::fleet::Fleet;
 use billet_tests::image::{PROCESS_BINARIES, binary_path, build_process_binaries, profile_dir};
 use clap::Parser;
 use scaleset::testing::JobState;
@@ -37,7 +39,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::broadcast::error::RecvError;
 use tokio::time::Instant;
 
-/// The one node of the demo.
+/// The first node of the demo (the only one without `--nodes`).
 const NODE: &str = "node-1";
 /// How long cleanup may take once every job has completed: the plane destroys each instance and
 /// releases its lease after GitHub reports the job complete.
@@ -58,6 +60,11 @@ struct Cli {
     /// How many jobs to queue.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..=100))]
     jobs: u16,
+    /// How many nodes to run. One runs on 127.0.0.1 as before; more run each in a network
+    /// namespace of its own (`ip netns`, a veth into a bridge on a private /24, its own address
+    /// and certificate), which needs root and the kernel's bridge and veth support.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    nodes: u16,
     /// How long each stand-in runner works on its job, in milliseconds.
     #[arg(long, default_value_t = 3000)]
     work_ms: u64,
@@ -312,21 +319,38 @@ impl Clock {
 
 async fn run(cli: Cli, logs: &Logs) -> ExitCode {
     let options = ClusterOptions {
-        nodes: vec![NODE.to_owned()],
+        nodes: (1..=cli.nodes).map(|i| format!("node-{i}")).collect(),
         work_ms: cli.work_ms,
         ..ClusterOptions::default()
     };
+    let names = options.nodes.join(", ");
     println!(
         "billet demo: {} job(s), each stand-in runner works {} ms, every job must succeed within {} s",
         cli.jobs, cli.work_ms, cli.timeout_secs
     );
     println!(
         "starting: the scale-set emulator as GitHub, the stub plane in this process, `billet node` \
-         {NODE} over mTLS, and the stand-in runner image"
+         {names} over mTLS{}, and the stand-in runner image",
+        if cli.nodes > 1 {
+            ", each in a network namespace of its own"
+        } else {
+            ""
+        }
     );
     let started = Instant::now();
+    // With more than one node, the network lives until the cluster is shut down.
+    let mut network = None;
+    let start = async {
+        if cli.nodes > 1 {
+            let fleet = Fleet::start(options).await?;
+            network = Some(fleet.network);
+            Ok(fleet.cluster)
+        } else {
+            Cluster::start(options).await
+        }
+    };
     let cluster = tokio::select! {
-        cluster = Cluster::start(options) => cluster,
+        cluster = start => cluster,
         () = interrupted() => {
             // Nothing ran yet: dropping the start kills the node process (kill_on_drop).
             println!("interrupted while starting; nothing was launched");
@@ -342,15 +366,17 @@ async fn run(cli: Cli, logs: &Logs) -> ExitCode {
     };
     logs.started();
     let node_log = cluster.nodes.get(NODE).map(|n| n.log.clone());
+    let mut addrs: Vec<String> = cluster
+        .nodes
+        .values()
+        .map(|n| format!("{} at {}", n.name, n.addr))
+        .collect();
+    addrs.sort();
     println!(
-        "ready in {:.1}s: deployment {}, node {NODE} at {}, emulator at {}",
+        "ready in {:.1}s: deployment {}, node {}, emulator at {}",
         started.elapsed().as_secs_f64(),
         cluster.deployment,
-        cluster
-            .nodes
-            .get(NODE)
-            .map(|n| n.addr.to_string())
-            .unwrap_or_default(),
+        addrs.join(", "),
         cluster.emulator.uri(),
     );
     if let Some(log) = &node_log {
@@ -371,6 +397,8 @@ async fn run(cli: Cli, logs: &Logs) -> ExitCode {
         println!("shutting down: the plane, the node, and any container of the deployment");
     }
     shutdown(cluster).await;
+    // The nodes are gone: their namespaces and bridge can go too.
+    drop(network);
 
     let keep = || {
         println!(
@@ -836,6 +864,7 @@ async fn report(
     Ok(Verdict {
         failures,
         jobs: jobs.len(),
+        nodes: cluster.nodes.len(),
         total,
     })
 }
@@ -846,6 +875,7 @@ struct Verdict {
     /// The checks that failed, as sentences; empty is a pass.
     failures: Vec<String>,
     jobs: usize,
+    nodes: usize,
     total: Duration,
 }
 
@@ -853,9 +883,14 @@ impl Verdict {
     fn print(&self) {
         if self.failures.is_empty() {
             println!(
-                "PASS: {} job(s) ran in Docker containers launched by billet node {NODE} over mTLS, \
+                "PASS: {} job(s) ran in Docker containers launched by {} over mTLS, \
                  and everything was cleaned up ({:.1}s from queueing)",
                 self.jobs,
+                if self.nodes == 1 {
+                    format!("billet node {NODE}")
+                } else {
+                    format!("{} billet nodes", self.nodes)
+                },
                 self.total.as_secs_f64()
             );
         } else {
