@@ -339,6 +339,23 @@ impl World {
         lease
     }
 
+    /// The launch record an earlier process synced for `lease` (epoch 1)
+    /// before it died, with no registration and nothing created yet.
+    async fn journal_unminted_launch(&self, lease: &Lease) {
+        self.journal
+            .put_launch(&LaunchRecord {
+                lease: lease.id.as_str().to_owned(),
+                epoch: lease.epoch.0,
+                request_id: lease.request_id.0,
+                instance: name(&lease.id),
+                runner_id: 0,
+                runner_name: String::new(),
+                created: false,
+            })
+            .await
+            .unwrap();
+    }
+
     /// An instance appears without any call (left by an earlier process).
     fn put_instance(&self, name: &str, running: bool) {
         self.fake.insert_behind_back(Instance {
@@ -1985,18 +2002,7 @@ async fn a_vanished_adopted_container_is_released_without_waiting() {
 async fn a_launch_record_whose_lease_was_never_bound_does_not_unregister_the_relaunched_runner() {
     let w = World::new();
     let lease = w.reserve(1);
-    w.journal
-        .put_launch(&LaunchRecord {
-            lease: lease.id.as_str().to_owned(),
-            epoch: 1,
-            request_id: 1,
-            instance: name(&lease.id),
-            runner_id: 0,
-            runner_name: String::new(),
-            created: false,
-        })
-        .await
-        .unwrap();
+    w.journal_unminted_launch(&lease).await;
     let r = w.runner();
     r.recover().await.unwrap();
     assert!(!w.bound(&lease.id));
@@ -2027,18 +2033,7 @@ async fn an_unseen_stray_from_before_a_restart_still_waits_the_grace() {
     let w = World::new();
     let lease = w.launching_lease(1);
     // The earlier process journaled the launch and died before create.
-    w.journal
-        .put_launch(&LaunchRecord {
-            lease: lease.id.as_str().to_owned(),
-            epoch: 1,
-            request_id: 1,
-            instance: name(&lease.id),
-            runner_id: 0,
-            runner_name: String::new(),
-            created: false,
-        })
-        .await
-        .unwrap();
+    w.journal_unminted_launch(&lease).await;
     let r = w.runner();
     r.recover().await.unwrap();
     assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
