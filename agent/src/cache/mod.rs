@@ -17,7 +17,6 @@
 //! once compute is proven gone.
 
 pub mod clone;
-pub mod session;
 pub mod store;
 
 pub use store::{

@@ -352,14 +352,11 @@ pub async fn run(
         .with_journal(journal.clone()),
     );
     let runner = match cache {
-        Some(cache) => {
-            let sessions = crate::cache::session::Sessions::open(cache.clone()).await;
-            Arc::new(
-                Arc::into_inner(runner)
-                    .expect("the runner is not shared yet")
-                    .with_cache(cache, sessions),
-            )
-        }
+        Some(cache) => Arc::new(
+            Arc::into_inner(runner)
+                .expect("the runner is not shared yet")
+                .with_cache(cache),
+        ),
         None => runner,
     };
     let slot = Arc::new(CommandSlot::new().with_metrics(metrics.clone()));
