@@ -952,10 +952,19 @@ impl Cluster {
     ///
     /// When Docker cannot be listed.
     pub async fn containers(&self) -> Result<Vec<String>> {
-        let filters: HashMap<String, Vec<String>> = HashMap::from([(
-            "label".to_owned(),
-            vec![format!("sh.billet.deployment={}", self.deployment)],
-        )]);
+        self.containers_labelled(Vec::new()).await
+    }
+
+    /// The names of this deployment's containers (any state) that also carry
+    /// every label in `labels` (`key=value`).
+    ///
+    /// # Errors
+    ///
+    /// When Docker cannot be listed.
+    pub async fn containers_labelled(&self, labels: Vec<String>) -> Result<Vec<String>> {
+        let mut all = vec![format!("sh.billet.deployment={}", self.deployment)];
+        all.extend(labels);
+        let filters: HashMap<String, Vec<String>> = HashMap::from([("label".to_owned(), all)]);
         let list = self
             .docker
             .list_containers(Some(bollard::query_parameters::ListContainersOptions {

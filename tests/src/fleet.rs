@@ -426,27 +426,9 @@ impl Fleet {
     ///
     /// When Docker cannot be listed.
     pub async fn containers_of(&self, node: &str) -> Result<Vec<String>> {
-        let filters: HashMap<String, Vec<String>> = HashMap::from([(
-            "label".to_owned(),
-            vec![
-                format!("sh.billet.deployment={}", self.cluster.deployment),
-                format!("sh.billet.node={node}"),
-            ],
-        )]);
-        let list = self
-            .cluster
-            .docker
-            .list_containers(Some(bollard::query_parameters::ListContainersOptions {
-                all: true,
-                filters: Some(filters),
-                ..Default::default()
-            }))
-            .await?;
-        Ok(list
-            .into_iter()
-            .flat_map(|c| c.names.unwrap_or_default())
-            .map(|n| n.trim_start_matches('/').to_owned())
-            .collect())
+        self.cluster
+            .containers_labelled(vec![format!("sh.billet.node={node}")])
+            .await
     }
 
     /// Watches, every 200 ms until [`CapacityWatch::finish`], that no
