@@ -17,6 +17,7 @@
 //! once compute is proven gone.
 
 pub mod clone;
+pub mod session;
 pub mod store;
 
 pub use store::{

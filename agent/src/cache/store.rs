@@ -561,7 +561,11 @@ impl Store {
         let policy = Policy::parse(&record.policy).unwrap_or_default();
         let dirs = self.dirs.clone();
         let r = record.clone();
-        let outcome = blocking(move || commit_blocking(&dirs, &r, policy)).await;
+        let outcome = blocking(move || {
+            let dir = dirs.mount_dir(&r.mount);
+            commit_blocking(&dirs, &r, policy, &dir)
+        })
+        .await;
         if let Err(e) = &outcome {
             warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head");
             let dirs = self.dirs.clone();
@@ -580,6 +584,110 @@ impl Store {
             Ok(Committed::NotCommittable) | Err(_) => {}
         }
         outcome
+    }
+
+    /// The cache directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dirs.root
+    }
+
+    /// The journal the store writes its mounts to.
+    #[must_use]
+    pub fn journal(&self) -> Arc<dyn MountJournal> {
+        self.journal.clone()
+    }
+
+    /// The journaled record of an open mount.
+    pub async fn record(&self, mount: &str) -> Option<MountRecord> {
+        self.mounts.lock().await.get(mount).cloned()
+    }
+
+    /// Commits a mount its guest still has bound, on the guest's request
+    /// (the guest API, [`super::session`]): its tree is cloned aside and
+    /// the clone, not the mount, becomes the key's next generation under
+    /// the mount's policy, so nothing the guest writes afterwards reaches
+    /// a generation. Whatever the outcome, the mount is withdrawn
+    /// ([`Store::withdraw`]): its end discards it and never commits it
+    /// again.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownMount`]; [`CacheError::Io`] when the clone or
+    /// the commit failed: the key keeps its head.
+    pub async fn commit_now(&self, mount: &str) -> Result<Committed, CacheError> {
+        let outcome = {
+            let mounts = self.mounts.lock().await;
+            let record = mounts
+                .get(mount)
+                .cloned()
+                .ok_or_else(|| CacheError::UnknownMount(mount.to_owned()))?;
+            let policy = Policy::parse(&record.policy).unwrap_or_default();
+            let dirs = self.dirs.clone();
+            let support = self.reflink.clone();
+            let r = record.clone();
+            let outcome = blocking(move || {
+                if !r.committable {
+                    return Ok(Committed::NotCommittable);
+                }
+                let state = dirs.read_state(&r.key)?;
+                if state.head != r.parent && policy == Policy::Cas {
+                    return Ok(Committed::Conflict {
+                        parent: r.parent.map(Generation),
+                        head: state.head.map(Generation),
+                    });
+                }
+                let staging = dirs.mount_dir(&format!("{}.commit", r.mount));
+                let _ = dirs.remove(&staging);
+                if let Err(e) = clone_tree(&dirs.mount_dir(&r.mount), &staging, &support) {
+                    let _ = dirs.remove(&staging);
+                    return Err(io("clone into", &staging)(e));
+                }
+                let outcome = commit_blocking(&dirs, &r, policy, &staging);
+                if outcome.is_err() {
+                    let _ = dirs.remove(&staging);
+                }
+                outcome
+            })
+            .await;
+            drop(mounts);
+            match &outcome {
+                Ok(Committed::Published(g)) => {
+                    info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed at its guest's request")
+                }
+                Ok(Committed::Conflict { parent, head }) => {
+                    warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
+                }
+                Ok(Committed::NotCommittable) => {}
+                Err(e) => {
+                    warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head")
+                }
+            }
+            outcome
+        };
+        if let Err(e) = self.withdraw(mount).await {
+            warn!(mount, error = %e, "cannot journal that the sticky disk was settled by its guest");
+        }
+        outcome
+    }
+
+    /// Withdraws a mount from publication: it stays bound to its guest
+    /// and its end discards it. Journaled.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownMount`]; [`CacheError::Journal`]: withdrawn in
+    /// memory only.
+    pub async fn withdraw(&self, mount: &str) -> Result<(), CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        let record = mounts
+            .get_mut(mount)
+            .ok_or_else(|| CacheError::UnknownMount(mount.to_owned()))?;
+        if record.committable {
+            record.committable = false;
+            self.journal.put_mount(record).await?;
+        }
+        Ok(())
     }
 
     /// Discards a mount and its contents. Idempotent for a mount whose
@@ -722,8 +830,9 @@ fn commit_blocking(
     dirs: &Dirs,
     record: &MountRecord,
     policy: Policy,
+    dir: &Path,
 ) -> Result<Committed, CacheError> {
-    let dir = dirs.mount_dir(&record.mount);
+    let dir = dir.to_owned();
     if !record.committable {
         dirs.remove(&dir)?;
         return Ok(Committed::NotCommittable);

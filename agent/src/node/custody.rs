@@ -1058,6 +1058,9 @@ impl Runner {
                     .chain(s.running.values().map(|r| r.lease.as_str().to_owned()))
                     .collect()
             };
+            if let Some(sessions) = &self.sessions {
+                sessions.close_unheld(&held).await;
+            }
             cache.discard_unheld(&held).await;
         }
         if failed > 0 {

@@ -180,6 +180,28 @@ pub trait MountJournal: Send + Sync + std::fmt::Debug {
     async fn forget_mount(&self, mount: &str) -> Result<(), JournalError>;
     /// Every recorded mount, by id.
     async fn mounts(&self) -> Result<Vec<MountRecord>, JournalError>;
+    /// Records (or replaces) a guest's cache session, synced.
+    async fn put_session(&self, session: &SessionRecord) -> Result<(), JournalError>;
+    /// Forgets a session, synced.
+    async fn forget_session(&self, lease: &str) -> Result<(), JournalError>;
+    /// Every recorded session, by lease.
+    async fn sessions(&self) -> Result<Vec<SessionRecord>, JournalError>;
+}
+
+/// A guest's cache session as journaled (`crate::cache::session`):
+/// recorded before its compute starts, kept until its compute is proven
+/// gone, so a restarted node still serves what its guest mounted. Holds
+/// the SHA-256 of the session's token, never the token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionRecord {
+    /// The lease whose instance holds the session.
+    pub lease: String,
+    /// Lowercase hex SHA-256 of the token's text.
+    pub token_sha256: String,
+    /// The session's slots, JSON (`crate::cache::session`'s `Slot`s).
+    pub slots: String,
+    /// When the session was prepared, unix milliseconds.
+    pub since_unix_ms: i64,
 }
 
 /// The journal in SQLite.
@@ -208,6 +230,10 @@ CREATE TABLE IF NOT EXISTS cache_mounts (
     policy TEXT NOT NULL, committable INTEGER NOT NULL, succeeded INTEGER NOT NULL,
     since_unix_ms INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cache_sessions (
+    lease TEXT PRIMARY KEY, token_sha256 TEXT NOT NULL, slots TEXT NOT NULL,
+    since_unix_ms INTEGER NOT NULL
+);
 ";
 
 /// The tables added to schema 1 since it was first released (the
@@ -216,7 +242,7 @@ CREATE TABLE IF NOT EXISTS cache_mounts (
 /// version: a release before it checks only the tables it knows and ignores
 /// another, so a rollback through `billet host-upgrade` to that release
 /// still reads a journal this one wrote.
-const ADDED_TABLES: &[&str] = &["cache_mounts"];
+const ADDED_TABLES: &[&str] = &["cache_mounts", "cache_sessions"];
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
@@ -513,7 +539,12 @@ async fn identify(pool: &SqlitePool, read_only: bool) -> Result<(), String> {
     // is this schema less them: given them, in one transaction.
     let mut schema_1 = expected.clone();
     schema_1.retain(|table, _| !ADDED_TABLES.contains(&table.as_str()));
-    if found == schema_1 {
+    // A journal of an earlier release has every table of schema 1 and some
+    // (or none) of the added ones.
+    let older = found != expected
+        && schema_1.iter().all(|(t, c)| found.get(t) == Some(c))
+        && found.iter().all(|(t, c)| expected.get(t) == Some(c));
+    if older {
         if read_only {
             return Ok(());
         }
@@ -782,6 +813,47 @@ impl MountJournal for SqliteJournal {
             })
             .collect()
     }
+
+    async fn put_session(&self, s: &SessionRecord) -> Result<(), JournalError> {
+        sqlx::query(
+            "INSERT OR REPLACE INTO cache_sessions (lease, token_sha256, slots, since_unix_ms)
+             VALUES (?, ?, ?, ?)",
+        )
+        .bind(&s.lease)
+        .bind(&s.token_sha256)
+        .bind(&s.slots)
+        .bind(s.since_unix_ms)
+        .execute(&mut *self.connection(Durability::Synced).await?)
+        .await
+        .map_err(io)?;
+        Ok(())
+    }
+
+    async fn forget_session(&self, lease: &str) -> Result<(), JournalError> {
+        sqlx::query("DELETE FROM cache_sessions WHERE lease = ?")
+            .bind(lease)
+            .execute(&mut *self.connection(Durability::Synced).await?)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn sessions(&self) -> Result<Vec<SessionRecord>, JournalError> {
+        let rows = sqlx::query("SELECT * FROM cache_sessions ORDER BY lease")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| {
+                Ok(SessionRecord {
+                    lease: r.try_get("lease").map_err(io)?,
+                    token_sha256: r.try_get("token_sha256").map_err(io)?,
+                    slots: r.try_get("slots").map_err(io)?,
+                    since_unix_ms: r.try_get("since_unix_ms").map_err(io)?,
+                })
+            })
+            .collect()
+    }
 }
 
 /// A journal in memory: the seam's fake, and what a runner without a state
@@ -793,6 +865,7 @@ pub struct MemoryJournal {
     custody: Mutex<BTreeMap<String, CustodyRecord>>,
     results: Mutex<Vec<(String, Vec<u8>)>>,
     mounts: Mutex<BTreeMap<String, MountRecord>>,
+    sessions: Mutex<BTreeMap<String, SessionRecord>>,
 }
 
 #[async_trait]
@@ -811,6 +884,26 @@ impl MountJournal for MemoryJournal {
     async fn mounts(&self) -> Result<Vec<MountRecord>, JournalError> {
         Ok(self
             .mounts
+            .lock()
+            .expect("journal")
+            .values()
+            .cloned()
+            .collect())
+    }
+    async fn put_session(&self, session: &SessionRecord) -> Result<(), JournalError> {
+        self.sessions
+            .lock()
+            .expect("journal")
+            .insert(session.lease.clone(), session.clone());
+        Ok(())
+    }
+    async fn forget_session(&self, lease: &str) -> Result<(), JournalError> {
+        self.sessions.lock().expect("journal").remove(lease);
+        Ok(())
+    }
+    async fn sessions(&self) -> Result<Vec<SessionRecord>, JournalError> {
+        Ok(self
+            .sessions
             .lock()
             .expect("journal")
             .values()
@@ -1154,6 +1247,54 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn a_journal_with_the_cache_mounts_gains_the_cache_sessions_and_stays_version_1() {
+        let d = dir();
+        let path = d.join(JOURNAL_FILE);
+        // What the release with sticky disks and no guest API wrote.
+        sqlite(
+            &path,
+            "PRAGMA application_id = 1651274858; PRAGMA user_version = 1;
+             CREATE TABLE launches (
+                lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, request_id INTEGER NOT NULL,
+                instance TEXT NOT NULL, runner_id INTEGER NOT NULL, runner_name TEXT NOT NULL,
+                created INTEGER NOT NULL);
+             CREATE TABLE custody (
+                lease TEXT PRIMARY KEY, epoch INTEGER NOT NULL, instance TEXT NOT NULL,
+                request_id INTEGER NOT NULL, registration_id INTEGER, registration_name TEXT,
+                outcome TEXT NOT NULL, phase TEXT, discard INTEGER NOT NULL, observed INTEGER NOT NULL,
+                since_unix_ms INTEGER NOT NULL);
+             CREATE TABLE results (
+                seq INTEGER PRIMARY KEY AUTOINCREMENT, command TEXT NOT NULL UNIQUE, encoded BLOB NOT NULL);
+             CREATE TABLE cache_mounts (
+                mount TEXT PRIMARY KEY, lease TEXT NOT NULL, key TEXT NOT NULL, parent INTEGER,
+                policy TEXT NOT NULL, committable INTEGER NOT NULL, succeeded INTEGER NOT NULL,
+                since_unix_ms INTEGER NOT NULL);
+             INSERT INTO cache_mounts VALUES ('m1', 'l1', 'npm', 7, 'cas', 1, 0, 5);",
+        )
+        .await;
+        assert!(SqliteJournal::check(&d).await.unwrap());
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(j.mounts().await.unwrap(), vec![mount("m1")]);
+        let session = SessionRecord {
+            lease: "l1".into(),
+            token_sha256: "ab".repeat(32),
+            slots: "[]".into(),
+            since_unix_ms: 9,
+        };
+        j.put_session(&session).await.unwrap();
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(version, 1, "an added table changed the schema version");
+        drop(j);
+        let j = SqliteJournal::open(&d).await.unwrap();
+        assert_eq!(j.sessions().await.unwrap(), vec![session]);
+        j.forget_session("l1").await.unwrap();
+        assert!(j.sessions().await.unwrap().is_empty());
     }
 
     #[tokio::test]

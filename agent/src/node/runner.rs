@@ -277,6 +277,9 @@ pub struct Runner {
     pub(super) state: Mutex<State>,
     /// The sticky-disk store; `None`: tiers' sticky disks are not mounted.
     pub(super) cache: Option<Arc<Store>>,
+    /// The guests' cache sessions (`cache/session.rs`); `None` without a
+    /// cache.
+    pub(super) sessions: Option<Arc<crate::cache::session::Sessions>>,
 }
 
 pub(super) fn now_plus(grace: Duration, since: Instant) -> bool {
@@ -300,45 +303,96 @@ impl Runner {
             journal_log: crate::node::health::LogLimit::default(),
             state: Mutex::new(State::default()),
             cache: None,
+            sessions: None,
         }
     }
 
     /// Mounts tiers' sticky disks from `cache` and settles them when their
     /// compute is gone.
     #[must_use]
-    pub fn with_cache(mut self, cache: Arc<Store>) -> Self {
+    pub fn with_cache(
+        mut self,
+        cache: Arc<Store>,
+        sessions: Arc<crate::cache::session::Sessions>,
+    ) -> Self {
         self.cache = Some(cache);
+        self.sessions = Some(sessions);
         self
     }
 
     /// Mounts each sticky disk of `tier` for `lease`, before its compute
     /// starts. A disk that cannot be mounted at all is left out (a
     /// warning): the job goes on without it.
-    async fn mount_disks(&self, lease: &LeaseId, tier: &TierSpec) -> Vec<Bind> {
+    ///
+    /// With at least one disk mounted, also prepares the lease's cache
+    /// session (`cache/session.rs`): its directory is bound at
+    /// [`crate::cache::session::GUEST_DIR`], its endpoint is added to the
+    /// environment and its token returned for the provider to hand over.
+    /// A session that cannot be prepared is a warning: the disks are still
+    /// settled at the job's end.
+    async fn mount_disks(
+        &self,
+        lease: &LeaseId,
+        tier: &TierSpec,
+        env: &mut Vec<(String, String)>,
+    ) -> (Vec<Bind>, Option<crate::cache::session::CacheToken>) {
         let Some(cache) = &self.cache else {
             if !tier.sticky_disks.is_empty() {
                 warn!(%lease, disks = tier.sticky_disks.len(), "this node has no cache; the job runs without its sticky disks");
             }
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let mut binds = Vec::new();
+        let mut slots = Vec::new();
         for disk in &tier.sticky_disks {
             match cache.mount(lease, &disk.key, disk.policy).await {
-                Ok(mount) => binds.push(Bind {
-                    host: mount.dir,
-                    guest: disk.path.clone(),
-                }),
+                Ok(mount) => {
+                    slots.push(crate::cache::session::Slot::of(
+                        &mount,
+                        disk.key.as_str(),
+                        &disk.path,
+                        disk.policy.as_str(),
+                    ));
+                    binds.push(Bind {
+                        host: mount.dir,
+                        guest: disk.path.clone(),
+                    });
+                }
                 Err(e) => {
                     warn!(%lease, key = %disk.key, error = %e, "the sticky disk cannot be mounted; the job runs without it");
                 }
             }
         }
-        binds
+        let mut token = None;
+        if let Some(sessions) = &self.sessions
+            && !slots.is_empty()
+        {
+            match sessions.prepare(lease, slots).await {
+                Ok(prepared) => {
+                    binds.push(Bind {
+                        host: prepared.dir,
+                        guest: crate::cache::session::GUEST_DIR.to_owned(),
+                    });
+                    env.push((
+                        crate::cache::session::ENDPOINT_ENV.to_owned(),
+                        crate::cache::session::guest_endpoint(),
+                    ));
+                    token = Some(prepared.token);
+                }
+                Err(e) => {
+                    warn!(%lease, error = %e, "cannot prepare the cache session; the job's disks are settled at its end, and it is told nothing");
+                }
+            }
+        }
+        (binds, token)
     }
 
     /// Settles the sticky disks of `lease`, whose compute is proven gone:
     /// committed when its job succeeded, discarded otherwise.
     pub(super) async fn settle_disks(&self, lease: &LeaseId) {
+        if let Some(sessions) = &self.sessions {
+            sessions.close(lease).await;
+        }
         if let Some(cache) = &self.cache {
             cache.settle(lease).await;
         }
@@ -656,6 +710,8 @@ impl Runner {
         if let Err(e) = self.journal.amend_launch(record).await {
             warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
         }
+        let mut env = tier.env.clone();
+        let (binds, cache_token) = self.mount_disks(&lease.id, tier, &mut env).await;
         let spec = InstanceSpec {
             name: name.clone(),
             lease: lease.id.clone(),
@@ -667,9 +723,10 @@ impl Runner {
             memory: lease.memory,
             shm: tier.shm,
             network: tier.network.clone(),
-            env: tier.env.clone(),
+            env,
             jit_config: registration.config,
-            binds: self.mount_disks(&lease.id, tier).await,
+            binds,
+            cache_token,
         };
         match self.provider.create(spec).await {
             Ok(instance) => {

@@ -352,11 +352,14 @@ pub async fn run(
         .with_journal(journal.clone()),
     );
     let runner = match cache {
-        Some(cache) => Arc::new(
-            Arc::into_inner(runner)
-                .expect("the runner is not shared yet")
-                .with_cache(cache),
-        ),
+        Some(cache) => {
+            let sessions = crate::cache::session::Sessions::open(cache.clone()).await;
+            Arc::new(
+                Arc::into_inner(runner)
+                    .expect("the runner is not shared yet")
+                    .with_cache(cache, sessions),
+            )
+        }
         None => runner,
     };
     let slot = Arc::new(CommandSlot::new().with_metrics(metrics.clone()));

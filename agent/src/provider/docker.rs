@@ -699,12 +699,27 @@ impl DockerProvider {
                     spec.name
                 )));
             }
+            if key == crate::cache::session::TOKEN_ENV {
+                return Err(ProviderError::Refused(format!(
+                    "{}: the plain environment may not set {}; the cache token is passed \
+                     separately",
+                    spec.name,
+                    crate::cache::session::TOKEN_ENV
+                )));
+            }
             env.push(format!("{key}={value}"));
         }
         if let Some(mirrors) = self.mirrors.env_value() {
             env.push(format!("{}={mirrors}", super::mirrors::MIRRORS_ENV));
         }
         env.push(format!("{JIT_CONFIG_ENV}={secret}"));
+        if let Some(token) = &spec.cache_token {
+            env.push(format!(
+                "{}={}",
+                crate::cache::session::TOKEN_ENV,
+                token.expose()
+            ));
+        }
 
         let bytes = |what: &str, size: u64| {
             i64::try_from(size).map_err(|_| {
@@ -1006,6 +1021,7 @@ mod tests {
             env: vec![("RUNNER_TIER".to_owned(), "small".to_owned())],
             jit_config: JitConfig::new(jit.to_owned()),
             binds: Vec::new(),
+            cache_token: None,
         }
     }
 

@@ -573,6 +573,7 @@ mod tests {
             env: vec![],
             jit_config: JitConfig::new(jit.into()),
             binds: Vec::new(),
+            cache_token: None,
         }
     }
 

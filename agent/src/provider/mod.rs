@@ -72,8 +72,11 @@ pub struct InstanceSpec {
     /// `ACTIONS_RUNNER_INPUT_JITCONFIG`.
     pub jit_config: JitConfig,
     /// Host directories bound read-write into the instance (its sticky
-    /// disks' mounts).
+    /// disks' mounts and its cache session's directory).
     pub binds: Vec<Bind>,
+    /// The instance's cache session credential. Reaches the instance only
+    /// as `BILLET_CACHE_TOKEN` ([`crate::cache::session::TOKEN_ENV`]).
+    pub cache_token: Option<crate::cache::session::CacheToken>,
 }
 
 /// A host directory bound read-write into an instance.

@@ -26,7 +26,7 @@
 //! | `BILLET_STANDIN_EXIT_CODE` | `--exit-code` | 3 | mode `exit`: the code to exit with, 0 to 255 |
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
 //! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
-//! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on |
+//! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on. With `BILLET_CACHE_ENDPOINT` and `BILLET_CACHE_TOKEN` set (a node's cache session) it also speaks the node's cache API as the reference's `stickydisk` action does: what was mounted when the job starts (`cache volume slot ...`), and after the counter a commit of each disk with the job's status, saying what it was told (`cache commit slot N key K: status S told {...}`) |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -349,6 +349,119 @@ fn registry_mirrors(env: Option<&str>, daemon_json: &std::path::Path) -> String 
     format!("env {env}; daemon.json {file}")
 }
 
+/// The guest side of the node's cache API (`agent/src/cache/session.rs`), as the reference's
+/// `stickydisk` action uses it (spec/cache.md §2.6): the credentials from the environment
+/// (`BILLET_CACHE_ENDPOINT`, `unix:<socket>`, and `BILLET_CACHE_TOKEN`); at the job's start what
+/// was mounted (`GET /v1/volumes`, `cache-hit` = not cold); after its last write a commit of
+/// each disk with the job's status (`POST /v1/volumes/{slot}/commit`). Every answer is said on
+/// stderr (`cache volume ...`, `cache commit slot N key K: told {...}`), never the token; a
+/// failure is said and the job goes on cold.
+struct CacheGuest {
+    socket: std::path::PathBuf,
+    token: String,
+}
+
+impl CacheGuest {
+    fn from_env() -> Option<Self> {
+        let endpoint = std::env::var("BILLET_CACHE_ENDPOINT").ok()?;
+        let token = std::env::var("BILLET_CACHE_TOKEN").ok()?;
+        let Some(socket) = endpoint.strip_prefix("unix:") else {
+            eprintln!(
+                "billet-standin-runner: cache endpoint {endpoint:?} is not unix:<path>; going on cold"
+            );
+            return None;
+        };
+        Some(Self {
+            socket: socket.into(),
+            token,
+        })
+    }
+
+    /// One request; the status and the JSON body.
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> Result<(u16, serde_json::Value), String> {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|e| format!("connect {}: {e}", self.socket.display()))?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: billet-cache\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            self.token,
+            body.len()
+        );
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(780), stream.read_to_end(&mut answer))
+            .await
+            .map_err(|_| "no answer within 13 minutes".to_owned())?
+            .map_err(|e| format!("read: {e}"))?;
+        let answer = String::from_utf8_lossy(&answer);
+        let (head, body) = answer.split_once("\r\n\r\n").ok_or("a truncated answer")?;
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or("no status line")?;
+        let json = serde_json::from_str(body).map_err(|e| format!("not JSON ({e}): {body}"))?;
+        Ok((status, json))
+    }
+
+    async fn volumes(&self) -> Vec<serde_json::Value> {
+        match self.call("GET", "/v1/volumes", "").await {
+            Ok((200, json)) => json["volumes"].as_array().cloned().unwrap_or_default(),
+            Ok((status, json)) => {
+                eprintln!(
+                    "billet-standin-runner: cache volumes: status {status}: {json}; going on cold"
+                );
+                Vec::new()
+            }
+            Err(e) => {
+                eprintln!("billet-standin-runner: cache volumes: {e}; going on cold");
+                Vec::new()
+            }
+        }
+    }
+
+    async fn mounted(&self) {
+        for v in self.volumes().await {
+            eprintln!(
+                "billet-standin-runner: cache volume slot {} key {} at {}: generation {} cache-hit {} fallback {}",
+                v["slot"],
+                v["key"],
+                v["path"],
+                v["generation"],
+                !v["cold"].as_bool().unwrap_or(true) && !v["fallback"].as_bool().unwrap_or(false),
+                v["fallback"]
+            );
+        }
+    }
+
+    async fn commit(&self, succeeded: bool) {
+        let status = if succeeded { "success" } else { "failure" };
+        for v in self.volumes().await {
+            let slot = &v["slot"];
+            let body = serde_json::json!({ "job_status": status }).to_string();
+            match self
+                .call("POST", &format!("/v1/volumes/{slot}/commit"), &body)
+                .await
+            {
+                Ok((status, told)) => eprintln!(
+                    "billet-standin-runner: cache commit slot {slot} key {}: status {status} told {told}",
+                    v["key"]
+                ),
+                Err(e) => eprintln!("billet-standin-runner: cache commit slot {slot}: {e}"),
+            }
+        }
+    }
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -555,9 +668,16 @@ impl<'a> EmulatorLink<'a> {
         cli: &Cli,
         job: JobRequestId,
     ) -> Result<JobRequestId, Failure> {
+        let guest = cli.sticky.as_ref().and_then(|_| CacheGuest::from_env());
+        if let Some(guest) = &guest {
+            guest.mounted().await;
+        }
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
         if let Some(path) = &cli.sticky {
             count(path);
+        }
+        if let Some(guest) = &guest {
+            guest.commit(cli.result == "succeeded").await;
         }
 
         let complete_deadline = tokio::time::Instant::now() + COMPLETE_RETRY_FOR;

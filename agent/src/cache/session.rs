@@ -1,0 +1,965 @@
+//! The cache service's guest side: per-instance sessions and the
+//! sticky-disk API a guest speaks over them (issue #16 items 1 and 2;
+//! spec/cache.md §2.2 to §2.4, §2.6).
+//!
+//! **The listener is a Unix socket per instance**, `cache.sock` in a
+//! directory of its own under `<cache dir>/guests/`, which the Docker
+//! provider binds into that container alone at [`GUEST_DIR`]: no other
+//! container can reach it, nothing on the network can, and on the host only
+//! root and the node's user. The session's token is a second factor on top
+//! (a socket reached some other way still asks for it).
+//!
+//! **Credentials.** [`Sessions::prepare`] runs before the compute is
+//! created: 32 bytes from the operating system's CSPRNG, hex
+//! ([`CacheToken`], whose `Debug` is redacted), handed to the guest only
+//! in its environment ([`TOKEN_ENV`], beside [`ENDPOINT_ENV`]), never
+//! logged. The journal keeps its SHA-256, never the token; a request's
+//! bearer is hashed and compared with it in constant time. The session is
+//! journaled before the compute starts and forgotten, its socket removed,
+//! when the compute is proven gone ([`Sessions::close`]); a restarted node
+//! listens again for every journaled session ([`Sessions::open`]).
+//!
+//! **The API** (JSON, at most 8 KiB of body; each session admits one
+//! request at a time, a second gets 429; an unauthenticated request gets
+//! 401 whatever its path):
+//!
+//! - `GET /v1/volumes`: what was mounted, per slot (the tier's disks in
+//!   order): `{"volumes": [{"slot", "key", "path", "policy", "generation"
+//!   (what it was cloned from, null when cold), "cold", "fallback", "told"
+//!   (the outcome, once settled)}]}`.
+//! - `POST /v1/volumes/{slot}/commit`, body optional `{"job_status":
+//!   "success" | "failure" | "cancelled"}` (the runner's `job.status`,
+//!   `success` when absent): the guest says it is done writing the disk.
+//!   Always 200 with what happened (an [`Told`]): `committed` (`published:
+//!   true`, `generation`), `conflict` (`parent`, `head`: another job
+//!   committed the key since this one mounted it, under `cas`), `skipped`
+//!   (`reason: "job_failed"`: a job that did not succeed publishes
+//!   nothing), `fallback` (the disk was an empty fallback after a failed
+//!   clone: never published), `unavailable` (the commit failed; the key
+//!   keeps its head). A slot settled already: 409 with what it was told.
+//! - `POST /v1/volumes/{slot}/discard`: never publish this disk; 200
+//!   `discarded`.
+//!
+//! A disk the guest settles is withdrawn from the end-of-job commit
+//! ([`Store::withdraw`]); one it leaves alone is settled at the end by
+//! GitHub's result, as before.
+
+use std::collections::{BTreeSet, HashMap};
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http_body_util::{BodyExt as _, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use subtle::ConstantTimeEq as _;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::store::{CacheError, Committed, Mount, Store};
+use crate::edge::model::LeaseId;
+use crate::node::journal::{MountJournal, SessionRecord};
+
+/// The variable that holds the session's token in the guest.
+pub const TOKEN_ENV: &str = "BILLET_CACHE_TOKEN";
+/// The variable that holds the service's address in the guest:
+/// `unix:<GUEST_DIR>/<SOCKET_NAME>`.
+pub const ENDPOINT_ENV: &str = "BILLET_CACHE_ENDPOINT";
+/// Where the guest sees its session's directory.
+pub const GUEST_DIR: &str = "/run/billet-cache";
+/// The socket's name in that directory.
+pub const SOCKET_NAME: &str = "cache.sock";
+/// The most bytes of a request body.
+pub const MAX_BODY: usize = 8 * 1024;
+
+/// The value of [`ENDPOINT_ENV`].
+#[must_use]
+pub fn guest_endpoint() -> String {
+    format!("unix:{GUEST_DIR}/{SOCKET_NAME}")
+}
+
+/// A session's credential: 64 lowercase hex digits of 32 random bytes.
+/// Its `Debug` is redacted; [`CacheToken::expose`] is for the provider,
+/// which hands it to the guest's environment.
+#[derive(Clone, PartialEq, Eq)]
+pub struct CacheToken(String);
+
+impl CacheToken {
+    /// A new token from the operating system's CSPRNG.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when the system has no randomness to give.
+    pub fn mint() -> Result<Self, CacheError> {
+        let mut bytes = [0u8; 32];
+        getrandom::getrandom(&mut bytes).map_err(|e| CacheError::Io {
+            op: "draw random bytes for",
+            path: PathBuf::from("a cache session token"),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(Self(bytes.iter().map(|b| format!("{b:02x}")).collect()))
+    }
+
+    /// The token's text, for the guest's environment and nothing else.
+    #[must_use]
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for CacheToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CacheToken(<redacted>)")
+    }
+}
+
+fn digest(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<[u8; 32]> {
+    if text.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// What a guest was told about one of its disks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Told {
+    /// `committed`, `conflict`, `skipped`, `fallback`, `unavailable` or
+    /// `discarded`.
+    pub outcome: String,
+    /// The disk's contents are the key's head now.
+    pub published: bool,
+    /// The new generation, when published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// Why not, when not published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// A conflict: the generation the disk was cloned from (null: cold).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<u64>,
+    /// A conflict: the key's head when the disk was committed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<u64>,
+}
+
+impl Told {
+    fn not(outcome: &str, reason: &str) -> Self {
+        Self {
+            outcome: outcome.to_owned(),
+            published: false,
+            generation: None,
+            reason: Some(reason.to_owned()),
+            parent: None,
+            head: None,
+        }
+    }
+}
+
+/// One of a session's disks, as journaled (JSON in the session's row).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slot {
+    /// The store's mount id.
+    pub mount: String,
+    /// The disk's key.
+    pub key: String,
+    /// Where the guest sees it.
+    pub path: String,
+    /// `cas` or `last-writer-wins`.
+    pub policy: String,
+    /// What it was cloned from; `None`: cold or a fallback.
+    pub parent: Option<u64>,
+    /// An empty directory after a failed clone, never published.
+    pub fallback: bool,
+    /// What the guest was told, once it settled the disk.
+    pub told: Option<Told>,
+}
+
+impl Slot {
+    /// The slot of a disk mounted at `path`.
+    #[must_use]
+    pub fn of(mount: &Mount, key: &str, path: &str, policy: &str) -> Self {
+        Self {
+            mount: mount.id.clone(),
+            key: key.to_owned(),
+            path: path.to_owned(),
+            policy: policy.to_owned(),
+            parent: mount.parent.map(|g| g.0),
+            fallback: !mount.committable,
+            told: None,
+        }
+    }
+}
+
+/// A prepared session: what the provider hands the guest.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The credential, for [`TOKEN_ENV`].
+    pub token: CacheToken,
+    /// The host directory to bind at [`GUEST_DIR`].
+    pub dir: PathBuf,
+}
+
+#[derive(Debug)]
+struct Session {
+    lease: String,
+    digest: [u8; 32],
+    since_unix_ms: i64,
+    slots: tokio::sync::Mutex<Vec<Slot>>,
+    busy: AtomicBool,
+    store: Arc<Store>,
+    journal: Arc<dyn MountJournal>,
+}
+
+impl Session {
+    fn record(&self, slots: &[Slot]) -> SessionRecord {
+        SessionRecord {
+            lease: self.lease.clone(),
+            token_sha256: hex(&self.digest),
+            slots: serde_json::to_string(slots).expect("slots serialise"),
+            since_unix_ms: self.since_unix_ms,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Live {
+    stop: CancellationToken,
+    dir: PathBuf,
+}
+
+/// The node's guest sessions, one per instance that has sticky disks.
+#[derive(Debug)]
+pub struct Sessions {
+    store: Arc<Store>,
+    root: PathBuf,
+    journal: Arc<dyn MountJournal>,
+    live: std::sync::Mutex<HashMap<String, Live>>,
+}
+
+impl Sessions {
+    /// The sessions of `store`'s node, listening again for every session
+    /// its journal names (a restarted node). A session that cannot listen
+    /// is logged; its guest goes without the API.
+    pub async fn open(store: Arc<Store>) -> Arc<Self> {
+        let root = store.dir().join("guests");
+        let journal = store.journal();
+        let sessions = Arc::new(Self {
+            store,
+            root,
+            journal,
+            live: std::sync::Mutex::new(HashMap::new()),
+        });
+        let records = match sessions.journal.sessions().await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "cannot read the cache sessions from the journal; their guests go without the cache API");
+                Vec::new()
+            }
+        };
+        for record in records {
+            let (Some(digest), Ok(slots)) = (
+                unhex(&record.token_sha256),
+                serde_json::from_str::<Vec<Slot>>(&record.slots),
+            ) else {
+                warn!(lease = %record.lease, "a journaled cache session is unreadable; its guest goes without the cache API");
+                continue;
+            };
+            let session = Arc::new(Session {
+                lease: record.lease.clone(),
+                digest,
+                since_unix_ms: record.since_unix_ms,
+                slots: tokio::sync::Mutex::new(slots),
+                busy: AtomicBool::new(false),
+                store: sessions.store.clone(),
+                journal: sessions.journal.clone(),
+            });
+            if let Err(e) = sessions.listen(session) {
+                warn!(lease = %record.lease, error = %e, "cannot listen again for a cache session; its guest goes without the cache API");
+            }
+        }
+        sessions
+    }
+
+    fn dir_of(&self, lease: &str) -> PathBuf {
+        // Short: a socket's path is at most 107 bytes.
+        self.root.join(&hex(&digest(lease.as_bytes()))[..16])
+    }
+
+    /// Prepares `lease`'s session before its compute starts: a token,
+    /// the journal's record, the socket listening.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError`] when the token, the directory, the socket or the
+    /// journal fails: the job then goes without the API (its disks are
+    /// still settled at its end).
+    pub async fn prepare(&self, lease: &LeaseId, slots: Vec<Slot>) -> Result<Prepared, CacheError> {
+        let token = CacheToken::mint()?;
+        let session = Arc::new(Session {
+            lease: lease.as_str().to_owned(),
+            digest: digest(token.expose().as_bytes()),
+            since_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+            slots: tokio::sync::Mutex::new(slots),
+            busy: AtomicBool::new(false),
+            store: self.store.clone(),
+            journal: self.journal.clone(),
+        });
+        let record = session.record(&session.slots.lock().await);
+        self.journal.put_session(&record).await?;
+        match self.listen(session) {
+            Ok(dir) => Ok(Prepared { token, dir }),
+            Err(e) => {
+                let _ = self.journal.forget_session(lease.as_str()).await;
+                Err(e)
+            }
+        }
+    }
+
+    fn listen(&self, session: Arc<Session>) -> Result<PathBuf, CacheError> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = self.dir_of(&session.lease);
+        let socket = dir.join(SOCKET_NAME);
+        let made = (|| {
+            std::fs::create_dir_all(&dir)?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+            match std::fs::remove_file(&socket) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            let listener = tokio::net::UnixListener::bind(&socket)?;
+            // The directory is bound into one container only; whichever
+            // user the guest runs as may connect.
+            std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666))?;
+            Ok(listener)
+        })();
+        let listener = made.map_err(|source| CacheError::Io {
+            op: "listen on",
+            path: socket.clone(),
+            source,
+        })?;
+        let stop = CancellationToken::new();
+        let lease = session.lease.clone();
+        if let Some(old) = self.live.lock().expect("sessions").insert(
+            lease.clone(),
+            Live {
+                stop: stop.clone(),
+                dir: dir.clone(),
+            },
+        ) {
+            old.stop.cancel();
+        }
+        tokio::spawn(serve(listener, session, stop));
+        info!(%lease, "cache session listening");
+        Ok(dir)
+    }
+
+    /// Closes `lease`'s session once its compute is proven gone: the
+    /// socket goes, every connection is cut, the journal forgets it, and
+    /// its token is never accepted again.
+    pub async fn close(&self, lease: &LeaseId) {
+        let live = self.live.lock().expect("sessions").remove(lease.as_str());
+        let Some(live) = live else {
+            return;
+        };
+        live.stop.cancel();
+        if let Err(e) = std::fs::remove_dir_all(&live.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(%lease, error = %e, "cannot remove the cache session's directory");
+        }
+        if let Err(e) = self.journal.forget_session(lease.as_str()).await {
+            warn!(%lease, error = %e, "cannot forget the cache session in the journal; a restart listens for it until it is closed");
+        }
+        info!(%lease, "cache session closed");
+    }
+
+    /// Closes the session of every lease not in `held`: what a restarted
+    /// node's journal names for compute it no longer has.
+    pub async fn close_unheld(&self, held: &BTreeSet<String>) {
+        let stale: Vec<String> = self
+            .live
+            .lock()
+            .expect("sessions")
+            .keys()
+            .filter(|l| !held.contains(*l))
+            .cloned()
+            .collect();
+        for lease in stale {
+            if let Ok(lease) = LeaseId::parse("cache.session.lease", &lease) {
+                self.close(&lease).await;
+            }
+        }
+    }
+
+    /// The leases with an open session.
+    #[must_use]
+    pub fn open_leases(&self) -> Vec<String> {
+        let mut leases: Vec<String> = self
+            .live
+            .lock()
+            .expect("sessions")
+            .keys()
+            .cloned()
+            .collect();
+        leases.sort();
+        leases
+    }
+
+    /// The host directory of `lease`'s session, whether or not it is open.
+    #[must_use]
+    pub fn dir(&self, lease: &str) -> PathBuf {
+        self.dir_of(lease)
+    }
+}
+
+impl Drop for Sessions {
+    fn drop(&mut self) {
+        for live in self.live.lock().expect("sessions").values() {
+            live.stop.cancel();
+        }
+    }
+}
+
+async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: CancellationToken) {
+    loop {
+        let stream = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    warn!(lease = %session.lease, error = %e, "the cache session's socket failed");
+                    return;
+                }
+            },
+        };
+        let session = session.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let session = session.clone();
+                async move { Ok::<_, Infallible>(handle(&session, req).await) }
+            });
+            let connection = hyper::server::conn::http1::Builder::new()
+                .max_buf_size(16 * 1024)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            tokio::select! {
+                () = stop.cancelled() => {}
+                _ = connection => {}
+            }
+        });
+    }
+}
+
+fn json(status: StatusCode, body: &impl Serialize) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(
+        serde_json::to_vec(body).expect("answers serialise"),
+    )));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    json(status, &serde_json::json!({ "error": message }))
+}
+
+/// The request's bearer token matches the session's, in constant time.
+fn authorised(session: &Session, req: &Request<Incoming>) -> bool {
+    let Some(value) = req.headers().get(hyper::header::AUTHORIZATION) else {
+        return false;
+    };
+    let Some(token) = value.as_bytes().strip_prefix(b"Bearer ") else {
+        return false;
+    };
+    if token.is_empty() || token.iter().any(|b| b" ,\t\r\n".contains(b)) {
+        return false;
+    }
+    bool::from(digest(token).ct_eq(&session.digest))
+}
+
+struct Admitted<'a>(&'a AtomicBool);
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CommitBody {
+    #[serde(default)]
+    job_status: Option<String>,
+}
+
+async fn handle(session: &Session, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    if !authorised(session, &req) {
+        return error(StatusCode::UNAUTHORIZED, "unauthorised cache session");
+    }
+    if session.busy.swap(true, Ordering::AcqRel) {
+        return error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "this session is answering another request; send one at a time",
+        );
+    }
+    let _admitted = Admitted(&session.busy);
+    let path = req.uri().path().to_owned();
+    let parts: Vec<&str> = path.split('/').collect();
+    match (req.method().clone(), parts.as_slice()) {
+        (Method::GET, ["", "v1", "volumes"]) => list(session).await,
+        (Method::POST, ["", "v1", "volumes", slot, action @ ("commit" | "discard")]) => {
+            let Some(slot) = parse_slot(slot) else {
+                return error(StatusCode::NOT_FOUND, "no such cache slot");
+            };
+            let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(_) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "the body is unreadable or longer than 8 KiB",
+                    );
+                }
+            };
+            let body: CommitBody = if body.iter().all(u8::is_ascii_whitespace) {
+                CommitBody::default()
+            } else {
+                match serde_json::from_slice(&body) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            &format!(
+                                "the body must be {{\"job_status\": \"success\"|\"failure\"|\"cancelled\"}}: {e}"
+                            ),
+                        );
+                    }
+                }
+            };
+            if *action == "discard" && body.job_status.is_some() {
+                return error(StatusCode::BAD_REQUEST, "a discard takes no job_status");
+            }
+            settle(
+                session,
+                slot,
+                *action == "commit",
+                body.job_status.as_deref(),
+            )
+            .await
+        }
+        _ => error(StatusCode::NOT_FOUND, "no such cache API route"),
+    }
+}
+
+/// A slot number: decimal digits only (no sign, no leading zero).
+fn parse_slot(text: &str) -> Option<usize> {
+    if text.is_empty()
+        || !text.bytes().all(|b| b.is_ascii_digit())
+        || (text.len() > 1 && text.starts_with('0'))
+    {
+        return None;
+    }
+    text.parse().ok()
+}
+
+async fn list(session: &Session) -> Response<Full<Bytes>> {
+    let slots = session.slots.lock().await;
+    let volumes: Vec<serde_json::Value> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            serde_json::json!({
+                "slot": i,
+                "key": s.key,
+                "path": s.path,
+                "policy": s.policy,
+                "generation": s.parent,
+                "cold": s.parent.is_none() && !s.fallback,
+                "fallback": s.fallback,
+                "told": s.told,
+            })
+        })
+        .collect();
+    json(StatusCode::OK, &serde_json::json!({ "volumes": volumes }))
+}
+
+async fn settle(
+    session: &Session,
+    slot: usize,
+    commit: bool,
+    job_status: Option<&str>,
+) -> Response<Full<Bytes>> {
+    let mut slots = session.slots.lock().await;
+    let Some(s) = slots.get(slot).cloned() else {
+        return error(StatusCode::NOT_FOUND, "cache slot is not attached");
+    };
+    if let Some(told) = &s.told {
+        return json(
+            StatusCode::CONFLICT,
+            &serde_json::json!({ "error": "this disk was settled already", "told": told }),
+        );
+    }
+    let status = job_status.unwrap_or("success");
+    if !matches!(status, "success" | "failure" | "cancelled") {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "job_status must be \"success\", \"failure\" or \"cancelled\"",
+        );
+    }
+    let lease = &session.lease;
+    let told = if !commit || status != "success" || s.fallback {
+        if let Err(e) = session.store.withdraw(&s.mount).await {
+            warn!(%lease, slot, error = %e, "cannot withdraw the sticky disk from publication");
+        }
+        if !commit {
+            Told::not("discarded", "discarded")
+        } else if s.fallback {
+            Told::not("fallback", "fallback")
+        } else {
+            Told::not("skipped", "job_failed")
+        }
+    } else {
+        match session.store.commit_now(&s.mount).await {
+            Ok(Committed::Published(g)) => Told {
+                outcome: "committed".into(),
+                published: true,
+                generation: Some(g.0),
+                reason: None,
+                parent: None,
+                head: None,
+            },
+            Ok(Committed::Conflict { parent, head }) => Told {
+                parent: parent.map(|g| g.0),
+                head: head.map(|g| g.0),
+                ..Told::not("conflict", "conflict")
+            },
+            Ok(Committed::NotCommittable) => Told::not("fallback", "fallback"),
+            Err(_) => Told::not("unavailable", "cache unavailable"),
+        }
+    };
+    info!(%lease, slot, key = %s.key, outcome = %told.outcome, "sticky disk settled by its guest");
+    slots[slot].told = Some(told.clone());
+    if let Err(e) = session.journal.put_session(&session.record(&slots)).await {
+        warn!(%lease, error = %e, "cannot journal what the guest was told");
+    }
+    json(StatusCode::OK, &told)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{DiskKey, Policy};
+    use crate::node::journal::MemoryJournal;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    fn scratch() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("bcs-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn lease(l: &str) -> LeaseId {
+        LeaseId::parse("lease", l).unwrap()
+    }
+
+    /// One raw HTTP/1.1 request over the session's socket: status and body.
+    async fn call(
+        dir: &std::path::Path,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: &str,
+    ) -> (u16, serde_json::Value) {
+        let mut stream = tokio::net::UnixStream::connect(dir.join(SOCKET_NAME))
+            .await
+            .unwrap();
+        let auth = token
+            .map(|t| format!("Authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.unwrap();
+        let answer = String::from_utf8(answer).unwrap();
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, serde_json::from_str(body).unwrap())
+    }
+
+    async fn mounted(store: &Store, sessions: &Sessions, l: &str) -> (Prepared, Mount) {
+        let k = DiskKey::parse("npm").unwrap();
+        let m = store.mount(&lease(l), &k, Policy::Cas).await.unwrap();
+        let p = sessions
+            .prepare(&lease(l), vec![Slot::of(&m, "npm", "/cache", "cas")])
+            .await
+            .unwrap();
+        (p, m)
+    }
+
+    #[tokio::test]
+    async fn a_guest_is_told_its_commit_and_a_second_cas_commit_is_a_conflict() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, ma) = mounted(&store, &sessions, "l1").await;
+        let (b, mb) = mounted(&store, &sessions, "l2").await;
+        // Journaled before any compute could use it, without the token.
+        let records = journal.sessions().await.unwrap();
+        assert_eq!(records.len(), 2);
+        assert!(
+            records
+                .iter()
+                .all(|r| !r.token_sha256.contains(a.token.expose())
+                    && !r.slots.contains(a.token.expose()))
+        );
+        let (status, listed) = call(&a.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 200);
+        assert_eq!(listed["volumes"][0]["cold"], true);
+        assert_eq!(listed["volumes"][0]["key"], "npm");
+        std::fs::write(ma.dir.join("n"), "a").unwrap();
+        std::fs::write(mb.dir.join("n"), "b").unwrap();
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            r#"{"job_status":"success"}"#,
+        )
+        .await;
+        assert_eq!(
+            (status, told.clone()),
+            (
+                200,
+                serde_json::json!({"outcome":"committed","published":true,"generation":1})
+            )
+        );
+        // What the guest writes afterwards reaches no generation.
+        std::fs::write(ma.dir.join("n"), "later").unwrap();
+        let g1 = store.generation_dir(
+            &DiskKey::parse("npm").unwrap(),
+            crate::cache::store::Generation(1),
+        );
+        assert_eq!(std::fs::read_to_string(g1.join("n")).unwrap(), "a");
+        let (status, again) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!(status, 409);
+        assert_eq!(again["told"], told);
+        let (status, told) = call(
+            &b.dir,
+            Some(b.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!(
+            (status, told),
+            (
+                200,
+                serde_json::json!({"outcome":"conflict","published":false,"reason":"conflict","head":1})
+            )
+        );
+        // Settled by their guests: the jobs' ends publish nothing more.
+        store.mark_succeeded(&lease("l1")).await.unwrap();
+        store.settle(&lease("l1")).await;
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            Some(crate::cache::store::Generation(1))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_wrong_missing_or_closed_credential_is_refused_and_changes_nothing() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, ma) = mounted(&store, &sessions, "l1").await;
+        let (b, _) = mounted(&store, &sessions, "l2").await;
+        let wrong = "0".repeat(64);
+        for token in [None, Some(wrong.as_str()), Some(""), Some(b.token.expose())] {
+            for (method, path) in [
+                ("GET", "/v1/volumes"),
+                ("POST", "/v1/volumes/0/commit"),
+                ("POST", "/nowhere"),
+            ] {
+                let (status, body) = call(&a.dir, token, method, path, "").await;
+                assert_eq!(status, 401, "{method} {path} {body}");
+            }
+        }
+        assert!(
+            store.record(&ma.id).await.unwrap().committable,
+            "nothing withdrew the disk"
+        );
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            None
+        );
+        // Closed when its compute is gone: the socket goes, and its token
+        // opens no other session.
+        sessions.close(&lease("l1")).await;
+        assert!(!a.dir.exists());
+        assert!(
+            tokio::net::UnixStream::connect(a.dir.join(SOCKET_NAME))
+                .await
+                .is_err()
+        );
+        assert!(
+            journal
+                .sessions()
+                .await
+                .unwrap()
+                .iter()
+                .all(|r| r.lease != "l1")
+        );
+        let (status, _) = call(&b.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 401);
+    }
+
+    #[tokio::test]
+    async fn a_restarted_node_still_serves_what_its_guest_mounted() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let (a, ma) = {
+            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+            let sessions = Sessions::open(store.clone()).await;
+            let made = mounted(&store, &sessions, "l1").await;
+            drop(sessions);
+            made
+        };
+        // The first store's lock is gone with it.
+        let store = loop {
+            match Store::open(&root, "dev", journal.clone()).await {
+                Ok(s) => break Arc::new(s),
+                Err(_) => tokio::task::yield_now().await,
+            }
+        };
+        let sessions = Sessions::open(store.clone()).await;
+        assert_eq!(sessions.open_leases(), vec!["l1".to_owned()]);
+        std::fs::write(ma.dir.join("n"), "a").unwrap();
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!((status, told["outcome"].as_str()), (200, Some("committed")));
+        let (status, told) = call(&a.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 200);
+        assert_eq!(told["volumes"][0]["told"]["generation"], 1);
+        sessions.close_unheld(&BTreeSet::new()).await;
+        assert!(sessions.open_leases().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_job_and_a_fallback_are_told_they_publish_nothing() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, _) = mounted(&store, &sessions, "l1").await;
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            r#"{"job_status":"failure"}"#,
+        )
+        .await;
+        assert_eq!(
+            (status, told),
+            (
+                200,
+                serde_json::json!({"outcome":"skipped","published":false,"reason":"job_failed"})
+            )
+        );
+        let k = DiskKey::parse("go").unwrap();
+        let m = store.mount(&lease("l2"), &k, Policy::Cas).await.unwrap();
+        let mut slot = Slot::of(&m, "go", "/go", "cas");
+        slot.fallback = true;
+        let b = sessions.prepare(&lease("l2"), vec![slot]).await.unwrap();
+        let (status, told) = call(
+            &b.dir,
+            Some(b.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!((status, told["outcome"].as_str()), (200, Some("fallback")));
+        for (body, path) in [
+            (r#"{"job_status":"maybe"}"#, "/v1/volumes/1/commit"),
+            (r#"{"x":1}"#, "/v1/volumes/0/commit"),
+        ] {
+            let (status, _) = call(&b.dir, Some(b.token.expose()), "POST", path, body).await;
+            assert!(status == 400 || status == 404 || status == 409, "{status}");
+        }
+        store.mark_succeeded(&lease("l1")).await.unwrap();
+        store.settle(&lease("l1")).await;
+        store.mark_succeeded(&lease("l2")).await.unwrap();
+        store.settle(&lease("l2")).await;
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            None
+        );
+        assert_eq!(store.head(&k).await.unwrap(), None);
+    }
+
+    #[test]
+    fn a_token_is_64_hex_digits_unique_and_redacted() {
+        let a = CacheToken::mint().unwrap();
+        let b = CacheToken::mint().unwrap();
+        assert_eq!(a.expose().len(), 64);
+        assert!(a.expose().bytes().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+        assert_eq!(format!("{a:?}"), "CacheToken(<redacted>)");
+        assert!(!format!("{a:?}").contains(a.expose()));
+    }
+
+    #[test]
+    fn a_digest_survives_its_hex() {
+        let d = digest(b"x");
+        assert_eq!(unhex(&hex(&d)), Some(d));
+        assert_eq!(unhex("zz"), None);
+    }
+
+    #[test]
+    fn a_slot_is_plain_decimal() {
+        assert_eq!(parse_slot("0"), Some(0));
+        assert_eq!(parse_slot("4"), Some(4));
+        for bad in ["", "+1", "-1", "01", "1a", " 1"] {
+            assert_eq!(parse_slot(bad), None, "{bad:?}");
+        }
+    }
+}
