@@ -297,7 +297,7 @@ impl Sessions {
 
     fn dir_of(&self, lease: &str) -> PathBuf {
         // Short: a socket's path is at most 107 bytes.
-        self.root.join(&hex(&digest(lease.as_bytes()))[..16])
+        self.root.join(&hex(&digest(lease.as_bytes()))[..8])
     }
 
     /// Prepares `lease`'s session before its compute starts: a token,
@@ -350,7 +350,11 @@ impl Sessions {
             Ok(listener)
         })();
         let listener = made.map_err(|source| CacheError::Io {
-            op: "listen on",
+            op: if socket.as_os_str().len() > 107 {
+                "listen on (a socket's path is at most 107 bytes: use a shorter --cache-dir)"
+            } else {
+                "listen on"
+            },
             path: socket.clone(),
             source,
         })?;
