@@ -2907,7 +2907,10 @@ async fn a_sticky_disk_is_bound_at_launch_committed_after_a_succeeded_job_and_di
         RunnerOptions::default(),
     )
     .with_journal(w.journal.clone())
-    .with_cache(store.clone());
+    .with_cache(
+        store.clone(),
+        billet_agent::cache::session::Sessions::open(store.clone()).await,
+    );
     let mut t = tier(Trust::Trusted);
     t.sticky_disks = vec![StickyDisk::new("npm", "/cache/npm", Policy::Cas).unwrap()];
     let key = DiskKey::parse("npm").unwrap();
@@ -2919,14 +2922,32 @@ async fn a_sticky_disk_is_bound_at_launch_committed_after_a_succeeded_job_and_di
         .await
         .unwrap();
     let spec = w.fake.specs()[0].clone();
-    assert_eq!(spec.binds.len(), 1);
+    // The disk, then the cache session's directory, its token apart from
+    // the plain environment.
+    assert_eq!(spec.binds.len(), 2);
     assert_eq!(spec.binds[0].guest, "/cache/npm");
+    assert_eq!(spec.binds[1].guest, billet_agent::cache::session::GUEST_DIR);
+    assert!(spec.binds[1].host.join("cache.sock").exists());
+    assert!(spec.cache_token.is_some());
+    assert!(
+        spec.env
+            .iter()
+            .any(|(k, _)| k == billet_agent::cache::session::ENDPOINT_ENV)
+    );
+    assert!(
+        !spec
+            .env
+            .iter()
+            .any(|(k, _)| k == billet_agent::cache::session::TOKEN_ENV)
+    );
+    let session_dir = spec.binds[1].host.clone();
     std::fs::write(spec.binds[0].host.join("n"), "1").unwrap();
     w.fake.exit(&name(&first.id), 0, false);
     r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
         .await
         .unwrap();
     assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
+    assert!(!session_dir.exists(), "the session closed with its compute");
 
     // A failed job finds it and publishes nothing.
     let second = w.reserve(2);
