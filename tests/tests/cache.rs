@@ -416,7 +416,10 @@ async fn token_of_the_runner(cluster: &Cluster) -> Result<String> {
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     loop {
         for name in cluster.containers().await? {
-            let inspected = cluster.docker.inspect_container(&name, None).await?;
+            // A container removed since the list is not the runner.
+            let Ok(inspected) = cluster.docker.inspect_container(&name, None).await else {
+                continue;
+            };
             let env = inspected.config.and_then(|c| c.env).unwrap_or_default();
             if let Some(t) = env
                 .iter()
