@@ -8,4 +8,5 @@ pub mod engine_proxy;
 pub mod fleet;
 pub mod image;
 pub mod imds;
+pub mod reports;
 pub mod systemd;

@@ -5,20 +5,20 @@
 //! incremented, so what a job found is what the next generation holds.
 //! What was published is read off the node's cache directory, as the
 //! store keeps it (`agent/src/cache/store.rs`). What each guest was told by
-//! the node's cache API (`agent/src/cache/session.rs`) is read off the
-//! stand-in's own output, followed from each container's start.
+//! the node's cache API (`agent/src/cache/session.rs`) is what each
+//! stand-in reported to the test's sink (`GuestReports`,
+//! `BILLET_STANDIN_REPORT`): a runner goes on only once the sink has
+//! acknowledged its report, so no report is lost with its container.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use anyhow::{Context, Result};
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
+use billet_tests::reports::GuestReports;
 
 const KEY: &str = "e2e-counter";
 /// Where the job sees its disk.
@@ -102,125 +102,55 @@ fn node_log(cluster: &Cluster) -> String {
     cluster.nodes["node-1"].log_text()
 }
 
-/// Every line the cluster's runner containers write, followed from each
-/// container's start, in a task of its own.
-#[derive(Clone, Default)]
-struct GuestLogs(Arc<Mutex<Vec<String>>>);
+/// A cluster whose runners report what the node's cache API told them to
+/// a sink of the test's own, with what it reported.
+struct Guests {
+    cluster: Cluster,
+    reports: GuestReports,
+}
 
-impl GuestLogs {
-    fn watch(cluster: &Cluster) -> Self {
-        let logs = Self::default();
-        let docker = cluster.docker.clone();
-        let deployment = cluster.deployment.clone();
-        let lines = logs.0.clone();
-        tokio::spawn(async move {
-            let mut seen = HashSet::new();
-            loop {
-                let filters = std::collections::HashMap::from([(
-                    "label".to_owned(),
-                    vec![format!("sh.billet.deployment={deployment}")],
-                )]);
-                let list = docker
-                    .list_containers(Some(bollard::query_parameters::ListContainersOptions {
-                        all: true,
-                        filters: Some(filters),
-                        ..Default::default()
-                    }))
-                    .await
-                    .unwrap_or_default();
-                for id in list.into_iter().filter_map(|c| c.id) {
-                    if !seen.insert(id.clone()) {
-                        continue;
-                    }
-                    let docker = docker.clone();
-                    let lines = lines.clone();
-                    tokio::spawn(async move {
-                        // A container not started yet has no log to
-                        // follow, and a stream may end early: follow again
-                        // (skipping what was taken) until the container has
-                        // ended.
-                        let mut taken = 0;
-                        loop {
-                            let mut stream = docker.logs(
-                                &id,
-                                Some(bollard::query_parameters::LogsOptions {
-                                    follow: true,
-                                    stdout: true,
-                                    stderr: true,
-                                    ..Default::default()
-                                }),
-                            );
-                            let mut seen = 0;
-                            while let Some(Ok(chunk)) = stream.next().await {
-                                let text = chunk.to_string();
-                                for line in text.lines() {
-                                    seen += 1;
-                                    if seen > taken {
-                                        taken = seen;
-                                        lines.lock().expect("logs").push(line.to_owned());
-                                    }
-                                }
-                            }
-                            let running = docker
-                                .inspect_container(&id, None)
-                                .await
-                                .ok()
-                                .and_then(|c| c.state)
-                                .and_then(|s| s.status)
-                                .is_some_and(|s| {
-                                    s == bollard::models::ContainerStateStatusEnum::CREATED
-                                        || s == bollard::models::ContainerStateStatusEnum::RUNNING
-                                });
-                            if !running {
-                                return;
-                            }
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                    });
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        });
-        logs
+impl Guests {
+    /// Starts the sink, then the cluster with the sink named in the tier's
+    /// environment (beside `env`).
+    async fn start(policy: pb::StickyPublication, work_ms: u64, env: &[&str]) -> Result<Self> {
+        let reports = GuestReports::start().await?;
+        let sink = reports.env();
+        let env: Vec<&str> = env.iter().copied().chain([sink.as_str()]).collect();
+        let cluster = Cluster::start(options(policy, work_ms, &env)).await?;
+        // The runners use the host's network: they reach the sink where
+        // they reach GitHub.
+        anyhow::ensure!(
+            cluster.emulator.addr().ip() == reports.addr().ip(),
+            "the sink ({}) is not where the emulator is ({})",
+            reports.addr(),
+            cluster.emulator.addr()
+        );
+        Ok(Self { cluster, reports })
     }
 
-    /// The lines that contain `what`.
-    fn lines(&self, what: &str) -> Vec<String> {
-        self.0
-            .lock()
-            .expect("logs")
-            .iter()
-            .filter(|l| l.contains(what))
-            .cloned()
-            .collect()
+    /// What the guests were told of their commits, once `n` were, in the
+    /// order they reported them.
+    async fn told(&self, n: usize) -> Result<Vec<serde_json::Value>> {
+        let commits = self
+            .reports
+            .wait_for("commit", n, TIMEOUT)
+            .await
+            .with_context(|| format!("node log:\n{}", node_log(&self.cluster)))?;
+        Ok(commits.into_iter().map(|r| r["told"].clone()).collect())
     }
 
-    fn text(&self) -> String {
-        self.0.lock().expect("logs").join("\n")
-    }
-
-    /// What the guests were told about their commits.
-    fn told(&self) -> Vec<serde_json::Value> {
-        self.lines("cache commit slot")
-            .iter()
-            .filter_map(|l| l.split_once(" told ").map(|(_, t)| t.to_owned()))
-            .filter_map(|t| serde_json::from_str(&t).ok())
-            .collect()
-    }
-
-    async fn wait_told(&self, cluster: &Cluster, n: usize) -> Result<Vec<serde_json::Value>> {
-        wait_until(TIMEOUT, "the guests to be told their commits", || {
-            self.told().len() >= n
-        })
-        .await
-        .with_context(|| {
-            format!(
-                "guest output:\n{}\nnode log:\n{}",
-                self.text(),
-                node_log(cluster)
-            )
-        })?;
-        Ok(self.told())
+    /// What each guest found mounted at slot 0, once `n` said, in the
+    /// order they reported it.
+    async fn mounted(&self, n: usize) -> Result<Vec<serde_json::Value>> {
+        let mounted = self
+            .reports
+            .wait_for("mounted", n, TIMEOUT)
+            .await
+            .with_context(|| format!("node log:\n{}", node_log(&self.cluster)))?;
+        Ok(mounted
+            .into_iter()
+            .map(|r| r["volumes"][0].clone())
+            .collect())
     }
 }
 
@@ -230,10 +160,10 @@ fn committed(generation: u64) -> serde_json::Value {
 
 #[tokio::test]
 async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
-    let cluster = Cluster::start(options(pb::StickyPublication::Cas, 500, &[])).await?;
-    let guests = GuestLogs::watch(&cluster);
-    let cache = cache_dir(&cluster);
-    run_jobs(&cluster, 1).await?;
+    let guests = Guests::start(pb::StickyPublication::Cas, 500, &[]).await?;
+    let cluster = &guests.cluster;
+    let cache = cache_dir(cluster);
+    run_jobs(cluster, 1).await?;
     assert_eq!(
         published(&cache),
         Some(Published {
@@ -242,21 +172,28 @@ async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
             counter: Some("1".into())
         }),
         "the first job's commit; node log:\n{}",
-        node_log(&cluster)
+        node_log(cluster)
     );
-    assert_eq!(guests.wait_told(&cluster, 1).await?, vec![committed(1)]);
-    run_jobs(&cluster, 1).await?;
+    assert_eq!(guests.told(1).await?, vec![committed(1)]);
+    run_jobs(cluster, 1).await?;
     assert_eq!(
-        guests.wait_told(&cluster, 2).await?,
+        guests.told(2).await?,
         vec![committed(1), committed(2)],
         "the second guest was told its commit"
     );
-    let mounted = guests.lines("cache volume slot 0");
-    assert!(
-        mounted.len() == 2
-            && mounted[0].contains("cache-hit false")
-            && mounted[1].contains("generation 1 cache-hit true"),
-        "the second guest found generation 1: {mounted:?}"
+    let mounted = guests.mounted(2).await?;
+    assert_eq!(
+        (
+            &mounted[0]["cache_hit"],
+            &mounted[1]["generation"],
+            &mounted[1]["cache_hit"]
+        ),
+        (
+            &serde_json::json!(false),
+            &serde_json::json!(1),
+            &serde_json::json!(true)
+        ),
+        "the first guest found nothing and the second generation 1: {mounted:?}"
     );
     // The second job read 1 from its clone of generation 1 and wrote 2.
     assert_eq!(
@@ -267,46 +204,46 @@ async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
             counter: Some("2".into())
         }),
         "node log:\n{}",
-        node_log(&cluster)
+        node_log(cluster)
     );
-    cluster.shutdown().await.context("shutdown")
+    guests.cluster.shutdown().await.context("shutdown")
 }
 
 #[tokio::test]
 async fn a_job_that_fails_publishes_nothing() -> Result<()> {
-    let cluster = Cluster::start(options(
+    let guests = Guests::start(
         pb::StickyPublication::Cas,
         500,
         &["BILLET_STANDIN_RESULT=failed"],
-    ))
+    )
     .await?;
-    let guests = GuestLogs::watch(&cluster);
-    let cache = cache_dir(&cluster);
-    run_jobs(&cluster, 1).await?;
+    let cluster = &guests.cluster;
+    let cache = cache_dir(cluster);
+    run_jobs(cluster, 1).await?;
     assert_eq!(
-        guests.wait_told(&cluster, 1).await?,
+        guests.told(1).await?,
         vec![serde_json::json!({"outcome": "skipped", "published": false, "reason": "job_failed"})],
         "the guest is told its failed job publishes nothing"
     );
-    let log = node_log(&cluster);
+    let log = node_log(cluster);
     assert!(
         log.contains("sticky disk mounted"),
         "the job had its disk:\n{log}"
     );
     assert_eq!(published(&cache), None, "node log:\n{log}");
-    cluster.shutdown().await.context("shutdown")
+    guests.cluster.shutdown().await.context("shutdown")
 }
 
 #[tokio::test]
 async fn of_two_jobs_on_one_key_at_once_the_second_commit_is_a_reported_conflict() -> Result<()> {
     // Long enough a job that both runners have mounted the (cold) key
     // before either commits.
-    let cluster = Cluster::start(options(pb::StickyPublication::Cas, 8000, &[])).await?;
-    let guests = GuestLogs::watch(&cluster);
-    let cache = cache_dir(&cluster);
-    run_jobs(&cluster, 2).await?;
-    let log = node_log(&cluster);
-    let mut told = guests.wait_told(&cluster, 2).await?;
+    let guests = Guests::start(pb::StickyPublication::Cas, 8000, &[]).await?;
+    let cluster = &guests.cluster;
+    let cache = cache_dir(cluster);
+    run_jobs(cluster, 2).await?;
+    let log = node_log(cluster);
+    let mut told = guests.told(2).await?;
     told.sort_by_key(|t| t["outcome"].as_str().map(str::to_owned));
     assert_eq!(
         told,
@@ -335,17 +272,17 @@ async fn of_two_jobs_on_one_key_at_once_the_second_commit_is_a_reported_conflict
         log.contains("another job committed its key since this one mounted it"),
         "the conflict is reported:\n{log}"
     );
-    cluster.shutdown().await.context("shutdown")
+    guests.cluster.shutdown().await.context("shutdown")
 }
 
 #[tokio::test]
 async fn of_two_jobs_on_one_last_writer_wins_key_both_commits_publish() -> Result<()> {
-    let cluster = Cluster::start(options(pb::StickyPublication::LastWriterWins, 8000, &[])).await?;
-    let guests = GuestLogs::watch(&cluster);
-    let cache = cache_dir(&cluster);
-    run_jobs(&cluster, 2).await?;
-    let log = node_log(&cluster);
-    let mut told = guests.wait_told(&cluster, 2).await?;
+    let guests = Guests::start(pb::StickyPublication::LastWriterWins, 8000, &[]).await?;
+    let cluster = &guests.cluster;
+    let cache = cache_dir(cluster);
+    run_jobs(cluster, 2).await?;
+    let log = node_log(cluster);
+    let mut told = guests.told(2).await?;
     told.sort_by_key(|t| t["generation"].as_u64());
     assert_eq!(
         told,
@@ -362,7 +299,7 @@ async fn of_two_jobs_on_one_last_writer_wins_key_both_commits_publish() -> Resul
         "node log:\n{log}"
     );
     assert!(!log.contains("another job committed its key"), "{log}");
-    cluster.shutdown().await.context("shutdown")
+    guests.cluster.shutdown().await.context("shutdown")
 }
 
 /// One raw HTTP/1.1 request to a session's socket, from the host: the
@@ -439,19 +376,19 @@ async fn token_of_the_runner(cluster: &Cluster) -> Result<String> {
 #[tokio::test]
 async fn a_wrong_missing_or_destroyed_instances_credential_is_refused_and_changes_nothing()
 -> Result<()> {
-    let cluster = Cluster::start(options(pb::StickyPublication::Cas, 6000, &[])).await?;
-    let guests = GuestLogs::watch(&cluster);
-    let cache = cache_dir(&cluster);
+    let guests = Guests::start(pb::StickyPublication::Cas, 6000, &[]).await?;
+    let cluster = &guests.cluster;
+    let cache = cache_dir(cluster);
     let first = cluster.queue_jobs(1);
     let socket_a = one_socket(&cache, None).await?;
-    let token_a = token_of_the_runner(&cluster).await?;
+    let token_a = token_of_the_runner(cluster).await?;
     let (status, volumes) = call(&socket_a, Some(&token_a), "GET", "/v1/volumes").await?;
     assert_eq!(status, 200, "{volumes}");
     assert_eq!(volumes["volumes"][0]["key"], KEY);
     cluster.wait_jobs_completed(&first, TIMEOUT).await?;
     cluster.wait_clean(TIMEOUT).await?;
     wait_until(TIMEOUT, "the first session to close", || !socket_a.exists()).await?;
-    assert_eq!(guests.wait_told(&cluster, 1).await?, vec![committed(1)]);
+    assert_eq!(guests.told(1).await?, vec![committed(1)]);
     let before = published(&cache);
 
     let second = cluster.queue_jobs(1);
@@ -481,10 +418,7 @@ async fn a_wrong_missing_or_destroyed_instances_credential_is_refused_and_change
     cluster.wait_clean(TIMEOUT).await?;
     // The refused requests withdrew nothing: the second job's own commit
     // published.
-    assert_eq!(
-        guests.wait_told(&cluster, 2).await?,
-        vec![committed(1), committed(2)]
-    );
+    assert_eq!(guests.told(2).await?, vec![committed(1), committed(2)]);
     assert_eq!(
         published(&cache),
         Some(Published {
@@ -493,5 +427,5 @@ async fn a_wrong_missing_or_destroyed_instances_credential_is_refused_and_change
             counter: Some("2".into())
         })
     );
-    cluster.shutdown().await.context("shutdown")
+    guests.cluster.shutdown().await.context("shutdown")
 }

@@ -27,6 +27,7 @@
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
 //! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
 //! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on. With `BILLET_CACHE_ENDPOINT` and `BILLET_CACHE_TOKEN` set (a node's cache session) it also speaks the node's cache API as the reference's `stickydisk` action does: what was mounted when the job starts (`cache volume slot ...`), and after the counter a commit of each disk with the job's status, saying what it was told (`cache commit slot N key K: status S told {...}`) |
+//! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -86,6 +87,8 @@ const ALLOCATE_CHUNK_MIB: u64 = 16;
 /// so every page of a chunk is touched, whatever the page size.
 const TOUCH_STRIDE_BYTES: usize = 4096;
 const MIB_BYTES: usize = 1 << 20;
+/// How long one report is sent again before the runner gives up on it.
+const REPORT_RETRY_FOR: Duration = Duration::from_secs(60);
 
 /// Plays an ephemeral GitHub Actions runner against the scaleset emulator: takes one job
 /// assigned to its scale set, works, completes it and exits. Other modes play the faults of a
@@ -140,6 +143,9 @@ struct Cli {
     /// A sticky disk's counter file, read and written incremented as the job's work.
     #[arg(long, env = "BILLET_STANDIN_STICKY")]
     sticky: Option<std::path::PathBuf>,
+    /// Where to report what the node's cache API told the runner (an http:// URL).
+    #[arg(long, env = "BILLET_STANDIN_REPORT")]
+    report: Option<String>,
     /// How long to wait after start before the first look at the emulator, in milliseconds:
     /// the runner stays idle (registered, taking no job) until then.
     #[arg(long, env = "BILLET_STANDIN_FIRST_LOOK_MS", default_value_t = 0)]
@@ -413,51 +419,147 @@ impl CacheGuest {
         Ok((status, json))
     }
 
-    async fn volumes(&self) -> Vec<serde_json::Value> {
-        match self.call("GET", "/v1/volumes", "").await {
-            Ok((200, json)) => json["volumes"].as_array().cloned().unwrap_or_default(),
-            Ok((status, json)) => {
-                eprintln!(
-                    "billet-standin-runner: cache volumes: status {status}: {json}; going on cold"
-                );
-                Vec::new()
+    /// What was mounted (`GET /v1/volumes`): the answer's `volumes`, or why there is none.
+    async fn volumes(&self) -> Result<Vec<serde_json::Value>, String> {
+        match self.call("GET", "/v1/volumes", "").await? {
+            (200, json) => Ok(json["volumes"].as_array().cloned().unwrap_or_default()),
+            (status, json) => Err(format!("status {status}: {json}")),
+        }
+    }
+
+    /// Says what was mounted, on stderr and to `reporter`: each volume with `cache-hit` (not
+    /// cold and not a fallback), as the reference's action sets its output.
+    async fn mounted(&self, reporter: Option<&Reporter>) {
+        let report = match self.volumes().await {
+            Ok(volumes) => {
+                let volumes: Vec<serde_json::Value> = volumes
+                    .iter()
+                    .map(|v| {
+                        let fallback = v["fallback"].as_bool().unwrap_or(false);
+                        let hit = !v["cold"].as_bool().unwrap_or(true) && !fallback;
+                        eprintln!(
+                            "billet-standin-runner: cache volume slot {} key {} at {}: generation {} cache-hit {hit} fallback {fallback}",
+                            v["slot"], v["key"], v["path"], v["generation"],
+                        );
+                        serde_json::json!({
+                            "slot": v["slot"],
+                            "key": v["key"],
+                            "path": v["path"],
+                            "generation": v["generation"],
+                            "cache_hit": hit,
+                            "fallback": fallback,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({ "volumes": volumes })
             }
             Err(e) => {
                 eprintln!("billet-standin-runner: cache volumes: {e}; going on cold");
-                Vec::new()
+                serde_json::json!({ "error": e })
             }
+        };
+        if let Some(reporter) = reporter {
+            reporter.report("mounted", report).await;
         }
     }
 
-    async fn mounted(&self) {
-        for v in self.volumes().await {
-            eprintln!(
-                "billet-standin-runner: cache volume slot {} key {} at {}: generation {} cache-hit {} fallback {}",
-                v["slot"],
-                v["key"],
-                v["path"],
-                v["generation"],
-                !v["cold"].as_bool().unwrap_or(true) && !v["fallback"].as_bool().unwrap_or(false),
-                v["fallback"]
-            );
-        }
-    }
-
-    async fn commit(&self, succeeded: bool) {
-        let status = if succeeded { "success" } else { "failure" };
-        for v in self.volumes().await {
+    /// Commits each mounted volume with the job's status, saying what it was told on stderr
+    /// and to `reporter`.
+    async fn commit(&self, succeeded: bool, reporter: Option<&Reporter>) {
+        let job_status = if succeeded { "success" } else { "failure" };
+        let volumes = match self.volumes().await {
+            Ok(volumes) => volumes,
+            Err(e) => {
+                eprintln!("billet-standin-runner: cache volumes: {e}; committing nothing");
+                if let Some(reporter) = reporter {
+                    reporter
+                        .report("commit", serde_json::json!({ "error": e }))
+                        .await;
+                }
+                return;
+            }
+        };
+        for v in volumes {
             let slot = &v["slot"];
-            let body = serde_json::json!({ "job_status": status }).to_string();
-            match self
+            let body = serde_json::json!({ "job_status": job_status }).to_string();
+            let report = match self
                 .call("POST", &format!("/v1/volumes/{slot}/commit"), &body)
                 .await
             {
-                Ok((status, told)) => eprintln!(
-                    "billet-standin-runner: cache commit slot {slot} key {}: status {status} told {told}",
-                    v["key"]
-                ),
-                Err(e) => eprintln!("billet-standin-runner: cache commit slot {slot}: {e}"),
+                Ok((status, told)) => {
+                    eprintln!(
+                        "billet-standin-runner: cache commit slot {slot} key {}: status {status} told {told}",
+                        v["key"]
+                    );
+                    serde_json::json!({ "slot": slot, "key": v["key"], "status": status, "told": told })
+                }
+                Err(e) => {
+                    eprintln!("billet-standin-runner: cache commit slot {slot}: {e}");
+                    serde_json::json!({ "slot": slot, "key": v["key"], "error": e })
+                }
+            };
+            if let Some(reporter) = reporter {
+                reporter.report("commit", report).await;
             }
+        }
+    }
+}
+
+/// Where the runner reports what its node's cache API told it (`BILLET_STANDIN_REPORT`, a test's
+/// sink: `tests/src/reports.rs`). Each report is one JSON object POSTed there, with `report` (its
+/// kind), `runner` (the runner's name) and `seq` (its place among this runner's reports, from 0,
+/// so a sink keeps a report sent twice once). It is sent again, with exponential backoff, until
+/// the sink answers 2xx, for at most [`REPORT_RETRY_FOR`]; [`Reporter::report`] returns only
+/// then, so the runner never goes on (nor exits) with a report unacknowledged. One given up on is
+/// said on stderr, and the job goes on. No report carries a credential.
+struct Reporter {
+    http: reqwest::Client,
+    url: String,
+    runner: String,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+impl Reporter {
+    fn new(http: reqwest::Client, url: &str, runner: &str) -> Self {
+        Self {
+            http,
+            url: url.to_owned(),
+            runner: runner.to_owned(),
+            seq: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Reports `fields` (a JSON object) as a report of `kind`, until acknowledged or
+    /// [`REPORT_RETRY_FOR`] has passed.
+    async fn report(&self, kind: &str, mut fields: serde_json::Value) {
+        use backon::BackoffBuilder as _;
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        fields["report"] = kind.into();
+        fields["runner"] = self.runner.clone().into();
+        fields["seq"] = seq.into();
+        let mut delays = backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_delay(Duration::from_secs(2))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+            .with_total_delay(Some(REPORT_RETRY_FOR))
+            .build();
+        loop {
+            let error = match self.http.post(&self.url).json(&fields).send().await {
+                Ok(response) if response.status().is_success() => return,
+                Ok(response) => format!("status {}", response.status()),
+                Err(e) => chain(&e),
+            };
+            let Some(delay) = delays.next() else {
+                eprintln!(
+                    "billet-standin-runner: report {kind} {seq} to {}: {error}; given up after {} s",
+                    self.url,
+                    REPORT_RETRY_FOR.as_secs()
+                );
+                return;
+            };
+            tokio::time::sleep(delay).await;
         }
     }
 }
@@ -668,16 +770,33 @@ impl<'a> EmulatorLink<'a> {
         cli: &Cli,
         job: JobRequestId,
     ) -> Result<JobRequestId, Failure> {
+        let reporter = cli
+            .report
+            .as_deref()
+            .map(|url| Reporter::new(self.http.clone(), url, &self.config.runner_name));
         let guest = cli.sticky.as_ref().and_then(|_| CacheGuest::from_env());
-        if let Some(guest) = &guest {
-            guest.mounted().await;
+        match (&guest, &reporter) {
+            (Some(guest), reporter) => guest.mounted(reporter.as_ref()).await,
+            (None, Some(reporter)) if cli.sticky.is_some() => {
+                reporter
+                    .report(
+                        "mounted",
+                        serde_json::json!({
+                            "error": "no cache session: BILLET_CACHE_ENDPOINT or BILLET_CACHE_TOKEN is unset"
+                        }),
+                    )
+                    .await;
+            }
+            (None, _) => {}
         }
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
         if let Some(path) = &cli.sticky {
             count(path);
         }
         if let Some(guest) = &guest {
-            guest.commit(cli.result == "succeeded").await;
+            guest
+                .commit(cli.result == "succeeded", reporter.as_ref())
+                .await;
         }
 
         let complete_deadline = tokio::time::Instant::now() + COMPLETE_RETRY_FOR;
@@ -837,6 +956,96 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&n).unwrap(), "two");
         // A disk that is not there: said, and nothing else.
         count(&dir.join("missing").join("n"));
+    }
+
+    /// A sink on loopback that answers the first `refusals` requests 503 and the rest 204,
+    /// keeping every body it received.
+    async fn sink(refusals: usize) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/reports", listener.local_addr().unwrap());
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = bodies.clone();
+        tokio::spawn(async move {
+            let mut served = 0;
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let mut request = Vec::new();
+                let mut buf = [0_u8; 4096];
+                // One request per connection: read the head, then its body.
+                let body = loop {
+                    let n = stream.read(&mut buf).await.unwrap();
+                    assert!(n > 0, "the request ended early");
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request).to_string();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length: ")
+                                    .map(str::to_owned)
+                            })
+                            .and_then(|l| l.trim().parse().ok())
+                            .unwrap_or(0);
+                        if body.len() >= length {
+                            break body.to_owned();
+                        }
+                    }
+                };
+                kept.lock().unwrap().push(body);
+                let status = if served < refusals {
+                    "503 Service Unavailable"
+                } else {
+                    "204 No Content"
+                };
+                served += 1;
+                stream
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        )
+                        .as_bytes(),
+                    )
+                    .await
+                    .unwrap();
+            }
+        });
+        (url, bodies)
+    }
+
+    #[tokio::test]
+    async fn a_report_is_sent_again_until_the_sink_acknowledges_it_and_only_then_returns() {
+        let (url, bodies) = sink(2).await;
+        let reporter = Reporter::new(reqwest::Client::new(), &url, "billet-7");
+        reporter
+            .report(
+                "commit",
+                serde_json::json!({ "slot": 0, "told": { "outcome": "committed" } }),
+            )
+            .await;
+        // Refused twice, then acknowledged: three sends of the same report, and no more.
+        let sent: Vec<serde_json::Value> = bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|b| serde_json::from_str(b).unwrap())
+            .collect();
+        let expected = serde_json::json!({
+            "report": "commit", "runner": "billet-7", "seq": 0,
+            "slot": 0, "told": { "outcome": "committed" }
+        });
+        assert_eq!(sent, vec![expected.clone(), expected.clone(), expected]);
+        reporter
+            .report("mounted", serde_json::json!({ "volumes": [] }))
+            .await;
+        let last: serde_json::Value =
+            serde_json::from_str(bodies.lock().unwrap().last().unwrap()).unwrap();
+        assert_eq!(
+            last["seq"], 1,
+            "the next report is the runner's second: {last}"
+        );
+        assert_eq!(bodies.lock().unwrap().len(), 4);
     }
 
     #[test]
