@@ -227,6 +227,27 @@ pub fn tree_bytes(path: &Path) -> io::Result<u64> {
     Ok(total)
 }
 
+/// The apparent size of the regular files in a tree, in bytes (what
+/// [`Cloned::bytes`] counts for a clone of it): holes count, shared extents
+/// count once per file. Symbolic links are not followed.
+///
+/// # Errors
+///
+/// The first directory or file that cannot be read.
+pub fn apparent_bytes(path: &Path) -> io::Result<u64> {
+    let meta = fs::symlink_metadata(path)?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    let mut total = 0;
+    if meta.is_dir() {
+        for entry in fs::read_dir(path)? {
+            total += apparent_bytes(&entry?.path())?;
+        }
+    }
+    Ok(total)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,7 +21,8 @@ pub mod session;
 pub mod store;
 
 pub use store::{
-    CacheError, Committed, EvictReport, Eviction, Generation, Mount, STORE_LOCK, Settled, Store,
+    CacheError, Committed, EvictReport, Eviction, Generation, Mount, Observation, STORE_LOCK,
+    Settled, Store,
 };
 
 use thiserror::Error;

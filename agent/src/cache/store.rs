@@ -54,7 +54,7 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::clone::{CloneMethod, ReflinkSupport, clone_tree, tree_bytes};
+use super::clone::{CloneMethod, ReflinkSupport, apparent_bytes, clone_tree, tree_bytes};
 use super::{DiskKey, Policy};
 use crate::edge::model::LeaseId;
 use crate::node::journal::{JournalError, MountJournal, MountRecord};
@@ -205,6 +205,47 @@ struct KeyState {
     generations: BTreeMap<u64, GenerationMeta>,
 }
 
+/// What the cache did for one lease's job (issue #16 item 7), as the store
+/// counts it: each disk mounted is a hit, a miss or a fallback; each commit
+/// that published adds its bytes, each CAS commit refused is a conflict.
+/// Sizes are apparent sizes of regular files (holes count), in bytes.
+/// Counted in memory only: a node restarted mid-job counts from then on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Observation {
+    /// Disks mounted from a published generation of their key.
+    pub hits: u64,
+    /// Disks mounted cold: their key had no generation yet.
+    pub misses: u64,
+    /// Bytes cloned into the job's mounts from the generations they hit.
+    pub bytes_restored: u64,
+    /// Bytes published as new generations from the job's mounts.
+    pub bytes_committed: u64,
+    /// Commits refused because another job had committed the key since
+    /// this one mounted it ([`Policy::Cas`]).
+    pub conflicts: u64,
+    /// Disks the job got as a fallback: an empty directory, never
+    /// committed (a state, journal or clone failure at the mount).
+    pub fallbacks: u64,
+}
+
+impl Observation {
+    fn add(&mut self, other: &Self) {
+        self.hits += other.hits;
+        self.misses += other.misses;
+        self.bytes_restored += other.bytes_restored;
+        self.bytes_committed += other.bytes_committed;
+        self.conflicts += other.conflicts;
+        self.fallbacks += other.fallbacks;
+    }
+}
+
+/// [`Observation`]s by lease, and their sum since the store opened.
+#[derive(Debug, Default)]
+struct Observed {
+    leases: std::collections::HashMap<String, Observation>,
+    totals: Observation,
+}
+
 /// The sticky-disk store of one deployment in one directory. One per
 /// directory: [`Store::open`] holds an exclusive `flock` on its lock file.
 /// Operations are serialised by one lock; their file work runs on tokio's
@@ -215,6 +256,7 @@ pub struct Store {
     journal: Arc<dyn MountJournal>,
     reflink: Arc<ReflinkSupport>,
     mounts: tokio::sync::Mutex<BTreeMap<String, MountRecord>>,
+    observed: std::sync::Mutex<Observed>,
     _lock: fs::File,
 }
 
@@ -360,6 +402,7 @@ impl Store {
             mounts: tokio::sync::Mutex::new(
                 records.into_iter().map(|r| (r.mount.clone(), r)).collect(),
             ),
+            observed: std::sync::Mutex::new(Observed::default()),
             _lock: lock,
         })
     }
@@ -455,8 +498,12 @@ impl Store {
             Ok(Some(made))
         })
         .await;
+        let mut restored = 0;
         let method = match cloned {
-            Ok(made) => made.map(|m| m.method),
+            Ok(made) => {
+                restored = made.as_ref().map_or(0, |m| m.bytes);
+                made.map(|m| m.method)
+            }
             Err(e) if record.parent.is_some() && record.committable => {
                 warn!(%lease, %key, parent = record.parent, error = %e, "cannot clone the sticky disk; the job gets an empty directory and nothing is published from it");
                 record.committable = false;
@@ -490,6 +537,26 @@ impl Store {
             method,
         };
         info!(%lease, %key, mount = %id, parent = ?mount.parent, committable = mount.committable, ?method, "sticky disk mounted");
+        self.observe(
+            lease.as_str(),
+            &if !mount.committable {
+                Observation {
+                    fallbacks: 1,
+                    ..Observation::default()
+                }
+            } else if mount.parent.is_some() {
+                Observation {
+                    hits: 1,
+                    bytes_restored: restored,
+                    ..Observation::default()
+                }
+            } else {
+                Observation {
+                    misses: 1,
+                    ..Observation::default()
+                }
+            },
+        );
         mounts.insert(id, record);
         Ok(mount)
     }
@@ -563,9 +630,16 @@ impl Store {
         let r = record.clone();
         let outcome = blocking(move || {
             let dir = dirs.mount_dir(&r.mount);
-            commit_blocking(&dirs, &r, policy, &dir)
+            let bytes = if r.committable {
+                apparent_bytes(&dir).map_err(io("measure", &dir))?
+            } else {
+                0
+            };
+            commit_blocking(&dirs, &r, policy, &dir).map(|c| (c, bytes))
         })
         .await;
+        self.observe_commit(&record.lease, &outcome);
+        let outcome = outcome.map(|(c, _)| c);
         if let Err(e) = &outcome {
             warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head");
             let dirs = self.dirs.clone();
@@ -584,6 +658,56 @@ impl Store {
             Ok(Committed::NotCommittable) | Err(_) => {}
         }
         outcome
+    }
+
+    /// Adds `seen` to `lease`'s observation and to the totals.
+    fn observe(&self, lease: &str, seen: &Observation) {
+        let mut observed = self.observed.lock().expect("cache observations");
+        observed
+            .leases
+            .entry(lease.to_owned())
+            .or_default()
+            .add(seen);
+        observed.totals.add(seen);
+    }
+
+    /// Counts a commit's outcome (with the bytes it would publish).
+    fn observe_commit(&self, lease: &str, outcome: &Result<(Committed, u64), CacheError>) {
+        match outcome {
+            Ok((Committed::Published(_), bytes)) => self.observe(
+                lease,
+                &Observation {
+                    bytes_committed: *bytes,
+                    ..Observation::default()
+                },
+            ),
+            Ok((Committed::Conflict { .. }, _)) => self.observe(
+                lease,
+                &Observation {
+                    conflicts: 1,
+                    ..Observation::default()
+                },
+            ),
+            Ok((Committed::NotCommittable, _)) | Err(_) => {}
+        }
+    }
+
+    /// What the cache did for `lease`'s job so far, forgotten here: called
+    /// once its disks are settled ([`Store::settle`]). `None` when it
+    /// mounted nothing since the store opened.
+    pub fn take_observation(&self, lease: &LeaseId) -> Option<Observation> {
+        self.observed
+            .lock()
+            .expect("cache observations")
+            .leases
+            .remove(lease.as_str())
+    }
+
+    /// The sum of every job's [`Observation`] since the store opened, for
+    /// the node's metrics.
+    #[must_use]
+    pub fn totals(&self) -> Observation {
+        self.observed.lock().expect("cache observations").totals
     }
 
     /// The cache directory.
@@ -628,29 +752,37 @@ impl Store {
             let r = record.clone();
             let outcome = blocking(move || {
                 if !r.committable {
-                    return Ok(Committed::NotCommittable);
+                    return Ok((Committed::NotCommittable, 0));
                 }
                 let state = dirs.read_state(&r.key)?;
                 if state.head != r.parent && policy == Policy::Cas {
-                    return Ok(Committed::Conflict {
-                        parent: r.parent.map(Generation),
-                        head: state.head.map(Generation),
-                    });
+                    return Ok((
+                        Committed::Conflict {
+                            parent: r.parent.map(Generation),
+                            head: state.head.map(Generation),
+                        },
+                        0,
+                    ));
                 }
                 let staging = dirs.mount_dir(&format!("{}.commit", r.mount));
                 let _ = dirs.remove(&staging);
-                if let Err(e) = clone_tree(&dirs.mount_dir(&r.mount), &staging, &support) {
-                    let _ = dirs.remove(&staging);
-                    return Err(io("clone into", &staging)(e));
-                }
+                let cloned = match clone_tree(&dirs.mount_dir(&r.mount), &staging, &support) {
+                    Ok(cloned) => cloned,
+                    Err(e) => {
+                        let _ = dirs.remove(&staging);
+                        return Err(io("clone into", &staging)(e));
+                    }
+                };
                 let outcome = commit_blocking(&dirs, &r, policy, &staging);
                 if outcome.is_err() {
                     let _ = dirs.remove(&staging);
                 }
-                outcome
+                outcome.map(|c| (c, cloned.bytes))
             })
             .await;
             drop(mounts);
+            self.observe_commit(&record.lease, &outcome);
+            let outcome = outcome.map(|(c, _)| c);
             match &outcome {
                 Ok(Committed::Published(g)) => {
                     info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed at its guest's request")
@@ -1156,6 +1288,89 @@ mod tests {
         );
         assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
         assert!(!m.dir.exists());
+    }
+
+    #[tokio::test]
+    async fn each_jobs_hits_misses_bytes_conflicts_and_fallbacks_are_counted_once_and_summed() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        // A cold mount whose commit publishes 5 bytes.
+        publish(&s, "l0", "npm", "12345").await;
+        assert_eq!(
+            s.take_observation(&lease("l0")),
+            Some(Observation {
+                misses: 1,
+                bytes_committed: 5,
+                ..Observation::default()
+            })
+        );
+        assert_eq!(s.take_observation(&lease("l0")), None, "taken once");
+        // Two jobs hit generation 1 (5 bytes each) and add 3 bytes; the
+        // first publishes 8 bytes by its guest's commit (a copy), the
+        // second is a conflict.
+        let a = s
+            .mount(&lease("la"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        let b = s
+            .mount(&lease("lb"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        fs::write(a.dir.join("more"), "abc").unwrap();
+        fs::write(b.dir.join("more"), "abc").unwrap();
+        assert!(matches!(
+            s.commit_now(&a.id).await.unwrap(),
+            Committed::Published(Generation(2))
+        ));
+        assert!(matches!(
+            s.commit(&b.id).await.unwrap(),
+            Committed::Conflict { .. }
+        ));
+        s.settle(&lease("la")).await;
+        assert_eq!(
+            s.take_observation(&lease("la")),
+            Some(Observation {
+                hits: 1,
+                bytes_restored: 5,
+                bytes_committed: 8,
+                ..Observation::default()
+            })
+        );
+        assert_eq!(
+            s.take_observation(&lease("lb")),
+            Some(Observation {
+                hits: 1,
+                bytes_restored: 5,
+                conflicts: 1,
+                ..Observation::default()
+            })
+        );
+        // A fallback (the head's tree lost) publishes nothing.
+        fs::remove_dir_all(s.generation_dir(&key("npm"), Generation(2))).unwrap();
+        s.mount(&lease("lf"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        s.mark_succeeded(&lease("lf")).await.unwrap();
+        s.settle(&lease("lf")).await;
+        assert_eq!(
+            s.take_observation(&lease("lf")),
+            Some(Observation {
+                fallbacks: 1,
+                ..Observation::default()
+            })
+        );
+        assert_eq!(
+            s.totals(),
+            Observation {
+                hits: 2,
+                misses: 1,
+                bytes_restored: 10,
+                bytes_committed: 13,
+                conflicts: 1,
+                fallbacks: 1,
+            },
+            "the totals keep what was taken"
+        );
     }
 
     #[tokio::test]

@@ -64,6 +64,15 @@ struct CommandLabels {
     reason: String,
 }
 
+/// What the node-local cache did with a disk or a commit.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CacheEventLabel {
+    event: &'static str,
+}
+
+/// The events [`Metrics::set_cache_totals`] reports, always all of them.
+pub const CACHE_EVENTS: [&str; 4] = ["hit", "miss", "conflict", "fallback"];
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
     kind: &'static str,
@@ -125,6 +134,9 @@ pub struct Metrics {
     certificate_expiry: FloatGauge,
     certificate_remaining: FloatGauge,
     certificate_renewals: Family<OutcomeLabel, Counter>,
+    cache_events: Family<CacheEventLabel, Counter>,
+    cache_restored_bytes: Counter,
+    cache_committed_bytes: Counter,
 }
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
@@ -156,6 +168,9 @@ impl Metrics {
             certificate_expiry: FloatGauge::default(),
             certificate_remaining: FloatGauge::default(),
             certificate_renewals: Family::default(),
+            cache_events: Family::default(),
+            cache_restored_bytes: Counter::default(),
+            cache_committed_bytes: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("billet");
         r.register(
@@ -266,10 +281,56 @@ impl Metrics {
             "Certificate renewals and enrolments, by outcome (renewed, enrolled, refused, failed)",
             m.certificate_renewals.clone(),
         );
+        r.register(
+            "cache_events",
+            "What the node-local cache did (issue #16 item 7): sticky disks mounted from a generation (hit), cold (miss) or as a fallback, and commits refused as a CAS conflict",
+            m.cache_events.clone(),
+        );
+        r.register(
+            "cache_restored_bytes",
+            "Bytes cloned into jobs' sticky disks from the generations they hit (apparent size)",
+            m.cache_restored_bytes.clone(),
+        );
+        r.register(
+            "cache_committed_bytes",
+            "Bytes published as new sticky-disk generations (apparent size)",
+            m.cache_committed_bytes.clone(),
+        );
         for state in LEASE_STATES {
             m.leases_held.get_or_create(&StateLabel { state }).set(0);
         }
+        for event in CACHE_EVENTS {
+            m.cache_events
+                .get_or_create(&CacheEventLabel { event })
+                .inc_by(0);
+        }
         m
+    }
+
+    /// Brings the cache counters up to `totals`, the cache store's sums
+    /// since it opened ([`crate::cache::Store::totals`], read at each
+    /// scrape). The store's sums only grow, so each counter gains the
+    /// difference; a smaller reading is ignored.
+    pub fn set_cache_totals(&self, totals: &crate::cache::Observation) {
+        let raise = |counter: &Counter, to: u64| {
+            let now = counter.get();
+            if to > now {
+                counter.inc_by(to - now);
+            }
+        };
+        for (event, n) in [
+            ("hit", totals.hits),
+            ("miss", totals.misses),
+            ("conflict", totals.conflicts),
+            ("fallback", totals.fallbacks),
+        ] {
+            raise(
+                &self.cache_events.get_or_create(&CacheEventLabel { event }),
+                n,
+            );
+        }
+        raise(&self.cache_restored_bytes, totals.bytes_restored);
+        raise(&self.cache_committed_bytes, totals.bytes_committed);
     }
 
     /// Sets the held-lease gauges from one reading of the runner's state:
@@ -942,6 +1003,47 @@ mod tests {
                 text.contains(&format!("# TYPE {family} ")),
                 "the dashboard queries {name}, which the node does not serve:\n{text}"
             );
+        }
+    }
+
+    #[test]
+    fn the_cache_counters_follow_the_stores_totals_from_zero_and_never_go_back() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "v", "c");
+        let text = encoded(&registry);
+        for event in CACHE_EVENTS {
+            assert!(
+                text.contains(&format!("billet_cache_events_total{{event=\"{event}\"}} 0")),
+                "{text}"
+            );
+        }
+        assert!(
+            text.contains("billet_cache_restored_bytes_total 0"),
+            "{text}"
+        );
+        let totals = crate::cache::Observation {
+            hits: 3,
+            misses: 1,
+            bytes_restored: 4096,
+            bytes_committed: 512,
+            conflicts: 1,
+            fallbacks: 2,
+        };
+        // Read twice (two scrapes): counted once.
+        m.set_cache_totals(&totals);
+        m.set_cache_totals(&totals);
+        // A smaller reading (it cannot be, but) takes nothing back.
+        m.set_cache_totals(&crate::cache::Observation::default());
+        let text = encoded(&registry);
+        for line in [
+            "billet_cache_events_total{event=\"hit\"} 3",
+            "billet_cache_events_total{event=\"miss\"} 1",
+            "billet_cache_events_total{event=\"conflict\"} 1",
+            "billet_cache_events_total{event=\"fallback\"} 2",
+            "billet_cache_restored_bytes_total 4096",
+            "billet_cache_committed_bytes_total 512",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
         }
     }
 

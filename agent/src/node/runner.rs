@@ -395,6 +395,11 @@ impl Runner {
         }
         if let Some(cache) = &self.cache {
             cache.settle(lease).await;
+            if let Some(o) = cache.take_observation(lease) {
+                info!(%lease, hits = o.hits, misses = o.misses, bytes_restored = o.bytes_restored,
+                      bytes_committed = o.bytes_committed, conflicts = o.conflicts,
+                      fallbacks = o.fallbacks, "what the cache did for the job");
+            }
         }
     }
 

@@ -351,6 +351,7 @@ pub async fn run(
         )
         .with_journal(journal.clone()),
     );
+    let cache_store = cache.clone();
     let runner = match cache {
         Some(cache) => {
             let sessions = crate::cache::session::Sessions::open(cache.clone()).await;
@@ -541,6 +542,9 @@ pub async fn run(
         let (runner, cert) = (runner.clone(), config.tls.cert.clone());
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {
             m.observe_runner(&runner.held());
+            if let Some(cache) = &cache_store {
+                m.set_cache_totals(&cache.totals());
+            }
             if let Some(not_after) = crate::node::metrics::certificate_expiry(&cert) {
                 m.set_certificate_expiry(not_after);
             }
