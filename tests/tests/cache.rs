@@ -154,6 +154,25 @@ impl Guests {
     }
 }
 
+/// What the node logged the cache did for each job once its disks were
+/// settled (`hits=.. misses=.. bytes_restored=.. bytes_committed=..
+/// conflicts=.. fallbacks=..`), once it has for `n` jobs, in order.
+async fn observations(cluster: &Cluster, n: usize) -> Result<Vec<String>> {
+    let seen = || -> Vec<String> {
+        node_log(cluster)
+            .lines()
+            .filter(|l| l.contains("what the cache did for the job"))
+            .filter_map(|l| l.find("hits=").map(|i| l[i..].trim().to_owned()))
+            .collect()
+    };
+    wait_until(TIMEOUT, "the node to log what the cache did", || {
+        seen().len() >= n
+    })
+    .await
+    .with_context(|| format!("node log:\n{}", node_log(cluster)))?;
+    Ok(seen())
+}
+
 fn committed(generation: u64) -> serde_json::Value {
     serde_json::json!({"outcome": "committed", "published": true, "generation": generation})
 }
@@ -194,6 +213,15 @@ async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
             &serde_json::json!(true)
         ),
         "the first guest found nothing and the second generation 1: {mounted:?}"
+    );
+    // Each wrote its counter ("1\n", then "2\n"): the first missed, the
+    // second hit generation 1 and restored its 2 bytes.
+    assert_eq!(
+        observations(cluster, 2).await?,
+        [
+            "hits=0 misses=1 bytes_restored=0 bytes_committed=2 conflicts=0 fallbacks=0",
+            "hits=1 misses=0 bytes_restored=2 bytes_committed=2 conflicts=0 fallbacks=0",
+        ]
     );
     // The second job read 1 from its clone of generation 1 and wrote 2.
     assert_eq!(
@@ -271,6 +299,16 @@ async fn of_two_jobs_on_one_key_at_once_the_second_commit_is_a_reported_conflict
     assert!(
         log.contains("another job committed its key since this one mounted it"),
         "the conflict is reported:\n{log}"
+    );
+    let mut observed = observations(cluster, 2).await?;
+    observed.sort();
+    assert_eq!(
+        observed,
+        [
+            "hits=0 misses=1 bytes_restored=0 bytes_committed=0 conflicts=1 fallbacks=0",
+            "hits=0 misses=1 bytes_restored=0 bytes_committed=2 conflicts=0 fallbacks=0",
+        ],
+        "both missed; one published, the other is counted a conflict"
     );
     guests.cluster.shutdown().await.context("shutdown")
 }
