@@ -315,7 +315,7 @@ fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, cre
     );
     println!("  {:<60} {:>8} {:>8}", "step", "(a)", "(b)");
     let command = mean_ms("billet_command_duration_seconds", &[("kind", "launch")]);
-    let queued = mean_ms("billet_command_queue_wait_seconds", &[]);
+    let queued = mean_ms("billet_command_queue_wait_seconds", &[("kind", "launch")]);
     let check = mean_ms(
         "billet_provider_call_duration_seconds",
         &[("call", "check_image")],
@@ -333,7 +333,7 @@ fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, cre
         &[("call", "put_result")],
     );
     let rows: [(&str, Option<f64>, Option<f64>); 8] = [
-        ("wait for the command slot (every command)", queued, None),
+        ("wait for the command slot (launches)", queued, None),
         ("image check (one Docker inspect)", check, None),
         ("BindAdvance: plane round trip + ledger commit", bind, None),
         ("launch record, synced (per launch)", Some(journal[0]), None),

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::edge::model::InstanceName;
-use crate::node::journal::{CustodyRecord, Journal, JournalError, LaunchRecord};
+use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::node::slot::CommandSlot;
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
@@ -758,8 +758,13 @@ impl Journal for WatchedJournal {
     async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
         self.inner.custody().await
     }
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
-        self.wrote(self.inner.put_result(command, encoded).await)
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        self.wrote(self.inner.put_result(command, encoded, durability).await)
     }
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
         self.inner.results().await

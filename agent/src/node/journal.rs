@@ -109,11 +109,12 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     /// Records (or replaces) a launch, synced.
     async fn put_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError>;
     /// Records a launch's progress (its registration, its created
-    /// instance) committed but not synced: the synced write of the launch's
-    /// result that follows makes it durable with one sync. A loss to a power
-    /// cut before that leaves the synced record of the launch, from which
-    /// recovery removes the registration by lease and asks whether the
-    /// runner is busy.
+    /// instance) committed but not synced: it survives the process, and the
+    /// next synced write (which syncs every commit before it) makes it
+    /// durable. A loss to a power cut before that leaves the synced record
+    /// of the launch, from which recovery removes the registration by lease
+    /// and asks whether the runner is busy; on a provider that runs on this
+    /// host the cut also stopped the instance it describes.
     async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
         self.put_launch(launch).await
     }
@@ -135,9 +136,16 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError>;
     /// Every custody entry.
     async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError>;
-    /// Records a command's encoded result, synced, in one transaction; old
-    /// ones are dropped.
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError>;
+    /// Records a command's encoded result at `durability`, in one
+    /// transaction; old ones are dropped. Which commands' results are
+    /// synced and which only committed is the session's choice
+    /// (`session::result_durability`).
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError>;
     /// Recent results, oldest first.
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError>;
 }
@@ -728,8 +736,13 @@ impl Journal for SqliteJournal {
             .collect()
     }
 
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
-        let mut conn = self.connection(Durability::Synced).await?;
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        let mut conn = self.connection(durability).await?;
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
         sqlx::query("INSERT OR REPLACE INTO results (command, encoded) VALUES (?, ?)")
             .bind(command)
@@ -864,8 +877,20 @@ pub struct MemoryJournal {
     launches: Mutex<BTreeMap<String, LaunchRecord>>,
     custody: Mutex<BTreeMap<String, CustodyRecord>>,
     results: Mutex<Vec<(String, Vec<u8>)>>,
+    result_durability: Mutex<BTreeMap<String, Durability>>,
     mounts: Mutex<BTreeMap<String, MountRecord>>,
     sessions: Mutex<BTreeMap<String, SessionRecord>>,
+}
+
+impl MemoryJournal {
+    /// The durability `command`'s result was last written at, if it was.
+    pub fn result_durability(&self, command: &str) -> Option<Durability> {
+        self.result_durability
+            .lock()
+            .expect("journal")
+            .get(command)
+            .copied()
+    }
 }
 
 #[async_trait]
@@ -954,7 +979,16 @@ impl Journal for MemoryJournal {
             .cloned()
             .collect())
     }
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        self.result_durability
+            .lock()
+            .expect("journal")
+            .insert(command.to_owned(), durability);
         let mut results = self.results.lock().expect("journal");
         results.retain(|(c, _)| c != command);
         results.push((command.to_owned(), encoded.to_vec()));
@@ -1012,7 +1046,7 @@ mod tests {
             })
             .await
             .unwrap();
-            j.put_result("c1", b"xyz").await.unwrap();
+            j.put_result("c1", b"xyz", Durability::Synced).await.unwrap();
         }
         let j = SqliteJournal::open(&d).await.unwrap();
         assert_eq!(j.launches().await.unwrap(), vec![launch("a")]);
@@ -1351,7 +1385,9 @@ mod tests {
     async fn only_the_most_recent_results_are_kept() {
         let j = MemoryJournal::default();
         for i in 0..(RESULTS_KEPT + 10) {
-            j.put_result(&format!("c{i}"), b"r").await.unwrap();
+            j.put_result(&format!("c{i}"), b"r", Durability::Committed)
+                .await
+                .unwrap();
         }
         let results = j.results().await.unwrap();
         assert_eq!(results.len(), RESULTS_KEPT as usize);

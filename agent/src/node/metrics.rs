@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase};
-use crate::node::journal::{CustodyRecord, Journal, JournalError, LaunchRecord};
+use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use crate::node::runner::HeldLease;
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
@@ -121,7 +121,7 @@ pub struct Metrics {
     command_duration: Histograms<KindLabel>,
     launch_steps: Histograms<StepLabel>,
     queue_depth: Gauge,
-    queue_wait: Histogram,
+    queue_wait: Histograms<KindLabel>,
     plane_calls: Histograms<CallLabel>,
     plane_errors: Family<CallErrorLabels, Counter>,
     plane_last_contact: FloatGauge,
@@ -155,7 +155,7 @@ impl Metrics {
             command_duration: Family::new_with_constructor(latency),
             launch_steps: Family::new_with_constructor(latency),
             queue_depth: Gauge::default(),
-            queue_wait: latency(),
+            queue_wait: Family::new_with_constructor(latency),
             plane_calls: Family::new_with_constructor(latency),
             plane_errors: Family::default(),
             plane_last_contact: FloatGauge::default(),
@@ -218,7 +218,7 @@ impl Metrics {
         );
         r.register(
             "command_queue_wait_seconds",
-            "How long a command waited for the slot",
+            "How long a command waited for the slot, by command kind",
             m.queue_wait.clone(),
         );
         r.register(
@@ -383,10 +383,12 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// A command left the queue for the slot after waiting `waited`;
-    /// `depth` still wait behind it.
-    pub fn command_started(&self, waited: Duration, depth: usize) {
-        self.queue_wait.observe(waited.as_secs_f64());
+    /// A command of `kind` left the queue for the slot after waiting
+    /// `waited`; `depth` still wait behind it.
+    pub fn command_started(&self, kind: &'static str, waited: Duration, depth: usize) {
+        self.queue_wait
+            .get_or_create(&KindLabel { kind })
+            .observe(waited.as_secs_f64());
         self.set_queue_depth(depth);
     }
 
@@ -907,10 +909,19 @@ impl Journal for MeteredJournal {
         self.inner.custody().await
     }
 
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
         let start = Instant::now();
-        let r = self.inner.put_result(command, encoded).await;
-        self.observe("put_result", start, &r);
+        let r = self.inner.put_result(command, encoded, durability).await;
+        let call = match durability {
+            Durability::Synced => "put_result",
+            Durability::Committed => "put_result_committed",
+        };
+        self.observe(call, start, &r);
         r
     }
 
@@ -965,7 +976,7 @@ mod tests {
         let m = Metrics::new(&mut registry, "v", "c");
         // A family shows once it has a sample: give every one of them one.
         m.command_done("launch", "ok", "none", Duration::from_millis(1));
-        m.command_started(Duration::from_millis(1), 0);
+        m.command_started("launch", Duration::from_millis(1), 0);
         m.plane_call(
             "bind",
             Duration::from_millis(1),

@@ -712,9 +712,6 @@ impl Runner {
         };
         record.runner_id = registration.runner_id;
         record.runner_name = registration.runner_name.clone();
-        if let Err(e) = self.journal.amend_launch(record).await {
-            warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
-        }
         let mut env = tier.env.clone();
         let (binds, cache_token) = self.mount_disks(&lease.id, tier, &mut env).await;
         let spec = InstanceSpec {
@@ -733,7 +730,18 @@ impl Runner {
             binds,
             cache_token,
         };
-        match self.provider.create(spec).await {
+        // The registration is journaled while the instance is created: the
+        // create needs only the JIT config, and a record that lost this
+        // amendment (the node killed during both) removes the registration
+        // by lease instead of by id, as after a power cut.
+        let (amended, created) = tokio::join!(
+            self.journal.amend_launch(record),
+            self.provider.create(spec)
+        );
+        if let Err(e) = amended {
+            warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
+        }
+        match created {
             Ok(instance) => {
                 info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
                       repository = %job.repository, "launched");

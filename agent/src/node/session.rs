@@ -20,7 +20,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::edge::model::{NodeName, RequestId};
 use crate::edge::wire::{self, NodeCommand};
 use crate::node::health::Health;
-use crate::node::journal::Journal;
+use crate::node::journal::{Durability, Journal};
 use crate::node::plane::{PlaneLink, SessionLink};
 use crate::node::runner::{Runner, RunnerError};
 use crate::node::slot::{Admission, CommandSlot, Queued};
@@ -557,7 +557,7 @@ pub async fn execute_commands(
             session,
         } = queued;
         let kind = command.kind();
-        let journaled = journaled(&command);
+        let durability = result_durability(&command);
         // Every line the command logs carries its lease, where it names one.
         let span = info_span!("command", %id, kind, lease = tracing::field::Empty);
         if let Some(lease) = command.lease_id() {
@@ -592,13 +592,17 @@ pub async fn execute_commands(
         let session = session.live();
         let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
-        // Synced before it is answered, for the commands whose repetition
+        // Journaled before it is answered, for the commands whose repetition
         // after a restart could do something twice (ARCHITECTURE.md, "What
         // each journal write survives").
-        if journaled
+        if let Some(durability) = durability
             && let Err(e) = executor
                 .journal
-                .put_result(id.as_str(), &prost::Message::encode_to_vec(&result))
+                .put_result(
+                    id.as_str(),
+                    &prost::Message::encode_to_vec(&result),
+                    durability,
+                )
                 .await
         {
             warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
@@ -662,22 +666,29 @@ fn refused_launch(id: &str, refusal: &crate::node::health::Refusal) -> pb::Comma
     failure(id, pb::Outcome::Refused, code, refusal.to_string())
 }
 
-/// Whether a command's result is journaled (synced) before it is answered:
-/// those whose loss in a restart could make a redelivered copy do something
-/// twice. `Tend`, `Sweep`, `Instances` and `Superseded` are idempotent
+/// Whether a command's result is journaled before it is answered, and how
+/// durably: those whose loss in a restart could make a redelivered copy do
+/// something twice are synced, or committed where another synced write
+/// already keeps the copy from doing anything twice. `Tend`, `Sweep`, `Instances` and `Superseded` are idempotent
 /// passes over what the node holds: run again, they do what is due then,
 /// so their results are remembered in memory only (the slot still answers
 /// a redelivered copy within this process).
-fn journaled(command: &NodeCommand) -> bool {
+fn result_durability(command: &NodeCommand) -> Option<Durability> {
     match command {
-        NodeCommand::Launch { .. }
-        | NodeCommand::Destroy { .. }
+        // The launch record, synced before the mint, is what keeps a
+        // redelivered launch from minting or creating again: recovery
+        // finds the launch from it, and a launch of a lease this node holds
+        // is answered with what it holds (`Runner::launch`). The result is
+        // committed, so it survives the process, and a power cut loses only
+        // the copy of an answer the record already stands for.
+        NodeCommand::Launch { .. } => Some(Durability::Committed),
+        NodeCommand::Destroy { .. }
         | NodeCommand::AssumeCustody { .. }
-        | NodeCommand::StartUpgrade(_) => true,
+        | NodeCommand::StartUpgrade(_) => Some(Durability::Synced),
         NodeCommand::Instances
         | NodeCommand::Sweep
         | NodeCommand::Tend
-        | NodeCommand::Superseded => false,
+        | NodeCommand::Superseded => None,
     }
 }
 

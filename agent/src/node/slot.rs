@@ -276,9 +276,10 @@ impl CommandSlot {
         let depth = inner.queue.len();
         if let Some(p) = inner.pending.get_mut(&q.id) {
             let now = tokio::time::Instant::now();
-            p.running = Some((q.command.kind(), now));
+            let kind = q.command.kind();
+            p.running = Some((kind, now));
             if let Some(m) = &self.metrics {
-                m.command_started(now - p.queued, depth);
+                m.command_started(kind, now - p.queued, depth);
             }
         }
         Some(q)

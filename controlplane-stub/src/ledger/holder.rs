@@ -13,7 +13,7 @@
 //! row in `nodes`, then sums what the node is charged and decides, so two
 //! handles placing on one node take turns.
 
-use sqlx::AnyConnection;
+use sqlx::{AnyConnection, Connection as _};
 use sqlx::{Any, Row, Transaction};
 
 use super::schema::{db_epoch, from_db, load, load_for_write, to_i64};
@@ -438,7 +438,52 @@ impl Ledger {
                 "the runner name recorded for lease {id} must not be empty"
             )));
         }
-        let mut tx = self.begin_write().await?;
+        // Committed without waiting for the disk (the one such write): the
+        // mint is on every launch's critical path, and a registration whose
+        // record a power cut took is found by its name by the plane's
+        // registration pass once the lease has ended (`UNRECORDED_LOOKBACK_MS`
+        // in plane.rs), as one the ledger refused to record is. A crash of
+        // the plane process loses nothing: the commit is in the database.
+        let mut conn = self.writer.acquire().await?;
+        if self.backend == Backend::Sqlite {
+            // SQLite cannot change its safety level inside a transaction.
+            sqlx::query("PRAGMA synchronous = NORMAL")
+                .execute(&mut *conn)
+                .await?;
+        }
+        let written = self
+            .set_runner_in(&mut conn, id, epoch, runner_id, runner_name)
+            .await;
+        if self.backend == Backend::Sqlite
+            && sqlx::query("PRAGMA synchronous = FULL")
+                .execute(&mut *conn)
+                .await
+                .is_err()
+        {
+            // Never hand the next write a connection that does not sync.
+            conn.close_on_drop();
+        }
+        written
+    }
+
+    async fn set_runner_in(
+        &self,
+        conn: &mut AnyConnection,
+        id: &str,
+        epoch: u64,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<Lease> {
+        let mut tx = match self.backend {
+            Backend::Sqlite => conn.begin_with("BEGIN IMMEDIATE").await?,
+            Backend::Postgres => {
+                let mut tx = conn.begin().await?;
+                sqlx::query("SET LOCAL synchronous_commit = off")
+                    .execute(&mut *tx)
+                    .await?;
+                tx
+            }
+        };
         let lease = load_open(&mut tx, self.backend, id, epoch).await?;
         if let (Some(recorded), Some(_)) = (lease.runner_name.as_deref(), lease.runner_id)
             && recorded != runner_name
@@ -736,7 +781,7 @@ async fn renew(
 }
 
 /// Reads the lease back inside the transaction and commits.
-async fn finish(mut tx: Transaction<'static, Any>, id: &str) -> Result<Lease> {
+async fn finish(mut tx: Transaction<'_, Any>, id: &str) -> Result<Lease> {
     let lease = load(&mut tx, id)
         .await?
         .ok_or_else(|| LedgerError::NotFound(id.to_owned()))?;
@@ -1211,6 +1256,35 @@ mod tests {
             let found = l.lease_by_runner_name("billet-a").await.unwrap().unwrap();
             assert_eq!(found.id, "a");
             assert_eq!(l.lease_by_runner_name("billet-none").await.unwrap(), None);
+        }
+    }
+    on_both_backends! {
+        /// `set_runner` alone commits without waiting for the disk; the
+        /// writer every other write takes afterwards syncs again, whether
+        /// the registration was recorded or refused.
+        async fn recording_a_registration_leaves_the_writer_syncing(db) {
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
+            l.set_runner("a", 1, 7, "billet-a").await.unwrap();
+            assert_eq!(code(l.set_runner("a", 2, 7, "billet-a").await), "fenced");
+            assert_eq!(l.get("a").await.unwrap().expect("a").runner_id, Some(7));
+            let mut conn = l.writer.acquire().await.unwrap();
+            match l.backend {
+                Backend::Sqlite => {
+                    let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                        .fetch_one(&mut *conn)
+                        .await
+                        .unwrap();
+                    assert_eq!(level, 2, "the writer was left at synchronous {level}, not FULL");
+                }
+                Backend::Postgres => {
+                    let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+                        .fetch_one(&mut *conn)
+                        .await
+                        .unwrap();
+                    assert_eq!(setting, "on");
+                }
+            }
         }
     }
 }

@@ -411,10 +411,11 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
 
 /// Durability by kind (ARCHITECTURE.md, "What each journal write
 /// survives"): a launch's result is in the journal by the time the plane
-/// has it, so a redelivery after a restart is answered rather than run
-/// again; the results of the idempotent passes (Tend, Sweep, Instances) are
-/// never written, and a redelivered copy within the process is still
-/// answered from memory.
+/// has it, committed (its synced launch record is what keeps a redelivery
+/// from minting again), and a destroy's is synced, so a redelivery after a
+/// restart is answered rather than run again; the results of the
+/// idempotent passes (Tend, Sweep, Instances) are never written, and a
+/// redelivered copy within the process is still answered from memory.
 #[tokio::test]
 async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are_answered() {
     use crate::node::journal::Journal as _;
@@ -428,6 +429,10 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
     let launched = plane.result().await;
     assert_eq!(launched.outcome, pb::Outcome::Ok as i32, "{launched:?}");
     assert_eq!(journaled(&node.journal).await, ["launch-1"]);
+    assert_eq!(
+        node.journal.result_durability("launch-1"),
+        Some(Durability::Committed)
+    );
     for (id, kind) in [
         ("tend-1", pb::command::Kind::Tend(pb::Tend {})),
         ("sweep-1", pb::command::Kind::Sweep(pb::Sweep {})),
@@ -456,4 +461,25 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
     let again = plane.result().await;
     assert_eq!(again.id, "instances-1");
     assert_eq!(node.provider.count(Operation::List), lists, "run again");
+    node.send(
+        &plane.session,
+        "destroy-1",
+        pb::command::Kind::Destroy(pb::Destroy {
+            request_id: REQUEST,
+            job_result: Some("succeeded".into()),
+            force: false,
+            reason: String::new(),
+        }),
+    )
+    .await;
+    let destroyed = plane.result().await;
+    assert_eq!(destroyed.id, "destroy-1", "{destroyed:?}");
+    assert_eq!(
+        journaled(&node.journal).await,
+        ["launch-1", "destroy-1"]
+    );
+    assert_eq!(
+        node.journal.result_durability("destroy-1"),
+        Some(Durability::Synced)
+    );
 }
