@@ -160,9 +160,10 @@ impl Journal for CountingJournal {
         &self,
         command: &str,
         encoded: &[u8],
+        durability: billet_agent::node::journal::Durability,
     ) -> Result<(), billet_agent::node::journal::JournalError> {
         self.wrote();
-        self.inner.put_result(command, encoded).await
+        self.inner.put_result(command, encoded, durability).await
     }
     async fn results(
         &self,

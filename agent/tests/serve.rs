@@ -176,7 +176,8 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         | Call::Advance(_)
         | Call::BindAdvance(_)
         | Call::RemoveRunner(_)
-        | Call::MarkFailure(_) => (None, None),
+        | Call::MarkFailure(_)
+        | Call::Resize(_) => (None, None),
         // This plane holds no CA.
         Call::RenewCertificate(_) => (
             None,

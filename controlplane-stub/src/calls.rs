@@ -12,7 +12,7 @@ use tracing::warn;
 
 use crate::github::Github;
 use crate::identity::{NodeCa, SignError};
-use crate::ledger::{Lease, Ledger, LedgerError, Phase};
+use crate::ledger::{Lease, Ledger, LedgerError, NodeCapacity, Phase};
 
 /// How long a quarantined lease must stay absent from a node's inventory
 /// before the ledger frees it.
@@ -95,15 +95,27 @@ impl CallHandler {
         self
     }
 
-    /// Answers one call from `node`.
+    /// Answers one call from `node`, whose capacity the plane does not
+    /// know (a `Resize` is refused `UNAVAILABLE`).
     pub async fn handle(&self, node: &str, call: pb::NodeCall) -> pb::PlaneReply {
+        self.handle_from(node, None, call).await
+    }
+
+    /// Answers one call from `node`, which said (`Hello`, then its
+    /// reports) it may run `capacity` at once: what a `Resize` must fit in.
+    pub async fn handle_from(
+        &self,
+        node: &str,
+        capacity: Option<pb::Capacity>,
+        call: pb::NodeCall,
+    ) -> pb::PlaneReply {
         let pb::NodeCall { call_id, call } = call;
         let answer = match call {
             None => Err(error(
                 pb::ErrorCode::InvalidArgument,
                 "node call: the call is missing",
             )),
-            Some(call) => self.answer(node, call).await,
+            Some(call) => self.answer(node, capacity, call).await,
         };
         match answer {
             Ok(result) => pb::PlaneReply {
@@ -152,7 +164,12 @@ impl CallHandler {
         }
     }
 
-    async fn answer(&self, node: &str, call: pb::node_call::Call) -> Answer {
+    async fn answer(
+        &self,
+        node: &str,
+        capacity: Option<pb::Capacity>,
+        call: pb::node_call::Call,
+    ) -> Answer {
         use pb::node_call::Call;
         let now = crate::now_ms();
         let l = &self.ledger;
@@ -194,6 +211,35 @@ impl CallHandler {
                     .bind_advance(&lease_id, epoch, node, phase, now)
                     .await
                     .map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
+            }
+            Call::Resize(pb::Resize {
+                lease_id,
+                epoch,
+                vcpu,
+                memory_bytes,
+            }) => {
+                let capacity = capacity.ok_or_else(|| {
+                    error(
+                        pb::ErrorCode::Unavailable,
+                        format!(
+                            "resize {lease_id}: this plane does not know node {node}'s capacity yet"
+                        ),
+                    )
+                })?;
+                let size = NodeCapacity {
+                    vcpu: u64::from(vcpu),
+                    memory_bytes,
+                };
+                let room = NodeCapacity {
+                    vcpu: u64::from(capacity.vcpu),
+                    memory_bytes: capacity.memory_bytes,
+                };
+                let lease = l
+                    .resize(&lease_id, epoch, node, size, room, now)
+                    .await
+                    .map_err(le)?;
+                tracing::info!(lease = %lease_id, node, vcpu, memory_bytes, "resized a launching lease to what its node runs");
                 Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
             }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
@@ -516,6 +562,85 @@ mod tests {
             garbage.error.map(|e| e.code),
             Some(pb::ErrorCode::IdentityRefused as i32)
         );
+    }
+
+    /// Issue #17 item 5: `Resize` changes what a launching lease charges to
+    /// what its node runs, fenced and checked against the capacity the
+    /// session's node reported; a plane that does not know it yet answers
+    /// `UNAVAILABLE`, and a size beyond the room is `REFUSED` with nothing
+    /// written.
+    #[tokio::test]
+    async fn resize_charges_what_the_node_runs_within_the_room_it_reported() {
+        let (handler, ledger, _emulator) = handler().await;
+        let reserved = ledger
+            .reserve(
+                NewLease {
+                    id: "l1".into(),
+                    tier: "linux".into(),
+                    request_id: 1,
+                    vcpu: 4,
+                    memory_bytes: 1 << 20,
+                    runner_name: Some("billet-l1".into()),
+                },
+                crate::now_ms(),
+            )
+            .await
+            .unwrap();
+        let bound = handler
+            .handle(
+                "node-a",
+                call(pb::node_call::Call::BindAdvance(pb::BindAdvance {
+                    lease_id: "l1".into(),
+                    epoch: reserved.epoch,
+                    phase: "launching".into(),
+                })),
+            )
+            .await;
+        assert!(bound.error.is_none(), "{:?}", bound.error);
+        let resize = |epoch: u64, vcpu: u32| {
+            call(pb::node_call::Call::Resize(pb::Resize {
+                lease_id: "l1".into(),
+                epoch,
+                vcpu,
+                memory_bytes: 1 << 20,
+            }))
+        };
+        let room = pb::Capacity {
+            vcpu: 8,
+            memory_bytes: 1 << 30,
+        };
+        let code = |reply: pb::PlaneReply| reply.error.map(|e| e.code);
+        assert_eq!(
+            code(handler.handle("node-a", resize(reserved.epoch, 2)).await),
+            Some(pb::ErrorCode::Unavailable as i32),
+            "resized without knowing the node's room"
+        );
+        assert_eq!(
+            code(
+                handler
+                    .handle_from("node-a", Some(room), resize(reserved.epoch + 1, 2))
+                    .await
+            ),
+            Some(pb::ErrorCode::Fenced as i32)
+        );
+        assert_eq!(
+            code(
+                handler
+                    .handle_from("node-a", Some(room), resize(reserved.epoch, 9))
+                    .await
+            ),
+            Some(pb::ErrorCode::Refused as i32)
+        );
+        assert_eq!(ledger.get("l1").await.unwrap().unwrap().vcpu, 4);
+        let reply = handler
+            .handle_from("node-a", Some(room), resize(reserved.epoch, 2))
+            .await;
+        assert!(reply.error.is_none(), "{:?}", reply.error);
+        let Some(pb::plane_reply::Result::Lease(lease)) = reply.result else {
+            panic!("not answered with the lease: {reply:?}");
+        };
+        assert_eq!(lease.vcpu, 2);
+        assert_eq!(ledger.get("l1").await.unwrap().unwrap().vcpu, 2);
     }
 
     /// Issue #14: `BindAdvance` binds the lease to the session's node and

@@ -482,9 +482,10 @@ impl NodeLink {
                     let calls = Arc::clone(calls);
                     let tx = tx.clone();
                     let node = self.target.name.clone();
+                    let capacity = self.status.borrow().as_ref().map(|s| s.capacity);
                     tokio::spawn(
                         async move {
-                            let reply = calls.handle(&node, call).await;
+                            let reply = calls.handle_from(&node, capacity, call).await;
                             let _ = tx
                                 .send(pb::PlaneMessage {
                                     body: Some(pb::plane_message::Body::Reply(reply)),

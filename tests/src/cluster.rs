@@ -71,6 +71,9 @@ pub struct ClusterOptions {
     pub tier_env: Vec<String>,
     /// Memory per runner, in bytes (the container's limit).
     pub tier_memory_bytes: u64,
+    /// vCPUs per runner, as the tier asks them (the plane reserves this
+    /// many; the node may resize the lease to what its provider runs).
+    pub tier_vcpu: u32,
     /// The runner image; the stand-in by default.
     pub tier_image: String,
     /// Sticky disks each runner of the tier gets.
@@ -131,6 +134,7 @@ impl Default for ClusterOptions {
             systemd: None,
             tier_env: Vec::new(),
             tier_memory_bytes: 256 << 20,
+            tier_vcpu: 1,
             tier_image: STANDIN_IMAGE.into(),
             sticky_disks: Vec::new(),
             node_cert_lifetime: None,
@@ -742,7 +746,7 @@ impl Cluster {
                 },
                 command: vec!["/billet-standin-runner".into()],
                 trust: "trusted".into(),
-                vcpu: 1,
+                vcpu: options.tier_vcpu,
                 memory_bytes: options.tier_memory_bytes,
                 network: "host".into(),
                 env: [

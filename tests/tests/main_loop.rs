@@ -56,3 +56,36 @@ async fn five_jobs_queued_at_once_all_run_and_all_clean_up() -> Result<()> {
     assert!(leases.iter().all(|l| l.phase == Phase::Done), "{leases:?}");
     cluster.shutdown().await
 }
+
+/// Issue #17 item 5: a tier asking for more vCPUs than the engine's host
+/// has. The engine refuses such a container (`Range of CPUs is from 0.01
+/// to N`), so on main every such launch failed and the job never ran; now
+/// the node resizes the lease to the host's CPUs before the mint, the job
+/// runs, and the ledger charged what ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_asking_for_more_cpus_than_the_host_has_runs_charged_what_it_got() -> Result<()> {
+    let cpus = u32::try_from(std::thread::available_parallelism()?.get())?;
+    let asked = cpus + 2;
+    let cluster = Cluster::start(ClusterOptions {
+        tier_vcpu: asked,
+        node_vcpu: asked.max(8),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(90))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    let state = cluster.emulator.state();
+    let job = state.jobs.iter().find(|j| j.id == jobs[0]).expect("job");
+    assert_eq!(job.result.as_deref(), Some("succeeded"));
+    let leases = cluster.plane.ledger().leases().await?;
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0].phase, Phase::Done, "{leases:?}");
+    assert_eq!(
+        leases[0].vcpu, cpus,
+        "the lease asked for {asked} vCPUs and ran at the host's {cpus}"
+    );
+    cluster.shutdown().await
+}

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::edge::model::InstanceName;
+use crate::edge::model::{ByteSize, InstanceName};
 use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::node::slot::CommandSlot;
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
@@ -669,6 +669,15 @@ impl Provider for WatchedProvider {
             format!("check image {image}"),
             LAUNCH_PROBE_TIMEOUT,
             self.inner.check_image(image),
+        )
+        .await
+    }
+
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {
+        self.bounded(
+            "read the engine's CPU count".to_owned(),
+            LAUNCH_PROBE_TIMEOUT,
+            self.inner.shape(vcpu, memory),
         )
         .await
     }

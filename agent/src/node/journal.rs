@@ -1046,7 +1046,9 @@ mod tests {
             })
             .await
             .unwrap();
-            j.put_result("c1", b"xyz", Durability::Synced).await.unwrap();
+            j.put_result("c1", b"xyz", Durability::Synced)
+                .await
+                .unwrap();
         }
         let j = SqliteJournal::open(&d).await.unwrap();
         assert_eq!(j.launches().await.unwrap(), vec![launch("a")]);

@@ -33,7 +33,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::edge::model::{Epoch, InstanceName, Lease, LeaseId, Phase};
+use crate::edge::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
 use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use crate::node::runner::HeldLease;
@@ -627,6 +627,14 @@ impl Provider for MeteredProvider {
         r
     }
 
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.shape(vcpu, memory).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("shape", took, ok);
+        r
+    }
+
     async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
         let start = Instant::now();
         let r = self.inner.create(spec).await;
@@ -734,6 +742,20 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         if phase == Phase::Launching {
             self.metrics.step("bind_advance", took);
         }
+        r
+    }
+
+    async fn resize(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.resize(lease, epoch, vcpu, memory).await;
+        let took = self.observe("resize", start, &r);
+        self.metrics.step("resize", took);
         r
     }
 

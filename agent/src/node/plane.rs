@@ -18,7 +18,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
+use crate::edge::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
 
 /// A refusal or failure of a plane call. The variants are the wire's typed
 /// codes, because the runner branches on them.
@@ -147,6 +147,28 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
     ) -> Result<(), PlaneError> {
         self.bind(lease, epoch).await?;
         self.advance(lease, epoch, phase).await
+    }
+    /// Changes what a launching lease charges to `vcpu` and `memory`, what
+    /// this node's provider will really run (the plane's `Resize`, the
+    /// reference's `LeaseStore.Resize`). Fenced; the plane checks the
+    /// node's room with the old size handed back.
+    ///
+    /// # Errors
+    ///
+    /// `Fenced`, `NotFound`, `WrongNode`; `Refused` when the lease is not
+    /// launching or the new size does not fit; `Refused` from a store (or a
+    /// plane) that cannot resize, which this default is.
+    async fn resize(
+        &self,
+        lease: &LeaseId,
+        _epoch: Epoch,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        Err(PlaneError::Refused(format!(
+            "this lease store cannot resize lease {lease} to {vcpu} vCPU and {} MiB",
+            memory.0 >> 20
+        )))
     }
     /// Renews every listed lease in one call; one result per lease, in order.
     async fn heartbeat(
@@ -523,6 +545,24 @@ impl LeaseStore for PlaneLink {
         }
         self.bind(lease, epoch).await?;
         self.advance(lease, epoch, phase).await
+    }
+
+    async fn resize(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        self.call(pb::node_call::Call::Resize(pb::Resize {
+            lease_id,
+            epoch,
+            vcpu,
+            memory_bytes: memory.0,
+        }))
+        .await
+        .map(drop)
     }
 
     async fn heartbeat(

@@ -29,7 +29,8 @@ use super::journal::{Journal, LaunchRecord, MemoryJournal};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
 use crate::edge::model::{
-    DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec, Trust,
+    ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
+    Trust,
 };
 use crate::provider::{Bind, Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
@@ -670,6 +671,46 @@ impl Runner {
         Ok(())
     }
 
+    /// The size the provider will really run the bound lease at; when it
+    /// is not the lease's, the lease is resized to it first (fenced, the
+    /// node's room checked by the plane), so the ledger charges what runs.
+    /// Before the mint: a refusal leaves nothing minted, and the lease is
+    /// released.
+    async fn resize_to_shape(&self, lease: &Lease) -> Result<(u32, ByteSize), RunnerError> {
+        let (vcpu, memory) = self
+            .provider
+            .shape(lease.vcpu, lease.memory)
+            .await
+            .map_err(|e| {
+                RunnerError::Failed(format!(
+                    "ask the provider what lease {} would run at, so nothing was minted: {e}",
+                    lease.id
+                ))
+            })?;
+        if (vcpu, memory) == (lease.vcpu, lease.memory) {
+            return Ok((vcpu, memory));
+        }
+        self.ledger
+            .resize(&lease.id, lease.epoch, vcpu, memory)
+            .await
+            .map_err(|e| {
+                RunnerError::Failed(format!(
+                    "lease {} asks for {} vCPU and {} MiB, this node's {} provider runs it at {vcpu} vCPU and {} MiB, and the plane would not resize it, so nothing was minted: {e}",
+                    lease.id,
+                    lease.vcpu,
+                    lease.memory.0 >> 20,
+                    self.provider.kind(),
+                    memory.0 >> 20
+                ))
+            })?;
+        info!(lease = %lease.id, asked_vcpu = lease.vcpu, vcpu, memory_mib = memory.0 >> 20,
+              "resized the lease to what the provider runs");
+        self.state()
+            .sizes
+            .insert(lease.id.clone(), (vcpu, memory.0));
+        Ok((vcpu, memory))
+    }
+
     async fn launch_bound(
         &self,
         lease: &Lease,
@@ -678,6 +719,7 @@ impl Runner {
         job: &Job,
         record: &mut LaunchRecord,
     ) -> Result<(), RunnerError> {
+        let (vcpu, memory) = self.resize_to_shape(lease).await?;
         let registration = match self.jit.mint(&lease.id, lease.epoch, name).await {
             Ok(r) => r,
             Err(mint_error) => {
@@ -721,8 +763,8 @@ impl Runner {
             request_id: lease.request_id,
             image: tier.image.clone(),
             command: tier.command.clone(),
-            vcpu: lease.vcpu,
-            memory: lease.memory,
+            vcpu,
+            memory,
             shm: tier.shm,
             network: tier.network.clone(),
             env,

@@ -997,6 +997,7 @@ mod scenarios {
             Call::RemoveRunner(_) => "remove_runner",
             Call::MarkFailure(_) => "mark_failure",
             Call::RenewCertificate(_) => "renew_certificate",
+            Call::Resize(_) => "resize",
         }
     }
 
@@ -1086,6 +1087,29 @@ mod scenarios {
 
     fn push_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {
         let (id, command) = launch(id);
+        let admission = slot.push(Queued {
+            id,
+            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
+            command,
+            session: Arc::clone(session),
+        });
+        assert!(matches!(admission, Admission::Queued), "{admission:?}");
+    }
+
+    /// A launch as [`launch`] makes, of a lease asking for `vcpu`.
+    fn push_sized_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str, vcpu: u32) {
+        let mut command = crate::edge::wire::tests::launch();
+        command.id = id.into();
+        command.deadline_unix_ms = now_unix_ms() + 60_000;
+        if let Some(pb::command::Kind::Launch(pb::Launch {
+            lease: Some(lease), ..
+        })) = &mut command.kind
+        {
+            lease.vcpu = vcpu;
+        }
+        let (id, command) = wire::command(command)
+            .command
+            .expect("a well-formed launch");
         let admission = slot.push(Queued {
             id,
             deadline: tokio::time::Instant::now() + Duration::from_secs(60),
@@ -1290,6 +1314,90 @@ mod scenarios {
             "plane round trips on the launch path"
         );
         assert_eq!(provider.instances().len(), 1);
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// Issue #17 item 5: a lease asking for more vCPUs than the provider
+    /// runs (the Docker engine refuses a limit above its host's CPUs) is
+    /// resized in the ledger to what runs, after the bind and before the
+    /// mint, and created at that size; where main created it as asked, and
+    /// the engine refused every such launch.
+    #[tokio::test]
+    async fn a_lease_larger_than_the_provider_runs_is_resized_before_the_mint() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.set_cpus(2);
+        let (runner, link) = node(provider.clone());
+        let resized = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&resized);
+        let mut plane = open_plane(&link, move |call| {
+            if let pb::node_call::Call::Resize(r) = call {
+                seen.lock().expect("resized").push(r.clone());
+            }
+            default_answer(call)
+        });
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_sized_launch(&slot, &plane.session, "c1", 4);
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        assert_eq!(plane.calls(), ["bind_advance", "resize", "mint_jit"]);
+        assert_eq!(
+            *resized.lock().expect("resized"),
+            [pb::Resize {
+                lease_id: "l1".into(),
+                epoch: 1,
+                vcpu: 2,
+                memory_bytes: 1 << 30,
+            }]
+        );
+        let specs = provider.specs();
+        assert_eq!(specs.len(), 1);
+        assert_eq!(specs[0].vcpu, 2, "created at the size that runs");
+        assert_eq!(runner.held_charge(), (2, 1 << 30), "charged what runs");
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// A resize the plane refuses (no room, fenced, or a plane that
+    /// predates `Resize`) fails the launch before anything is minted or
+    /// created, and the lease is released.
+    #[tokio::test]
+    async fn a_refused_resize_fails_the_launch_before_anything_is_minted() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.set_cpus(2);
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::Resize(_) => Err(pb::ErrorCode::InvalidArgument),
+            other => default_answer(other),
+        });
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_sized_launch(&slot, &plane.session, "c1", 4);
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert!(
+            result
+                .error
+                .as_ref()
+                .is_some_and(|e| e.message.contains("would not resize")),
+            "{result:?}"
+        );
+        assert!(!plane.calls().contains(&"mint_jit"), "{:?}", plane.calls());
+        assert!(provider.specs().is_empty(), "nothing created");
+        assert_eq!(runner.held_charge(), (0, 0));
         cancel.cancel();
         task.await.expect("executor");
     }

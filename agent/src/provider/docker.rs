@@ -57,7 +57,7 @@ use tokio::sync::OnceCell;
 use super::{
     Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
 };
-use crate::edge::model::InstanceName;
+use crate::edge::model::{ByteSize, InstanceName};
 
 /// The environment variable through which the runner receives its JIT
 /// config (the only way it reaches the instance).
@@ -126,6 +126,9 @@ pub struct DockerProvider {
     timeout: Duration,
     /// The registry mirrors every container is handed (`mirrors.rs`).
     mirrors: super::mirrors::GuestMirrors,
+    /// How many CPUs the engine's host has (`docker info`'s `NCPU`), read
+    /// by the first [`Provider::shape`] that reaches the engine.
+    cpus: OnceCell<u32>,
 }
 
 impl DockerProvider {
@@ -153,6 +156,7 @@ impl DockerProvider {
             client: OnceCell::new(),
             timeout: DEFAULT_TIMEOUT,
             mirrors: super::mirrors::GuestMirrors::default(),
+            cpus: OnceCell::new(),
         })
     }
 
@@ -389,6 +393,24 @@ impl DockerProvider {
         Ok(instances)
     }
 
+    async fn cpus_unbounded(&self) -> Result<u32, ProviderError> {
+        let operation = "read the engine's CPU count";
+        let docker = self.client(operation).await?;
+        let info = docker
+            .info()
+            .await
+            .map_err(|err| self.engine_error(operation, &err, None))?;
+        info.ncpu
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                ProviderError::Refused(format!(
+                    "the Docker engine reported no CPU count (NCPU {:?})",
+                    info.ncpu
+                ))
+            })
+    }
+
     async fn check_image_unbounded(&self, image: &str) -> Result<(), ProviderError> {
         let operation = format!("check image {image}");
         let docker = self.client(&operation).await?;
@@ -517,6 +539,29 @@ impl Provider for DockerProvider {
         self.bounded(&operation, self.check_image_unbounded(image))
             .await
     }
+
+    /// The engine refuses a container limited to more CPUs than its host
+    /// has (`Range of CPUs is from 0.01 to N`), so a lease asking for more
+    /// runs at the host's count, and is charged that; memory runs as asked
+    /// (the engine takes any limit). The count is read once from
+    /// `docker info` and kept: it changes only with the host.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`], when the engine cannot be asked the first time.
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {
+        let cpus = *self
+            .cpus
+            .get_or_try_init(|| self.bounded("read the engine's CPU count", self.cpus_unbounded()))
+            .await?;
+        Ok((shaped_vcpu(vcpu, cpus), memory))
+    }
+}
+
+/// `vcpu` as an engine whose host has `cpus` CPUs runs it: at most `cpus`;
+/// 0 (no limit) stays 0.
+fn shaped_vcpu(vcpu: u32, cpus: u32) -> u32 {
+    vcpu.min(cpus)
 }
 
 impl DockerProvider {

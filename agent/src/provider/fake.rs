@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use super::{
     Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
 };
-use crate::edge::model::{InstanceName, JitConfig, NodeName};
+use crate::edge::model::{ByteSize, InstanceName, JitConfig, NodeName};
 
 /// A provider operation, for injecting failures and holding calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -131,6 +131,7 @@ struct State {
     missing_images: BTreeSet<String>,
     engine: Engine,
     ignores_sigterm: BTreeSet<String>,
+    cpus: Option<u32>,
 }
 
 /// An in-memory [`Provider`] that records calls and can be told to fail.
@@ -192,6 +193,13 @@ impl FakeProvider {
     /// Makes `image` present again (built or loaded while a job waits).
     pub fn restore_image(&self, image: &str) {
         self.state().missing_images.remove(image);
+    }
+
+    /// Runs every instance at no more than `cpus` vCPUs, as the Docker
+    /// provider does on a host with that many CPUs ([`Provider::shape`]).
+    /// Unlimited until set.
+    pub fn set_cpus(&self, cpus: u32) {
+        self.state().cpus = Some(cpus);
     }
 
     /// The same fake reporting `kind` from [`Provider::kind`].
@@ -417,6 +425,14 @@ impl Provider for FakeProvider {
             });
         }
         Ok(())
+    }
+
+    /// At most [`FakeProvider::set_cpus`] vCPUs, memory as asked.
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {
+        Ok((
+            self.state().cpus.map_or(vcpu, |cpus| vcpu.min(cpus)),
+            memory,
+        ))
     }
 
     /// Records the spec and its JIT config, then creates a running

@@ -231,6 +231,17 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// other variant when the engine cannot be asked.
     async fn check_image(&self, image: &str) -> Result<(), ProviderError>;
 
+    /// The size an instance asked for as `vcpu` and `memory` really runs
+    /// at on this provider (0 is no limit, as in [`InstanceSpec`]): what a
+    /// launch charges once its lease is resized (`LeaseStore::resize`, the
+    /// reference's `Resize`). Required, with no default, so that a wrapper
+    /// cannot forget to ask the provider it wraps.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the provider cannot be asked.
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError>;
+
     /// Creates and starts an instance. Returns once it is created.
     ///
     /// # Errors

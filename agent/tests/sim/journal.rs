@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 use billet_agent::node::journal::{
-    CustodyRecord, Journal, JournalError, LaunchRecord, MemoryJournal,
+    CustodyRecord, Durability, Journal, JournalError, LaunchRecord, MemoryJournal,
 };
 
 /// [`MemoryJournal`] with injected failures.
@@ -109,8 +109,13 @@ impl Journal for SimJournal {
         self.inner.custody().await
     }
 
-    async fn put_result(&self, command: &str, encoded: &[u8]) -> Result<(), JournalError> {
-        self.inner.put_result(command, encoded).await
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        self.inner.put_result(command, encoded, durability).await
     }
 
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use billet_agent::edge::model::InstanceName;
+use billet_agent::edge::model::{ByteSize, InstanceName};
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
@@ -212,6 +212,10 @@ impl Provider for SimProvider {
 
     async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
         self.fake.check_image(image).await
+    }
+
+    async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {
+        self.fake.shape(vcpu, memory).await
     }
 
     async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {

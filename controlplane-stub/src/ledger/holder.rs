@@ -13,8 +13,8 @@
 //! row in `nodes`, then sums what the node is charged and decides, so two
 //! handles placing on one node take turns.
 
-use sqlx::{AnyConnection, Connection as _};
 use sqlx::{Any, Row, Transaction};
+use sqlx::{AnyConnection, Connection as _};
 
 use super::schema::{db_epoch, from_db, load, load_for_write, to_i64};
 use super::{

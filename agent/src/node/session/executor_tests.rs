@@ -94,7 +94,8 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
         | Call::Release(_)
         | Call::RemoveRunner(_)
         | Call::MarkFailure(_)
-        | Call::RenewCertificate(_) => None,
+        | Call::RenewCertificate(_)
+        | Call::Resize(_) => None,
     }
 }
 
@@ -474,10 +475,7 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
     .await;
     let destroyed = plane.result().await;
     assert_eq!(destroyed.id, "destroy-1", "{destroyed:?}");
-    assert_eq!(
-        journaled(&node.journal).await,
-        ["launch-1", "destroy-1"]
-    );
+    assert_eq!(journaled(&node.journal).await, ["launch-1", "destroy-1"]);
     assert_eq!(
         node.journal.result_durability("destroy-1"),
         Some(Durability::Synced)
