@@ -7,6 +7,10 @@
 //! Behaviour follows the reference ledger as described in
 //! `spec/ledger-and-github.md` §1:
 //!
+//! - **Durability**: every write is synced before it returns but one:
+//!   [`Ledger::set_runner`] commits without waiting for the disk (a
+//!   registration a power cut takes is found by its name once the lease has
+//!   ended; ARCHITECTURE.md, "Hot paths").
 //! - **SQLite**: WAL mode with `synchronous = FULL` and a busy timeout. One
 //!   writer connection per handle; every write is one transaction opened with
 //!   `BEGIN IMMEDIATE`, so a read-decide-write never loses its snapshot and a
