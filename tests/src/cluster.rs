@@ -431,6 +431,35 @@ pub struct NodeProcess {
 }
 
 impl NodeProcess {
+    /// Starts `billet node` (not installed: a child of this process) named
+    /// `name`, listening on `addr`, with `args` and `env`, logging to
+    /// `log`, inside network namespace `netns` if one is given.
+    ///
+    /// # Errors
+    ///
+    /// When the log cannot be opened or the process started.
+    pub async fn start(
+        name: &str,
+        addr: SocketAddr,
+        log: PathBuf,
+        netns: Option<String>,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Result<NodeProcess> {
+        let mut process = NodeProcess {
+            name: name.to_owned(),
+            addr,
+            log,
+            installed: None,
+            netns,
+            args,
+            env,
+            child: None,
+        };
+        process.spawn().await?;
+        Ok(process)
+    }
+
     async fn spawn(&mut self) -> Result<()> {
         if let Some(installed) = &self.installed {
             return run_script(&installed.start).await;
@@ -587,6 +616,104 @@ pub fn free_port() -> Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
+/// The stand-in runner image's tag pinned by its content (built once per
+/// process: parallel tests share the binaries and the tag). The tier names
+/// the image by a tag that carries its content's id, so another checkout
+/// rebuilding [`STANDIN_IMAGE`] from its own binary while this one runs
+/// cannot change the runner a test starts. The process binaries
+/// ([`PROCESS_BINARIES`](crate::image::PROCESS_BINARIES)) are built first.
+///
+/// # Errors
+///
+/// When the binaries or the image cannot be built.
+pub async fn standin_image(docker: &Docker) -> Result<String> {
+    static IMAGE: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+    Ok(IMAGE
+        .get_or_try_init(|| async {
+            tokio::task::spawn_blocking(build_process_binaries).await??;
+            build_standin_image(
+                docker,
+                &binary_path("billet-standin-runner")?,
+                STANDIN_IMAGE,
+            )
+            .await
+            .context("build the stand-in runner image")?;
+            pin_by_content(docker, STANDIN_IMAGE).await
+        })
+        .await?
+        .clone())
+}
+
+/// The arguments of `billet node` for node `name` of a cluster started with
+/// `options`: listening on `addr`, with its certificate from `certs`, in
+/// `deployment`, keeping its state in `state_dir`.
+///
+/// # Errors
+///
+/// When `certs` has no certificate for `name`.
+pub fn node_args(
+    options: &ClusterOptions,
+    certs: &billet_certs_dev::DevCerts,
+    name: &str,
+    addr: SocketAddr,
+    deployment: &str,
+    state_dir: &Path,
+) -> Result<Vec<String>> {
+    let files = certs.node(name).context("node certificate")?;
+    Ok(vec![
+        "node".to_owned(),
+        "--listen".into(),
+        addr.to_string(),
+        "--cert".into(),
+        files.cert.display().to_string(),
+        "--key".into(),
+        files.key.display().to_string(),
+        "--ca".into(),
+        certs.ca.cert.display().to_string(),
+        "--plane-name".into(),
+        "plane".into(),
+        "--deployment".into(),
+        deployment.to_owned(),
+        "--state-dir".into(),
+        state_dir.display().to_string(),
+        "--docker-socket".into(),
+        options.docker_socket.display().to_string(),
+        "--vcpu".into(),
+        options.node_vcpu.to_string(),
+        "--memory-bytes".into(),
+        (8u64 << 30).to_string(),
+    ])
+}
+
+/// The development certificates of a cluster started with `options`, in
+/// `dir/certs`: the CA, the plane's (named `plane`) and one per node, naming
+/// its address too when it runs on a host of its own.
+///
+/// # Errors
+///
+/// When they cannot be made or written.
+pub fn cluster_certs(dir: &Path, options: &ClusterOptions) -> Result<billet_certs_dev::DevCerts> {
+    let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
+    Ok(billet_certs_dev::generate_with_nodes(
+        &dir.join("certs"),
+        "plane",
+        &names,
+        &billet_certs_dev::Options::default(),
+        &billet_certs_dev::NodeOptions {
+            validity: options
+                .node_cert_lifetime
+                .map(billet_certs_dev::Validity::lasting)
+                .transpose()?,
+            addresses: options
+                .hosts
+                .iter()
+                .map(|(name, host)| (name.clone(), host.addr))
+                .collect(),
+            ..Default::default()
+        },
+    )?)
+}
+
 impl Cluster {
     /// Builds the stand-in image, makes certificates, starts the emulator,
     /// the nodes and the plane, and waits until every node is attached.
@@ -596,25 +723,7 @@ impl Cluster {
     /// When any part cannot start; the message says which.
     pub async fn start(options: ClusterOptions) -> Result<Cluster> {
         let docker = connect_docker().await?;
-        // Once per process: parallel tests share the binaries and the tag.
-        // The tier names the image by a tag that carries its content's id,
-        // so another checkout rebuilding `STANDIN_IMAGE` from its own binary
-        // while this one runs cannot change the runner a test starts.
-        static IMAGE: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
-        let standin = IMAGE
-            .get_or_try_init(|| async {
-                tokio::task::spawn_blocking(build_process_binaries).await??;
-                build_standin_image(
-                    &docker,
-                    &binary_path("billet-standin-runner")?,
-                    STANDIN_IMAGE,
-                )
-                .await
-                .context("build the stand-in runner image")?;
-                pin_by_content(&docker, STANDIN_IMAGE).await
-            })
-            .await?
-            .clone();
+        let standin = standin_image(&docker).await?;
         let dir = match &options.systemd {
             // Where the systemd host sees it, at the same path.
             Some(host) => {
@@ -626,25 +735,7 @@ impl Cluster {
             None => scratch_dir("billet-cluster")?,
         };
         let deployment = format!("dep{}", &uuid_like()[..8]);
-        let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
-        let certs = billet_certs_dev::generate_with_nodes(
-            &dir.join("certs"),
-            "plane",
-            &names,
-            &billet_certs_dev::Options::default(),
-            &billet_certs_dev::NodeOptions {
-                validity: options
-                    .node_cert_lifetime
-                    .map(billet_certs_dev::Validity::lasting)
-                    .transpose()?,
-                addresses: options
-                    .hosts
-                    .iter()
-                    .map(|(name, host)| (name.clone(), host.addr))
-                    .collect(),
-                ..Default::default()
-            },
-        )?;
+        let certs = cluster_certs(&dir, &options)?;
 
         let emulator = Emulator::builder()
             .long_poll(Duration::from_millis(300))
@@ -654,7 +745,6 @@ impl Cluster {
         let mut nodes = HashMap::new();
         let mut targets = Vec::new();
         for name in &options.nodes {
-            let files = certs.node(name).context("node certificate")?;
             let host = options.hosts.get(name);
             let addr = match host {
                 Some(host) => SocketAddr::new(host.addr, HOST_PORT),
@@ -665,29 +755,7 @@ impl Cluster {
                 .as_deref()
                 .unwrap_or(&dir)
                 .join(format!("state-{name}"));
-            let args = vec![
-                "node".to_owned(),
-                "--listen".into(),
-                addr.to_string(),
-                "--cert".into(),
-                files.cert.display().to_string(),
-                "--key".into(),
-                files.key.display().to_string(),
-                "--ca".into(),
-                certs.ca.cert.display().to_string(),
-                "--plane-name".into(),
-                "plane".into(),
-                "--deployment".into(),
-                deployment.clone(),
-                "--state-dir".into(),
-                state_dir.display().to_string(),
-                "--docker-socket".into(),
-                options.docker_socket.display().to_string(),
-                "--vcpu".into(),
-                options.node_vcpu.to_string(),
-                "--memory-bytes".into(),
-                (8u64 << 30).to_string(),
-            ];
+            let args = node_args(&options, &certs, name, addr, &deployment, &state_dir)?;
             let mut env = vec![("BILLET_LOG".to_owned(), options.node_log.clone())];
             env.extend(options.node_env.iter().cloned());
             let log = dir.join(format!("{name}.log"));

@@ -435,69 +435,97 @@ impl Fleet {
     /// node is booked beyond `vcpu`: neither in the ledger (what it
     /// charges on the node) nor on the host (its running containers).
     pub fn watch_capacity(&self, vcpu: u32) -> CapacityWatch {
-        let stop = CancellationToken::new();
-        let seen = Arc::new(Mutex::new(CapacitySeen::default()));
         let plane = Arc::clone(&self.cluster.plane);
-        let docker = self.cluster.docker.clone();
-        let deployment = self.cluster.deployment.clone();
-        let nodes: Vec<String> = self.network.hosts.keys().cloned().collect();
-        let task = {
-            let stop = stop.clone();
-            let seen = Arc::clone(&seen);
-            tokio::spawn(async move {
-                while !stop.is_cancelled() {
-                    for node in &nodes {
-                        let charged = plane.ledger().charged_on(node).await.ok();
-                        let filters: HashMap<String, Vec<String>> = HashMap::from([
-                            (
-                                "label".to_owned(),
-                                vec![
-                                    format!("sh.billet.deployment={deployment}"),
-                                    format!("sh.billet.node={node}"),
-                                ],
-                            ),
-                            ("status".to_owned(), vec!["running".to_owned()]),
-                        ]);
-                        let running = docker
-                            .list_containers(Some(
-                                bollard::query_parameters::ListContainersOptions {
-                                    filters: Some(filters),
-                                    ..Default::default()
-                                },
-                            ))
-                            .await
-                            .map(|l| l.len())
-                            .ok();
-                        let mut guard = seen.lock().expect("capacity");
-                        let seen = &mut *guard;
-                        let entry = seen.max.entry(node.clone()).or_default();
-                        if let Some(c) = charged {
-                            entry.0 = entry.0.max(c.vcpu);
-                            if c.vcpu > u64::from(vcpu) {
-                                seen.over.push(format!(
-                                    "the ledger charged {} vCPUs on {node} (capacity {vcpu})",
-                                    c.vcpu
-                                ));
-                            }
-                        }
-                        if let Some(n) = running {
-                            entry.1 = entry.1.max(n);
-                            if n > vcpu as usize {
-                                seen.over.push(format!(
-                                    "{n} runners ran on {node} at once (capacity {vcpu})"
-                                ));
-                            }
+        watch_capacity(
+            Arc::new(move |node: String| {
+                let plane = Arc::clone(&plane);
+                Box::pin(async move { plane.ledger().charged_on(&node).await.ok() })
+            }),
+            self.cluster.docker.clone(),
+            self.cluster.deployment.clone(),
+            self.network.hosts.keys().cloned().collect(),
+            vcpu,
+        )
+    }
+}
+
+/// What the ledger charges on a node (by name), `None` when it cannot say:
+/// how [`watch_capacity`] reads whichever ledger the test has.
+pub type ChargedOn = Arc<
+    dyn Fn(
+            String,
+        )
+            -> futures::future::BoxFuture<'static, Option<billet_controlplane_stub::ledger::Charge>>
+        + Send
+        + Sync,
+>;
+
+/// Watches, every 200 ms until [`CapacityWatch::finish`], that none of
+/// `nodes` is booked beyond `vcpu`: neither in the ledger (`charged_on`)
+/// nor on its host (its running containers of `deployment`).
+pub fn watch_capacity(
+    charged_on: ChargedOn,
+    docker: bollard::Docker,
+    deployment: String,
+    nodes: Vec<String>,
+    vcpu: u32,
+) -> CapacityWatch {
+    let stop = CancellationToken::new();
+    let seen = Arc::new(Mutex::new(CapacitySeen::default()));
+    let task = {
+        let stop = stop.clone();
+        let seen = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                for node in &nodes {
+                    let charged = charged_on(node.clone()).await;
+                    let filters: HashMap<String, Vec<String>> = HashMap::from([
+                        (
+                            "label".to_owned(),
+                            vec![
+                                format!("sh.billet.deployment={deployment}"),
+                                format!("sh.billet.node={node}"),
+                            ],
+                        ),
+                        ("status".to_owned(), vec!["running".to_owned()]),
+                    ]);
+                    let running = docker
+                        .list_containers(Some(bollard::query_parameters::ListContainersOptions {
+                            filters: Some(filters),
+                            ..Default::default()
+                        }))
+                        .await
+                        .map(|l| l.len())
+                        .ok();
+                    let mut guard = seen.lock().expect("capacity");
+                    let seen = &mut *guard;
+                    let entry = seen.max.entry(node.clone()).or_default();
+                    if let Some(c) = charged {
+                        entry.0 = entry.0.max(c.vcpu);
+                        if c.vcpu > u64::from(vcpu) {
+                            seen.over.push(format!(
+                                "the ledger charged {} vCPUs on {node} (capacity {vcpu})",
+                                c.vcpu
+                            ));
                         }
                     }
-                    tokio::select! {
-                        () = stop.cancelled() => {}
-                        () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    if let Some(n) = running {
+                        entry.1 = entry.1.max(n);
+                        if n > vcpu as usize {
+                            seen.over.push(format!(
+                                "{n} runners ran on {node} at once (capacity {vcpu})"
+                            ));
+                        }
                     }
                 }
-            })
-        };
-        CapacityWatch { stop, seen, task }
-    }
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                }
+            }
+        })
+    };
+    CapacityWatch { stop, seen, task }
 }
 
 /// What a [`CapacityWatch`] saw.

@@ -300,9 +300,11 @@ pub fn binary_path(name: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// The binaries the end-to-end tests and the demo start.
-pub const PROCESS_BINARIES: [(&str, &str); 2] = [
+pub const PROCESS_BINARIES: [(&str, &str); 3] = [
     ("billet-agent", "billet"),
     ("billet-controlplane-stub", "billet-standin-runner"),
+    // The plane as a process (`planes.rs`).
+    ("billet-controlplane-stub", "billet-plane"),
 ];
 
 /// Builds [`PROCESS_BINARIES`] with cargo, in the profile the current

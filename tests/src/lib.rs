@@ -8,5 +8,6 @@ pub mod engine_proxy;
 pub mod fleet;
 pub mod image;
 pub mod imds;
+pub mod planes;
 pub mod reports;
 pub mod systemd;

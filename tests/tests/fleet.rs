@@ -415,3 +415,224 @@ async fn a_rolling_upgrade_of_the_fleet_kills_no_job_and_double_books_nothing() 
     fleet.cluster.shutdown().await?;
     Ok(())
 }
+
+/// Two `billet-plane` processes share one PostgreSQL ledger (issue #17 item
+/// 1), each with a scale set and two nodes of its own, both reapers running
+/// over the whole ledger. Plane A is killed (SIGKILL, nothing written on
+/// the way out) while its nodes run jobs: plane B's reaper quarantines each
+/// of A's leases once (its epoch moves by one, and B's log names it once)
+/// and reaps none of its own; B's jobs, those queued after the kill
+/// included, run on; A's runners finish their jobs at GitHub. Once GitHub
+/// has timed A's session out, A is started again: it attaches its nodes,
+/// runs the jobs queued on its set while it was dead, and the quarantine is
+/// resolved. Every job completed once, succeeded, on a node of its own
+/// plane; no node was charged beyond its capacity; nothing is left: no
+/// container, no charge, no registration.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_plane_processes_on_one_postgres_ledger_survive_one_killed_without_double_booking()
+-> Result<()> {
+    use billet_tests::planes::{PlaneFleet, PlaneSpec};
+    let options = options(4, 15_000);
+    let ttl = options.lease_ttl;
+    let planes = vec![
+        PlaneSpec {
+            name: "plane-a".into(),
+            tier: "billet-a".into(),
+            nodes: vec!["node-a1".into(), "node-a2".into()],
+        },
+        PlaneSpec {
+            name: "plane-b".into(),
+            tier: "billet-b".into(),
+            nodes: vec!["node-b1".into(), "node-b2".into()],
+        },
+    ];
+    let mut fleet = PlaneFleet::start(options, planes).await?;
+    let watch = fleet.watch_capacity(VCPU);
+    let (a, b) = (0, 1);
+    let a_nodes = fleet.planes[a].spec.nodes.clone();
+    let b_nodes = fleet.planes[b].spec.nodes.clone();
+    let mut a_jobs = fleet.queue_jobs(a, 4)?;
+    let mut b_jobs = fleet.queue_jobs(b, 4)?;
+    wait_until(Duration::from_secs(90), "eight jobs to run", || {
+        let state = fleet.emulator.state();
+        state
+            .jobs
+            .iter()
+            .filter(|j| j.state == JobState::Running)
+            .count()
+            == 8
+    })
+    .await?;
+    // What A's nodes hold when A dies: four leases, each running its job.
+    let held: Vec<_> = fleet
+        .ledger
+        .open_leases()
+        .await?
+        .into_iter()
+        .filter(|l| l.node.as_ref().is_some_and(|n| a_nodes.contains(n)))
+        .collect();
+    ensure!(held.len() == 4, "A's nodes hold {held:?}");
+    let killed = Instant::now();
+    fleet.planes[a].kill().await?;
+    // Work keeps coming for both: B runs its own; A's waits for A.
+    b_jobs.extend(fleet.queue_jobs(b, 2)?);
+    let a_later = fleet.queue_jobs(a, 2)?;
+    a_jobs.extend(a_later.iter().copied());
+    // Past the TTL nothing renews A's leases: B's reaper quarantines each.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let quarantined = loop {
+        let mut now = Vec::new();
+        for l in &held {
+            now.push(fleet.ledger.get(&l.id).await?.context("lease")?);
+        }
+        if now.iter().all(|l| l.phase == Phase::Quarantine) {
+            break now;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "A's leases are not all quarantined {:?} after A was killed: {now:?}",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "plane A killed: its {} leases quarantined by plane B's reaper {:.1} s later (lease TTL {:.0} s)",
+        quarantined.len(),
+        killed.elapsed().as_secs_f64(),
+        ttl.as_secs_f64()
+    );
+    let reaped_by_b = fleet.planes[b].quarantined();
+    for (before, after) in held.iter().zip(&quarantined) {
+        ensure!(
+            after.epoch == before.epoch + 1,
+            "lease {} went from epoch {} to {} when reaped: not reclaimed exactly once",
+            before.id,
+            before.epoch,
+            after.epoch
+        );
+        let times = reaped_by_b.iter().filter(|id| **id == before.id).count();
+        ensure!(
+            times == 1,
+            "plane B's reaper reported {} {times} times; its reports: {reaped_by_b:?}",
+            before.id
+        );
+    }
+    // B's jobs, the ones queued after the kill included, complete on B.
+    fleet
+        .wait_jobs_completed(&b_jobs, Duration::from_secs(120))
+        .await?;
+    // A's runners finish the jobs they had at GitHub, plane or not.
+    fleet
+        .wait_jobs_completed(&a_jobs[..4], Duration::from_secs(120))
+        .await?;
+    // Silence freed nothing: long after the quarantine (several ticks of
+    // B's reaper), each of A's leases is still quarantined at the epoch it
+    // was reaped at, and still charged on its node.
+    let mut charged = 0;
+    for node in &a_nodes {
+        charged += fleet.ledger.charged_on(node).await?.leases;
+    }
+    for l in &quarantined {
+        let now = fleet.ledger.get(&l.id).await?.context("lease")?;
+        ensure!(
+            now.phase == Phase::Quarantine && now.epoch == l.epoch,
+            "lease {} was quarantined at epoch {}; {:.1} s after A was killed it is {:?} at epoch {}",
+            l.id,
+            l.epoch,
+            killed.elapsed().as_secs_f64(),
+            now.phase,
+            now.epoch
+        );
+    }
+    ensure!(
+        charged as usize >= held.len(),
+        "A's nodes are charged {charged} leases while {} of theirs are quarantined",
+        held.len()
+    );
+    // GitHub times the dead plane's message session out (it was never
+    // deleted); then A comes back on the same ledger and nodes.
+    let set = fleet.scale_set(a)?;
+    // (It panics if A's session is not open at GitHub any more.)
+    fleet.emulator.expire_session(set);
+    let attached = a_nodes
+        .iter()
+        .map(|n| fleet.planes[a].attachments(n))
+        .min()
+        .unwrap_or(0);
+    let restarted_ms = billet_controlplane_stub::now_ms();
+    fleet.planes[a].start_again().await?;
+    fleet.wait_plane_ready(a, attached).await?;
+    fleet
+        .wait_jobs_completed(&a_later, Duration::from_secs(120))
+        .await?;
+    fleet.wait_clean(Duration::from_secs(120)).await?;
+    // No plane's reaper reclaimed any lease of B's nodes, nor reclaimed one
+    // of A's twice.
+    let leases = fleet.ledger.leases().await?;
+    let reaped: Vec<String> = fleet
+        .planes
+        .iter()
+        .flat_map(billet_tests::planes::PlaneProcess::reclaimed)
+        .collect();
+    for l in &leases {
+        let times = reaped.iter().filter(|id| **id == l.id).count();
+        let on_b = l.node.as_ref().is_some_and(|n| b_nodes.contains(n));
+        let was_held = held.iter().any(|h| h.id == l.id);
+        ensure!(
+            times == usize::from(was_held) && !(on_b && times > 0),
+            "lease {} (on {:?}) was reclaimed by a reaper {times} times",
+            l.id,
+            l.node
+        );
+    }
+    // A's quarantine was resolved only once A's nodes could speak again.
+    for h in &held {
+        let l = leases.iter().find(|l| l.id == h.id).context("lease")?;
+        println!(
+            "A's lease {} ended {:?} at epoch {} ({:?})",
+            l.id, l.phase, l.epoch, l.failure_reason
+        );
+        ensure!(
+            l.ended_at_ms.is_some_and(|t| t >= restarted_ms),
+            "lease {} of the dead plane ended before its plane came back: {l:?}",
+            l.id
+        );
+    }
+    // Every job completed once, succeeded, run by a runner of a lease on a
+    // node of its own plane.
+    let state = fleet.emulator.state();
+    for (jobs, nodes) in [(&a_jobs, &a_nodes), (&b_jobs, &b_nodes)] {
+        for id in jobs.iter() {
+            let job = state
+                .jobs
+                .iter()
+                .find(|j| j.id == *id)
+                .with_context(|| format!("job {id}"))?;
+            ensure!(
+                job.state == JobState::Completed && job.result.as_deref() == Some("succeeded"),
+                "job {id} ended {:?} {:?}",
+                job.state,
+                job.result
+            );
+            let runner = job
+                .runner_id
+                .with_context(|| format!("job {id} had no runner"))?;
+            let ran: Vec<_> = leases
+                .iter()
+                .filter(|l| l.runner_id == Some(runner.get()))
+                .collect();
+            ensure!(
+                ran.len() == 1 && ran[0].node.as_ref().is_some_and(|n| nodes.contains(n)),
+                "job {id} was run by runner {runner} of {ran:?}, not by one lease on {nodes:?}"
+            );
+        }
+    }
+    let seen = watch.finish().await?;
+    println!(
+        "most vCPUs charged and runners at once, per node: {:?}",
+        seen.max
+    );
+    ensure!(seen.over.is_empty(), "over capacity: {:?}", seen.over);
+    fleet.shutdown().await?;
+    Ok(())
+}
