@@ -25,6 +25,39 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::calls::CallHandler;
 
+/// The plane's default HTTP/2 PING interval to a node ([`Keepalive`]).
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+/// The plane's default time for a node to answer a PING ([`Keepalive`]).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How the plane's HTTP/2 connection to a node notices silence: a PING
+/// every `interval` while the session's stream is open, and the connection
+/// (with its session) dropped when one is not answered within `timeout`
+/// (tonic's `http2_keep_alive_interval` and `keep_alive_timeout`). A node
+/// that goes silent without a FIN or RST (traffic dropped, a host lost) is
+/// noticed only this way: its session is lost at most `interval + timeout`
+/// after the loss, and the renewal grace starts then
+/// ([`crate::plane::PlaneConfig::renewal_grace`]). Short values notice a
+/// partition sooner and cost a PING per node per `interval`; a slow link
+/// needs `timeout` above its worst round trip.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Time between PINGs.
+    pub interval: Duration,
+    /// How long a PING may go unanswered before the connection is dropped.
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    /// [`KEEPALIVE_INTERVAL`] and [`KEEPALIVE_TIMEOUT`]: 20 s and 20 s.
+    fn default() -> Self {
+        Self {
+            interval: KEEPALIVE_INTERVAL,
+            timeout: KEEPALIVE_TIMEOUT,
+        }
+    }
+}
+
 /// The session id of commands handed over by a recycled session before
 /// its successor's `Hello` was read: they belong to the next one to open.
 const NEXT_SESSION: u64 = u64::MAX;
@@ -213,6 +246,8 @@ pub struct NodeLink {
     /// When the last session ended (or the link was made), while none is
     /// open; `None` while attached.
     detached_since: Mutex<Option<std::time::Instant>>,
+    /// How the connection notices a silent node.
+    keepalive: Keepalive,
     /// Fault injection.
     pub faults: LinkFaults,
 }
@@ -220,7 +255,13 @@ pub struct NodeLink {
 impl NodeLink {
     /// A link for `target`; nothing is dialed until [`NodeLink::run`].
     pub fn new(target: NodeTarget) -> Arc<Self> {
+        Self::with_keepalive(target, Keepalive::default())
+    }
+
+    /// A link to `target` whose connections PING as `keepalive` says.
+    pub fn with_keepalive(target: NodeTarget, keepalive: Keepalive) -> Arc<Self> {
         Arc::new(Self {
+            keepalive,
             target,
             shared: Mutex::new(Shared::default()),
             status: watch::Sender::new(None),
@@ -314,7 +355,7 @@ impl NodeLink {
         calls: &Arc<CallHandler>,
         shutdown: &CancellationToken,
     ) -> Result<Ended, LinkError> {
-        let channel = dial(&self.target, tls).await?;
+        let channel = dial_with(&self.target, tls, self.keepalive).await?;
         let (tx, rx) = mpsc::channel::<pb::PlaneMessage>(256);
         let mut open = open.clone();
         // The node measures its clock's offset from this.
@@ -810,8 +851,9 @@ fn tombstone(shared: &mut Shared, id: String) {
     }
 }
 
-/// Dials a node over mTLS. The node's certificate must chain to the CA and
-/// name `target.name`; anything else fails the handshake.
+/// Dials a node over mTLS with the default [`Keepalive`]. The node's
+/// certificate must chain to the CA and name `target.name`; anything else
+/// fails the handshake.
 ///
 /// # Errors
 ///
@@ -819,6 +861,19 @@ fn tombstone(shared: &mut Shared, id: String) {
 pub async fn dial(
     target: &NodeTarget,
     tls: &PlaneTls,
+) -> Result<tonic::transport::Channel, LinkError> {
+    dial_with(target, tls, Keepalive::default()).await
+}
+
+/// [`dial`], with the connection PINGing as `keepalive` says.
+///
+/// # Errors
+///
+/// [`LinkError`] naming the node and what went wrong.
+pub async fn dial_with(
+    target: &NodeTarget,
+    tls: &PlaneTls,
+    keepalive: Keepalive,
 ) -> Result<tonic::transport::Channel, LinkError> {
     let tls_config = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&tls.ca_pem))
@@ -831,8 +886,8 @@ pub async fn dial(
         .tls_config(tls_config)
         .map_err(|e| LinkError::Config(format!("plane TLS material: {e}")))?
         .connect_timeout(Duration::from_secs(10))
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .keep_alive_timeout(Duration::from_secs(20))
+        .http2_keep_alive_interval(keepalive.interval)
+        .keep_alive_timeout(keepalive.timeout)
         .connect()
         .await
         .map_err(|e| {

@@ -91,6 +91,10 @@ pub struct PlaneConfig {
     /// (renewals over the session, enrolments with a join token); `None`:
     /// the plane signs nothing.
     pub node_ca: Option<Arc<crate::identity::NodeCa>>,
+    /// How the plane's connections to nodes notice a silent node
+    /// ([`crate::node_link::Keepalive`]; 20 s PINGs, 20 s to answer, by
+    /// default).
+    pub node_keepalive: crate::node_link::Keepalive,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -341,7 +345,12 @@ impl Plane {
         let ledger = Arc::new(Ledger::connect(&config.ledger, config.lease_ttl).await?);
         let github = Arc::new(Github::with_retry(github, config.scale_set_retry));
         let scale_set = github.ensure_scale_set(&config.tier.label).await?;
-        let nodes: Vec<_> = config.nodes.iter().cloned().map(NodeLink::new).collect();
+        let nodes: Vec<_> = config
+            .nodes
+            .iter()
+            .cloned()
+            .map(|target| NodeLink::with_keepalive(target, config.node_keepalive))
+            .collect();
         let (events, _) = broadcast::channel(1024);
         let plane = Arc::new(Plane {
             ledger: ledger.clone(),
@@ -1600,6 +1609,7 @@ mod tests {
             registration_interval: REGISTRATION_INTERVAL,
             registration_grace: REGISTRATION_GRACE,
             node_ca: None,
+            node_keepalive: crate::node_link::Keepalive::default(),
         };
         let mut config = config;
         configure(&mut config);

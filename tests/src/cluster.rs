@@ -97,6 +97,8 @@ pub struct ClusterOptions {
     pub hosts: HashMap<String, NodeHost>,
     /// The vCPUs each node reports (`--vcpu`); every runner takes one.
     pub node_vcpu: u32,
+    /// How the plane's connections notice a silent node.
+    pub node_keepalive: billet_controlplane_stub::node_link::Keepalive,
 }
 
 /// Where a node runs when it has a network of its own: its namespace and
@@ -143,6 +145,7 @@ impl Default for ClusterOptions {
             state_root: None,
             hosts: HashMap::new(),
             node_vcpu: 8,
+            node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
         }
     }
 }
@@ -846,6 +849,7 @@ impl Cluster {
                     )?,
                 )),
             },
+            node_keepalive: options.node_keepalive,
         };
         let plane = Plane::start(config.clone(), emulator.client(), shutdown.clone())
             .await

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use billet_controlplane_stub::ledger::Phase;
+use billet_controlplane_stub::node_link::Keepalive;
 use billet_tests::cluster::{ClusterOptions, Starts, wait_until};
 use billet_tests::fleet::Fleet;
 use scaleset::testing::JobState;
@@ -25,10 +26,19 @@ fn names(n: usize) -> Vec<String> {
     (1..=n).map(|i| format!("node-{i}")).collect()
 }
 
+/// The plane's keepalive to its nodes in these tests: a PING every second,
+/// two seconds to answer it (a loaded machine answers late, not never), so
+/// a silent node's session is lost within 3 s.
+const KEEPALIVE: Keepalive = Keepalive {
+    interval: Duration::from_secs(1),
+    timeout: Duration::from_secs(2),
+};
+
 /// Short settings, so a lost session's leases expire (and are
 /// quarantined) within seconds.
 fn options(nodes: usize, work_ms: u64) -> ClusterOptions {
     ClusterOptions {
+        node_keepalive: KEEPALIVE,
         nodes: names(nodes),
         work_ms,
         node_vcpu: VCPU,
@@ -167,11 +177,15 @@ async fn a_partitioned_node_keeps_its_jobs_and_is_recovered_once_healed() -> Res
 /// plane notices the silence, and once the renewal grace and the lease TTL
 /// have passed its leases are quarantined (still charged: nothing vouches
 /// for that host again). The jobs queued behind it run on the other two.
-/// Prints the time from the loss to the quarantine against the grace.
+/// Prints the time from the loss to the quarantine against the grace, and
+/// holds it to the configured bound: the keepalive's interval and timeout
+/// (the session's loss), the renewal grace, the lease TTL and a reaper tick,
+/// with 3 s to spare for a loaded machine.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_host_lost_for_good_is_quarantined_and_its_work_covered_by_the_others() -> Result<()> {
     let options = options(3, 8_000);
     let (grace, ttl) = (options.renewal_grace, options.lease_ttl);
+    let keepalive = options.node_keepalive;
     let mut fleet = Fleet::start(options).await?;
     let starts = Starts::watch(&fleet.cluster);
     let watch = fleet.watch_capacity(VCPU);
@@ -226,9 +240,11 @@ async fn a_host_lost_for_good_is_quarantined_and_its_work_covered_by_the_others(
     };
     let to_quarantine = lost_at.elapsed();
     println!(
-        "host loss: the plane lost the session after {:.1} s; {} lease(s) quarantined {:.1} s after the loss \
+        "host loss: the plane lost the session after {:.1} s (keepalive {:.0} s + {:.0} s); {} lease(s) quarantined {:.1} s after the loss \
          (renewal grace {:.0} s + lease TTL {:.0} s = {:.0} s after the session's loss, {:.1} s measured)",
         noticed.as_secs_f64(),
+        keepalive.interval.as_secs_f64(),
+        keepalive.timeout.as_secs_f64(),
         quarantined.len(),
         to_quarantine.as_secs_f64(),
         grace.as_secs_f64(),
@@ -239,6 +255,21 @@ async fn a_host_lost_for_good_is_quarantined_and_its_work_covered_by_the_others(
     ensure!(
         to_quarantine - noticed >= grace,
         "quarantined before the renewal grace had passed"
+    );
+    // The reaper ticks every second (ClusterOptions' reap interval).
+    let bound = keepalive.interval
+        + keepalive.timeout
+        + grace
+        + ttl
+        + Duration::from_secs(1)
+        + Duration::from_secs(3);
+    ensure!(
+        to_quarantine <= bound,
+        "the lost host's leases were quarantined {:.1} s after the loss, past {:.0} s \
+         (keepalive, renewal grace, TTL, a reaper tick and 3 s): the plane lost the session after {:.1} s",
+        to_quarantine.as_secs_f64(),
+        bound.as_secs_f64(),
+        noticed.as_secs_f64()
     );
     fleet
         .cluster

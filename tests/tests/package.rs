@@ -342,6 +342,7 @@ async fn plane_for(
                 Duration::from_secs(3600),
             )?,
         )),
+        node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
     };
     let plane = Plane::start(config, github.client(), shutdown.clone())
         .await

@@ -20,7 +20,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use billet_controlplane_stub::ledger::LedgerLocation;
-use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls};
+use billet_controlplane_stub::node_link::{Keepalive, NodeTarget, PlaneTls};
 use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -124,6 +124,30 @@ struct Args {
     /// Most runners at once.
     #[arg(long, default_value_t = 10)]
     max_runners: u32,
+    /// Seconds between the HTTP/2 PINGs the plane sends each node, from 1
+    /// to 3600. A node that goes silent (a partition, a host lost, nothing
+    /// refused) is noticed only when a PING goes unanswered: its session is
+    /// lost at most this plus --node-keepalive-timeout-secs after, and the
+    /// renewal grace starts then.
+    #[arg(long, env = "BILLET_NODE_KEEPALIVE_SECS", value_name = "SECS",
+          default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    node_keepalive_secs: u64,
+    /// Seconds a node has to answer a PING before the plane drops the
+    /// connection and its session, from 1 to 3600; above the link's worst
+    /// round trip.
+    #[arg(long, env = "BILLET_NODE_KEEPALIVE_TIMEOUT_SECS", value_name = "SECS",
+          default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    node_keepalive_timeout_secs: u64,
+}
+
+impl Args {
+    /// The keepalive the flags give.
+    fn node_keepalive(&self) -> Keepalive {
+        Keepalive {
+            interval: Duration::from_secs(self.node_keepalive_secs),
+            timeout: Duration::from_secs(self.node_keepalive_timeout_secs),
+        }
+    }
 }
 
 fn parse_node(s: &str) -> Result<NodeTarget, String> {
@@ -340,6 +364,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let node_keepalive = args.node_keepalive();
     let config = PlaneConfig {
         deployment: args.deployment,
         lease_ttl: Duration::from_secs(args.lease_ttl_secs.max(1)),
@@ -368,6 +393,7 @@ async fn main() -> ExitCode {
         registration_interval: billet_controlplane_stub::plane::REGISTRATION_INTERVAL,
         registration_grace: billet_controlplane_stub::plane::REGISTRATION_GRACE,
         node_ca,
+        node_keepalive,
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {
@@ -395,4 +421,76 @@ async fn main() -> ExitCode {
     plane.stopped().await;
     drop(emulator);
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The arguments every plane needs, and `extra`.
+    fn parse(extra: &[&str]) -> Result<Args, clap::Error> {
+        let base = [
+            "billet-plane",
+            "--ca",
+            "ca.pem",
+            "--cert",
+            "plane.pem",
+            "--key",
+            "plane.key",
+            "--node",
+            "node-1=127.0.0.1:7443",
+            "--emulator",
+            "127.0.0.1:0",
+        ];
+        Args::try_parse_from(base.iter().chain(extra))
+    }
+
+    #[test]
+    fn the_node_keepalive_is_20_s_and_20_s_unless_given() {
+        let args = parse(&[]).unwrap();
+        assert_eq!(args.node_keepalive(), Keepalive::default());
+        assert_eq!(
+            Keepalive::default(),
+            Keepalive {
+                interval: Duration::from_secs(20),
+                timeout: Duration::from_secs(20)
+            }
+        );
+        let args = parse(&[
+            "--node-keepalive-secs",
+            "2",
+            "--node-keepalive-timeout-secs",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(
+            args.node_keepalive(),
+            Keepalive {
+                interval: Duration::from_secs(2),
+                timeout: Duration::from_secs(3)
+            }
+        );
+    }
+
+    #[test]
+    fn a_node_keepalive_out_of_range_is_refused_naming_the_flag_and_the_range() {
+        for (flag, value) in [
+            ("--node-keepalive-secs", "0"),
+            ("--node-keepalive-timeout-secs", "0"),
+            ("--node-keepalive-secs", "3601"),
+            ("--node-keepalive-timeout-secs", "soon"),
+        ] {
+            let err = parse(&[flag, value]).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{flag} {value}"
+            );
+            let text = err.to_string();
+            assert!(text.contains(flag) && text.contains(value), "{text}");
+            if value != "soon" {
+                assert!(text.contains("1..=3600"), "{text}");
+            }
+        }
+    }
 }
