@@ -177,7 +177,8 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         | Call::BindAdvance(_)
         | Call::RemoveRunner(_)
         | Call::MarkFailure(_)
-        | Call::Resize(_) => (None, None),
+        | Call::Resize(_)
+        | Call::RecordCacheObservation(_) => (None, None),
         // This plane holds no CA.
         Call::RenewCertificate(_) => (
             None,

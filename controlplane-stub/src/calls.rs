@@ -12,7 +12,7 @@ use tracing::warn;
 
 use crate::github::Github;
 use crate::identity::{NodeCa, SignError};
-use crate::ledger::{Lease, Ledger, LedgerError, NodeCapacity, Phase};
+use crate::ledger::{CacheObservation, Lease, Ledger, LedgerError, NodeCapacity, Phase};
 
 /// How long a quarantined lease must stay absent from a node's inventory
 /// before the ledger frees it.
@@ -241,6 +241,44 @@ impl CallHandler {
                     .map_err(le)?;
                 tracing::info!(lease = %lease_id, node, vcpu, memory_bytes, "resized a launching lease to what its node runs");
                 Ok(Some(pb::plane_reply::Result::Lease(lease_to_wire(&lease))))
+            }
+            Call::RecordCacheObservation(pb::RecordCacheObservation {
+                lease_id,
+                epoch,
+                observation,
+            }) => {
+                let o = observation.ok_or_else(|| {
+                    error(
+                        pb::ErrorCode::InvalidArgument,
+                        "record_cache_observation.observation: missing",
+                    )
+                })?;
+                let kept = l
+                    .record_cache_observation(
+                        &lease_id,
+                        epoch,
+                        CacheObservation {
+                            hits: o.hits,
+                            misses: o.misses,
+                            fallbacks: o.fallbacks,
+                            bytes_restored: o.bytes_restored,
+                            bytes_committed: o.bytes_committed,
+                            conflicts: o.conflicts,
+                        },
+                        now,
+                    )
+                    .await
+                    .map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::CacheObservation(
+                    pb::CacheObservation {
+                        hits: kept.hits,
+                        misses: kept.misses,
+                        fallbacks: kept.fallbacks,
+                        bytes_restored: kept.bytes_restored,
+                        bytes_committed: kept.bytes_committed,
+                        conflicts: kept.conflicts,
+                    },
+                )))
             }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
                 let asked: Vec<(String, u64)> = leases
@@ -561,6 +599,88 @@ mod tests {
         assert_eq!(
             garbage.error.map(|e| e.code),
             Some(pb::ErrorCode::IdentityRefused as i32)
+        );
+    }
+
+    /// Issue #16 item 7: `RecordCacheObservation` records what a node's
+    /// cache did against the lease at its epoch, after the release too,
+    /// answered with the observation the ledger keeps (the first);
+    /// a stale epoch is `FENCED`, an unknown lease `NOT_FOUND`.
+    #[tokio::test]
+    async fn record_cache_observation_keeps_the_first_fenced_by_epoch() {
+        let (handler, ledger, _emulator) = handler().await;
+        let reserved = ledger
+            .reserve(
+                NewLease {
+                    id: "l1".into(),
+                    tier: "linux".into(),
+                    request_id: 1,
+                    vcpu: 1,
+                    memory_bytes: 1 << 20,
+                    runner_name: Some("billet-l1".into()),
+                },
+                crate::now_ms(),
+            )
+            .await
+            .unwrap();
+        ledger
+            .release("l1", reserved.epoch, None, Phase::Done, crate::now_ms())
+            .await
+            .unwrap();
+        let record = |lease: &str, epoch: u64, hits: u64| {
+            call(pb::node_call::Call::RecordCacheObservation(
+                pb::RecordCacheObservation {
+                    lease_id: lease.into(),
+                    epoch,
+                    observation: Some(pb::CacheObservation {
+                        hits,
+                        misses: 2,
+                        fallbacks: 0,
+                        bytes_restored: 4,
+                        bytes_committed: 5,
+                        conflicts: 1,
+                    }),
+                },
+            ))
+        };
+        let code = |reply: &pb::PlaneReply| reply.error.as_ref().map(|e| e.code);
+        let fenced = handler
+            .handle("node-a", record("l1", reserved.epoch + 1, 1))
+            .await;
+        assert_eq!(
+            code(&fenced),
+            Some(pb::ErrorCode::Fenced as i32),
+            "{fenced:?}"
+        );
+        let unknown = handler.handle("node-a", record("l9", 1, 1)).await;
+        assert_eq!(
+            code(&unknown),
+            Some(pb::ErrorCode::NotFound as i32),
+            "{unknown:?}"
+        );
+        let first = handler
+            .handle("node-a", record("l1", reserved.epoch, 1))
+            .await;
+        assert!(first.error.is_none(), "{:?}", first.error);
+        let second = handler
+            .handle("node-a", record("l1", reserved.epoch, 7))
+            .await;
+        assert!(second.error.is_none(), "{:?}", second.error);
+        let Some(pb::plane_reply::Result::CacheObservation(kept)) = second.result else {
+            panic!("not answered with the observation: {second:?}");
+        };
+        assert_eq!(
+            (kept.hits, kept.misses, kept.conflicts),
+            (1, 2, 1),
+            "the first is kept"
+        );
+        assert_eq!(
+            ledger
+                .cache_observation("l1")
+                .await
+                .unwrap()
+                .map(|o| o.hits),
+            Some(1)
         );
     }
 

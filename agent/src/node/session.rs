@@ -998,6 +998,7 @@ mod scenarios {
             Call::MarkFailure(_) => "mark_failure",
             Call::RenewCertificate(_) => "renew_certificate",
             Call::Resize(_) => "resize",
+            Call::RecordCacheObservation(_) => "record_cache_observation",
         }
     }
 

@@ -75,6 +75,9 @@
 //! - `reaper.rs`: `reap`, `reconcile` and `force_release`, the only code
 //!   that bumps an epoch.
 //! - `reads.rs`: the reads, on the read-only pool.
+//! - `observations.rs`: [`CacheObservation`], what a node's cache did for
+//!   a lease's job, recorded epoch-fenced (terminal leases too), the first
+//!   one kept; changes no lease.
 //! - `tokens.rs`: one-time join tokens (issue, check, redeem), kept by id
 //!   with only a hash of their secret; no lease rule.
 //! - `scratch.rs`: [`scratch::ScratchPostgres`], a throwaway PostgreSQL
@@ -82,6 +85,7 @@
 
 mod holder;
 mod location;
+mod observations;
 mod phase;
 mod reads;
 mod reaper;
@@ -98,6 +102,7 @@ use sqlx::{Any, AnyPool, Transaction};
 use thiserror::Error;
 
 pub use location::LedgerLocation;
+pub use observations::CacheObservation;
 pub use phase::Phase;
 use schema::{migrate, postgres_pools, sqlite_file_pools, sqlite_memory_pool};
 pub use tokens::TokenRefused;

@@ -84,6 +84,20 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             created_at_ms INTEGER NOT NULL
         ) STRICT"],
     ),
+    (
+        4,
+        "cache observations",
+        &["CREATE TABLE cache_observations (
+            lease_id TEXT PRIMARY KEY NOT NULL,
+            hits INTEGER NOT NULL,
+            misses INTEGER NOT NULL,
+            fallbacks INTEGER NOT NULL,
+            bytes_restored INTEGER NOT NULL,
+            bytes_committed INTEGER NOT NULL,
+            conflicts INTEGER NOT NULL,
+            recorded_at_ms INTEGER NOT NULL
+        ) STRICT"],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -144,6 +158,20 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             expires_at_ms BIGINT NOT NULL,
             used_at_ms BIGINT,
             created_at_ms BIGINT NOT NULL
+        )"],
+    ),
+    (
+        4,
+        "cache observations",
+        &["CREATE TABLE cache_observations (
+            lease_id TEXT PRIMARY KEY NOT NULL,
+            hits BIGINT NOT NULL,
+            misses BIGINT NOT NULL,
+            fallbacks BIGINT NOT NULL,
+            bytes_restored BIGINT NOT NULL,
+            bytes_committed BIGINT NOT NULL,
+            conflicts BIGINT NOT NULL,
+            recorded_at_ms BIGINT NOT NULL
         )"],
     ),
 ];

@@ -96,6 +96,7 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
         | Call::MarkFailure(_)
         | Call::RenewCertificate(_)
         | Call::Resize(_) => None,
+        Call::RecordCacheObservation(r) => r.observation.map(R::CacheObservation),
     }
 }
 
