@@ -213,6 +213,17 @@ impl LeaseStore for Plane {
             .or_insert_with(|| reason.to_owned());
         Ok(())
     }
+    async fn record_cache_observation(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        observation: &billet_agent::cache::Observation,
+    ) -> Result<billet_agent::cache::Observation, PlaneError> {
+        self.note(format!("record_cache_observation {lease}"));
+        self.inner
+            .record_cache_observation(lease, epoch, observation)
+            .await
+    }
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
         self.note(format!("get_lease {lease}"));
         self.read(lease).await
@@ -2977,4 +2988,125 @@ async fn a_sticky_disk_is_bound_at_launch_committed_after_a_succeeded_job_and_di
     r.destroy(RequestId(3), &forced).await.unwrap();
     assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
     assert!(store.mounts().await.is_empty());
+}
+
+/// Waits, up to 10 s, until `done` holds.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Issue #16 item 7: settling a job's sticky disks records what the cache
+/// did against its lease, once, at the epoch the lease held when the disks
+/// were mounted (fenced: a lease reclaimed meanwhile records nothing, and
+/// the teardown goes on); a lease without sticky disks sends nothing.
+#[tokio::test]
+async fn settling_a_jobs_sticky_disks_records_its_cache_observation_once_epoch_fenced() {
+    use billet_agent::cache::{Observation, Policy, StickyDisk, Store};
+    let w = World::new();
+    let root = std::env::temp_dir().join(format!(
+        "billet-scenario-observation-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let store = Arc::new(
+        Store::open(&root, "dev", Arc::new(MemoryJournal::default()))
+            .await
+            .unwrap(),
+    );
+    let provider: Arc<dyn Provider> = w.fake.clone();
+    let r = Runner::new(
+        provider,
+        w.plane.clone(),
+        w.plane.clone(),
+        RunnerOptions::default(),
+    )
+    .with_journal(w.journal.clone())
+    .with_cache(
+        store.clone(),
+        billet_agent::cache::session::Sessions::open(store.clone()).await,
+    );
+    let mut t = tier(Trust::Trusted);
+    t.sticky_disks = vec![StickyDisk::new("npm", "/cache/npm", Policy::Cas).unwrap()];
+
+    // A miss that commits 3 bytes, then a hit restoring them.
+    let first = w.reserve(1);
+    r.launch(first.clone(), t.clone(), job(1, "push"))
+        .await
+        .unwrap();
+    let spec = w.fake.specs()[0].clone();
+    std::fs::write(spec.binds[0].host.join("n"), "abc").unwrap();
+    w.fake.exit(&name(&first.id), 0, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    until("the first observation", || {
+        w.core().cache_observations.contains_key(&first.id)
+    })
+    .await;
+    assert_eq!(
+        w.core().cache_observations[&first.id],
+        Observation {
+            misses: 1,
+            bytes_committed: 3,
+            ..Observation::default()
+        }
+    );
+
+    let second = w.reserve(2);
+    r.launch(second.clone(), t.clone(), job(2, "push"))
+        .await
+        .unwrap();
+    w.fake.exit(&name(&second.id), 1, false);
+    r.destroy(RequestId(2), &DestroyOrder::completion("failed"))
+        .await
+        .unwrap();
+    until("the second observation", || {
+        w.core().cache_observations.contains_key(&second.id)
+    })
+    .await;
+    assert_eq!(
+        w.core().cache_observations[&second.id],
+        Observation {
+            hits: 1,
+            bytes_restored: 3,
+            ..Observation::default()
+        }
+    );
+
+    // Reclaimed between the mount and the settle: the ledger fences the
+    // observation, and the teardown still ends.
+    let third = w.reserve(3);
+    r.launch(third.clone(), t.clone(), job(3, "push"))
+        .await
+        .unwrap();
+    w.core().leases.get_mut(&third.id).unwrap().epoch += 1;
+    let mut forced = DestroyOrder::completion("succeeded");
+    forced.force = true;
+    r.destroy(RequestId(3), &forced).await.ok();
+    until("the third observation sent", || {
+        w.plane
+            .count(&format!("record_cache_observation {}", third.id))
+            == 1
+    })
+    .await;
+    assert!(!w.core().cache_observations.contains_key(&third.id));
+    assert!(store.mounts().await.is_empty(), "the disks were settled");
+
+    // A lease without sticky disks sends nothing.
+    let fourth = w.reserve(4);
+    r.launch(fourth.clone(), tier(Trust::Trusted), job(4, "push"))
+        .await
+        .unwrap();
+    w.fake.exit(&name(&fourth.id), 0, false);
+    r.destroy(RequestId(4), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    for lease in [&first.id, &second.id, &third.id, &fourth.id] {
+        let line = format!("record_cache_observation {lease}");
+        let sent = w.plane.log().iter().filter(|l| **l == line).count();
+        assert_eq!(sent, usize::from(*lease != fourth.id), "{lease}");
+    }
 }

@@ -173,6 +173,37 @@ async fn observations(cluster: &Cluster, n: usize) -> Result<Vec<String>> {
     Ok(seen())
 }
 
+/// The cache observation the plane's ledger keeps for each of the first
+/// `n` leases, in the order their requests came, once each has one
+/// (`RecordCacheObservation`, sent after the lease's disks are settled).
+async fn ledger_observations(
+    cluster: &Cluster,
+    n: usize,
+) -> Result<Vec<billet_controlplane_stub::ledger::CacheObservation>> {
+    let ledger = cluster.plane.ledger();
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    loop {
+        let mut leases = ledger.leases().await?;
+        leases.sort_by_key(|l| l.request_id);
+        let mut kept = Vec::new();
+        for lease in leases.iter().take(n) {
+            if let Some(o) = ledger.cache_observation(&lease.id).await? {
+                kept.push(o);
+            }
+        }
+        if kept.len() == n {
+            return Ok(kept);
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the ledger kept {} cache observations of {n} (leases {leases:?}); node log:\n{}",
+            kept.len(),
+            node_log(cluster)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn committed(generation: u64) -> serde_json::Value {
     serde_json::json!({"outcome": "committed", "published": true, "generation": generation})
 }
@@ -221,6 +252,25 @@ async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
         [
             "hits=0 misses=1 bytes_restored=0 bytes_committed=2 conflicts=0 fallbacks=0",
             "hits=1 misses=0 bytes_restored=2 bytes_committed=2 conflicts=0 fallbacks=0",
+        ]
+    );
+    // Issue #16 item 7: the same, recorded against each lease in the
+    // plane's ledger.
+    use billet_controlplane_stub::ledger::CacheObservation;
+    assert_eq!(
+        ledger_observations(cluster, 2).await?,
+        [
+            CacheObservation {
+                misses: 1,
+                bytes_committed: 2,
+                ..CacheObservation::default()
+            },
+            CacheObservation {
+                hits: 1,
+                bytes_restored: 2,
+                bytes_committed: 2,
+                ..CacheObservation::default()
+            },
         ]
     );
     // The second job read 1 from its clone of generation 1 and wrote 2.

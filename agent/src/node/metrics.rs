@@ -759,6 +759,21 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         r
     }
 
+    async fn record_cache_observation(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        observation: &crate::cache::Observation,
+    ) -> Result<crate::cache::Observation, PlaneError> {
+        let start = Instant::now();
+        let r = self
+            .inner
+            .record_cache_observation(lease, epoch, observation)
+            .await;
+        self.observe("record_cache_observation", start, &r);
+        r
+    }
+
     async fn heartbeat(
         &self,
         leases: &[(LeaseId, Epoch)],

@@ -18,6 +18,7 @@ use thiserror::Error;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::cache::Observation;
 use crate::edge::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase};
 
 /// A refusal or failure of a plane call. The variants are the wire's typed
@@ -170,6 +171,24 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
             memory.0 >> 20
         )))
     }
+    /// Records what the cache did for the lease's job (issue #16 item 7,
+    /// the plane's `RecordCacheObservation`, the reference's
+    /// `LeaseStore.RecordCacheObservation`), after its disks are settled,
+    /// which is after the release: the lease may be terminal. Fenced by
+    /// epoch; the ledger keeps the first observation of a lease, and this
+    /// answers the one it keeps. No default: every store says what it does
+    /// with it.
+    ///
+    /// # Errors
+    ///
+    /// `Fenced`, `NotFound`; `Unavailable` with no answer; `InvalidArgument`
+    /// from a plane that predates the call.
+    async fn record_cache_observation(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        observation: &Observation,
+    ) -> Result<Observation, PlaneError>;
     /// Renews every listed lease in one call; one result per lease, in order.
     async fn heartbeat(
         &self,
@@ -586,6 +605,43 @@ impl LeaseStore for PlaneLink {
                     .collect())
             }
             _ => Err(unexpected("a heartbeat")),
+        }
+    }
+
+    async fn record_cache_observation(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        observation: &Observation,
+    ) -> Result<Observation, PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        let o = observation;
+        let reply = self
+            .call(pb::node_call::Call::RecordCacheObservation(
+                pb::RecordCacheObservation {
+                    lease_id,
+                    epoch,
+                    observation: Some(pb::CacheObservation {
+                        hits: o.hits,
+                        misses: o.misses,
+                        fallbacks: o.fallbacks,
+                        bytes_restored: o.bytes_restored,
+                        bytes_committed: o.bytes_committed,
+                        conflicts: o.conflicts,
+                    }),
+                },
+            ))
+            .await?;
+        match reply {
+            Some(pb::plane_reply::Result::CacheObservation(kept)) => Ok(Observation {
+                hits: kept.hits,
+                misses: kept.misses,
+                bytes_restored: kept.bytes_restored,
+                bytes_committed: kept.bytes_committed,
+                conflicts: kept.conflicts,
+                fallbacks: kept.fallbacks,
+            }),
+            _ => Err(unexpected("record_cache_observation")),
         }
     }
 

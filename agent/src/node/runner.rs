@@ -154,6 +154,10 @@ pub(super) struct State {
     /// What each lease this process launched charges: (vCPUs, memory
     /// bytes), for [`Runner::held_charge`].
     pub(super) sizes: HashMap<LeaseId, (u32, u64)>,
+    /// The epoch each lease held when this process mounted its sticky
+    /// disks, for the cache observation recorded when they are settled
+    /// (issue #16 item 7). In memory: a restarted node records none.
+    pub(super) disk_epochs: HashMap<LeaseId, Epoch>,
 }
 
 /// Where a held lease stands on this node.
@@ -334,6 +338,7 @@ impl Runner {
     async fn mount_disks(
         &self,
         lease: &LeaseId,
+        epoch: Epoch,
         tier: &TierSpec,
         env: &mut Vec<(String, String)>,
     ) -> (Vec<Bind>, Option<crate::cache::session::CacheToken>) {
@@ -343,6 +348,9 @@ impl Runner {
             }
             return (Vec::new(), None);
         };
+        if !tier.sticky_disks.is_empty() {
+            self.state().disk_epochs.insert(lease.clone(), epoch);
+        }
         let mut binds = Vec::new();
         let mut slots = Vec::new();
         for disk in &tier.sticky_disks {
@@ -389,17 +397,43 @@ impl Runner {
     }
 
     /// Settles the sticky disks of `lease`, whose compute is proven gone:
-    /// committed when its job succeeded, discarded otherwise.
+    /// committed when its job succeeded, discarded otherwise. Then, when
+    /// this process mounted the lease's disks, records what the cache did
+    /// for the job against the lease ([`LeaseStore::record_cache_observation`],
+    /// at the epoch it held at the mount), once, in a task of its own: the
+    /// teardown never waits for the plane, and a refusal or no answer is
+    /// logged and not retried (the call's own timeout bounds it).
     pub(super) async fn settle_disks(&self, lease: &LeaseId) {
         if let Some(sessions) = &self.sessions {
             sessions.close(lease).await;
         }
         if let Some(cache) = &self.cache {
             cache.settle(lease).await;
-            if let Some(o) = cache.take_observation(lease) {
+            let observed = cache.take_observation(lease);
+            if let Some(o) = &observed {
                 info!(%lease, hits = o.hits, misses = o.misses, bytes_restored = o.bytes_restored,
                       bytes_committed = o.bytes_committed, conflicts = o.conflicts,
                       fallbacks = o.fallbacks, "what the cache did for the job");
+            }
+            let epoch = self.state().disk_epochs.remove(lease);
+            if let Some(epoch) = epoch {
+                let observation = observed.unwrap_or_default();
+                let ledger = Arc::clone(&self.ledger);
+                let lease = lease.clone();
+                tokio::spawn(async move {
+                    match ledger
+                        .record_cache_observation(&lease, epoch, &observation)
+                        .await
+                    {
+                        Ok(kept) if kept != observation => {
+                            info!(%lease, %epoch, "the ledger keeps an earlier cache observation for the lease");
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            warn!(%lease, %epoch, error = %e, "the cache observation was not recorded in the ledger");
+                        }
+                    }
+                });
             }
         }
     }
@@ -755,7 +789,9 @@ impl Runner {
         record.runner_id = registration.runner_id;
         record.runner_name = registration.runner_name.clone();
         let mut env = tier.env.clone();
-        let (binds, cache_token) = self.mount_disks(&lease.id, tier, &mut env).await;
+        let (binds, cache_token) = self
+            .mount_disks(&lease.id, lease.epoch, tier, &mut env)
+            .await;
         let spec = InstanceSpec {
             name: name.clone(),
             lease: lease.id.clone(),

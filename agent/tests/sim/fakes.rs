@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use billet_agent::cache::Observation;
 use billet_agent::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
 use billet_agent::provider::Instance;
@@ -61,6 +62,7 @@ pub enum LOp {
     Heartbeat,
     Release,
     MarkFailure,
+    CacheObservation,
     Lease,
     Launched,
     Reconcile,
@@ -257,6 +259,9 @@ pub struct Core {
     pub tally: BTreeMap<&'static str, u64>,
     /// A violation planted to test a check.
     pub sabotage: Option<Sabotage>,
+    /// What the cache did for each lease's job, the first recorded kept,
+    /// as the stub's ledger keeps it.
+    pub cache_observations: BTreeMap<LeaseId, Observation>,
 }
 
 fn name_of(lease: &LeaseId) -> String {
@@ -294,6 +299,7 @@ impl Core {
             verbose,
             tally: BTreeMap::new(),
             sabotage: None,
+            cache_observations: BTreeMap::new(),
         }
     }
 
@@ -452,6 +458,30 @@ impl Core {
             providers: Vec::new(),
             failure_reason: row.failure_reason.clone(),
         })
+    }
+
+    /// Keeps the first observation, fenced by epoch, terminal leases too,
+    /// as the stub's ledger does.
+    pub fn record_cache_observation(
+        &mut self,
+        id: &LeaseId,
+        epoch: Epoch,
+        observation: &Observation,
+    ) -> Result<Observation, PlaneError> {
+        let row = self
+            .leases
+            .get(id)
+            .ok_or_else(|| PlaneError::NotFound(format!("lease {id} is not in the ledger")))?;
+        if row.epoch != epoch.0 {
+            return Err(PlaneError::Fenced(format!(
+                "lease {id} is at epoch {}, not {epoch}",
+                row.epoch
+            )));
+        }
+        Ok(*self
+            .cache_observations
+            .entry(id.clone())
+            .or_insert(*observation))
     }
 
     /// Keeps the first reason, as the stub's ledger does.
@@ -1055,6 +1085,21 @@ impl LeaseStore for FakeLedger {
         self.call(LOp::MarkFailure, std::slice::from_ref(lease), false, |c| {
             c.mark_failure(lease, epoch, reason)
         })
+        .await
+    }
+
+    async fn record_cache_observation(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        observation: &Observation,
+    ) -> Result<Observation, PlaneError> {
+        self.call(
+            LOp::CacheObservation,
+            std::slice::from_ref(lease),
+            false,
+            |c| c.record_cache_observation(lease, epoch, observation),
+        )
         .await
     }
 
