@@ -619,6 +619,34 @@ pub fn free_port() -> Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
+/// The names of deployment `deployment`'s containers on `docker`, in any
+/// state, that also carry every label in `labels` (`key=value`).
+///
+/// # Errors
+///
+/// When Docker cannot be listed.
+pub async fn containers_of(
+    docker: &Docker,
+    deployment: &str,
+    labels: Vec<String>,
+) -> Result<Vec<String>> {
+    let mut all = vec![format!("sh.billet.deployment={deployment}")];
+    all.extend(labels);
+    let filters: HashMap<String, Vec<String>> = HashMap::from([("label".to_owned(), all)]);
+    let list = docker
+        .list_containers(Some(bollard::query_parameters::ListContainersOptions {
+            all: true,
+            filters: Some(filters),
+            ..Default::default()
+        }))
+        .await?;
+    Ok(list
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .map(|n| n.trim_start_matches('/').to_owned())
+        .collect())
+}
+
 /// The stand-in runner image's tag pinned by its content (built once per
 /// process: parallel tests share the binaries and the tag). The tier names
 /// the image by a tag that carries its content's id, so another checkout
@@ -1038,22 +1066,7 @@ impl Cluster {
     ///
     /// When Docker cannot be listed.
     pub async fn containers_labelled(&self, labels: Vec<String>) -> Result<Vec<String>> {
-        let mut all = vec![format!("sh.billet.deployment={}", self.deployment)];
-        all.extend(labels);
-        let filters: HashMap<String, Vec<String>> = HashMap::from([("label".to_owned(), all)]);
-        let list = self
-            .docker
-            .list_containers(Some(bollard::query_parameters::ListContainersOptions {
-                all: true,
-                filters: Some(filters),
-                ..Default::default()
-            }))
-            .await?;
-        Ok(list
-            .into_iter()
-            .flat_map(|c| c.names.unwrap_or_default())
-            .map(|n| n.trim_start_matches('/').to_owned())
-            .collect())
+        containers_of(&self.docker, &self.deployment, labels).await
     }
 
     /// Waits until the ledger's lease `id` has ended (done or failed) and

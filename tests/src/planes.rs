@@ -420,23 +420,7 @@ impl PlaneFleet {
     ///
     /// When Docker cannot be listed.
     pub async fn containers(&self) -> Result<Vec<String>> {
-        let filters: HashMap<String, Vec<String>> = HashMap::from([(
-            "label".to_owned(),
-            vec![format!("sh.billet.deployment={}", self.deployment)],
-        )]);
-        let list = self
-            .docker
-            .list_containers(Some(bollard::query_parameters::ListContainersOptions {
-                all: true,
-                filters: Some(filters),
-                ..Default::default()
-            }))
-            .await?;
-        Ok(list
-            .into_iter()
-            .flat_map(|c| c.names.unwrap_or_default())
-            .map(|n| n.trim_start_matches('/').to_owned())
-            .collect())
+        crate::cluster::containers_of(&self.docker, &self.deployment, Vec::new()).await
     }
 
     /// Waits until every job in `jobs` is completed at GitHub.
