@@ -619,6 +619,35 @@ pub fn free_port() -> Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
+/// Removes every container of deployment `deployment`, in any state,
+/// through the `docker` command (usable from `Drop`, outside any runtime).
+/// Best effort: a failure to list or remove is ignored, since it runs when
+/// a test ends, failed or not.
+pub fn remove_deployment_containers(deployment: &str) {
+    let names: Vec<String> = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=sh.billet.deployment={deployment}"),
+        ])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    if !names.is_empty() {
+        let _ = std::process::Command::new("docker")
+            .arg("rm")
+            .arg("-f")
+            .args(&names)
+            .output();
+    }
+}
+
 /// The names of deployment `deployment`'s containers on `docker`, in any
 /// state, that also carry every label in `labels` (`key=value`).
 ///
@@ -1177,28 +1206,7 @@ impl Drop for Cluster {
             }
         }
         // Best effort: a test that failed midway leaves no container behind.
-        let names: Vec<String> = std::process::Command::new("docker")
-            .args([
-                "ps",
-                "-aq",
-                "--filter",
-                &format!("label=sh.billet.deployment={}", self.deployment),
-            ])
-            .output()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .split_whitespace()
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !names.is_empty() {
-            let _ = std::process::Command::new("docker")
-                .arg("rm")
-                .arg("-f")
-                .args(&names)
-                .output();
-        }
+        remove_deployment_containers(&self.deployment);
     }
 }
 

@@ -498,28 +498,7 @@ impl Drop for PlaneFleet {
     fn drop(&mut self) {
         // The children go with their handles (kill_on_drop); containers
         // and the database are removed here, also when a test failed.
-        let names: Vec<String> = std::process::Command::new("docker")
-            .args([
-                "ps",
-                "-aq",
-                "--filter",
-                &format!("label=sh.billet.deployment={}", self.deployment),
-            ])
-            .output()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .split_whitespace()
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !names.is_empty() {
-            let _ = std::process::Command::new("docker")
-                .arg("rm")
-                .arg("-f")
-                .args(&names)
-                .output();
-        }
+        crate::cluster::remove_deployment_containers(&self.deployment);
         if let Some(database) = self.database.take() {
             // Drop may run inside the test's runtime: the drop runs on a
             // thread of its own with a runtime of its own.
