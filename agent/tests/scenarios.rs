@@ -449,6 +449,7 @@ fn tier(trust: Trust) -> TierSpec {
         network: None,
         env: vec![("TIER".into(), "t".into())],
         sticky_disks: Vec::new(),
+        actions_cache: None,
     }
 }
 

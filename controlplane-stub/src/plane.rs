@@ -43,6 +43,9 @@ pub struct Tier {
     pub env: Vec<String>,
     /// Sticky disks each runner gets (the node checks them).
     pub sticky_disks: Vec<pb::StickyDisk>,
+    /// The transparent Actions cache's scope when the tier opts in
+    /// (`TierSpec.actions_cache`, `cache_scope`; the node checks it).
+    pub actions_cache: Option<pb::CacheScope>,
 }
 
 /// Everything the plane needs.
@@ -802,6 +805,8 @@ impl Plane {
                 network: tier.network.clone(),
                 env: tier.env.clone(),
                 sticky_disks: tier.sticky_disks.clone(),
+                actions_cache: tier.actions_cache.is_some(),
+                cache_scope: tier.actions_cache.clone(),
             }),
             job: Some(pb::Job {
                 request_id: lease.request_id,
@@ -1597,6 +1602,7 @@ mod tests {
                 network: String::new(),
                 env: Vec::new(),
                 sticky_disks: Vec::new(),
+                actions_cache: None,
             },
             launch_timeout: Duration::from_secs(30),
             destroy_timeout: Duration::from_secs(30),

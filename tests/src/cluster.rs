@@ -78,6 +78,8 @@ pub struct ClusterOptions {
     pub tier_image: String,
     /// Sticky disks each runner of the tier gets.
     pub sticky_disks: Vec<billet_proto::v1::StickyDisk>,
+    /// The tier's Actions cache scope when it opts in.
+    pub actions_cache: Option<billet_proto::v1::CacheScope>,
     /// The node certificates' lifetime from now, when short-lived ones are
     /// wanted (the CA's and the plane's stay as usual).
     pub node_cert_lifetime: Option<Duration>,
@@ -139,6 +141,7 @@ impl Default for ClusterOptions {
             tier_vcpu: 1,
             tier_image: STANDIN_IMAGE.into(),
             sticky_disks: Vec::new(),
+            actions_cache: None,
             node_cert_lifetime: None,
             plane_signs: None,
             enrollment: false,
@@ -885,6 +888,7 @@ impl Cluster {
                 .chain(options.tier_env.iter().cloned())
                 .collect(),
                 sticky_disks: options.sticky_disks.clone(),
+                actions_cache: options.actions_cache.clone(),
             },
             launch_timeout: options.launch_timeout,
             destroy_timeout: Duration::from_secs(60),

@@ -324,6 +324,7 @@ async fn plane_for(
             network: "host".into(),
             env: Vec::new(),
             sticky_disks: Vec::new(),
+            actions_cache: None,
         },
         launch_timeout: Duration::from_secs(60),
         destroy_timeout: Duration::from_secs(60),

@@ -16,6 +16,7 @@
 //! the runner asks it for mounts before compute starts and settles them
 //! once compute is proven gone.
 
+pub mod actions;
 pub mod clone;
 pub mod session;
 pub mod store;

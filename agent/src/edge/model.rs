@@ -262,6 +262,10 @@ pub struct TierSpec {
     pub env: Vec<(String, String)>,
     /// Sticky disks, checked ([`crate::cache::check_disks`]).
     pub sticky_disks: Vec<crate::cache::StickyDisk>,
+    /// The transparent Actions cache's scope when the tier opts in
+    /// (`actions_cache` and a checked `cache_scope`); `None`: the guest
+    /// gets no proxy. Only a trusted tier's jobs are intercepted.
+    pub actions_cache: Option<crate::cache::actions::CacheScope>,
 }
 
 /// The GitHub job behind a launch; diagnostic only.

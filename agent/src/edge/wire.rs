@@ -366,6 +366,8 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         network,
         env,
         sticky_disks,
+        actions_cache,
+        cache_scope,
     } = tier;
     if label.is_empty() {
         return Err(InvalidField::new("launch.tier.label", "must not be empty"));
@@ -424,6 +426,37 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         network,
         env,
         sticky_disks: sticky(sticky_disks)?,
+        actions_cache: if actions_cache {
+            Some(scope(cache_scope)?)
+        } else {
+            None
+        },
+    })
+}
+
+/// Converts and checks a tier's Actions cache scope, naming the part at
+/// fault (`launch.tier.cache_scope.workflow_ref`).
+fn scope(scope: Option<pb::CacheScope>) -> Result<crate::cache::actions::CacheScope, InvalidField> {
+    const FIELD: &str = "launch.tier.cache_scope";
+    let Some(pb::CacheScope {
+        owner,
+        repository,
+        workflow_ref,
+    }) = scope
+    else {
+        return Err(InvalidField::new(
+            FIELD,
+            "is missing; a tier with actions_cache names the owner, repository and workflow_ref whose cache it uses",
+        ));
+    };
+    crate::cache::actions::CacheScope::new(&owner, &repository, &workflow_ref).map_err(|e| {
+        InvalidField::new(
+            format!(
+                "{FIELD}.{}",
+                crate::cache::actions::CacheScope::field_of(&e)
+            ),
+            e.to_string(),
+        )
     })
 }
 
@@ -602,6 +635,13 @@ pub(crate) mod tests {
                             publication: pb::StickyPublication::LastWriterWins.into(),
                         },
                     ],
+                    actions_cache: true,
+                    cache_scope: Some(pb::CacheScope {
+                        owner: "acme".into(),
+                        repository: "widgets".into(),
+                        workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main"
+                            .into(),
+                    }),
                 }),
                 job: Some(pb::Job {
                     request_id: 4242,
@@ -650,6 +690,14 @@ pub(crate) mod tests {
                     )
                     .unwrap(),
                 ],
+                actions_cache: Some(
+                    crate::cache::actions::CacheScope::new(
+                        "acme",
+                        "widgets",
+                        "acme/widgets/.github/workflows/ci.yml@refs/heads/main",
+                    )
+                    .unwrap(),
+                ),
             },
             job: Job {
                 request_id: RequestId(4242),
@@ -745,6 +793,41 @@ pub(crate) mod tests {
             "launch.job.request_id"
         );
         assert_eq!(edit(&|l| l.tier = None), "launch.tier");
+    }
+
+    #[test]
+    fn an_actions_cache_tier_without_a_valid_scope_is_refused_naming_the_part() {
+        let with = |actions_cache: bool, scope: Option<pb::CacheScope>| {
+            let mut c = full_launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                let tier = l.tier.as_mut().unwrap();
+                tier.actions_cache = actions_cache;
+                tier.cache_scope = scope;
+            }
+            command(c).command
+        };
+        let scope = |owner: &str, repository: &str, workflow_ref: &str| {
+            Some(pb::CacheScope {
+                owner: owner.into(),
+                repository: repository.into(),
+                workflow_ref: workflow_ref.into(),
+            })
+        };
+        let e = with(true, None).unwrap_err();
+        assert_eq!(e.field, "launch.tier.cache_scope");
+        assert!(e.problem.contains("is missing"), "{}", e.problem);
+        let e = with(true, scope("", "app", "a/ci.yml@main")).unwrap_err();
+        assert_eq!(e.field, "launch.tier.cache_scope.owner");
+        let e = with(true, scope("acme", "a/b", "a/ci.yml@main")).unwrap_err();
+        assert_eq!(e.field, "launch.tier.cache_scope.repository");
+        let e = with(true, scope("acme", "app", "a/ci.yml")).unwrap_err();
+        assert_eq!(e.field, "launch.tier.cache_scope.workflow_ref");
+        assert!(e.problem.contains("<workflow path>@<ref>"), "{}", e.problem);
+        // Without the opt-in the scope is not read: no proxy, nothing to check.
+        let Ok((_, NodeCommand::Launch { tier, .. })) = with(false, scope("", "", "")) else {
+            panic!("a tier without actions_cache is accepted");
+        };
+        assert_eq!(tier.actions_cache, None);
     }
 
     #[test]
@@ -921,6 +1004,8 @@ pub(crate) mod properties {
                     network,
                     env,
                     sticky_disks: Vec::new(),
+                    actions_cache: false,
+                    cache_scope: None,
                 }
             })
     }

@@ -211,6 +211,7 @@ fn tier() -> TierSpec {
         network: None,
         env: Vec::new(),
         sticky_disks: Vec::new(),
+        actions_cache: None,
     }
 }
 

@@ -381,6 +381,7 @@ async fn main() -> ExitCode {
             network: args.network,
             env: args.env,
             sticky_disks: Vec::new(),
+            actions_cache: None,
         },
         launch_timeout: Duration::from_secs(300),
         destroy_timeout: Duration::from_secs(120),
