@@ -224,6 +224,14 @@ impl LeaseStore for Plane {
             .record_cache_observation(lease, epoch, observation)
             .await
     }
+    async fn actions_cache_allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, PlaneError> {
+        self.note(format!("actions_policy {owner}/{repository}"));
+        self.inner.actions_cache_allowed(owner, repository).await
+    }
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError> {
         self.note(format!("get_lease {lease}"));
         self.read(lease).await

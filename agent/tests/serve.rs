@@ -179,6 +179,10 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         | Call::MarkFailure(_)
         | Call::Resize(_)
         | Call::RecordCacheObservation(_) => (None, None),
+        Call::ActionsPolicy(_) => (
+            Some(R::ActionsPolicy(pb::ActionsPolicyAnswer { allowed: true })),
+            None,
+        ),
         // This plane holds no CA.
         Call::RenewCertificate(_) => (
             None,

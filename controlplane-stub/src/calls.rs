@@ -280,6 +280,18 @@ impl CallHandler {
                     },
                 )))
             }
+            Call::ActionsPolicy(pb::ActionsPolicyQuery { owner, repository }) => {
+                // Not bound to a lease: any node of the deployment may ask
+                // about any repository (the answer is no secret, and the
+                // node asks for the static scope of its own tier).
+                let allowed = l
+                    .actions_cache_allowed(&owner, &repository)
+                    .await
+                    .map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::ActionsPolicy(
+                    pb::ActionsPolicyAnswer { allowed },
+                )))
+            }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
                 let asked: Vec<(String, u64)> = leases
                     .into_iter()
@@ -599,6 +611,60 @@ mod tests {
         assert_eq!(
             garbage.error.map(|e| e.code),
             Some(pb::ErrorCode::IdentityRefused as i32)
+        );
+    }
+
+    /// Issue #16 item 4, the kill switch: `ActionsPolicyQuery` answers
+    /// from the ledger's blocks, for any repository, without case; a
+    /// malformed name is `INVALID_ARGUMENT` and a ledger that cannot be read
+    /// `UNAVAILABLE` (both a denial to the node).
+    #[tokio::test]
+    async fn actions_policy_answers_from_the_ledgers_blocks() {
+        use crate::ledger::CacheBlock;
+        let (handler, ledger, _emulator) = handler().await;
+        let ask = |owner: &str, repository: &str| {
+            call(pb::node_call::Call::ActionsPolicy(pb::ActionsPolicyQuery {
+                owner: owner.into(),
+                repository: repository.into(),
+            }))
+        };
+        let allowed = |reply: pb::PlaneReply| match reply.result {
+            Some(pb::plane_reply::Result::ActionsPolicy(a)) if reply.error.is_none() => a.allowed,
+            _ => panic!("not answered with a policy: {reply:?}"),
+        };
+        assert!(allowed(
+            handler.handle("node-a", ask("octo", "hello")).await
+        ));
+        ledger
+            .block_cache(&CacheBlock::repository("octo/hello").unwrap(), 1)
+            .await
+            .unwrap();
+        assert!(!allowed(
+            handler.handle("node-a", ask("Octo", "Hello")).await
+        ));
+        assert!(allowed(
+            handler.handle("node-b", ask("octo", "other")).await
+        ));
+        ledger
+            .block_cache(&CacheBlock::org("octo").unwrap(), 2)
+            .await
+            .unwrap();
+        assert!(!allowed(
+            handler.handle("node-b", ask("octo", "other")).await
+        ));
+        let code = |reply: &pb::PlaneReply| reply.error.as_ref().map(|e| e.code);
+        let bad = handler.handle("node-a", ask("octo", "a/b")).await;
+        assert_eq!(
+            code(&bad),
+            Some(pb::ErrorCode::InvalidArgument as i32),
+            "{bad:?}"
+        );
+        ledger.close().await;
+        let down = handler.handle("node-a", ask("octo", "hello")).await;
+        assert_eq!(
+            code(&down),
+            Some(pb::ErrorCode::Unavailable as i32),
+            "{down:?}"
         );
     }
 

@@ -774,6 +774,17 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         r
     }
 
+    async fn actions_cache_allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, PlaneError> {
+        let start = Instant::now();
+        let r = self.inner.actions_cache_allowed(owner, repository).await;
+        self.observe("actions_policy", start, &r);
+        r
+    }
+
     async fn heartbeat(
         &self,
         leases: &[(LeaseId, Epoch)],

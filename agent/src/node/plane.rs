@@ -189,6 +189,24 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         epoch: Epoch,
         observation: &Observation,
     ) -> Result<Observation, PlaneError>;
+    /// Whether this node may serve `owner/repository`'s Actions cache from
+    /// its local storage (issue #16 item 4, the kill switch: the plane's
+    /// `ActionsPolicyQuery`, the reference's
+    /// `ActionsPolicy.ActionsCacheAllowed`, spec/cache.md §5.2). The names
+    /// are the tier's static cache scope. Not about a lease: any node may
+    /// ask about any repository. No default: every store says what it
+    /// answers.
+    ///
+    /// # Errors
+    ///
+    /// `Unavailable` with no answer or when the plane's ledger cannot be
+    /// read; `Refused` for a malformed name and from a plane that predates
+    /// the call. The caller reads every error as a denial.
+    async fn actions_cache_allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, PlaneError>;
     /// Renews every listed lease in one call; one result per lease, in order.
     async fn heartbeat(
         &self,
@@ -645,6 +663,25 @@ impl LeaseStore for PlaneLink {
         }
     }
 
+    async fn actions_cache_allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, PlaneError> {
+        let reply = self
+            .call(pb::node_call::Call::ActionsPolicy(pb::ActionsPolicyQuery {
+                owner: owner.to_owned(),
+                repository: repository.to_owned(),
+            }))
+            .await?;
+        match reply {
+            Some(pb::plane_reply::Result::ActionsPolicy(pb::ActionsPolicyAnswer { allowed })) => {
+                Ok(allowed)
+            }
+            _ => Err(unexpected("actions_policy")),
+        }
+    }
+
     async fn release(
         &self,
         lease: &LeaseId,
@@ -953,6 +990,53 @@ mod tests {
         // Removing the replaced session does not unseat the current one.
         link.remove(&first);
         assert_eq!(link.current().map(|s| s.id), Some(2));
+    }
+
+    /// Issue #16 item 4: the kill switch's question crosses the wire as
+    /// `ActionsPolicyQuery` and its answer comes back; a refusal (an old
+    /// plane, a malformed name) and no session are errors the caller reads
+    /// as a denial.
+    #[tokio::test]
+    async fn the_actions_cache_policy_is_asked_and_answered_over_the_session() {
+        let allows = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: None,
+            result: Some(pb::plane_reply::Result::ActionsPolicy(
+                pb::ActionsPolicyAnswer { allowed: true },
+            )),
+        });
+        assert_eq!(
+            allows.actions_cache_allowed("octo", "hello").await,
+            Ok(true)
+        );
+        let denies = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: None,
+            result: Some(pb::plane_reply::Result::ActionsPolicy(
+                pb::ActionsPolicyAnswer { allowed: false },
+            )),
+        });
+        assert_eq!(
+            denies.actions_cache_allowed("octo", "hello").await,
+            Ok(false)
+        );
+        let old = answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: Some(pb::Error {
+                code: pb::ErrorCode::InvalidArgument.into(),
+                message: "node call: the call is missing".into(),
+            }),
+            result: None,
+        });
+        assert!(matches!(
+            old.actions_cache_allowed("octo", "hello").await,
+            Err(PlaneError::Refused(_))
+        ));
+        let none = PlaneLink::new(Duration::from_secs(5));
+        assert!(matches!(
+            none.actions_cache_allowed("octo", "hello").await,
+            Err(PlaneError::Unavailable(_))
+        ));
     }
 
     /// 7.O.13 (no session at all): calls fail at once as unavailable.

@@ -1000,6 +1000,7 @@ mod scenarios {
             Call::RenewCertificate(_) => "renew_certificate",
             Call::Resize(_) => "resize",
             Call::RecordCacheObservation(_) => "record_cache_observation",
+            Call::ActionsPolicy(_) => "actions_policy",
         }
     }
 

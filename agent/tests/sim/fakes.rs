@@ -63,6 +63,7 @@ pub enum LOp {
     Release,
     MarkFailure,
     CacheObservation,
+    ActionsPolicy,
     Lease,
     Launched,
     Reconcile,
@@ -262,6 +263,9 @@ pub struct Core {
     /// What the cache did for each lease's job, the first recorded kept,
     /// as the stub's ledger keeps it.
     pub cache_observations: BTreeMap<LeaseId, Observation>,
+    /// `owner` or `owner/repository` names the kill switch blocks from the
+    /// node-local Actions cache, as the stub's ledger keeps them.
+    pub cache_blocks: std::collections::BTreeSet<String>,
 }
 
 fn name_of(lease: &LeaseId) -> String {
@@ -300,6 +304,7 @@ impl Core {
             tally: BTreeMap::new(),
             sabotage: None,
             cache_observations: BTreeMap::new(),
+            cache_blocks: std::collections::BTreeSet::new(),
         }
     }
 
@@ -1100,6 +1105,19 @@ impl LeaseStore for FakeLedger {
             false,
             |c| c.record_cache_observation(lease, epoch, observation),
         )
+        .await
+    }
+
+    async fn actions_cache_allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, PlaneError> {
+        let (owner, repository) = (owner.to_lowercase(), repository.to_lowercase());
+        self.call(LOp::ActionsPolicy, &[], false, |c| {
+            Ok(!c.cache_blocks.contains(&owner)
+                && !c.cache_blocks.contains(&format!("{owner}/{repository}")))
+        })
         .await
     }
 

@@ -13,6 +13,12 @@
 //! whose certificate expired re-enrols at. `billet-plane --ledger PATH
 //! [--lease-ttl-secs N] --join-token NODE` prints a one-time join token for that node (recorded
 //! in the ledger the running plane reads) and exits.
+//!
+//! `billet-plane --ledger PATH cache disable|enable --org ORG | --repository OWNER/NAME` turns
+//! the node-local Actions cache off or back on for an organisation or a repository (the kill
+//! switch, spec/cache.md §5.2): it writes the ledger the running planes read and exits, and the
+//! nodes' next question about that repository is answered from it (no restart). Exit codes: 0
+//! done (saying whether anything changed), 1 the ledger cannot be written, 2 a bad name.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,7 +28,7 @@ use std::time::Duration;
 use billet_controlplane_stub::ledger::LedgerLocation;
 use billet_controlplane_stub::node_link::{Keepalive, NodeTarget, PlaneTls};
 use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
@@ -30,9 +36,13 @@ use tracing::error;
 #[command(
     name = "billet-plane",
     version,
-    about = "A stand-in billet control plane"
+    about = "A stand-in billet control plane",
+    subcommand_negates_reqs = true
 )]
 struct Args {
+    /// Writes the ledger instead of running a plane.
+    #[command(subcommand)]
+    action: Option<Action>,
     /// Where the ledger is: a SQLite file path (or `sqlite:PATH`), or a
     /// PostgreSQL URL (`postgres://USER@HOST/DATABASE`, which several
     /// planes may share). A password is better given in `PGPASSWORD` or the
@@ -41,7 +51,8 @@ struct Args {
         long,
         env = "BILLET_LEDGER",
         hide_env_values = true,
-        default_value = "billet-ledger.db"
+        default_value = "billet-ledger.db",
+        global = true
     )]
     ledger: LedgerLocation,
     /// Deployment id.
@@ -140,6 +151,95 @@ struct Args {
     node_keepalive_timeout_secs: u64,
 }
 
+/// What `billet-plane` does instead of running a plane.
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// The node-local Actions cache's kill switch: turn it off or on for an
+    /// organisation or a repository, in the ledger every plane reads.
+    Cache {
+        #[command(subcommand)]
+        switch: CacheSwitch,
+    },
+}
+
+/// `billet-plane cache disable|enable`.
+#[derive(Debug, Subcommand)]
+enum CacheSwitch {
+    /// Nodes stop serving the Actions cache of this organisation or
+    /// repository locally: its jobs' cache traffic goes to GitHub.
+    Disable(CacheTarget),
+    /// Lifts this block, and only it (enabling an organisation leaves its
+    /// repositories' own blocks).
+    Enable(CacheTarget),
+}
+
+/// Whose Actions cache: one of `--org` or `--repository`.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+struct CacheTarget {
+    /// An organisation (or user): every repository it owns.
+    #[arg(long)]
+    org: Option<String>,
+    /// One repository, as OWNER/NAME.
+    #[arg(long, value_name = "OWNER/NAME")]
+    repository: Option<String>,
+}
+
+/// `billet-plane cache ...`: writes the block (or lifts it) in the ledger at
+/// `location` and says what changed.
+async fn cache_switch(
+    location: &LedgerLocation,
+    lease_ttl: Duration,
+    switch: &CacheSwitch,
+) -> ExitCode {
+    use billet_controlplane_stub::ledger::{CacheBlock, Ledger};
+    let (disable, target) = match switch {
+        CacheSwitch::Disable(t) => (true, t),
+        CacheSwitch::Enable(t) => (false, t),
+    };
+    let block = match (&target.org, &target.repository) {
+        (Some(org), _) => CacheBlock::org(org).map_err(|e| format!("--org: {e}")),
+        (None, Some(repository)) => {
+            CacheBlock::repository(repository).map_err(|e| format!("--repository: {e}"))
+        }
+        (None, None) => Err("give --org ORG or --repository OWNER/NAME".to_owned()),
+    };
+    let block = match block {
+        Ok(b) => b,
+        Err(e) => {
+            error!("cache: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let ledger = match Ledger::connect(location, lease_ttl).await {
+        Ok(l) => l,
+        Err(e) => {
+            error!("--ledger: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let changed = if disable {
+        ledger
+            .block_cache(&block, billet_controlplane_stub::now_ms())
+            .await
+    } else {
+        ledger.unblock_cache(&block).await
+    };
+    ledger.close().await;
+    match changed {
+        Ok(changed) => {
+            let state = if disable { "disabled" } else { "enabled" };
+            let news = if changed { "" } else { " (it was already)" };
+            println!("the node-local Actions cache is {state} for {block}{news}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            error!("--ledger: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 impl Args {
     /// The keepalive the flags give.
     fn node_keepalive(&self) -> Keepalive {
@@ -234,6 +334,10 @@ async fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    if let Some(Action::Cache { switch }) = &args.action {
+        let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
+        return cache_switch(&args.ledger, lease_ttl, switch).await;
+    }
     if let Some(url) = &args.queue_job {
         return match queue_job(url, &args.tier).await {
             Ok(job) => {

@@ -78,11 +78,15 @@
 //! - `observations.rs`: [`CacheObservation`], what a node's cache did for
 //!   a lease's job, recorded epoch-fenced (terminal leases too), the first
 //!   one kept; changes no lease.
+//! - `cache_policy.rs`: [`CacheBlock`], the Actions cache kill switch:
+//!   organisations and repositories blocked from the node-local Actions
+//!   cache, and the question a node asks before serving one; no lease rule.
 //! - `tokens.rs`: one-time join tokens (issue, check, redeem), kept by id
 //!   with only a hash of their secret; no lease rule.
 //! - `scratch.rs`: [`scratch::ScratchPostgres`], a throwaway PostgreSQL
 //!   database for tests and the benchmark.
 
+mod cache_policy;
 mod holder;
 mod location;
 mod observations;
@@ -101,6 +105,7 @@ use std::time::Duration;
 use sqlx::{Any, AnyPool, Transaction};
 use thiserror::Error;
 
+pub use cache_policy::{CacheBlock, MAX_NAME_CHARS, cache_name};
 pub use location::LedgerLocation;
 pub use observations::CacheObservation;
 pub use phase::Phase;

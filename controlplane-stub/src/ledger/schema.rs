@@ -98,6 +98,17 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             recorded_at_ms INTEGER NOT NULL
         ) STRICT"],
     ),
+    (
+        5,
+        "cache blocks",
+        &["CREATE TABLE cache_blocks (
+            scope TEXT NOT NULL CHECK (scope IN ('org', 'repository')),
+            owner TEXT NOT NULL,
+            repository TEXT NOT NULL,
+            blocked_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (scope, owner, repository)
+        ) STRICT"],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -172,6 +183,17 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             bytes_committed BIGINT NOT NULL,
             conflicts BIGINT NOT NULL,
             recorded_at_ms BIGINT NOT NULL
+        )"],
+    ),
+    (
+        5,
+        "cache blocks",
+        &["CREATE TABLE cache_blocks (
+            scope TEXT NOT NULL CHECK (scope IN ('org', 'repository')),
+            owner TEXT NOT NULL,
+            repository TEXT NOT NULL,
+            blocked_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (scope, owner, repository)
         )"],
     ),
 ];
