@@ -782,6 +782,47 @@ impl PlaneLink {
     }
 }
 
+/// The Actions cache's kill switch asked of the plane (issue #16 item 4):
+/// [`crate::cache::actions::ActionsPolicy`] over any [`LeaseStore`] (in a
+/// node, the [`PlaneLink`] of its sessions), each question bounded to
+/// [`crate::cache::actions::POLICY_TIMEOUT`] (2 s) here too, so no caller
+/// can wait longer. Every refusal, an old plane's included, and no answer
+/// are [`crate::cache::actions::PolicyError`]s: the proxy reads them as a
+/// denial.
+#[derive(Debug, Clone)]
+pub struct PlanePolicy {
+    ledger: Arc<dyn LeaseStore>,
+}
+
+impl PlanePolicy {
+    /// The policy `ledger`'s plane answers.
+    #[must_use]
+    pub fn new(ledger: Arc<dyn LeaseStore>) -> Self {
+        Self { ledger }
+    }
+}
+
+#[async_trait]
+impl crate::cache::actions::ActionsPolicy for PlanePolicy {
+    async fn allowed(
+        &self,
+        owner: &str,
+        repository: &str,
+    ) -> Result<bool, crate::cache::actions::PolicyError> {
+        use crate::cache::actions::{POLICY_TIMEOUT, PolicyError};
+        match tokio::time::timeout(
+            POLICY_TIMEOUT,
+            self.ledger.actions_cache_allowed(owner, repository),
+        )
+        .await
+        {
+            Ok(Ok(allowed)) => Ok(allowed),
+            Ok(Err(e)) => Err(PolicyError::Unavailable(e.to_string())),
+            Err(_) => Err(PolicyError::Timeout),
+        }
+    }
+}
+
 #[async_trait]
 impl JitSource for PlaneLink {
     async fn mint(
@@ -1037,6 +1078,54 @@ mod tests {
             none.actions_cache_allowed("octo", "hello").await,
             Err(PlaneError::Unavailable(_))
         ));
+    }
+
+    /// Issue #16 item 4: the proxy's policy over the plane answers what
+    /// the plane answers; a refusal is an error (a denial), and a plane
+    /// that does not answer is a timeout after 2 s, whatever the session's
+    /// own call timeout.
+    #[tokio::test(start_paused = true)]
+    async fn the_plane_policy_answers_the_planes_answer_and_gives_up_after_two_seconds() {
+        use crate::cache::actions::{ActionsPolicy as _, POLICY_TIMEOUT, PolicyError};
+        let allows = PlanePolicy::new(answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: None,
+            result: Some(pb::plane_reply::Result::ActionsPolicy(
+                pb::ActionsPolicyAnswer { allowed: true },
+            )),
+        }));
+        assert_eq!(allows.allowed("octo", "hello").await, Ok(true));
+        let denies = PlanePolicy::new(answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: None,
+            result: Some(pb::plane_reply::Result::ActionsPolicy(
+                pb::ActionsPolicyAnswer { allowed: false },
+            )),
+        }));
+        assert_eq!(denies.allowed("octo", "hello").await, Ok(false));
+        let down = PlanePolicy::new(answering(|call_id| pb::PlaneReply {
+            call_id,
+            error: Some(pb::Error {
+                code: pb::ErrorCode::Unavailable.into(),
+                message: "the ledger is down".into(),
+            }),
+            result: None,
+        }));
+        assert!(matches!(
+            down.allowed("octo", "hello").await,
+            Err(PolicyError::Unavailable(m)) if m.contains("the ledger is down")
+        ));
+        // A session that never answers, with a call timeout far longer.
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(60)));
+        let (tx, _rx) = mpsc::channel(4);
+        link.install(Arc::new(SessionLink::new(1, tx)), Duration::from_secs(30));
+        let silent = PlanePolicy::new(link);
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            silent.allowed("octo", "hello").await,
+            Err(PolicyError::Timeout)
+        );
+        assert_eq!(started.elapsed(), POLICY_TIMEOUT);
     }
 
     /// 7.O.13 (no session at all): calls fail at once as unavailable.
