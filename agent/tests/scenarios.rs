@@ -523,9 +523,30 @@ async fn the_tiers_trust_decides_and_the_jobs_event_neither_downgrades_nor_upgra
         .await
         .expect_err("an untrusted tier is refused on a host-sharing provider");
     assert!(!err.is_custody());
+    assert!(
+        err.to_string().contains("--isolated-containers"),
+        "the refusal names the flag that allows it: {err}"
+    );
     assert!(!w.bound(&untrusted.id));
     assert!(!w.exists(&untrusted.id));
     assert_eq!(w.fake.count(Operation::Create), 1);
+
+    // The operator says the containers are isolated by other means: the
+    // same tier runs.
+    let isolated = w.runner_with(RunnerOptions {
+        isolated_containers: true,
+        ..RunnerOptions::default()
+    });
+    let third = w.reserve(3);
+    isolated
+        .launch(
+            third.clone(),
+            tier(Trust::Untrusted),
+            job(3, "pull_request"),
+        )
+        .await
+        .expect("an untrusted tier runs where the operator vouches for the isolation");
+    assert!(w.exists(&third.id));
 }
 
 #[tokio::test]
@@ -3118,4 +3139,103 @@ async fn settling_a_jobs_sticky_disks_records_its_cache_observation_once_epoch_f
         let sent = w.plane.log().iter().filter(|l| **l == line).count();
         assert_eq!(sent, usize::from(*lease != fourth.id), "{lease}");
     }
+}
+
+/// A runner with a sticky-disk store of its own under the temp directory,
+/// and that store.
+async fn cached_runner(
+    w: &World,
+    options: RunnerOptions,
+) -> (Runner, Arc<billet_agent::cache::Store>) {
+    use billet_agent::cache::Store;
+    let root = std::env::temp_dir().join(format!(
+        "billet-scenario-trust-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    let store = Arc::new(
+        Store::open(&root, "dev", Arc::new(MemoryJournal::default()))
+            .await
+            .unwrap(),
+    );
+    let provider: Arc<dyn Provider> = w.fake.clone();
+    let runner = Runner::new(provider, w.plane.clone(), w.plane.clone(), options)
+        .with_journal(w.journal.clone())
+        .with_cache(
+            store.clone(),
+            billet_agent::cache::session::Sessions::open(store.clone()).await,
+        );
+    (runner, store)
+}
+
+/// spec/cache.md §7.1 scenario 4 and §5.1: an untrusted job reads the
+/// trusted baseline and never publishes, whatever GitHub says of its job;
+/// its mount is withdrawn in the journal before its compute is created.
+#[tokio::test]
+async fn an_untrusted_job_reads_the_trusted_generation_and_its_writes_are_discarded() {
+    use billet_agent::cache::{DiskKey, Generation, Policy, StickyDisk};
+    let w = World::new();
+    let (r, store) = cached_runner(
+        &w,
+        RunnerOptions {
+            isolated_containers: true,
+            ..RunnerOptions::default()
+        },
+    )
+    .await;
+    let disks = vec![StickyDisk::new("npm", "/cache/npm", Policy::LastWriterWins).unwrap()];
+    let key = DiskKey::parse("npm").unwrap();
+    let mut trusted = tier(Trust::Trusted);
+    trusted.sticky_disks = disks.clone();
+    let mut untrusted = tier(Trust::Untrusted);
+    untrusted.sticky_disks = disks;
+
+    let first = w.reserve(1);
+    r.launch(first.clone(), trusted.clone(), job(1, "push"))
+        .await
+        .unwrap();
+    std::fs::write(w.fake.specs()[0].binds[0].host.join("n"), "1").unwrap();
+    w.fake.exit(&name(&first.id), 0, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    assert_eq!(store.head(&key).await.unwrap(), Some(Generation(1)));
+
+    let second = w.reserve(2);
+    r.launch(second.clone(), untrusted, job(2, "pull_request"))
+        .await
+        .unwrap();
+    let spec = w.fake.specs()[1].clone();
+    assert_eq!(
+        std::fs::read_to_string(spec.binds[0].host.join("n")).unwrap(),
+        "1",
+        "the untrusted job reads the trusted generation"
+    );
+    let mounts = store.mounts().await;
+    assert_eq!(mounts.len(), 1);
+    assert!(
+        !mounts[0].committable,
+        "withdrawn from publication before the compute ran: {mounts:?}"
+    );
+    std::fs::write(spec.binds[0].host.join("n"), "poisoned").unwrap();
+    w.fake.exit(&name(&second.id), 0, false);
+    r.destroy(RequestId(2), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.head(&key).await.unwrap(),
+        Some(Generation(1)),
+        "nothing published"
+    );
+    assert!(store.mounts().await.is_empty(), "its mount was discarded");
+    assert!(!spec.binds[0].host.exists());
+
+    // The next trusted job finds the old head.
+    let third = w.reserve(3);
+    r.launch(third.clone(), trusted, job(3, "push"))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(w.fake.specs()[2].binds[0].host.join("n")).unwrap(),
+        "1"
+    );
 }

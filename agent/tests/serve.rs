@@ -411,6 +411,7 @@ impl Node {
             start_deadline: None,
             max_lease_life: None,
             post_job_grace: Duration::from_secs(120),
+            isolated_containers: false,
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),

@@ -34,7 +34,8 @@
 //!   true`, `generation`), `conflict` (`parent`, `head`: another job
 //!   committed the key since this one mounted it, under `cas`), `skipped`
 //!   (`reason: "job_failed"`: a job that did not succeed publishes
-//!   nothing), `fallback` (the disk was an empty fallback after a failed
+//!   nothing; `reason: "untrusted"`: an untrusted tier's job never
+//!   publishes, spec/cache.md §5.1), `fallback` (the disk was an empty fallback after a failed
 //!   clone: never published), `unavailable` (the commit failed; the key
 //!   keeps its head). A slot settled already: 409 with what it was told.
 //! - `POST /v1/volumes/{slot}/discard`: never publish this disk; 200
@@ -187,6 +188,12 @@ pub struct Slot {
     pub fallback: bool,
     /// What the guest was told, once it settled the disk.
     pub told: Option<Told>,
+    /// The session's tier is untrusted: the disk never publishes, and a
+    /// commit is told `skipped`, reason `untrusted` (spec/cache.md §5.1).
+    /// Absent from a record written before trust classes (every such tier
+    /// was trusted).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub untrusted: bool,
 }
 
 impl Slot {
@@ -201,6 +208,7 @@ impl Slot {
             parent: mount.parent.map(|g| g.0),
             fallback: !mount.committable,
             told: None,
+            untrusted: false,
         }
     }
 }
@@ -630,12 +638,14 @@ async fn settle(
         );
     }
     let lease = &session.lease;
-    let told = if !commit || status != "success" || s.fallback {
+    let told = if !commit || s.untrusted || status != "success" || s.fallback {
         if let Err(e) = session.store.withdraw(&s.mount).await {
             warn!(%lease, slot, error = %e, "cannot withdraw the sticky disk from publication");
         }
         if !commit {
             Told::not("discarded", "discarded")
+        } else if s.untrusted {
+            Told::not("skipped", "untrusted")
         } else if s.fallback {
             Told::not("fallback", "fallback")
         } else {
@@ -938,6 +948,48 @@ mod tests {
             None
         );
         assert_eq!(store.head(&k).await.unwrap(), None);
+    }
+
+    /// spec/cache.md §7.1 scenario 4, §5.1: an untrusted session's guest
+    /// that commits is told `untrusted` and publishes nothing.
+    #[tokio::test]
+    async fn an_untrusted_guests_commit_is_told_untrusted_and_publishes_nothing() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let k = DiskKey::parse("npm").unwrap();
+        let m = store.mount(&lease("l1"), &k, Policy::Cas).await.unwrap();
+        let mut slot = Slot::of(&m, "npm", "/cache", "cas");
+        slot.untrusted = true;
+        let a = sessions.prepare(&lease("l1"), vec![slot]).await.unwrap();
+        std::fs::write(m.dir.join("n"), "a").unwrap();
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            r#"{"job_status":"success"}"#,
+        )
+        .await;
+        assert_eq!(
+            (status, told),
+            (
+                200,
+                serde_json::json!({"outcome":"skipped","published":false,"reason":"untrusted"})
+            )
+        );
+        assert!(!store.record(&m.id).await.unwrap().committable, "withdrawn");
+        store.mark_succeeded(&lease("l1")).await.unwrap();
+        store.settle(&lease("l1")).await;
+        assert_eq!(store.head(&k).await.unwrap(), None);
+        // Journaled: a restarted node still knows the session is untrusted.
+        let record = journal.sessions().await.unwrap().remove(0);
+        assert!(
+            record.slots.contains(r#""untrusted":true"#),
+            "{}",
+            record.slots
+        );
     }
 
     #[test]

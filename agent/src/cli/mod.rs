@@ -169,6 +169,16 @@ pub struct NodeArgs {
     /// later) and its lease released failed (post_job_timeout).
     #[arg(long, env = "BILLET_POST_JOB_GRACE_SECS", default_value_t = crate::node::runner::POST_JOB_GRACE.as_secs())]
     pub post_job_grace_secs: u64,
+    /// This node's containers are isolated from the host's kernel by other
+    /// means than Docker's defaults (such as gVisor's runsc set as dockerd's
+    /// default runtime, or one VM per node): untrusted tiers (a fork's pull
+    /// requests) may then run here. Without it they are refused, since a
+    /// plain container shares the host's kernel. The node takes the
+    /// operator's word; it does not check the runtime.
+    #[arg(long, env = "BILLET_ISOLATED_CONTAINERS", value_name = "BOOL",
+          num_args = 0..=1, default_value_t = false, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    pub isolated_containers: bool,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::node::session::ACK_TIMEOUT.as_secs())]
@@ -406,4 +416,59 @@ fn parse_spot_imds(value: &str) -> Result<String, String> {
     crate::node::interruption::Imds::new(value)
         .map(|_| value.to_owned())
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(extra: &[&str]) -> Result<NodeArgs, ExitCode> {
+        let args: Vec<OsString> = [
+            "billet",
+            "node",
+            "--listen",
+            "127.0.0.1:7443",
+            "--cert",
+            "n.pem",
+            "--key",
+            "n.key",
+            "--ca",
+            "ca.pem",
+        ]
+        .iter()
+        .chain(extra)
+        .map(OsString::from)
+        .collect();
+        match parse(&args)?.command {
+            Command::Node(a) => Ok(a),
+            other => panic!("not a node: {other:?}"),
+        }
+    }
+
+    /// Issue #16 item 5: untrusted tiers run on Docker only where the
+    /// operator says the containers are isolated by other means; off
+    /// unless said, by flag or by the configuration file.
+    #[test]
+    fn isolated_containers_is_off_unless_the_operator_says_so() {
+        assert!(!node(&[]).unwrap().isolated_containers);
+        assert!(
+            node(&["--isolated-containers"])
+                .unwrap()
+                .isolated_containers
+        );
+        assert!(
+            !node(&["--isolated-containers=false"])
+                .unwrap()
+                .isolated_containers
+        );
+        let dir = std::env::temp_dir().join(format!("billet-cli-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node.toml");
+        std::fs::write(&file, "isolated_containers = true\n").unwrap();
+        let config = file.to_str().unwrap();
+        assert!(node(&["--config", config]).unwrap().isolated_containers);
+        std::fs::write(&file, "isolated_containers = \"maybe\"\n").unwrap();
+        assert!(node(&["--config", config]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -253,6 +253,12 @@ pub struct RunnerOptions {
     /// How long a runner stopped past its post-job grace gets between
     /// SIGTERM and SIGKILL ([`STOP_TIMEOUT`]).
     pub stop_timeout: Duration,
+    /// The operator says this node's instances are isolated from its
+    /// kernel by other means than the provider's own (`--isolated-containers`:
+    /// a gVisor or Kata runtime as dockerd's default, a VM per node), so an
+    /// untrusted tier may run on a provider that shares the host's kernel.
+    /// False by default: such a tier is refused.
+    pub isolated_containers: bool,
 }
 
 impl Default for RunnerOptions {
@@ -264,6 +270,7 @@ impl Default for RunnerOptions {
             max_lease_life: None,
             post_job_grace: POST_JOB_GRACE,
             stop_timeout: STOP_TIMEOUT,
+            isolated_containers: false,
         }
     }
 }
@@ -353,15 +360,30 @@ impl Runner {
         }
         let mut binds = Vec::new();
         let mut slots = Vec::new();
+        let untrusted = tier.trust == Trust::Untrusted;
         for disk in &tier.sticky_disks {
             match cache.mount(lease, &disk.key, disk.policy).await {
                 Ok(mount) => {
-                    slots.push(crate::cache::session::Slot::of(
+                    // An untrusted job reads the key's head and never
+                    // publishes: its mount is withdrawn (journaled) before
+                    // its compute exists, so no end of it, a restart's
+                    // included, commits what it wrote. One that cannot be
+                    // withdrawn is not handed over at all.
+                    if untrusted && let Err(e) = cache.withdraw(&mount.id).await {
+                        warn!(%lease, key = %disk.key, error = %e, "cannot withdraw an untrusted job's sticky disk from publication; the job runs without it");
+                        if let Err(e) = cache.discard(&mount.id).await {
+                            warn!(%lease, key = %disk.key, error = %e, "cannot discard the sticky disk; it is discarded when the lease ends");
+                        }
+                        continue;
+                    }
+                    let mut slot = crate::cache::session::Slot::of(
                         &mount,
                         disk.key.as_str(),
                         &disk.path,
                         disk.policy.as_str(),
-                    ));
+                    );
+                    slot.untrusted = untrusted;
+                    slots.push(slot);
                     binds.push(Bind {
                         host: mount.dir,
                         guest: disk.path.clone(),
@@ -556,9 +578,12 @@ impl Runner {
                 lease.id, lease.providers
             )));
         }
-        if tier.trust == Trust::Untrusted && self.provider.runs_on_host() {
+        if tier.trust == Trust::Untrusted
+            && self.provider.runs_on_host()
+            && !self.options.isolated_containers
+        {
             return Err(RunnerError::Failed(format!(
-                "tier {} is untrusted, and {kind} shares this host's kernel; run untrusted tiers on an isolating provider",
+                "tier {} is untrusted, and {kind} shares this host's kernel; run untrusted tiers on an isolating provider, or, if this node's containers are isolated by other means (such as gVisor's runsc as dockerd's default runtime), start the node with --isolated-containers",
                 tier.label
             )));
         }

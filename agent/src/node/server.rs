@@ -72,6 +72,8 @@ pub struct NodeConfig {
     pub max_lease_life: Option<Duration>,
     /// See [`RunnerOptions::post_job_grace`].
     pub post_job_grace: Duration,
+    /// See [`RunnerOptions::isolated_containers`].
+    pub isolated_containers: bool,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -346,6 +348,7 @@ pub async fn run(
                 start_deadline: config.start_deadline,
                 max_lease_life: config.max_lease_life,
                 post_job_grace: config.post_job_grace,
+                isolated_containers: config.isolated_containers,
                 ..RunnerOptions::default()
             },
         )
