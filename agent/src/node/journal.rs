@@ -194,6 +194,14 @@ pub trait MountJournal: Send + Sync + std::fmt::Debug {
     async fn forget_session(&self, lease: &str) -> Result<(), JournalError>;
     /// Every recorded session, by lease.
     async fn sessions(&self) -> Result<Vec<SessionRecord>, JournalError>;
+    /// Records (or replaces) a lease's Actions cache session, synced: its
+    /// record is `crate::cache::actions::archives`' JSON (the token's
+    /// SHA-256, the scope, the archives it holds), never the token.
+    async fn put_actions_session(&self, lease: &str, record: &str) -> Result<(), JournalError>;
+    /// Forgets a lease's Actions cache session, synced.
+    async fn forget_actions_session(&self, lease: &str) -> Result<(), JournalError>;
+    /// Every recorded Actions cache session: (lease, record), by lease.
+    async fn actions_sessions(&self) -> Result<Vec<(String, String)>, JournalError>;
 }
 
 /// A guest's cache session as journaled (`crate::cache::session`):
@@ -242,6 +250,9 @@ CREATE TABLE IF NOT EXISTS cache_sessions (
     lease TEXT PRIMARY KEY, token_sha256 TEXT NOT NULL, slots TEXT NOT NULL,
     since_unix_ms INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS actions_sessions (
+    lease TEXT PRIMARY KEY, record TEXT NOT NULL
+);
 ";
 
 /// The tables added to schema 1 since it was first released (the
@@ -250,7 +261,7 @@ CREATE TABLE IF NOT EXISTS cache_sessions (
 /// version: a release before it checks only the tables it knows and ignores
 /// another, so a rollback through `billet host-upgrade` to that release
 /// still reads a journal this one wrote.
-const ADDED_TABLES: &[&str] = &["cache_mounts", "cache_sessions"];
+const ADDED_TABLES: &[&str] = &["cache_mounts", "cache_sessions", "actions_sessions"];
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
@@ -867,6 +878,40 @@ impl MountJournal for SqliteJournal {
             })
             .collect()
     }
+
+    async fn put_actions_session(&self, lease: &str, record: &str) -> Result<(), JournalError> {
+        sqlx::query("INSERT OR REPLACE INTO actions_sessions (lease, record) VALUES (?, ?)")
+            .bind(lease)
+            .bind(record)
+            .execute(&mut *self.connection(Durability::Synced).await?)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn forget_actions_session(&self, lease: &str) -> Result<(), JournalError> {
+        sqlx::query("DELETE FROM actions_sessions WHERE lease = ?")
+            .bind(lease)
+            .execute(&mut *self.connection(Durability::Synced).await?)
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn actions_sessions(&self) -> Result<Vec<(String, String)>, JournalError> {
+        let rows = sqlx::query("SELECT lease, record FROM actions_sessions ORDER BY lease")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(io)?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get("lease").map_err(io)?,
+                    r.try_get("record").map_err(io)?,
+                ))
+            })
+            .collect()
+    }
 }
 
 /// A journal in memory: the seam's fake, and what a runner without a state
@@ -880,6 +925,7 @@ pub struct MemoryJournal {
     result_durability: Mutex<BTreeMap<String, Durability>>,
     mounts: Mutex<BTreeMap<String, MountRecord>>,
     sessions: Mutex<BTreeMap<String, SessionRecord>>,
+    actions_sessions: Mutex<BTreeMap<String, String>>,
 }
 
 impl MemoryJournal {
@@ -933,6 +979,26 @@ impl MountJournal for MemoryJournal {
             .expect("journal")
             .values()
             .cloned()
+            .collect())
+    }
+    async fn put_actions_session(&self, lease: &str, record: &str) -> Result<(), JournalError> {
+        self.actions_sessions
+            .lock()
+            .expect("journal")
+            .insert(lease.to_owned(), record.to_owned());
+        Ok(())
+    }
+    async fn forget_actions_session(&self, lease: &str) -> Result<(), JournalError> {
+        self.actions_sessions.lock().expect("journal").remove(lease);
+        Ok(())
+    }
+    async fn actions_sessions(&self) -> Result<Vec<(String, String)>, JournalError> {
+        Ok(self
+            .actions_sessions
+            .lock()
+            .expect("journal")
+            .iter()
+            .map(|(l, r)| (l.clone(), r.clone()))
             .collect())
     }
 }

@@ -14,6 +14,10 @@
 //! reservation exists sends the request to GitHub (fail-open to GitHub,
 //! never to local storage).
 
+pub mod archives;
+pub mod ca;
+pub mod proxy;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -347,3 +351,6 @@ mod tests {
         assert_eq!(policy.asked()[0], ("octo".to_owned(), "app".to_owned()));
     }
 }
+
+#[cfg(test)]
+mod proxy_tests;

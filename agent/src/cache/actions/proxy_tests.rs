@@ -1,0 +1,957 @@
+//! The proxy and the archives through a real client: CONNECT with Basic
+//! auth, TLS trusting the node's CA, raw HTTP/1.1 inside; a fake results
+//! service (TLS, its own CA) behind it. spec/cache.md §7.2 and §7.3.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use base64::Engine as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use super::archives::{Archives, MAX_ARCHIVES_PER_SESSION};
+use super::ca::InterceptionCa;
+use super::proxy::{ActionsProxy, MAX_HEAD_BYTES, Upstream, targets_results_host};
+use super::{CacheScope, FakeAnswer, FakePolicy, RESULTS_HOST};
+use crate::cache::session::CacheToken;
+use crate::node::journal::{MemoryJournal, MountJournal};
+
+const REF: &str = "octo/app/.github/workflows/ci.yml@refs/heads/main";
+const UA: &str = "@actions/cache-4.0.3";
+const TWIRP: &str = "/twirp/github.actions.results.api.v1.CacheService/";
+
+fn scratch() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("bap-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// What the fake results service saw: each request's head and body.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<(String, Vec<u8>)>>>, Arc<Mutex<usize>>);
+
+impl Seen {
+    fn requests(&self) -> Vec<(String, Vec<u8>)> {
+        self.0.lock().unwrap().clone()
+    }
+    fn dials(&self) -> usize {
+        *self.1.lock().unwrap()
+    }
+}
+
+/// How the fake upstream ends a connection.
+#[derive(Clone, Copy, PartialEq)]
+enum UpstreamMode {
+    /// Answers each request and keeps the connection.
+    KeepAlive,
+    /// Answers the first request and closes.
+    CloseAfterOne,
+}
+
+/// A TLS server for the results host, signed by a CA of its own.
+async fn fake_upstream(mode: UpstreamMode) -> (SocketAddr, String, Seen) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let mut leaf = CertificateParams::default();
+    leaf.subject_alt_names = vec![SanType::DnsName(RESULTS_HOST.try_into().unwrap())];
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf_cert = leaf.signed_by(&leaf_key, &issuer).unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf_cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+        )
+        .unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Seen::default();
+    let s = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            *s.1.lock().unwrap() += 1;
+            let acceptor = acceptor.clone();
+            let s = s.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let alpn = tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+                loop {
+                    let Some((head, body)) = read_message(&mut tls).await else {
+                        return;
+                    };
+                    s.0.lock().unwrap().push((head.clone(), body));
+                    if head.contains("Upgrade: websocket") {
+                        let _ = tls
+                            .write_all(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+                            .await;
+                        // Echo frames back, reversed, until the guest ends.
+                        let mut buf = [0u8; 1024];
+                        while let Ok(n) = tls.read(&mut buf).await {
+                            if n == 0 {
+                                return;
+                            }
+                            let mut b = buf[..n].to_vec();
+                            b.reverse();
+                            let _ = tls.write_all(&b).await;
+                        }
+                        return;
+                    }
+                    let answer = format!(
+                        "HTTP/1.1 299 From GitHub\r\nContent-Length: 8\r\nX-Alpn: {}\r\n\r\nupstream",
+                        String::from_utf8_lossy(&alpn.clone().unwrap_or_default())
+                    );
+                    let _ = tls.write_all(answer.as_bytes()).await;
+                    let _ = tls.flush().await;
+                    if mode == UpstreamMode::CloseAfterOne {
+                        let _ = tls.shutdown().await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, ca_cert.pem(), seen)
+}
+
+/// Reads one HTTP/1.1 message (request or response): its head as text and
+/// its `Content-Length` body.
+async fn read_message<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Option<(String, Vec<u8>)> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if s.read(&mut byte).await.ok()? == 0 {
+            return None;
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; length];
+    s.read_exact(&mut body).await.ok()?;
+    Some((head, body))
+}
+
+struct Node {
+    dir: PathBuf,
+    journal: Arc<MemoryJournal>,
+    policy: FakePolicy,
+    proxy: Arc<ActionsProxy>,
+    token: CacheToken,
+    ca_pem: String,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+async fn node(upstream: (SocketAddr, &str), journal: Arc<MemoryJournal>, dir: PathBuf) -> Node {
+    node_with(upstream, journal, dir, None).await
+}
+
+async fn node_with(
+    upstream: (SocketAddr, &str),
+    journal: Arc<MemoryJournal>,
+    dir: PathBuf,
+    token: Option<CacheToken>,
+) -> Node {
+    let policy = FakePolicy::new(FakeAnswer::Allow);
+    let archives = Archives::open(&dir, journal.clone(), Arc::new(policy.clone()))
+        .await
+        .unwrap();
+    let ca = Arc::new(InterceptionCa::load_or_create(&dir).unwrap());
+    let ca_pem = ca.ca_pem().to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream =
+        Upstream::new(Some(upstream.0.to_string()), Some(upstream.1.as_bytes())).unwrap();
+    let proxy = ActionsProxy::new(archives, ca, upstream, listener.local_addr().unwrap()).unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(proxy.clone().serve(listener, stop.clone()));
+    let token = match token {
+        Some(t) => t,
+        None => {
+            let t = CacheToken::mint().unwrap();
+            proxy
+                .archives()
+                .open_session("lease-1", &t, CacheScope::new("octo", "app", REF).unwrap())
+                .await
+                .unwrap();
+            t
+        }
+    };
+    Node {
+        dir,
+        journal,
+        policy,
+        proxy,
+        token,
+        ca_pem,
+        stop,
+    }
+}
+
+type Tunnel = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// Sends a CONNECT to `authority` with `token`; the proxy's status, and
+/// the stream when it said 200.
+async fn connect(
+    node: &Node,
+    authority: &str,
+    token: &str,
+) -> (u16, Option<tokio::net::TcpStream>) {
+    let url = node.proxy.guest_url(&node.token);
+    let addr = url.expose().rsplit_once('@').unwrap().1.to_owned();
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let auth = base64::engine::general_purpose::STANDARD.encode(format!("billet:{token}"));
+    tcp.write_all(
+        format!(
+            "CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (head, _) = read_message(&mut tcp).await.unwrap();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, (status == 200).then_some(tcp))
+}
+
+async fn tunnel(node: &Node) -> Tunnel {
+    let (status, tcp) = connect(node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
+    assert_eq!(status, 200);
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from(RESULTS_HOST).unwrap(),
+            tcp.unwrap(),
+        )
+        .await
+        .unwrap()
+}
+
+struct Reply {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn local(&self) -> bool {
+        self.head
+            .to_ascii_lowercase()
+            .contains("x-billet-actions-cache: local")
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+}
+
+async fn send(t: &mut Tunnel, raw: &[u8]) -> Reply {
+    t.write_all(raw).await.unwrap();
+    let (head, body) = read_message(t).await.expect("an answer");
+    Reply {
+        status: head.split(' ').nth(1).unwrap().parse().unwrap(),
+        head,
+        body,
+    }
+}
+
+fn request(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {RESULTS_HOST}\r\n");
+    for (k, v) in headers {
+        raw.push_str(&format!("{k}: {v}\r\n"));
+    }
+    raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    let mut raw = raw.into_bytes();
+    raw.extend_from_slice(body);
+    raw
+}
+
+fn twirp_as(method: &str, ua: &str, body: &serde_json::Value) -> Vec<u8> {
+    request(
+        "POST",
+        &format!("{TWIRP}{method}"),
+        &[
+            ("Content-Type", "application/json"),
+            ("User-Agent", ua),
+            ("Authorization", "Bearer runtime-token"),
+        ],
+        body.to_string().as_bytes(),
+    )
+}
+
+async fn call(node: &Node, method: &str, body: serde_json::Value) -> Reply {
+    let mut t = tunnel(node).await;
+    send(&mut t, &twirp_as(method, UA, &body)).await
+}
+
+/// The path and query of a signed URL.
+fn signed_path(url: &str) -> String {
+    url.strip_prefix(&format!("https://{RESULTS_HOST}"))
+        .unwrap()
+        .to_owned()
+}
+
+async fn blob(
+    node: &Node,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
+    let mut t = tunnel(node).await;
+    send(&mut t, &request(method, path, headers, body)).await
+}
+
+/// Saves `bytes` under `key` through the three steps actions/cache takes.
+async fn save(node: &Node, key: &str, bytes: &[u8]) -> serde_json::Value {
+    let created = call(
+        node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": key, "version": "v1"}),
+    )
+    .await;
+    assert!(created.local(), "{}", created.head);
+    let url = created.json()["signed_upload_url"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let put = blob(
+        node,
+        "PUT",
+        &signed_path(&url),
+        &[("x-ms-blob-type", "BlockBlob")],
+        bytes,
+    )
+    .await;
+    assert_eq!(put.status, 201, "{}", put.head);
+    call(
+        node,
+        "FinalizeCacheEntryUpload",
+        serde_json::json!({"key": key, "version": "v1", "size_bytes": bytes.len().to_string()}),
+    )
+    .await
+    .json()
+}
+
+#[tokio::test]
+async fn a_saved_archive_is_restored_locally_with_a_byte_range() {
+    // spec/cache.md §7.2 1.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let finalized = save(&node, "npm-linux-abc", b"0123456789").await;
+    assert_eq!(finalized["ok"], true);
+    let id: i64 = finalized["entry_id"].as_str().unwrap().parse().unwrap();
+    assert!(id > 0);
+    let found = call(
+        &node,
+        "GetCacheEntryDownloadURL",
+        serde_json::json!({"key": "npm-linux-xyz", "restore_keys": ["npm-linux-"], "version": "v1"}),
+    )
+    .await;
+    assert!(found.local());
+    let found = found.json();
+    assert_eq!(found["ok"], true);
+    assert_eq!(found["matched_key"], "npm-linux-abc");
+    let url = found["signed_download_url"].as_str().unwrap();
+    assert!(!url.contains(node.token.expose()), "the token is in no URL");
+    let part = blob(
+        &node,
+        "GET",
+        &signed_path(url),
+        &[("x-ms-range", "bytes=2-8")],
+        b"",
+    )
+    .await;
+    assert_eq!(part.status, 206);
+    assert_eq!(part.body, b"2345678");
+    assert!(
+        part.head
+            .to_ascii_lowercase()
+            .contains("content-range: bytes 2-8/10"),
+        "{}",
+        part.head
+    );
+    let whole = blob(&node, "GET", &signed_path(url), &[], b"").await;
+    assert_eq!(
+        (whole.status, whole.body.as_slice()),
+        (200, &b"0123456789"[..])
+    );
+    // The entry's key is scoped: no file name holds the token.
+    let entries = node.proxy.archives().entries().unwrap();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].bytes, 10);
+    assert!(
+        !entries[0]
+            .dir
+            .to_string_lossy()
+            .contains(node.token.expose())
+    );
+    assert_eq!(seen.dials(), 0, "nothing went to GitHub");
+    // Write-once: a second create of the key is refused.
+    let again = call(
+        &node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "npm-linux-abc", "version": "v1"}),
+    )
+    .await;
+    assert_eq!(again.json()["ok"], false);
+}
+
+#[tokio::test]
+async fn conflicting_azure_and_http_ranges_and_any_range_of_an_empty_archive_are_unsatisfiable() {
+    // spec/cache.md §7.2 2 and 20.
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "full", b"0123456789").await;
+    save(&node, "empty", b"").await;
+    let url = |key: &'static str| {
+        let node = &node;
+        async move {
+            let r = call(
+                node,
+                "GetCacheEntryDownloadURL",
+                serde_json::json!({"key": key, "version": "v1"}),
+            )
+            .await;
+            signed_path(r.json()["signed_download_url"].as_str().unwrap())
+        }
+    };
+    let full = url("full").await;
+    let r = blob(
+        &node,
+        "GET",
+        &full,
+        &[("Range", "bytes=0-1"), ("x-ms-range", "bytes=2-3")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, 416);
+    let r = blob(&node, "GET", &full, &[("Range", "bytes=-3")], b"").await;
+    assert_eq!((r.status, r.body.as_slice()), (206, &b"789"[..]));
+    let r = blob(&node, "GET", &full, &[("Range", "bytes=10-")], b"").await;
+    assert_eq!(r.status, 416);
+    assert!(
+        r.head
+            .to_ascii_lowercase()
+            .contains("content-range: bytes */10")
+    );
+    let empty = url("empty").await;
+    let r = blob(&node, "GET", &empty, &[("Range", "bytes=0-")], b"").await;
+    assert_eq!(r.status, 416);
+    let r = blob(&node, "GET", &empty, &[], b"").await;
+    assert_eq!((r.status, r.body.len()), (200, 0));
+}
+
+#[tokio::test]
+async fn staged_blocks_are_assembled_in_the_declared_order() {
+    // spec/cache.md §7.2 3.
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let created = call(
+        &node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "k", "version": "v1"}),
+    )
+    .await;
+    let path = signed_path(created.json()["signed_upload_url"].as_str().unwrap());
+    for (id, bytes) in [("b25l", &b"one"[..]), ("dHdv", &b"two"[..])] {
+        let r = blob(
+            &node,
+            "PUT",
+            &format!("{path}&comp=block&blockid={id}"),
+            &[],
+            bytes,
+        )
+        .await;
+        assert_eq!(r.status, 201, "{}", r.head);
+    }
+    let list = b"<?xml version=\"1.0\" encoding=\"utf-8\"?><BlockList><Uncommitted>dHdv</Uncommitted><Latest>b25l</Latest></BlockList>";
+    let r = blob(&node, "PUT", &format!("{path}&comp=blocklist"), &[], list).await;
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    let fin = call(
+        &node,
+        "FinalizeCacheEntryUpload",
+        serde_json::json!({"key": "k", "version": "v1", "size_bytes": 6}),
+    )
+    .await;
+    assert_eq!(fin.json()["ok"], true);
+    let found = call(
+        &node,
+        "GetCacheEntryDownloadURL",
+        serde_json::json!({"key": "k", "version": "v1"}),
+    )
+    .await;
+    let r = blob(
+        &node,
+        "GET",
+        &signed_path(found.json()["signed_download_url"].as_str().unwrap()),
+        &[],
+        b"",
+    )
+    .await;
+    assert_eq!(r.body, b"twoone");
+}
+
+#[tokio::test]
+async fn only_the_three_exact_cache_methods_of_actions_cache_are_local_and_nothing_else_asks_the_policy()
+ {
+    // spec/cache.md §7.2 21, 22; §7.3 6.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let body = serde_json::json!({"key": "k", "version": "v1"});
+    let cases: Vec<Vec<u8>> = vec![
+        twirp_as("DeleteCacheEntry", UA, &body),
+        twirp_as("CreateCacheEntryX", UA, &body),
+        twirp_as("Create%43acheEntry", UA, &body),
+        request(
+            "POST",
+            "/twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact",
+            &[("Content-Type", "application/json"), ("User-Agent", UA)],
+            body.to_string().as_bytes(),
+        ),
+        twirp_as("CreateCacheEntry", "buildkit/v0.20", &body),
+        twirp_as("CreateCacheEntry", "go-actions-cache/1.0", &body),
+        twirp_as("CreateCacheEntry", "@actions/cache-", &body),
+        request(
+            "POST",
+            &format!("{TWIRP}CreateCacheEntry?x=1"),
+            &[("Content-Type", "application/json"), ("User-Agent", UA)],
+            body.to_string().as_bytes(),
+        ),
+        request(
+            "POST",
+            &format!("{TWIRP}CreateCacheEntry"),
+            &[("Content-Type", "text/plain"), ("User-Agent", UA)],
+            body.to_string().as_bytes(),
+        ),
+    ];
+    for (i, raw) in cases.iter().enumerate() {
+        let mut t = tunnel(&node).await;
+        let r = send(&mut t, raw).await;
+        assert_eq!(r.status, 299, "case {i} reached GitHub: {}", r.head);
+        assert!(!r.local());
+        // GitHub got exactly the bytes the guest sent.
+        assert_eq!(
+            seen.requests()[i].1,
+            body.to_string().into_bytes(),
+            "case {i}"
+        );
+    }
+    assert!(node.policy.asked().is_empty(), "no policy question");
+    assert!(node.proxy.archives().entries().unwrap().is_empty());
+    let ua = &seen.requests()[4].0;
+    assert!(ua.contains("User-Agent: buildkit/v0.20"), "{ua}");
+}
+
+#[tokio::test]
+async fn a_denied_or_failing_policy_sends_the_cache_to_github_without_allocating_and_is_asked_with_the_sessions_scope()
+ {
+    // spec/cache.md §7.2 12, 23.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    for answer in [FakeAnswer::Deny, FakeAnswer::Fail] {
+        node.policy.set(answer);
+        let r = call(
+            &node,
+            "CreateCacheEntry",
+            serde_json::json!({"key": "k", "version": "v1"}),
+        )
+        .await;
+        assert_eq!(r.status, 299);
+        let r = call(
+            &node,
+            "GetCacheEntryDownloadURL",
+            serde_json::json!({"key": "k", "version": "v1"}),
+        )
+        .await;
+        assert_eq!(r.status, 299);
+    }
+    assert_eq!(seen.requests().len(), 4);
+    assert!(
+        std::fs::read_dir(node.dir.join("actions/uploads"))
+            .unwrap()
+            .next()
+            .is_none()
+    );
+    assert!(
+        node.policy
+            .asked()
+            .iter()
+            .all(|(o, r)| o == "octo" && r == "app")
+    );
+}
+
+#[tokio::test]
+async fn the_kill_switch_turns_an_issued_upload_url_into_a_local_502_that_writes_nothing() {
+    // spec/cache.md §7.2 13.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let created = call(
+        &node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "k", "version": "v1"}),
+    )
+    .await;
+    let path = signed_path(created.json()["signed_upload_url"].as_str().unwrap());
+    node.policy.set(FakeAnswer::Deny);
+    let r = blob(
+        &node,
+        "PUT",
+        &path,
+        &[("x-ms-blob-type", "BlockBlob")],
+        b"data",
+    )
+    .await;
+    assert_eq!(r.status, 502);
+    assert!(r.local());
+    let fin = call(
+        &node,
+        "FinalizeCacheEntryUpload",
+        serde_json::json!({"key": "k", "version": "v1", "size_bytes": 4}),
+    )
+    .await;
+    assert_eq!(fin.status, 502, "a reservation never goes to GitHub");
+    assert_eq!(seen.dials(), 0);
+    let upload = std::fs::read_dir(node.dir.join("actions/uploads"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    assert!(!upload.join("archive").exists());
+}
+
+#[tokio::test]
+async fn a_session_holds_at_most_32_archives_and_the_33rd_goes_to_github() {
+    // spec/cache.md §7.2 19.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    for i in 0..MAX_ARCHIVES_PER_SESSION {
+        let r = call(
+            &node,
+            "CreateCacheEntry",
+            serde_json::json!({"key": format!("k{i}"), "version": "v1"}),
+        )
+        .await;
+        assert_eq!(r.json()["ok"], true);
+    }
+    let r = call(
+        &node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "one-more", "version": "v1"}),
+    )
+    .await;
+    assert_eq!(r.status, 299);
+    assert_eq!(seen.requests().len(), 1);
+    assert_eq!(
+        std::fs::read_dir(node.dir.join("actions/uploads"))
+            .unwrap()
+            .count(),
+        MAX_ARCHIVES_PER_SESSION
+    );
+}
+
+#[tokio::test]
+async fn keys_do_not_cross_repositories_or_workflows() {
+    // spec/cache.md §7.2 11.
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "k", b"abc").await;
+    for scope in [
+        CacheScope::new("octo", "other", REF).unwrap(),
+        CacheScope::new(
+            "octo",
+            "app",
+            "octo/app/.github/workflows/release.yml@refs/heads/main",
+        )
+        .unwrap(),
+    ] {
+        let token = CacheToken::mint().unwrap();
+        node.proxy
+            .archives()
+            .open_session("lease-2", &token, scope)
+            .await
+            .unwrap();
+        let other = Node {
+            dir: scratch(),
+            journal: node.journal.clone(),
+            policy: node.policy.clone(),
+            proxy: node.proxy.clone(),
+            token,
+            ca_pem: node.ca_pem.clone(),
+            stop: tokio_util::sync::CancellationToken::new(),
+        };
+        let r = call(
+            &other,
+            "GetCacheEntryDownloadURL",
+            serde_json::json!({"key": "k", "version": "v1"}),
+        )
+        .await;
+        assert_eq!(r.json()["ok"], false);
+        node.proxy.archives().close("lease-2").await;
+    }
+}
+
+#[tokio::test]
+async fn a_finalize_receipt_and_a_pending_upload_survive_a_restart_and_a_policy_outage() {
+    // spec/cache.md §7.2 9, 17(a).
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let journal = Arc::new(MemoryJournal::default());
+    let dir = scratch();
+    let first = node((up, &up_ca), journal.clone(), dir.clone()).await;
+    save(&first, "done", b"abc").await;
+    let created = call(
+        &first,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "pending", "version": "v1"}),
+    )
+    .await;
+    let pending = signed_path(created.json()["signed_upload_url"].as_str().unwrap());
+    let token = first.token.clone();
+    first.stop.cancel();
+    std::mem::forget(first); // keep the directory for the restart
+    let second = node_with((up, &up_ca), journal.clone(), dir.clone(), Some(token)).await;
+    second.policy.set(FakeAnswer::Fail);
+    let fin = call(
+        &second,
+        "FinalizeCacheEntryUpload",
+        serde_json::json!({"key": "done", "version": "v1", "size_bytes": "3"}),
+    )
+    .await;
+    assert!(fin.local());
+    assert_eq!(fin.json()["ok"], true, "answered from the receipt");
+    second.policy.set(FakeAnswer::Allow);
+    let r = blob(
+        &second,
+        "PUT",
+        &pending,
+        &[("x-ms-blob-type", "BlockBlob")],
+        b"xyz",
+    )
+    .await;
+    assert_eq!(r.status, 201, "the reservation outlived the restart");
+    second.proxy.archives().close("lease-1").await;
+    assert!(
+        std::fs::read_dir(dir.join("actions/uploads"))
+            .unwrap()
+            .next()
+            .is_none()
+    );
+    assert!(journal.actions_sessions().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn the_proxy_admits_only_a_session_token_and_only_the_results_host() {
+    // spec/cache.md §7.3 1.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let results = format!("{RESULTS_HOST}:443");
+    assert_eq!(connect(&node, &results, &"0".repeat(64)).await.0, 407);
+    assert_eq!(connect(&node, &results, "").await.0, 407);
+    assert_eq!(
+        connect(&node, "example.com:443", node.token.expose())
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        connect(&node, &format!("{RESULTS_HOST}:8443"), node.token.expose())
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        connect(&node, "not an authority", node.token.expose())
+            .await
+            .0,
+        400
+    );
+    // An artifact call reaches GitHub with its Authorization unchanged.
+    let mut t = tunnel(&node).await;
+    let r = send(
+        &mut t,
+        &request(
+            "POST",
+            "/twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact",
+            &[
+                ("Authorization", "Bearer runtime-token"),
+                ("Content-Type", "application/json"),
+            ],
+            b"{}",
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 299);
+    assert!(
+        seen.requests()[0]
+            .0
+            .contains("Authorization: Bearer runtime-token")
+    );
+    assert!(
+        r.head.contains("X-Alpn: http/1.1"),
+        "the upstream dial pins http/1.1: {}",
+        r.head
+    );
+    // A cache call on a fresh tunnel is answered here.
+    let r = call(
+        &node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": "k", "version": "v1"}),
+    )
+    .await;
+    assert!(r.local());
+    assert_eq!(seen.requests().len(), 1);
+    // A closed session's token is refused.
+    node.proxy.archives().close("lease-1").await;
+    assert_eq!(connect(&node, &results, node.token.expose()).await.0, 407);
+}
+
+#[test]
+fn an_inner_request_must_be_origin_form_for_the_results_host() {
+    // spec/cache.md §7.3 7.
+    for host in [
+        RESULTS_HOST,
+        &format!("{RESULTS_HOST}:443"),
+        &RESULTS_HOST.to_uppercase(),
+    ] {
+        assert!(targets_results_host("/x", Some(host)), "{host}");
+    }
+    for host in [
+        &format!("{RESULTS_HOST}:80"),
+        &format!("{RESULTS_HOST}:8443"),
+        "example.com",
+        "",
+    ] {
+        assert!(!targets_results_host("/x", Some(host)), "{host}");
+    }
+    assert!(!targets_results_host(
+        &format!("https://{RESULTS_HOST}/x"),
+        Some(RESULTS_HOST)
+    ));
+    assert!(!targets_results_host("mailto:x", Some(RESULTS_HOST)));
+    assert!(!targets_results_host("/x", None));
+}
+
+#[tokio::test]
+async fn a_request_for_another_host_gets_a_local_421_and_dials_nothing() {
+    // spec/cache.md §7.3 8.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    for raw in [
+        "GET / HTTP/1.1\r\nHost: example.com\r\n\r\n".to_owned(),
+        format!("GET https://{RESULTS_HOST}/ HTTP/1.1\r\nHost: {RESULTS_HOST}\r\n\r\n"),
+        format!("GET / HTTP/1.1\r\nHost: {RESULTS_HOST}:80\r\n\r\n"),
+        "GET / HTTP/1.1\r\n\r\n".to_owned(),
+    ] {
+        let mut t = tunnel(&node).await;
+        let r = send(&mut t, raw.as_bytes()).await;
+        assert_eq!(r.status, 421, "{raw}");
+        assert!(r.local());
+    }
+    assert_eq!(seen.dials(), 0);
+}
+
+#[tokio::test]
+async fn request_headers_of_64_kib_pass_and_one_byte_more_is_refused() {
+    // spec/cache.md §7.3 4.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let raw = |pad: usize| {
+        let start = format!(
+            "POST /other HTTP/1.1\r\nHost: {RESULTS_HOST}\r\nContent-Length: 100000\r\nX-Pad: "
+        );
+        let fixed = start.len() + 4; // "\r\n\r\n"
+        let mut r = start.into_bytes();
+        r.extend(std::iter::repeat_n(b'a', pad - fixed));
+        r.extend_from_slice(b"\r\n\r\n");
+        r.extend(std::iter::repeat_n(b'b', 100_000));
+        r
+    };
+    let mut t = tunnel(&node).await;
+    let r = send(&mut t, &raw(MAX_HEAD_BYTES)).await;
+    assert_eq!(r.status, 299, "exactly 64 KiB of head passes");
+    assert_eq!(seen.requests()[0].1.len(), 100_000);
+    let mut t = tunnel(&node).await;
+    let r = send(&mut t, &raw(MAX_HEAD_BYTES + 1)).await;
+    assert_eq!(r.status, 431);
+}
+
+#[tokio::test]
+async fn a_spliced_tunnel_carries_keep_alive_requests_and_ends_when_github_closes() {
+    // spec/cache.md §7.3 9, 10.
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let mut t = tunnel(&node).await;
+    for _ in 0..2 {
+        let r = send(&mut t, &request("GET", "/health", &[], b"")).await;
+        assert!(r.head.starts_with("HTTP/1.1 299 From GitHub"), "{}", r.head);
+    }
+    assert_eq!(seen.requests().len(), 2);
+    assert_eq!(seen.dials(), 1);
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::CloseAfterOne).await;
+    let closing = node_with((up, &up_ca), Arc::default(), scratch(), None).await;
+    let mut t = tunnel(&closing).await;
+    let r = send(&mut t, &request("GET", "/health", &[], b"")).await;
+    assert_eq!(r.status, 299);
+    // The guest never closes; GitHub did, so the proxy ends the tunnel.
+    let mut rest = Vec::new();
+    let ended =
+        tokio::time::timeout(std::time::Duration::from_secs(10), t.read_to_end(&mut rest)).await;
+    assert!(
+        ended.is_ok(),
+        "the tunnel was not closed after GitHub closed"
+    );
+}
+
+#[tokio::test]
+async fn a_live_log_websocket_is_spliced_both_ways() {
+    // spec/cache.md §7.3 11.
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let mut t = tunnel(&node).await;
+    t.write_all(
+        format!("GET /ws HTTP/1.1\r\nHost: {RESULTS_HOST}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (head, _) = read_message(&mut t).await.unwrap();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    t.write_all(b"frame").await.unwrap();
+    let mut back = [0u8; 5];
+    t.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"emarf");
+}
