@@ -27,8 +27,10 @@ fn scratch() -> PathBuf {
 }
 
 /// What the fake results service saw: each request's head and body.
+type Requests = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, Vec<u8>)>>>, Arc<Mutex<usize>>);
+struct Seen(Requests, Arc<Mutex<usize>>);
 
 impl Seen {
     fn requests(&self) -> Vec<(String, Vec<u8>)> {
