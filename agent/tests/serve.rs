@@ -396,6 +396,7 @@ impl Node {
             cache: None,
             local: tokio::net::UnixListener::bind(state_dir.join("node.sock")).expect("local"),
             metrics: None,
+            actions: None,
         };
         let config = NodeConfig {
             tls,
@@ -420,6 +421,7 @@ impl Node {
             min_free_disk_bytes: 0,
             spot_imds: None,
             registry_mirrors: Vec::new(),
+            actions_proxy: billet_agent::node::server::ActionsProxyConfig::default(),
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(

@@ -126,6 +126,17 @@ impl NodeArgs {
                 min_free_disk_bytes: args.min_free_disk_bytes,
                 spot_imds: args.spot_imds,
                 registry_mirrors: args.registry_mirror,
+                actions_proxy: crate::node::server::ActionsProxyConfig {
+                    listen: match args.cache_proxy_listen.as_deref() {
+                        None => crate::node::server::ProxyListen::BridgeGateway,
+                        Some("off") => crate::node::server::ProxyListen::Off,
+                        Some(a) => crate::node::server::ProxyListen::At(a.parse().map_err(|_| {
+                            format!("--cache-proxy-listen {a:?} is neither ADDRESS:PORT (172.17.0.1:7718) nor off")
+                        })?),
+                    },
+                    upstream: args.actions_results_upstream,
+                    extra_ca: args.actions_results_ca,
+                },
             },
             args.listen,
         ))

@@ -27,5 +27,6 @@ pub fn for_node_error(e: &NodeError) -> u8 {
         // The flag's parser refuses a bad endpoint before start-up; this is
         // the same refusal reached another way.
         NodeError::Interruptions(_) => CONFIG,
+        NodeError::ActionsProxy(_) => BIND,
     }
 }

@@ -233,6 +233,22 @@ pub struct NodeArgs {
         value_parser = crate::provider::mirrors::parse_mirror
     )]
     pub registry_mirror: Vec<String>,
+    /// Where the Actions cache proxy listens (issue #16 item 4): an
+    /// ADDRESS:PORT the guests reach and hand their proxy URL, or `off`.
+    /// By default the Docker bridge's gateway on port 7718 (a node without
+    /// a bridge serves none). The address is no authority: every tunnel
+    /// needs a session's token.
+    #[arg(long, env = "BILLET_CACHE_PROXY_LISTEN")]
+    pub cache_proxy_listen: Option<String>,
+    /// Where the Actions cache proxy sends what it does not answer, as
+    /// HOST:PORT (TLS, server name results-receiver.actions.githubusercontent.com);
+    /// by default that host on 443. For tests.
+    #[arg(long, env = "BILLET_ACTIONS_RESULTS_UPSTREAM")]
+    pub actions_results_upstream: Option<String>,
+    /// A PEM file of certificates the upstream is also trusted by, beside
+    /// the system's roots. For tests.
+    #[arg(long, env = "BILLET_ACTIONS_RESULTS_CA")]
+    pub actions_results_ca: Option<PathBuf>,
     /// How log lines are written to stderr: `text` for people, `json` (one
     /// object per line, one field per value) for collectors.
     #[arg(long, env = "BILLET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]

@@ -1061,6 +1061,9 @@ impl Runner {
             if let Some(sessions) = &self.sessions {
                 sessions.close_unheld(&held).await;
             }
+            if let Some(actions) = &self.actions {
+                actions.archives().close_unheld(&held).await;
+            }
             cache.discard_unheld(&held).await;
         }
         if failed > 0 {

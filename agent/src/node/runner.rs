@@ -292,6 +292,9 @@ pub struct Runner {
     /// The guests' cache sessions (`cache/session.rs`); `None` without a
     /// cache.
     pub(super) sessions: Option<Arc<crate::cache::session::Sessions>>,
+    /// The Actions cache proxy (`cache/actions/`); `None`: no guest gets
+    /// one.
+    pub(super) actions: Option<Arc<crate::cache::actions::proxy::ActionsProxy>>,
 }
 
 pub(super) fn now_plus(grace: Duration, since: Instant) -> bool {
@@ -316,7 +319,16 @@ impl Runner {
             state: Mutex::new(State::default()),
             cache: None,
             sessions: None,
+            actions: None,
         }
+    }
+
+    /// Hands the guests of trusted tiers that opt in (`actions_cache`) a
+    /// session on `proxy`.
+    #[must_use]
+    pub fn with_actions(mut self, proxy: Arc<crate::cache::actions::proxy::ActionsProxy>) -> Self {
+        self.actions = Some(proxy);
+        self
     }
 
     /// Mounts tiers' sticky disks from `cache` and settles them when their
@@ -348,12 +360,28 @@ impl Runner {
         epoch: Epoch,
         tier: &TierSpec,
         env: &mut Vec<(String, String)>,
-    ) -> (Vec<Bind>, Option<crate::cache::session::CacheToken>) {
+    ) -> (
+        Vec<Bind>,
+        Option<crate::cache::session::CacheToken>,
+        Option<crate::cache::actions::proxy::ProxyUrl>,
+    ) {
         let Some(cache) = &self.cache else {
             if !tier.sticky_disks.is_empty() {
                 warn!(%lease, disks = tier.sticky_disks.len(), "this node has no cache; the job runs without its sticky disks");
             }
-            return (Vec::new(), None);
+            return (Vec::new(), None, None);
+        };
+        // Only a trusted tier is intercepted (spec/cache.md §5.1): an
+        // untrusted one's opt-in gets no proxy, so its traffic is GitHub's.
+        let intercept = match (&tier.actions_cache, &self.actions) {
+            (Some(scope), Some(proxy)) if tier.trust == crate::edge::model::Trust::Trusted => {
+                Some((scope.clone(), proxy.clone()))
+            }
+            (Some(_), None) => {
+                warn!(%lease, "this node serves no Actions cache proxy; the job's cache goes to GitHub");
+                None
+            }
+            _ => None,
         };
         if !tier.sticky_disks.is_empty() {
             self.state().disk_epochs.insert(lease.clone(), epoch);
@@ -395,19 +423,47 @@ impl Runner {
             }
         }
         let mut token = None;
+        let mut proxy_url = None;
         if let Some(sessions) = &self.sessions
-            && !slots.is_empty()
+            && (!slots.is_empty() || intercept.is_some())
         {
             match sessions.prepare(lease, slots).await {
                 Ok(prepared) => {
                     binds.push(Bind {
-                        host: prepared.dir,
+                        host: prepared.dir.clone(),
                         guest: crate::cache::session::GUEST_DIR.to_owned(),
                     });
                     env.push((
                         crate::cache::session::ENDPOINT_ENV.to_owned(),
                         crate::cache::session::guest_endpoint(),
                     ));
+                    if let Some((scope, proxy)) = intercept {
+                        let ca_file = prepared.dir.join(crate::cache::actions::CA_FILE);
+                        let opened = match std::fs::write(&ca_file, proxy.ca_pem()) {
+                            Ok(()) => proxy
+                                .archives()
+                                .open_session(lease.as_str(), &prepared.token, scope)
+                                .await
+                                .map_err(|e| e.to_string()),
+                            Err(e) => Err(format!("{}: {e}", ca_file.display())),
+                        };
+                        match opened {
+                            Ok(()) => {
+                                env.push((
+                                    crate::cache::actions::CA_FILE_ENV.to_owned(),
+                                    format!(
+                                        "{}/{}",
+                                        crate::cache::session::GUEST_DIR,
+                                        crate::cache::actions::CA_FILE
+                                    ),
+                                ));
+                                proxy_url = Some(proxy.guest_url(&prepared.token));
+                            }
+                            Err(e) => {
+                                warn!(%lease, error = %e, "cannot open the Actions cache session; the job's cache goes to GitHub");
+                            }
+                        }
+                    }
                     token = Some(prepared.token);
                 }
                 Err(e) => {
@@ -415,7 +471,7 @@ impl Runner {
                 }
             }
         }
-        (binds, token)
+        (binds, token, proxy_url)
     }
 
     /// Settles the sticky disks of `lease`, whose compute is proven gone:
@@ -428,6 +484,9 @@ impl Runner {
     pub(super) async fn settle_disks(&self, lease: &LeaseId) {
         if let Some(sessions) = &self.sessions {
             sessions.close(lease).await;
+        }
+        if let Some(actions) = &self.actions {
+            actions.archives().close(lease.as_str()).await;
         }
         if let Some(cache) = &self.cache {
             cache.settle(lease).await;
@@ -814,7 +873,7 @@ impl Runner {
         record.runner_id = registration.runner_id;
         record.runner_name = registration.runner_name.clone();
         let mut env = tier.env.clone();
-        let (binds, cache_token) = self
+        let (binds, cache_token, actions_proxy) = self
             .mount_disks(&lease.id, lease.epoch, tier, &mut env)
             .await;
         let spec = InstanceSpec {
@@ -832,6 +891,7 @@ impl Runner {
             jit_config: registration.config,
             binds,
             cache_token,
+            actions_proxy,
         };
         // The registration is journaled while the instance is created: the
         // create needs only the JIT config, and a record that lost this

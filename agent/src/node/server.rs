@@ -98,6 +98,44 @@ pub struct NodeConfig {
     /// (`provider/mirrors.rs`), each checked by
     /// [`crate::provider::mirrors::parse_mirror`]; empty hands none.
     pub registry_mirrors: Vec<String>,
+    /// The Actions cache proxy (`cache/actions/`).
+    pub actions_proxy: ActionsProxyConfig,
+}
+
+/// Where the Actions cache proxy listens (`--cache-proxy-listen`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ProxyListen {
+    /// Serves none: no guest gets a proxy.
+    #[default]
+    Off,
+    /// The Docker bridge's gateway on
+    /// [`crate::cache::actions::proxy::DEFAULT_PORT`]; none when the
+    /// engine has no bridge (a warning).
+    BridgeGateway,
+    /// This address, which guests must reach.
+    At(std::net::SocketAddr),
+}
+
+/// The Actions cache proxy's configuration.
+#[derive(Debug, Clone, Default)]
+pub struct ActionsProxyConfig {
+    /// Where it listens.
+    pub listen: ProxyListen,
+    /// Where it splices to, `HOST:PORT`; `None`: the results host on 443.
+    pub upstream: Option<String>,
+    /// Extra trust roots for the upstream (PEM).
+    pub extra_ca: Option<PathBuf>,
+}
+
+/// The Actions cache proxy's parts, made and bound by [`prepare`].
+#[derive(Debug)]
+pub struct ActionsParts {
+    /// The bound listener.
+    pub listener: TcpListener,
+    /// The interception CA.
+    pub ca: Arc<crate::cache::actions::ca::InterceptionCa>,
+    /// Where spliced requests go.
+    pub upstream: crate::cache::actions::proxy::Upstream,
 }
 
 /// Why the node could not start or stopped with an error.
@@ -120,6 +158,10 @@ pub enum NodeError {
     /// The node journal cannot be used.
     #[error(transparent)]
     Journal(#[from] crate::node::journal::JournalError),
+    /// The Actions cache proxy cannot be set up (its CA, its upstream's
+    /// roots, its address).
+    #[error("the Actions cache proxy: {0}")]
+    ActionsProxy(String),
     /// The cache directory cannot be used (or another node holds it).
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
@@ -235,6 +277,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     )?
     .with_registry_mirrors(mirrors);
     docker.ping().await?;
+    let actions = prepare_actions(config, &docker).await?;
     Ok(Prepared {
         tls,
         provider: Arc::new(docker),
@@ -242,7 +285,66 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         cache: Some(cache),
         local,
         metrics: None,
+        actions,
     })
+}
+
+/// Makes the Actions cache proxy's CA, reads its upstream's roots and
+/// binds its listener; `None` when it is off or the engine has no bridge.
+async fn prepare_actions(
+    config: &NodeConfig,
+    docker: &DockerProvider,
+) -> Result<Option<ActionsParts>, NodeError> {
+    let fail = |e: String| NodeError::ActionsProxy(e);
+    let addr = match config.actions_proxy.listen {
+        ProxyListen::Off => return Ok(None),
+        ProxyListen::At(addr) => addr,
+        ProxyListen::BridgeGateway => match docker.bridge_gateway().await {
+            Ok(ip) => std::net::SocketAddr::new(ip, crate::cache::actions::proxy::DEFAULT_PORT),
+            Err(e) => {
+                warn!(error = %e, "no Actions cache proxy: Docker's bridge gateway is unknown (give --cache-proxy-listen)");
+                return Ok(None);
+            }
+        },
+    };
+    if addr.ip().is_unspecified() {
+        return Err(fail(
+            crate::cache::actions::proxy::ProxyError::Unspecified(addr).to_string(),
+        ));
+    }
+    let extra = match &config.actions_proxy.extra_ca {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|e| fail(format!("--actions-results-ca {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let upstream = crate::cache::actions::proxy::Upstream::new(
+        config.actions_proxy.upstream.clone(),
+        extra.as_deref(),
+    )
+    .map_err(|e| fail(e.to_string()))?;
+    let ca = crate::cache::actions::ca::InterceptionCa::load_or_create(&config.state_dir)
+        .map_err(|e| fail(e.to_string()))?;
+    let listener = match TcpListener::bind(addr).await {
+        Ok(l) => l,
+        // The default address taken (another node on this host): no proxy,
+        // as without a bridge; an address the operator named must work.
+        Err(e) if config.actions_proxy.listen == ProxyListen::BridgeGateway => {
+            warn!(%addr, error = %e, "no Actions cache proxy: its default address is taken (give --cache-proxy-listen)");
+            return Ok(None);
+        }
+        Err(e) => {
+            return Err(fail(format!(
+                "cannot listen on {addr} (--cache-proxy-listen): {e}"
+            )));
+        }
+    };
+    Ok(Some(ActionsParts {
+        listener,
+        ca: Arc::new(ca),
+        upstream,
+    }))
 }
 
 /// What [`prepare`] loaded and checked.
@@ -262,6 +364,8 @@ pub struct Prepared {
     /// The metrics listener (`metrics.rs`), bound by the caller when
     /// configured; [`prepare`] leaves it `None`.
     pub metrics: Option<TcpListener>,
+    /// The Actions cache proxy's parts; `None`: it is off.
+    pub actions: Option<ActionsParts>,
 }
 
 /// Turns SIGTERM and Ctrl-C into the node's stop: the first cancels
@@ -318,6 +422,7 @@ pub async fn run(
         cache,
         local,
         metrics: metrics_listener,
+        actions,
     } = prepared;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(
@@ -341,7 +446,7 @@ pub async fn run(
         Runner::new(
             provider,
             plane.clone(),
-            plane,
+            plane.clone(),
             RunnerOptions {
                 max_custody: config.max_custody,
                 stray_grace: config.stray_grace,
@@ -358,11 +463,40 @@ pub async fn run(
     let runner = match cache {
         Some(cache) => {
             let sessions = crate::cache::session::Sessions::open(cache.clone()).await;
-            Arc::new(
-                Arc::into_inner(runner)
-                    .expect("the runner is not shared yet")
-                    .with_cache(cache, sessions),
-            )
+            let mut inner = Arc::into_inner(runner)
+                .expect("the runner is not shared yet")
+                .with_cache(cache.clone(), sessions);
+            if let Some(parts) = actions {
+                // The plane answers the kill switch (NodeCall 26).
+                let policy = Arc::new(crate::node::plane::PlanePolicy::new(plane.clone()));
+                let archives = crate::cache::actions::archives::Archives::open(
+                    cache.dir(),
+                    cache.journal(),
+                    policy,
+                )
+                .await
+                .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                let addr = parts
+                    .listener
+                    .local_addr()
+                    .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                let proxy = crate::cache::actions::proxy::ActionsProxy::new(
+                    archives,
+                    parts.ca,
+                    parts.upstream,
+                    addr,
+                )
+                .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                tokio::spawn(
+                    proxy
+                        .clone()
+                        .serve(parts.listener, shutdown.clone())
+                        .instrument(info_span!("actions_proxy")),
+                );
+                info!(%addr, "Actions cache proxy listening");
+                inner = inner.with_actions(proxy);
+            }
+            Arc::new(inner)
         }
         None => runner,
     };

@@ -232,6 +232,40 @@ impl DockerProvider {
         .await
     }
 
+    /// The IPv4 gateway of the engine's default `bridge` network: the
+    /// host's address as a container on that network sees it (the Actions
+    /// cache proxy's default address).
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] when the engine cannot be asked;
+    /// [`ProviderError::Refused`] when the network has no IPv4 gateway.
+    pub async fn bridge_gateway(&self) -> Result<std::net::IpAddr, ProviderError> {
+        let operation = "inspect Docker's bridge network";
+        self.bounded(operation, async {
+            let docker = self.client(operation).await?;
+            let network = docker
+                .inspect_network("bridge", None)
+                .await
+                .map_err(|err| self.engine_error(operation, &err, None))?;
+            network
+                .ipam
+                .and_then(|i| i.config)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|c| c.gateway)
+                .filter_map(|g| g.parse::<std::net::IpAddr>().ok())
+                .find(std::net::IpAddr::is_ipv4)
+                .ok_or_else(|| {
+                    ProviderError::Refused(
+                        "Docker's bridge network has no IPv4 gateway; give --cache-proxy-listen"
+                            .into(),
+                    )
+                })
+        })
+        .await
+    }
+
     /// The engine API version in use, once a call has negotiated one.
     pub fn api_version(&self) -> Option<ClientVersion> {
         self.client.get().map(Docker::client_version)
@@ -744,12 +778,11 @@ impl DockerProvider {
                     spec.name
                 )));
             }
-            if key == crate::cache::session::TOKEN_ENV {
+            if key == crate::cache::session::TOKEN_ENV || key == crate::cache::actions::PROXY_ENV {
                 return Err(ProviderError::Refused(format!(
-                    "{}: the plain environment may not set {}; the cache token is passed \
-                     separately",
+                    "{}: the plain environment may not set {key}; the cache's credentials are \
+                     passed separately",
                     spec.name,
-                    crate::cache::session::TOKEN_ENV
                 )));
             }
             env.push(format!("{key}={value}"));
@@ -763,6 +796,13 @@ impl DockerProvider {
                 "{}={}",
                 crate::cache::session::TOKEN_ENV,
                 token.expose()
+            ));
+        }
+        if let Some(url) = &spec.actions_proxy {
+            env.push(format!(
+                "{}={}",
+                crate::cache::actions::PROXY_ENV,
+                url.expose()
             ));
         }
 
@@ -1067,6 +1107,7 @@ mod tests {
             jit_config: JitConfig::new(jit.to_owned()),
             binds: Vec::new(),
             cache_token: None,
+            actions_proxy: None,
         }
     }
 

@@ -590,6 +590,7 @@ mod tests {
             jit_config: JitConfig::new(jit.into()),
             binds: Vec::new(),
             cache_token: None,
+            actions_proxy: None,
         }
     }
 

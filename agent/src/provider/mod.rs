@@ -77,6 +77,10 @@ pub struct InstanceSpec {
     /// The instance's cache session credential. Reaches the instance only
     /// as `BILLET_CACHE_TOKEN` ([`crate::cache::session::TOKEN_ENV`]).
     pub cache_token: Option<crate::cache::session::CacheToken>,
+    /// The instance's Actions cache proxy URL, with the token in it.
+    /// Reaches the instance only as `BILLET_ACTIONS_PROXY`
+    /// ([`crate::cache::actions::PROXY_ENV`]).
+    pub actions_proxy: Option<crate::cache::actions::proxy::ProxyUrl>,
 }
 
 /// A host directory bound read-write into an instance.

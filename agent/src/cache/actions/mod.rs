@@ -23,6 +23,16 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+/// The variable that holds the guest's proxy URL,
+/// `http://billet:<token>@<address>`: a credential, passed apart from the
+/// plain environment like `BILLET_CACHE_TOKEN`.
+pub const PROXY_ENV: &str = "BILLET_ACTIONS_PROXY";
+/// The variable that names the interception CA's PEM file in the guest.
+pub const CA_FILE_ENV: &str = "BILLET_ACTIONS_CA_FILE";
+/// The CA's file name in the session's directory
+/// (`/run/billet-cache/actions-ca.pem` in the guest).
+pub const CA_FILE: &str = "actions-ca.pem";
+
 /// The results service's host, the only authority the proxy tunnels to.
 pub const RESULTS_HOST: &str = "results-receiver.actions.githubusercontent.com";
 
