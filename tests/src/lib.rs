@@ -10,4 +10,5 @@ pub mod image;
 pub mod imds;
 pub mod planes;
 pub mod reports;
+pub mod results;
 pub mod systemd;

@@ -28,6 +28,7 @@
 //! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
 //! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on. With `BILLET_CACHE_ENDPOINT` and `BILLET_CACHE_TOKEN` set (a node's cache session) it also speaks the node's cache API as the reference's `stickydisk` action does: what was mounted when the job starts (`cache volume slot ...`), and after the counter a commit of each disk with the job's status, saying what it was told (`cache commit slot N key K: status S told {...}`) |
 //! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
+//! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one, reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches"}`; on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -143,6 +144,9 @@ struct Cli {
     /// A sticky disk's counter file, read and written incremented as the job's work.
     #[arg(long, env = "BILLET_STANDIN_STICKY")]
     sticky: Option<std::path::PathBuf>,
+    /// A cache key to restore, or save when missing, through the node's Actions cache proxy.
+    #[arg(long, env = "BILLET_STANDIN_ACTIONS_CACHE")]
+    actions_cache: Option<String>,
     /// Where to report what the node's cache API told the runner (an http:// URL).
     #[arg(long, env = "BILLET_STANDIN_REPORT")]
     report: Option<String>,
@@ -505,6 +509,316 @@ impl CacheGuest {
     }
 }
 
+/// The results service's host, which the node's proxy intercepts.
+const RESULTS_HOST: &str = "results-receiver.actions.githubusercontent.com";
+/// The user agent `@actions/cache` sends.
+const ACTIONS_CACHE_UA: &str = "@actions/cache-4.0.3";
+/// The Twirp service of the cache.
+const CACHE_SERVICE: &str = "/twirp/github.actions.results.api.v1.CacheService/";
+
+/// The guest side of the node's Actions cache proxy (`agent/src/cache/actions/`), as
+/// `@actions/cache` speaks to the results service through an HTTPS proxy: each request on a
+/// tunnel of its own (`CONNECT` with `Proxy-Authorization: Basic`, then TLS with the results host
+/// as server name, trusting the node's CA).
+struct ActionsGuest {
+    proxy: String,
+    auth: String,
+    tls: tokio_rustls::TlsConnector,
+}
+
+/// One answer: status, head, body.
+struct Answered {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Answered {
+    fn local(&self) -> bool {
+        self.head
+            .to_ascii_lowercase()
+            .contains("x-billet-actions-cache: local")
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_default()
+    }
+}
+
+impl ActionsGuest {
+    fn from_env() -> Result<Self, String> {
+        let url = std::env::var("BILLET_ACTIONS_PROXY")
+            .map_err(|_| "no Actions cache proxy: BILLET_ACTIONS_PROXY is unset".to_owned())?;
+        let ca_file = std::env::var("BILLET_ACTIONS_CA_FILE")
+            .map_err(|_| "BILLET_ACTIONS_CA_FILE is unset".to_owned())?;
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or("the proxy URL is not http://")?;
+        let (userinfo, proxy) = rest
+            .rsplit_once('@')
+            .ok_or("the proxy URL has no userinfo")?;
+        let pem = std::fs::read(&ca_file).map_err(|e| format!("{ca_file}: {e}"))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile_certs(&pem) {
+            roots.add(cert).map_err(|e| format!("{ca_file}: {e}"))?;
+        }
+        let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            proxy: proxy.trim_end_matches('/').to_owned(),
+            auth: base64::engine::general_purpose::STANDARD.encode(userinfo),
+            tls: tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)),
+        })
+    }
+
+    /// Sends `method path` with `headers` and `body` on a fresh tunnel.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answered, String> {
+        use tokio::io::AsyncWriteExt as _;
+        let mut tcp = tokio::net::TcpStream::connect(&self.proxy)
+            .await
+            .map_err(|e| format!("connect {}: {e}", self.proxy))?;
+        tcp.write_all(
+            format!(
+                "CONNECT {RESULTS_HOST}:443 HTTP/1.1\r\nHost: {RESULTS_HOST}:443\r\nProxy-Authorization: Basic {}\r\n\r\n",
+                self.auth
+            )
+            .as_bytes(),
+        )
+        .await
+        .map_err(|e| format!("CONNECT: {e}"))?;
+        let (head, _) = read_http(&mut tcp).await?;
+        if !head.starts_with("HTTP/1.1 200") {
+            return Err(format!(
+                "CONNECT refused: {}",
+                head.lines().next().unwrap_or("")
+            ));
+        }
+        let name =
+            rustls::pki_types::ServerName::try_from(RESULTS_HOST).map_err(|e| e.to_string())?;
+        let mut tls = self
+            .tls
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS: {e}"))?;
+        let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {RESULTS_HOST}\r\n");
+        for (k, v) in headers {
+            raw.push_str(&format!("{k}: {v}\r\n"));
+        }
+        raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        tls.write_all(raw.as_bytes())
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        tls.write_all(body)
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        tls.flush().await.map_err(|e| format!("send: {e}"))?;
+        let (head, body) = read_http(&mut tls).await?;
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or("no status line")?;
+        Ok(Answered { status, head, body })
+    }
+
+    async fn twirp(
+        &self,
+        method: &str,
+        ua: &str,
+        json: &serde_json::Value,
+    ) -> Result<Answered, String> {
+        self.send(
+            "POST",
+            &format!("{CACHE_SERVICE}{method}"),
+            &[
+                ("Content-Type", "application/json"),
+                ("User-Agent", ua),
+                ("Authorization", "Bearer runtime-token"),
+            ],
+            json.to_string().as_bytes(),
+        )
+        .await
+    }
+}
+
+fn rustls_pemfile_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject as _;
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem)
+        .filter_map(Result::ok)
+        .collect()
+}
+
+/// Reads one HTTP/1.1 message's head and `Content-Length` body.
+async fn read_http<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+) -> Result<(String, Vec<u8>), String> {
+    use tokio::io::AsyncReadExt as _;
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(60), s.read(&mut byte))
+            .await
+            .map_err(|_| "no answer within 60 s".to_owned())?
+            .map_err(|e| format!("read: {e}"))?;
+        if n == 0 {
+            return Err("the connection closed before an answer".into());
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0u8; length];
+    s.read_exact(&mut body)
+        .await
+        .map_err(|e| format!("read the body: {e}"))?;
+    Ok((head, body))
+}
+
+/// The payload a save of `key` uploads, so a restore can check what it got.
+fn actions_payload(key: &str) -> Vec<u8> {
+    format!("billet actions cache payload of {key}").into_bytes()
+}
+
+/// Restores `key` through the node's proxy, or saves it when missing; then probes two calls the
+/// node must splice to GitHub. Everything is reported (`BILLET_STANDIN_ACTIONS_CACHE`).
+async fn actions_cache(key: &str, reporter: &Reporter) {
+    let guest = match ActionsGuest::from_env() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("billet-standin-runner: actions cache: {e}");
+            reporter
+                .report("actions", serde_json::json!({ "error": e }))
+                .await;
+            return;
+        }
+    };
+    let outcome: Result<(), String> = async {
+        let payload = actions_payload(key);
+        let found = guest
+            .twirp(
+                "GetCacheEntryDownloadURL",
+                ACTIONS_CACHE_UA,
+                &serde_json::json!({"key": key, "restore_keys": [key], "version": "v1"}),
+            )
+            .await?;
+        let answer = found.json();
+        if answer["ok"] == true {
+            let url = answer["signed_download_url"].as_str().unwrap_or_default();
+            let path = url
+                .strip_prefix(&format!("https://{RESULTS_HOST}"))
+                .ok_or("the download URL is not the results host's")?;
+            let range = guest.send("GET", path, &[("Range", "bytes=2-8")], b"").await?;
+            let whole = guest.send("GET", path, &[], b"").await?;
+            eprintln!("billet-standin-runner: actions cache restored {key} ({} bytes)", whole.body.len());
+            reporter
+                .report(
+                    "actions-restore",
+                    serde_json::json!({
+                        "hit": true,
+                        "matched_key": answer["matched_key"],
+                        "local": found.local() && range.local() && whole.local(),
+                        "range_status": range.status,
+                        "range": String::from_utf8_lossy(&range.body),
+                        "whole_matches": whole.body == payload,
+                    }),
+                )
+                .await;
+        } else {
+            let created = guest
+                .twirp(
+                    "CreateCacheEntry",
+                    ACTIONS_CACHE_UA,
+                    &serde_json::json!({"key": key, "version": "v1"}),
+                )
+                .await?;
+            let url = created.json()["signed_upload_url"]
+                .as_str()
+                .ok_or_else(|| format!("no upload URL: {}", String::from_utf8_lossy(&created.body)))?
+                .to_owned();
+            let path = url
+                .strip_prefix(&format!("https://{RESULTS_HOST}"))
+                .ok_or("the upload URL is not the results host's")?;
+            let put = guest
+                .send("PUT", path, &[("x-ms-blob-type", "BlockBlob")], &payload)
+                .await?;
+            let finalized = guest
+                .twirp(
+                    "FinalizeCacheEntryUpload",
+                    ACTIONS_CACHE_UA,
+                    &serde_json::json!({"key": key, "version": "v1", "size_bytes": payload.len().to_string()}),
+                )
+                .await?;
+            eprintln!("billet-standin-runner: actions cache saved {key}");
+            reporter
+                .report(
+                    "actions-save",
+                    serde_json::json!({
+                        "hit": false,
+                        "local": found.local() && created.local() && put.local() && finalized.local(),
+                        "put_status": put.status,
+                        "ok": finalized.json()["ok"],
+                    }),
+                )
+                .await;
+        }
+        let artifact = guest
+            .send(
+                "POST",
+                "/twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact",
+                &[
+                    ("Content-Type", "application/json"),
+                    ("User-Agent", "@actions/artifact-2.1.0"),
+                    ("Authorization", "Bearer runtime-token"),
+                ],
+                b"{\"name\":\"logs\"}",
+            )
+            .await?;
+        let buildkit = guest
+            .twirp(
+                "CreateCacheEntry",
+                "buildkit/v0.20",
+                &serde_json::json!({"key": key, "version": "v1"}),
+            )
+            .await?;
+        reporter
+            .report(
+                "actions-probe",
+                serde_json::json!({
+                    "artifact_status": artifact.status,
+                    "artifact_local": artifact.local(),
+                    "buildkit_status": buildkit.status,
+                    "buildkit_local": buildkit.local(),
+                }),
+            )
+            .await;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = outcome {
+        eprintln!("billet-standin-runner: actions cache: {e}");
+        reporter
+            .report("actions", serde_json::json!({ "error": e }))
+            .await;
+    }
+}
+
 /// Where the runner reports what its node's cache API told it (`BILLET_STANDIN_REPORT`, a test's
 /// sink: `tests/src/reports.rs`). Each report is one JSON object POSTed there, with `report` (its
 /// kind), `runner` (the runner's name) and `seq` (its place among this runner's reports, from 0,
@@ -788,6 +1102,9 @@ impl<'a> EmulatorLink<'a> {
                     .await;
             }
             (None, _) => {}
+        }
+        if let (Some(key), Some(reporter)) = (&cli.actions_cache, &reporter) {
+            actions_cache(key, reporter).await;
         }
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
         if let Some(path) = &cli.sticky {

@@ -1,0 +1,354 @@
+//! Restoring an Actions cache archive through the node's proxy against
+//! reading the same bytes from the same disk, measured in one run.
+//!
+//! The node's proxy (`billet_agent::cache::actions`) runs in this process
+//! on loopback with a real interception CA; an archive of
+//! `BILLET_BENCH_BYTES` (1 GiB) is saved through it as `@actions/cache`
+//! does (create, one `PUT`, finalize) and looked up. Then, each
+//! `BILLET_BENCH_ROUNDS` times (3), alternately: the baseline reads the
+//! published archive file straight off the disk (256 KiB reads); the
+//! restore downloads it through the proxy (a CONNECT tunnel, TLS 1.3
+//! trusting the node's CA, `GET` of the signed URL), reading the body in
+//! 256 KiB reads. Printed: the best time of each, its throughput, and the
+//! ratio restore throughput / baseline throughput (goal: at least 0.8).
+//! Both read from the page cache after the first round: the figure is the
+//! proxy's cost (TLS, HTTP, copies) over the cheapest read there is.
+//!
+//! ```text
+//! cargo bench -p billet-tests --bench actions_cache
+//! BILLET_BENCH_BYTES=268435456 cargo bench -p billet-tests --bench actions_cache
+//! ```
+//!
+//! Run without `--bench` (as `cargo test --benches` does), it makes one
+//! small unmeasured pass as a smoke test.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use base64::Engine as _;
+use billet_agent::cache::actions::archives::Archives;
+use billet_agent::cache::actions::ca::InterceptionCa;
+use billet_agent::cache::actions::proxy::{ActionsProxy, Upstream};
+use billet_agent::cache::actions::{CacheScope, FakeAnswer, FakePolicy, RESULTS_HOST};
+use billet_agent::cache::session::CacheToken;
+use billet_agent::node::journal::MemoryJournal;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+const UA: &str = "@actions/cache-4.0.3";
+const TWIRP: &str = "/twirp/github.actions.results.api.v1.CacheService/";
+const CHUNK: usize = 256 << 10;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+struct Client {
+    proxy: String,
+    auth: String,
+    tls: tokio_rustls::TlsConnector,
+}
+
+type Tunnel = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+impl Client {
+    async fn tunnel(&self) -> Result<Tunnel> {
+        let mut tcp = tokio::net::TcpStream::connect(&self.proxy).await?;
+        tcp.set_nodelay(true)?;
+        tcp.write_all(
+            format!(
+                "CONNECT {RESULTS_HOST}:443 HTTP/1.1\r\nHost: {RESULTS_HOST}:443\r\nProxy-Authorization: Basic {}\r\n\r\n",
+                self.auth
+            )
+            .as_bytes(),
+        )
+        .await?;
+        let (head, _) = head(&mut tcp).await?;
+        anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "CONNECT: {head}");
+        Ok(self
+            .tls
+            .connect(rustls::pki_types::ServerName::try_from(RESULTS_HOST)?, tcp)
+            .await?)
+    }
+
+    /// Sends a request whose body is `body_len` bytes from `body`; returns
+    /// the status, the head, and the tunnel positioned at the body.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &mut (dyn FnMut(&mut [u8]) -> usize + Send),
+        body_len: u64,
+    ) -> Result<(u16, String, usize, Tunnel)> {
+        let mut t = self.tunnel().await?;
+        let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {RESULTS_HOST}\r\n");
+        for (k, v) in headers {
+            raw.push_str(&format!("{k}: {v}\r\n"));
+        }
+        raw.push_str(&format!("Content-Length: {body_len}\r\n\r\n"));
+        t.write_all(raw.as_bytes()).await?;
+        let mut buf = vec![0u8; CHUNK];
+        let mut sent = 0u64;
+        while sent < body_len {
+            let n = body(&mut buf);
+            t.write_all(&buf[..n]).await?;
+            sent += n as u64;
+        }
+        t.flush().await?;
+        let (head, length) = head(&mut t).await?;
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .context("status")?;
+        Ok((status, head, length, t))
+    }
+
+    async fn json(&self, method: &str, body: serde_json::Value) -> Result<serde_json::Value> {
+        let text = body.to_string().into_bytes();
+        let mut once = Some(text.clone());
+        let (_, _, length, mut t) = self
+            .send(
+                "POST",
+                &format!("{TWIRP}{method}"),
+                &[("Content-Type", "application/json"), ("User-Agent", UA)],
+                &mut |buf: &mut [u8]| {
+                    let b = once.take().unwrap_or_default();
+                    buf[..b.len()].copy_from_slice(&b);
+                    b.len()
+                },
+                text.len() as u64,
+            )
+            .await?;
+        let mut body = vec![0u8; length];
+        t.read_exact(&mut body).await?;
+        Ok(serde_json::from_slice(&body)?)
+    }
+}
+
+/// Reads a head; its text and `Content-Length`.
+async fn head<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Result<(String, usize)> {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        anyhow::ensure!(s.read(&mut byte).await? == 1, "closed before a head");
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    Ok((head, length))
+}
+
+fn path_of(url: &str) -> String {
+    url.trim_start_matches(&format!("https://{RESULTS_HOST}"))
+        .to_owned()
+}
+
+async fn run(measuring: bool) -> Result<()> {
+    let bytes = if measuring {
+        env_or("BILLET_BENCH_BYTES", 1 << 30)
+    } else {
+        8 << 20
+    };
+    let rounds = if measuring {
+        env_or("BILLET_BENCH_ROUNDS", 3)
+    } else {
+        1
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "billet-bench-actions-{}",
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    let result = measure(&dir, bytes, rounds).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    let (baseline, restore) = result?;
+    let gib_s = |d: Duration| bytes as f64 / d.as_secs_f64() / f64::from(1u32 << 30);
+    println!("actions cache restore: {bytes} bytes, best of {rounds}");
+    println!(
+        "  baseline, the archive read from disk: {:8.3} s, {:6.2} GiB/s",
+        baseline.as_secs_f64(),
+        gib_s(baseline)
+    );
+    println!(
+        "  restored through the proxy (TLS 1.3): {:8.3} s, {:6.2} GiB/s",
+        restore.as_secs_f64(),
+        gib_s(restore)
+    );
+    println!(
+        "  ratio restore / baseline throughput: {:.2} (goal >= 0.8)",
+        baseline.as_secs_f64() / restore.as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn measure(dir: &std::path::Path, bytes: u64, rounds: u64) -> Result<(Duration, Duration)> {
+    let journal = Arc::new(MemoryJournal::default());
+    let policy = Arc::new(FakePolicy::new(FakeAnswer::Allow));
+    let archives = Archives::open(dir, journal, policy).await?;
+    let ca = Arc::new(InterceptionCa::load_or_create(dir)?);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let proxy = ActionsProxy::new(
+        archives.clone(),
+        ca.clone(),
+        Upstream::new(None, None)?,
+        addr,
+    )?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(proxy.clone().serve(listener, stop.clone()));
+    let token = CacheToken::mint()?;
+    archives
+        .open_session(
+            "bench",
+            &token,
+            CacheScope::new("octo", "app", "octo/app/.github/workflows/ci.yml@main")?,
+        )
+        .await?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile_certs(ca.ca_pem().as_bytes()) {
+        roots.add(cert)?;
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let client = Client {
+        proxy: addr.to_string(),
+        auth: base64::engine::general_purpose::STANDARD
+            .encode(format!("billet:{}", token.expose())),
+        tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+    };
+    // Save.
+    let created = client
+        .json(
+            "CreateCacheEntry",
+            serde_json::json!({"key": "bench", "version": "v1"}),
+        )
+        .await?;
+    let upload = path_of(
+        created["signed_upload_url"]
+            .as_str()
+            .context("upload URL")?,
+    );
+    let mut byte = 0u8;
+    let (status, head, _, _) = client
+        .send(
+            "PUT",
+            &upload,
+            &[("x-ms-blob-type", "BlockBlob")],
+            &mut |buf: &mut [u8]| {
+                for b in buf.iter_mut() {
+                    *b = byte;
+                    byte = byte.wrapping_add(1);
+                }
+                buf.len()
+            },
+            bytes,
+        )
+        .await?;
+    anyhow::ensure!(status == 201, "PUT: {head}");
+    let fin = client
+        .json(
+            "FinalizeCacheEntryUpload",
+            serde_json::json!({"key": "bench", "version": "v1", "size_bytes": bytes}),
+        )
+        .await?;
+    anyhow::ensure!(fin["ok"] == true, "finalize: {fin}");
+    let found = client
+        .json(
+            "GetCacheEntryDownloadURL",
+            serde_json::json!({"key": "bench", "version": "v1"}),
+        )
+        .await?;
+    let download = path_of(
+        found["signed_download_url"]
+            .as_str()
+            .context("download URL")?,
+    );
+    let archive = archives
+        .entries()?
+        .first()
+        .context("the published entry")?
+        .dir
+        .join("archive");
+    let (mut baseline, mut restore) = (Duration::MAX, Duration::MAX);
+    for _ in 0..rounds {
+        let started = Instant::now();
+        let path = archive.clone();
+        let read = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+            use std::io::Read as _;
+            let mut f = std::fs::File::open(path)?;
+            let mut buf = vec![0u8; CHUNK];
+            let mut total = 0u64;
+            loop {
+                let n = f.read(&mut buf)?;
+                if n == 0 {
+                    return Ok(total);
+                }
+                total += n as u64;
+            }
+        })
+        .await??;
+        baseline = baseline.min(started.elapsed());
+        anyhow::ensure!(read == bytes, "the baseline read {read} bytes");
+        let started = Instant::now();
+        let (status, head, length, mut t) = client
+            .send("GET", &download, &[], &mut |_: &mut [u8]| 0, 0)
+            .await?;
+        anyhow::ensure!(status == 200 && length as u64 == bytes, "GET: {head}");
+        let mut buf = vec![0u8; CHUNK];
+        let mut total = 0u64;
+        while total < bytes {
+            let n = t.read(&mut buf).await?;
+            anyhow::ensure!(n > 0, "the download ended at {total} bytes");
+            total += n as u64;
+        }
+        restore = restore.min(started.elapsed());
+    }
+    stop.cancel();
+    archives.close("bench").await;
+    Ok((baseline, restore))
+}
+
+fn rustls_pemfile_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+    use rustls::pki_types::pem::PemObject as _;
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem)
+        .filter_map(Result::ok)
+        .collect()
+}
+
+fn main() -> ExitCode {
+    // `cargo bench` passes `--bench`; `cargo test --benches` does not.
+    let measuring = std::env::args().any(|a| a == "--bench");
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("actions cache bench: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(measuring)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("actions cache bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
