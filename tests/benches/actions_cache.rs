@@ -140,14 +140,7 @@ async fn head<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Result<(String, usi
         buf.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&buf).into_owned();
-    let length = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse().ok())?
-        })
-        .unwrap_or(0);
+    let length = billet_tests::results::content_length(&head);
     Ok((head, length))
 }
 

@@ -147,6 +147,18 @@ impl FakeResults {
     }
 }
 
+/// The `Content-Length` of an HTTP/1.1 head (its text), 0 when absent.
+#[must_use]
+pub fn content_length(head: &str) -> usize {
+    head.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0)
+}
+
 /// Reads one HTTP/1.1 request: its head and its `Content-Length` body.
 async fn read_message<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Option<Seen> {
     let mut buf = Vec::new();
@@ -158,15 +170,7 @@ async fn read_message<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> Option<Seen
         buf.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&buf).into_owned();
-    let length = head
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-length")
-                .then(|| v.trim().parse::<usize>().ok())?
-        })
-        .unwrap_or(0);
-    let mut body = vec![0u8; length];
+    let mut body = vec![0u8; content_length(&head)];
     s.read_exact(&mut body).await.ok()?;
     Some(Seen { head, body })
 }
