@@ -3239,3 +3239,44 @@ async fn an_untrusted_job_reads_the_trusted_generation_and_its_writes_are_discar
         "1"
     );
 }
+
+/// Issue #16 item 6 (spec/cache.md §3.2, §3.4): a sticky disk whose
+/// settling failed when its job ended is tried again at the next sweep
+/// whose provider listing succeeded, and goes (`RetryClosed`); a sweep
+/// whose listing failed discards nothing, because a failed listing is not
+/// an empty one (`ReconcileInventory` only from a successful inventory).
+#[tokio::test]
+async fn a_sticky_disk_left_by_a_failed_settle_goes_at_the_next_listed_sweep_never_at_a_failed_one()
+{
+    use billet_agent::cache::{Policy, StickyDisk};
+    let w = World::new();
+    let (r, store) = cached_runner(&w, RunnerOptions::default()).await;
+    let root = store.dir().to_owned();
+    let mut t = tier(Trust::Trusted);
+    t.sticky_disks = vec![StickyDisk::new("npm", "/cache/npm", Policy::Cas).unwrap()];
+    let first = w.reserve(1);
+    r.launch(first.clone(), t, job(1, "push")).await.unwrap();
+    let disk = w.fake.specs()[0].binds[0].host.clone();
+    // The job ends while its disk cannot be removed (the store's trash is
+    // not a directory): the teardown goes on and the disk stays.
+    let trash = root.join("trash");
+    std::fs::rename(&trash, root.join("trash.away")).unwrap();
+    std::fs::write(&trash, "").unwrap();
+    w.fake.exit(&name(&first.id), 1, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("failed"))
+        .await
+        .unwrap();
+    assert!(w.fake.instances().is_empty());
+    assert_eq!(store.mounts().await.len(), 1);
+    std::fs::remove_file(&trash).unwrap();
+    std::fs::rename(root.join("trash.away"), &trash).unwrap();
+    // A sweep that cannot list the provider proves nothing.
+    w.fake.fail_next(Operation::List, 1);
+    assert!(r.sweep().await.is_err());
+    assert_eq!(store.mounts().await.len(), 1, "fenced on a failed listing");
+    assert!(disk.exists());
+    // The next one lists nothing of the lease's, which nobody holds.
+    r.sweep().await.unwrap();
+    assert!(store.mounts().await.is_empty());
+    assert!(!disk.exists());
+}

@@ -50,6 +50,98 @@ impl ReflinkSupport {
     }
 }
 
+/// The file system a cache directory is on and whether it shares extents,
+/// as [`probe`] found them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filesystem {
+    /// Its kind by `statfs(2)`'s magic: `xfs`, `btrfs`, `ext4` (ext2/3/4
+    /// share one magic), `tmpfs`, `overlayfs`, `zfs`, or `0x<hex>`.
+    pub kind: String,
+    /// Whether a `FICLONE` of one file to another in the directory worked.
+    pub reflink: bool,
+}
+
+impl Filesystem {
+    /// How a mount is made on it.
+    #[must_use]
+    pub fn method(&self) -> CloneMethod {
+        if self.reflink {
+            CloneMethod::Reflink
+        } else {
+            CloneMethod::Copy
+        }
+    }
+}
+
+impl CloneMethod {
+    /// `reflink` or `copy`, as logs, `billet check` and `billet node status`
+    /// say it.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reflink => "reflink",
+            Self::Copy => "copy",
+        }
+    }
+}
+
+/// The kind of file system `path` is on, by `statfs(2)`'s magic number.
+///
+/// # Errors
+///
+/// `statfs` failed (no such path).
+pub fn filesystem_kind(path: &Path) -> io::Result<String> {
+    let magic = u64::try_from(rustix::fs::statfs(path)?.f_type).unwrap_or(0);
+    Ok(match magic {
+        0x5846_5342 => "xfs".to_owned(),
+        0x9123_683e => "btrfs".to_owned(),
+        0xef53 => "ext4".to_owned(),
+        0x0102_1994 => "tmpfs".to_owned(),
+        0x794c_7630 => "overlayfs".to_owned(),
+        0x2fc1_2fc1 => "zfs".to_owned(),
+        other => format!("{other:#x}"),
+    })
+}
+
+/// Finds out what `dir`'s file system is and whether it shares extents:
+/// two files are made in `dir`, one with 4 KiB of data, the other a
+/// `FICLONE` of it, and both removed. `support` learns the answer, so the
+/// first mount does not have to.
+///
+/// # Errors
+///
+/// `dir` cannot be written (the files cannot be made).
+pub fn probe(dir: &Path, support: &ReflinkSupport) -> io::Result<Filesystem> {
+    let kind = filesystem_kind(dir)?;
+    let stem = format!(".reflink-probe-{}", std::process::id());
+    let (a, b) = (dir.join(format!("{stem}-a")), dir.join(format!("{stem}-b")));
+    let made = (|| {
+        let mut source = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&a)?;
+        io::Write::write_all(&mut source, &[0x5a; 4096])?;
+        source.sync_all()?;
+        let target = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&b)?;
+        Ok::<_, io::Error>(rustix::fs::ioctl_ficlone(&target, &source).is_ok())
+    })();
+    let _ = fs::remove_file(&a);
+    let _ = fs::remove_file(&b);
+    let reflink = made?;
+    support
+        .0
+        .store(if reflink { YES } else { NO }, Ordering::Relaxed);
+    Ok(Filesystem { kind, reflink })
+}
+
 /// What [`clone_tree`] made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cloned {

@@ -11,6 +11,8 @@
 //!   the node's disk, its mounts recorded in the node journal
 //!   ([`crate::node::journal::MountJournal`]).
 //! - [`clone`]: how a mount is made: reflink per file, or a sparse copy.
+//! - [`lifecycle`]: what proves a mount's compute is gone (only a
+//!   successful inventory), and the periodic eviction.
 //!
 //! Invariant: this module never sees a lease's compute or the provider;
 //! the runner asks it for mounts before compute starts and settles them
@@ -18,9 +20,11 @@
 
 pub mod actions;
 pub mod clone;
+pub mod lifecycle;
 pub mod session;
 pub mod store;
 
+pub use lifecycle::{Evicted, Inventory, Listed};
 pub use store::{
     CacheError, Committed, EvictReport, Eviction, Generation, Mount, Observation, STORE_LOCK,
     Settled, Store,

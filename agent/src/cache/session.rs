@@ -45,7 +45,7 @@
 //! ([`Store::withdraw`]); one it leaves alone is settled at the end by
 //! GitHub's result, as before.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,6 +60,7 @@ use subtle::ConstantTimeEq as _;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::lifecycle::Listed;
 use super::store::{CacheError, Committed, Mount, Store};
 use crate::edge::model::LeaseId;
 use crate::node::journal::{MountJournal, SessionRecord};
@@ -402,15 +403,17 @@ impl Sessions {
         info!(%lease, "cache session closed");
     }
 
-    /// Closes the session of every lease not in `held`: what a restarted
-    /// node's journal names for compute it no longer has.
-    pub async fn close_unheld(&self, held: &BTreeSet<String>) {
+    /// Closes the session of every lease `listed` proves has no compute:
+    /// what a restarted node's journal names for compute it no longer has
+    /// (spec/cache.md §3.2 `ReconcileInventory`; only a successful
+    /// inventory makes a [`Listed`]).
+    pub async fn reconcile(&self, listed: &Listed) {
         let stale: Vec<String> = self
             .live
             .lock()
             .expect("sessions")
             .keys()
-            .filter(|l| !held.contains(*l))
+            .filter(|l| !listed.may_run(l))
             .cloned()
             .collect();
         for lease in stale {
@@ -892,7 +895,8 @@ mod tests {
         let (status, told) = call(&a.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
         assert_eq!(status, 200);
         assert_eq!(told["volumes"][0]["told"]["generation"], 1);
-        sessions.close_unheld(&BTreeSet::new()).await;
+        // An empty listing, with nothing held: the compute is gone.
+        sessions.reconcile(&Listed::new([], [])).await;
         assert!(sessions.open_leases().is_empty());
     }
 

@@ -37,10 +37,12 @@
 //!   generation goes to the trash, and a crash before that leaves a
 //!   generation directory no state names, collected when the store opens.
 //! - **Eviction** ([`Store::evict`]): a generation some open mount was
-//!   cloned from is never removed. Others go when superseded (no longer
+//!   cloned from is never removed, and its last use is renewed to the pass's
+//!   time (the reference's `RenewActive`: a long job's generation is used
+//!   for as long as it is mounted). Others go when superseded (no longer
 //!   the head), when the head was last used longer ago than the retention,
 //!   and, least recently used first, while the cache holds more than its
-//!   byte budget.
+//!   byte budget. [`super::lifecycle`] runs it periodically.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -54,7 +56,10 @@ use sha2::{Digest, Sha256};
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::clone::{CloneMethod, ReflinkSupport, apparent_bytes, clone_tree, tree_bytes};
+use super::clone::{
+    CloneMethod, Filesystem, ReflinkSupport, apparent_bytes, clone_tree, probe, tree_bytes,
+};
+use super::lifecycle::{Evicted, Listed};
 use super::{DiskKey, Policy};
 use crate::edge::model::LeaseId;
 use crate::node::journal::{JournalError, MountJournal, MountRecord};
@@ -184,8 +189,11 @@ pub struct EvictReport {
     pub removed: Vec<(String, Generation)>,
     /// Bytes they held on the disk.
     pub freed_bytes: u64,
-    /// Generations kept because a mount was cloned from them.
+    /// Generations kept because a mount was cloned from them; each had its
+    /// last use renewed to the pass's time.
     pub kept_mounted: usize,
+    /// Bytes the generations kept hold on the disk after the pass.
+    pub kept_bytes: u64,
 }
 
 /// One generation's provenance.
@@ -257,6 +265,8 @@ pub struct Store {
     reflink: Arc<ReflinkSupport>,
     mounts: tokio::sync::Mutex<BTreeMap<String, MountRecord>>,
     observed: std::sync::Mutex<Observed>,
+    evicted: std::sync::Mutex<Evicted>,
+    filesystem: Filesystem,
     _lock: fs::File,
 }
 
@@ -375,13 +385,15 @@ impl Store {
     /// Opens (creating it, mode 0700) the store of `deployment` in `root`
     /// and takes its lock; loads the journal's mounts; removes what a
     /// crash left: the trash, mount directories the journal does not name,
-    /// generation directories no state names.
+    /// generation directories no state names. Finds out whether its file
+    /// system shares extents ([`super::clone::probe`]): see
+    /// [`Store::filesystem`].
     ///
     /// # Errors
     ///
-    /// [`CacheError::Open`] when the directory cannot be made or locked
-    /// (another node uses it), [`CacheError::Journal`] when the mounts
-    /// cannot be read.
+    /// [`CacheError::Open`] when the directory cannot be made, written or
+    /// locked (another node uses it), [`CacheError::Journal`] when the
+    /// mounts cannot be read.
     pub async fn open(
         root: &Path,
         deployment: &str,
@@ -394,23 +406,53 @@ impl Store {
         });
         let d = dirs.clone();
         let named: BTreeSet<String> = records.iter().map(|r| r.mount.clone()).collect();
-        let lock = blocking(move || open_dirs(&d, &named)).await?;
+        let reflink = Arc::new(ReflinkSupport::default());
+        let support = reflink.clone();
+        let (lock, filesystem) = blocking(move || {
+            let lock = open_dirs(&d, &named)?;
+            let filesystem =
+                probe(&d.root.join("trash"), &support).map_err(|e| CacheError::Open {
+                    path: d.root.clone(),
+                    message: format!(
+                        "cannot write a file in it: {e}; give the node a writable --cache-dir"
+                    ),
+                })?;
+            Ok((lock, filesystem))
+        })
+        .await?;
         Ok(Self {
             dirs,
             journal,
-            reflink: Arc::new(ReflinkSupport::default()),
+            reflink,
             mounts: tokio::sync::Mutex::new(
                 records.into_iter().map(|r| (r.mount.clone(), r)).collect(),
             ),
             observed: std::sync::Mutex::new(Observed::default()),
+            evicted: std::sync::Mutex::new(Evicted::default()),
+            filesystem,
             _lock: lock,
         })
     }
 
-    /// Whether this store's filesystem shares extents, once a clone has
-    /// found out.
+    /// Whether this store's filesystem shares extents: found out when it
+    /// opened, and learnt again should a clone be refused later.
     pub fn reflinks(&self) -> Option<bool> {
         self.reflink.known()
+    }
+
+    /// The cache directory's file system as the store found it when it
+    /// opened: its kind and whether mounts are reflinks (O(files)) or
+    /// copies (O(bytes)).
+    #[must_use]
+    pub fn filesystem(&self) -> &Filesystem {
+        &self.filesystem
+    }
+
+    /// What eviction has removed since the store opened, for the node's
+    /// metrics.
+    #[must_use]
+    pub fn evicted(&self) -> Evicted {
+        *self.evicted.lock().expect("cache evictions")
     }
 
     /// The head generation of `key`; `None` when it has none.
@@ -842,22 +884,35 @@ impl Store {
         Ok(())
     }
 
-    /// Discards the mounts of every lease not in `held`: what a restarted
-    /// node's journal names for compute it no longer has.
-    pub async fn discard_unheld(&self, held: &BTreeSet<String>) {
+    /// Discards the mounts of every lease `listed` proves has no compute
+    /// (the reference's `ReconcileInventory`, spec/cache.md §3.2): what a
+    /// restarted node's journal names for compute it no longer has, and a
+    /// mount whose settling failed earlier (the reference's `RetryClosed`:
+    /// tried again at each inventory until it goes). Only a successful
+    /// inventory makes a [`Listed`]; see [`super::lifecycle::Inventory`].
+    /// Returns how many mounts were discarded.
+    pub async fn reconcile(&self, listed: &Listed) -> usize {
         let stale: Vec<String> = self
             .mounts
             .lock()
             .await
             .values()
-            .filter(|r| !held.contains(&r.lease))
+            .filter(|r| !listed.may_run(&r.lease))
             .map(|r| r.mount.clone())
             .collect();
+        let mut discarded = 0;
         for id in stale {
-            if let Err(e) = self.discard(&id).await {
-                warn!(mount = %id, error = %e, "cannot discard the mount of a lease no longer held");
+            match self.discard(&id).await {
+                Ok(()) => {
+                    info!(mount = %id, "discarded the sticky disk of a lease whose compute is gone");
+                    discarded += 1;
+                }
+                Err(e) => {
+                    warn!(mount = %id, error = %e, "cannot discard the sticky disk of a lease whose compute is gone; the next inventory tries again")
+                }
             }
         }
+        discarded
     }
 
     /// Removes generations by `rules`, never one an open mount was cloned
@@ -883,6 +938,10 @@ impl Store {
         for (key, g) in &report.removed {
             info!(%key, generation = %g, "sticky-disk generation evicted");
         }
+        self.evicted
+            .lock()
+            .expect("cache evictions")
+            .add(report.removed.len() as u64, report.freed_bytes);
         Ok(report)
     }
 }
@@ -1017,6 +1076,18 @@ fn evict_blocking(
     // (used, key index, generation, bytes) of every generation kept.
     let mut kept: Vec<(i64, usize, u64, u64)> = Vec::new();
     for (index, state) in states.iter_mut().enumerate() {
+        // RenewActive: a mounted generation is in use now, however long
+        // ago its job mounted it, so its retention counts from now.
+        let mut renewed = false;
+        for (g, meta) in &mut state.generations {
+            if pinned.contains(&(state.key.clone(), *g)) && meta.used_unix_ms < now_unix_ms {
+                meta.used_unix_ms = now_unix_ms;
+                renewed = true;
+            }
+        }
+        if renewed {
+            dirs.write_state(state)?;
+        }
         let mut gone = Vec::new();
         for (g, meta) in &state.generations {
             if pinned.contains(&(state.key.clone(), *g)) {
@@ -1049,6 +1120,9 @@ fn evict_blocking(
             remove_generations(dirs, state, &[g], &mut report)?;
             total = total.saturating_sub(bytes);
         }
+        report.kept_bytes = total;
+    } else {
+        report.kept_bytes = kept.iter().map(|k| k.3).sum();
     }
     Ok(report)
 }
@@ -1571,9 +1645,111 @@ mod tests {
             .mount(&lease("l9"), &key("npm"), Policy::Cas)
             .await
             .unwrap();
-        s.discard_unheld(&BTreeSet::from(["l1".to_owned()])).await;
+        assert_eq!(s.reconcile(&Listed::new([], ["l1".to_owned()])).await, 1);
         assert!(!stale.dir.exists());
         assert!(s.mounts().await.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_mount_listed_or_held_stays_and_one_whose_discard_failed_goes_at_the_next_inventory()
+    {
+        let root = dir();
+        let (s, journal) = store(&root).await;
+        let listed = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        let held = s
+            .mount(&lease("l2"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        let ended = s
+            .mount(&lease("l3"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        // The job of l3 ended, but its mount cannot be removed (the trash
+        // is not a directory): settling it fails and keeps it.
+        let trash = root.join("trash");
+        fs::rename(&trash, root.join("trash.away")).unwrap();
+        fs::write(&trash, "").unwrap();
+        let settled = s.settle(&lease("l3")).await;
+        assert!(settled[0].1.is_err(), "{settled:?}");
+        assert_eq!(s.mounts().await.len(), 3);
+        fs::remove_file(&trash).unwrap();
+        fs::rename(root.join("trash.away"), &trash).unwrap();
+        // The next inventory lists l1's instance, the runner holds l2, and
+        // l3 is neither: its mount goes, the others stay.
+        let inventory = Listed::new(["l1".to_owned()], ["l2".to_owned()]);
+        assert_eq!(s.reconcile(&inventory).await, 1);
+        assert!(!ended.dir.exists());
+        assert!(listed.dir.exists() && held.dir.exists());
+        let left: Vec<String> = journal
+            .mounts()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.lease)
+            .collect();
+        assert_eq!(left, ["l1", "l2"]);
+    }
+
+    #[tokio::test]
+    async fn a_long_jobs_mounted_generation_outlives_the_retention_and_counts_as_used_until_it_ends()
+     {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        publish(&s, "l0", "npm", "1").await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        let hour = Duration::from_secs(3600);
+        let rules = Eviction {
+            retention: hour,
+            budget_bytes: None,
+        };
+        // Two hours later the job still runs: its generation stays, and is
+        // renewed as used then.
+        let later = now_unix_ms() + 2 * 3_600_000;
+        let report = s.evict(rules, later).await.unwrap();
+        assert_eq!((report.removed.len(), report.kept_mounted), (0, 1));
+        s.discard(&m.id).await.unwrap();
+        // Half an hour after that (the job ended meanwhile) it is within
+        // the retention from its renewal, not from its mount.
+        let report = s.evict(rules, later + 1_800_000).await.unwrap();
+        assert!(report.removed.is_empty(), "{report:?}");
+        assert_eq!(s.head(&key("npm")).await.unwrap(), Some(Generation(1)));
+        // An hour after the renewal it goes, and the store counts it.
+        let report = s.evict(rules, later + 3_600_000).await.unwrap();
+        assert_eq!(report.removed, vec![("npm".to_owned(), Generation(1))]);
+        assert_eq!(
+            s.evicted(),
+            crate::cache::Evicted {
+                generations: 1,
+                bytes: report.freed_bytes
+            }
+        );
+        assert!(report.freed_bytes > 0);
+    }
+
+    #[tokio::test]
+    async fn the_store_says_which_file_system_it_is_on_and_how_it_clones() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        let fs = s.filesystem();
+        assert_eq!(
+            fs.kind,
+            crate::cache::clone::filesystem_kind(&root).unwrap()
+        );
+        assert_eq!(s.reflinks(), Some(fs.reflink), "learnt before any mount");
+        // What the probe said is what a mount does.
+        publish(&s, "l0", "npm", "1").await;
+        let m = s
+            .mount(&lease("l1"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert_eq!(m.method, Some(fs.method()));
+        assert_eq!(fs::read_dir(root.join("trash")).unwrap().count(), 0);
     }
 
     #[tokio::test]

@@ -25,6 +25,7 @@ use super::ending::EndReason;
 use super::journal::{CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
+use crate::cache::{Inventory, Listed};
 use crate::edge::model::{
     DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId, parse_phase,
 };
@@ -460,23 +461,76 @@ impl Runner {
     }
 
     /// [`Runner::sweep`], saying also what the provider listed when the
-    /// sweep began: what `Sweep` reports to the plane.
+    /// sweep began: what `Sweep` reports to the plane. The same inventory
+    /// settles the sticky disks of leases whose compute it proves gone
+    /// ([`Runner::reconcile_cache`]).
     pub async fn sweep_inventory(&self) -> Swept {
         let before = self.running_snapshot();
         let instances = match self.provider.list().await {
             Ok(instances) => instances,
             Err(e) => {
+                self.reconcile_cache(Inventory::Unknown).await;
                 return Swept {
                     listed: None,
                     result: Err(RunnerError::Failed(format!("list instances: {e}"))),
                 };
             }
         };
-        let listed = instances.iter().filter_map(Instance::lease).collect();
+        let listed: Vec<LeaseId> = instances.iter().filter_map(Instance::lease).collect();
+        let result = self.sweep_listed(&before, &instances).await;
+        self.reconcile_cache(Inventory::Listed(Listed::new(
+            listed.iter().map(|l| l.as_str().to_owned()),
+            self.held_lease_names(),
+        )))
+        .await;
         Swept {
             listed: Some(listed),
-            result: self.sweep_listed(&before, &instances).await,
+            result,
         }
+    }
+
+    /// The leases this runner holds (launching, running, in custody), by
+    /// name.
+    fn held_lease_names(&self) -> Vec<String> {
+        let s = self.state();
+        s.custody
+            .keys()
+            .chain(s.launching.keys())
+            .map(|l| l.as_str().to_owned())
+            .chain(s.running.values().map(|r| r.lease.as_str().to_owned()))
+            .collect()
+    }
+
+    /// Closes the cache sessions and discards the sticky disks of every
+    /// lease a successful `inventory` proves has no compute (spec/cache.md
+    /// §3.2 `ReconcileInventory`, and `RetryClosed`: a disk whose settling
+    /// failed when its job ended goes at the next one). An
+    /// [`Inventory::Unknown`] (the provider could not be listed) touches
+    /// nothing: every mount stays fenced (§3.4).
+    pub(super) async fn reconcile_cache(&self, inventory: Inventory) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        let listed = match inventory {
+            Inventory::Listed(listed) => listed,
+            Inventory::Unknown => {
+                let open = cache.mounts().await.len();
+                if open > 0 {
+                    warn!(
+                        mounts = open,
+                        "the provider could not be listed; every sticky disk stays until a listing succeeds"
+                    );
+                }
+                return;
+            }
+        };
+        if let Some(sessions) = &self.sessions {
+            sessions.reconcile(&listed).await;
+        }
+        if let Some(actions) = &self.actions {
+            actions.archives().reconcile(&listed).await;
+        }
+        cache.reconcile(&listed).await;
     }
 
     /// The sweep once the provider has been listed.
@@ -1047,25 +1101,17 @@ impl Runner {
         }
         self.hold_all(holding).await;
         // Sticky disks the journal names for leases this process does not
-        // hold any more: their compute is gone, and they are discarded.
-        if let Some(cache) = &self.cache {
-            let held: std::collections::BTreeSet<String> = {
-                let s = self.state();
-                s.custody
-                    .keys()
-                    .chain(s.launching.keys())
-                    .map(|l| l.as_str().to_owned())
-                    .chain(s.running.values().map(|r| r.lease.as_str().to_owned()))
-                    .collect()
-            };
-            if let Some(sessions) = &self.sessions {
-                sessions.close_unheld(&held).await;
-            }
-            if let Some(actions) = &self.actions {
-                actions.archives().close_unheld(&held).await;
-            }
-            cache.discard_unheld(&held).await;
-        }
+        // hold any more and the provider does not run: their compute is
+        // gone, and they are discarded. (A listing that failed returned
+        // above: nothing is discarded without one.)
+        self.reconcile_cache(Inventory::Listed(Listed::new(
+            instances
+                .iter()
+                .filter_map(Instance::lease)
+                .map(|l| l.as_str().to_owned()),
+            self.held_lease_names(),
+        )))
+        .await;
         if failed > 0 {
             return Err(RunnerError::Failed(format!(
                 "recover: {failed} instances could not be destroyed"

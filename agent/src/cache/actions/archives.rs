@@ -443,14 +443,16 @@ impl Archives {
         info!(%lease, "Actions cache session closed");
     }
 
-    /// Closes the session of every lease not in `held`.
-    pub async fn close_unheld(&self, held: &BTreeSet<String>) {
+    /// Closes the session of every lease `listed` proves has no compute
+    /// (only a successful inventory makes a [`Listed`]: spec/cache.md
+    /// §3.4).
+    pub async fn reconcile(&self, listed: &crate::cache::Listed) {
         let stale: Vec<String> = self
             .sessions
             .lock()
             .expect("sessions")
             .keys()
-            .filter(|l| !held.contains(*l))
+            .filter(|l| !listed.may_run(l))
             .cloned()
             .collect();
         for lease in stale {
