@@ -403,6 +403,8 @@ impl Node {
             plane_name: PLANE.into(),
             deployment: "dev".into(),
             cache_dir: state_dir.join("cache"),
+            cache_eviction: billet_agent::cache::Eviction::default(),
+            cache_evict_interval: billet_agent::cache::lifecycle::DEFAULT_EVICT_INTERVAL,
             state_dir,
             docker_socket: PathBuf::from("/nonexistent/docker.sock"),
             vcpu: 2,

@@ -11,4 +11,5 @@ pub mod imds;
 pub mod planes;
 pub mod reports;
 pub mod results;
+pub mod scratchfs;
 pub mod systemd;

@@ -439,61 +439,6 @@ async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when
     cluster.shutdown().await
 }
 
-/// A small file system for a node's state directory (a tmpfs of
-/// `size_mib`), mounted for one test and unmounted however it ends.
-struct SmallFs {
-    path: PathBuf,
-}
-
-impl SmallFs {
-    fn mount(size_mib: u64) -> Result<Self> {
-        let path = billet_tests::cluster::scratch_dir("small-fs")?;
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size_mib}m,mode=0700")])
-            .arg("tmpfs")
-            .arg(&path)
-            .output()
-            .context("run mount")?;
-        if !out.status.success() {
-            bail!(
-                "cannot mount a {size_mib} MiB tmpfs at {} (this test needs root): {}",
-                path.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(Self { path })
-    }
-
-    /// Writes `name` until the file system is full.
-    fn fill(&self, name: &str) -> Result<PathBuf> {
-        use std::io::Write as _;
-        let file = self.path.join(name);
-        let mut f = std::fs::File::create(&file)?;
-        let chunk = vec![0xa5u8; 1 << 20];
-        loop {
-            match f.write_all(&chunk) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
-                Err(e) => return Err(e).context("fill"),
-            }
-        }
-        // What is left is less than a chunk: fill it byte-sized.
-        while f.write_all(&[0xa5; 512]).is_ok() {}
-        Ok(file)
-    }
-}
-
-impl Drop for SmallFs {
-    fn drop(&mut self) {
-        // Lazy: a node still holding a file there does not keep it mounted.
-        let _ = std::process::Command::new("umount")
-            .arg("-l")
-            .arg(&self.path)
-            .status();
-        let _ = std::fs::remove_dir(&self.path);
-    }
-}
-
 /// Issue #13: the node's state directory on a small file system that
 /// fills up. The node says it is degraded (state disk low, journal not
 /// writable, the latter found by its own probe, not by a failed custody
@@ -505,7 +450,7 @@ impl Drop for SmallFs {
 async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_when_space_is_freed()
 -> Result<()> {
     // Declared first, dropped last: unmounted after the node is gone.
-    let small = SmallFs::mount(128)?;
+    let small = billet_tests::scratchfs::ScratchFs::tmpfs(128)?;
     let cluster = Cluster::start(ClusterOptions {
         state_root: Some(small.path.clone()),
         ..ClusterOptions::default()

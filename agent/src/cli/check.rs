@@ -101,6 +101,7 @@ pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
             ));
         }
     }
+    lines.push(cache_dir(config)?);
     let docker = DockerProvider::connect(
         &config.docker_socket,
         Owner {
@@ -124,6 +125,44 @@ pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
         None => "upgrades: refused (no --upgrader-binary)".to_owned(),
     });
     Ok(lines)
+}
+
+/// The cache directory, its file system and what a sticky-disk mount costs
+/// there, and how its generations are evicted. An existing directory is
+/// probed as the node probes it (two files made in it and removed); an
+/// absent one is said to be created.
+fn cache_dir(config: &NodeConfig) -> Result<String, NodeError> {
+    let dir = &config.cache_dir;
+    let rules = &config.cache_eviction;
+    let eviction = format!(
+        "; evicted every {} s, kept {} h after their last use, {}",
+        config.cache_evict_interval.as_secs(),
+        rules.retention.as_secs() / 3600,
+        rules.budget_bytes.map_or_else(
+            || "no byte bound".to_owned(),
+            |b| format!("at most {b} bytes")
+        )
+    );
+    if !dir.is_dir() {
+        return Ok(format!(
+            "cache: {} is absent; the node creates it (mode 0700) and finds out then whether it has reflinks{eviction}",
+            dir.display()
+        ));
+    }
+    let support = crate::cache::clone::ReflinkSupport::default();
+    let filesystem = crate::cache::clone::probe(dir, &support).map_err(|e| {
+        NodeError::Cache(crate::cache::CacheError::Open {
+            path: dir.clone(),
+            message: format!(
+                "cannot write a file in it: {e}; give the node a writable --cache-dir"
+            ),
+        })
+    })?;
+    Ok(format!(
+        "cache: {} on {}{eviction}",
+        dir.display(),
+        server::cache_cost(&filesystem)
+    ))
 }
 
 /// The state directory as `billet node` would find it.

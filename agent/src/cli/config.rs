@@ -9,6 +9,11 @@ use crate::edge::tls::TlsPaths;
 use crate::node::server::NodeConfig;
 use crate::upgrade::dispatch::{self, ExecUpgrader};
 
+/// The longest `--cache-retention-hours`: ten years.
+const MAX_CACHE_RETENTION_HOURS: u64 = 87_600;
+/// The longest `--cache-evict-interval-secs`: a day.
+const MAX_CACHE_EVICT_INTERVAL_SECS: u64 = 86_400;
+
 /// The host's memory from `/proc/meminfo`, 0 when it cannot be read.
 fn host_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -42,6 +47,21 @@ impl NodeArgs {
         let memory_bytes = args.memory_bytes.unwrap_or_else(host_memory_bytes);
         if memory_bytes == 0 {
             return Err("--memory-bytes (BILLET_MEMORY_BYTES) must be positive".into());
+        }
+        if args.cache_max_bytes == Some(0) {
+            return Err("--cache-max-bytes (BILLET_CACHE_MAX_BYTES) must be positive; leave it unset for no bound".into());
+        }
+        if !(1..=MAX_CACHE_RETENTION_HOURS).contains(&args.cache_retention_hours) {
+            return Err(format!(
+                "--cache-retention-hours (BILLET_CACHE_RETENTION_HOURS) is {}; give 1 to {MAX_CACHE_RETENTION_HOURS} hours",
+                args.cache_retention_hours
+            ));
+        }
+        if !(1..=MAX_CACHE_EVICT_INTERVAL_SECS).contains(&args.cache_evict_interval_secs) {
+            return Err(format!(
+                "--cache-evict-interval-secs (BILLET_CACHE_EVICT_INTERVAL_SECS) is {}; give 1 to {MAX_CACHE_EVICT_INTERVAL_SECS} seconds",
+                args.cache_evict_interval_secs
+            ));
         }
         let upgrader = match args.upgrader_binary {
             None => {
@@ -101,6 +121,11 @@ impl NodeArgs {
                 cache_dir: args
                     .cache_dir
                     .unwrap_or_else(|| args.state_dir.join("cache")),
+                cache_eviction: crate::cache::Eviction {
+                    retention: Duration::from_secs(args.cache_retention_hours * 3600),
+                    budget_bytes: args.cache_max_bytes,
+                },
+                cache_evict_interval: Duration::from_secs(args.cache_evict_interval_secs),
                 state_dir: args.state_dir,
                 docker_socket: args.docker_socket,
                 vcpu,
@@ -140,5 +165,73 @@ impl NodeArgs {
             },
             args.listen,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::super::{Cli, Command};
+
+    /// `billet node`'s configuration from `extra` flags beside the
+    /// required ones.
+    fn config(extra: &[&str]) -> Result<crate::node::server::NodeConfig, String> {
+        let args = [
+            "billet",
+            "node",
+            "--listen",
+            "127.0.0.1:7443",
+            "--cert",
+            "/c",
+            "--key",
+            "/k",
+            "--ca",
+            "/a",
+            "--vcpu",
+            "2",
+            "--memory-bytes",
+            "1024",
+        ]
+        .iter()
+        .chain(extra);
+        let Command::Node(node) = Cli::try_parse_from(args).unwrap().command else {
+            panic!("not node");
+        };
+        node.into_config().map(|(c, _)| c)
+    }
+
+    /// Issue #16 item 6: the cache's eviction flags, checked, each error
+    /// naming its flag.
+    #[test]
+    fn the_cache_eviction_flags_are_checked_and_each_error_names_its_flag() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.cache_eviction, crate::cache::Eviction::default());
+        assert_eq!(
+            c.cache_evict_interval,
+            crate::cache::lifecycle::DEFAULT_EVICT_INTERVAL
+        );
+        let c = config(&[
+            "--cache-max-bytes",
+            "1000",
+            "--cache-retention-hours",
+            "2",
+            "--cache-evict-interval-secs",
+            "30",
+        ])
+        .unwrap();
+        assert_eq!(c.cache_eviction.budget_bytes, Some(1000));
+        assert_eq!(c.cache_eviction.retention.as_secs(), 7200);
+        assert_eq!(c.cache_evict_interval.as_secs(), 30);
+        for (flag, value) in [
+            ("--cache-max-bytes", "0"),
+            ("--cache-retention-hours", "0"),
+            ("--cache-retention-hours", "87601"),
+            ("--cache-evict-interval-secs", "0"),
+            ("--cache-evict-interval-secs", "86401"),
+        ] {
+            let e = config(&[flag, value]).unwrap_err();
+            assert!(e.starts_with(flag), "{flag} {value}: {e}");
+        }
     }
 }

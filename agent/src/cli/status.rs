@@ -166,6 +166,8 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         identity_expired,
         degraded_reasons,
         slot_busy_ms,
+        cache_filesystem,
+        cache_clone,
         // The other health fields are shown once they exist.
         ..
     } = s;
@@ -186,6 +188,8 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         "identity_expired": identity_expired,
         "degraded_reasons": degraded_reasons.iter().map(|r| reason_name(*r)).collect::<Vec<_>>(),
         "slot_busy_ms": slot_busy_ms,
+        "cache_filesystem": cache_filesystem,
+        "cache_clone": cache_clone,
         "leases": leases.iter().map(|l| {
             let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
             serde_json::json!({
@@ -228,6 +232,19 @@ fn slot(s: &pb::LocalStatus) -> String {
     match u64::try_from(s.slot_busy_ms) {
         Ok(ms) if ms > 0 => format!("busy for {}", human(ms / 1000)),
         _ => "idle".into(),
+    }
+}
+
+/// The cache line: the file system and how a sticky disk is mounted on
+/// it, with a word on what a copy costs.
+fn cache(s: &pb::LocalStatus) -> String {
+    match s.cache_clone.as_str() {
+        "" => "none".into(),
+        "copy" => format!(
+            "{}, copy (each mount copies its generation: O(bytes))",
+            s.cache_filesystem
+        ),
+        clone => format!("{}, {clone}", s.cache_filesystem),
     }
 }
 
@@ -281,6 +298,7 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     let _ = writeln!(out, "plane        {plane}");
     let _ = writeln!(out, "certificate  {cert}");
     let _ = writeln!(out, "identity     {}", identity(s, now));
+    let _ = writeln!(out, "cache        {}", cache(s));
     let _ = writeln!(out, "leases       {}", s.leases.len());
     if s.leases.is_empty() {
         return out;
@@ -445,6 +463,35 @@ mod tests {
             serde_json::json!(["provider_stuck", "slot_stuck"])
         );
         assert_eq!(j["slot_busy_ms"], 42_000);
+    }
+
+    /// Issue #16: the status says which file system the sticky disks are
+    /// on and whether a mount reflinks or copies.
+    #[test]
+    fn the_status_says_how_the_cache_mounts_sticky_disks() {
+        let text = table(true, &status(), now());
+        assert!(text.contains("cache        none\n"), "{text}");
+        let s = pb::LocalStatus {
+            cache_filesystem: "ext4".into(),
+            cache_clone: "copy".into(),
+            ..status()
+        };
+        let text = table(true, &s, now());
+        assert!(
+            text.contains("cache        ext4, copy (each mount copies its generation: O(bytes))"),
+            "{text}"
+        );
+        let s = pb::LocalStatus {
+            cache_filesystem: "xfs".into(),
+            cache_clone: "reflink".into(),
+            ..status()
+        };
+        assert!(table(true, &s, now()).contains("cache        xfs, reflink\n"));
+        let j = json(true, &s, now());
+        assert_eq!(
+            (j["cache_filesystem"].as_str(), j["cache_clone"].as_str()),
+            (Some("xfs"), Some("reflink"))
+        );
     }
 
     #[test]

@@ -192,6 +192,18 @@ impl pb::local_server::Local for LocalService {
         Ok(Response::new(pb::LocalStatus {
             certificate_remaining_ms,
             certificate_renew_at_unix_ms,
+            cache_filesystem: self
+                .runner
+                .cache
+                .as_ref()
+                .map(|c| c.filesystem().kind.clone())
+                .unwrap_or_default(),
+            cache_clone: self
+                .runner
+                .cache
+                .as_ref()
+                .map(|c| c.filesystem().method().as_str().to_owned())
+                .unwrap_or_default(),
             version: self.version.clone(),
             pid: std::process::id(),
             incarnation: self.incarnation.clone(),

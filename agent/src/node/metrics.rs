@@ -137,6 +137,17 @@ pub struct Metrics {
     cache_events: Family<CacheEventLabel, Counter>,
     cache_restored_bytes: Counter,
     cache_committed_bytes: Counter,
+    cache_evicted_generations: Counter,
+    cache_evicted_bytes: Counter,
+}
+
+/// Raises a counter that mirrors a sum kept elsewhere to `to`; a smaller
+/// reading is ignored, so the counter never goes back.
+fn raise_to(counter: &Counter, to: u64) {
+    let now = counter.get();
+    if to > now {
+        counter.inc_by(to - now);
+    }
 }
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
@@ -171,6 +182,8 @@ impl Metrics {
             cache_events: Family::default(),
             cache_restored_bytes: Counter::default(),
             cache_committed_bytes: Counter::default(),
+            cache_evicted_generations: Counter::default(),
+            cache_evicted_bytes: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("billet");
         r.register(
@@ -296,6 +309,16 @@ impl Metrics {
             "Bytes published as new sticky-disk generations (apparent size)",
             m.cache_committed_bytes.clone(),
         );
+        r.register(
+            "cache_evicted_generations",
+            "Sticky-disk generations removed by eviction (retention, superseded, or over --cache-max-bytes)",
+            m.cache_evicted_generations.clone(),
+        );
+        r.register(
+            "cache_evicted_bytes",
+            "Bytes freed on the cache directory's disk by eviction (allocated blocks)",
+            m.cache_evicted_bytes.clone(),
+        );
         for state in LEASE_STATES {
             m.leases_held.get_or_create(&StateLabel { state }).set(0);
         }
@@ -312,12 +335,7 @@ impl Metrics {
     /// scrape). The store's sums only grow, so each counter gains the
     /// difference; a smaller reading is ignored.
     pub fn set_cache_totals(&self, totals: &crate::cache::Observation) {
-        let raise = |counter: &Counter, to: u64| {
-            let now = counter.get();
-            if to > now {
-                counter.inc_by(to - now);
-            }
-        };
+        let raise = raise_to;
         for (event, n) in [
             ("hit", totals.hits),
             ("miss", totals.misses),
@@ -331,6 +349,14 @@ impl Metrics {
         }
         raise(&self.cache_restored_bytes, totals.bytes_restored);
         raise(&self.cache_committed_bytes, totals.bytes_committed);
+    }
+
+    /// Brings the eviction counters up to `evicted`, the store's sums since
+    /// it opened ([`crate::cache::Store::evicted`], read at each scrape);
+    /// like [`Metrics::set_cache_totals`], a smaller reading is ignored.
+    pub fn set_cache_evicted(&self, evicted: &crate::cache::Evicted) {
+        raise_to(&self.cache_evicted_generations, evicted.generations);
+        raise_to(&self.cache_evicted_bytes, evicted.bytes);
     }
 
     /// Sets the held-lease gauges from one reading of the runner's state:
@@ -1076,10 +1102,13 @@ mod tests {
                 "{text}"
             );
         }
-        assert!(
-            text.contains("billet_cache_restored_bytes_total 0"),
-            "{text}"
-        );
+        for zero in [
+            "billet_cache_restored_bytes_total 0",
+            "billet_cache_evicted_generations_total 0",
+            "billet_cache_evicted_bytes_total 0",
+        ] {
+            assert!(text.contains(zero), "{zero} in:\n{text}");
+        }
         let totals = crate::cache::Observation {
             hits: 3,
             misses: 1,
@@ -1093,8 +1122,17 @@ mod tests {
         m.set_cache_totals(&totals);
         // A smaller reading (it cannot be, but) takes nothing back.
         m.set_cache_totals(&crate::cache::Observation::default());
+        let evicted = crate::cache::Evicted {
+            generations: 2,
+            bytes: 8192,
+        };
+        m.set_cache_evicted(&evicted);
+        m.set_cache_evicted(&evicted);
+        m.set_cache_evicted(&crate::cache::Evicted::default());
         let text = encoded(&registry);
         for line in [
+            "billet_cache_evicted_generations_total 2",
+            "billet_cache_evicted_bytes_total 8192",
             "billet_cache_events_total{event=\"hit\"} 3",
             "billet_cache_events_total{event=\"miss\"} 1",
             "billet_cache_events_total{event=\"conflict\"} 1",

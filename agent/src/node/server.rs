@@ -56,6 +56,11 @@ pub struct NodeConfig {
     pub state_dir: PathBuf,
     /// Where the sticky-disk store lives (mode 0700).
     pub cache_dir: PathBuf,
+    /// How the sticky disks' generations are evicted
+    /// (`--cache-retention-hours`, `--cache-max-bytes`).
+    pub cache_eviction: crate::cache::Eviction,
+    /// How often they are (`--cache-evict-interval-secs`).
+    pub cache_evict_interval: Duration,
     /// The Docker engine's socket.
     pub docker_socket: PathBuf,
     /// vCPUs offered.
@@ -258,6 +263,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     let cache = Arc::new(
         crate::cache::Store::open(&config.cache_dir, &config.deployment, journal.clone()).await?,
     );
+    say_cache_filesystem(&config.cache_dir, cache.filesystem());
     let mirrors = crate::provider::mirrors::GuestMirrors::prepare(
         &config.state_dir,
         config.registry_mirrors.clone(),
@@ -345,6 +351,34 @@ async fn prepare_actions(
         ca: Arc::new(ca),
         upstream,
     }))
+}
+
+/// What a sticky-disk mount costs on `filesystem`, in one sentence for the
+/// log and `billet check`.
+#[must_use]
+pub fn cache_cost(filesystem: &crate::cache::clone::Filesystem) -> String {
+    if filesystem.reflink {
+        format!(
+            "{}, reflinks: a mount clones each file's extents, O(files) whatever their size",
+            filesystem.kind
+        )
+    } else {
+        format!(
+            "{}, no reflinks: a mount copies its generation's data, O(bytes); put --cache-dir on XFS (mkfs.xfs -m reflink=1) or btrfs for mounts that cost the same whatever the cache's size",
+            filesystem.kind
+        )
+    }
+}
+
+/// Logs the cache directory's file system at start: a warning where a
+/// mount costs O(bytes).
+fn say_cache_filesystem(dir: &std::path::Path, filesystem: &crate::cache::clone::Filesystem) {
+    let method = filesystem.method().as_str();
+    if filesystem.reflink {
+        info!(dir = %dir.display(), filesystem = %filesystem.kind, clone = method, "sticky disks: {}", cache_cost(filesystem));
+    } else {
+        warn!(dir = %dir.display(), filesystem = %filesystem.kind, clone = method, "sticky disks: {}", cache_cost(filesystem));
+    }
 }
 
 /// What [`prepare`] loaded and checked.
@@ -674,6 +708,17 @@ pub async fn run(
             }
         });
     }
+    if let Some(store) = &cache_store {
+        tasks.spawn(
+            crate::cache::lifecycle::keep_evicting(
+                store.clone(),
+                config.cache_eviction,
+                config.cache_evict_interval,
+                shutdown.clone(),
+            )
+            .instrument(info_span!("cache_eviction")),
+        );
+    }
     if let Some(listener) = metrics_listener {
         info!(addr = ?listener.local_addr().ok(), "serving metrics at /metrics");
         let (runner, cert) = (runner.clone(), config.tls.cert.clone());
@@ -681,6 +726,7 @@ pub async fn run(
             m.observe_runner(&runner.held());
             if let Some(cache) = &cache_store {
                 m.set_cache_totals(&cache.totals());
+                m.set_cache_evicted(&cache.evicted());
             }
             if let Some(not_after) = crate::node::metrics::certificate_expiry(&cert) {
                 m.set_certificate_expiry(not_after);
