@@ -92,6 +92,10 @@ pub struct ClusterOptions {
     /// `None`: in the cluster's scratch directory. A test puts them on a
     /// file system of its own (a small one that it fills).
     pub state_root: Option<PathBuf>,
+    /// The deployment's id; `None`: a fresh one (`dep` and 8 hex digits).
+    /// A test that prepares a node's state before it starts (a cache
+    /// store, which is per deployment) names it.
+    pub deployment: Option<String>,
     /// Nodes that run on a network host of their own (by node name): each
     /// such node listens on its host's address and runs inside its network
     /// namespace (`ip netns exec`), with a certificate naming the address
@@ -146,6 +150,7 @@ impl Default for ClusterOptions {
             plane_signs: None,
             enrollment: false,
             state_root: None,
+            deployment: None,
             hosts: HashMap::new(),
             node_vcpu: 8,
             node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
@@ -797,7 +802,10 @@ impl Cluster {
             }
             None => scratch_dir("billet-cluster")?,
         };
-        let deployment = format!("dep{}", &uuid_like()[..8]);
+        let deployment = options
+            .deployment
+            .clone()
+            .unwrap_or_else(|| format!("dep{}", &uuid_like()[..8]));
         let certs = cluster_certs(&dir, &options)?;
 
         let emulator = Emulator::builder()

@@ -113,10 +113,22 @@ impl Guests {
     /// Starts the sink, then the cluster with the sink named in the tier's
     /// environment (beside `env`).
     async fn start(policy: pb::StickyPublication, work_ms: u64, env: &[&str]) -> Result<Self> {
+        Self::start_with(policy, work_ms, env, |_| {}).await
+    }
+
+    /// [`Guests::start`], with the cluster's options changed by `adjust`.
+    async fn start_with(
+        policy: pb::StickyPublication,
+        work_ms: u64,
+        env: &[&str],
+        adjust: impl FnOnce(&mut ClusterOptions),
+    ) -> Result<Self> {
         let reports = GuestReports::start().await?;
         let sink = reports.env();
         let env: Vec<&str> = env.iter().copied().chain([sink.as_str()]).collect();
-        let cluster = Cluster::start(options(policy, work_ms, &env)).await?;
+        let mut options = options(policy, work_ms, &env);
+        adjust(&mut options);
+        let cluster = Cluster::start(options).await?;
         // The runners use the host's network: they reach the sink where
         // they reach GitHub.
         anyhow::ensure!(
@@ -202,6 +214,58 @@ async fn ledger_observations(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Publishes generation 1 of each key in `keys`, with its `n` file, in
+/// order (so the first is the least recently used), in the store of
+/// `deployment` at `cache`, as a node that ran jobs before would have left
+/// it: a node of this test then starts on it. The generations' directories,
+/// in the same order.
+async fn seed(cache: &Path, deployment: &str, keys: &[(&str, &[u8])]) -> Result<Vec<PathBuf>> {
+    use billet_agent::cache::{Committed, DiskKey, Generation, Policy, Store};
+    let store = Store::open(
+        cache,
+        deployment,
+        std::sync::Arc::new(billet_agent::node::journal::MemoryJournal::default()),
+    )
+    .await?;
+    let lease = billet_agent::edge::model::LeaseId::parse("seed", "seed")?;
+    let mut dirs = Vec::new();
+    for (key, n) in keys {
+        let key = DiskKey::parse(key)?;
+        let mount = store.mount(&lease, &key, Policy::Cas).await?;
+        std::fs::write(mount.dir.join("n"), n)?;
+        anyhow::ensure!(store.commit(&mount.id).await? == Committed::Published(Generation(1)));
+        dirs.push(store.generation_dir(&key, Generation(1)));
+        // The next key's use is a later millisecond.
+        let now = std::time::SystemTime::now();
+        while now.elapsed().unwrap_or_default() < Duration::from_millis(2) {
+            std::thread::yield_now();
+        }
+    }
+    Ok(dirs)
+}
+
+/// The generations the node's store keeps of `key`.
+fn generations(cache: &Path, key: &str) -> Vec<u64> {
+    let Ok(entries) = std::fs::read_dir(cache.join("keys")) else {
+        return Vec::new();
+    };
+    for entry in entries.flatten() {
+        let Ok(bytes) = std::fs::read(entry.path().join("state.json")) else {
+            continue;
+        };
+        let Ok(state) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+            continue;
+        };
+        if state["key"] == key {
+            return state["generations"]
+                .as_object()
+                .map(|g| g.keys().filter_map(|k| k.parse().ok()).collect())
+                .unwrap_or_default();
+        }
+    }
+    Vec::new()
 }
 
 fn committed(generation: u64) -> serde_json::Value {
@@ -514,6 +578,236 @@ async fn a_wrong_missing_or_destroyed_instances_credential_is_refused_and_change
             next: 3,
             counter: Some("2".into())
         })
+    );
+    guests.cluster.shutdown().await.context("shutdown")
+}
+
+/// Issue #16 item 6: eviction under pressure (`--cache-max-bytes` of 1
+/// byte) removes an older generation no job has mounted and never the one
+/// a running job mounted, although it is the least recently used: the job
+/// commits what it cloned from it. Main's node has no eviction pass: it
+/// never removes anything ("an eviction pass" times out).
+#[tokio::test]
+async fn eviction_under_pressure_removes_unmounted_generations_and_never_a_mounted_one()
+-> Result<()> {
+    let root = billet_tests::cluster::scratch_dir("cache-evict")?;
+    let deployment = format!("dep{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let cache = root.join("state-node-1").join("cache");
+    const OTHER: &str = "e2e-other";
+    let dirs = seed(
+        &cache,
+        &deployment,
+        &[(KEY, b"1\n".as_slice()), (OTHER, &[7u8; 64 << 10])],
+    )
+    .await?;
+    let guests = Guests::start_with(pb::StickyPublication::Cas, 20_000, &[], |o| {
+        o.state_root = Some(root.clone());
+        o.deployment = Some(deployment.clone());
+        o.node_env.extend([
+            ("BILLET_CACHE_MAX_BYTES".to_owned(), "1".to_owned()),
+            (
+                "BILLET_CACHE_EVICT_INTERVAL_SECS".to_owned(),
+                "10".to_owned(),
+            ),
+        ]);
+    })
+    .await?;
+    let cluster = &guests.cluster;
+    let jobs = cluster.queue_jobs(1);
+    wait_until(TIMEOUT, "the job's disk to be mounted", || {
+        node_log(cluster).contains("sticky disk mounted")
+    })
+    .await?;
+    wait_until(TIMEOUT, "an eviction pass", || {
+        node_log(cluster).contains("sticky-disk eviction pass")
+    })
+    .await
+    .with_context(|| format!("node log:\n{}", node_log(cluster)))?;
+    let log = node_log(cluster);
+    let (mounted, pass) = (
+        log.find("sticky disk mounted").unwrap_or(usize::MAX),
+        log.find("sticky-disk eviction pass").unwrap_or(0),
+    );
+    assert!(
+        mounted < pass,
+        "the first pass ran before the job mounted its disk: start-up was slower than the 10 s interval\n{log}"
+    );
+    assert_eq!(generations(&cache, OTHER), Vec::<u64>::new(), "{log}");
+    assert!(!dirs[1].exists(), "the unmounted generation's tree is gone");
+    assert_eq!(
+        generations(&cache, KEY),
+        [1],
+        "the mounted one stays: {log}"
+    );
+    assert!(dirs[0].join("n").exists());
+    assert!(
+        log.contains("still hold more than --cache-max-bytes"),
+        "the node says why the cache stays over its bound:\n{log}"
+    );
+    cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
+    assert_eq!(guests.mounted(1).await?[0]["generation"], 1);
+    // It read 1 from its clone of generation 1 and published 2.
+    assert_eq!(guests.told(1).await?, vec![committed(2)]);
+    assert!(node_log(cluster).contains("sticky-disk generation evicted"));
+    guests.cluster.shutdown().await.context("shutdown")?;
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// Issue #16 item 2: a mount that fails (the generation's tree is lost
+/// under the store, so the clone fails) gives the job an empty directory
+/// that is never committed, and the job runs and succeeds: its guest is
+/// told the disk was a fallback, and the key keeps its head.
+#[tokio::test]
+async fn a_failed_mount_gives_the_job_an_empty_uncommittable_directory_and_the_job_succeeds()
+-> Result<()> {
+    let root = billet_tests::cluster::scratch_dir("cache-fallback")?;
+    let deployment = format!("dep{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let cache = root.join("state-node-1").join("cache");
+    let dirs = seed(&cache, &deployment, &[(KEY, b"41\n".as_slice())]).await?;
+    std::fs::remove_dir_all(&dirs[0])?;
+    let guests = Guests::start_with(pb::StickyPublication::Cas, 500, &[], |o| {
+        o.state_root = Some(root.clone());
+        o.deployment = Some(deployment.clone());
+    })
+    .await?;
+    let cluster = &guests.cluster;
+    run_jobs(cluster, 1).await?;
+    let mounted = guests.mounted(1).await?;
+    assert_eq!(
+        (&mounted[0]["fallback"], &mounted[0]["cache_hit"]),
+        (&serde_json::json!(true), &serde_json::json!(false)),
+        "{mounted:?}"
+    );
+    assert_eq!(
+        guests.told(1).await?,
+        vec![serde_json::json!({"outcome": "fallback", "published": false, "reason": "fallback"})]
+    );
+    let log = node_log(cluster);
+    assert!(
+        log.contains("cannot clone the sticky disk"),
+        "the node says why:\n{log}"
+    );
+    // The job ran on and succeeded (its runner counted from an empty disk).
+    let state = cluster.emulator.state();
+    assert!(
+        state
+            .jobs
+            .iter()
+            .all(|j| j.result.as_deref() == Some("succeeded")),
+        "{:?}",
+        state.jobs
+    );
+    assert_eq!(
+        observations(cluster, 1).await?,
+        ["hits=0 misses=0 bytes_restored=0 bytes_committed=0 conflicts=0 fallbacks=1"]
+    );
+    assert_eq!(
+        generations(&cache, KEY),
+        [1],
+        "nothing was published: {log}"
+    );
+    guests.cluster.shutdown().await.context("shutdown")?;
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// Issue #16 item 2: a commit on a full file system (the cache directory
+/// a 48 MiB tmpfs, which the job fills through its disk) fails: the guest
+/// is told the cache was unavailable, the key's head stays at the previous
+/// generation, whole, and what the commit had made and the job's disk are
+/// collected, so the space is free again.
+#[tokio::test]
+async fn a_commit_on_a_full_cache_disk_leaves_the_head_at_the_previous_generation_and_frees_the_space()
+-> Result<()> {
+    let small = billet_tests::scratchfs::ScratchFs::tmpfs(48)?;
+    let deployment = format!("dep{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let cache = small.path.join("cache");
+    seed(&cache, &deployment, &[(KEY, b"1\n".as_slice())]).await?;
+    let guests = Guests::start_with(
+        pb::StickyPublication::Cas,
+        500,
+        &["BILLET_STANDIN_STICKY_FILL=true"],
+        |o| {
+            o.deployment = Some(deployment.clone());
+            o.node_env
+                .push(("BILLET_CACHE_DIR".to_owned(), cache.display().to_string()));
+        },
+    )
+    .await?;
+    let cluster = &guests.cluster;
+    let jobs = cluster.queue_jobs(1);
+    cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
+    cluster.wait_clean(TIMEOUT).await?;
+    wait_until(TIMEOUT, "the mounts to be settled", || {
+        open_mounts(&cache) == 0
+    })
+    .await?;
+    assert_eq!(
+        guests.told(1).await?,
+        vec![
+            serde_json::json!({"outcome": "unavailable", "published": false, "reason": "cache unavailable"})
+        ]
+    );
+    let log = node_log(cluster);
+    assert_eq!(
+        published(&cache),
+        Some(Published {
+            head: Some(1),
+            next: 2,
+            counter: Some("1".into())
+        }),
+        "the head and its tree are as they were:\n{log}"
+    );
+    assert_eq!(generations(&cache, KEY), [1]);
+    assert_eq!(
+        std::fs::read_dir(cache.join("trash"))?.count(),
+        0,
+        "nothing half-made is left"
+    );
+    // The space the job and the failed commit took is free again.
+    let probe = small.path.join("probe");
+    std::fs::write(&probe, vec![1u8; 32 << 20]).context("32 MiB of the 48 are free again")?;
+    std::fs::remove_file(&probe)?;
+    guests.cluster.shutdown().await.context("shutdown")
+}
+
+/// Issue #16 item 6: a node killed and started again while a job has its
+/// disk mounted still owns the mount: the job's guest commits through the
+/// restarted node's API and the commit is published.
+#[tokio::test]
+async fn a_node_restarted_while_a_job_has_its_disk_mounted_still_commits_it() -> Result<()> {
+    let mut guests = Guests::start(pb::StickyPublication::Cas, 12_000, &[]).await?;
+    let cache = cache_dir(&guests.cluster);
+    let jobs = guests.cluster.queue_jobs(1);
+    wait_until(TIMEOUT, "the job's disk to be mounted", || {
+        node_log(&guests.cluster).contains("sticky disk mounted")
+    })
+    .await?;
+    guests
+        .cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node-1")?
+        .restart()
+        .await?;
+    let cluster = &guests.cluster;
+    cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
+    cluster.wait_clean(TIMEOUT).await?;
+    wait_until(TIMEOUT, "the mounts to be settled", || {
+        open_mounts(&cache) == 0
+    })
+    .await?;
+    assert_eq!(guests.told(1).await?, vec![committed(1)]);
+    assert_eq!(
+        published(&cache),
+        Some(Published {
+            head: Some(1),
+            next: 2,
+            counter: Some("1".into())
+        }),
+        "node log:\n{}",
+        node_log(cluster)
     );
     guests.cluster.shutdown().await.context("shutdown")
 }

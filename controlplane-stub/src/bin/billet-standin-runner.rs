@@ -27,6 +27,7 @@
 //! | `BILLET_STANDIN_ALLOCATE_MIB` | `--allocate-mib` | none: until killed | mode `allocate`: how much to allocate, in MiB (at least 1) |
 //! | `BILLET_STANDIN_FIRST_LOOK_MS` | `--first-look-ms` | 0 | how long the runner waits after it starts before its first look at the emulator, in milliseconds, as a runner that is slow to connect: until then it stays idle and registered, and takes no job |
 //! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on. With `BILLET_CACHE_ENDPOINT` and `BILLET_CACHE_TOKEN` set (a node's cache session) it also speaks the node's cache API as the reference's `stickydisk` action does: what was mounted when the job starts (`cache volume slot ...`), and after the counter a commit of each disk with the job's status, saying what it was told (`cache commit slot N key K: status S told {...}`) |
+//! | `BILLET_STANDIN_STICKY_FILL` | `--sticky-fill` | off | with `--sticky`: after the counter, the runner writes `fill` beside the counter file until its disk is full (`sticky fill <path>: <n> bytes, disk full` on stderr), and goes on: a job that fills its cache disk |
 //! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
 //! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one, reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches"}`; on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
@@ -147,6 +148,10 @@ struct Cli {
     /// A cache key to restore, or save when missing, through the node's Actions cache proxy.
     #[arg(long, env = "BILLET_STANDIN_ACTIONS_CACHE")]
     actions_cache: Option<String>,
+    /// With `--sticky`: after the counter, fill the sticky disk (a file `fill` beside the
+    /// counter) until it is full.
+    #[arg(long, env = "BILLET_STANDIN_STICKY_FILL")]
+    sticky_fill: bool,
     /// Where to report what the node's cache API told the runner (an http:// URL).
     #[arg(long, env = "BILLET_STANDIN_REPORT")]
     report: Option<String>,
@@ -333,6 +338,35 @@ fn count(path: &std::path::Path) {
         ),
         Err(e) => eprintln!(
             "billet-standin-runner: sticky counter {}: {e}",
+            path.display()
+        ),
+    }
+}
+
+/// Writes `fill` beside `counter` until its disk is full, saying how much on stderr; any other
+/// failure is said and the job goes on.
+fn fill_beside(counter: &std::path::Path) {
+    use std::io::Write as _;
+    let path = counter.with_file_name("fill");
+    let mut written = 0u64;
+    let outcome = std::fs::File::create(&path).and_then(|mut f| {
+        let chunk = vec![0xa5u8; 1 << 20];
+        loop {
+            match f.write(&chunk) {
+                Ok(0) => return Ok(()),
+                Ok(n) => written += n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    });
+    match outcome {
+        Ok(()) => eprintln!(
+            "billet-standin-runner: sticky fill {}: {written} bytes, disk full",
+            path.display()
+        ),
+        Err(e) => eprintln!(
+            "billet-standin-runner: sticky fill {}: {e} after {written} bytes",
             path.display()
         ),
     }
@@ -1109,6 +1143,9 @@ impl<'a> EmulatorLink<'a> {
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
         if let Some(path) = &cli.sticky {
             count(path);
+            if cli.sticky_fill {
+                fill_beside(path);
+            }
         }
         if let Some(guest) = &guest {
             guest
