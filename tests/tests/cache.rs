@@ -811,3 +811,43 @@ async fn a_node_restarted_while_a_job_has_its_disk_mounted_still_commits_it() ->
     );
     guests.cluster.shutdown().await.context("shutdown")
 }
+
+/// Issue #16 item 2: on an XFS made with `reflink=1` (loop-mounted here;
+/// this machine's own disks are ext4) the store says so when it opens, a
+/// mount is a reflink of every file, and what the job writes reaches its
+/// clone only: the generation it was cloned from stays as it was.
+#[tokio::test]
+async fn on_xfs_with_reflinks_a_mount_shares_the_generations_extents_and_writes_reach_the_clone_only()
+-> Result<()> {
+    use billet_agent::cache::clone::CloneMethod;
+    use billet_agent::cache::{DiskKey, Generation, Policy, Store};
+    let xfs = billet_tests::scratchfs::ScratchFs::xfs_reflink(&std::env::temp_dir(), 1)?;
+    let cache = xfs.path.join("cache");
+    let dirs = seed(&cache, "dev", &[(KEY, b"1\n".as_slice())]).await?;
+    // 64 MiB more in the generation, written before the store opens again.
+    std::fs::write(dirs[0].join("blob"), vec![3u8; 64 << 20])?;
+    let store = Store::open(
+        &cache,
+        "dev",
+        std::sync::Arc::new(billet_agent::node::journal::MemoryJournal::default()),
+    )
+    .await?;
+    assert_eq!(
+        (store.filesystem().kind.as_str(), store.filesystem().reflink),
+        ("xfs", true)
+    );
+    let lease = billet_agent::edge::model::LeaseId::parse("lease", "l1")?;
+    let key = DiskKey::parse(KEY)?;
+    let mount = store.mount(&lease, &key, Policy::Cas).await?;
+    assert_eq!(
+        (mount.parent, mount.method),
+        (Some(Generation(1)), Some(CloneMethod::Reflink))
+    );
+    std::fs::write(mount.dir.join("n"), "2\n")?;
+    std::fs::write(mount.dir.join("blob"), b"changed")?;
+    assert_eq!(std::fs::read_to_string(dirs[0].join("n"))?, "1\n");
+    assert_eq!(std::fs::metadata(dirs[0].join("blob"))?.len(), 64 << 20);
+    store.discard(&mount.id).await?;
+    drop(store);
+    Ok(())
+}

@@ -212,3 +212,59 @@ fn relative_paths_in_a_configuration_file_resolve_against_its_directory() -> Res
     assert_exit(&out, 0, &files.cert.display().to_string());
     Ok(())
 }
+
+/// Issue #16 item 2: `billet check` says which file system the cache
+/// directory is on and what a sticky-disk mount costs there: reflinks on an
+/// XFS made with `reflink=1`, a copy (and how to do better) elsewhere; and
+/// the eviction flags are checked, each error naming its flag.
+#[test]
+fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_flags() -> Result<()>
+{
+    let s = setup()?;
+    let listen = "127.0.0.1:1";
+    let plain = s.dir.join("cache-plain");
+    std::fs::create_dir_all(&plain)?;
+    let kind = billet_agent::cache::clone::filesystem_kind(&plain)?;
+    let out = s.run(
+        "check",
+        listen,
+        &["--cache-dir", &plain.display().to_string()],
+    )?;
+    if kind != "xfs" && kind != "btrfs" {
+        assert_exit(&out, 0, &format!("on {kind}, no reflinks: a mount copies"));
+    }
+    assert_exit(&out, 0, "kept 168 h after their last use, no byte bound");
+    let xfs = billet_tests::scratchfs::ScratchFs::xfs_reflink(&s.dir, 1)?;
+    let out = s.run(
+        "check",
+        listen,
+        &[
+            "--cache-dir",
+            &xfs.path.display().to_string(),
+            "--cache-max-bytes",
+            "1000000",
+        ],
+    )?;
+    assert_exit(
+        &out,
+        0,
+        "on xfs, reflinks: a mount clones each file's extents",
+    );
+    assert_exit(&out, 0, "at most 1000000 bytes");
+    assert_eq!(
+        std::fs::read_dir(&xfs.path)?.count(),
+        0,
+        "the probe left nothing behind"
+    );
+    assert_exit(
+        &s.run("check", listen, &["--cache-max-bytes", "0"])?,
+        2,
+        "--cache-max-bytes",
+    );
+    assert_exit(
+        &s.run("check", listen, &["--cache-retention-hours", "0"])?,
+        2,
+        "--cache-retention-hours",
+    );
+    Ok(())
+}
