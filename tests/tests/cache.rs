@@ -55,6 +55,16 @@ struct Published {
     counter: Option<String>,
 }
 
+/// What [`published`] says of a key whose head is `head`, the last
+/// generation made, holding `counter`.
+fn at(head: u64, counter: &str) -> Option<Published> {
+    Some(Published {
+        head: Some(head),
+        next: head + 1,
+        counter: Some(counter.into()),
+    })
+}
+
 fn published(cache: &Path) -> Option<Published> {
     for entry in std::fs::read_dir(cache.join("keys")).ok()? {
         let dir = entry.ok()?.path();
@@ -752,11 +762,7 @@ async fn a_commit_on_a_full_cache_disk_leaves_the_head_at_the_previous_generatio
     let log = node_log(cluster);
     assert_eq!(
         published(&cache),
-        Some(Published {
-            head: Some(1),
-            next: 2,
-            counter: Some("1".into())
-        }),
+        at(1, "1"),
         "the head and its tree are as they were:\n{log}"
     );
     assert_eq!(generations(&cache, KEY), [1]);
@@ -801,11 +807,7 @@ async fn a_node_restarted_while_a_job_has_its_disk_mounted_still_commits_it() ->
     assert_eq!(guests.told(1).await?, vec![committed(1)]);
     assert_eq!(
         published(&cache),
-        Some(Published {
-            head: Some(1),
-            next: 2,
-            counter: Some("1".into())
-        }),
+        at(1, "1"),
         "node log:\n{}",
         node_log(cluster)
     );
