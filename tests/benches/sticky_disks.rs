@@ -23,11 +23,16 @@
 //! ```text
 //! cargo bench -p billet-tests --bench sticky_disks
 //! BILLET_BENCH_FILES=1000 cargo bench -p billet-tests --bench sticky_disks
+//! BILLET_BENCH_HOST_MIB=64 BILLET_BENCH_PREALLOCATE=1 cargo bench -p billet-tests --bench sticky_disks
 //! ```
 //!
-//! It needs root and `mkfs.xfs` (xfsprogs), and about 12 GiB free on the
-//! temporary directory's disk for the XFS image plus 22 GiB for the ext4
-//! pass. Run without `--bench` (as `cargo test --benches` does), it makes
+//! `BILLET_BENCH_XFS_MIB` and `BILLET_BENCH_HOST_MIB` set each pass's
+//! smaller generation (1024 MiB by default; the larger is ten times it);
+//! `BILLET_BENCH_PREALLOCATE` makes the XFS pass's files with `fallocate(2)`
+//! instead of writing them. It needs root and `mkfs.xfs` (xfsprogs), and
+//! free room on the temporary directory's disk: about 12 GiB for the XFS
+//! image (little when preallocated) and 22 times the host pass's smaller
+//! generation. Run without `--bench` (as `cargo test --benches` does), it makes
 //! one small unmeasured pass (8 MiB and 80 MiB, 16 files).
 
 use std::io::Write as _;
@@ -47,10 +52,32 @@ use billet_tests::scratchfs::ScratchFs;
 
 struct Config {
     files: u64,
+    /// The XFS pass's small generation, in bytes (the large one is ten
+    /// times it).
     small_bytes: u64,
+    /// The host pass's (every mount copies it, so it takes that much disk
+    /// again).
+    host_small_bytes: u64,
+    /// Make the XFS pass's files with `fallocate(2)` (allocated, unwritten
+    /// extents) instead of writing them: the image then needs no room on
+    /// the host's disk for their data.
+    preallocate: bool,
     samples: usize,
     /// Samples of the ext4 10 GiB mount (each copies 10 GiB).
     large_copy_samples: usize,
+}
+
+/// A size in MiB from the environment variable `name`, or `default`.
+fn mib(name: &str, default: u64) -> Result<u64> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .map(|n| n << 20)
+            .with_context(|| format!("{name}={v:?}: give a positive number of MiB")),
+        Err(_) => Ok(default),
+    }
 }
 
 fn config(measuring: bool) -> Result<Config> {
@@ -66,7 +93,9 @@ fn config(measuring: bool) -> Result<Config> {
     Ok(if measuring {
         Config {
             files,
-            small_bytes: 1 << 30,
+            small_bytes: mib("BILLET_BENCH_XFS_MIB", 1 << 30)?,
+            host_small_bytes: mib("BILLET_BENCH_HOST_MIB", 1 << 30)?,
+            preallocate: std::env::var_os("BILLET_BENCH_PREALLOCATE").is_some(),
             samples: 7,
             large_copy_samples: 2,
         }
@@ -74,6 +103,8 @@ fn config(measuring: bool) -> Result<Config> {
         Config {
             files,
             small_bytes: 8 << 20,
+            host_small_bytes: 8 << 20,
+            preallocate: false,
             samples: 1,
             large_copy_samples: 1,
         }
@@ -110,22 +141,30 @@ fn main() -> ExitCode {
 
 async fn run(config: &Config, measuring: bool) -> Result<()> {
     println!(
-        "sticky disks: generations of {} files, {} and {} bytes; {} samples (median){}",
+        "sticky disks: generations of {} files; {} samples (median){}",
         config.files,
-        config.small_bytes,
-        config.small_bytes * 10,
         config.samples,
         if measuring { "" } else { " (smoke pass)" }
     );
     let tmp = std::env::temp_dir();
     let xfs = ScratchFs::xfs_reflink(&tmp, (config.small_bytes * 11 >> 30) + 4)?;
-    let on_xfs = measure("xfs (reflink=1, loop)", &xfs.path, config, config.samples).await?;
+    let on_xfs = measure(
+        "xfs (reflink=1, loop)",
+        &xfs.path,
+        config,
+        config.small_bytes,
+        config.preallocate,
+        config.samples,
+    )
+    .await?;
     drop(xfs);
     let host = billet_tests::cluster::scratch_dir("sticky-bench")?;
     let on_host = measure(
         "host (the temporary directory's disk)",
         &host,
         config,
+        config.host_small_bytes,
+        false,
         config.large_copy_samples,
     )
     .await;
@@ -142,10 +181,12 @@ async fn run(config: &Config, measuring: bool) -> Result<()> {
     );
     for m in [&on_xfs, &on_host] {
         println!(
-            "  {:<6} {:<7} mount 1 GiB {:>9.2} ms  10 GiB {:>9.2} ms  ratio {:>6.2}  commit 1% ÷ write 1% {:>5.2}  guest commit ÷ write 1% {:>7.2}",
+            "  {:<6} {:<7} mount {} MiB {:>9.2} ms  {} MiB {:>9.2} ms  ratio {:>6.2}  commit 1% ÷ write 1% {:>5.2}  guest commit ÷ write 1% {:>7.2}",
             m.kind,
             if m.reflink { "reflink" } else { "copy" },
+            m.small_bytes >> 20,
             m.mount_small_ms,
+            m.small_bytes * 10 >> 20,
             m.mount_large_ms,
             m.mount_large_ms / m.mount_small_ms,
             m.commit_ms / m.write_ms,
@@ -158,6 +199,7 @@ async fn run(config: &Config, measuring: bool) -> Result<()> {
 /// One file system's figures, in milliseconds (medians).
 struct Figures {
     kind: String,
+    small_bytes: u64,
     reflink: bool,
     mount_small_ms: f64,
     mount_large_ms: f64,
@@ -171,14 +213,19 @@ fn lease(n: usize) -> LeaseId {
 }
 
 /// Writes `files` files of `bytes / files` bytes each under `dir`, in two
-/// levels of directories, as a cache tree would be.
-fn write_tree(dir: &Path, files: u64, bytes: u64) -> Result<()> {
+/// levels of directories, as a cache tree would be; with `preallocate`,
+/// each file's blocks are allocated (`fallocate(2)`) and not written.
+fn write_tree(dir: &Path, files: u64, bytes: u64, preallocate: bool) -> Result<()> {
     let each = bytes / files;
     let chunk: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
     for f in 0..files {
         let sub = dir.join(format!("d{:02}", f % 16));
         std::fs::create_dir_all(&sub)?;
         let mut file = std::fs::File::create(sub.join(format!("f{f:05}")))?;
+        if preallocate {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, each)?;
+            continue;
+        }
         let mut left = each;
         while left > 0 {
             let n = usize::try_from(left.min(chunk.len() as u64)).unwrap_or(chunk.len());
@@ -230,10 +277,15 @@ fn syncfs(dir: &Path) -> Result<()> {
 }
 
 /// Publishes one generation of `key` holding `bytes` in `files` files.
-async fn publish(store: &Store, n: usize, key: &DiskKey, files: u64, bytes: u64) -> Result<()> {
+async fn publish(
+    store: &Store,
+    n: usize,
+    key: &DiskKey,
+    (files, bytes, preallocate): (u64, u64, bool),
+) -> Result<()> {
     let mount = store.mount(&lease(n), key, Policy::Cas).await?;
     let dir = mount.dir.clone();
-    tokio::task::spawn_blocking(move || write_tree(&dir, files, bytes)).await??;
+    tokio::task::spawn_blocking(move || write_tree(&dir, files, bytes, preallocate)).await??;
     let committed = store.commit(&mount.id).await?;
     ensure!(
         matches!(committed, Committed::Published(_)),
@@ -246,6 +298,8 @@ async fn measure(
     label: &str,
     root: &Path,
     config: &Config,
+    small_bytes: u64,
+    preallocate: bool,
     large_samples: usize,
 ) -> Result<Figures> {
     let cache = root.join("cache");
@@ -255,16 +309,28 @@ async fn measure(
     let fs = store.filesystem().clone();
     println!();
     println!(
-        "{label}: {} at {}, clone by {}",
+        "{label}: {} at {}, clone by {}; generations of {small_bytes} and {} bytes{}",
         fs.kind,
         root.display(),
-        fs.method().as_str()
+        fs.method().as_str(),
+        small_bytes * 10,
+        if preallocate {
+            ", preallocated (fallocate: allocated, unwritten extents)"
+        } else {
+            ", written"
+        }
     );
     let small = DiskKey::parse("bench-1gib")?;
     let large = DiskKey::parse("bench-10gib")?;
     let started = Instant::now();
-    publish(&store, 0, &small, config.files, config.small_bytes).await?;
-    publish(&store, 0, &large, config.files, config.small_bytes * 10).await?;
+    publish(&store, 0, &small, (config.files, small_bytes, preallocate)).await?;
+    publish(
+        &store,
+        0,
+        &large,
+        (config.files, small_bytes * 10, preallocate),
+    )
+    .await?;
     syncfs(&cache)?;
     println!(
         "  generations written and synced in {:.1} s",
@@ -298,7 +364,7 @@ async fn measure(
         one_clone.push(t.elapsed());
     }
     let _ = std::fs::remove_dir_all(&scratch);
-    let file_bytes = config.small_bytes / config.files;
+    let file_bytes = small_bytes / config.files;
     println!(
         "  baseline: empty directory {:.3} ms; one file of {} bytes cloned {:.3} ms",
         mkdir.median_ms(),
@@ -324,7 +390,7 @@ async fn measure(
     let (small_ms, large_ms) = (mounts[0].median_ms(), mounts[1].median_ms());
     println!(
         "  mount 1 GiB-class ({} bytes): median {:.2} ms (min {:.2}, max {:.2}) = {:.1} × empty directory, {:.1} × one file's clone",
-        config.small_bytes,
+        small_bytes,
         small_ms,
         mounts[0].min_ms(),
         mounts[0].max_ms(),
@@ -333,7 +399,7 @@ async fn measure(
     );
     println!(
         "  mount 10 GiB-class ({} bytes): median {:.2} ms (min {:.2}, max {:.2}) = {:.1} × empty directory, {:.1} × one file's clone",
-        config.small_bytes * 10,
+        small_bytes * 10,
         large_ms,
         mounts[1].min_ms(),
         mounts[1].max_ms(),
@@ -343,7 +409,7 @@ async fn measure(
     println!("  mount 10 GiB ÷ mount 1 GiB: {:.2}", large_ms / small_ms);
 
     // Commits of a mount whose job changed 1% of its bytes.
-    let one_percent = config.small_bytes / 100;
+    let one_percent = small_bytes / 100;
     let mut write = Samples::default();
     let mut commit = Samples::default();
     let mut guest = Samples::default();
@@ -421,6 +487,7 @@ async fn measure(
     let _ = std::fs::remove_dir_all(&cache);
     Ok(Figures {
         kind: fs.kind,
+        small_bytes,
         reflink: fs.reflink,
         mount_small_ms: small_ms,
         mount_large_ms: large_ms,
