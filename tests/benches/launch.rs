@@ -160,6 +160,8 @@ struct Measured {
     baseline: Samples,
     baseline_mint: Samples,
     baseline_create: Samples,
+    /// Of `baseline_create`, until the engine's create answered (the rest is the start).
+    baseline_created: Samples,
     node: MetricsReading,
 }
 
@@ -223,6 +225,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         baseline,
         baseline_mint,
         baseline_create,
+        baseline_created,
         node,
     } = measured?;
     let leftovers = leftovers?;
@@ -286,7 +289,13 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         billet_tests::bench::median(&ratios),
         ratios[ratios.len() - 1]
     );
-    print_breakdown(&node, iterations, &baseline_mint, &baseline_create);
+    print_breakdown(
+        &node,
+        iterations,
+        &baseline_mint,
+        &baseline_create,
+        &baseline_created,
+    );
     println!();
     println!(
         "  nothing left behind: no container, no open lease, no runner registration ({:.1}s measuring)",
@@ -297,7 +306,13 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
 
 /// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,
 /// beside the baseline's two parts. Means, since the node exports histograms (sum and count).
-fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, create: &Samples) {
+fn print_breakdown(
+    node: &MetricsReading,
+    iterations: usize,
+    mint: &Samples,
+    create: &Samples,
+    created: &Samples,
+) {
     let mean_ms = |family: &str, labels: &[(&str, &str)]| {
         let count = node.sum(&format!("{family}_count"), labels);
         (count > 0.0).then(|| node.sum(&format!("{family}_sum"), labels) * 1000.0 / count)
@@ -325,7 +340,11 @@ fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, cre
         &[("step", "bind_advance")],
     );
     let minted = mean_ms("billet_launch_step_duration_seconds", &[("step", "mint")]);
-    let created = mean_ms("billet_launch_step_duration_seconds", &[("step", "create")]);
+    let create_start = mean_ms("billet_launch_step_duration_seconds", &[("step", "create")]);
+    let exists = mean_ms(
+        "billet_launch_step_duration_seconds",
+        &[("step", "created")],
+    );
     let journal = ["put_launch", "amend_launch"]
         .map(|w| per_launch_ms("billet_journal_write_duration_seconds", &[("call", w)]));
     // A launch's result is committed (issue #14); a destroy's is synced.
@@ -333,7 +352,7 @@ fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, cre
         "billet_journal_write_duration_seconds",
         &[("call", "put_result_committed")],
     );
-    let rows: [(&str, Option<f64>, Option<f64>); 8] = [
+    let rows: [(&str, Option<f64>, Option<f64>); 9] = [
         ("wait for the command slot (launches)", queued, None),
         ("image check (one Docker inspect)", check, None),
         ("BindAdvance: plane round trip + ledger commit", bind, None),
@@ -344,18 +363,23 @@ fn print_breakdown(node: &MetricsReading, iterations: usize, mint: &Samples, cre
             Some(mean(mint)),
         ),
         (
-            "launch record amended twice, committed (the first beside the create)",
+            "launch record amended twice, committed (beside the create and the start)",
             Some(journal[1]),
             None,
         ),
-        ("Docker create + start", created, Some(mean(create))),
+        (
+            "  of which Docker create (until the container exists)",
+            exists,
+            Some(mean(created)),
+        ),
+        ("Docker create + start", create_start, Some(mean(create))),
         ("the launch's result, committed", result, None),
     ];
     for (label, a, b) in rows {
         println!("  {label:<60} {:>8} {:>8}", show(a), show(b));
     }
     // The result is written after the command's own duration ends.
-    let parts: f64 = [check, bind, minted, created]
+    let parts: f64 = [check, bind, minted, create_start]
         .into_iter()
         .flatten()
         .sum::<f64>()
@@ -391,7 +415,7 @@ impl Bench {
             if i == warmup {
                 before = MetricsReading::read(self.metrics).await?;
             }
-            let (a, (mint, create)) = if i % 2 == 0 {
+            let (a, (mint, created, create)) = if i % 2 == 0 {
                 let a = self.launch_once().await.context("(a) launch")?;
                 (a, self.baseline_once().await.context("(b) baseline")?)
             } else {
@@ -403,6 +427,7 @@ impl Bench {
                 measured.baseline.0.push(mint + create);
                 measured.baseline_mint.0.push(mint);
                 measured.baseline_create.0.push(create);
+                measured.baseline_created.0.push(created);
             }
         }
         measured.node = MetricsReading::read(self.metrics).await?.since(&before);
@@ -504,8 +529,8 @@ impl Bench {
     }
 
     /// Times minting a JIT config, then creating and starting the same container directly, then
-    /// removes both (untimed). Returns the two parts: (mint, create + start).
-    async fn baseline_once(&mut self) -> Result<(Duration, Duration)> {
+    /// removes both (untimed). Returns its parts: (mint, create, create + start).
+    async fn baseline_once(&mut self) -> Result<(Duration, Duration, Duration)> {
         let request_id = self.take_request_id();
         let id = short_id();
         let name = format!("billet-{id}");
@@ -556,6 +581,7 @@ impl Bench {
             )
             .await
             .with_context(|| format!("create {name}"))?;
+        let created_took = started.elapsed() - mint_took;
         self.docker
             .start_container(&created.id, None)
             .await
@@ -578,7 +604,7 @@ impl Bench {
             .remove_runner(minted.runner_id, &minted.runner_name)
             .await
             .with_context(|| format!("remove the runner registration {name}"))?;
-        Ok((mint_took, create_took))
+        Ok((mint_took, created_took, create_took))
     }
 
     fn take_request_id(&mut self) -> i64 {

@@ -231,8 +231,10 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
 
 /// Issue #11 item 2: a launch whose image does not exist on the node is
 /// refused before anything is registered: typed `IMAGE_UNAVAILABLE`
-/// naming the image, no JIT config minted at GitHub, no lease bound or
-/// charged, no container; the job stays covered and waits.
+/// naming the image, no JIT config minted at GitHub, no container, and no
+/// lease left bound or charged (issue #14: the image is checked beside the
+/// bind, and the node releases the lease it bound `failed`); the job stays
+/// covered and waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_unavailable()
 -> Result<()> {
@@ -287,8 +289,12 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     assert!(cluster.emulator.state().runners.is_empty());
     for lease in leases(&cluster).await? {
         assert!(
-            lease.node.is_none() && lease.runner_id.is_none(),
-            "a refused launch was bound or registered: {lease:?}"
+            lease.runner_id.is_none(),
+            "a refused launch was registered: {lease:?}"
+        );
+        assert!(
+            lease.node.is_none() || lease.phase == Phase::Failed,
+            "a refused launch left its lease bound: {lease:?}"
         );
     }
     cluster.wait_clean(Duration::from_secs(10)).await?;

@@ -29,7 +29,7 @@ use crate::cache::{Inventory, Listed};
 use crate::edge::model::{
     DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId, parse_phase,
 };
-use crate::provider::{Instance, ProviderError, Teardown};
+use crate::provider::{Instance, InstanceState, ProviderError, Teardown};
 
 /// What a sweep saw and how it ended ([`Runner::sweep_inventory`]).
 #[derive(Debug)]
@@ -1004,7 +1004,13 @@ impl Runner {
                             l.request_id = RequestId(r.request_id);
                         }
                         let record = requests.get(lease.as_str());
-                        if record.is_some_and(|r| !r.created)
+                        // Journaled as created while it started (issue #14),
+                        // an instance still `created` never ran: the
+                        // earlier process died before its start answered.
+                        let unconfirmed = record.is_some_and(|r| {
+                            !r.created || instance.state == InstanceState::Created
+                        });
+                        if unconfirmed
                             && self
                                 .retire_idle_runner(&lease, l.epoch, record)
                                 .await

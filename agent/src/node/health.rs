@@ -39,7 +39,9 @@ pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long the provider probe (a list) may take before the provider counts
 /// as stuck.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long the probe before each launch may take.
+/// How long a launch's own provider calls before the mint (its image
+/// check, which is also its fresh probe of the engine, and its shape) may
+/// take.
 pub const LAUNCH_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Watchdog bound on a provider `list`, `find` or `destroy`.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -231,7 +233,7 @@ impl Health {
         Self::default()
     }
 
-    /// The provider probed before each launch and by [`Health::watch`].
+    /// The provider [`Health::watch`] probes.
     pub fn with_probe(self, provider: Arc<dyn Provider>) -> Self {
         *self.probe.lock().expect("health probe") = Some(provider);
         self
@@ -403,25 +405,12 @@ impl Health {
         self.published.subscribe()
     }
 
-    /// Whether a launch may start now: refused while degraded, and after a
-    /// fresh probe of the provider (bounded by [`LAUNCH_PROBE_TIMEOUT`]), so
-    /// a launch arriving in the first moments of an outage mints nothing.
-    ///
-    /// # Errors
-    ///
-    /// [`Refusal`] with the reasons.
-    pub async fn admit_launch(&self) -> Result<(), Refusal> {
-        let probe = self.probe.lock().expect("health probe").clone();
-        if let Some(provider) = probe {
-            self.probe_provider(provider.as_ref(), LAUNCH_PROBE_TIMEOUT)
-                .await;
-        }
-        self.refusal().map_or(Ok(()), Err)
-    }
-
     /// Why a launch would be refused now, judged on what is known without
-    /// probing anything (for a launch that must not wait); `None` while
-    /// healthy.
+    /// probing anything; `None` while healthy. A launch that passes asks
+    /// the provider about its image before anything is minted (issue #14:
+    /// that check, which feeds this state through [`WatchedProvider`], is
+    /// the launch's fresh probe of the engine, so a launch arriving in the
+    /// first moments of an outage mints nothing without a list of its own).
     pub fn refusal(&self) -> Option<Refusal> {
         let snapshot = self.snapshot();
         snapshot.degraded().then(|| Refusal {
@@ -682,10 +671,18 @@ impl Provider for WatchedProvider {
         .await
     }
 
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    async fn create_then_start(
+        &self,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         let operation = format!("create {}", spec.name);
-        self.bounded(operation, self.create_timeout, self.inner.create(spec))
-            .await
+        self.bounded(
+            operation,
+            self.create_timeout,
+            self.inner.create_then_start(spec, created),
+        )
+        .await
     }
 
     async fn destroy(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
@@ -849,12 +846,12 @@ mod tests {
     #[tokio::test]
     async fn a_launch_is_refused_typed_while_degraded_and_a_full_disk_is_exhaustion() {
         let health = Health::new().with_probe(Arc::new(FakeProvider::new()));
-        assert_eq!(health.admit_launch().await, Ok(()));
+        assert_eq!(health.refusal(), None);
         health.observe(Reason::JournalUnwritable, true);
-        let refusal = health.admit_launch().await.expect_err("refused");
+        let refusal = health.refusal().expect("refused");
         assert!(!refusal.exhausted);
         health.observe(Reason::DiskLow, true);
-        let refusal = health.admit_launch().await.expect_err("refused");
+        let refusal = health.refusal().expect("refused");
         assert!(refusal.exhausted, "{refusal}");
     }
 

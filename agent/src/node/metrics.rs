@@ -221,7 +221,7 @@ impl Metrics {
         );
         r.register(
             "launch_step_duration_seconds",
-            "The parts of a launch: bind, advance (to launching), mint (the JIT config), create (the instance, started)",
+            "The parts of a launch: bind, advance (to launching), mint (the JIT config), create (the instance, started), created (until the instance exists, before its start)",
             m.launch_steps.clone(),
         );
         r.register(
@@ -661,13 +661,30 @@ impl Provider for MeteredProvider {
         r
     }
 
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    async fn create_then_start(
+        &self,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         let start = Instant::now();
-        let r = self.inner.create(spec).await;
+        // Passed on as soon as the instance exists, timed on the way.
+        let (exists, existed) = tokio::sync::oneshot::channel();
+        let forward = async {
+            let at = existed.await.ok().map(|()| start.elapsed());
+            if at.is_some() {
+                let _ = created.send(());
+            }
+            at
+        };
+        let (r, created_after) = tokio::join!(self.inner.create_then_start(spec, exists), forward);
         let (took, ok) = timed(start, &r);
         self.observe("create", took, ok);
-        // The Docker provider's create also starts the container.
+        // The Docker provider's create also starts the container: `create`
+        // is both, `created` until the instance exists.
         self.metrics.step("create", took);
+        if let Some(at) = created_after {
+            self.metrics.step("created", at);
+        }
         r
     }
 

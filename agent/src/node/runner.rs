@@ -78,16 +78,18 @@ pub enum RunnerError {
     #[error("{0}")]
     Refused(String),
     /// A launch whose image is not present where this node runs instances
-    /// (providers never pull), found before anything was bound or minted.
+    /// (providers never pull), found before anything was minted; a lease
+    /// bound meanwhile was released `failed`.
     #[error(
-        "image {image} is not present on this node, so nothing was bound or minted; build or load it here"
+        "image {image} is not present on this node, so nothing was minted or started; build or load it here"
     )]
     ImageUnavailable {
         /// The image reference the tier names.
         image: String,
     },
     /// A launch the provider could not be asked about (its engine did not
-    /// answer), found before anything was bound or minted: retry later.
+    /// answer), found before anything was minted (a lease bound meanwhile
+    /// was released `failed`): retry later.
     #[error("{0}")]
     ProviderUnavailable(String),
     /// A launch whose mint the plane answered `SCALE_SET_NOT_FOUND`: no
@@ -753,40 +755,73 @@ impl Runner {
         result
     }
 
-    /// What can be checked before a registration exists is checked first:
-    /// the provider answers and has the image. A refusal here leaves
-    /// nothing bound, nothing minted and no lease charged. Then the lease
-    /// is bound and advanced to launching in one round trip (one ledger
-    /// transaction), and counted as launching here.
+    /// What can be checked before a registration exists is checked beside
+    /// the bind (issue #14: neither needs the other, and only the mint
+    /// waits for both): the provider answers and has the image, while the
+    /// lease is bound and advanced to launching in one round trip (one
+    /// ledger transaction). A refused check answers its refusal with
+    /// nothing minted, and a lease the bind took meanwhile is released
+    /// `failed` here ([`Runner::release_refused`]); a refused bind with the
+    /// image present fails the launch with nothing to release. Once both
+    /// pass, the lease counts as launching here.
     async fn check_and_bind(&self, lease: &Lease, tier: &TierSpec) -> Result<(), RunnerError> {
-        match self.provider.check_image(&tier.image).await {
-            Ok(()) => {}
+        let (checked, bound) = tokio::join!(
+            self.provider.check_image(&tier.image),
+            self.ledger
+                .bind_advance(&lease.id, lease.epoch, Phase::Launching)
+        );
+        let refusal = match checked {
+            Ok(()) => None,
             Err(ProviderError::ImageUnavailable { image }) => {
                 warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
-                return Err(RunnerError::ImageUnavailable { image });
+                Some(RunnerError::ImageUnavailable { image })
             }
             Err(e) => {
                 warn!(lease = %lease.id, error = %e, "refusing a launch: the provider cannot be asked about its image");
-                return Err(RunnerError::ProviderUnavailable(format!(
-                    "cannot check image {} before launching lease {}, so nothing was bound or minted: {e}",
+                Some(RunnerError::ProviderUnavailable(format!(
+                    "cannot check image {} before launching lease {}, so nothing was minted or started: {e}",
                     tier.image, lease.id
-                )));
+                )))
+            }
+        };
+        match (refusal, bound) {
+            (None, Ok(())) => {
+                let mut s = self.state();
+                s.launching.insert(lease.id.clone(), lease.epoch);
+                s.sizes
+                    .insert(lease.id.clone(), (lease.vcpu, lease.memory.0));
+                Ok(())
+            }
+            (None, Err(e)) => Err(RunnerError::Failed(format!(
+                "bind {} and advance it to launching: {e}",
+                lease.id
+            ))),
+            (Some(refusal), Err(_)) => Err(refusal),
+            (Some(refusal), Ok(())) => {
+                self.release_refused(lease).await;
+                Err(refusal)
             }
         }
-        self.ledger
-            .bind_advance(&lease.id, lease.epoch, Phase::Launching)
+    }
+
+    /// Ends a lease this launch bound beside an image check that refused
+    /// it: released `failed` (nothing was minted or started), so it is
+    /// never left bound to this node. A release that fails is logged: the
+    /// plane ends the lease itself on the refusal (the stub's ledger
+    /// answers a release of a lease already `failed` as done).
+    async fn release_refused(&self, lease: &Lease) {
+        match self
+            .ledger
+            .release(&lease.id, lease.epoch, Phase::Failed)
             .await
-            .map_err(|e| {
-                RunnerError::Failed(format!(
-                    "bind {} and advance it to launching: {e}",
-                    lease.id
-                ))
-            })?;
-        let mut s = self.state();
-        s.launching.insert(lease.id.clone(), lease.epoch);
-        s.sizes
-            .insert(lease.id.clone(), (lease.vcpu, lease.memory.0));
-        Ok(())
+        {
+            Ok(()) => {
+                info!(lease = %lease.id, "released the lease bound beside a refused image check");
+            }
+            Err(e) => {
+                warn!(lease = %lease.id, error = %e, "cannot release the lease bound beside a refused image check; the plane ends it on the refusal");
+            }
+        }
     }
 
     /// The size the provider will really run the bound lease at; when it
@@ -896,14 +931,37 @@ impl Runner {
         // The registration is journaled while the instance is created: the
         // create needs only the JIT config, and a record that lost this
         // amendment (the node killed during both) removes the registration
-        // by lease instead of by id, as after a power cut.
-        let (amended, created) = tokio::join!(
-            self.journal.amend_launch(record),
-            self.provider.create(spec)
+        // by lease instead of by id, as after a power cut. Once the
+        // instance exists, and while it starts (issue #14), the record
+        // says so: recovery then adopts what it finds rather than asking
+        // GitHub whether the runner is idle.
+        let (created_tx, created_rx) = tokio::sync::oneshot::channel();
+        let journaling = async {
+            let registration = self.journal.amend_launch(record).await;
+            let instance = match created_rx.await {
+                Ok(()) => {
+                    let created = LaunchRecord {
+                        created: true,
+                        ..record.clone()
+                    };
+                    Some(self.journal.amend_launch(&created).await)
+                }
+                // Nothing was created.
+                Err(_) => None,
+            };
+            (registration, instance)
+        };
+        let ((amended, journaled_created), created) = tokio::join!(
+            journaling,
+            self.provider.create_then_start(spec, created_tx)
         );
         if let Err(e) = amended {
             warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
         }
+        if let Some(Err(e)) = &journaled_created {
+            warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
+        }
+        record.created = journaled_created.is_some();
         match created {
             Ok(instance) => {
                 info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
@@ -920,10 +978,6 @@ impl Runner {
                         warned_hours: 0,
                     },
                 );
-                record.created = true;
-                if let Err(e) = self.journal.amend_launch(record).await {
-                    warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
-                }
                 Ok(())
             }
             Err(create_error) => {

@@ -577,7 +577,7 @@ pub async fn execute_commands(
                 );
             }
             if matches!(command, NodeCommand::Launch { .. })
-                && let Err(refusal) = executor.health.admit_launch().await
+                && let Some(refusal) = executor.health.refusal()
             {
                 info!(%refusal, "refused a launch while degraded");
                 return (refused_launch(id.as_str(), &refusal), None);
@@ -1522,9 +1522,13 @@ mod scenarios {
     }
 
     /// Issue #11 item 2: the refusal is typed, names the image, and
-    /// nothing is bound or minted.
+    /// nothing is minted or created. Issue #14: the image is checked beside
+    /// the bind, so the lease bound meanwhile is released `failed` by the
+    /// node, never left bound (main checked first and bound nothing; this
+    /// asserts the release, which main never sent).
     #[tokio::test]
-    async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_before_bind() {
+    async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_and_its_bound_lease_released()
+     {
         let provider = Arc::new(FakeProvider::new());
         let (_, command) = launch("c1");
         let NodeCommand::Launch { ref tier, .. } = command else {
@@ -1532,7 +1536,8 @@ mod scenarios {
         };
         let image = tier.image.clone();
         provider.remove_image(&image);
-        let (runner, _link) = node(provider.clone());
+        let (runner, link) = node(provider.clone());
+        let plane = open_plane(&link, default_answer);
         let (result, launched) =
             execute(&runner, None, pb::Capacity::default(), "c1", command).await;
         assert_eq!(result.outcome, pb::Outcome::Refused as i32, "{result:?}");
@@ -1545,7 +1550,186 @@ mod scenarios {
             "{error:?}"
         );
         assert!(error.message.contains(&image), "{error:?}");
+        assert_eq!(
+            plane.calls(),
+            ["bind_advance", "release"],
+            "the bound lease is released, and nothing is minted"
+        );
         assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
+        assert!(!runner.holding());
+    }
+
+    /// Issue #14: the image check and the bind do not wait for each other:
+    /// the plane is asked to bind while the provider has not yet answered
+    /// about the image (main asked the provider first, and bound only
+    /// after its answer).
+    #[tokio::test]
+    async fn the_lease_is_bound_while_the_image_is_checked() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.block(crate::provider::fake::Operation::CheckImage);
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner,
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+        let bound = tokio::time::timeout(Duration::from_secs(5), async {
+            while plane.calls().is_empty() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(
+            bound.is_ok(),
+            "the plane was not asked to bind while the image check was pending"
+        );
+        assert_eq!(plane.calls(), ["bind_advance"]);
+        assert_eq!(
+            provider.calls(),
+            [crate::provider::fake::Call::CheckImage(
+                "billet-standin-runner:dev".into()
+            )]
+        );
+        provider.unblock(crate::provider::fake::Operation::CheckImage);
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        assert_eq!(plane.calls(), ["bind_advance", "mint_jit"]);
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// Issue #14: a launch lists nothing before it binds; its image check
+    /// is its fresh look at the engine, so the provider is asked once
+    /// before the create (main's admission probed with a whole list first,
+    /// a Docker call in series with everything after it).
+    #[tokio::test]
+    async fn a_launch_asks_the_provider_once_before_it_creates() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let health = Arc::new(Health::new().with_probe(provider.clone()));
+        let task = tokio::spawn(execute_commands(
+            runner,
+            slot.clone(),
+            Executor {
+                health,
+                ..executor(Arc::new(Recovery::done()))
+            },
+            cancel.clone(),
+        ));
+        push_launch(&slot, &plane.session, "c1");
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        let operations: Vec<_> = provider
+            .calls()
+            .iter()
+            .map(crate::provider::fake::Call::operation)
+            .collect();
+        assert_eq!(
+            operations,
+            [
+                crate::provider::fake::Operation::CheckImage,
+                crate::provider::fake::Operation::Create
+            ]
+        );
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// Issue #14: the launch record says the instance was created as soon
+    /// as it exists, while it starts, not after the start (main wrote it
+    /// after the provider's create and start had both returned): here the
+    /// start is held, and the record already says created.
+    #[tokio::test]
+    async fn a_created_instance_is_journaled_while_it_starts() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.block(crate::provider::fake::Operation::Start);
+        let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
+        let journal = Arc::new(crate::node::journal::MemoryJournal::default());
+        let runner = Arc::new(
+            Runner::new(
+                provider.clone(),
+                link.clone(),
+                link.clone(),
+                crate::node::runner::RunnerOptions::default(),
+            )
+            .with_journal(journal.clone()),
+        );
+        let _plane = open_plane(&link, default_answer);
+        let (_, command) = launch("c1");
+        let NodeCommand::Launch { lease, tier, job } = command else {
+            panic!("a launch")
+        };
+        let lease_id = lease.id.clone();
+        let launching = tokio::spawn({
+            let runner = Arc::clone(&runner);
+            async move { runner.launch(lease, tier, job).await }
+        });
+        let journaled = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let records = journal.launches().await.expect("launches");
+                if records
+                    .iter()
+                    .any(|r| r.lease == lease_id.as_str() && r.created)
+                {
+                    return records;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(
+            journaled.is_ok(),
+            "the record did not say created while the start was held"
+        );
+        assert!(
+            !launching.is_finished(),
+            "the launch ended before its start"
+        );
+        let record = &journaled.expect("journaled")[0];
+        assert_eq!(record.runner_id, 42, "the registration is in it too");
+        assert_eq!(
+            provider.instances()[0].state,
+            crate::provider::InstanceState::Created
+        );
+        provider.unblock(crate::provider::fake::Operation::Start);
+        launching
+            .await
+            .expect("the launch task")
+            .expect("the launch succeeds");
+        assert_eq!(
+            provider.instances()[0].state,
+            crate::provider::InstanceState::Running
+        );
+    }
+
+    /// A start that fails after the create leaves the record saying
+    /// created (the instance exists, stopped), and the launch fails
+    /// cleanly once the instance is removed: nothing held.
+    #[tokio::test]
+    async fn a_failed_start_after_the_create_is_cleaned_up_like_a_failed_create() {
+        let provider = Arc::new(FakeProvider::new());
+        provider.fail_next(crate::provider::fake::Operation::Start, 1);
+        let (runner, link) = node(provider.clone());
+        let plane = open_plane(&link, default_answer);
+        let (_, command) = launch("c1");
+        let (result, launched) =
+            execute(&runner, None, pb::Capacity::default(), "c1", command).await;
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert!(!result.custody, "{result:?}");
+        assert!(launched.is_none());
+        assert!(
+            provider.instances().is_empty(),
+            "the created instance stays"
+        );
+        assert_eq!(plane.calls(), ["bind_advance", "mint_jit", "remove_runner"]);
         assert!(!runner.holding());
     }
 

@@ -487,9 +487,17 @@ impl Provider for DockerProvider {
     /// [`ProviderError::Engine`] when the engine refuses the create (a name
     /// already in use, a missing image) or the start; after a failed start
     /// the container exists, stopped, and is left for `destroy`.
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    ///
+    /// `created` is sent once the engine has created the container, before
+    /// the start is asked.
+    async fn create_then_start(
+        &self,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         let operation = format!("create {}", spec.name);
-        self.bounded(&operation, self.create_unbounded(spec)).await
+        self.bounded(&operation, self.create_unbounded(spec, created))
+            .await
     }
 
     /// Removes the container `name` with its anonymous volumes, killing it
@@ -599,7 +607,11 @@ fn shaped_vcpu(vcpu: u32, cpus: u32) -> u32 {
 }
 
 impl DockerProvider {
-    async fn create_unbounded(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    async fn create_unbounded(
+        &self,
+        spec: InstanceSpec,
+        exists: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         let (name, body) = self.container_for(&spec)?;
         let operation = format!("create {name}");
         let secret = spec.jit_config.expose();
@@ -637,6 +649,8 @@ impl DockerProvider {
                 message: "the engine created the container but returned no id".to_owned(),
             });
         }
+        // The container exists: the caller may record it while it starts.
+        let _ = exists.send(());
 
         docker
             .start_container(&created.id, None)

@@ -47,6 +47,12 @@ pub enum Operation {
     CheckImage,
     /// [`Provider::stop`].
     Stop,
+    /// The start that follows a create ([`Provider::create_then_start`]):
+    /// not a call of its own (never recorded), but
+    /// [`FakeProvider::block`] holds a created instance, not yet running,
+    /// after `created` was sent, and [`FakeProvider::fail_next`] fails the
+    /// start as Docker's can, leaving the instance created and not running.
+    Start,
 }
 
 /// How the fake's engine answers.
@@ -435,15 +441,21 @@ impl Provider for FakeProvider {
         ))
     }
 
-    /// Records the spec and its JIT config, then creates a running
-    /// instance `fake-<n>`.
+    /// Records the spec and its JIT config, then creates the instance
+    /// `fake-<n>`, sends on `created`, and starts it (held while
+    /// [`Operation::Start`] is blocked).
     ///
     /// # Errors
     ///
     /// [`ProviderError::Refused`] for a name that is not `billet-<lease>` or
     /// an empty command; [`ProviderError::Engine`] for an injected failure
-    /// or a name already in use.
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    /// (of the create: nothing exists; of the start: the instance stays,
+    /// created and not running) or a name already in use.
+    async fn create_then_start(
+        &self,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         {
             let mut state = self.state();
             state.jit_configs.push(spec.jit_config.clone());
@@ -464,26 +476,49 @@ impl Provider for FakeProvider {
             )));
         }
         let labels = self.labels_for(&spec);
+        let mut instance = {
+            let mut state = self.state();
+            if state.missing_images.contains(&spec.image) {
+                return Err(ProviderError::ImageUnavailable { image: spec.image });
+            }
+            if state.instances.contains_key(spec.name.as_str()) {
+                return Err(ProviderError::Engine {
+                    operation,
+                    message: format!("the name {} is already in use", spec.name),
+                });
+            }
+            state.next_id += 1;
+            let instance = Instance {
+                id: format!("fake-{}", state.next_id),
+                name: spec.name.as_str().to_owned(),
+                state: InstanceState::Created,
+                labels,
+            };
+            state
+                .instances
+                .insert(instance.name.clone(), instance.clone());
+            instance
+        };
+        let _ = created.send(());
+        let mut blocked = self.blocked.subscribe();
+        // The sender lives as long as `self`, so this cannot fail.
+        let _ = blocked
+            .wait_for(|set| !set.contains(&Operation::Start))
+            .await;
         let mut state = self.state();
-        if state.missing_images.contains(&spec.image) {
-            return Err(ProviderError::ImageUnavailable { image: spec.image });
-        }
-        if state.instances.contains_key(spec.name.as_str()) {
+        if let Some(left) = state.fail_next.get_mut(&Operation::Start)
+            && *left > 0
+        {
+            *left -= 1;
             return Err(ProviderError::Engine {
-                operation,
-                message: format!("the name {} is already in use", spec.name),
+                operation: format!("start {}", spec.name),
+                message: "injected failure".to_owned(),
             });
         }
-        state.next_id += 1;
-        let instance = Instance {
-            id: format!("fake-{}", state.next_id),
-            name: spec.name.as_str().to_owned(),
-            state: InstanceState::Running,
-            labels,
-        };
-        state
-            .instances
-            .insert(instance.name.clone(), instance.clone());
+        instance.state = InstanceState::Running;
+        if let Some(present) = state.instances.get_mut(&instance.name) {
+            present.state = InstanceState::Running;
+        }
         if state.create_fails_after_starting > 0 {
             state.create_fails_after_starting -= 1;
             return Err(ProviderError::Engine {

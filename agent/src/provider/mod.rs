@@ -248,10 +248,34 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Creates and starts an instance. Returns once it is created.
     ///
+    /// [`Provider::create_then_start`] without being told when the instance
+    /// exists.
+    ///
     /// # Errors
     ///
     /// [`ProviderError`]; an error does not prove nothing started.
-    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError>;
+    async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
+        let (created, _) = tokio::sync::oneshot::channel();
+        self.create_then_start(spec, created).await
+    }
+
+    /// Creates and starts an instance, sending on `created` as soon as the
+    /// instance exists and before it is started, so the caller can record
+    /// it while it starts (issue #14: the launch journals the created
+    /// instance beside Docker's start). A provider that cannot tell the two
+    /// apart sends once both are done. `created` is dropped unsent when
+    /// nothing was created. Required, with no default, so that a wrapper
+    /// cannot forget to pass `created` to the provider it wraps.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::create`]: an error does not prove nothing started,
+    /// whether or not `created` was sent.
+    async fn create_then_start(
+        &self,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError>;
 
     /// Removes an instance by name. Already gone is success
     /// ([`Teardown::Stopped`]).

@@ -87,7 +87,11 @@ impl Provider for SimProvider {
         self.fake.runs_on_host()
     }
 
-    async fn create(&self, mut spec: InstanceSpec) -> Result<Instance, ProviderError> {
+    async fn create_then_start(
+        &self,
+        mut spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+    ) -> Result<Instance, ProviderError> {
         let gate = self.enter(true).await;
         if self.shared.lock().sabotage == Some(Sabotage::ReuseJitConfig)
             && let Some(first) = self.fake.jit_configs_used().into_iter().next()
@@ -104,7 +108,7 @@ impl Provider for SimProvider {
             _ => {}
         }
         // Completes in one poll: nothing in the fake waits unless blocked.
-        let result = self.fake.create(spec).await;
+        let result = self.fake.create_then_start(spec, created).await;
         if !existed && self.fake.instance(&name).is_some() {
             let mut c = self.shared.lock();
             c.created_since_check = true;
