@@ -931,37 +931,14 @@ impl Runner {
         // The registration is journaled while the instance is created: the
         // create needs only the JIT config, and a record that lost this
         // amendment (the node killed during both) removes the registration
-        // by lease instead of by id, as after a power cut. Once the
-        // instance exists, and while it starts (issue #14), the record
-        // says so: recovery then adopts what it finds rather than asking
-        // GitHub whether the runner is idle.
-        let (created_tx, created_rx) = tokio::sync::oneshot::channel();
-        let journaling = async {
-            let registration = self.journal.amend_launch(record).await;
-            let instance = match created_rx.await {
-                Ok(()) => {
-                    let created = LaunchRecord {
-                        created: true,
-                        ..record.clone()
-                    };
-                    Some(self.journal.amend_launch(&created).await)
-                }
-                // Nothing was created.
-                Err(_) => None,
-            };
-            (registration, instance)
-        };
-        let ((amended, journaled_created), created) = tokio::join!(
-            journaling,
-            self.provider.create_then_start(spec, created_tx)
+        // by lease instead of by id, as after a power cut.
+        let (amended, created) = tokio::join!(
+            self.journal.amend_launch(record),
+            self.provider.create(spec)
         );
         if let Err(e) = amended {
             warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
         }
-        if let Some(Err(e)) = &journaled_created {
-            warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
-        }
-        record.created = journaled_created.is_some();
         match created {
             Ok(instance) => {
                 info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
@@ -978,6 +955,16 @@ impl Runner {
                         warned_hours: 0,
                     },
                 );
+                // Only once the start has answered: a record saying created
+                // is adopted as a job by recovery without asking GitHub, so
+                // it must not name an instance whose start may have failed
+                // (issue #14 tried writing it beside the start; the
+                // simulation's seed 9344, a create that fails after
+                // starting and a crash, adopted a runner with no job).
+                record.created = true;
+                if let Err(e) = self.journal.amend_launch(record).await {
+                    warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
+                }
                 Ok(())
             }
             Err(create_error) => {
