@@ -458,6 +458,7 @@ fn tier(trust: Trust) -> TierSpec {
         env: vec![("TIER".into(), "t".into())],
         sticky_disks: Vec::new(),
         actions_cache: None,
+        docker_image_store: false,
     }
 }
 

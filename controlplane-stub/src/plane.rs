@@ -46,6 +46,9 @@ pub struct Tier {
     /// The transparent Actions cache's scope when the tier opts in
     /// (`TierSpec.actions_cache`, `cache_scope`; the node checks it).
     pub actions_cache: Option<pb::CacheScope>,
+    /// Whether runners get the Docker image store at /var/lib/docker
+    /// (`TierSpec.docker_image_store`).
+    pub docker_image_store: bool,
 }
 
 /// Everything the plane needs.
@@ -807,6 +810,7 @@ impl Plane {
                 sticky_disks: tier.sticky_disks.clone(),
                 actions_cache: tier.actions_cache.is_some(),
                 cache_scope: tier.actions_cache.clone(),
+                docker_image_store: tier.docker_image_store,
             }),
             job: Some(pb::Job {
                 request_id: lease.request_id,
@@ -1603,6 +1607,7 @@ mod tests {
                 env: Vec::new(),
                 sticky_disks: Vec::new(),
                 actions_cache: None,
+                docker_image_store: false,
             },
             launch_timeout: Duration::from_secs(30),
             destroy_timeout: Duration::from_secs(30),

@@ -80,6 +80,11 @@ pub struct ClusterOptions {
     pub sticky_disks: Vec<billet_proto::v1::StickyDisk>,
     /// The tier's Actions cache scope when it opts in.
     pub actions_cache: Option<billet_proto::v1::CacheScope>,
+    /// The tier's trust class, `trusted` or `untrusted` (an untrusted tier
+    /// needs the node's `--isolated-containers`, e.g. in `node_env`).
+    pub tier_trust: String,
+    /// Whether the tier's runners get the Docker image store.
+    pub docker_image_store: bool,
     /// The node certificates' lifetime from now, when short-lived ones are
     /// wanted (the CA's and the plane's stay as usual).
     pub node_cert_lifetime: Option<Duration>,
@@ -146,6 +151,8 @@ impl Default for ClusterOptions {
             tier_image: STANDIN_IMAGE.into(),
             sticky_disks: Vec::new(),
             actions_cache: None,
+            tier_trust: "trusted".into(),
+            docker_image_store: false,
             node_cert_lifetime: None,
             plane_signs: None,
             enrollment: false,
@@ -884,7 +891,7 @@ impl Cluster {
                     options.tier_image.clone()
                 },
                 command: vec!["/billet-standin-runner".into()],
-                trust: "trusted".into(),
+                trust: options.tier_trust.clone(),
                 vcpu: options.tier_vcpu,
                 memory_bytes: options.tier_memory_bytes,
                 network: "host".into(),
@@ -897,6 +904,7 @@ impl Cluster {
                 .collect(),
                 sticky_disks: options.sticky_disks.clone(),
                 actions_cache: options.actions_cache.clone(),
+                docker_image_store: options.docker_image_store,
             },
             launch_timeout: options.launch_timeout,
             destroy_timeout: Duration::from_secs(60),

@@ -325,6 +325,7 @@ async fn plane_for(
             env: Vec::new(),
             sticky_disks: Vec::new(),
             actions_cache: None,
+            docker_image_store: false,
         },
         launch_timeout: Duration::from_secs(60),
         destroy_timeout: Duration::from_secs(60),

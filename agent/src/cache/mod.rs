@@ -1,5 +1,6 @@
-//! The node-local cache (issue #16): so far, sticky disks (spec/cache.md
-//! §1.1, §2.4, §4). A sticky disk is a directory a job asks for by key and
+//! The node-local cache (issue #16): sticky disks (spec/cache.md §1.1,
+//! §2.4, §4) and the Docker image store, a disk keyed `docker-images/<arch>`
+//! bound at [`DOCKER_STORE_PATH`] (§1.2, §3.3). A sticky disk is a directory a job asks for by key and
 //! path; the node binds a copy-on-write clone of the key's current
 //! generation at that path before the job's compute starts, and at the end
 //! of a successful job the clone's contents become the key's next
@@ -80,6 +81,18 @@ pub enum DiskError {
     /// More than [`MAX_STICKY_DISKS`].
     #[error("{0} sticky disks were asked for; a job may mount at most {MAX_STICKY_DISKS}")]
     TooMany(usize),
+    /// Beside the Docker image store, which takes slot 0, more than
+    /// [`MAX_STICKY_DISKS`] − 1.
+    #[error(
+        "{0} sticky disks were asked for beside the Docker image store, which takes one of the {MAX_STICKY_DISKS} slots; name at most {beside}",
+        beside = MAX_STICKY_DISKS - 1
+    )]
+    TooManyBesideDockerStore(usize),
+    /// A sticky disk where the Docker image store is bound.
+    #[error(
+        "a sticky disk at {0:?} would hide the Docker image store at {DOCKER_STORE_PATH}; give it another path"
+    )]
+    AtDockerStore(String),
 }
 
 impl DiskKey {
@@ -103,6 +116,20 @@ impl DiskKey {
             return Err(DiskError::ReservedKey(key.to_owned()));
         }
         Ok(Self(key.to_owned()))
+    }
+
+    /// The Docker image store's key for `arch` (`docker-images/<arch>`),
+    /// the one key under [`RESERVED_PREFIX`]; `None` for an architecture
+    /// [`valid_architecture`] refuses.
+    #[must_use]
+    pub fn docker_images(arch: &str) -> Option<Self> {
+        valid_architecture(arch).then(|| Self(format!("{RESERVED_PREFIX}{arch}")))
+    }
+
+    /// Whether this is a Docker image store's key.
+    #[must_use]
+    pub fn is_docker_images(&self) -> bool {
+        self.0.starts_with(RESERVED_PREFIX)
     }
 
     /// The key.
@@ -186,6 +213,65 @@ pub fn check_disks(disks: &[StickyDisk]) -> Result<(), DiskError> {
     Ok(())
 }
 
+/// Where the guest sees the Docker image store (spec/cache.md §1.2).
+pub const DOCKER_STORE_PATH: &str = "/var/lib/docker";
+
+/// Checks a tier's sticky disks beside its Docker image store, which takes
+/// slot 0 of the [`MAX_STICKY_DISKS`] (the reference's `MaxVolumes`): at
+/// most 4 disks, none at or under [`DOCKER_STORE_PATH`].
+///
+/// # Errors
+///
+/// [`DiskError::TooManyBesideDockerStore`], [`DiskError::AtDockerStore`].
+pub fn check_beside_docker_store<'a>(
+    count: usize,
+    paths: impl IntoIterator<Item = &'a str>,
+) -> Result<(), DiskError> {
+    if count > MAX_STICKY_DISKS - 1 {
+        return Err(DiskError::TooManyBesideDockerStore(count));
+    }
+    for path in paths {
+        let p = path.trim_end_matches('/');
+        if p == DOCKER_STORE_PATH || p.starts_with(&format!("{DOCKER_STORE_PATH}/")) {
+            return Err(DiskError::AtDockerStore(path.to_owned()));
+        }
+    }
+    Ok(())
+}
+
+/// The architecture the node's Docker image store is keyed by
+/// (`docker-images/<arch>`, spec/cache.md §1.2), in Docker's names: the
+/// node's own build target (the engine it drives runs on the same
+/// machine), `x86_64` as `amd64` and `aarch64` as `arm64`
+/// ([`docker_architecture_of`]).
+#[must_use]
+pub fn docker_architecture() -> &'static str {
+    docker_architecture_of(std::env::consts::ARCH)
+}
+
+/// A machine name (`uname -m`, Rust's `ARCH`) in Docker's words: `x86_64`
+/// and `amd64` are `amd64`, `aarch64` and `arm64` are `arm64`; any other is
+/// kept as it is.
+#[must_use]
+pub fn docker_architecture_of(machine: &str) -> &str {
+    match machine {
+        "x86_64" | "amd64" => "amd64",
+        "aarch64" | "arm64" => "arm64",
+        other => other,
+    }
+}
+
+/// Whether `arch` is an architecture a guest may name (spec/cache.md §2.4
+/// `/v1/docker-store`): 1 to 64 characters, the first an ASCII letter or
+/// digit, the rest letters, digits, `.`, `_` or `-`.
+#[must_use]
+pub fn valid_architecture(arch: &str) -> bool {
+    let mut chars = arch.chars();
+    arch.len() <= 64
+        && chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
 /// How a commit treats a key whose head moved since the mount was cloned
 /// (spec/cache.md §2.4, §4.2 "Publication policies").
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -243,6 +329,46 @@ mod tests {
             DiskKey::parse("docker-images/amd64"),
             Err(DiskError::ReservedKey(_))
         ));
+    }
+
+    /// spec/cache.md §7.1 scenario 9: an unusable architecture names no
+    /// image store.
+    #[test]
+    fn the_image_store_is_keyed_by_a_plain_architecture_in_dockers_words() {
+        assert_eq!(docker_architecture_of("x86_64"), "amd64");
+        assert_eq!(docker_architecture_of("aarch64"), "arm64");
+        assert_eq!(docker_architecture_of("riscv64"), "riscv64");
+        let k = DiskKey::docker_images("amd64").unwrap();
+        assert_eq!(k.as_str(), "docker-images/amd64");
+        assert!(k.is_docker_images());
+        assert!(!DiskKey::parse("npm").unwrap().is_docker_images());
+        for bad in ["", "a/b", "amd64\n", "am d64", "-amd64", &"a".repeat(65)] {
+            assert!(!valid_architecture(bad), "{bad:?}");
+            assert_eq!(DiskKey::docker_images(bad), None, "{bad:?}");
+        }
+        assert!(valid_architecture("arm64.v8_x-1"));
+    }
+
+    #[test]
+    fn beside_the_image_store_four_disks_fit_and_none_hides_it() {
+        assert!(check_beside_docker_store(4, ["/a", "/var/lib/dockerx"]).is_ok());
+        assert_eq!(
+            check_beside_docker_store(5, ["/a"]),
+            Err(DiskError::TooManyBesideDockerStore(5))
+        );
+        for at in [
+            "/var/lib/docker",
+            "/var/lib/docker/",
+            "/var/lib/docker/volumes",
+        ] {
+            assert!(
+                matches!(
+                    check_beside_docker_store(1, [at]),
+                    Err(DiskError::AtDockerStore(_))
+                ),
+                "{at}"
+            );
+        }
     }
 
     #[test]

@@ -40,6 +40,16 @@
 //!   keeps its head). A slot settled already: 409 with what it was told.
 //! - `POST /v1/volumes/{slot}/discard`: never publish this disk; 200
 //!   `discarded`.
+//! - `POST /v1/docker-store`, body `{"architecture": "amd64"}`: the Docker
+//!   image store (slot 0, bound at `/var/lib/docker` before the compute
+//!   started): 200 with its slot, path, key, generation and `cold`; 404
+//!   without one; 409 for another architecture; 400 for an unusable name.
+//! - `POST /v1/docker-store/ready`, body `{"filesystem": {"type", "uuid",
+//!   "clean"}}`: the guest stopped its engine and unmounted cleanly. 409
+//!   until the node opened settlement ([`Sessions::open_settlement`]:
+//!   trusted tier, GitHub said `succeeded`); then 200 `{"ready": true}`,
+//!   and the store is published once the compute is gone. A commit of
+//!   slot 0 is 403 (spec/cache.md §2.4, §3.3).
 //!
 //! A disk the guest settles is withdrawn from the end-of-job commit
 //! ([`Store::withdraw`]); one it leaves alone is settled at the end by
@@ -195,6 +205,50 @@ pub struct Slot {
     /// was trusted).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub untrusted: bool,
+    /// The Docker image store (slot 0, at [`crate::cache::DOCKER_STORE_PATH`]):
+    /// published only by its settlement, never by a commit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub docker: Option<DockerStore>,
+}
+
+/// The Docker image store's slot: its architecture and its settlement
+/// (spec/cache.md §3.3), journaled with the session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DockerStore {
+    /// What it is keyed by (`docker-images/<architecture>`).
+    pub architecture: String,
+    /// The node opened settlement ([`Sessions::open_settlement`]): the tier
+    /// is trusted and GitHub's result is `succeeded`.
+    #[serde(default)]
+    pub settling: bool,
+    /// The guest's clean-unmount proof, once it said it is ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<Proof>,
+}
+
+/// A guest's word that it unmounted a filesystem cleanly (the reference's
+/// `{"type", "uuid", "clean"}`). On a bind-mounted directory the node
+/// cannot check it: it is the guest's statement that its Docker engine
+/// stopped and flushed, not an authority (the tier's trust and GitHub's
+/// result are).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Proof {
+    /// The filesystem's type, e.g. `ext4`, or `dir` for a directory.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Its UUID, or any identifier the guest has for it.
+    pub uuid: String,
+    /// It was unmounted cleanly.
+    pub clean: bool,
+}
+
+impl Proof {
+    /// Non-blank type and uuid, and clean.
+    #[must_use]
+    pub fn valid(&self) -> bool {
+        !self.kind.trim().is_empty() && !self.uuid.trim().is_empty() && self.clean
+    }
 }
 
 impl Slot {
@@ -210,6 +264,7 @@ impl Slot {
             fallback: !mount.committable,
             told: None,
             untrusted: false,
+            docker: None,
         }
     }
 }
@@ -249,6 +304,7 @@ impl Session {
 struct Live {
     stop: CancellationToken,
     dir: PathBuf,
+    session: Arc<Session>,
 }
 
 /// The node's guest sessions, one per instance that has sticky disks.
@@ -374,6 +430,7 @@ impl Sessions {
             Live {
                 stop: stop.clone(),
                 dir: dir.clone(),
+                session: session.clone(),
             },
         ) {
             old.stop.cancel();
@@ -401,6 +458,42 @@ impl Sessions {
             warn!(%lease, error = %e, "cannot forget the cache session in the journal; a restart listens for it until it is closed");
         }
         info!(%lease, "cache session closed");
+    }
+
+    /// Opens the settlement of `lease`'s Docker image store (spec/cache.md
+    /// §3.3, `SettleDocker`): called by the runner when GitHub's result is
+    /// `succeeded`, before the compute is removed. From then on the guest
+    /// may say it is ready (`POST /v1/docker-store/ready`), which marks the
+    /// store to be published once the compute is proven gone. Journaled.
+    /// Returns whether settlement is open: false without a session, without
+    /// an image store, for an untrusted tier, or for a store its guest
+    /// discarded.
+    pub async fn open_settlement(&self, lease: &LeaseId) -> bool {
+        let session = self
+            .live
+            .lock()
+            .expect("sessions")
+            .get(lease.as_str())
+            .map(|l| l.session.clone());
+        let Some(session) = session else {
+            return false;
+        };
+        let mut slots = session.slots.lock().await;
+        let Some(slot) = slots
+            .iter_mut()
+            .find(|s| s.docker.is_some() && !s.untrusted && s.told.is_none())
+        else {
+            return false;
+        };
+        let docker = slot.docker.as_mut().expect("found by its store");
+        if !docker.settling {
+            docker.settling = true;
+            if let Err(e) = session.journal.put_session(&session.record(&slots)).await {
+                warn!(%lease, error = %e, "cannot journal that the Docker image store's settlement opened; a restart forgets it and the store is discarded");
+            }
+            info!(%lease, "Docker image store settlement opened; waiting for its guest to say it is ready");
+        }
+        true
     }
 
     /// Closes the session of every lease `listed` proves has no compute:
@@ -581,8 +674,142 @@ async fn handle(session: &Session, req: Request<Incoming>) -> Response<Full<Byte
             )
             .await
         }
+        (Method::POST, ["", "v1", "docker-store"]) => match read_json(req).await {
+            Ok(body) => docker_store(session, body).await,
+            Err(refused) => refused,
+        },
+        (Method::POST, ["", "v1", "docker-store", "ready"]) => match read_json(req).await {
+            Ok(body) => docker_ready(session, body).await,
+            Err(refused) => refused,
+        },
         _ => error(StatusCode::NOT_FOUND, "no such cache API route"),
     }
+}
+
+/// Reads a JSON body of at most [`MAX_BODY`] bytes, unknown fields refused.
+async fn read_json<T: serde::de::DeserializeOwned>(
+    req: Request<Incoming>,
+) -> Result<T, Response<Full<Bytes>>> {
+    let body = Limited::new(req.into_body(), MAX_BODY)
+        .collect()
+        .await
+        .map_err(|_| {
+            error(
+                StatusCode::BAD_REQUEST,
+                "the body is unreadable or longer than 8 KiB",
+            )
+        })?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            &format!("the body is not what this route takes: {e}"),
+        )
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DockerStoreBody {
+    architecture: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReadyBody {
+    filesystem: Proof,
+}
+
+/// `POST /v1/docker-store` (spec/cache.md §2.4): the guest asks for its
+/// Docker image store. The node bound it before the compute started (a
+/// bind mount cannot be added to a running container), so this tells the
+/// guest what it has: 200 with the slot, the path, the generation it was
+/// cloned from and whether it is cold; 404 when the tier has none; 409
+/// when it is keyed by another architecture than the guest's.
+async fn docker_store(session: &Session, body: DockerStoreBody) -> Response<Full<Bytes>> {
+    if !crate::cache::valid_architecture(&body.architecture) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "architecture must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit, such as \"amd64\"",
+        );
+    }
+    let slots = session.slots.lock().await;
+    let Some((i, slot, docker)) = slots
+        .iter()
+        .enumerate()
+        .find_map(|(i, s)| s.docker.as_ref().map(|d| (i, s, d)))
+    else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this job's tier has no Docker image store",
+        );
+    };
+    if docker.architecture != body.architecture {
+        return json(
+            StatusCode::CONFLICT,
+            &serde_json::json!({
+                "error": "this node's Docker image store is for another architecture",
+                "architecture": docker.architecture,
+            }),
+        );
+    }
+    json(
+        StatusCode::OK,
+        &serde_json::json!({
+            "slot": i,
+            "path": slot.path,
+            "key": slot.key,
+            "generation": slot.parent,
+            "cold": slot.parent.is_none() && !slot.fallback,
+            "fallback": slot.fallback,
+        }),
+    )
+}
+
+/// `POST /v1/docker-store/ready` (spec/cache.md §2.4, §3.3): the guest
+/// stopped its Docker engine and proves a clean unmount. 400 for a proof
+/// that is not one; 404 without an image store (or one its guest
+/// discarded); 409 until the node opened settlement (so a guest cannot
+/// force publication); 503 when the mark cannot be journaled; else the
+/// store is marked to be published once the compute is proven gone, and
+/// 200 `{"ready": true}`.
+async fn docker_ready(session: &Session, body: ReadyBody) -> Response<Full<Bytes>> {
+    if !body.filesystem.valid() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the filesystem proof needs a non-blank type and uuid and clean: true",
+        );
+    }
+    let mut slots = session.slots.lock().await;
+    let Some(i) = slots
+        .iter()
+        .position(|s| s.docker.is_some() && s.told.is_none())
+    else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "this job has no Docker image store to settle",
+        );
+    };
+    let settling = slots[i].docker.as_ref().is_some_and(|d| d.settling);
+    if !settling {
+        return error(
+            StatusCode::CONFLICT,
+            "the node has not opened settlement: it does once GitHub says a trusted tier's job succeeded; ask again",
+        );
+    }
+    let lease = &session.lease;
+    if let Err(e) = session.store.mark_mount_succeeded(&slots[i].mount).await {
+        warn!(%lease, error = %e, "cannot mark the Docker image store for publication");
+        return error(StatusCode::SERVICE_UNAVAILABLE, "cache unavailable");
+    }
+    if let Some(docker) = slots[i].docker.as_mut() {
+        docker.ready = Some(body.filesystem);
+    }
+    if let Err(e) = session.journal.put_session(&session.record(&slots)).await {
+        warn!(%lease, error = %e, "cannot journal the guest's readiness; the store is marked for publication all the same");
+    }
+    info!(%lease, "the guest said its Docker image store is ready; it is published once the compute is gone");
+    json(StatusCode::OK, &serde_json::json!({ "ready": true }))
 }
 
 /// A slot number: decimal digits only (no sign, no leading zero).
@@ -611,6 +838,7 @@ async fn list(session: &Session) -> Response<Full<Bytes>> {
                 "cold": s.parent.is_none() && !s.fallback,
                 "fallback": s.fallback,
                 "told": s.told,
+                "docker": s.docker.is_some(),
             })
         })
         .collect();
@@ -627,6 +855,12 @@ async fn settle(
     let Some(s) = slots.get(slot).cloned() else {
         return error(StatusCode::NOT_FOUND, "cache slot is not attached");
     };
+    if commit && s.docker.is_some() {
+        return error(
+            StatusCode::FORBIDDEN,
+            "the Docker image store is published by the node from GitHub's result and the guest's readiness, never by a commit",
+        );
+    }
     if let Some(told) = &s.told {
         return json(
             StatusCode::CONFLICT,
@@ -994,6 +1228,233 @@ mod tests {
             "{}",
             record.slots
         );
+    }
+
+    /// Slot 0 the Docker image store of `arch`, slot 1 a sticky disk, as
+    /// the runner mounts them; `untrusted` as the tier is.
+    async fn with_image_store(
+        store: &Store,
+        sessions: &Sessions,
+        l: &str,
+        untrusted: bool,
+    ) -> (Prepared, Mount) {
+        let key = DiskKey::docker_images("amd64").unwrap();
+        let m = store
+            .mount(&lease(l), &key, Policy::LastWriterWins)
+            .await
+            .unwrap();
+        let mut docker = Slot::of(&m, key.as_str(), "/var/lib/docker", "last-writer-wins");
+        docker.docker = Some(DockerStore {
+            architecture: "amd64".into(),
+            settling: false,
+            ready: None,
+        });
+        docker.untrusted = untrusted;
+        let npm = store
+            .mount(&lease(l), &DiskKey::parse("npm").unwrap(), Policy::Cas)
+            .await
+            .unwrap();
+        let p = sessions
+            .prepare(
+                &lease(l),
+                vec![docker, Slot::of(&npm, "npm", "/cache", "cas")],
+            )
+            .await
+            .unwrap();
+        (p, m)
+    }
+
+    const PROOF: &str = r#"{"filesystem":{"type":"dir","uuid":"5f1c","clean":true}}"#;
+
+    /// spec/cache.md §7.1 scenarios 7 and 20: the image store is slot 0,
+    /// keyed by architecture; the guest's request tells it what it has; a
+    /// commit of slot 0 is 403; a ready before settlement is 409; once the
+    /// node opened settlement a ready with a proof publishes it, under
+    /// last-writer-wins, when its lease's mounts are settled.
+    #[tokio::test]
+    async fn the_image_store_is_slot_zero_published_only_after_settlement_and_readiness() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, m) = with_image_store(&store, &sessions, "l1", false).await;
+        let t = Some(a.token.expose());
+        let (status, got) = call(
+            &a.dir,
+            t,
+            "POST",
+            "/v1/docker-store",
+            r#"{"architecture":"amd64"}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(
+            (&got["slot"], &got["key"], &got["path"], &got["cold"]),
+            (
+                &serde_json::json!(0),
+                &serde_json::json!("docker-images/amd64"),
+                &serde_json::json!("/var/lib/docker"),
+                &serde_json::json!(true)
+            )
+        );
+        let (status, _) = call(
+            &a.dir,
+            t,
+            "POST",
+            "/v1/docker-store",
+            r#"{"architecture":"arm64"}"#,
+        )
+        .await;
+        assert_eq!(status, 409, "another architecture's store");
+        let (status, listed) = call(&a.dir, t, "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 200);
+        assert_eq!(listed["volumes"][0]["docker"], true);
+        assert_eq!(listed["volumes"][1]["docker"], false);
+        let (status, _) = call(&a.dir, t, "POST", "/v1/volumes/0/commit", "").await;
+        assert_eq!(status, 403, "a commit never publishes the image store");
+        let (status, _) = call(&a.dir, t, "POST", "/v1/docker-store/ready", PROOF).await;
+        assert_eq!(status, 409, "ready before the node opened settlement");
+        for bad in [
+            r#"{"filesystem":{"type":"dir","uuid":"5f1c","clean":false}}"#,
+            r#"{"filesystem":{"type":" ","uuid":"5f1c","clean":true}}"#,
+            r#"{"filesystem":{"type":"dir","uuid":"","clean":true}}"#,
+            r#"{}"#,
+        ] {
+            let (status, _) = call(&a.dir, t, "POST", "/v1/docker-store/ready", bad).await;
+            assert_eq!(status, 400, "{bad}");
+        }
+        assert!(!store.record(&m.id).await.unwrap().succeeded);
+        std::fs::write(m.dir.join("image"), "layers").unwrap();
+        assert!(sessions.open_settlement(&lease("l1")).await);
+        let (status, got) = call(&a.dir, t, "POST", "/v1/docker-store/ready", PROOF).await;
+        assert_eq!((status, got), (200, serde_json::json!({"ready": true})));
+        let record = journal.sessions().await.unwrap().remove(0);
+        assert!(
+            record.slots.contains(r#""settling":true"#),
+            "{}",
+            record.slots
+        );
+        assert!(
+            record.slots.contains(r#""uuid":"5f1c""#),
+            "{}",
+            record.slots
+        );
+        sessions.close(&lease("l1")).await;
+        store.settle(&lease("l1")).await;
+        let key = DiskKey::docker_images("amd64").unwrap();
+        assert_eq!(
+            store.head(&key).await.unwrap(),
+            Some(crate::cache::store::Generation(1))
+        );
+        let g1 = store.generation_dir(&key, crate::cache::store::Generation(1));
+        assert_eq!(std::fs::read_to_string(g1.join("image")).unwrap(), "layers");
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            None,
+            "the job was never marked succeeded: its sticky disk is discarded"
+        );
+    }
+
+    /// spec/cache.md §7.1 scenario 8 and §5.1: without settlement (a job
+    /// that did not succeed), without readiness, or on an untrusted tier,
+    /// the image store is discarded once the compute is gone; a job marked
+    /// succeeded still publishes its sticky disks, never the store.
+    #[tokio::test]
+    async fn without_settlement_readiness_or_trust_the_image_store_is_discarded() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let key = DiskKey::docker_images("amd64").unwrap();
+        // A failed job: no settlement, so a ready is refused.
+        let (a, _) = with_image_store(&store, &sessions, "l1", false).await;
+        let (status, _) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/docker-store/ready",
+            PROOF,
+        )
+        .await;
+        assert_eq!(status, 409);
+        sessions.close(&lease("l1")).await;
+        store.settle(&lease("l1")).await;
+        // Succeeded and settling, but the guest never said ready.
+        let (_b, _) = with_image_store(&store, &sessions, "l2", false).await;
+        store.mark_succeeded(&lease("l2")).await.unwrap();
+        assert!(sessions.open_settlement(&lease("l2")).await);
+        sessions.close(&lease("l2")).await;
+        store.settle(&lease("l2")).await;
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            Some(crate::cache::store::Generation(1)),
+            "the succeeded job's sticky disk is published"
+        );
+        // Untrusted: settlement never opens, so a ready is refused.
+        let (c, _) = with_image_store(&store, &sessions, "l3", true).await;
+        store.mark_succeeded(&lease("l3")).await.unwrap();
+        assert!(!sessions.open_settlement(&lease("l3")).await);
+        let (status, _) = call(
+            &c.dir,
+            Some(c.token.expose()),
+            "POST",
+            "/v1/docker-store/ready",
+            PROOF,
+        )
+        .await;
+        assert_eq!(status, 409);
+        sessions.close(&lease("l3")).await;
+        store.settle(&lease("l3")).await;
+        assert_eq!(store.head(&key).await.unwrap(), None, "never published");
+        assert!(
+            store.mounts().await.is_empty(),
+            "each discarded once its compute was gone"
+        );
+    }
+
+    /// spec/cache.md §7.1 scenario 9: an unusable architecture is 400, and
+    /// a tier without an image store answers 404.
+    #[tokio::test]
+    async fn an_unusable_architecture_is_refused_and_a_tier_without_a_store_has_none() {
+        let root = scratch();
+        let store = Arc::new(
+            Store::open(&root, "dev", Arc::new(MemoryJournal::default()))
+                .await
+                .unwrap(),
+        );
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, _) = with_image_store(&store, &sessions, "l1", false).await;
+        for arch in ["", "a/b", "amd64\\n", "am d64", "-amd64"] {
+            let body = format!(r#"{{"architecture":"{arch}"}}"#);
+            let (status, got) = call(
+                &a.dir,
+                Some(a.token.expose()),
+                "POST",
+                "/v1/docker-store",
+                &body,
+            )
+            .await;
+            assert_eq!(status, 400, "{arch:?}: {got}");
+        }
+        let (b, _) = mounted(&store, &sessions, "l2").await;
+        let (status, _) = call(
+            &b.dir,
+            Some(b.token.expose()),
+            "POST",
+            "/v1/docker-store",
+            r#"{"architecture":"amd64"}"#,
+        )
+        .await;
+        assert_eq!(status, 404);
+        let (status, _) = call(
+            &b.dir,
+            Some(b.token.expose()),
+            "POST",
+            "/v1/docker-store/ready",
+            PROOF,
+        )
+        .await;
+        assert_eq!(status, 404);
     }
 
     #[test]

@@ -604,18 +604,51 @@ impl Store {
     }
 
     /// Records that `lease`'s job ended with GitHub's result `succeeded`,
-    /// so settling its mounts commits them. Journaled.
+    /// so settling its mounts commits them. Journaled. A Docker image
+    /// store's mount (key under [`super::RESERVED_PREFIX`]) is not marked:
+    /// it publishes only once its guest said it is ready
+    /// ([`Store::mark_mount_succeeded`], spec/cache.md §3.3).
     ///
     /// # Errors
     ///
     /// [`CacheError::Journal`]: the mark is then kept in memory only.
     pub async fn mark_succeeded(&self, lease: &LeaseId) -> Result<(), CacheError> {
         let mut mounts = self.mounts.lock().await;
-        for record in mounts.values_mut().filter(|r| r.lease == lease.as_str()) {
+        let image_store = |r: &MountRecord| r.key.starts_with(super::RESERVED_PREFIX);
+        for record in mounts
+            .values_mut()
+            .filter(|r| r.lease == lease.as_str() && !image_store(r))
+        {
             if !record.succeeded {
                 record.succeeded = true;
                 self.journal.put_mount(record).await?;
             }
+        }
+        Ok(())
+    }
+
+    /// Marks one mount to be committed when its lease's mounts are
+    /// settled: the Docker image store's, once its settlement found the
+    /// tier trusted, GitHub's result `succeeded` and the guest ready.
+    /// Journaled.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::UnknownMount`]; [`CacheError::Journal`]: not marked.
+    pub async fn mark_mount_succeeded(&self, mount: &str) -> Result<(), CacheError> {
+        let mut mounts = self.mounts.lock().await;
+        let record = mounts
+            .get_mut(mount)
+            .ok_or_else(|| CacheError::UnknownMount(mount.to_owned()))?;
+        if !record.succeeded {
+            // Marked only once journaled: a mark a restart would forget
+            // must not publish now either.
+            let marked = MountRecord {
+                succeeded: true,
+                ..record.clone()
+            };
+            self.journal.put_mount(&marked).await?;
+            *record = marked;
         }
         Ok(())
     }

@@ -266,6 +266,9 @@ pub struct TierSpec {
     /// (`actions_cache` and a checked `cache_scope`); `None`: the guest
     /// gets no proxy. Only a trusted tier's jobs are intercepted.
     pub actions_cache: Option<crate::cache::actions::CacheScope>,
+    /// The Docker image store: the guest's `/var/lib/docker` is the cache
+    /// disk `docker-images/<arch>` in slot 0 (`crate::cache::docker`).
+    pub docker_image_store: bool,
 }
 
 /// The GitHub job behind a launch; diagnostic only.

@@ -368,6 +368,7 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         sticky_disks,
         actions_cache,
         cache_scope,
+        docker_image_store,
     } = tier;
     if label.is_empty() {
         return Err(InvalidField::new("launch.tier.label", "must not be empty"));
@@ -425,7 +426,8 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         shm: ByteSize(shm_bytes),
         network,
         env,
-        sticky_disks: sticky(sticky_disks)?,
+        sticky_disks: sticky(sticky_disks, docker_image_store)?,
+        docker_image_store,
         actions_cache: if actions_cache {
             Some(scope(cache_scope)?)
         } else {
@@ -462,13 +464,20 @@ fn scope(scope: Option<pb::CacheScope>) -> Result<crate::cache::actions::CacheSc
 
 /// Converts and checks a tier's sticky disks, naming the one at fault
 /// (`launch.tier.sticky_disks[2].path`).
-fn sticky(disks: Vec<pb::StickyDisk>) -> Result<Vec<StickyDisk>, InvalidField> {
+fn sticky(
+    disks: Vec<pb::StickyDisk>,
+    docker_image_store: bool,
+) -> Result<Vec<StickyDisk>, InvalidField> {
     const FIELD: &str = "launch.tier.sticky_disks";
     if disks.len() > crate::cache::MAX_STICKY_DISKS {
         return Err(InvalidField::new(
             FIELD,
             crate::cache::DiskError::TooMany(disks.len()).to_string(),
         ));
+    }
+    if docker_image_store {
+        crate::cache::check_beside_docker_store(disks.len(), disks.iter().map(|d| d.path.as_str()))
+            .map_err(|e| InvalidField::new(FIELD, e.to_string()))?;
     }
     let disks = disks
         .into_iter()
@@ -642,6 +651,7 @@ pub(crate) mod tests {
                         workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main"
                             .into(),
                     }),
+                    docker_image_store: true,
                 }),
                 job: Some(pb::Job {
                     request_id: 4242,
@@ -698,6 +708,7 @@ pub(crate) mod tests {
                     )
                     .unwrap(),
                 ),
+                docker_image_store: true,
             },
             job: Job {
                 request_id: RequestId(4242),
@@ -869,6 +880,44 @@ pub(crate) mod tests {
         assert_eq!(e.field, "launch.tier.sticky_disks[0].publication");
     }
 
+    /// Issue #16 item 3: the Docker image store takes slot 0, so a tier
+    /// with it names at most 4 sticky disks, none hiding /var/lib/docker.
+    #[test]
+    fn beside_the_docker_image_store_a_tier_names_four_disks_none_at_var_lib_docker() {
+        let with = |store: bool, disks: Vec<pb::StickyDisk>| {
+            let mut c = full_launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                let tier = l.tier.as_mut().unwrap();
+                tier.sticky_disks = disks;
+                tier.docker_image_store = store;
+            }
+            command(c).command
+        };
+        let disks = |n: usize| -> Vec<pb::StickyDisk> {
+            (0..n)
+                .map(|i| pb::StickyDisk {
+                    key: format!("k{i}"),
+                    path: format!("/c/{i}"),
+                    publication: pb::StickyPublication::Cas.into(),
+                })
+                .collect()
+        };
+        assert!(with(true, disks(4)).is_ok());
+        assert!(with(false, disks(5)).is_ok());
+        let e = with(true, disks(5)).unwrap_err();
+        assert_eq!(e.field, "launch.tier.sticky_disks");
+        assert!(e.problem.contains("at most 4"), "{}", e.problem);
+        let mut at = disks(1);
+        at[0].path = "/var/lib/docker".into();
+        let e = with(true, at.clone()).unwrap_err();
+        assert_eq!(e.field, "launch.tier.sticky_disks");
+        assert!(e.problem.contains("/var/lib/docker"), "{}", e.problem);
+        assert!(
+            with(false, at).is_ok(),
+            "without the store the path is free"
+        );
+    }
+
     #[test]
     fn a_destroy_needs_a_positive_request_id() {
         let c = pb::Command {
@@ -1006,6 +1055,7 @@ pub(crate) mod properties {
                     sticky_disks: Vec::new(),
                     actions_cache: false,
                     cache_scope: None,
+                    docker_image_store: false,
                 }
             })
     }

@@ -368,8 +368,9 @@ impl Runner {
         Option<crate::cache::actions::proxy::ProxyUrl>,
     ) {
         let Some(cache) = &self.cache else {
-            if !tier.sticky_disks.is_empty() {
-                warn!(%lease, disks = tier.sticky_disks.len(), "this node has no cache; the job runs without its sticky disks");
+            if !tier.sticky_disks.is_empty() || tier.docker_image_store {
+                warn!(%lease, disks = tier.sticky_disks.len(), docker_image_store = tier.docker_image_store,
+                      "this node has no cache; the job runs without its sticky disks and image store");
             }
             return (Vec::new(), None, None);
         };
@@ -385,13 +386,30 @@ impl Runner {
             }
             _ => None,
         };
-        if !tier.sticky_disks.is_empty() {
+        // The Docker image store first: slot 0 (spec/cache.md §1.2), under
+        // last-writer-wins, published only by its settlement.
+        let architecture = crate::cache::docker_architecture();
+        let store = tier
+            .docker_image_store
+            .then(|| crate::cache::DiskKey::docker_images(architecture))
+            .flatten()
+            .map(|key| crate::cache::StickyDisk {
+                key,
+                path: crate::cache::DOCKER_STORE_PATH.to_owned(),
+                policy: crate::cache::Policy::LastWriterWins,
+            });
+        if tier.docker_image_store && store.is_none() {
+            warn!(%lease, architecture, "this node's architecture names no Docker image store; the job runs without it");
+        }
+        let disks: Vec<&crate::cache::StickyDisk> =
+            store.iter().chain(&tier.sticky_disks).collect();
+        if !disks.is_empty() {
             self.state().disk_epochs.insert(lease.clone(), epoch);
         }
         let mut binds = Vec::new();
         let mut slots = Vec::new();
         let untrusted = tier.trust == Trust::Untrusted;
-        for disk in &tier.sticky_disks {
+        for disk in disks {
             match cache.mount(lease, &disk.key, disk.policy).await {
                 Ok(mount) => {
                     // An untrusted job reads the key's head and never
@@ -413,6 +431,13 @@ impl Runner {
                         disk.policy.as_str(),
                     );
                     slot.untrusted = untrusted;
+                    if disk.key.is_docker_images() {
+                        slot.docker = Some(crate::cache::session::DockerStore {
+                            architecture: architecture.to_owned(),
+                            settling: false,
+                            ready: None,
+                        });
+                    }
                     slots.push(slot);
                     binds.push(Bind {
                         host: mount.dir,
@@ -1114,6 +1139,16 @@ impl Runner {
             for lease in leases {
                 if let Err(e) = cache.mark_succeeded(&lease).await {
                     warn!(%lease, error = %e, "cannot journal that the job succeeded; a restart before its end discards its sticky disks");
+                }
+                // SettleDocker (spec/cache.md §3.3): a trusted tier's image
+                // store publishes once its guest says it is ready. The guest
+                // has until its compute ends: the wait below for a runner
+                // to exit (COMPLETION_SETTLE), then the post-job grace in
+                // custody; the store is published after the compute is
+                // proven gone, since a bind mount cannot be detached from
+                // a running container.
+                if let Some(sessions) = &self.sessions {
+                    sessions.open_settlement(&lease).await;
                 }
             }
         }

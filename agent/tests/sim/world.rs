@@ -212,6 +212,7 @@ fn tier() -> TierSpec {
         env: Vec::new(),
         sticky_disks: Vec::new(),
         actions_cache: None,
+        docker_image_store: false,
     }
 }
 

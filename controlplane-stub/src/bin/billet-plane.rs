@@ -486,6 +486,7 @@ async fn main() -> ExitCode {
             env: args.env,
             sticky_disks: Vec::new(),
             actions_cache: None,
+            docker_image_store: false,
         },
         launch_timeout: Duration::from_secs(300),
         destroy_timeout: Duration::from_secs(120),

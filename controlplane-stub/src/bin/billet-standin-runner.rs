@@ -30,6 +30,8 @@
 //! | `BILLET_STANDIN_STICKY_FILL` | `--sticky-fill` | off | with `--sticky`: after the counter, the runner writes `fill` beside the counter file until its disk is full (`sticky fill <path>: <n> bytes, disk full` on stderr), and goes on: a job that fills its cache disk |
 //! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
 //! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one, reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches"}`; on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
+//! | `BILLET_STANDIN_DOCKER_STORE` | `--docker-store` | none | `ready` or `never`: the runner also plays the guest agent of the node's Docker image store (`/var/lib/docker`, its cache session's slot 0): when the job starts it asks for the store (`POST /v1/docker-store` with its architecture, reported as `docker-store` with the answer), reads the stand-in "images" counter `/var/lib/docker/billet-standin-images` (a missing file is 0) and writes it back incremented (`images <old> -> <new>` on stderr, and in the report); after completing the job, `ready` says the store is ready with a clean-unmount proof (`POST /v1/docker-store/ready`), asking again every 100 ms while the node answers 409 (settlement not open yet) for at most `BILLET_STANDIN_READY_WAIT_MS`, and reports the last answer as `docker-ready`; `never` exits without a word. Its sticky-disk commits skip the image store |
+//! | `BILLET_STANDIN_READY_WAIT_MS` | `--ready-wait-ms` | 60000 | how long the guest agent asks to say ready, in milliseconds |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
 //!
 //! The modes, the normal runner and the faults the end-to-end tests play:
@@ -159,6 +161,12 @@ struct Cli {
     /// the runner stays idle (registered, taking no job) until then.
     #[arg(long, env = "BILLET_STANDIN_FIRST_LOOK_MS", default_value_t = 0)]
     first_look_ms: u64,
+    /// Play the guest agent of the Docker image store: `ready` or `never` (the module doc).
+    #[arg(long, env = "BILLET_STANDIN_DOCKER_STORE", value_parser = ["ready", "never"])]
+    docker_store: Option<String>,
+    /// How long the guest agent asks to say it is ready, in milliseconds.
+    #[arg(long, env = "BILLET_STANDIN_READY_WAIT_MS", default_value_t = 60_000)]
+    ready_wait_ms: u64,
 }
 
 /// What the runner does with its JIT config (`BILLET_STANDIN_MODE`; the module doc's table).
@@ -472,6 +480,7 @@ impl CacheGuest {
             Ok(volumes) => {
                 let volumes: Vec<serde_json::Value> = volumes
                     .iter()
+                    .filter(|v| v["docker"] != true)
                     .map(|v| {
                         let fallback = v["fallback"].as_bool().unwrap_or(false);
                         let hit = !v["cold"].as_bool().unwrap_or(true) && !fallback;
@@ -501,6 +510,72 @@ impl CacheGuest {
         }
     }
 
+    /// The guest agent's start (`BILLET_STANDIN_DOCKER_STORE`): asks for the Docker image store
+    /// with this machine's architecture, then counts the stand-in "images" on it; reports both.
+    async fn docker_store(&self, reporter: Option<&Reporter>) {
+        let arch = match std::env::consts::ARCH {
+            "x86_64" => "amd64",
+            "aarch64" => "arm64",
+            other => other,
+        };
+        let body = serde_json::json!({ "architecture": arch }).to_string();
+        let mut report = match self.call("POST", "/v1/docker-store", &body).await {
+            Ok((status, answer)) => {
+                eprintln!("billet-standin-runner: docker store: status {status} {answer}");
+                serde_json::json!({ "status": status, "answer": answer })
+            }
+            Err(e) => {
+                eprintln!("billet-standin-runner: docker store: {e}");
+                serde_json::json!({ "error": e })
+            }
+        };
+        let images = std::path::Path::new(DOCKER_IMAGES);
+        let found = std::fs::read_to_string(images)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        match std::fs::write(images, format!("{}\n", found + 1)) {
+            Ok(()) => eprintln!("billet-standin-runner: images {found} -> {}", found + 1),
+            Err(e) => eprintln!("billet-standin-runner: images: cannot write {DOCKER_IMAGES}: {e}"),
+        }
+        report["images_found"] = found.into();
+        if let Some(reporter) = reporter {
+            reporter.report("docker-store", report).await;
+        }
+    }
+
+    /// The guest agent's end, once the job is completed: says the image store is ready with a
+    /// clean-unmount proof, asking again every 100 ms while the node answers 409 (settlement not
+    /// open yet), for at most `wait`; reports the last answer.
+    async fn docker_ready(&self, wait: Duration, reporter: Option<&Reporter>) {
+        let proof = serde_json::json!({
+            "filesystem": { "type": "dir", "uuid": uuid_of_store(), "clean": true }
+        })
+        .to_string();
+        let deadline = tokio::time::Instant::now() + wait;
+        let report = loop {
+            let answer = self.call("POST", "/v1/docker-store/ready", &proof).await;
+            match answer {
+                Ok((409, _)) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Ok((status, answer)) => {
+                    eprintln!(
+                        "billet-standin-runner: docker store ready: status {status} {answer}"
+                    );
+                    break serde_json::json!({ "status": status, "answer": answer });
+                }
+                Err(e) => {
+                    eprintln!("billet-standin-runner: docker store ready: {e}");
+                    break serde_json::json!({ "error": e });
+                }
+            }
+        };
+        if let Some(reporter) = reporter {
+            reporter.report("docker-ready", report).await;
+        }
+    }
+
     /// Commits each mounted volume with the job's status, saying what it was told on stderr
     /// and to `reporter`.
     async fn commit(&self, succeeded: bool, reporter: Option<&Reporter>) {
@@ -517,7 +592,8 @@ impl CacheGuest {
                 return;
             }
         };
-        for v in volumes {
+        // The image store is the guest agent's, never the sticky-disk action's.
+        for v in volumes.into_iter().filter(|v| v["docker"] != true) {
             let slot = &v["slot"];
             let body = serde_json::json!({ "job_status": job_status }).to_string();
             let report = match self
@@ -853,6 +929,18 @@ async fn actions_cache(key: &str, reporter: &Reporter) {
     }
 }
 
+/// The stand-in "images" counter on the Docker image store.
+const DOCKER_IMAGES: &str = "/var/lib/docker/billet-standin-images";
+
+/// An identifier for the image store's "filesystem" (a directory here): this process's id and
+/// the time, which is all the proof's `uuid` needs to be.
+fn uuid_of_store() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("standin-{}-{nanos:x}", std::process::id())
+}
+
 /// Where the runner reports what its node's cache API told it (`BILLET_STANDIN_REPORT`, a test's
 /// sink: `tests/src/reports.rs`). Each report is one JSON object POSTed there, with `report` (its
 /// kind), `runner` (the runner's name) and `seq` (its place among this runner's reports, from 0,
@@ -1122,9 +1210,16 @@ impl<'a> EmulatorLink<'a> {
             .report
             .as_deref()
             .map(|url| Reporter::new(self.http.clone(), url, &self.config.runner_name));
-        let guest = cli.sticky.as_ref().and_then(|_| CacheGuest::from_env());
+        let guest = (cli.sticky.is_some() || cli.docker_store.is_some())
+            .then(CacheGuest::from_env)
+            .flatten();
+        if let (Some(guest), Some(_)) = (&guest, &cli.docker_store) {
+            guest.docker_store(reporter.as_ref()).await;
+        }
         match (&guest, &reporter) {
-            (Some(guest), reporter) => guest.mounted(reporter.as_ref()).await,
+            (Some(guest), reporter) if cli.sticky.is_some() => {
+                guest.mounted(reporter.as_ref()).await;
+            }
             (None, Some(reporter)) if cli.sticky.is_some() => {
                 reporter
                     .report(
@@ -1135,7 +1230,7 @@ impl<'a> EmulatorLink<'a> {
                     )
                     .await;
             }
-            (None, _) => {}
+            _ => {}
         }
         if let (Some(key), Some(reporter)) = (&cli.actions_cache, &reporter) {
             actions_cache(key, reporter).await;
@@ -1147,7 +1242,7 @@ impl<'a> EmulatorLink<'a> {
                 fill_beside(path);
             }
         }
-        if let Some(guest) = &guest {
+        if let (Some(guest), Some(_)) = (&guest, &cli.sticky) {
             guest
                 .commit(cli.result == "succeeded", reporter.as_ref())
                 .await;
@@ -1163,6 +1258,14 @@ impl<'a> EmulatorLink<'a> {
                 .await;
             let error = match sent {
                 Ok(response) if response.status().is_success() => {
+                    if let (Some(guest), Some("ready")) = (&guest, cli.docker_store.as_deref()) {
+                        guest
+                            .docker_ready(
+                                Duration::from_millis(cli.ready_wait_ms),
+                                reporter.as_ref(),
+                            )
+                            .await;
+                    }
                     if cli.post_job_ms > 0 {
                         eprintln!(
                             "billet-standin-runner: runner {} completed job {job}; post-job work for {} ms",
