@@ -363,7 +363,7 @@ fn print_breakdown(
             Some(mean(mint)),
         ),
         (
-            "launch record amended twice, committed (beside the create and the start)",
+            "launch record amended twice, committed (the first beside the create)",
             Some(journal[1]),
             None,
         ),
