@@ -463,8 +463,11 @@ async fn a_node_started_on_an_expired_certificate_keeps_its_compute_and_re_enrol
             "the node did not start on its expired certificate; its log:\n{}",
             node.log_text()
         );
+        // The health service's answer follows the degraded state the node
+        // publishes a moment later, so it is waited for with it.
         if let Ok(v) = status(&state_dir)
             && v["identity_expired"] == true
+            && v["serving"] == false
             && v["degraded_reasons"]
                 .as_array()
                 .is_some_and(|r| r.iter().any(|r| r == "identity_expired"))
