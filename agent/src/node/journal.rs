@@ -115,8 +115,20 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     /// of the launch, from which recovery removes the registration by lease
     /// and asks whether the runner is busy; on a provider that runs on this
     /// host the cut also stopped the instance it describes.
+    ///
+    /// Only a launch still recorded is amended: one forgotten meanwhile (its
+    /// runner ended before the amendment was written, issue #14 writes the
+    /// created amendment beside the launch's answer) stays forgotten.
     async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
-        self.put_launch(launch).await
+        if self
+            .launches()
+            .await?
+            .iter()
+            .any(|l| l.lease == launch.lease)
+        {
+            self.put_launch(launch).await?;
+        }
+        Ok(())
     }
     /// Forgets a launch.
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError>;
@@ -333,12 +345,8 @@ impl SqliteJournal {
         Ok(conn)
     }
 
-    async fn write_launch(
-        &self,
-        l: &LaunchRecord,
-        durability: Durability,
-    ) -> Result<(), JournalError> {
-        let mut conn = self.connection(durability).await?;
+    async fn write_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        let mut conn = self.connection(Durability::Synced).await?;
         sqlx::query(
             "INSERT OR REPLACE INTO launches (lease, epoch, request_id, instance, runner_id, runner_name, created)
              VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -662,11 +670,27 @@ async fn write_custody(
 #[async_trait]
 impl Journal for SqliteJournal {
     async fn put_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
-        self.write_launch(l, Durability::Synced).await
+        self.write_launch(l).await
     }
 
     async fn amend_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
-        self.write_launch(l, Durability::Committed).await
+        let mut conn = self.connection(Durability::Committed).await?;
+        sqlx::query(
+            "UPDATE launches SET epoch = ?, request_id = ?, instance = ?, runner_id = ?,
+                 runner_name = ?, created = ?
+             WHERE lease = ?",
+        )
+        .bind(i64::try_from(l.epoch).unwrap_or(i64::MAX))
+        .bind(l.request_id)
+        .bind(&l.instance)
+        .bind(l.runner_id)
+        .bind(&l.runner_name)
+        .bind(l.created)
+        .bind(&l.lease)
+        .execute(&mut *conn)
+        .await
+        .map_err(io)?;
+        Ok(())
     }
 
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
@@ -1012,6 +1036,17 @@ impl Journal for MemoryJournal {
             .insert(launch.lease.clone(), launch.clone());
         Ok(())
     }
+    async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        if let Some(l) = self
+            .launches
+            .lock()
+            .expect("journal")
+            .get_mut(&launch.lease)
+        {
+            *l = launch.clone();
+        }
+        Ok(())
+    }
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
         self.launches.lock().expect("journal").remove(lease);
         Ok(())
@@ -1088,6 +1123,29 @@ mod tests {
             runner_name: format!("billet-{lease}"),
             created: true,
         }
+    }
+
+    /// Issue #14: the created amendment is written beside the launch's
+    /// answer, so it may land after the runner ended and its record was
+    /// forgotten; it must not bring the record back (recovery would then
+    /// chase a registration long removed).
+    #[tokio::test]
+    async fn an_amendment_changes_a_recorded_launch_and_never_brings_back_a_forgotten_one() {
+        let d = dir();
+        let sqlite = SqliteJournal::open(&d).await.unwrap();
+        let memory = MemoryJournal::default();
+        for j in [&sqlite as &dyn Journal, &memory] {
+            let mut a = launch("a");
+            a.created = false;
+            j.put_launch(&a).await.unwrap();
+            a.created = true;
+            j.amend_launch(&a).await.unwrap();
+            assert_eq!(j.launches().await.unwrap(), [a.clone()]);
+            j.forget_launch("a").await.unwrap();
+            j.amend_launch(&a).await.unwrap();
+            assert_eq!(j.launches().await.unwrap(), [], "{j:?}");
+        }
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[tokio::test]

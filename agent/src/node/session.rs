@@ -592,31 +592,42 @@ pub async fn execute_commands(
         let session = session.live();
         let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
-        // Journaled before it is answered, for the commands whose repetition
-        // after a restart could do something twice (ARCHITECTURE.md, "What
-        // each journal write survives").
-        if let Some(durability) = durability
-            && let Err(e) = executor
-                .journal
-                .put_result(
-                    id.as_str(),
-                    &prost::Message::encode_to_vec(&result),
-                    durability,
-                )
-                .await
-        {
-            warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
-        }
-        deliver(
+        let created = launched.as_ref().map(|l| l.lease.clone());
+        let encoded = durability.map(|_| prost::Message::encode_to_vec(&result));
+        let journaled = async {
+            if let (Some(durability), Some(encoded)) = (durability, &encoded)
+                && let Err(e) = executor
+                    .journal
+                    .put_result(id.as_str(), encoded, durability)
+                    .await
+            {
+                warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
+            }
+            if let Some(lease) = &created {
+                runner.journal_created(lease).await;
+            }
+        };
+        let answered = deliver(
             &runner,
             session,
             ack,
             result,
             launched,
             executor.ack_timeout,
-        )
-        .instrument(span)
-        .await;
+        );
+        // A synced result is journaled before it is answered: nothing else
+        // keeps a redelivery after a restart from running it again. A
+        // launch's (committed) result and its created amendment are written
+        // beside the answer (issue #14): its synced launch record already
+        // keeps a redelivery from minting or creating again. Both are
+        // written before the next command starts (ARCHITECTURE.md, "What
+        // each journal write survives").
+        if durability == Some(Durability::Synced) {
+            journaled.await;
+            answered.instrument(span).await;
+        } else {
+            tokio::join!(journaled, answered.instrument(span));
+        }
     }
 }
 
@@ -666,10 +677,10 @@ fn refused_launch(id: &str, refusal: &crate::node::health::Refusal) -> pb::Comma
     failure(id, pb::Outcome::Refused, code, refusal.to_string())
 }
 
-/// Whether a command's result is journaled before it is answered, and how
-/// durably: those whose loss in a restart could make a redelivered copy do
-/// something twice are synced, or committed where another synced write
-/// already keeps the copy from doing anything twice. `Tend`, `Sweep`,
+/// Whether a command's result is journaled, and how durably: those whose
+/// loss in a restart could make a redelivered copy do something twice are
+/// synced before they are answered, or committed beside the answer where
+/// another synced write already keeps the copy from doing anything twice. `Tend`, `Sweep`,
 /// `Instances` and `Superseded` are idempotent passes over what the node
 /// holds: run again, they do what is due then, so their results are
 /// remembered in memory only (the slot still answers a redelivered copy

@@ -84,6 +84,11 @@ impl Journal for SimJournal {
         self.inner.put_launch(launch).await
     }
 
+    async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
+        self.write(&launch.lease)?;
+        self.inner.amend_launch(launch).await
+    }
+
     async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
         self.write(lease)?;
         self.inner.forget_launch(lease).await

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use super::*;
 use crate::edge::model::{Epoch, LeaseId};
-use crate::node::journal::MemoryJournal;
+use crate::node::journal::{CustodyRecord, JournalError, LaunchRecord, MemoryJournal};
 use crate::provider::fake::{FakeProvider, Operation};
 
 const LEASE: &str = "l1";
@@ -159,23 +159,32 @@ struct Node {
 impl Node {
     /// A node whose recovery is done, its executor running.
     fn start() -> Self {
+        let journal = Arc::new(MemoryJournal::default());
+        Self::start_with(journal.clone(), journal)
+    }
+
+    /// As [`Node::start`], the runner and the executor writing to
+    /// `writes`, which keeps what it writes in `journal`.
+    fn start_with(journal: Arc<MemoryJournal>, writes: Arc<dyn Journal>) -> Self {
         let provider = Arc::new(FakeProvider::new());
         let link = Arc::new(PlaneLink::new(Duration::from_secs(5)));
-        let runner = Arc::new(Runner::new(
-            provider.clone(),
-            link.clone(),
-            link.clone(),
-            crate::node::runner::RunnerOptions::default(),
-        ));
+        let runner = Arc::new(
+            Runner::new(
+                provider.clone(),
+                link.clone(),
+                link.clone(),
+                crate::node::runner::RunnerOptions::default(),
+            )
+            .with_journal(writes.clone()),
+        );
         let slot = Arc::new(CommandSlot::new());
         let cancel = CancellationToken::new();
-        let journal = Arc::new(MemoryJournal::default());
         tokio::spawn(execute_commands(
             runner.clone(),
             slot.clone(),
             Executor {
                 recovery: Arc::new(Recovery::done()),
-                journal: journal.clone(),
+                journal: writes,
                 ack_timeout: Duration::from_secs(60),
                 upgrader: None,
                 capacity: Default::default(),
@@ -413,9 +422,9 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
 }
 
 /// Durability by kind (ARCHITECTURE.md, "What each journal write
-/// survives"): a launch's result is in the journal by the time the plane
-/// has it, committed (its synced launch record is what keeps a redelivery
-/// from minting again), and a destroy's is synced, so a redelivery after a
+/// survives"): a launch's result is in the journal by the time the next
+/// command runs, committed (its synced launch record is what keeps a
+/// redelivery from minting again), and a destroy's is synced, so a redelivery after a
 /// restart is answered rather than run again; the results of the
 /// idempotent passes (Tend, Sweep, Instances) are never written, and a
 /// redelivered copy within the process is still answered from memory.
@@ -431,11 +440,6 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
     node.send_launch(&plane.session, "launch-1").await;
     let launched = plane.result().await;
     assert_eq!(launched.outcome, pb::Outcome::Ok as i32, "{launched:?}");
-    assert_eq!(journaled(&node.journal).await, ["launch-1"]);
-    assert_eq!(
-        node.journal.result_durability("launch-1"),
-        Some(Durability::Committed)
-    );
     for (id, kind) in [
         ("tend-1", pb::command::Kind::Tend(pb::Tend {})),
         ("sweep-1", pb::command::Kind::Sweep(pb::Sweep {})),
@@ -452,6 +456,10 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
         journaled(&node.journal).await,
         ["launch-1"],
         "an idempotent command's result was journaled"
+    );
+    assert_eq!(
+        node.journal.result_durability("launch-1"),
+        Some(Durability::Committed)
     );
     // Redelivered in this process: answered from memory, not run again.
     let lists = node.provider.count(Operation::List);
@@ -482,4 +490,119 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
         node.journal.result_durability("destroy-1"),
         Some(Durability::Synced)
     );
+}
+
+/// Holds the writes a launch makes beside its answer (its committed result
+/// and the created amendment of its record) until `open` says true; every
+/// other write, and every read, goes straight to `inner`.
+#[derive(Debug)]
+struct GatedJournal {
+    inner: Arc<MemoryJournal>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+impl GatedJournal {
+    async fn wait(&self) {
+        let mut open = self.open.clone();
+        let _ = open.wait_for(|o| *o).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl Journal for GatedJournal {
+    async fn put_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        self.inner.put_launch(l).await
+    }
+    async fn amend_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        if l.created {
+            self.wait().await;
+        }
+        self.inner.amend_launch(l).await
+    }
+    async fn forget_launch(&self, lease: &str) -> Result<(), JournalError> {
+        self.inner.forget_launch(lease).await
+    }
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, JournalError> {
+        self.inner.launches().await
+    }
+    async fn put_custody(&self, e: &CustodyRecord) -> Result<(), JournalError> {
+        self.inner.put_custody(e).await
+    }
+    async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
+        self.inner.forget_custody(lease).await
+    }
+    async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
+        self.inner.custody().await
+    }
+    async fn put_result(
+        &self,
+        command: &str,
+        encoded: &[u8],
+        durability: Durability,
+    ) -> Result<(), JournalError> {
+        if durability == Durability::Committed {
+            self.wait().await;
+        }
+        self.inner.put_result(command, encoded, durability).await
+    }
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
+        self.inner.results().await
+    }
+}
+
+/// Issue #14: a launch is answered without waiting for its committed
+/// result or its record's created amendment (its synced launch record
+/// already keeps a redelivery from minting again), and both are written
+/// before the next command runs.
+#[tokio::test]
+async fn a_launch_is_answered_beside_its_result_and_created_amendment_not_after_them() {
+    let journal = Arc::new(MemoryJournal::default());
+    let (release, gate) = tokio::sync::watch::channel(false);
+    let node = Node::start_with(
+        journal.clone(),
+        Arc::new(GatedJournal {
+            inner: journal.clone(),
+            open: gate,
+        }),
+    );
+    let (mut plane, _) = open(&node.link, 1);
+    node.send_launch(&plane.session, "launch-1").await;
+    let launched = plane.result().await;
+    assert_eq!(launched.outcome, pb::Outcome::Ok as i32, "{launched:?}");
+    let records = journal.launches().await.expect("launches");
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert!(
+        !records[0].created,
+        "amended before the answer: {records:?}"
+    );
+    assert!(
+        records[0].runner_id > 0,
+        "the registration is journaled before the answer"
+    );
+    assert!(journal.results().await.expect("results").is_empty());
+    // The next command waits for both.
+    node.send(
+        &plane.session,
+        "tend-1",
+        pb::command::Kind::Tend(pb::Tend {}),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        plane.results.try_recv().is_err(),
+        "the next command ran before the launch's writes"
+    );
+    release.send(true).expect("gate");
+    let tended = plane.result().await;
+    assert_eq!(tended.id, "tend-1");
+    let records = journal.launches().await.expect("launches");
+    assert!(records[0].created, "{records:?}");
+    let results: Vec<String> = journal
+        .results()
+        .await
+        .expect("results")
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(results, ["launch-1"]);
 }
