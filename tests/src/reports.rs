@@ -11,8 +11,15 @@
 //! among that runner's reports, from 0), sent again until answered 2xx. The
 //! sink answers `204 No Content` once it has kept the object, and keeps a
 //! report sent again (the same runner and `seq`) once. Anything else is
-//! `400` (not a JSON object with `runner` and `seq`) or `404` (not
-//! `POST /reports`).
+//! `400` (not a JSON object with `runner` and `seq`) or `404` (neither
+//! `POST /reports` nor `GET /gates/<name>`).
+//!
+//! The sink also holds **gates**, the signals a guest waits for between
+//! two steps ("call, wait for a signal, call again"): the stand-in asks
+//! `GET /gates/<name>` (`BILLET_STANDIN_GATES=<url>/gates`,
+//! [`GuestReports::gates_env`]) until it answers `204 No Content`, which it
+//! does once the test called [`GuestReports::open`]; before that it answers
+//! `409 Conflict`.
 //!
 //! The sink listens on `127.0.0.1`, where the scale-set emulator listens
 //! too: a cluster's runners use the host's network (`ClusterOptions`' tier),
@@ -39,6 +46,8 @@ struct Kept {
     reports: Vec<serde_json::Value>,
     /// `(runner, seq)` of every report kept.
     seen: HashSet<(String, u64)>,
+    /// The gates opened.
+    open: HashSet<String>,
 }
 
 /// The sink; stops when dropped.
@@ -107,6 +116,21 @@ impl GuestReports {
         format!("BILLET_STANDIN_REPORT={}", self.url())
     }
 
+    /// The tier environment entry that names the sink's gates to the
+    /// stand-in (`BILLET_STANDIN_GATES=<url>`), for `ClusterOptions::tier_env`.
+    pub fn gates_env(&self) -> String {
+        format!("BILLET_STANDIN_GATES=http://{}/gates", self.addr)
+    }
+
+    /// Opens the gate `name`: from now on a guest waiting at it goes on.
+    pub fn open(&self, name: &str) {
+        self.kept
+            .lock()
+            .expect("reports")
+            .open
+            .insert(name.to_owned());
+    }
+
     /// Every report kept so far, in the order received.
     pub fn all(&self) -> Vec<serde_json::Value> {
         self.kept.lock().expect("reports").reports.clone()
@@ -148,8 +172,20 @@ async fn receive(kept: &Mutex<Kept>, req: Request<Incoming>) -> Response<Full<By
             .body(Full::new(Bytes::from(body.to_owned())))
             .expect("a response")
     };
+    if req.method() == Method::GET
+        && let Some(gate) = req.uri().path().strip_prefix("/gates/")
+    {
+        return if kept.lock().expect("reports").open.contains(gate) {
+            reply(StatusCode::NO_CONTENT, "")
+        } else {
+            reply(StatusCode::CONFLICT, "the gate is closed")
+        };
+    }
     if req.method() != Method::POST || req.uri().path() != "/reports" {
-        return reply(StatusCode::NOT_FOUND, "only POST /reports");
+        return reply(
+            StatusCode::NOT_FOUND,
+            "only POST /reports and GET /gates/<name>",
+        );
     }
     let Ok(body) = Limited::new(req.into_body(), MAX_REPORT_BYTES)
         .collect()

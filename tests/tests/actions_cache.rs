@@ -6,9 +6,10 @@
 //! (`BILLET_STANDIN_ACTIONS_CACHE`) and reporting what it got to the
 //! test's sink (`GuestReports`).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions};
 use billet_tests::reports::GuestReports;
@@ -43,6 +44,16 @@ mod tempdir {
 }
 
 async fn start(actions_cache: Option<pb::CacheScope>) -> Result<Setup> {
+    start_with(actions_cache, |_| Vec::new(), Vec::new()).await
+}
+
+/// As [`start`], with more tier environment, made knowing the sink, and
+/// more node environment.
+async fn start_with(
+    actions_cache: Option<pb::CacheScope>,
+    more_env: impl FnOnce(&GuestReports) -> Vec<String>,
+    more_node_env: Vec<(String, String)>,
+) -> Result<Setup> {
     let dir =
         std::env::temp_dir().join(format!("billet-actions-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir)?;
@@ -51,8 +62,15 @@ async fn start(actions_cache: Option<pb::CacheScope>) -> Result<Setup> {
     let reports = GuestReports::start().await?;
     let cluster = Cluster::start(ClusterOptions {
         work_ms: 200,
-        tier_env: vec![format!("BILLET_STANDIN_ACTIONS_CACHE={KEY}"), reports.env()],
-        node_env: results.node_env(),
+        tier_env: [format!("BILLET_STANDIN_ACTIONS_CACHE={KEY}"), reports.env()]
+            .into_iter()
+            .chain(more_env(&reports))
+            .collect(),
+        node_env: results
+            .node_env()
+            .into_iter()
+            .chain(more_node_env)
+            .collect(),
         actions_cache,
         ..ClusterOptions::default()
     })
@@ -66,6 +84,35 @@ async fn start(actions_cache: Option<pb::CacheScope>) -> Result<Setup> {
 }
 
 impl Setup {
+    /// The operator's kill switch: `billet-plane cache disable|enable
+    /// --repository octo/app`, the real binary on the ledger the cluster's
+    /// plane reads.
+    fn switch(&self, state: &str) -> Result<()> {
+        let out = std::process::Command::new(billet_tests::image::binary_path("billet-plane")?)
+            .arg("--ledger")
+            .arg(self.cluster.dir.join("ledger.db"))
+            .args(["cache", state, "--repository", "octo/app"])
+            .env_remove("BILLET_LEDGER")
+            .output()
+            .context("run billet-plane cache")?;
+        ensure!(
+            out.status.success(),
+            "billet-plane cache {state}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// The node's Actions cache uploads directory.
+    fn uploads(&self) -> PathBuf {
+        self.cluster
+            .dir
+            .join("state-node-1")
+            .join("cache")
+            .join("actions")
+            .join("uploads")
+    }
+
     async fn run_one(&self) -> Result<()> {
         let jobs = self.cluster.queue_jobs(1);
         self.cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
@@ -157,3 +204,118 @@ async fn a_tier_that_does_not_opt_in_gets_no_proxy() -> Result<()> {
     assert!(s.results.seen().is_empty());
     Ok(())
 }
+
+/// Issue #16 "Tests and figures": the kill switch turned off mid-run
+/// (spec/cache.md §5.2; §7.2 13 end to end). A job saves through the proxy
+/// (answered locally) and holds a signed download URL and a signed upload
+/// URL; the operator then disables the cache for its repository with the
+/// real `billet-plane cache disable`, and from then on that job's calls are
+/// not answered locally: the held URLs get a local 502 (GitHub never issued
+/// them) and write nothing, a fresh lookup reaches GitHub unchanged. Enabled
+/// again, the same URLs and lookups are served locally, and the job
+/// succeeds.
+#[tokio::test]
+async fn the_kill_switch_turned_off_mid_run_sends_the_jobs_cache_calls_to_github_and_on_again_serves_them_locally()
+-> Result<()> {
+    let s = start_with(
+        Some(scope()),
+        |reports| {
+            vec![
+                "BILLET_STANDIN_ACTIONS_ROUNDS=2".into(),
+                reports.gates_env(),
+            ]
+        },
+        Vec::new(),
+    )
+    .await?;
+    let jobs = s.cluster.queue_jobs(1);
+    let saved = s.report("actions-save", 1).await?;
+    assert_eq!(saved["local"], true, "{saved}");
+    assert_eq!(saved["ok"], true, "{saved}");
+    let held = s.report("actions-held", 1).await?;
+    assert_eq!(held["lookup_ok"], true, "{held}");
+    assert_eq!(held["lookup_local"], true, "{held}");
+    assert_eq!(held["create_ok"], true, "{held}");
+    assert_eq!(held["create_local"], true, "{held}");
+    let before = s.results.seen().len();
+
+    // The job is running, holding both URLs: the operator turns the cache
+    // off for its repository.
+    s.switch("disable")?;
+    s.reports.open("actions-round-1");
+    let off = s.report("actions-round", 1).await?;
+    assert_eq!(
+        off["download_status"], 502,
+        "the issued download URL: {off}"
+    );
+    assert_eq!(off["download_local"], true, "{off}");
+    assert_eq!(off["upload_status"], 502, "the issued upload URL: {off}");
+    assert_eq!(off["upload_local"], true, "{off}");
+    assert_eq!(
+        off["lookup_status"], UPSTREAM_STATUS,
+        "a fresh lookup goes to GitHub: {off}"
+    );
+    assert_eq!(off["lookup_local"], false, "{off}");
+    // The refused upload wrote no archive.
+    let written: Vec<PathBuf> = std::fs::read_dir(s.uploads())?
+        .filter_map(|e| e.ok().map(|e| e.path().join("archive")))
+        .filter(|a| a.exists())
+        .collect();
+    assert!(
+        written.is_empty(),
+        "an upload refused by the kill switch wrote {written:?}"
+    );
+    // Only the lookup reached GitHub, unchanged; no signed URL ever did.
+    let seen = s.results.seen();
+    assert_eq!(seen.len(), before + 1, "{seen:#?}");
+    let lookup = &seen[before];
+    assert!(
+        lookup.head.starts_with(
+            "POST /twirp/github.actions.results.api.v1.CacheService/GetCacheEntryDownloadURL "
+        ),
+        "{lookup:?}"
+    );
+    assert!(lookup.head.contains("Authorization: Bearer runtime-token"));
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&lookup.body)?,
+        serde_json::json!({"key": KEY, "restore_keys": [], "version": "v1"})
+    );
+
+    // On again: the same URLs and a fresh lookup are served locally.
+    s.switch("enable")?;
+    s.reports.open("actions-round-2");
+    let on = s.report("actions-round", 2).await?;
+    assert_eq!(on["download_status"], 200, "{on}");
+    assert_eq!(on["download_local"], true, "{on}");
+    assert_eq!(on["download_matches"], true, "{on}");
+    assert_eq!(on["upload_status"], 201, "{on}");
+    assert_eq!(on["upload_local"], true, "{on}");
+    assert_eq!(on["lookup_status"], 200, "{on}");
+    assert_eq!(on["lookup_local"], true, "{on}");
+    assert_eq!(on["lookup_ok"], true, "{on}");
+    let finalized = s.report("actions-finalize", 1).await?;
+    assert_eq!(finalized["local"], true, "{finalized}");
+    assert_eq!(finalized["ok"], true, "{finalized}");
+    assert_eq!(
+        s.results.seen().len(),
+        before + 1,
+        "nothing more reached GitHub"
+    );
+    assert!(
+        s.reports.of("actions").is_empty(),
+        "{:#?}",
+        s.reports.of("actions")
+    );
+
+    // The job succeeded whatever the cache did.
+    s.cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
+    let state = s.cluster.emulator.state();
+    let job = state
+        .jobs
+        .iter()
+        .find(|j| j.id == jobs[0])
+        .context("the job")?;
+    assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+    s.cluster.wait_clean(TIMEOUT).await
+}
+

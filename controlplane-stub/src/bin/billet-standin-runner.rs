@@ -30,6 +30,8 @@
 //! | `BILLET_STANDIN_STICKY_FILL` | `--sticky-fill` | off | with `--sticky`: after the counter, the runner writes `fill` beside the counter file until its disk is full (`sticky fill <path>: <n> bytes, disk full` on stderr), and goes on: a job that fills its cache disk |
 //! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
 //! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one, reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches"}`; on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
+//! | `BILLET_STANDIN_ACTIONS_ROUNDS` | `--actions-rounds` | 0 | with `BILLET_STANDIN_ACTIONS_CACHE`: "call, wait for a signal, call again". After the probes the runner holds a signed download URL of the key (a lookup of the exact key) and a signed upload URL of `<key>-held` (a create), reported as `{"report": "actions-held", "lookup_ok", "lookup_local", "create_ok", "create_local"}`; then for each round n from 1 it waits for the gate `actions-round-<n>` (`BILLET_STANDIN_GATES`) and calls again: a whole `GET` of the held download URL, a `PUT` of `<key>-held`'s payload to the held upload URL and a fresh lookup of the key, reported as `{"report": "actions-round", "round", "download_status", "download_local", "download_matches", "upload_status", "upload_local", "lookup_status", "lookup_local", "lookup_ok"}`; after the last round it finalizes `<key>-held`: `{"report": "actions-finalize", "status", "local", "ok"}`. A test changes something between rounds (the plane's kill switch) and reads what each call got. A gate not open within 120 s is reported as `actions` with an error, and the job goes on |
+//! | `BILLET_STANDIN_GATES` | `--gates` | none | an `http://` URL where the runner waits for a test's signals (the sink of `tests/src/reports.rs`): the gate `NAME` is open once `GET <url>/NAME` answers 2xx; a closed one is asked again every 100 ms |
 //! | `BILLET_STANDIN_DOCKER_STORE` | `--docker-store` | none | `ready` or `never`: the runner also plays the guest agent of the node's Docker image store (`/var/lib/docker`, its cache session's slot 0): when the job starts it asks for the store (`POST /v1/docker-store` with its architecture, reported as `docker-store` with the answer), reads the stand-in "images" counter `/var/lib/docker/billet-standin-images` (a missing file is 0) and writes it back incremented (`images <old> -> <new>` on stderr, and in the report); after completing the job, `ready` says the store is ready with a clean-unmount proof (`POST /v1/docker-store/ready`), asking again every 100 ms while the node answers 409 (settlement not open yet) for at most `BILLET_STANDIN_READY_WAIT_MS`, and reports the last answer as `docker-ready`; `never` exits without a word. Its sticky-disk commits skip the image store |
 //! | `BILLET_STANDIN_READY_WAIT_MS` | `--ready-wait-ms` | 60000 | how long the guest agent asks to say ready, in milliseconds |
 //! | `BILLET_STANDIN_POST_JOB_MS` | `--post-job-ms` | 0 | how long the runner keeps working after it completed its job (post-job steps, log upload), in milliseconds, before it exits 0; with `ignore-sigterm`, SIGTERM is ignored then too |
@@ -93,6 +95,10 @@ const TOUCH_STRIDE_BYTES: usize = 4096;
 const MIB_BYTES: usize = 1 << 20;
 /// How long one report is sent again before the runner gives up on it.
 const REPORT_RETRY_FOR: Duration = Duration::from_secs(60);
+/// How long the runner waits for a gate to open before it gives up on it.
+const GATE_WAIT: Duration = Duration::from_secs(120);
+/// How often a closed gate is asked again.
+const GATE_POLL: Duration = Duration::from_millis(100);
 
 /// Plays an ephemeral GitHub Actions runner against the scaleset emulator: takes one job
 /// assigned to its scale set, works, completes it and exits. Other modes play the faults of a
@@ -167,6 +173,14 @@ struct Cli {
     /// How long the guest agent asks to say it is ready, in milliseconds.
     #[arg(long, env = "BILLET_STANDIN_READY_WAIT_MS", default_value_t = 60_000)]
     ready_wait_ms: u64,
+    /// With `--actions-cache`: hold a download and an upload URL, then repeat the calls on them
+    /// this many times, each round after its gate opens (the module doc).
+    #[arg(long, env = "BILLET_STANDIN_ACTIONS_ROUNDS", default_value_t = 0)]
+    actions_rounds: u32,
+    /// Where the runner waits for a test's signals (an http:// URL): gate `NAME` is open once
+    /// `GET <url>/NAME` answers 2xx.
+    #[arg(long, env = "BILLET_STANDIN_GATES")]
+    gates: Option<String>,
 }
 
 /// What the runner does with its JIT config (`BILLET_STANDIN_MODE`; the module doc's table).
@@ -808,7 +822,7 @@ fn actions_payload(key: &str) -> Vec<u8> {
 
 /// Restores `key` through the node's proxy, or saves it when missing; then probes two calls the
 /// node must splice to GitHub. Everything is reported (`BILLET_STANDIN_ACTIONS_CACHE`).
-async fn actions_cache(key: &str, reporter: &Reporter) {
+async fn actions_cache(key: &str, rounds: u32, gates: Option<&Gates>, reporter: &Reporter) {
     let guest = match ActionsGuest::from_env() {
         Ok(g) => g,
         Err(e) => {
@@ -918,6 +932,10 @@ async fn actions_cache(key: &str, reporter: &Reporter) {
                 }),
             )
             .await;
+        if rounds > 0 {
+            let gates = gates.ok_or("BILLET_STANDIN_ACTIONS_ROUNDS needs BILLET_STANDIN_GATES")?;
+            actions_rounds(&guest, key, rounds, gates, reporter).await?;
+        }
         Ok(())
     }
     .await;
@@ -926,6 +944,152 @@ async fn actions_cache(key: &str, reporter: &Reporter) {
         reporter
             .report("actions", serde_json::json!({ "error": e }))
             .await;
+    }
+}
+
+/// The path of a signed URL the node answered in `field` of `answer`, if any.
+fn blob_path(answer: &Answered, field: &str) -> Option<String> {
+    answer.json()[field]
+        .as_str()?
+        .strip_prefix(&format!("https://{RESULTS_HOST}"))
+        .map(str::to_owned)
+}
+
+/// `BILLET_STANDIN_ACTIONS_ROUNDS`: holds a download URL of `key` and an upload URL of
+/// `<key>-held`, then calls on them again in each of `rounds` rounds, each after its gate opens,
+/// and finally finalizes `<key>-held`; everything reported (the module doc).
+async fn actions_rounds(
+    guest: &ActionsGuest,
+    key: &str,
+    rounds: u32,
+    gates: &Gates,
+    reporter: &Reporter,
+) -> Result<(), String> {
+    let payload = actions_payload(key);
+    let held_key = format!("{key}-held");
+    let held_payload = actions_payload(&held_key);
+    let lookup = serde_json::json!({"key": key, "restore_keys": [], "version": "v1"});
+    let found = guest
+        .twirp("GetCacheEntryDownloadURL", ACTIONS_CACHE_UA, &lookup)
+        .await?;
+    let created = guest
+        .twirp(
+            "CreateCacheEntry",
+            ACTIONS_CACHE_UA,
+            &serde_json::json!({"key": held_key, "version": "v1"}),
+        )
+        .await?;
+    reporter
+        .report(
+            "actions-held",
+            serde_json::json!({
+                "lookup_ok": found.json()["ok"] == true,
+                "lookup_local": found.local(),
+                "create_ok": created.json()["ok"] == true,
+                "create_local": created.local(),
+            }),
+        )
+        .await;
+    let download = blob_path(&found, "signed_download_url").ok_or_else(|| {
+        format!(
+            "no download URL to hold: {}",
+            String::from_utf8_lossy(&found.body)
+        )
+    })?;
+    let upload = blob_path(&created, "signed_upload_url").ok_or_else(|| {
+        format!(
+            "no upload URL to hold: {}",
+            String::from_utf8_lossy(&created.body)
+        )
+    })?;
+    for round in 1..=rounds {
+        gates.wait(&format!("actions-round-{round}")).await?;
+        let got = guest.send("GET", &download, &[], b"").await?;
+        let put = guest
+            .send(
+                "PUT",
+                &upload,
+                &[("x-ms-blob-type", "BlockBlob")],
+                &held_payload,
+            )
+            .await?;
+        let looked = guest
+            .twirp("GetCacheEntryDownloadURL", ACTIONS_CACHE_UA, &lookup)
+            .await?;
+        eprintln!(
+            "billet-standin-runner: actions cache round {round}: download {}, upload {}, lookup {}",
+            got.status, put.status, looked.status
+        );
+        reporter
+            .report(
+                "actions-round",
+                serde_json::json!({
+                    "round": round,
+                    "download_status": got.status,
+                    "download_local": got.local(),
+                    "download_matches": got.body == payload,
+                    "upload_status": put.status,
+                    "upload_local": put.local(),
+                    "lookup_status": looked.status,
+                    "lookup_local": looked.local(),
+                    "lookup_ok": looked.json()["ok"] == true,
+                }),
+            )
+            .await;
+    }
+    let finalized = guest
+        .twirp(
+            "FinalizeCacheEntryUpload",
+            ACTIONS_CACHE_UA,
+            &serde_json::json!({"key": held_key, "version": "v1", "size_bytes": held_payload.len().to_string()}),
+        )
+        .await?;
+    reporter
+        .report(
+            "actions-finalize",
+            serde_json::json!({
+                "status": finalized.status,
+                "local": finalized.local(),
+                "ok": finalized.json()["ok"] == true,
+            }),
+        )
+        .await;
+    Ok(())
+}
+
+/// Where the runner waits for a test's signals (`BILLET_STANDIN_GATES`): the gate `NAME` is
+/// open once `GET <base>/NAME` answers 2xx.
+struct Gates {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Gates {
+    fn new(http: reqwest::Client, base: &str) -> Self {
+        Self {
+            http,
+            base: base.trim_end_matches('/').to_owned(),
+        }
+    }
+
+    /// Waits until the gate `name` is open, asking every [`GATE_POLL`], for at most
+    /// [`GATE_WAIT`].
+    async fn wait(&self, name: &str) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + GATE_WAIT;
+        eprintln!("billet-standin-runner: waiting at gate {name}");
+        loop {
+            let asked = self.http.get(format!("{}/{name}", self.base)).send().await;
+            if asked.is_ok_and(|r| r.status().is_success()) {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!(
+                    "the gate {name} did not open within {} s",
+                    GATE_WAIT.as_secs()
+                ));
+            }
+            tokio::time::sleep(GATE_POLL).await;
+        }
     }
 }
 
@@ -1233,7 +1397,11 @@ impl<'a> EmulatorLink<'a> {
             _ => {}
         }
         if let (Some(key), Some(reporter)) = (&cli.actions_cache, &reporter) {
-            actions_cache(key, reporter).await;
+            let gates = cli
+                .gates
+                .as_deref()
+                .map(|url| Gates::new(self.http.clone(), url));
+            actions_cache(key, cli.actions_rounds, gates.as_ref(), reporter).await;
         }
         tokio::time::sleep(Duration::from_millis(cli.work_ms)).await;
         if let Some(path) = &cli.sticky {
