@@ -570,6 +570,13 @@ impl NodeProcess {
         Ok(status)
     }
 
+    /// Sets the environment variable `key` to `value` for the node's next
+    /// start ([`NodeProcess::restart`]).
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
+        self.env.push((key.to_owned(), value.to_owned()));
+    }
+
     /// Starts the process again with the same arguments.
     pub async fn restart(&mut self) -> Result<()> {
         self.kill().await?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use billet_proto::v1 as pb;
-use billet_tests::cluster::{Cluster, ClusterOptions};
+use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
 use billet_tests::reports::GuestReports;
 use billet_tests::results::{FakeResults, UPSTREAM_STATUS};
 
@@ -319,3 +319,114 @@ async fn the_kill_switch_turned_off_mid_run_sends_the_jobs_cache_calls_to_github
     s.cluster.wait_clean(TIMEOUT).await
 }
 
+/// The published archives under the node's cache directory (each entry's
+/// `archive`).
+fn published(s: &Setup) -> Vec<PathBuf> {
+    let entries = s.cluster.dir.join("state-node-1/cache/actions/entries");
+    let mut found = Vec::new();
+    for scope in std::fs::read_dir(entries).into_iter().flatten().flatten() {
+        for version in std::fs::read_dir(scope.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for entry in std::fs::read_dir(version.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let archive = entry.path().join("archive");
+                if archive.exists() {
+                    found.push(archive);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Issue #16: Actions cache archives are evicted by the cache's pass
+/// under pressure (`--cache-max-bytes` of 1 byte, a pass every second),
+/// never one a running job reads: a job saves an archive and holds a
+/// download of it; the node is restarted with the pressure on (its
+/// proxy on a fixed port, so the job's proxy URL stays good) and passes
+/// keep the archive, because the session's download link came back from
+/// the journal; the job's held download is still served locally. Once the
+/// job has ended (its session closed) the archive goes, and the next job's
+/// lookup misses and saves it again.
+#[tokio::test]
+async fn under_pressure_an_archive_a_running_job_reads_stays_across_a_restart_and_goes_once_the_job_ends()
+-> Result<()> {
+    let proxy = billet_tests::cluster::free_port()?;
+    let mut s = start_with(
+        Some(scope()),
+        |reports| {
+            vec![
+                "BILLET_STANDIN_ACTIONS_ROUNDS=1".into(),
+                reports.gates_env(),
+            ]
+        },
+        vec![("BILLET_CACHE_PROXY_LISTEN".into(), proxy.to_string())],
+    )
+    .await?;
+    let jobs = s.cluster.queue_jobs(1);
+    let saved = s.report("actions-save", 1).await?;
+    assert_eq!(saved["local"], true, "{saved}");
+    assert_eq!(saved["ok"], true, "{saved}");
+    let held = s.report("actions-held", 1).await?;
+    assert_eq!(held["lookup_ok"], true, "{held}");
+    assert_eq!(published(&s).len(), 1);
+
+    // The job reads its archive; the node restarts with the pressure on.
+    let node = s.cluster.nodes.get_mut("node-1").context("node-1")?;
+    node.set_env("BILLET_CACHE_MAX_BYTES", "1");
+    node.set_env("BILLET_CACHE_EVICT_INTERVAL_SECS", "1");
+    let before = s.node_log().len();
+    s.cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node-1")?
+        .restart()
+        .await?;
+    wait_until(TIMEOUT, "two eviction passes after the restart", || {
+        s.node_log()[before..]
+            .matches("cache eviction pass")
+            .count()
+            >= 2
+    })
+    .await
+    .with_context(|| s.node_log())?;
+    let log = s.node_log()[before..].to_owned();
+    assert!(log.contains("kept_in_use=1"), "{log}");
+    assert!(!log.contains("Actions cache archive evicted"), "{log}");
+    assert_eq!(published(&s).len(), 1, "the archive the job reads stays");
+    s.reports.open("actions-round-1");
+    let round = s.report("actions-round", 1).await?;
+    assert_eq!(round["download_status"], 200, "{round}");
+    assert_eq!(round["download_local"], true, "{round}");
+    assert_eq!(round["download_matches"], true, "{round}");
+
+    // The job ends and its session closes: the archive goes.
+    s.cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;
+    s.cluster.wait_clean(TIMEOUT).await?;
+    wait_until(TIMEOUT, "the archives to be evicted", || {
+        published(&s).is_empty()
+    })
+    .await
+    .with_context(|| s.node_log())?;
+    assert!(
+        s.node_log()[before..].contains(&format!("Actions cache archive evicted key={KEY} ")),
+        "{}",
+        s.node_log()
+    );
+
+    // The next job misses and saves it again.
+    let next = s.cluster.queue_jobs(1);
+    let saved = s.report("actions-save", 2).await?;
+    assert_eq!(saved["hit"], false, "{saved}");
+    assert_eq!(saved["local"], true, "{saved}");
+    assert_eq!(saved["ok"], true, "{saved}");
+    s.reports.open("actions-round-1");
+    s.cluster.wait_jobs_completed(&next, TIMEOUT).await?;
+    s.cluster.wait_clean(TIMEOUT).await
+}

@@ -629,14 +629,14 @@ async fn eviction_under_pressure_removes_unmounted_generations_and_never_a_mount
     })
     .await?;
     wait_until(TIMEOUT, "an eviction pass", || {
-        node_log(cluster).contains("sticky-disk eviction pass")
+        node_log(cluster).contains("cache eviction pass")
     })
     .await
     .with_context(|| format!("node log:\n{}", node_log(cluster)))?;
     let log = node_log(cluster);
     let (mounted, pass) = (
         log.find("sticky disk mounted").unwrap_or(usize::MAX),
-        log.find("sticky-disk eviction pass").unwrap_or(0),
+        log.find("cache eviction pass").unwrap_or(0),
     );
     assert!(
         mounted < pass,
@@ -651,7 +651,7 @@ async fn eviction_under_pressure_removes_unmounted_generations_and_never_a_mount
     );
     assert!(dirs[0].join("n").exists());
     assert!(
-        log.contains("still hold more than --cache-max-bytes"),
+        log.contains("still holds more than --cache-max-bytes"),
         "the node says why the cache stays over its bound:\n{log}"
     );
     cluster.wait_jobs_completed(&jobs, TIMEOUT).await?;

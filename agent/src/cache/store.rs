@@ -36,13 +36,19 @@
 //!   previous generation, whose tree nothing touched; the half-made
 //!   generation goes to the trash, and a crash before that leaves a
 //!   generation directory no state names, collected when the store opens.
-//! - **Eviction** ([`Store::evict`]): a generation some open mount was
-//!   cloned from is never removed, and its last use is renewed to the pass's
-//!   time (the reference's `RenewActive`: a long job's generation is used
-//!   for as long as it is mounted). Others go when superseded (no longer
-//!   the head), when the head was last used longer ago than the retention,
-//!   and, least recently used first, while the cache holds more than its
-//!   byte budget. [`super::lifecycle`] runs it periodically.
+//! - **Eviction** ([`super::lifecycle::evict`], with the Actions cache's
+//!   archives): a generation some open mount was cloned from is never
+//!   removed, and its last use is renewed to the pass's time
+//!   ([`Store::renew_mounted`], the reference's `RenewActive`: a long job's
+//!   generation is used for as long as it is mounted). Others go when
+//!   superseded (no longer the head), when the head was last used longer
+//!   ago than its key's retention ([`Eviction::retention_of`]: a Docker
+//!   image store keeps its own), and, least recently used first, while the
+//!   cache holds more than its byte budget. The walk that reads every
+//!   generation's size ([`Store::survey`]) takes no lock; each victim is
+//!   looked at again and removed under the lock
+//!   ([`Store::remove_generation`]), its tree deleted after the lock is
+//!   released.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -165,36 +171,92 @@ pub enum Settled {
 /// The eviction rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Eviction {
-    /// A head generation not used (mounted) for this long goes
-    /// (spec/cache.md §4.2: 168 h).
+    /// A sticky disk's head generation, or an Actions cache archive, not
+    /// used for this long goes (spec/cache.md §4.2: 168 h).
     pub retention: Duration,
-    /// The most bytes the generations may hold; the least recently used
-    /// go first until they fit. `None`: no bound.
+    /// A Docker image store's head generation (a key under
+    /// [`super::RESERVED_PREFIX`]) not used for this long goes, whatever
+    /// [`Eviction::retention`] is (spec/cache.md §1.2, §4.2: 192 h).
+    pub image_store_retention: Duration,
+    /// The most bytes the generations and the archives together may hold;
+    /// the least recently used go first until they fit. `None`: no bound.
     pub budget_bytes: Option<u64>,
 }
+
+/// The default [`Eviction::retention`]: 168 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(168 * 3600);
+/// The default [`Eviction::image_store_retention`]: 192 hours (8 days).
+pub const DEFAULT_IMAGE_STORE_RETENTION: Duration = Duration::from_secs(192 * 3600);
 
 impl Default for Eviction {
     fn default() -> Self {
         Self {
-            retention: Duration::from_secs(168 * 3600),
+            retention: DEFAULT_RETENTION,
+            image_store_retention: DEFAULT_IMAGE_STORE_RETENTION,
             budget_bytes: None,
         }
     }
 }
 
-/// What an eviction removed.
+impl Eviction {
+    /// How long a head generation of `key` is kept after its last use:
+    /// [`Eviction::image_store_retention`] for a Docker image store,
+    /// [`Eviction::retention`] for every other key.
+    #[must_use]
+    pub fn retention_of(&self, key: &str) -> Duration {
+        if key.starts_with(super::RESERVED_PREFIX) {
+            self.image_store_retention
+        } else {
+            self.retention
+        }
+    }
+}
+
+/// What an eviction pass removed and kept.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EvictReport {
     /// (key, generation) removed.
     pub removed: Vec<(String, Generation)>,
-    /// Bytes they held on the disk.
+    /// Actions cache archives removed: each entry's directory, as it was.
+    pub archives_removed: Vec<PathBuf>,
+    /// Bytes the generations and archives removed held on the disk
+    /// (allocated blocks).
     pub freed_bytes: u64,
     /// Generations kept because a mount was cloned from them; each had its
     /// last use renewed to the pass's time.
     pub kept_mounted: usize,
-    /// Bytes the generations kept hold on the disk after the pass.
+    /// Archives kept because a live session is reading them (a download
+    /// link of it exists).
+    pub kept_in_use: usize,
+    /// Victims the walk chose that were kept when their removal looked
+    /// again under the lock: mounted, read or used since the walk.
+    pub kept_used_since: usize,
+    /// Bytes the generations and archives kept hold on the disk after the
+    /// pass (allocated blocks).
     pub kept_bytes: u64,
 }
+
+/// One generation as an eviction pass's walk found it, read without the
+/// store's lock ([`Store::survey`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenerationUse {
+    /// Its key.
+    pub key: String,
+    /// The generation.
+    pub generation: Generation,
+    /// Whether it was its key's head.
+    pub head: bool,
+    /// Its last use, in Unix milliseconds.
+    pub used_unix_ms: i64,
+    /// The bytes its tree holds on the disk (allocated blocks).
+    pub bytes: u64,
+    /// Whether an open mount was cloned from it when the pass began.
+    pub mounted: bool,
+}
+
+/// Called by an eviction pass's walk before it reads each generation's
+/// size, on the blocking thread that walks; a test's seam to pause a walk.
+pub(crate) type WalkSeam = Arc<dyn Fn() + Send + Sync>;
 
 /// One generation's provenance.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -333,16 +395,25 @@ impl Dirs {
 
     /// Moves `path` (if it exists) to the trash and removes it there.
     fn remove(&self, path: &Path) -> Result<(), CacheError> {
+        match self.to_trash(path)? {
+            Some(trash) => fs::remove_dir_all(&trash).map_err(io("remove", &trash)),
+            None => Ok(()),
+        }
+    }
+
+    /// Moves `path` to the trash (one `rename`: what a crash leaves there
+    /// goes when the store opens); where it is now, `None` when there was
+    /// nothing at `path`.
+    fn to_trash(&self, path: &Path) -> Result<Option<PathBuf>, CacheError> {
         let trash = self
             .root
             .join("trash")
             .join(uuid::Uuid::new_v4().simple().to_string());
         match fs::rename(path, &trash) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io("move to the trash", path)(e)),
+            Ok(()) => Ok(Some(trash)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io("move to the trash", path)(e)),
         }
-        fs::remove_dir_all(&trash).map_err(io("remove", &trash))
     }
 
     /// Every key state in the store.
@@ -948,8 +1019,10 @@ impl Store {
         discarded
     }
 
-    /// Removes generations by `rules`, never one an open mount was cloned
-    /// from, at `now_unix_ms`.
+    /// One eviction pass over the sticky disks' generations alone, by
+    /// `rules` at `now_unix_ms`: [`super::lifecycle::evict`] without
+    /// Actions cache archives. Never removes a generation an open mount
+    /// was cloned from.
     ///
     /// # Errors
     ///
@@ -960,22 +1033,152 @@ impl Store {
         rules: Eviction,
         now_unix_ms: i64,
     ) -> Result<EvictReport, CacheError> {
+        super::lifecycle::evict(self, None, rules, now_unix_ms).await
+    }
+
+    /// An eviction pass's first step, under the store's lock (the
+    /// reference's `RenewActive`): every generation an open mount was
+    /// cloned from is used now, however long ago its job mounted it, so
+    /// its retention counts from `now_unix_ms`. Returns those generations
+    /// as (key, number). Writes only the states of mounted keys.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when a state cannot be read or written.
+    pub(crate) async fn renew_mounted(
+        &self,
+        now_unix_ms: i64,
+    ) -> Result<BTreeSet<(String, u64)>, CacheError> {
         let mounts = self.mounts.lock().await;
         let pinned: BTreeSet<(String, u64)> = mounts
             .values()
             .filter_map(|r| r.parent.map(|g| (r.key.clone(), g)))
             .collect();
         let dirs = self.dirs.clone();
-        let report = blocking(move || evict_blocking(&dirs, &pinned, rules, now_unix_ms)).await?;
+        let renew = pinned.clone();
+        blocking(move || {
+            let keys: BTreeSet<&String> = renew.iter().map(|(k, _)| k).collect();
+            for key in keys {
+                let mut state = dirs.read_state(key)?;
+                let mut renewed = false;
+                for (g, meta) in &mut state.generations {
+                    if renew.contains(&(key.clone(), *g)) && meta.used_unix_ms < now_unix_ms {
+                        meta.used_unix_ms = now_unix_ms;
+                        renewed = true;
+                    }
+                }
+                if renewed {
+                    dirs.write_state(&state)?;
+                }
+            }
+            Ok(())
+        })
+        .await?;
         drop(mounts);
-        for (key, g) in &report.removed {
-            info!(%key, generation = %g, "sticky-disk generation evicted");
+        Ok(pinned)
+    }
+
+    /// An eviction pass's walk, **without the store's lock**: every
+    /// generation of every key, with its last use and the bytes its tree
+    /// holds (O(files in the cache), metadata only), `mounted` when it is
+    /// in `pinned`. Mounts and commits go on meanwhile: a state is
+    /// replaced by one `rename`, so the walk reads each whole, old or new,
+    /// and generation trees are never written. `seam` is called before
+    /// each generation's size is read.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when the keys cannot be listed.
+    pub(crate) async fn survey(
+        &self,
+        pinned: &BTreeSet<(String, u64)>,
+        seam: Option<WalkSeam>,
+    ) -> Result<Vec<GenerationUse>, CacheError> {
+        let dirs = self.dirs.clone();
+        let pinned = pinned.clone();
+        blocking(move || {
+            let mut found = Vec::new();
+            for state in dirs.states()? {
+                for (g, meta) in &state.generations {
+                    if let Some(seam) = &seam {
+                        seam();
+                    }
+                    found.push(GenerationUse {
+                        key: state.key.clone(),
+                        generation: Generation(*g),
+                        head: state.head == Some(*g),
+                        used_unix_ms: meta.used_unix_ms,
+                        bytes: tree_bytes(&dirs.generation_dir(&state.key, *g)).unwrap_or(0),
+                        mounted: pinned.contains(&(state.key.clone(), *g)),
+                    });
+                }
+            }
+            Ok(found)
+        })
+        .await
+    }
+
+    /// Removes one generation an eviction pass chose from its walk, if it
+    /// still may go: under the store's lock, its key's state is read again
+    /// and the generation stays when it is gone already, when an open
+    /// mount was cloned from it, or when it was used since the walk (its
+    /// last use is not `seen.used_unix_ms`). Otherwise the state drops it
+    /// first (so no state names a missing tree) and its tree is moved to
+    /// the trash; the tree is removed from there after the lock is
+    /// released. Returns whether it was removed.
+    ///
+    /// # Errors
+    ///
+    /// [`CacheError::Io`] when the state cannot be read or written, or the
+    /// tree moved or removed.
+    pub(crate) async fn remove_generation(&self, seen: &GenerationUse) -> Result<bool, CacheError> {
+        let mounts = self.mounts.lock().await;
+        let g = seen.generation.0;
+        if mounts
+            .values()
+            .any(|r| r.key == seen.key && r.parent == Some(g))
+        {
+            return Ok(false);
         }
+        let dirs = self.dirs.clone();
+        let (key, used) = (seen.key.clone(), seen.used_unix_ms);
+        let trash = blocking(move || {
+            let mut state = dirs.read_state(&key)?;
+            match state.generations.get(&g) {
+                Some(meta) if meta.used_unix_ms == used => {}
+                _ => return Ok(None),
+            }
+            state.generations.remove(&g);
+            if state.head == Some(g) {
+                state.head = None;
+            }
+            dirs.write_state(&state)?;
+            let trash = dirs.to_trash(&dirs.generation_dir(&key, g))?;
+            Ok(Some(trash))
+        })
+        .await?;
+        drop(mounts);
+        let Some(trash) = trash else {
+            return Ok(false);
+        };
+        if let Some(trash) = trash {
+            blocking(move || fs::remove_dir_all(&trash).map_err(io("remove", &trash))).await?;
+        }
+        info!(key = %seen.key, generation = %seen.generation, bytes = seen.bytes, "sticky-disk generation evicted");
         self.evicted
             .lock()
             .expect("cache evictions")
-            .add(report.removed.len() as u64, report.freed_bytes);
-        Ok(report)
+            .add(1, seen.bytes);
+        Ok(true)
+    }
+
+    /// Counts an Actions cache archive an eviction pass removed, for
+    /// [`Store::evicted`].
+    pub(crate) fn count_evicted_archive(&self, bytes: u64) {
+        self.evicted
+            .lock()
+            .expect("cache evictions")
+            .add_archive(bytes);
     }
 }
 
@@ -1095,96 +1298,6 @@ fn commit_blocking(
         return Err(e);
     }
     Ok(Committed::Published(Generation(g)))
-}
-
-fn evict_blocking(
-    dirs: &Dirs,
-    pinned: &BTreeSet<(String, u64)>,
-    rules: Eviction,
-    now_unix_ms: i64,
-) -> Result<EvictReport, CacheError> {
-    let mut report = EvictReport::default();
-    let retention_ms = i64::try_from(rules.retention.as_millis()).unwrap_or(i64::MAX);
-    let mut states = dirs.states()?;
-    // (used, key index, generation, bytes) of every generation kept.
-    let mut kept: Vec<(i64, usize, u64, u64)> = Vec::new();
-    for (index, state) in states.iter_mut().enumerate() {
-        // RenewActive: a mounted generation is in use now, however long
-        // ago its job mounted it, so its retention counts from now.
-        let mut renewed = false;
-        for (g, meta) in &mut state.generations {
-            if pinned.contains(&(state.key.clone(), *g)) && meta.used_unix_ms < now_unix_ms {
-                meta.used_unix_ms = now_unix_ms;
-                renewed = true;
-            }
-        }
-        if renewed {
-            dirs.write_state(state)?;
-        }
-        let mut gone = Vec::new();
-        for (g, meta) in &state.generations {
-            if pinned.contains(&(state.key.clone(), *g)) {
-                report.kept_mounted += 1;
-                continue;
-            }
-            let superseded = state.head != Some(*g);
-            let stale = now_unix_ms.saturating_sub(meta.used_unix_ms) >= retention_ms;
-            if superseded || stale {
-                gone.push(*g);
-            }
-        }
-        remove_generations(dirs, state, &gone, &mut report)?;
-        for (g, meta) in &state.generations {
-            let bytes = tree_bytes(&dirs.generation_dir(&state.key, *g)).unwrap_or(0);
-            kept.push((meta.used_unix_ms, index, *g, bytes));
-        }
-    }
-    if let Some(budget) = rules.budget_bytes {
-        let mut total: u64 = kept.iter().map(|k| k.3).sum();
-        kept.sort_by_key(|k| (k.0, k.1, k.2));
-        for (_, index, g, bytes) in kept {
-            if total <= budget {
-                break;
-            }
-            let state = &mut states[index];
-            if pinned.contains(&(state.key.clone(), g)) {
-                continue;
-            }
-            remove_generations(dirs, state, &[g], &mut report)?;
-            total = total.saturating_sub(bytes);
-        }
-        report.kept_bytes = total;
-    } else {
-        report.kept_bytes = kept.iter().map(|k| k.3).sum();
-    }
-    Ok(report)
-}
-
-/// Drops `gone` from `state` (the state first, so it never names a
-/// missing tree), then their trees.
-fn remove_generations(
-    dirs: &Dirs,
-    state: &mut KeyState,
-    gone: &[u64],
-    report: &mut EvictReport,
-) -> Result<(), CacheError> {
-    if gone.is_empty() {
-        return Ok(());
-    }
-    for g in gone {
-        state.generations.remove(g);
-        if state.head == Some(*g) {
-            state.head = None;
-        }
-    }
-    dirs.write_state(state)?;
-    for g in gone {
-        let path = dirs.generation_dir(&state.key, *g);
-        report.freed_bytes += tree_bytes(&path).unwrap_or(0);
-        dirs.remove(&path)?;
-        report.removed.push((state.key.clone(), Generation(*g)));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -1568,6 +1681,7 @@ mod tests {
         let all = Eviction {
             retention: Duration::ZERO,
             budget_bytes: Some(0),
+            ..Eviction::default()
         };
         let report = s.evict(all, now_unix_ms() + 1).await.unwrap();
         assert_eq!(report.removed, vec![("go".to_owned(), Generation(1))]);
@@ -1627,6 +1741,7 @@ mod tests {
         let rules = Eviction {
             retention: Duration::from_secs(3600),
             budget_bytes: Some(2 * one + one / 2),
+            ..Eviction::default()
         };
         let report = s.evict(rules, now_unix_ms()).await.unwrap();
         assert_eq!(report.removed, vec![("mid".to_owned(), Generation(1))]);
@@ -1662,6 +1777,7 @@ mod tests {
                 Eviction {
                     retention: Duration::ZERO,
                     budget_bytes: Some(0),
+                    ..Eviction::default()
                 },
                 now_unix_ms() + 1,
             )
@@ -1740,6 +1856,7 @@ mod tests {
         let rules = Eviction {
             retention: hour,
             budget_bytes: None,
+            ..Eviction::default()
         };
         // Two hours later the job still runs: its generation stays, and is
         // renewed as used then.
@@ -1759,10 +1876,204 @@ mod tests {
             s.evicted(),
             crate::cache::Evicted {
                 generations: 1,
+                archives: 0,
                 bytes: report.freed_bytes
             }
         );
         assert!(report.freed_bytes > 0);
+    }
+
+    /// Issue #16 item 3, spec/cache.md §1.2, §4.2: a Docker image store's
+    /// generation is kept for its own retention (192 h by default) after
+    /// its last use, whatever the general retention is, longer or shorter.
+    #[tokio::test]
+    async fn the_docker_image_store_keeps_its_own_retention_whatever_the_general_one() {
+        let root = dir();
+        let (s, _) = store(&root).await;
+        let images = DiskKey::docker_images("amd64").unwrap();
+        let commit = |k: DiskKey| {
+            let s = &s;
+            async move {
+                let m = s
+                    .mount(&lease("l0"), &k, Policy::LastWriterWins)
+                    .await
+                    .unwrap();
+                fs::write(m.dir.join("layer"), "x").unwrap();
+                s.commit(&m.id).await.unwrap()
+            }
+        };
+        assert_eq!(
+            commit(images.clone()).await,
+            Committed::Published(Generation(1))
+        );
+        publish(&s, "l0", "npm", "1").await;
+        let hour = 3_600_000;
+        let t0 = now_unix_ms();
+        assert_eq!(
+            Eviction::default().image_store_retention.as_secs(),
+            192 * 3600
+        );
+        let rules = Eviction {
+            retention: Duration::from_secs(3600),
+            image_store_retention: Duration::from_secs(8 * 3600),
+            budget_bytes: None,
+        };
+        // Two hours unused: past the general retention, not the store's.
+        let report = s.evict(rules, t0 + 2 * hour).await.unwrap();
+        assert_eq!(report.removed, vec![("npm".to_owned(), Generation(1))]);
+        assert_eq!(s.head(&images).await.unwrap(), Some(Generation(1)));
+        // Eight hours unused: the store goes too.
+        let report = s.evict(rules, t0 + 8 * hour + 1).await.unwrap();
+        assert_eq!(
+            report.removed,
+            vec![(images.as_str().to_owned(), Generation(1))]
+        );
+        assert_eq!(s.head(&images).await.unwrap(), None);
+        // A general retention longer than the store's does not keep it.
+        assert_eq!(
+            commit(images.clone()).await,
+            Committed::Published(Generation(2))
+        );
+        publish(&s, "l1", "go", "1").await;
+        let t1 = now_unix_ms();
+        let rules = Eviction {
+            retention: Duration::from_secs(10 * 3600),
+            image_store_retention: Duration::from_secs(3600),
+            budget_bytes: None,
+        };
+        let report = s.evict(rules, t1 + 2 * hour).await.unwrap();
+        assert_eq!(
+            report.removed,
+            vec![(images.as_str().to_owned(), Generation(2))]
+        );
+        assert_eq!(s.head(&key("go")).await.unwrap(), Some(Generation(1)));
+    }
+
+    /// A seam for the walk: the first time it is called it says so on
+    /// `walking` and waits for `go` (for at most a minute, after which it
+    /// records that it was not let go and walks on).
+    fn pausing_seam() -> (
+        WalkSeam,
+        std::sync::mpsc::Receiver<()>,
+        std::sync::mpsc::Sender<()>,
+        Arc<std::sync::atomic::AtomicBool>,
+    ) {
+        let (walking_tx, walking) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel::<()>();
+        let stuck = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let first = std::sync::Once::new();
+        let go_rx = std::sync::Mutex::new(go_rx);
+        let flag = stuck.clone();
+        let seam: WalkSeam = Arc::new(move || {
+            first.call_once(|| {
+                let _ = walking_tx.send(());
+                let waited = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(60));
+                if waited.is_err() {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            });
+        });
+        (seam, walking, go, stuck)
+    }
+
+    /// Issue #16 item 4: an eviction pass walks every generation without
+    /// the store's lock. While a pass is paused in its walk (a seam), a
+    /// mount of another key and a commit complete; the walk is let go only
+    /// after them. Held under the lock, the walk would wait out its seam's
+    /// bound first and the mount would complete after it.
+    #[tokio::test]
+    async fn a_mount_and_a_commit_complete_while_an_eviction_pass_walks() {
+        let root = dir();
+        let s = Arc::new(store(&root).await.0);
+        for k in ["a", "b", "c"] {
+            publish(&s, "l0", k, "1").await;
+        }
+        let (seam, walking, go, stuck) = pausing_seam();
+        let pass = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                super::super::lifecycle::evict_walking(
+                    &s,
+                    None,
+                    Eviction::default(),
+                    now_unix_ms(),
+                    Some(seam),
+                )
+                .await
+            })
+        };
+        tokio::task::spawn_blocking(move || walking.recv().unwrap())
+            .await
+            .unwrap();
+        // The pass is in its walk.
+        let m = s.mount(&lease("l1"), &key("b"), Policy::Cas).await.unwrap();
+        assert_eq!(m.parent, Some(Generation(1)));
+        fs::write(m.dir.join("counter"), "2").unwrap();
+        assert_eq!(
+            s.commit(&m.id).await.unwrap(),
+            Committed::Published(Generation(2))
+        );
+        go.send(()).unwrap();
+        let report = pass.await.unwrap().unwrap();
+        assert!(
+            !stuck.load(std::sync::atomic::Ordering::SeqCst),
+            "the walk waited out its bound: the mount waited for the walk"
+        );
+        // The walk read b's state before or after the commit; either way
+        // nothing of b's head goes.
+        assert!(
+            !report
+                .removed
+                .iter()
+                .any(|(k, g)| k == "b" && *g == Generation(2)),
+            "{report:?}"
+        );
+        assert_eq!(s.head(&key("b")).await.unwrap(), Some(Generation(2)));
+    }
+
+    /// Issue #16 item 4: a generation the walk chose (least recently used,
+    /// over the budget) that a job mounts while the walk goes on is looked
+    /// at again under the lock and kept; its mount clones it whole.
+    #[tokio::test]
+    async fn a_victim_mounted_while_the_pass_walks_is_kept_when_its_removal_looks_again() {
+        let root = dir();
+        let s = Arc::new(store(&root).await.0);
+        publish(&s, "l0", "old", "1").await;
+        next_millisecond();
+        publish(&s, "l0", "new", "1").await;
+        let one = tree_bytes(&s.generation_dir(&key("new"), Generation(1))).unwrap();
+        let (seam, walking, go, stuck) = pausing_seam();
+        // Room for one of the two: the least recently used, old, must go.
+        let rules = Eviction {
+            budget_bytes: Some(one + one / 2),
+            ..Eviction::default()
+        };
+        let pass = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                super::super::lifecycle::evict_walking(&s, None, rules, now_unix_ms(), Some(seam))
+                    .await
+            })
+        };
+        tokio::task::spawn_blocking(move || walking.recv().unwrap())
+            .await
+            .unwrap();
+        let m = s
+            .mount(&lease("l1"), &key("old"), Policy::Cas)
+            .await
+            .unwrap();
+        go.send(()).unwrap();
+        let report = pass.await.unwrap().unwrap();
+        assert!(!stuck.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(
+            report.removed.is_empty(),
+            "old was the least recently used when walked, and mounted since: {report:?}"
+        );
+        assert_eq!(report.kept_used_since, 1, "{report:?}");
+        assert!(report.kept_bytes > one + one / 2, "{report:?}");
+        assert!(s.generation_dir(&key("old"), Generation(1)).exists());
+        assert_eq!(fs::read_to_string(m.dir.join("counter")).unwrap(), "1");
+        assert_eq!(s.head(&key("old")).await.unwrap(), Some(Generation(1)));
     }
 
     #[tokio::test]

@@ -128,20 +128,21 @@ pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
 }
 
 /// The cache directory, its file system and what a sticky-disk mount costs
-/// there, and how its generations are evicted. An existing directory is
+/// there, and how its generations and archives are evicted. An existing directory is
 /// probed as the node probes it (two files made in it and removed); an
 /// absent one is said to be created.
 fn cache_dir(config: &NodeConfig) -> Result<String, NodeError> {
     let dir = &config.cache_dir;
     let rules = &config.cache_eviction;
     let eviction = format!(
-        "; evicted every {} s, kept {} h after their last use, {}",
+        "; evicted every {} s, kept {} h after their last use, {} (Docker image stores kept {} h)",
         config.cache_evict_interval.as_secs(),
         rules.retention.as_secs() / 3600,
         rules.budget_bytes.map_or_else(
             || "no byte bound".to_owned(),
             |b| format!("at most {b} bytes")
-        )
+        ),
+        rules.image_store_retention.as_secs() / 3600,
     );
     if !dir.is_dir() {
         return Ok(format!(

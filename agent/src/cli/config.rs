@@ -9,7 +9,8 @@ use crate::edge::tls::TlsPaths;
 use crate::node::server::NodeConfig;
 use crate::upgrade::dispatch::{self, ExecUpgrader};
 
-/// The longest `--cache-retention-hours`: ten years.
+/// The longest `--cache-retention-hours` and
+/// `--cache-image-store-retention-hours`: ten years.
 const MAX_CACHE_RETENTION_HOURS: u64 = 87_600;
 /// The longest `--cache-evict-interval-secs`: a day.
 const MAX_CACHE_EVICT_INTERVAL_SECS: u64 = 86_400;
@@ -55,6 +56,12 @@ impl NodeArgs {
             return Err(format!(
                 "--cache-retention-hours (BILLET_CACHE_RETENTION_HOURS) is {}; give 1 to {MAX_CACHE_RETENTION_HOURS} hours",
                 args.cache_retention_hours
+            ));
+        }
+        if !(1..=MAX_CACHE_RETENTION_HOURS).contains(&args.cache_image_store_retention_hours) {
+            return Err(format!(
+                "--cache-image-store-retention-hours (BILLET_CACHE_IMAGE_STORE_RETENTION_HOURS) is {}; give 1 to {MAX_CACHE_RETENTION_HOURS} hours",
+                args.cache_image_store_retention_hours
             ));
         }
         if !(1..=MAX_CACHE_EVICT_INTERVAL_SECS).contains(&args.cache_evict_interval_secs) {
@@ -123,6 +130,9 @@ impl NodeArgs {
                     .unwrap_or_else(|| args.state_dir.join("cache")),
                 cache_eviction: crate::cache::Eviction {
                     retention: Duration::from_secs(args.cache_retention_hours * 3600),
+                    image_store_retention: Duration::from_secs(
+                        args.cache_image_store_retention_hours * 3600,
+                    ),
                     budget_bytes: args.cache_max_bytes,
                 },
                 cache_evict_interval: Duration::from_secs(args.cache_evict_interval_secs),
@@ -218,15 +228,23 @@ mod tests {
             "2",
             "--cache-evict-interval-secs",
             "30",
+            "--cache-image-store-retention-hours",
+            "3",
         ])
         .unwrap();
         assert_eq!(c.cache_eviction.budget_bytes, Some(1000));
         assert_eq!(c.cache_eviction.retention.as_secs(), 7200);
+        assert_eq!(c.cache_eviction.image_store_retention.as_secs(), 3 * 3600);
         assert_eq!(c.cache_evict_interval.as_secs(), 30);
+        // The image store's retention does not follow the general one.
+        let c = config(&["--cache-retention-hours", "2"]).unwrap();
+        assert_eq!(c.cache_eviction.image_store_retention.as_secs(), 192 * 3600);
         for (flag, value) in [
             ("--cache-max-bytes", "0"),
             ("--cache-retention-hours", "0"),
             ("--cache-retention-hours", "87601"),
+            ("--cache-image-store-retention-hours", "0"),
+            ("--cache-image-store-retention-hours", "87601"),
             ("--cache-evict-interval-secs", "0"),
             ("--cache-evict-interval-secs", "86401"),
         ] {

@@ -130,18 +130,28 @@ pub struct NodeArgs {
     /// reflink=1, btrfs); elsewhere each mount copies its generation.
     #[arg(long, env = "BILLET_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,
-    /// The most bytes the sticky disks' generations may hold on the
-    /// cache directory's disk: past it, each eviction pass removes the
-    /// least recently used generations no running job has mounted until
-    /// they fit. No bound by default.
+    /// The most bytes the sticky disks' generations and the Actions
+    /// cache's archives together may hold on the cache directory's disk:
+    /// past it, each eviction pass removes the least recently used of them
+    /// that no running job has mounted or is reading until they fit. No
+    /// bound by default.
     #[arg(long, env = "BILLET_CACHE_MAX_BYTES")]
     pub cache_max_bytes: Option<u64>,
-    /// Hours a sticky disk's generation is kept after its last use (a job
-    /// mounting it; a mounted one counts as used until its job ends);
-    /// 1 to 87600.
+    /// Hours a sticky disk's generation or an Actions cache archive is kept
+    /// after its last use (a job mounting or restoring it; a mounted one
+    /// counts as used until its job ends); 1 to 87600. The Docker image
+    /// store has its own (`--cache-image-store-retention-hours`).
     #[arg(long, env = "BILLET_CACHE_RETENTION_HOURS", default_value_t = 168)]
     pub cache_retention_hours: u64,
-    /// Seconds between the sticky disks' eviction passes; 1 to 86400.
+    /// Hours a Docker image store's generation is kept after its last use,
+    /// whatever `--cache-retention-hours` says; 1 to 87600.
+    #[arg(
+        long,
+        env = "BILLET_CACHE_IMAGE_STORE_RETENTION_HOURS",
+        default_value_t = 192
+    )]
+    pub cache_image_store_retention_hours: u64,
+    /// Seconds between the cache's eviction passes; 1 to 86400.
     #[arg(long, env = "BILLET_CACHE_EVICT_INTERVAL_SECS", default_value_t = crate::cache::lifecycle::DEFAULT_EVICT_INTERVAL.as_secs())]
     pub cache_evict_interval_secs: u64,
     /// The Docker engine's Unix socket.

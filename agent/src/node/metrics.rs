@@ -138,6 +138,7 @@ pub struct Metrics {
     cache_restored_bytes: Counter,
     cache_committed_bytes: Counter,
     cache_evicted_generations: Counter,
+    cache_evicted_archives: Counter,
     cache_evicted_bytes: Counter,
 }
 
@@ -183,6 +184,7 @@ impl Metrics {
             cache_restored_bytes: Counter::default(),
             cache_committed_bytes: Counter::default(),
             cache_evicted_generations: Counter::default(),
+            cache_evicted_archives: Counter::default(),
             cache_evicted_bytes: Counter::default(),
         };
         let r = registry.sub_registry_with_prefix("billet");
@@ -315,8 +317,13 @@ impl Metrics {
             m.cache_evicted_generations.clone(),
         );
         r.register(
+            "cache_evicted_archives",
+            "Actions cache archives removed by eviction (retention, or over --cache-max-bytes)",
+            m.cache_evicted_archives.clone(),
+        );
+        r.register(
             "cache_evicted_bytes",
-            "Bytes freed on the cache directory's disk by eviction (allocated blocks)",
+            "Bytes freed on the cache directory's disk by eviction, generations and archives (allocated blocks)",
             m.cache_evicted_bytes.clone(),
         );
         for state in LEASE_STATES {
@@ -356,6 +363,7 @@ impl Metrics {
     /// like [`Metrics::set_cache_totals`], a smaller reading is ignored.
     pub fn set_cache_evicted(&self, evicted: &crate::cache::Evicted) {
         raise_to(&self.cache_evicted_generations, evicted.generations);
+        raise_to(&self.cache_evicted_archives, evicted.archives);
         raise_to(&self.cache_evicted_bytes, evicted.bytes);
     }
 
@@ -1122,6 +1130,7 @@ mod tests {
         for zero in [
             "billet_cache_restored_bytes_total 0",
             "billet_cache_evicted_generations_total 0",
+            "billet_cache_evicted_archives_total 0",
             "billet_cache_evicted_bytes_total 0",
         ] {
             assert!(text.contains(zero), "{zero} in:\n{text}");
@@ -1141,6 +1150,7 @@ mod tests {
         m.set_cache_totals(&crate::cache::Observation::default());
         let evicted = crate::cache::Evicted {
             generations: 2,
+            archives: 3,
             bytes: 8192,
         };
         m.set_cache_evicted(&evicted);
@@ -1149,6 +1159,7 @@ mod tests {
         let text = encoded(&registry);
         for line in [
             "billet_cache_evicted_generations_total 2",
+            "billet_cache_evicted_archives_total 3",
             "billet_cache_evicted_bytes_total 8192",
             "billet_cache_events_total{event=\"hit\"} 3",
             "billet_cache_events_total{event=\"miss\"} 1",

@@ -56,8 +56,9 @@ pub struct NodeConfig {
     pub state_dir: PathBuf,
     /// Where the sticky-disk store lives (mode 0700).
     pub cache_dir: PathBuf,
-    /// How the sticky disks' generations are evicted
-    /// (`--cache-retention-hours`, `--cache-max-bytes`).
+    /// How the sticky disks' generations and the Actions cache's archives
+    /// are evicted (`--cache-retention-hours`,
+    /// `--cache-image-store-retention-hours`, `--cache-max-bytes`).
     pub cache_eviction: crate::cache::Eviction,
     /// How often they are (`--cache-evict-interval-secs`).
     pub cache_evict_interval: Duration,
@@ -494,6 +495,7 @@ pub async fn run(
         .with_journal(journal.clone()),
     );
     let cache_store = cache.clone();
+    let mut cache_archives = None;
     let runner = match cache {
         Some(cache) => {
             let sessions = crate::cache::session::Sessions::open(cache.clone()).await;
@@ -510,6 +512,7 @@ pub async fn run(
                 )
                 .await
                 .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                cache_archives = Some(archives.clone());
                 let addr = parts
                     .listener
                     .local_addr()
@@ -712,6 +715,7 @@ pub async fn run(
         tasks.spawn(
             crate::cache::lifecycle::keep_evicting(
                 store.clone(),
+                cache_archives,
                 config.cache_eviction,
                 config.cache_evict_interval,
                 shutdown.clone(),

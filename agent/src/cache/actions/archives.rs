@@ -15,6 +15,21 @@
 //!   `blocks/<sha256(block id)>`, temporary files `.tmp-*`).
 //! - `downloads/<id>`: a hard link to the archive a lookup matched, so an
 //!   entry evicted meanwhile is still served to the job that found it.
+//! - `trash/`: entries being evicted (emptied when the node starts).
+//!
+//! **Eviction** ([`Archives::entries`], [`Archives::evict_entry`], run by
+//! the cache's eviction pass, `cache::lifecycle::evict`): an entry's last
+//! use is the mtime of its `entry.json` (its publication, then each lookup
+//! that matched it). An entry is **in use** while a download link of it
+//! exists, that is while a live session's lookup matched it: the link is
+//! journaled with its session and lives until the session closes (a
+//! restarted node keeps the links its journal names and removes the
+//! others), so the archive's link count is the evidence, and a restart
+//! agrees. An entry in use is never evicted (removing it would free
+//! nothing while the link holds its blocks). An upload being written is
+//! not an entry (it is its session's, under `uploads/`) and is never
+//! evicted. An entry goes by one `rename` into `trash/` (its version
+//! directory synced), so a crash leaves it published whole or gone.
 //!
 //! **Sessions.** Each intercepting guest session ([`ActionsSession`]) is
 //! journaled (`MountJournal::put_actions_session`: the token's SHA-256,
@@ -194,15 +209,23 @@ impl ActionsSession {
     }
 }
 
-/// A published archive's use, for eviction.
+/// A published archive's use, for eviction ([`Archives::entries`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntryUse {
-    /// The entry's directory (remove it whole to evict it).
+    /// The entry's directory.
     pub dir: PathBuf,
-    /// The archive's size.
+    /// Its cache key (as the guest named it; empty when its `entry.json`
+    /// cannot be read).
+    pub key: String,
+    /// The bytes its directory holds on the disk (allocated blocks, as a
+    /// generation's tree is counted).
     pub bytes: u64,
-    /// When it was last published or restored.
+    /// When it was last published or matched by a lookup (the mtime of its
+    /// `entry.json`).
     pub last_used: std::time::SystemTime,
+    /// Whether a live session is reading it: a download link of its
+    /// archive exists (its link count is above 1).
+    pub in_use: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -257,6 +280,10 @@ pub struct Archives {
     journal: Arc<dyn MountJournal>,
     policy: Arc<dyn ActionsPolicy>,
     sessions: std::sync::Mutex<HashMap<String, Arc<ActionsSession>>>,
+    /// Held shared by a lookup from its match to its download link, and
+    /// exclusively by an eviction's last look and removal of an entry: an
+    /// entry a lookup matched is linked before it can go.
+    entries_lock: tokio::sync::RwLock<()>,
 }
 
 #[derive(Deserialize)]
@@ -327,11 +354,19 @@ impl Archives {
         policy: Arc<dyn ActionsPolicy>,
     ) -> Result<Arc<Self>, ArchiveError> {
         let root = cache_dir.join("actions");
-        for d in ["entries", "uploads", "downloads"] {
+        for d in ["entries", "uploads", "downloads", "trash"] {
             let dir = root.join(d);
             tokio::fs::create_dir_all(&dir)
                 .await
                 .map_err(io("cannot create", &dir))?;
+        }
+        // What an eviction was removing when the node stopped.
+        let trash = root.join("trash");
+        let mut left = tokio::fs::read_dir(&trash)
+            .await
+            .map_err(io("cannot list", &trash))?;
+        while let Some(e) = left.next_entry().await.map_err(io("cannot list", &trash))? {
+            remove_any(&e.path()).await;
         }
         let mut sessions = HashMap::new();
         let mut named = BTreeSet::new();
@@ -376,6 +411,7 @@ impl Archives {
             journal,
             policy,
             sessions: std::sync::Mutex::new(sessions),
+            entries_lock: tokio::sync::RwLock::new(()),
         }))
     }
 
@@ -474,7 +510,9 @@ impl Archives {
         found
     }
 
-    /// Every published archive with its size and last use, for eviction.
+    /// Every published archive with its size, last use and whether a
+    /// live session reads it, for eviction: a walk of `entries/` that
+    /// takes no lock (metadata only).
     ///
     /// # Errors
     ///
@@ -484,25 +522,64 @@ impl Archives {
         let base = self.root.join("entries");
         for scope in std::fs::read_dir(&base).map_err(io("cannot list", &base))? {
             let scope = scope.map_err(io("cannot list", &base))?.path();
-            for version in std::fs::read_dir(&scope).map_err(io("cannot list", &scope))? {
+            let Ok(versions) = std::fs::read_dir(&scope) else {
+                continue;
+            };
+            for version in versions {
                 let version = version.map_err(io("cannot list", &scope))?.path();
-                for entry in std::fs::read_dir(&version).map_err(io("cannot list", &version))? {
+                let Ok(entries) = std::fs::read_dir(&version) else {
+                    continue;
+                };
+                for entry in entries {
                     let dir = entry.map_err(io("cannot list", &version))?.path();
-                    let (Ok(meta), Ok(archive)) = (
-                        std::fs::metadata(dir.join("entry.json")),
-                        std::fs::metadata(dir.join("archive")),
-                    ) else {
-                        continue;
-                    };
-                    out.push(EntryUse {
-                        last_used: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
-                        bytes: archive.len(),
-                        dir,
-                    });
+                    if let Some(found) = entry_use(&dir) {
+                        out.push(found);
+                    }
                 }
             }
         }
         Ok(out)
+    }
+
+    /// Removes one published archive an eviction pass chose from its walk
+    /// ([`Archives::entries`]), if it still may go: looked at again while
+    /// no lookup can match it, it stays when it is gone already, when a
+    /// live session is reading it (a download link of it exists), or when
+    /// it was used since the walk (its last use is not `seen.last_used`).
+    /// Otherwise its directory is moved to `trash/` in one `rename` and
+    /// removed there. Returns whether it was removed.
+    ///
+    /// # Errors
+    ///
+    /// [`ArchiveError::Io`] when it cannot be moved or removed.
+    pub async fn evict_entry(&self, seen: &EntryUse) -> Result<bool, ArchiveError> {
+        let trash = self
+            .root
+            .join("trash")
+            .join(uuid::Uuid::new_v4().simple().to_string());
+        {
+            let _no_lookups = self.entries_lock.write().await;
+            let dir = seen.dir.clone();
+            let now = tokio::task::spawn_blocking(move || entry_use(&dir))
+                .await
+                .ok()
+                .flatten();
+            match now {
+                Some(now) if !now.in_use && now.last_used == seen.last_used => {}
+                _ => return Ok(false),
+            }
+            tokio::fs::rename(&seen.dir, &trash)
+                .await
+                .map_err(io("cannot move to the trash", &seen.dir))?;
+            if let Some(parent) = seen.dir.parent() {
+                sync_dir(parent).await;
+            }
+        }
+        tokio::fs::remove_dir_all(&trash)
+            .await
+            .map_err(io("cannot remove", &trash))?;
+        info!(key = %seen.key, bytes = seen.bytes, "Actions cache archive evicted");
+        Ok(true)
     }
 
     fn version_dir(&self, session: &ActionsSession, version: &str) -> PathBuf {
@@ -768,6 +845,8 @@ impl Archives {
         if held.count() >= MAX_ARCHIVES_PER_SESSION {
             return Err(ArchiveError::Full);
         }
+        // No eviction between the match and its link.
+        let _no_eviction = self.entries_lock.read().await;
         let Some((entry, key)) = self
             .find(session, &body.version, &body.key, &body.restore_keys)
             .await
@@ -999,6 +1078,26 @@ fn receipt_json(r: &Receipt) -> serde_json::Value {
     } else {
         serde_json::json!({ "ok": false })
     }
+}
+
+/// What an entry's directory says of its use, read now; `None` when it
+/// has no archive or no `entry.json` (not published, or gone).
+fn entry_use(dir: &Path) -> Option<EntryUse> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(dir.join("entry.json")).ok()?;
+    let archive = std::fs::metadata(dir.join("archive")).ok()?;
+    let key = std::fs::read(dir.join("entry.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<EntryMeta>(&b).ok())
+        .map(|m| m.key)
+        .unwrap_or_default();
+    Some(EntryUse {
+        dir: dir.to_owned(),
+        key,
+        bytes: crate::cache::clone::tree_bytes(dir).unwrap_or(archive.blocks() * 512),
+        last_used: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        in_use: archive.nlink() > 1,
+    })
 }
 
 fn scope_digest(scope: &CacheScope) -> String {
