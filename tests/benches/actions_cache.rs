@@ -19,7 +19,8 @@
 //! on that file alone), and `fincore` (util-linux, which asks `mincore`)
 //! must then find at most 1% of it resident, else the bench fails; this is
 //! the figure, both sides reading the same bytes from the same
-//! disk. Then each reads **warm** (`fincore` must find every page cached):
+//! disk. Then each reads **warm** (`fincore` must find at least 99% of it
+//! cached):
 //! the proxy's raw cost (TLS, HTTP, copies) over the cheapest read there
 //! is, printed as such with no goal. Printed for each: the median and the
 //! best time and throughput, and the ratios restore / baseline throughput
@@ -330,20 +331,22 @@ async fn measure(dir: &std::path::Path, bytes: u64, rounds: u64) -> Result<Figur
             evict(&archive, bytes)?;
             let took = match side {
                 Side::Baseline => read_file(&archive, bytes).await?,
-                Side::Restore => download(&client, &download, bytes).await?,
+                Side::Restore => restore(&client, &download, bytes).await?,
             };
             figures.push(side, Cache::Cold, took);
         }
-        // The cold reads left every page of the archive cached.
+        // The cold reads left the archive cached. Not always every page: a
+        // proactive reclaimer (DAMON's pageout on some kernels) may already
+        // be taking back what it deems cold.
         let resident = resident_bytes(&archive)?;
         anyhow::ensure!(
-            resident == bytes,
-            "after the cold reads {resident} of {bytes} bytes are in the page cache"
+            resident >= bytes - bytes / 100,
+            "after the cold reads only {resident} of {bytes} bytes are in the page cache"
         );
         for side in sides {
             let took = match side {
                 Side::Baseline => read_file(&archive, bytes).await?,
-                Side::Restore => download(&client, &download, bytes).await?,
+                Side::Restore => restore(&client, &download, bytes).await?,
             };
             figures.push(side, Cache::Warm, took);
         }
@@ -463,7 +466,7 @@ async fn read_file(archive: &std::path::Path, bytes: u64) -> Result<Duration> {
 
 /// The restore: a tunnel, `GET` of the signed URL, the body read whole in
 /// 256 KiB reads.
-async fn download(client: &Client, path: &str, bytes: u64) -> Result<Duration> {
+async fn restore(client: &Client, path: &str, bytes: u64) -> Result<Duration> {
     let started = Instant::now();
     let (status, head, length, mut t) = client
         .send("GET", path, &[], &mut |_: &mut [u8]| 0, 0)
