@@ -213,15 +213,27 @@ async fn run(measuring: bool) -> Result<()> {
     };
     println!("actions cache restore: {bytes} bytes, {rounds} interleaved rounds");
     println!(" cold: the archive's pages evicted before each read (checked with fincore)");
-    line("baseline, the archive read off the disk:", &figures.baseline_cold);
-    line("restored through the proxy (TLS 1.3):", &figures.restore_cold);
+    line(
+        "baseline, the archive read off the disk:",
+        &figures.baseline_cold,
+    );
+    line(
+        "restored through the proxy (TLS 1.3):",
+        &figures.restore_cold,
+    );
     let (median, best) = ratio(&figures.baseline_cold, &figures.restore_cold);
     println!(
         "  ratio restore / baseline throughput, cold:   median {median:.2}, best {best:.2} (goal >= 0.8)"
     );
     println!(" warm: every page in the page cache (the proxy's raw cost, no goal)");
-    line("baseline, the archive read from the cache:", &figures.baseline_warm);
-    line("restored through the proxy (TLS 1.3):", &figures.restore_warm);
+    line(
+        "baseline, the archive read from the cache:",
+        &figures.baseline_warm,
+    );
+    line(
+        "restored through the proxy (TLS 1.3):",
+        &figures.restore_warm,
+    );
     let (median, best) = ratio(&figures.baseline_warm, &figures.restore_warm);
     println!("  ratio restore / baseline throughput, warm:   median {median:.2}, best {best:.2}");
     Ok(())
