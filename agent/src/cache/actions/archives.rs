@@ -47,14 +47,13 @@ use std::io::SeekFrom;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use futures::TryStreamExt as _;
 use http_body_util::{BodyExt as _, Full, StreamBody, combinators::BoxBody};
 use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
-use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncSeekExt as _, AsyncWriteExt as _};
 use tracing::{info, warn};
 
 use super::{ActionsPolicy, CacheScope, RESULTS_HOST};
@@ -1429,9 +1428,7 @@ async fn serve_download<B>(link: &Path, req: &Request<B>) -> Response<Body> {
             warn!(error = %e, "cannot seek an Actions cache archive");
             return plain(StatusCode::BAD_GATEWAY, "storage is unavailable");
         }
-        let stream = tokio_util::io::ReaderStream::with_capacity(file.take(end - start), 256 << 10)
-            .map_ok(Frame::data);
-        StreamBody::new(stream).boxed()
+        StreamBody::new(file_frames(file.into_std().await, end - start)).boxed()
     };
     let mut r = Response::new(body);
     *r.status_mut() = status;
@@ -1454,6 +1451,56 @@ async fn serve_download<B>(link: &Path, req: &Request<B>) -> Response<Body> {
         set("content-range", format!("bytes {start}-{}/{size}", end - 1));
     }
     r
+}
+
+/// Bytes of one frame of a download, read off the disk in one go.
+const DOWNLOAD_FRAME_BYTES: usize = 1 << 20;
+
+/// The next `len` bytes of `file` (from its position) as frames of at most
+/// [`DOWNLOAD_FRAME_BYTES`]. Each frame is read on the blocking pool
+/// straight into the buffer the frame then owns (nothing is copied after
+/// the kernel), and the next frame's read starts as soon as a frame is
+/// handed over, so the disk reads one frame ahead while the connection
+/// encrypts and sends the last; no read is made for a frame nobody polls
+/// for, so a stalled or gone client pins no thread. A file shorter than
+/// `len` ends the stream with [`std::io::ErrorKind::UnexpectedEof`] (the
+/// response is cut short of its `Content-Length`).
+fn file_frames(
+    file: std::fs::File,
+    len: u64,
+) -> impl futures::Stream<Item = std::io::Result<Frame<Bytes>>> + Send {
+    let first = (len > 0).then(|| read_frame(file, len));
+    futures::stream::try_unfold(first, |pending| async move {
+        let Some(pending) = pending else {
+            return Ok(None);
+        };
+        let (file, frame, left) = pending.await.map_err(std::io::Error::other)??;
+        let next = (left > 0).then(|| read_frame(file, left));
+        Ok(Some((Frame::data(frame), next)))
+    })
+}
+
+/// One frame of [`file_frames`], `left` bytes still to send: the file, the
+/// frame and the bytes left after it.
+fn read_frame(
+    file: std::fs::File,
+    left: u64,
+) -> tokio::task::JoinHandle<std::io::Result<(std::fs::File, Bytes, u64)>> {
+    // Awaited by the next poll of the stream; a dropped stream abandons at
+    // most this one read.
+    tokio::task::spawn_blocking(move || {
+        use std::io::Read as _;
+        let want =
+            usize::try_from(left).map_or(DOWNLOAD_FRAME_BYTES, |l| l.min(DOWNLOAD_FRAME_BYTES));
+        let mut frame = Vec::with_capacity(want);
+        // `read_to_end` reads into the spare capacity without zeroing it
+        // first; `take` stops it at the frame's end.
+        let n = (&file).take(want as u64).read_to_end(&mut frame)?;
+        if n < want {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok((file, Bytes::from(frame), left - n as u64))
+    })
 }
 
 /// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`) of unix seconds.
@@ -1482,4 +1529,62 @@ fn httpdate(secs: u64) -> String {
         rem % 3600 / 60,
         rem % 60
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt as _;
+
+    fn patterned(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn a_download_is_read_in_whole_frames_from_the_files_position() {
+        let dir = std::env::temp_dir().join(format!("baf-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("archive");
+        let bytes = patterned(2 * DOWNLOAD_FRAME_BYTES + 300);
+        std::fs::write(&path, &bytes).unwrap();
+        let mut file = std::fs::File::open(&path).unwrap();
+        std::io::Seek::seek(&mut file, SeekFrom::Start(100)).unwrap();
+        let len = bytes.len() as u64 - 100 - 7;
+        let frames: Vec<Bytes> = file_frames(file, len)
+            .map(|f| f.unwrap().into_data().unwrap())
+            .collect()
+            .await;
+        let sizes: Vec<usize> = frames.iter().map(Bytes::len).collect();
+        assert_eq!(
+            sizes,
+            [DOWNLOAD_FRAME_BYTES, DOWNLOAD_FRAME_BYTES, 300 - 100 - 7]
+        );
+        assert_eq!(frames.concat(), &bytes[100..bytes.len() - 7]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_download_of_a_file_cut_short_ends_in_an_error_not_a_short_body() {
+        let dir = std::env::temp_dir().join(format!("baf-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("archive");
+        std::fs::write(&path, patterned(DOWNLOAD_FRAME_BYTES + 10)).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let items: Vec<std::io::Result<Frame<Bytes>>> =
+            file_frames(file, DOWNLOAD_FRAME_BYTES as u64 + 20)
+                .collect()
+                .await;
+        assert_eq!(items.len(), 2);
+        assert_eq!(
+            items[0].as_ref().unwrap().data_ref().map(Bytes::len),
+            Some(DOWNLOAD_FRAME_BYTES)
+        );
+        assert_eq!(
+            items[1].as_ref().unwrap_err().kind(),
+            std::io::ErrorKind::UnexpectedEof
+        );
+        let empty = std::fs::File::open(&path).unwrap();
+        assert_eq!(file_frames(empty, 0).count().await, 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

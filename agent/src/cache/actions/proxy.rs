@@ -56,6 +56,10 @@ pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 pub const MAX_TWIRP_BODY_BYTES: usize = 64 * 1024;
 /// How long a tunnel's TLS handshake and first request head may take.
 pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most TLS bytes a blob tunnel holds encrypted and unsent (rustls'
+/// default is 64 KiB): a whole download frame, so each is encrypted and
+/// written in one go.
+pub const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
 /// The user a proxy credential names.
 pub const PROXY_USER: &str = "billet";
 
@@ -385,6 +389,11 @@ impl ActionsProxy {
             .await;
         }
         if target.starts_with(BLOB_PREFIX) {
+            // A download's frame is encrypted and handed to the socket at
+            // once, not in rustls' default 64 KiB portions.
+            tls.get_mut()
+                .1
+                .set_buffer_limit(Some(BLOB_TLS_BUFFER_BYTES));
             let io = hyper_util::rt::TokioIo::new(Rewind {
                 prefix: Bytes::from(buf),
                 inner: tls,
@@ -571,10 +580,59 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
     ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
+    // Forwarded, not left to the defaults: hyper copies every body frame
+    // into a buffer of its own when its IO says it cannot take a vector.
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_rewound_stream_takes_vectored_writes_when_its_inner_stream_does() {
+        // hyper flattens (copies) every body frame into its own buffer for
+        // an IO that is not vectored.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (mut peer, _) = accepted.unwrap();
+        let mut rewind = Rewind {
+            prefix: Bytes::from_static(b"head"),
+            inner: client.unwrap(),
+        };
+        assert!(rewind.inner.is_write_vectored());
+        assert!(rewind.is_write_vectored());
+        let bufs = [
+            std::io::IoSlice::new(b"one "),
+            std::io::IoSlice::new(b"two"),
+        ];
+        let n = rewind.write_vectored(&bufs).await.unwrap();
+        assert_eq!(n, 7, "both slices in one write");
+        rewind.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"one two");
+        peer.write_all(b" and more").await.unwrap();
+        drop(peer);
+        let mut read = Vec::new();
+        rewind.read_to_end(&mut read).await.unwrap();
+        assert_eq!(read, b"head and more", "the prefix is read first");
     }
 }

@@ -479,6 +479,51 @@ async fn conflicting_azure_and_http_ranges_and_any_range_of_an_empty_archive_are
 }
 
 #[tokio::test]
+async fn an_archive_of_several_frames_is_restored_whole_and_by_a_range_across_frames() {
+    // The download is read off the disk in 1 MiB frames: a range that
+    // starts inside one and ends inside another is exact, and a HEAD reads
+    // nothing.
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let bytes: Vec<u8> = (0..(3 << 20) + 5).map(|i: usize| (i % 251) as u8).collect();
+    save(&node, "big", &bytes).await;
+    let found = call(
+        &node,
+        "GetCacheEntryDownloadURL",
+        serde_json::json!({"key": "big", "version": "v1"}),
+    )
+    .await;
+    let url = signed_path(found.json()["signed_download_url"].as_str().unwrap());
+    let whole = blob(&node, "GET", &url, &[], b"").await;
+    assert_eq!(whole.status, 200);
+    assert!(whole.body == bytes, "the whole archive, byte for byte");
+    let (start, end) = ((1 << 20) - 3, (2 << 20) + 4);
+    let part = blob(
+        &node,
+        "GET",
+        &url,
+        &[("Range", &format!("bytes={start}-{end}"))],
+        b"",
+    )
+    .await;
+    assert_eq!(part.status, 206);
+    assert!(part.body == bytes[start..=end], "the range, byte for byte");
+    let mut t = tunnel(&node).await;
+    t.write_all(&request("HEAD", &url, &[], b"")).await.unwrap();
+    let mut answer = Vec::new();
+    t.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains(&format!("content-length: {}", bytes.len())),
+        "{answer}"
+    );
+    assert!(answer.ends_with("\r\n\r\n"), "a head and no body: {answer}");
+}
+
+#[tokio::test]
 async fn staged_blocks_are_assembled_in_the_declared_order() {
     // spec/cache.md §7.2 3.
     let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
