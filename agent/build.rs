@@ -24,7 +24,10 @@ fn main() {
         std::path::PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
     let commit = std::env::var("BILLET_COMMIT").ok().or_else(|| {
         // Rebuild when HEAD moves: the HEAD file, the branch it names, and
-        // packed refs.
+        // packed refs, each only where it exists (cargo reruns a build
+        // script on every build while a path it watches is missing: a
+        // checkout without packed refs rebuilt the agent every time). A
+        // branch packed later deletes its file, which is a change.
         for path in ["HEAD", "packed-refs"]
             .into_iter()
             .map(str::to_owned)
@@ -33,7 +36,8 @@ fn main() {
             if let Some(p) = git(
                 &dir,
                 &["rev-parse", "--path-format=absolute", "--git-path", &path],
-            ) {
+            ) && Path::new(&p).exists()
+            {
                 println!("cargo:rerun-if-changed={p}");
             }
         }
