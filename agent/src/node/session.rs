@@ -680,11 +680,11 @@ fn refused_launch(id: &str, refusal: &crate::node::health::Refusal) -> pb::Comma
 /// Whether a command's result is journaled, and how durably: those whose
 /// loss in a restart could make a redelivered copy do something twice are
 /// synced before they are answered, or committed beside the answer where
-/// another synced write already keeps the copy from doing anything twice. `Tend`, `Sweep`,
-/// `Instances` and `Superseded` are idempotent passes over what the node
-/// holds: run again, they do what is due then, so their results are
-/// remembered in memory only (the slot still answers a redelivered copy
-/// within this process).
+/// another synced write already keeps the copy from doing anything twice.
+/// `Tend`, `Sweep`, `Instances` and `Superseded` are idempotent passes
+/// over what the node holds: run again, they do what is due then, so
+/// their results are remembered in memory only (the slot still answers a
+/// redelivered copy within this process).
 fn result_durability(command: &NodeCommand) -> Option<Durability> {
     match command {
         // The launch record, synced before the mint, is what keeps a
