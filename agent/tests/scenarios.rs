@@ -393,16 +393,13 @@ impl World {
         });
     }
 
-    /// Reserves a lease for `request` and launches it successfully, as the
-    /// executor does: the launch, then its record's created amendment
-    /// (written beside the launch's answer).
+    /// Reserves a lease for `request` and launches it successfully.
     async fn launched(&self, runner: &Runner, request: i64) -> Lease {
         let lease = self.reserve(request);
         runner
             .launch(lease.clone(), tier(Trust::Trusted), job(request, "push"))
             .await
             .expect("the launch succeeds");
-        runner.journal_created(&lease.id).await;
         lease
     }
 
@@ -2097,7 +2094,6 @@ async fn a_launch_record_whose_lease_was_never_bound_does_not_unregister_the_rel
     r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
         .await
         .expect("the lease launches");
-    r.journal_created(&lease.id).await;
     r.tend().await.unwrap();
     assert!(w.exists(&lease.id));
     assert!(

@@ -980,9 +980,16 @@ impl Runner {
                         warned_hours: 0,
                     },
                 );
-                // The record says created only once the start has answered,
-                // and is amended by the executor beside the launch's answer
-                // ([`Runner::journal_created`]).
+                // Only once the start has answered: a record saying created
+                // is adopted as a job by recovery without asking GitHub, so
+                // it must not name an instance whose start may have failed
+                // (issue #14 tried writing it beside the start; the
+                // simulation's seed 9344, a create that fails after
+                // starting and a crash, adopted a runner with no job).
+                record.created = true;
+                if let Err(e) = self.journal.amend_launch(record).await {
+                    warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
+                }
                 Ok(())
             }
             Err(create_error) => {
@@ -995,41 +1002,6 @@ impl Runner {
                 )
                 .await
             }
-        }
-    }
-
-    /// Amends the launch record of `lease`, whose launch has just
-    /// succeeded, to say its instance was created and started (committed,
-    /// not synced). The executor writes it beside the launch's answer, not
-    /// before it (issue #14): a record saying created is adopted as a job
-    /// by recovery without asking GitHub, so it must never name an instance
-    /// whose start may have failed (tried beside the start, the
-    /// simulation's seed 9344, a create that fails after starting and a
-    /// crash, adopted a runner with no job); and a record a crash left
-    /// without it is an unconfirmed launch, which recovery settles by
-    /// asking whether the runner is busy (adopted) or idle (torn down,
-    /// failed), as after a crash during the start. A record forgotten
-    /// meanwhile (the runner already ended) stays forgotten
-    /// ([`Journal::amend_launch`]). A lease no longer running here is not
-    /// amended.
-    pub async fn journal_created(&self, lease: &LeaseId) {
-        let record = {
-            let s = self.state();
-            s.running.iter().find_map(|(request, r)| {
-                (r.lease == *lease).then(|| LaunchRecord {
-                    lease: lease.as_str().to_owned(),
-                    epoch: r.epoch.0,
-                    request_id: request.0,
-                    instance: r.instance.as_str().to_owned(),
-                    runner_id: r.registration.0,
-                    runner_name: r.registration.1.clone(),
-                    created: true,
-                })
-            })
-        };
-        let Some(record) = record else { return };
-        if let Err(e) = self.journal.amend_launch(&record).await {
-            warn!(%lease, error = %e, "cannot journal a created instance; a restart asks whether its runner is busy");
         }
     }
 

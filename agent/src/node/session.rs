@@ -592,7 +592,6 @@ pub async fn execute_commands(
         let session = session.live();
         let ack = session.expect_ack(id.as_str());
         slot.record(&id, &result);
-        let created = launched.as_ref().map(|l| l.lease.clone());
         let encoded = durability.map(|_| prost::Message::encode_to_vec(&result));
         let journaled = async {
             if let (Some(durability), Some(encoded)) = (durability, &encoded)
@@ -602,9 +601,6 @@ pub async fn execute_commands(
                     .await
             {
                 warn!(%id, error = %e, "cannot journal a result; a redelivery after a restart would run it again");
-            }
-            if let Some(lease) = &created {
-                runner.journal_created(lease).await;
             }
         };
         let answered = deliver(
@@ -617,11 +613,10 @@ pub async fn execute_commands(
         );
         // A synced result is journaled before it is answered: nothing else
         // keeps a redelivery after a restart from running it again. A
-        // launch's (committed) result and its created amendment are written
-        // beside the answer (issue #14): its synced launch record already
-        // keeps a redelivery from minting or creating again. Both are
-        // written before the next command starts (ARCHITECTURE.md, "What
-        // each journal write survives").
+        // launch's (committed) result is written beside the answer (issue
+        // #14): its synced launch record already keeps a redelivery from
+        // minting or creating again. It is written before the next command
+        // starts (ARCHITECTURE.md, "What each journal write survives").
         if durability == Some(Durability::Synced) {
             journaled.await;
             answered.instrument(span).await;

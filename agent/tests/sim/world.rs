@@ -517,12 +517,6 @@ impl World {
             }
             return;
         };
-        // The executor answers a launch beside its created amendment (issue
-        // #14); now and then the node dies between the two.
-        let died_after_answer = r.is_ok() && self.rng.chance(3);
-        if r.is_ok() && !died_after_answer {
-            runner.journal_created(&lease).await;
-        }
         let name = name_of(&lease);
         // Only a runner GitHub still has a registration for can take a job.
         let idle = {
@@ -576,14 +570,6 @@ impl World {
             }
         } else {
             self.on_launch_result(&lease, &r);
-        }
-        if died_after_answer {
-            self.count("crash between a launch's answer and its created amendment");
-            self.note(
-                format!("{lease}: node crashed after answering its launch, before the record said created"),
-                None,
-            );
-            self.restart("crash").await;
         }
     }
 
