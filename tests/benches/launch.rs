@@ -363,7 +363,7 @@ fn print_breakdown(
             Some(mean(mint)),
         ),
         (
-            "launch record amended twice, committed (beside the create; beside the answer)",
+            "launch record amended twice, committed (the first beside the create)",
             Some(journal[1]),
             None,
         ),
@@ -373,7 +373,11 @@ fn print_breakdown(
             Some(mean(created)),
         ),
         ("Docker create + start", create_start, Some(mean(create))),
-        ("the launch's result, committed beside the answer", result, None),
+        (
+            "the launch's result, committed beside the answer",
+            result,
+            None,
+        ),
     ];
     for (label, a, b) in rows {
         println!("  {label:<60} {:>8} {:>8}", show(a), show(b));
