@@ -117,8 +117,8 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     /// host the cut also stopped the instance it describes.
     ///
     /// Only a launch still recorded is amended: one forgotten meanwhile (its
-    /// runner ended before the amendment was written, issue #14 writes the
-    /// created amendment beside the launch's answer) stays forgotten.
+    /// runner, already counted as running, ended and was cleaned up while
+    /// the created amendment was being written) stays forgotten.
     async fn amend_launch(&self, launch: &LaunchRecord) -> Result<(), JournalError> {
         if self
             .launches()
@@ -1125,10 +1125,10 @@ mod tests {
         }
     }
 
-    /// Issue #14: the created amendment is written beside the launch's
-    /// answer, so it may land after the runner ended and its record was
-    /// forgotten; it must not bring the record back (recovery would then
-    /// chase a registration long removed).
+    /// The created amendment is written once the runner counts as running,
+    /// so it may land after the runner ended and its record was forgotten;
+    /// it must not bring the record back (recovery would then chase a
+    /// registration long removed).
     #[tokio::test]
     async fn an_amendment_changes_a_recorded_launch_and_never_brings_back_a_forgotten_one() {
         let d = dir();
