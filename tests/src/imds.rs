@@ -69,25 +69,10 @@ impl FakeImds {
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State::default()));
         let stop = CancellationToken::new();
-        let (serving, cancel) = (Arc::clone(&state), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    () = cancel.cancelled() => return,
-                    accepted = listener.accept() => accepted,
-                };
-                let Ok((stream, _)) = accepted else { continue };
-                let state = Arc::clone(&serving);
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let response = answer(&state, &req);
-                        async move { Ok::<_, std::convert::Infallible>(response) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+        let serving = Arc::clone(&state);
+        crate::loopback::serve_http1(listener, stop.clone(), move |req| {
+            let response = answer(&serving, &req);
+            async move { response }
         });
         Ok(Self { addr, state, stop })
     }

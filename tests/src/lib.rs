@@ -8,6 +8,7 @@ pub mod engine_proxy;
 pub mod fleet;
 pub mod image;
 pub mod imds;
+pub mod loopback;
 pub mod planes;
 pub mod reports;
 pub mod results;

@@ -77,25 +77,10 @@ impl GuestReports {
         let addr = listener.local_addr()?;
         let kept = Arc::new(Mutex::new(Kept::default()));
         let stop = CancellationToken::new();
-        let (serving, cancel) = (Arc::clone(&kept), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let accepted = tokio::select! {
-                    () = cancel.cancelled() => return,
-                    accepted = listener.accept() => accepted,
-                };
-                let Ok((stream, _)) = accepted else { continue };
-                let kept = Arc::clone(&serving);
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let kept = Arc::clone(&kept);
-                        async move { Ok::<_, std::convert::Infallible>(receive(&kept, req).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+        let serving = Arc::clone(&kept);
+        crate::loopback::serve_http1(listener, stop.clone(), move |req| {
+            let kept = Arc::clone(&serving);
+            async move { receive(&kept, req).await }
         });
         Ok(Self { addr, kept, stop })
     }
