@@ -11,7 +11,7 @@ use billet_controlplane_stub::ledger::{Lease, Phase};
 use billet_controlplane_stub::plane::{PlaneEvent, ScaleDown};
 use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
 use scaleset::JobRequestId;
-use scaleset::testing::JobState;
+use scaleset::testing::{Endpoint, Fault, JobState};
 
 /// How often the plane sends Tend (and Sweep).
 const TEND_INTERVAL: Duration = Duration::from_secs(2);
@@ -158,6 +158,79 @@ async fn a_runner_oom_killed_under_128_mib_frees_its_lease_failed_oom() -> Resul
     })
     .await?;
     a_runner_that_dies(&cluster, None, "oom").await?;
+    cluster.shutdown().await
+}
+
+/// A step of the job, not the runner, is OOM-killed: Docker marks the
+/// container OOM-killed, but the runner goes on, completes its job
+/// `succeeded` and exits 0. Seen by the independent tester of session 12:
+/// when the runner's exit reached the node before GitHub's completion
+/// reached the plane (delayed here), the lease was released `failed`,
+/// reason `oom`, for a job that succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_whose_step_is_oom_killed_and_that_completes_its_job_ends_done() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        tier_env: vec!["BILLET_STANDIN_MODE=oom-step".into()],
+        tier_memory_bytes: 128 << 20,
+        ..options(3_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    // GitHub's completion reaches the plane late, as it can: the runner's
+    // exit reaches the node first.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GetMessage, Duration::from_secs(20)));
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(90))
+        .await?;
+    // How the runner's container ended, while GitHub's completion is
+    // still on its way (`None` when it was removed first).
+    let mut exited = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while tokio::time::Instant::now() < deadline {
+        let Ok(container) = cluster
+            .docker
+            .inspect_container(&format!("billet-{}", lease.id), None)
+            .await
+        else {
+            break;
+        };
+        let state = container.state.unwrap_or_default();
+        if state.status == Some(bollard::models::ContainerStateStatusEnum::EXITED) {
+            exited = Some((state.exit_code, state.oom_killed));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(60)).await?;
+    cluster.emulator.clear_faults();
+    assert_eq!(
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .find(|j| j.id == jobs[0])
+            .and_then(|j| j.result.clone())
+            .as_deref(),
+        Some("succeeded")
+    );
+    assert_eq!(
+        (ended[0].phase, ended[0].failure_reason.as_deref()),
+        (Phase::Done, None),
+        "{ended:?}"
+    );
+    // The fault this test is about happened: a process in the container
+    // was OOM-killed and the runner still exited 0.
+    assert_eq!(
+        exited,
+        Some((Some(0), Some(true))),
+        "the runner's container did not end with exit 0 after an OOM kill inside it"
+    );
+    ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
 

@@ -91,13 +91,18 @@ impl SpotAction {
 
 impl EndReason {
     /// The reason an exit is, or `None` for exit 0: an ephemeral runner
-    /// exits 0 after its job, which is the job's own end.
+    /// exits 0 after its job, which is the job's own end, even when the
+    /// container is marked OOM-killed: the engine marks it for any process
+    /// of the container the OOM killer ended, and a job step ended so is
+    /// the job's failure to report, not the runner's (the runner that
+    /// exited 0 went on). Any other exit of an OOM-marked container is
+    /// [`EndReason::Oom`].
     pub fn from_exit(exit: Exit) -> Option<Self> {
         match exit {
+            Exit { code: 0, .. } => None,
             Exit {
                 oom_killed: true, ..
             } => Some(EndReason::Oom),
-            Exit { code: 0, .. } => None,
             Exit { code: 137, .. } => Some(EndReason::Killed),
             Exit { code, .. } => Some(EndReason::Exit(code)),
         }
@@ -276,6 +281,9 @@ mod tests {
             Some(EndReason::Exit(3))
         );
         assert_eq!(EndReason::from_exit(exit(0, false)), None);
+        // A step OOM-killed inside a runner that went on and exited 0.
+        assert_eq!(EndReason::from_exit(exit(0, true)), None);
+        assert_eq!(EndReason::from_exit(exit(1, true)), Some(EndReason::Oom));
         assert_eq!(
             EndReason::from_state(InstanceState::Removing),
             Some(EndReason::Killed)

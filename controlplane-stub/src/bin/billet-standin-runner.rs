@@ -46,6 +46,7 @@
 //! | `ignore-sigterm` | as `job`, but every SIGTERM, from start to exit, is logged and ignored: only SIGKILL (or SIGINT) stops it early |
 //! | `allocate` | takes a job, then allocates memory in 16 MiB chunks, writing every page, until killed: under a container memory limit it is OOM-killed (137). With `ALLOCATE_MIB` it stops there, holds the memory, and works and completes the job as `job` does |
 //! | `exit` | takes a job and exits with `EXIT_CODE` without completing it, as a runner that crashed mid-job: the emulator keeps the job running and the runner registered |
+//! | `oom-step` | takes a job and runs one step as a child process (this binary again, with `BILLET_STANDIN_STEP=allocate`) that allocates memory as `allocate` does until killed: under a container memory limit the OOM killer ends the step, not the runner, and Docker marks the container OOM-killed. The runner says how the step ended (`step ended: ...`), then works and completes the job as `job` does and exits 0, as `actions/runner` does when a step fails |
 //!
 //! At start, before anything else, it says on stderr what registry mirrors its node handed it
 //! (`registry mirrors: env <BILLET_REGISTRY_MIRRORS or unset>; daemon.json <the registry-mirrors
@@ -109,7 +110,7 @@ struct Cli {
     /// The encoded JIT config, as given to actions/runner.
     #[arg(long, env = "ACTIONS_RUNNER_INPUT_JITCONFIG", hide_env_values = true)]
     jitconfig: String,
-    /// What the runner does: job, never-connect, hang, ignore-sigterm, allocate or exit
+    /// What the runner does: job, never-connect, hang, ignore-sigterm, allocate, exit or oom-step
     ///
     ///   job             take a job, work, complete it, exit 0
     ///   never-connect   never ask the emulator anything; wait for a signal
@@ -118,6 +119,8 @@ struct Cli {
     ///   allocate        take a job, then allocate and write memory in 16 MiB chunks until
     ///                   killed, or up to --allocate-mib and then work and complete the job
     ///   exit            take a job and exit with --exit-code without completing it
+    ///   oom-step        take a job, run a step (a child process) that allocates memory until
+    ///                   killed, then work and complete the job and exit 0
     #[arg(
         long,
         verbatim_doc_comment,
@@ -198,17 +201,20 @@ enum Mode {
     Allocate,
     /// Take a job and exit with the configured code without completing it.
     Exit,
+    /// Take a job, run a step that is OOM-killed, then complete the job.
+    OomStep,
 }
 
 impl Mode {
     /// Every mode, in the order the documentation lists them.
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::Job,
         Self::NeverConnect,
         Self::Hang,
         Self::IgnoreSigterm,
         Self::Allocate,
         Self::Exit,
+        Self::OomStep,
     ];
 
     /// The mode's name in `BILLET_STANDIN_MODE`.
@@ -220,6 +226,7 @@ impl Mode {
             Self::IgnoreSigterm => "ignore-sigterm",
             Self::Allocate => "allocate",
             Self::Exit => "exit",
+            Self::OomStep => "oom-step",
         }
     }
 
@@ -1166,6 +1173,9 @@ impl Reporter {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    if std::env::var_os(STEP_ENV).is_some() {
+        return allocating_step();
+    }
     let cli = Cli::parse();
     let config = match JitConfig::decode(&cli.jitconfig) {
         Ok(config) => config,
@@ -1278,6 +1288,10 @@ async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, Failure> {
             let completed = emulator.work_and_complete(cli, job).await;
             drop(held);
             completed
+        }
+        Mode::OomStep => {
+            run_allocating_step(&config.runner_name).await?;
+            emulator.work_and_complete(cli, job).await
         }
         Mode::Exit => {
             eprintln!(
@@ -1483,6 +1497,42 @@ async fn allocate(runner_name: &str, cap_mib: Option<u64>) -> Vec<Vec<u8>> {
         tokio::task::yield_now().await;
     }
     held
+}
+
+/// Mode `oom-step`: runs one job step as a child process, this binary again with
+/// [`STEP_ENV`]`=allocate`, which allocates until killed, and says how it ended. The step's end
+/// is the job's business, as a failed step is to `actions/runner`: only a step that could not be
+/// started fails the runner.
+async fn run_allocating_step(runner_name: &str) -> Result<(), Failure> {
+    let exe = std::env::current_exe()
+        .map_err(|e| Failure::Runtime(format!("cannot find this binary to run a step: {e}")))?;
+    eprintln!(
+        "billet-standin-runner: runner {runner_name} runs a step that allocates memory until killed (mode oom-step)"
+    );
+    let status = tokio::process::Command::new(exe)
+        .env(STEP_ENV, "allocate")
+        .kill_on_drop(true)
+        .status()
+        .await
+        .map_err(|e| Failure::Runtime(format!("cannot run the step: {e}")))?;
+    eprintln!("billet-standin-runner: runner {runner_name} step ended: {status}");
+    Ok(())
+}
+
+/// Set on a step's process by mode `oom-step`: the process is that step, not a runner
+/// (`allocate`: allocate until killed).
+const STEP_ENV: &str = "BILLET_STANDIN_STEP";
+
+/// A step's process ([`STEP_ENV`]): allocates memory as mode `allocate` does, until killed.
+fn allocating_step() -> ExitCode {
+    let mut held = Vec::new();
+    loop {
+        let mut chunk = vec![0_u8; MIB_BYTES * ALLOCATE_CHUNK_MIB as usize];
+        for byte in chunk.iter_mut().step_by(TOUCH_STRIDE_BYTES) {
+            *byte = 1;
+        }
+        held.push(std::hint::black_box(chunk));
+    }
 }
 
 /// The size of the next chunk [`allocate`] takes, in MiB, once it holds `held_mib`; `None` when
@@ -1736,7 +1786,8 @@ mod tests {
                 "hang",
                 "ignore-sigterm",
                 "allocate",
-                "exit"
+                "exit",
+                "oom-step"
             ]
         );
         let cli = parse(&["--jitconfig", "x"]).unwrap();
