@@ -439,6 +439,128 @@ async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when
     cluster.shutdown().await
 }
 
+/// Issue #13, seen by session 12's independent tester: a node restarted
+/// (a crash, systemd's restart) while the Docker socket accepts connections
+/// and never answers, with a job running. It used to say nothing and serve
+/// nothing for 60 s, its start-up ping waiting, then exit 5, and again at
+/// every restart. It now comes up: within 45 s of the restart its local
+/// socket, its port and the plane's session all say it is degraded
+/// (provider stuck), nothing is minted for a job queued meanwhile, and once
+/// the engine answers it recovers the running job, which completes once,
+/// runs the queued one, and leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_while_the_engine_hangs_comes_up_degraded_and_recovers_when_it_answers()
+-> Result<()> {
+    let proxy = EngineProxy::start().await?;
+    let mut cluster = Cluster::start(ClusterOptions {
+        docker_socket: proxy.path.clone(),
+        work_ms: 30_000,
+        launch_timeout: Duration::from_secs(30),
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let starts = Starts::watch(&cluster);
+    let state = state_dir(&cluster, "node-1");
+    let link = Arc::clone(cluster.plane.node("node-1").context("node")?);
+    let running = cluster.queue_jobs(1);
+    wait_until(Duration::from_secs(60), "the job to run", || {
+        cluster
+            .emulator
+            .state()
+            .jobs
+            .iter()
+            .any(|j| j.state == JobState::Running)
+    })
+    .await?;
+    let containers = cluster.containers().await?;
+    let before = status(&state).await?.status.incarnation;
+
+    proxy.set_hung(true);
+    let restarted_at = Instant::now();
+    cluster
+        .nodes
+        .get_mut("node-1")
+        .context("node")?
+        .restart()
+        .await?;
+    let minted = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len();
+    let queued = cluster.queue_jobs(1);
+    eventually(
+        Duration::from_secs(45),
+        "the restarted node to come up and say it is degraded",
+        || async {
+            let observed = status(&state).await?;
+            let plane = link.status().borrow().clone().context("attached")?;
+            let port = port_serving(&cluster, "node-1").await?;
+            Ok((observed.status.incarnation != before
+                && !observed.serving
+                && has(
+                    &observed.status.degraded_reasons,
+                    pb::DegradedReason::ProviderStuck,
+                )
+                && !port
+                && plane.degraded()
+                && plane
+                    .health
+                    .reasons()
+                    .any(|r| r == pb::DegradedReason::ProviderStuck))
+            .then_some(()))
+        },
+    )
+    .await
+    .with_context(|| cluster.nodes["node-1"].log_text())?;
+    eprintln!(
+        "up and degraded {:?} after the restart",
+        restarted_at.elapsed()
+    );
+    assert!(
+        cluster
+            .nodes
+            .get_mut("node-1")
+            .context("node")?
+            .wait(Duration::from_secs(5))
+            .await
+            .is_err(),
+        "the node exited while the engine hung"
+    );
+    assert_eq!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len(),
+        minted,
+        "a registration was minted while the engine hung"
+    );
+    assert_eq!(cluster.containers().await?, containers);
+
+    proxy.set_hung(false);
+    eventually(
+        Duration::from_secs(60),
+        "the node to heal and recover",
+        || async {
+            let observed = status(&state).await?;
+            Ok((observed.serving
+                && observed.status.degraded_reasons.is_empty()
+                && observed.status.recovered)
+                .then_some(()))
+        },
+    )
+    .await?;
+    let jobs: Vec<_> = running.iter().chain(&queued).copied().collect();
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(180))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    for id in &jobs {
+        assert_eq!(starts.of(*id).len(), 1, "job {id}: {:?}", starts.of(*id));
+    }
+    assert!(cluster.emulator.state().runners.is_empty());
+    cluster.shutdown().await
+}
+
 /// Issue #13: the node's state directory on a small file system that
 /// fills up. The node says it is degraded (state disk low, journal not
 /// writable, the latter found by its own probe, not by a failed custody

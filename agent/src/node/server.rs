@@ -248,8 +248,14 @@ pub fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
     Ok(tls)
 }
 
+/// How long the start waits for the Docker engine's first answer before it
+/// starts without it (a hung engine; [`prepare`]).
+const START_PING_BOUND: Duration = Duration::from_secs(10);
+
 /// Loads everything that can fail before binding: TLS material, the state
-/// directory and the provider.
+/// directory and the provider (reachable; an engine that accepts
+/// connections and does not answer within [`START_PING_BOUND`] is left to
+/// the health probe, which reports it).
 ///
 /// # Errors
 ///
@@ -283,8 +289,23 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         },
     )?
     .with_registry_mirrors(mirrors);
-    docker.ping().await?;
-    let actions = prepare_actions(config, &docker).await?;
+    let engine_answered = match tokio::time::timeout(START_PING_BOUND, docker.ping()).await {
+        Ok(Ok(())) => true,
+        // Connected, and no answer: a hung engine. The node starts without
+        // it (issue #13): it attaches, says it is degraded (its health probe
+        // finds the engine stuck), takes no launch, and recovers and heals
+        // once the engine answers. An engine that cannot be reached at all
+        // is still exit 5: a wrong socket is fixed by the operator.
+        Ok(Err(crate::provider::ProviderError::Timeout { .. })) | Err(_) => {
+            warn!(socket = %config.docker_socket.display(), bound_s = START_PING_BOUND.as_secs(),
+                  "the Docker engine accepts connections but does not answer; starting without it: \
+                   the node reports itself degraded and takes no launch, and recovers what it holds \
+                   once the engine answers");
+            false
+        }
+        Ok(Err(e)) => return Err(e.into()),
+    };
+    let actions = prepare_actions(config, &docker, engine_answered).await?;
     Ok(Prepared {
         tls,
         provider: Arc::new(docker),
@@ -297,15 +318,24 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
 }
 
 /// Makes the Actions cache proxy's CA, reads its upstream's roots and
-/// binds its listener; `None` when it is off or the engine has no bridge.
+/// binds its listener; `None` when it is off, or its address is Docker's
+/// bridge gateway and the engine has no bridge or did not answer at start
+/// (`engine_answered`).
 async fn prepare_actions(
     config: &NodeConfig,
     docker: &DockerProvider,
+    engine_answered: bool,
 ) -> Result<Option<ActionsParts>, NodeError> {
     let fail = |e: String| NodeError::ActionsProxy(e);
     let addr = match config.actions_proxy.listen {
         ProxyListen::Off => return Ok(None),
         ProxyListen::At(addr) => addr,
+        ProxyListen::BridgeGateway if !engine_answered => {
+            warn!(
+                "no Actions cache proxy until the node restarts: Docker's bridge gateway is unknown while the engine does not answer (give --cache-proxy-listen to have one whatever the engine)"
+            );
+            return Ok(None);
+        }
         ProxyListen::BridgeGateway => match docker.bridge_gateway().await {
             Ok(ip) => std::net::SocketAddr::new(ip, crate::cache::actions::proxy::DEFAULT_PORT),
             Err(e) => {
@@ -387,7 +417,7 @@ fn say_cache_filesystem(dir: &std::path::Path, filesystem: &crate::cache::clone:
 pub struct Prepared {
     /// TLS material.
     pub tls: NodeTls,
-    /// The provider, reachable.
+    /// The provider, reachable (answering, or hung: [`prepare`]).
     pub provider: Arc<dyn Provider>,
     /// The node journal, readable.
     pub journal: Arc<dyn Journal>,
@@ -844,7 +874,8 @@ pub async fn run(
                 ),
         )
     };
-    // Journal read, provider answered, both listeners bound: what systemd
+    // Journal read, provider reached (answering, or hung and reported
+    // degraded by the health probe), both listeners bound: what systemd
     // may call ready. Recovery itself needs the plane and runs on its first
     // session; the local socket reports it (`recovered`).
     notify(&[sd_notify::NotifyState::Ready]);

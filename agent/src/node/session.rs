@@ -19,7 +19,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::edge::model::{NodeName, RequestId};
 use crate::edge::wire::{self, NodeCommand};
-use crate::node::health::Health;
+use crate::node::health::{Health, Reason};
 use crate::node::journal::{Durability, Journal};
 use crate::node::plane::{PlaneLink, SessionLink};
 use crate::node::runner::{Runner, RunnerError};
@@ -36,6 +36,10 @@ pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 pub const RECYCLE_DRAIN: Duration = Duration::from_secs(30);
 /// Messages buffered toward the plane per session.
 const OUTBOUND_BUFFER: usize = 256;
+
+/// How long a session's Hello waits for the provider's inventory before
+/// it says the inventory is unknown ([`NodeService::hello`]).
+const HELLO_INVENTORY_BOUND: Duration = Duration::from_secs(5);
 
 /// What the node says about itself in `Hello`.
 #[derive(Debug, Clone)]
@@ -161,8 +165,27 @@ impl NodeService {
         self
     }
 
+    /// The session's first message. Its inventory is asked of the
+    /// provider for at most [`HELLO_INVENTORY_BOUND`], and not at all while
+    /// the provider is known stuck: a hung engine must not keep the plane
+    /// from attaching (its Hello deadline is 30 s, and a node that cannot
+    /// attach cannot say it is degraded). An inventory not read is sent as
+    /// unknown, which the plane takes as no evidence either way.
     async fn hello(&self) -> pb::Hello {
-        let (instances, inventory_known) = match self.runner.instances().await {
+        let health = self.health.snapshot();
+        let listed = if health.reasons.contains(&Reason::ProviderStuck) {
+            Err("the provider is stuck".to_owned())
+        } else {
+            match tokio::time::timeout(HELLO_INVENTORY_BOUND, self.runner.instances()).await {
+                Ok(Ok(ids)) => Ok(ids),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!(
+                    "the provider did not answer within {}s",
+                    HELLO_INVENTORY_BOUND.as_secs()
+                )),
+            }
+        };
+        let (instances, inventory_known) = match listed {
             Ok(ids) => (
                 ids.into_iter().map(|l| l.as_str().to_owned()).collect(),
                 true,
@@ -173,7 +196,6 @@ impl NodeService {
             }
         };
         let id = &self.identity;
-        let health = self.health.snapshot();
         pb::Hello {
             protocol_version: billet_proto::PROTOCOL_VERSION,
             deployment: id.deployment.clone(),
