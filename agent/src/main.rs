@@ -10,6 +10,19 @@ use billet_agent::node::server;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
+/// Says why the node stops, as an error event; on stderr instead when the
+/// log filter drops errors (`BILLET_LOG=off`), so the node never exits
+/// non-zero without a word.
+macro_rules! fatal {
+    ($($arg:tt)*) => {
+        if tracing::enabled!(tracing::Level::ERROR) {
+            error!($($arg)*);
+        } else {
+            eprintln!("billet: {}", format_args!($($arg)*));
+        }
+    };
+}
+
 fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     match cli::parse(&args) {
@@ -62,7 +75,7 @@ fn node(args: NodeArgs) -> ExitCode {
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
-            error!("cannot start the async runtime: {e}");
+            fatal!("cannot start the async runtime: {e}");
             return ExitCode::from(exit::SERVE);
         }
     };
@@ -70,14 +83,14 @@ fn node(args: NodeArgs) -> ExitCode {
         let mut prepared = match server::prepare(&config).await {
             Ok(p) => p,
             Err(e) => {
-                error!("{e}");
+                fatal!("{e}");
                 return ExitCode::from(exit::for_node_error(&e));
             }
         };
         let listener = match tokio::net::TcpListener::bind(listen).await {
             Ok(l) => l,
             Err(e) => {
-                error!("cannot listen on {listen}: {e}");
+                fatal!("cannot listen on {listen}: {e}");
                 return ExitCode::from(exit::BIND);
             }
         };
@@ -85,20 +98,20 @@ fn node(args: NodeArgs) -> ExitCode {
             match tokio::net::TcpListener::bind(addr).await {
                 Ok(l) => prepared.metrics = Some(l),
                 Err(e) => {
-                    error!("cannot listen for metrics (--metrics-listen) on {addr}: {e}");
+                    fatal!("cannot listen for metrics (--metrics-listen) on {addr}: {e}");
                     return ExitCode::from(exit::BIND);
                 }
             }
         }
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         if let Err(e) = server::stop_on_signals(drain.clone(), shutdown.clone()) {
-            error!("cannot handle SIGTERM: {e}");
+            fatal!("cannot handle SIGTERM: {e}");
             return ExitCode::from(exit::SERVE);
         }
         match server::run(config, prepared, listener, drain, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                error!("{e}");
+                fatal!("{e}");
                 ExitCode::from(exit::for_node_error(&e))
             }
         }

@@ -924,6 +924,25 @@ impl Plane {
             delay
         };
         warn!(%reason, custody, retry_in = ?delay, "the launch did not end with a runner; the job gets a fresh lease");
+        if !matches!(outcome, CommandOutcome::Lost(_)) {
+            // The lease says why its launch failed, so an operator reading
+            // the ledger sees what a launch that keeps failing (a tier the
+            // engine refuses) fails on: one the plane ends now, and one the
+            // node holds until what it started is proven gone (it ends it
+            // `failed` then; the job has a fresh lease meanwhile).
+            if let Err(e) = self
+                .ledger
+                .mark_failure(
+                    &lease.id,
+                    lease.epoch,
+                    &launch_failure_reason(&reason),
+                    crate::now_ms(),
+                )
+                .await
+            {
+                warn!(error = %e, "recording why a launch failed");
+            }
+        }
         if !custody && !matches!(outcome, CommandOutcome::Lost(_)) {
             // Nothing was started: the plane ends the lease itself (a lost
             // launch's lease was ended above, with the mint check).
@@ -1561,6 +1580,21 @@ impl Scaler for PlaneScaler {
         Ok(())
     }
 }
+
+/// The failure reason a lease whose launch failed is ended with: `launch: `
+/// and what the node (or the session) said, at most
+/// [`LAUNCH_FAILURE_REASON_CHARS`] characters of it.
+fn launch_failure_reason(described: &str) -> String {
+    let mut reason = format!("launch: {described}");
+    if let Some((cut, _)) = reason.char_indices().nth(LAUNCH_FAILURE_REASON_CHARS) {
+        reason.truncate(cut);
+    }
+    reason
+}
+
+/// The longest failure reason [`launch_failure_reason`] records, in
+/// characters.
+const LAUNCH_FAILURE_REASON_CHARS: usize = 500;
 
 #[cfg(test)]
 mod tests {

@@ -830,3 +830,71 @@ async fn six_idle_runners_whose_registrations_github_deleted_are_reaped_only_aft
     .await?;
     cluster.shutdown().await
 }
+
+/// A tier the engine refuses after the mint (memory under Docker's 6 MB
+/// minimum): every launch fails at the create, its registration is removed
+/// before the next is minted, and each failed lease says why in the ledger.
+/// Seen by session 12's independent tester: the leases ended `failed` with
+/// no reason, so an operator reading the ledger could not tell what the job
+/// was waiting on. The job stays covered (a fresh lease after each backoff)
+/// and, cancelled at GitHub, leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_the_engine_refuses_ends_its_lease_failed_saying_why_and_leaks_nothing()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        tier_memory_bytes: 1 << 20,
+        ..options(2_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    let mut most_registrations = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let failed = loop {
+        most_registrations = most_registrations.max(cluster.emulator.state().runners.len());
+        let failed: Vec<_> = cluster
+            .plane
+            .ledger()
+            .leases()
+            .await?
+            .into_iter()
+            .filter(|l| l.phase == Phase::Failed)
+            .collect();
+        let refused = failed.iter().any(|l| {
+            l.failure_reason
+                .as_deref()
+                .is_some_and(|r| r.contains("memory"))
+        });
+        if failed.len() >= 2 && refused {
+            break failed;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "within 60 s, not two failed leases of which one names the engine's refusal: {failed:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Each says why: the engine's refusal, or (a launch for the request
+    // while the last one's failed create is still being cleaned up) that.
+    for lease in &failed {
+        let reason = lease.failure_reason.as_deref().unwrap_or_default();
+        assert!(
+            reason.starts_with("launch: "),
+            "lease {} failed without saying why: {reason:?}",
+            lease.id
+        );
+    }
+    assert!(
+        most_registrations <= 1,
+        "registrations piled up: {most_registrations}"
+    );
+    for job in &jobs {
+        cluster.emulator.complete_job(*job, Some("cancelled"));
+    }
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    wait_until(Duration::from_secs(60), "no registration left", || {
+        cluster.emulator.state().runners.is_empty()
+    })
+    .await?;
+    cluster.shutdown().await
+}

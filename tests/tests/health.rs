@@ -165,6 +165,28 @@ fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Res
         .context("the error")?;
     let json: serde_json::Value = serde_json::from_str(line).context("a JSON line")?;
     assert_eq!(json["level"], "ERROR", "{line}");
+    // Logging turned off does not silence why the node stops (seen by
+    // session 12's tester: exit 3 and not a word).
+    let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
+        .args([
+            "node",
+            "--listen",
+            "127.0.0.1:0",
+            "--cert",
+            "/nonexistent/cert.pem",
+            "--key",
+            "/nonexistent/key.pem",
+            "--ca",
+            "/nonexistent/ca.pem",
+        ])
+        .env("BILLET_LOG", "off")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/cert.pem"),
+        "BILLET_LOG=off: {stderr:?}"
+    );
     Ok(())
 }
 
