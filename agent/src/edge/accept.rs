@@ -14,6 +14,8 @@
 //!   [`REFUSAL_LOG_WINDOW`], and the first of each reason in the window);
 //!   past that they are counted, and the count is logged once per window
 //!   with the reasons.
+//! - A failed accept (out of descriptors) backs off and is logged at a
+//!   bounded rate ([`AcceptErrors`]).
 //!
 //! What comes out is an [`Accepted`]: the TLS stream, the peer, and when the
 //! first of the two certificates it was authenticated with expires, so the
@@ -34,6 +36,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
+use crate::edge::listen::AcceptErrors;
 use crate::edge::tls::{Validity, dns_names};
 
 /// How long a peer may take to finish the TLS handshake. Short: an mTLS
@@ -346,6 +349,7 @@ pub fn accept(
     let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
     let pending = Arc::new(Mutex::new(Pending::default()));
     let log = Arc::new(Mutex::new(RefusalLog::new(Instant::now())));
+    let mut errors = AcceptErrors::new("plane");
     tokio::spawn(
         async move {
             let mut roll = tokio::time::interval(REFUSAL_LOG_WINDOW);
@@ -362,12 +366,13 @@ pub fn accept(
                     Ok(pair) => pair,
                     Err(e) => {
                         // Out of descriptors, most likely: give the
-                        // handshakes in flight a moment to finish.
-                        warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        // handshakes in flight a moment to finish, longer
+                        // each time, and say so at a bounded rate.
+                        errors.back_off(&e).await;
                         continue;
                     }
                 };
+                errors.accepted();
                 if let Err(e) = tcp.set_nodelay(true) {
                     debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                 }

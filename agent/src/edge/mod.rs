@@ -4,7 +4,8 @@
 //! as newtypes, phases, tiers, the JIT config as a credential), the
 //! conversion from and to generated proto types with every field checked
 //! ([`wire`]), and mTLS material ([`tls`]) and the
-//! listener's accept loop with its limits ([`accept`]), and the one call
+//! listener's accept loop with its limits ([`accept`]), the secondary
+//! listeners' connection caps and accept backoff ([`listen`]), and the one call
 //! the node dials, re-enrolment at the plane's endpoint ([`enroll`]).
 //!
 //! May not touch: lease state, the provider or the journal. Nothing past
@@ -12,6 +13,7 @@
 
 pub mod accept;
 pub mod enroll;
+pub mod listen;
 pub mod model;
 pub mod tls;
 pub mod wire;
