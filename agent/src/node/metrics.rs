@@ -31,7 +31,7 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::edge::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
 use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
@@ -539,9 +539,17 @@ pub fn certificate_expiry(path: &std::path::Path) -> Option<SystemTime> {
 /// Reads the state the gauges show, just before each scrape is encoded.
 pub type Scrape = Arc<dyn Fn(&Metrics) + Send + Sync>;
 
+/// Most connections the metrics listener holds open at once
+/// ([`crate::edge::listen::ConnectionCap`]); past it the oldest is dropped.
+/// A scraper needs one, and a scrape takes milliseconds, so one dialed into
+/// a flood of idle connections is served long before it is the oldest.
+pub const MAX_METRICS_CONNECTIONS: usize = 64;
+
 /// Serves `GET /metrics` on `listener` until `shutdown`: `scrape` runs, then
 /// `registry` is encoded. Any other path is 404. HTTP/1 only, one task per
-/// connection.
+/// connection, at most [`MAX_METRICS_CONNECTIONS`] open (the oldest dropped
+/// for a newcomer); a failed accept backs off and is logged at a bounded
+/// rate ([`crate::edge::listen::AcceptErrors`]).
 pub async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
@@ -549,28 +557,39 @@ pub async fn serve(
     scrape: Scrape,
     shutdown: CancellationToken,
 ) {
+    use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
     use http_body_util::Full;
     use hyper::body::Bytes;
     use hyper::{Request, Response, StatusCode};
+    let cap = ConnectionCap::new("metrics", MAX_METRICS_CONNECTIONS, AtCap::DropOldest);
+    let mut errors = AcceptErrors::new("metrics");
     loop {
         let stream = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    warn!(error = %e, "metrics listener: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    errors.back_off(&e).await;
                     continue;
                 }
             },
         };
+        errors.accepted();
+        let Some(admitted) = cap.admit() else {
+            continue;
+        };
+        let admitted = Arc::new(admitted);
         let (registry, metrics, scrape) = (registry.clone(), metrics.clone(), scrape.clone());
         let shutdown = shutdown.clone();
         tokio::spawn(async move {
+            let place = admitted.clone();
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let (registry, metrics, scrape) =
                     (registry.clone(), metrics.clone(), scrape.clone());
+                // A scrape in progress is not dropped for a newcomer.
+                let busy = place.busy();
                 async move {
+                    let _busy = busy;
                     if req.uri().path() == "/metrics" {
                         scrape(&metrics);
                         let mut body = String::new();
@@ -597,6 +616,7 @@ pub async fn serve(
                 served = connection => if let Err(e) = served {
                     debug!(error = %e, "metrics connection ended");
                 },
+                () = admitted.dropped() => {}
                 () = shutdown.cancelled() => {}
             }
         });
@@ -1188,5 +1208,50 @@ mod tests {
             text.contains("billet_command_duration_seconds_count{kind=\"launch\"} 1"),
             "{text}"
         );
+    }
+
+    /// Issue #13's metrics flood: idle connections cannot hold more than
+    /// the cap, and a scrape dialed into them is still answered.
+    #[tokio::test]
+    async fn idle_connections_past_the_cap_drop_the_oldest_and_a_scrape_is_still_answered() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        const CAP: usize = 64; // MAX_METRICS_CONNECTIONS, spelled so main's serve compiles too
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::new(&mut registry, "v", "c"));
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve(
+            listener,
+            Arc::new(registry),
+            metrics,
+            Arc::new(|_: &Metrics| {}),
+            shutdown.clone(),
+        ));
+        let mut idle = Vec::new();
+        for _ in 0..CAP {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut scrape = tokio::net::TcpStream::connect(addr).await.unwrap();
+        scrape
+            .write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), scrape.read_to_string(&mut answer))
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("billet_build_info"), "{answer}");
+        let mut buf = [0_u8; 16];
+        let closed = tokio::time::timeout(Duration::from_secs(2), idle[0].read(&mut buf)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0) | Err(_))),
+            "the oldest idle connection is closed at once, not after the header timeout: {closed:?}"
+        );
+        let still = tokio::time::timeout(Duration::from_millis(200), idle[1].read(&mut buf)).await;
+        assert!(still.is_err(), "the others stay open: {still:?}");
+        shutdown.cancel();
     }
 }
