@@ -545,21 +545,39 @@ impl Drop for Sessions {
     }
 }
 
+/// Most connections one cache session's socket holds open at once; past it
+/// a new one is closed at once ([`crate::edge::listen::ConnectionCap`]). The
+/// session answers one request at a time, so a well guest needs one or two;
+/// the cap keeps a guest from taking the node's file descriptors.
+pub const MAX_SESSION_CONNECTIONS: usize = 8;
+
+/// Serves the session's socket until `stop`, at most
+/// [`MAX_SESSION_CONNECTIONS`] connections open; a failed accept (out of
+/// descriptors) backs off and is logged at a bounded rate, and the socket
+/// goes on serving (it used to end the guest's cache API for good).
 async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: CancellationToken) {
+    use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
+    let cap = ConnectionCap::new("cache_session", MAX_SESSION_CONNECTIONS, AtCap::Refuse);
+    let mut errors = AcceptErrors::new("cache_session");
     loop {
         let stream = tokio::select! {
             () = stop.cancelled() => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    warn!(lease = %session.lease, error = %e, "the cache session's socket failed");
-                    return;
+                    errors.back_off(&e).await;
+                    continue;
                 }
             },
+        };
+        errors.accepted();
+        let Some(admitted) = cap.admit() else {
+            continue;
         };
         let session = session.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
+            let _admitted = admitted;
             let service = hyper::service::service_fn(move |req| {
                 let session = session.clone();
                 async move { Ok::<_, Infallible>(handle(&session, req).await) }
@@ -1046,6 +1064,36 @@ mod tests {
             store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
             Some(crate::cache::store::Generation(1))
         );
+    }
+
+    /// A guest holding connections open cannot take more than the
+    /// session's cap of the node's descriptors: the one past it is closed
+    /// at once, and the guest's API answers again once it lets one go.
+    #[tokio::test]
+    async fn a_guests_connections_past_the_cap_are_closed_at_once() {
+        const CAP: usize = 8; // MAX_SESSION_CONNECTIONS, spelled so main's session compiles too
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, _) = mounted(&store, &sessions, "l1").await;
+        let socket = a.dir.join(SOCKET_NAME);
+        let mut idle = Vec::new();
+        for _ in 0..CAP {
+            idle.push(tokio::net::UnixStream::connect(&socket).await.unwrap());
+        }
+        let mut over = tokio::net::UnixStream::connect(&socket).await.unwrap();
+        let mut buf = [0_u8; 16];
+        let closed =
+            tokio::time::timeout(std::time::Duration::from_secs(2), over.read(&mut buf)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0) | Err(_))),
+            "past the cap: closed at once: {closed:?}"
+        );
+        drop(idle.pop());
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let (status, body) = call(&a.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 200, "{body}");
     }
 
     #[tokio::test]

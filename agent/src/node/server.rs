@@ -869,7 +869,9 @@ pub async fn run(
                 .add_service(local_reflection_alpha)
                 .add_service(pb::local_server::LocalServer::new(local_service))
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(local),
+                    // tonic retries a failed accept at once, which spins
+                    // while the node is out of descriptors.
+                    crate::edge::listen::unix_incoming(local, "local"),
                     shutdown.cancelled_owned(),
                 ),
         )

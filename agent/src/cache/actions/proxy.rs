@@ -62,6 +62,14 @@ pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 pub const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
 /// The user a proxy credential names.
 pub const PROXY_USER: &str = "billet";
+/// Most connections the proxy holds open at once, tunnels included (each
+/// may hold a second descriptor, its splice to the upstream); past it a new
+/// connection is closed at once ([`crate::edge::listen::ConnectionCap`]),
+/// which a guest's cache client takes for a miss. Refused rather than the
+/// oldest dropped, because the oldest is a download in progress. Room for
+/// a few concurrent transfers of every guest, without letting the guests
+/// take the descriptors the plane's session, the journal and Docker need.
+pub const MAX_PROXY_CONNECTIONS: usize = 128;
 
 /// Why the proxy cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -238,23 +246,33 @@ impl ActionsProxy {
     }
 
     /// Serves `listener` until `stop`; each connection in a task of its
-    /// own, cut when `stop` fires.
+    /// own, cut when `stop` fires, at most [`MAX_PROXY_CONNECTIONS`] open
+    /// (a tunnel counts until it ends); a failed accept backs off and is
+    /// logged at a bounded rate ([`crate::edge::listen::AcceptErrors`]).
     pub async fn serve(
         self: Arc<Self>,
         listener: tokio::net::TcpListener,
         stop: CancellationToken,
     ) {
+        use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
+        let cap = ConnectionCap::new("actions_proxy", MAX_PROXY_CONNECTIONS, AtCap::Refuse);
+        let mut errors = AcceptErrors::new("actions_proxy");
         loop {
             let stream = tokio::select! {
                 () = stop.cancelled() => return,
                 accepted = listener.accept() => match accepted {
                     Ok((stream, _)) => stream,
                     Err(e) => {
-                        warn!(error = %e, "the Actions cache proxy cannot accept; trying again");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        errors.back_off(&e).await;
                         continue;
                     }
                 },
+            };
+            errors.accepted();
+            // Shared with the tunnel the connection may become, which
+            // outlives the HTTP connection: the place is held until both end.
+            let Some(admitted) = cap.admit().map(Arc::new) else {
+                continue;
             };
             let _ = stream.set_nodelay(true);
             let proxy = self.clone();
@@ -264,7 +282,8 @@ impl ActionsProxy {
                 let service = hyper::service::service_fn(move |req| {
                     let proxy = proxy.clone();
                     let stop = stop.clone();
-                    async move { Ok::<_, Infallible>(proxy.connect(req, stop)) }
+                    let admitted = admitted.clone();
+                    async move { Ok::<_, Infallible>(proxy.connect(req, stop, admitted)) }
                 });
                 let connection = hyper::server::conn::http1::Builder::new()
                     .max_buf_size(MAX_HEAD_BYTES)
@@ -281,6 +300,7 @@ impl ActionsProxy {
         self: &Arc<Self>,
         req: Request<hyper::body::Incoming>,
         stop: CancellationToken,
+        admitted: Arc<crate::edge::listen::Admitted>,
     ) -> Response<Empty<Bytes>> {
         if req.method() != Method::CONNECT {
             return status(StatusCode::METHOD_NOT_ALLOWED);
@@ -303,6 +323,7 @@ impl ActionsProxy {
         }
         let proxy = self.clone();
         tokio::spawn(async move {
+            let _admitted = admitted;
             let upgraded = match hyper::upgrade::on(req).await {
                 Ok(u) => u,
                 Err(e) => {

@@ -1161,3 +1161,36 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
         "nothing is left in the trash"
     );
 }
+
+/// Idle connections cannot take more than the proxy's cap of descriptors:
+/// the one past it is closed at once, those under it go on, and a place
+/// freed is used again (issue #13's flood, on the proxy's port).
+#[tokio::test]
+async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_again() {
+    const CAP: usize = 128; // MAX_PROXY_CONNECTIONS, spelled so main's proxy compiles too
+    let (addr, pem, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((addr, &pem), Arc::new(MemoryJournal::default()), scratch()).await;
+    let url = node.proxy.guest_url(&node.token);
+    let at = url.expose().rsplit_once('@').unwrap().1.to_owned();
+    let mut idle = Vec::new();
+    for _ in 0..CAP {
+        idle.push(tokio::net::TcpStream::connect(&at).await.unwrap());
+    }
+    let mut over = tokio::net::TcpStream::connect(&at).await.unwrap();
+    let mut buf = [0_u8; 16];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(2), over.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0) | Err(_))),
+        "past the cap: closed at once, not after the first request's timeout: {closed:?}"
+    );
+    let still = tokio::time::timeout(
+        std::time::Duration::from_millis(200),
+        idle[0].read(&mut buf),
+    )
+    .await;
+    assert!(still.is_err(), "those under the cap go on: {still:?}");
+    drop(idle.pop());
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (status, _) = connect(&node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
+    assert_eq!(status, 200, "a freed place is used again");
+}
