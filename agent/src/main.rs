@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use billet_agent::cli::{self, Cli, Command, NodeArgs, exit, host_upgrade};
 use billet_agent::node::server;
 use tokio_util::sync::CancellationToken;
-use tracing::error;
+use tracing::{error, info, warn};
 
 /// Says why the node stops, as an error event; on stderr instead when the
 /// log filter drops errors (`BILLET_LOG=off`), so the node never exits
@@ -71,6 +71,29 @@ fn node(args: NodeArgs) -> ExitCode {
         && let Some(code) = host_upgrade::settle_upgrade(&config.state_dir)
     {
         return code;
+    }
+    // Before anything opens a file or a socket; logged once.
+    match server::raise_open_files_limit() {
+        Ok(files) => {
+            let shown =
+                |n: Option<u64>| n.map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+            info!(
+                soft = %shown(files.soft),
+                hard = %shown(files.hard),
+                was = %shown(files.was),
+                "open files limit (RLIMIT_NOFILE): the soft limit is raised to the hard one"
+            );
+            if files.soft.is_some_and(|n| n < server::OPEN_FILES_WANTED) {
+                warn!(
+                    soft = %shown(files.soft),
+                    wanted = server::OPEN_FILES_WANTED,
+                    "the node may open few files; raise its hard limit (the unit's LimitNOFILE=)"
+                );
+            }
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot raise the open files limit (RLIMIT_NOFILE); running with the one inherited")
+        }
     }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,

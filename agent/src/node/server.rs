@@ -433,6 +433,54 @@ pub struct Prepared {
     pub actions: Option<ActionsParts>,
 }
 
+/// Below this many open files the node warns at start: room for the
+/// plane's session, the journal, the Docker engine's connections and the
+/// secondary listeners' caps with every tier's jobs running, with margin.
+pub const OPEN_FILES_WANTED: u64 = 8192;
+
+/// The node's open-files limit (`RLIMIT_NOFILE`) once
+/// [`raise_open_files_limit`] has run; `None` is unlimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenFiles {
+    /// The soft limit before.
+    pub was: Option<u64>,
+    /// The soft limit now: what the node runs with.
+    pub soft: Option<u64>,
+    /// The hard limit, which only root (or the unit's `LimitNOFILE=`) moves.
+    pub hard: Option<u64>,
+}
+
+/// Raises the soft open-files limit to the hard one, as Go's runtime does
+/// at start since Go 1.19: the soft limit of 1,024 that systemd and most
+/// shells hand out exists for programs that use `select(2)`, which the
+/// node does not (tokio polls with epoll), and a node at 1,024 can be run
+/// out of descriptors by connections to its ports (issue #13). Children
+/// (`billet host-upgrade`, `docker` helpers) inherit the raised limit.
+///
+/// # Errors
+///
+/// `setrlimit` refused (it does not, for a soft limit at or under the
+/// hard one); the limit is then unchanged.
+pub fn raise_open_files_limit() -> std::io::Result<OpenFiles> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let before = getrlimit(Resource::Nofile);
+    if before.current != before.maximum {
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: before.maximum,
+                maximum: before.maximum,
+            },
+        )?;
+    }
+    let after = getrlimit(Resource::Nofile);
+    Ok(OpenFiles {
+        was: before.current,
+        soft: after.current,
+        hard: after.maximum,
+    })
+}
+
 /// Turns SIGTERM and Ctrl-C into the node's stop: the first cancels
 /// `drain` (no new launches; running jobs finish), a second cancels
 /// `shutdown` (stop at once; running compute is left for the next process
