@@ -44,6 +44,21 @@ async fn the_hardened_unit_runs_a_job_reloads_on_sighup_and_outlives_a_docker_re
     );
     let pid = host.property(NODE_UNIT, "MainPID")?;
 
+    // The open-files limit the node runs with: not systemd's default soft
+    // 1,024, and the soft limit at the hard one. The unit asks for 65,536;
+    // a container whose own hard limit is lower (20,000 on the test
+    // machine) gets that.
+    let limits = host.run(&["cat", &format!("/proc/{pid}/limits")])?;
+    let files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .context("the node's open files limit")?;
+    let (soft, hard): (u64, u64) = match files.split_whitespace().collect::<Vec<_>>()[..] {
+        [_, _, _, soft, hard, ..] => (soft.parse()?, hard.parse()?),
+        _ => anyhow::bail!("unreadable: {files}"),
+    };
+    assert!(soft == hard && soft >= 8192, "{files}");
+
     // Enforced, not only configured: the node's root is read-only.
     let mounts = host.run(&["cat", &format!("/proc/{pid}/mountinfo")])?;
     let root = mounts
