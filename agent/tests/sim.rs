@@ -584,6 +584,14 @@ fn a_jit_config_used_twice_fails_the_seed() {
 }
 
 #[test]
+fn a_finished_runner_read_as_dead_fails_the_seed() {
+    assert_caught(
+        Sabotage::FailCleanExit,
+        "invariant (6) no finished runner read as dead",
+    );
+}
+
+#[test]
 fn a_lease_minted_twice_fails_the_seed() {
     assert_caught(Sabotage::MintTwice, "invariant (5) no lease minted twice");
 }

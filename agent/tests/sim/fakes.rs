@@ -122,6 +122,8 @@ pub enum Sabotage {
     PanicInPlaneTask,
     /// A task nobody joins panics.
     PanicInDetachedTask,
+    /// A lease whose runner exited 0 is recorded `failed`, reason `oom`.
+    FailCleanExit,
 }
 
 /// One lease row of the ledger.
@@ -253,6 +255,9 @@ pub struct Core {
     pub crash: Option<Crash>,
     pub crashed: bool,
     pub violations: Vec<String>,
+    /// Runners (by instance name) whose container exited 0: they ended
+    /// with their job, whatever the engine's OOM flag says (invariant 6).
+    pub clean_exits: BTreeSet<String>,
     /// Ledger and GitHub events since the world last drained them.
     pub events: Vec<String>,
     pub verbose: bool,
@@ -299,6 +304,7 @@ impl Core {
             crash: None,
             crashed: false,
             violations: Vec::new(),
+            clean_exits: BTreeSet::new(),
             events: Vec::new(),
             verbose,
             tally: BTreeMap::new(),
@@ -507,6 +513,17 @@ impl Core {
             )));
         }
         row.failure_reason.get_or_insert_with(|| reason.to_owned());
+        // A runner that exited 0 ended with its job, whatever else the
+        // engine says of its container (the OOM flag of a step killed
+        // inside it): its lease is not a death.
+        let name = name_of(id);
+        if (reason == "oom" || reason == "killed" || reason.starts_with("exit "))
+            && self.clean_exits.contains(&name)
+        {
+            self.violate(format!(
+                "invariant (6) no finished runner read as dead: lease {id} is marked failed ({reason}) though {name} exited 0"
+            ));
+        }
         Ok(())
     }
 

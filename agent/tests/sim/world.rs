@@ -741,6 +741,9 @@ impl World {
     /// A runner's container exits and stays, as Docker keeps it: present,
     /// not running, with its exit code and OOM flag.
     fn exit(&self, name: &str, exit: Exit) {
+        if exit.code == 0 {
+            self.shared.lock().clean_exits.insert(name.to_owned());
+        }
         self.fake.exit(name, exit.code, exit.oom_killed);
     }
 
@@ -751,11 +754,15 @@ impl World {
         if remove {
             self.fake.remove_behind_back(name);
         } else {
+            // Sometimes a step of the job was OOM-killed inside the
+            // container and the runner went on: Docker marks the container
+            // OOM-killed all the same, exit 0.
+            let oom_killed = self.rng.chance(10);
             self.exit(
                 name,
                 Exit {
                     code: 0,
-                    oom_killed: false,
+                    oom_killed,
                 },
             );
         }
@@ -1731,6 +1738,17 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
             log_line(&format!("[seed {seed} step {}] -- {step:?}", world.step));
         }
         world.run_step(step).await;
+        if world.gates.sabotage == Some(Sabotage::FailCleanExit) {
+            let mut c = world.shared.lock();
+            let exited_clean = c
+                .open
+                .iter()
+                .find(|id| c.clean_exits.contains(&name_of(id)));
+            if let Some(id) = exited_clean.cloned() {
+                let epoch = Epoch(c.leases[&id].epoch);
+                let _ = c.mark_failure(&id, epoch, "oom");
+            }
+        }
         if world.gates.sabotage == Some(Sabotage::KillBusyRunner) {
             let live = world.live_jobs();
             let busy: Vec<String> = {
