@@ -112,35 +112,9 @@ async fn a_node_clock_five_minutes_behind_runs_and_cleans_up_jobs_like_one_in_sy
     jobs_run_and_clean_up_with_the_node_clock_off_by("-300", -300_000).await
 }
 
-/// `BILLET_LOG` with a typo stops start-up with exit 2 and a message
-/// naming the variable, instead of silencing the node.
-#[test]
-fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Result<()> {
-    billet_tests::image::build_process_binaries()?;
-    for value in ["inf", "json", "billet=loud"] {
-        let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
-            .args([
-                "node",
-                "--listen",
-                "127.0.0.1:0",
-                "--cert",
-                "/nonexistent/cert.pem",
-                "--key",
-                "/nonexistent/key.pem",
-                "--ca",
-                "/nonexistent/ca.pem",
-            ])
-            .env("BILLET_LOG", value)
-            .output()?;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "BILLET_LOG={value}: {stderr}");
-        assert!(
-            stderr.contains("BILLET_LOG"),
-            "BILLET_LOG={value}: {stderr}"
-        );
-    }
-    // A valid one still starts far enough to fail on the certificate (3),
-    // and that error reaches stderr.
+/// `billet node` started with `BILLET_LOG=log` and `extra` arguments on
+/// certificates that do not exist: its exit code and its stderr.
+fn start_without_certificates(log: &str, extra: &[&str]) -> Result<(Option<i32>, String)> {
     let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
         .args([
             "node",
@@ -152,13 +126,34 @@ fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Res
             "/nonexistent/key.pem",
             "--ca",
             "/nonexistent/ca.pem",
-            "--log-format",
-            "json",
         ])
-        .env("BILLET_LOG", "billet=debug,info")
+        .args(extra)
+        .env("BILLET_LOG", log)
         .output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// `BILLET_LOG` with a typo stops start-up with exit 2 and a message
+/// naming the variable, instead of silencing the node.
+#[test]
+fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Result<()> {
+    billet_tests::image::build_process_binaries()?;
+    for value in ["inf", "json", "billet=loud"] {
+        let (code, stderr) = start_without_certificates(value, &[])?;
+        assert_eq!(code, Some(2), "BILLET_LOG={value}: {stderr}");
+        assert!(
+            stderr.contains("BILLET_LOG"),
+            "BILLET_LOG={value}: {stderr}"
+        );
+    }
+    // A valid one still starts far enough to fail on the certificate (3),
+    // and that error reaches stderr.
+    let (code, stderr) =
+        start_without_certificates("billet=debug,info", &["--log-format", "json"])?;
+    assert_eq!(code, Some(3), "{stderr}");
     let line = stderr
         .lines()
         .find(|l| l.contains("cert.pem"))
@@ -167,22 +162,8 @@ fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Res
     assert_eq!(json["level"], "ERROR", "{line}");
     // Logging turned off does not silence why the node stops (seen by
     // session 12's tester: exit 3 and not a word).
-    let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
-        .args([
-            "node",
-            "--listen",
-            "127.0.0.1:0",
-            "--cert",
-            "/nonexistent/cert.pem",
-            "--key",
-            "/nonexistent/key.pem",
-            "--ca",
-            "/nonexistent/ca.pem",
-        ])
-        .env("BILLET_LOG", "off")
-        .output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    let (code, stderr) = start_without_certificates("off", &[])?;
+    assert_eq!(code, Some(3), "{stderr}");
     assert!(
         stderr.contains("/nonexistent/cert.pem"),
         "BILLET_LOG=off: {stderr:?}"
