@@ -1071,7 +1071,7 @@ mod tests {
     /// at once, and the guest's API answers again once it lets one go.
     #[tokio::test]
     async fn a_guests_connections_past_the_cap_are_closed_at_once() {
-        const CAP: usize = 8; // MAX_SESSION_CONNECTIONS, spelled so main's session compiles too
+        const CAP: usize = MAX_SESSION_CONNECTIONS;
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
         let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());

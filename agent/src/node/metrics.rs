@@ -1215,7 +1215,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_past_the_cap_drop_the_oldest_and_a_scrape_is_still_answered() {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        const CAP: usize = 64; // MAX_METRICS_CONNECTIONS, spelled so main's serve compiles too
+        const CAP: usize = MAX_METRICS_CONNECTIONS;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let mut registry = Registry::default();

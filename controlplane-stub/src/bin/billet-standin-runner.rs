@@ -1487,11 +1487,7 @@ async fn allocate(runner_name: &str, cap_mib: Option<u64>) -> Vec<Vec<u8>> {
     while let Some(chunk_mib) = next_chunk_mib(held_mib, cap_mib) {
         let chunk_bytes =
             MIB_BYTES * usize::try_from(chunk_mib).expect("a chunk is at most ALLOCATE_CHUNK_MIB");
-        let mut chunk = vec![0_u8; chunk_bytes];
-        for byte in chunk.iter_mut().step_by(TOUCH_STRIDE_BYTES) {
-            *byte = 1;
-        }
-        held.push(std::hint::black_box(chunk));
+        held.push(touched(chunk_bytes));
         held_mib += chunk_mib;
         eprintln!("billet-standin-runner: runner {runner_name} holds {held_mib} MiB");
         tokio::task::yield_now().await;
@@ -1527,12 +1523,18 @@ const STEP_ENV: &str = "BILLET_STANDIN_STEP";
 fn allocating_step() -> ExitCode {
     let mut held = Vec::new();
     loop {
-        let mut chunk = vec![0_u8; MIB_BYTES * ALLOCATE_CHUNK_MIB as usize];
-        for byte in chunk.iter_mut().step_by(TOUCH_STRIDE_BYTES) {
-            *byte = 1;
-        }
-        held.push(std::hint::black_box(chunk));
+        held.push(touched(MIB_BYTES * ALLOCATE_CHUNK_MIB as usize));
     }
+}
+
+/// `bytes` of memory with one byte of every page written, so the kernel
+/// must back them.
+fn touched(bytes: usize) -> Vec<u8> {
+    let mut chunk = vec![0_u8; bytes];
+    for byte in chunk.iter_mut().step_by(TOUCH_STRIDE_BYTES) {
+        *byte = 1;
+    }
+    std::hint::black_box(chunk)
 }
 
 /// The size of the next chunk [`allocate`] takes, in MiB, once it holds `held_mib`; `None` when

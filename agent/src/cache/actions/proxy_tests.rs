@@ -1167,7 +1167,7 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
 /// freed is used again (issue #13's flood, on the proxy's port).
 #[tokio::test]
 async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_again() {
-    const CAP: usize = 128; // MAX_PROXY_CONNECTIONS, spelled so main's proxy compiles too
+    const CAP: usize = super::proxy::MAX_PROXY_CONNECTIONS;
     let (addr, pem, _) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = node((addr, &pem), Arc::new(MemoryJournal::default()), scratch()).await;
     let url = node.proxy.guest_url(&node.token);
