@@ -297,10 +297,10 @@ impl Runner {
             }
         }
         let written = self.journal.put_custody_all(&records).await;
-        if let Err(e) = &written {
-            if let Some(suppressed) = self.journal_log.admit() {
-                error!(error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
-            }
+        if let Err(e) = &written
+            && let Some(suppressed) = self.journal_log.admit()
+        {
+            error!(error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
         }
         self.mark_journaled(&leases, written.is_ok());
     }
@@ -1754,10 +1754,10 @@ impl Runner {
         };
         if let Some(record) = record {
             let written = self.journal.put_custody(&record).await;
-            if let Err(e) = &written {
-                if let Some(suppressed) = self.journal_log.admit() {
-                    error!(%lease, error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
-                }
+            if let Err(e) = &written
+                && let Some(suppressed) = self.journal_log.admit()
+            {
+                error!(%lease, error = %e, suppressed, "cannot journal a custody entry; the next tend tries again, and a restart before it succeeds would forget the entry");
             }
             self.mark_journaled(std::slice::from_ref(lease), written.is_ok());
         }

@@ -177,10 +177,11 @@ impl Imds {
     /// new one (`fresh` asks for a new one regardless).
     async fn token(&self, fresh: bool) -> Result<String, InterruptionError> {
         let mut held = self.token.lock().await;
-        if !fresh && let Some((token, until)) = held.as_ref() {
-            if Instant::now() + TOKEN_RENEW_MARGIN < *until {
-                return Ok(token.clone());
-            }
+        if !fresh
+            && let Some((token, until)) = held.as_ref()
+            && Instant::now() + TOKEN_RENEW_MARGIN < *until
+        {
+            return Ok(token.clone());
         }
         const WHAT: &str = "the token request (PUT /latest/api/token)";
         let response = self

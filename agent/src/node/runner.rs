@@ -751,10 +751,9 @@ impl Runner {
         if let Err(refused) = prepared {
             // Nothing was minted. The record this launch wrote goes; one an
             // earlier launch of the lease left (a pending removal) stays.
-            if !pending_removal {
-                if let Err(e) = self.journal.forget_launch(lease.id.as_str()).await {
-                    warn!(lease = %lease.id, error = %e, "cannot clear the record of a launch that was refused; a restart re-checks it");
-                }
+            if !pending_removal && let Err(e) = self.journal.forget_launch(lease.id.as_str()).await
+            {
+                warn!(lease = %lease.id, error = %e, "cannot clear the record of a launch that was refused; a restart re-checks it");
             }
             self.state().launching.remove(&lease.id);
             return Err(refused);
