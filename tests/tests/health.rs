@@ -712,3 +712,104 @@ async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_wh
     assert!(cluster.emulator.state().runners.is_empty());
     cluster.shutdown().await
 }
+
+/// Found by session 13's independent tester: jobs completing while the
+/// node's state disk was full left its journal refusing every write once
+/// space was freed (`Safety level may not be changed inside a
+/// transaction`): a transaction that failed for want of space left the
+/// journal's one connection inside a transaction SQLite had already rolled
+/// back, so every later launch answered "cannot journal the launch" and
+/// the node stayed healthy-looking until a restart. No node or engine is
+/// needed: the journal alone, on a small tmpfs filled to the last byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_whose_writes_failed_on_a_full_disk_takes_writes_again_once_space_is_freed()
+-> Result<()> {
+    use billet_agent::node::journal::{
+        CustodyRecord, Durability, Journal, LaunchRecord, SqliteJournal,
+    };
+    let small = billet_tests::scratchfs::ScratchFs::tmpfs(16)?;
+    let dir = small.path.join("state");
+    std::fs::create_dir(&dir)?;
+    let journal = SqliteJournal::open(&dir).await?;
+    let launch = |n: u32| LaunchRecord {
+        lease: format!("lease-{n}"),
+        epoch: 1,
+        request_id: i64::from(n),
+        instance: format!("billet-lease-{n}"),
+        runner_id: 0,
+        runner_name: String::new(),
+        created: false,
+    };
+    let custody = |n: u32| CustodyRecord {
+        lease: format!("lease-{n}"),
+        epoch: 1,
+        instance: format!("billet-lease-{n}"),
+        request_id: i64::from(n),
+        registration: None,
+        outcome: "done".into(),
+        phase: Some("custody".into()),
+        discard: false,
+        observed: true,
+        since_unix_ms: 0,
+    };
+    journal.put_launch(&launch(0)).await?;
+    journal
+        .put_result("command-0", b"answered", Durability::Synced)
+        .await?;
+
+    let filler = small.fill("filler")?;
+    // Writes inside a transaction (a result with its trim, custody in one
+    // transaction) and alone, until each kind has failed for want of space.
+    let big = vec![7u8; 256 << 10];
+    let mut failed = (0, 0, 0);
+    for n in 1..200u32 {
+        if journal
+            .put_result(&format!("command-{n}"), &big, Durability::Synced)
+            .await
+            .is_err()
+        {
+            failed.0 += 1;
+        }
+        if journal
+            .put_custody_all(&[custody(n), custody(n + 1000)])
+            .await
+            .is_err()
+        {
+            failed.1 += 1;
+        }
+        if journal.put_launch(&launch(n)).await.is_err() {
+            failed.2 += 1;
+        }
+        if failed.0 > 2 && failed.1 > 2 && failed.2 > 2 {
+            break;
+        }
+    }
+    assert!(
+        failed.0 > 0 && failed.1 > 0,
+        "no transaction failed on a full disk: {failed:?}"
+    );
+
+    std::fs::remove_file(&filler)?;
+    journal
+        .put_launch(&launch(5000))
+        .await
+        .context("a launch record once space was freed")?;
+    journal
+        .put_result("command-5000", b"answered", Durability::Synced)
+        .await
+        .context("a result once space was freed")?;
+    journal
+        .put_custody_all(&[custody(5000)])
+        .await
+        .context("custody once space was freed")?;
+    journal.forget_launch("lease-5000").await?;
+    assert!(
+        journal
+            .custody()
+            .await?
+            .iter()
+            .any(|c| c.lease == "lease-5000"),
+        "the custody entry written after the disk was freed is not in the journal"
+    );
+    Ok(())
+}

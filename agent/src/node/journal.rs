@@ -332,16 +332,33 @@ impl SqliteJournal {
     /// The journal's connection, set to write with `durability`. Set on
     /// every write (a pragma, no I/O), so a connection the pool replaced
     /// cannot keep another write's setting.
+    ///
+    /// SQLite refuses the pragma inside a transaction, so it is also the
+    /// check that the connection is not stuck in one: a transaction that
+    /// failed for want of space is rolled back by SQLite itself, and sqlx,
+    /// whose own rollback then fails, goes on counting it open, so its next
+    /// transaction is a savepoint that is never committed. A connection
+    /// that refuses the pragma is closed, never reused, and the write
+    /// goes to a fresh one (session 13's tester: a node whose jobs ended
+    /// while its state disk was full journaled nothing more until a
+    /// restart, "Safety level may not be changed inside a transaction").
+    /// A write on a stuck connection fails here, before it writes, so none
+    /// is lost in a transaction that would never commit.
     async fn connection(
         &self,
         durability: Durability,
     ) -> Result<sqlx::pool::PoolConnection<sqlx::Sqlite>, JournalError> {
-        let mut conn = self.pool.acquire().await.map_err(io)?;
         let pragma = match durability {
             Durability::Synced => "PRAGMA synchronous = FULL",
             Durability::Committed => "PRAGMA synchronous = NORMAL",
         };
-        sqlx::query(pragma).execute(&mut *conn).await.map_err(io)?;
+        let mut conn = self.pool.acquire().await.map_err(io)?;
+        if let Err(e) = sqlx::query(pragma).execute(&mut *conn).await {
+            tracing::warn!(error = %e, "the journal's connection refused a write's setting; closing it and writing on a fresh one");
+            drop(conn.detach());
+            conn = self.pool.acquire().await.map_err(io)?;
+            sqlx::query(pragma).execute(&mut *conn).await.map_err(io)?;
+        }
         Ok(conn)
     }
 
@@ -636,6 +653,19 @@ fn keep_private(path: &Path) {
     }
 }
 
+/// Ends a transaction's use of the journal's connection: back to the pool
+/// when it committed; closed when it failed, since SQLite may have rolled
+/// the transaction back under sqlx (see [`SqliteJournal::connection`]).
+fn settle(
+    conn: sqlx::pool::PoolConnection<sqlx::Sqlite>,
+    written: Result<(), JournalError>,
+) -> Result<(), JournalError> {
+    if written.is_err() {
+        drop(conn.detach());
+    }
+    written
+}
+
 /// One custody row, inside the caller's transaction.
 async fn write_custody(
     conn: &mut sqlx::SqliteConnection,
@@ -729,12 +759,15 @@ impl Journal for SqliteJournal {
 
     async fn put_custody_all(&self, entries: &[CustodyRecord]) -> Result<(), JournalError> {
         let mut conn = self.connection(Durability::Synced).await?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
-        for c in entries {
-            write_custody(&mut tx, c).await?;
+        let written = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
+            for c in entries {
+                write_custody(&mut tx, c).await?;
+            }
+            tx.commit().await.map_err(io)
         }
-        tx.commit().await.map_err(io)?;
-        Ok(())
+        .await;
+        settle(conn, written)
     }
 
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
@@ -778,20 +811,23 @@ impl Journal for SqliteJournal {
         durability: Durability,
     ) -> Result<(), JournalError> {
         let mut conn = self.connection(durability).await?;
-        let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
-        sqlx::query("INSERT OR REPLACE INTO results (command, encoded) VALUES (?, ?)")
-            .bind(command)
-            .bind(encoded)
-            .execute(&mut *tx)
-            .await
-            .map_err(io)?;
-        sqlx::query("DELETE FROM results WHERE seq <= (SELECT MAX(seq) FROM results) - ?")
-            .bind(RESULTS_KEPT)
-            .execute(&mut *tx)
-            .await
-            .map_err(io)?;
-        tx.commit().await.map_err(io)?;
-        Ok(())
+        let written = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
+            sqlx::query("INSERT OR REPLACE INTO results (command, encoded) VALUES (?, ?)")
+                .bind(command)
+                .bind(encoded)
+                .execute(&mut *tx)
+                .await
+                .map_err(io)?;
+            sqlx::query("DELETE FROM results WHERE seq <= (SELECT MAX(seq) FROM results) - ?")
+                .bind(RESULTS_KEPT)
+                .execute(&mut *tx)
+                .await
+                .map_err(io)?;
+            tx.commit().await.map_err(io)
+        }
+        .await;
+        settle(conn, written)
     }
 
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError> {
