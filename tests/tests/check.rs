@@ -281,3 +281,35 @@ fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_f
     );
     Ok(())
 }
+
+/// Found by session 13's tester: `billet check` said ok for a state
+/// directory on a read-only file system (a hardened unit without its
+/// `ReadWritePaths=`), absent or present, where `billet node` then exits 6.
+/// Both now exit 6 naming the directory, and nothing is written.
+#[test]
+fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Result<()> {
+    let s = setup()?;
+    let listen = "127.0.0.1:1";
+    let ro = billet_tests::scratchfs::ScratchFs::tmpfs(1)?;
+    std::fs::create_dir(ro.path.join("present"))?;
+    let remounted = std::process::Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&ro.path)
+        .status()?;
+    anyhow::ensure!(remounted.success(), "cannot remount the tmpfs read-only");
+    for name in ["absent", "present"] {
+        let state = ro.path.join(name).display().to_string();
+        let out = s.run("check", listen, &["--state-dir", &state])?;
+        assert_exit(&out, 6, &state);
+        assert_exit(&out, 6, "read-only");
+        let node = s.run("node", listen, &["--state-dir", &state])?;
+        assert_eq!(
+            node.status.code(),
+            Some(6),
+            "billet node with the same state directory: {}",
+            String::from_utf8_lossy(&node.stderr)
+        );
+    }
+    assert!(!ro.path.join("absent").exists());
+    Ok(())
+}

@@ -172,7 +172,27 @@ fn state_dir(path: &Path) -> Result<String, NodeError> {
         path: path.to_owned(),
         source: std::io::Error::other(problem.to_owned()),
     };
+    // Asked of the kernel, not written: a read-only mount (a hardened unit
+    // without `ReadWritePaths=`) or missing permissions answer here.
+    let writable = |dir: &Path| {
+        rustix::fs::access(
+            dir,
+            rustix::fs::Access::WRITE_OK | rustix::fs::Access::EXEC_OK,
+        )
+        .map_err(std::io::Error::from)
+    };
+    let unwritable = |dir: &Path, e: std::io::Error| {
+        let problem = if e.kind() == std::io::ErrorKind::ReadOnlyFilesystem {
+            format!("{} is on a read-only file system", dir.display())
+        } else {
+            format!("{} cannot be written by this user ({e})", dir.display())
+        };
+        err(&format!(
+            "{problem}; the node records every launch there before it starts it: give --state-dir a writable directory (under the systemd unit, add it to ReadWritePaths=)"
+        ))
+    };
     if path.is_dir() {
+        writable(path).map_err(|e| unwritable(path, e))?;
         return Ok(format!("state directory: {}", path.display()));
     }
     if path.exists() {
@@ -182,10 +202,13 @@ fn state_dir(path: &Path) -> Result<String, NodeError> {
     }
     let ancestor = path.ancestors().skip(1).find(|a| a.exists());
     match ancestor {
-        Some(a) if a.is_dir() => Ok(format!(
-            "state directory: {} is absent; the node creates it (mode 0700)",
-            path.display()
-        )),
+        Some(a) if a.is_dir() => {
+            writable(a).map_err(|e| unwritable(a, e))?;
+            Ok(format!(
+                "state directory: {} is absent; the node creates it (mode 0700)",
+                path.display()
+            ))
+        }
         Some(a) => Err(err(&format!(
             "cannot be created: {} is not a directory",
             a.display()
