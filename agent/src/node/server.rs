@@ -319,8 +319,11 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
 
 /// Makes the Actions cache proxy's CA, reads its upstream's roots and
 /// binds its listener; `None` when it is off, or its address is Docker's
-/// bridge gateway and the engine has no bridge or did not answer at start
-/// (`engine_answered`).
+/// bridge gateway (the default) and the engine has no bridge or did not
+/// answer at start (`engine_answered`), the address is taken, or the
+/// system has no trust roots to reach GitHub with. An address the operator
+/// gave (`--cache-proxy-listen`) must work: each of those is then an
+/// error.
 async fn prepare_actions(
     config: &NodeConfig,
     docker: &DockerProvider,
@@ -356,11 +359,20 @@ async fn prepare_actions(
         ),
         None => None,
     };
-    let upstream = crate::cache::actions::proxy::Upstream::new(
+    let upstream = match crate::cache::actions::proxy::Upstream::new(
         config.actions_proxy.upstream.clone(),
         extra.as_deref(),
-    )
-    .map_err(|e| fail(e.to_string()))?;
+    ) {
+        Ok(upstream) => upstream,
+        // No trust roots (a host without ca-certificates): the proxy
+        // cannot reach GitHub, so none, as without a bridge; a proxy the
+        // operator asked for must work.
+        Err(e) if config.actions_proxy.listen == ProxyListen::BridgeGateway => {
+            warn!(error = %e, "no Actions cache proxy: there are no CA certificates to reach GitHub's results service with; install Debian's ca-certificates and restart the node to have one");
+            return Ok(None);
+        }
+        Err(e) => return Err(fail(e.to_string())),
+    };
     let ca = crate::cache::actions::ca::InterceptionCa::load_or_create(&config.state_dir)
         .map_err(|e| fail(e.to_string()))?;
     let listener = match TcpListener::bind(addr).await {
