@@ -14,6 +14,7 @@
 
 use std::fs::{self, File, FileTimes, OpenOptions};
 use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -157,75 +158,223 @@ pub struct Cloned {
 /// exist), reflinking each regular file where `support` allows and copying
 /// it sparsely otherwise.
 ///
+/// The tree may be a guest's live mount, which the guest can change while
+/// it is read (a commit asked in the middle of a job), and the node runs as
+/// root: every entry is reached through [`walk`], by its parent's
+/// descriptor and never through a symbolic link, so a directory swapped for
+/// a link to the host mid-walk is refused, not followed.
+///
 /// # Errors
 ///
-/// The first I/O error; `dst` may then hold part of the tree, which the
-/// caller removes.
+/// The first I/O error, or an entry that changed kind while it was read;
+/// `dst` may then hold part of the tree, which the caller removes.
 pub fn clone_tree(src: &Path, dst: &Path, support: &ReflinkSupport) -> io::Result<Cloned> {
     let mut made = Cloned {
         files: 0,
         bytes: 0,
         method: CloneMethod::Reflink,
     };
-    let root = fs::symlink_metadata(src)?;
-    if !root.is_dir() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{} is not a directory", src.display()),
-        ));
-    }
-    fs::create_dir(dst)?;
-    clone_dir(src, dst, support, &mut made)?;
-    keep_attributes(dst, &root)?;
+    walk(src, |step| {
+        match step {
+            Step::Enter { rel, .. } => fs::create_dir(dst.join(rel))?,
+            Step::Leave { rel, meta } => keep_attributes(&dst.join(rel), &meta)?,
+            Step::File { rel, file, meta } => {
+                let to = dst.join(rel);
+                if !clone_file(&file, &to, &meta, support)? {
+                    made.method = CloneMethod::Copy;
+                }
+                made.files += 1;
+                made.bytes += meta.len();
+                keep_attributes(&to, &meta)?;
+            }
+            Step::Symlink { rel, target, stat } => {
+                let to = dst.join(rel);
+                std::os::unix::fs::symlink(target, &to)?;
+                if rustix::process::geteuid().is_root() {
+                    let _ = std::os::unix::fs::lchown(&to, Some(stat.st_uid), Some(stat.st_gid));
+                }
+            }
+            Step::Other { .. } => {}
+        }
+        Ok(())
+    })?;
     Ok(made)
 }
 
-fn clone_dir(
-    src: &Path,
-    dst: &Path,
-    support: &ReflinkSupport,
-    made: &mut Cloned,
-) -> io::Result<()> {
-    for entry in fs::read_dir(src)? {
-        let entry = entry?;
-        let from = entry.path();
-        let to = dst.join(entry.file_name());
-        let meta = fs::symlink_metadata(&from)?;
-        let kind = meta.file_type();
-        if kind.is_dir() {
-            fs::create_dir(&to)?;
-            clone_dir(&from, &to, support, made)?;
-            keep_attributes(&to, &meta)?;
-        } else if kind.is_file() {
-            if !clone_file(&from, &to, &meta, support)? {
-                made.method = CloneMethod::Copy;
+/// One entry of a tree [`walk`] reads; `rel` is its path under the root
+/// (empty for the root itself).
+enum Step<'a> {
+    /// A directory, before its entries.
+    Enter { rel: &'a Path },
+    /// A directory, after its entries, with what its descriptor says of it.
+    Leave { rel: &'a Path, meta: fs::Metadata },
+    /// A regular file, open for reading, with what its descriptor says.
+    File {
+        rel: &'a Path,
+        file: File,
+        meta: fs::Metadata,
+    },
+    /// A symbolic link (never followed): its target and its own status.
+    Symlink {
+        rel: &'a Path,
+        target: std::ffi::OsString,
+        stat: rustix::fs::Stat,
+    },
+    /// A socket, FIFO or device node (not opened), with its own status.
+    Other { stat: rustix::fs::Stat },
+}
+
+/// What [`walk`] still has to visit.
+enum Pending {
+    /// `name` in the directory open as `parent`, to be opened.
+    Entry {
+        parent: std::rc::Rc<rustix::fd::OwnedFd>,
+        name: std::ffi::CString,
+        rel: std::path::PathBuf,
+    },
+    /// A directory whose entries have all been visited.
+    Leave {
+        rel: std::path::PathBuf,
+        meta: fs::Metadata,
+    },
+}
+
+/// Visits the tree at `root` depth first, directories before and after
+/// their entries, without following a symbolic link anywhere below the
+/// root and without recursion (a guest may nest directories as deep as it
+/// likes). Each entry is opened relative to its parent directory's
+/// descriptor with `O_NOFOLLOW` (directories also `O_DIRECTORY`, files
+/// also `O_NONBLOCK`), and what is reported of it is what its descriptor
+/// says (`fstat`), not what its path said a moment earlier: a guest that
+/// swaps an entry for a symbolic link, or a file for a FIFO, while the
+/// walk runs gets an error, never a read of what the link points to. At
+/// most one descriptor per level of the path being visited is open.
+///
+/// # Errors
+///
+/// The first I/O error, an error of `visit`, or an entry that changed
+/// kind between being listed and being opened.
+fn walk(root: &Path, mut visit: impl FnMut(Step<'_>) -> io::Result<()>) -> io::Result<()> {
+    use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+    let changed = |rel: &Path| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} changed while it was read", rel.display()),
+        )
+    };
+    let open_dir = |parent: &rustix::fd::OwnedFd, name: &std::ffi::CStr| {
+        rustix::fs::openat(
+            parent,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+    };
+    let root_fd = rustix::fs::openat(
+        rustix::fs::CWD,
+        root,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| {
+        io::Error::new(
+            io::Error::from(e).kind(),
+            format!(
+                "{} is not a directory that can be read: {e}",
+                root.display()
+            ),
+        )
+    })?;
+    let mut stack = Vec::new();
+    let mut dir = Some((root_fd, std::path::PathBuf::new()));
+    loop {
+        if let Some((fd, rel)) = dir.take() {
+            // A directory just opened: entered, its entries queued (in
+            // reverse, so they are visited in the order they were read),
+            // then left once they are done.
+            let meta = File::from(fd.try_clone()?).metadata()?;
+            visit(Step::Enter { rel: &rel })?;
+            stack.push(Pending::Leave {
+                rel: rel.clone(),
+                meta,
+            });
+            let parent = std::rc::Rc::new(fd);
+            let mut entries = Vec::new();
+            for entry in rustix::fs::Dir::read_from(&*parent)? {
+                let entry = entry?;
+                let name = entry.file_name();
+                if name == c"." || name == c".." {
+                    continue;
+                }
+                let child = rel.join(std::ffi::OsStr::from_bytes(name.to_bytes()));
+                entries.push(Pending::Entry {
+                    parent: std::rc::Rc::clone(&parent),
+                    name: name.to_owned(),
+                    rel: child,
+                });
             }
-            made.files += 1;
-            made.bytes += meta.len();
-            keep_attributes(&to, &meta)?;
-        } else if kind.is_symlink() {
-            std::os::unix::fs::symlink(fs::read_link(&from)?, &to)?;
-            keep_owner(&to, &meta);
+            stack.extend(entries.into_iter().rev());
+        }
+        let Some(next) = stack.pop() else {
+            return Ok(());
+        };
+        match next {
+            Pending::Leave { rel, meta } => visit(Step::Leave { rel: &rel, meta })?,
+            Pending::Entry { parent, name, rel } => {
+                let stat = rustix::fs::statat(&*parent, &name, AtFlags::SYMLINK_NOFOLLOW)?;
+                match FileType::from_raw_mode(stat.st_mode) {
+                    FileType::Directory => {
+                        let fd = open_dir(&parent, &name).map_err(|_| changed(&rel))?;
+                        dir = Some((fd, rel));
+                    }
+                    FileType::RegularFile => {
+                        let fd = rustix::fs::openat(
+                            &*parent,
+                            &name,
+                            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                            Mode::empty(),
+                        )
+                        .map_err(|_| changed(&rel))?;
+                        let file = File::from(fd);
+                        let meta = file.metadata()?;
+                        if !meta.is_file() {
+                            return Err(changed(&rel));
+                        }
+                        visit(Step::File {
+                            rel: &rel,
+                            file,
+                            meta,
+                        })?;
+                    }
+                    FileType::Symlink => {
+                        let target = rustix::fs::readlinkat(&*parent, &name, Vec::new())?;
+                        visit(Step::Symlink {
+                            rel: &rel,
+                            target: std::ffi::OsString::from_vec(target.into_bytes()),
+                            stat,
+                        })?;
+                    }
+                    _ => visit(Step::Other { stat })?,
+                }
+            }
         }
     }
-    Ok(())
 }
 
 /// Clones one regular file; true when it is a reflink.
 fn clone_file(
-    from: &Path,
+    source: &File,
     to: &Path,
     meta: &fs::Metadata,
     support: &ReflinkSupport,
 ) -> io::Result<bool> {
-    let source = File::open(from)?;
     let target = OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(to)?;
     if support.known() != Some(false) {
-        match rustix::fs::ioctl_ficlone(&target, &source) {
+        match rustix::fs::ioctl_ficlone(&target, source) {
             Ok(()) => {
                 support.0.store(YES, Ordering::Relaxed);
                 return Ok(true);
@@ -247,7 +396,7 @@ fn clone_file(
             Err(e) => return Err(e.into()),
         }
     }
-    sparse_copy(&source, &target, meta.len())?;
+    sparse_copy(source, &target, meta.len())?;
     Ok(false)
 }
 
@@ -303,40 +452,42 @@ fn keep_owner(path: &Path, meta: &fs::Metadata) {
 }
 
 /// Bytes a tree holds on the disk (allocated blocks, so holes are free;
-/// extents a reflink shares are counted once per file).
+/// extents a reflink shares are counted once per file). Read as
+/// [`clone_tree`] reads: through [`walk`], never following a link.
 ///
 /// # Errors
 ///
 /// The first directory or file that cannot be read.
 pub fn tree_bytes(path: &Path) -> io::Result<u64> {
-    let meta = fs::symlink_metadata(path)?;
-    let mut total = meta.blocks() * 512;
-    if meta.is_dir() {
-        for entry in fs::read_dir(path)? {
-            total += tree_bytes(&entry?.path())?;
-        }
-    }
+    let mut total = 0;
+    walk(path, |step| {
+        total += match step {
+            Step::Enter { .. } => 0,
+            Step::Leave { meta, .. } | Step::File { meta, .. } => meta.blocks() * 512,
+            Step::Symlink { stat, .. } | Step::Other { stat } => {
+                u64::try_from(stat.st_blocks).unwrap_or(0) * 512
+            }
+        };
+        Ok(())
+    })?;
     Ok(total)
 }
 
 /// The apparent size of the regular files in a tree, in bytes (what
 /// [`Cloned::bytes`] counts for a clone of it): holes count, shared extents
-/// count once per file. Symbolic links are not followed.
+/// count once per file. Symbolic links are not followed ([`walk`]).
 ///
 /// # Errors
 ///
 /// The first directory or file that cannot be read.
 pub fn apparent_bytes(path: &Path) -> io::Result<u64> {
-    let meta = fs::symlink_metadata(path)?;
-    if meta.is_file() {
-        return Ok(meta.len());
-    }
     let mut total = 0;
-    if meta.is_dir() {
-        for entry in fs::read_dir(path)? {
-            total += apparent_bytes(&entry?.path())?;
+    walk(path, |step| {
+        if let Step::File { meta, .. } = step {
+            total += meta.len();
         }
-    }
+        Ok(())
+    })?;
     Ok(total)
 }
 
@@ -385,6 +536,120 @@ mod tests {
         assert_eq!(fs::read(src.join("a/b/file")).unwrap(), b"hello");
         // The destination must be new.
         assert!(clone_tree(&src, &dst, &ReflinkSupport::default()).is_err());
+    }
+
+    /// Session 13's tester: a guest that swapped a directory of its mount
+    /// for a symbolic link to a host directory while a commit cloned it
+    /// (`renameat2(RENAME_EXCHANGE)`, one way, over and over) had the node,
+    /// as root, publish the host's files in the generation. Whatever the
+    /// swaps, no clone may hold a byte of what the link points to: the
+    /// clone is refused, or holds the guest's files, or the link itself.
+    #[test]
+    fn a_directory_swapped_for_a_link_to_outside_while_it_is_cloned_is_never_followed() {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicBool;
+        let d = dir();
+        let src = d.join("src");
+        let outside = d.join("outside");
+        fs::create_dir_all(src.join("a")).unwrap();
+        fs::create_dir_all(&outside).unwrap();
+        for i in 0..2000 {
+            fs::write(src.join(format!("a/x{i}")), b"guest").unwrap();
+            fs::write(outside.join(format!("x{i}")), b"SECRET").unwrap();
+        }
+        std::os::unix::fs::symlink(&outside, src.join("a.lnk")).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let swapper = {
+            let (stop, a, link) = (Arc::clone(&stop), src.join("a"), src.join("a.lnk"));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    rustix::fs::renameat_with(
+                        rustix::fs::CWD,
+                        &a,
+                        rustix::fs::CWD,
+                        &link,
+                        rustix::fs::RenameFlags::EXCHANGE,
+                    )
+                    .unwrap();
+                }
+            })
+        };
+        let mut leaked = Vec::new();
+        for round in 0..20 {
+            let dst = d.join(format!("dst{round}"));
+            let _ = clone_tree(&src, &dst, &ReflinkSupport::default());
+            let _ = apparent_bytes(&src);
+            let mut dirs = vec![dst];
+            while let Some(dir) = dirs.pop() {
+                let Ok(entries) = fs::read_dir(&dir) else {
+                    continue;
+                };
+                for entry in entries.flatten() {
+                    let kind = entry.file_type().unwrap();
+                    if kind.is_dir() {
+                        dirs.push(entry.path());
+                    } else if kind.is_file() && fs::read(entry.path()).unwrap() == b"SECRET" {
+                        leaked.push(entry.path());
+                    }
+                }
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        swapper.join().unwrap();
+        assert!(
+            leaked.is_empty(),
+            "{} files of the linked directory were cloned, such as {:?}",
+            leaked.len(),
+            leaked.first()
+        );
+    }
+
+    /// Session 13's tester: a guest nesting directories as deep as a path
+    /// allows overflowed the debug build's stack in the recursive walk.
+    #[test]
+    fn a_tree_nested_as_deep_as_a_path_allows_is_cloned_and_measured_without_recursion() {
+        let d = dir();
+        let src = d.join("src");
+        fs::create_dir(&src).unwrap();
+        // Made and read relative to each level (no path is that long).
+        let mut at = rustix::fs::openat(
+            rustix::fs::CWD,
+            &src,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        for _ in 0..1500 {
+            rustix::fs::mkdirat(&at, "a", rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+            at = rustix::fs::openat(
+                &at,
+                "a",
+                rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY,
+                rustix::fs::Mode::empty(),
+            )
+            .unwrap();
+        }
+        let file = rustix::fs::openat(
+            &at,
+            "deepest",
+            rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CREATE,
+            rustix::fs::Mode::from_raw_mode(0o644),
+        )
+        .unwrap();
+        rustix::io::write(&file, b"bottom").unwrap();
+        // A thread with a small stack, as a runtime worker's.
+        let made = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || {
+                let cloned = clone_tree(&src, &d.join("dst"), &ReflinkSupport::default())?;
+                Ok::<_, io::Error>((cloned, apparent_bytes(&src)?, tree_bytes(&src)?))
+            })
+            .unwrap()
+            .join()
+            .expect("the walk overflowed its stack")
+            .unwrap();
+        assert_eq!((made.0.files, made.0.bytes, made.1), (1, 6, 6));
+        assert!(made.2 > 0);
     }
 
     #[test]
