@@ -781,7 +781,7 @@ impl Store {
             } else {
                 0
             };
-            commit_blocking(&dirs, &r, policy, &dir).map(|c| (c, bytes))
+            commit_blocking(&dirs, &r, policy, &dir, true).map(|c| (c, bytes))
         })
         .await;
         self.observe_commit(&record.lease, &outcome);
@@ -886,65 +886,95 @@ impl Store {
     /// [`CacheError::UnknownMount`]; [`CacheError::Io`] when the clone or
     /// the commit failed: the key keeps its head.
     pub async fn commit_now(&self, mount: &str) -> Result<Committed, CacheError> {
-        let outcome = {
-            let mounts = self.mounts.lock().await;
-            let record = mounts
-                .get(mount)
-                .cloned()
+        // Withdrawn first, under the store's lock, so this is the mount's
+        // one commit: a second request, or the job's end, finds it not
+        // committable. The clone, O(bytes) without reflinks, then runs
+        // without the lock (session 13's tester: a 4 GiB commit held every
+        // other mount, so every launch, and the node's command slot behind
+        // it, for 13 s); only the check of the head and the publication
+        // (a rename) take it again.
+        let (record, policy) = {
+            let mut mounts = self.mounts.lock().await;
+            let entry = mounts
+                .get_mut(mount)
                 .ok_or_else(|| CacheError::UnknownMount(mount.to_owned()))?;
+            let record = entry.clone();
+            if entry.committable {
+                entry.committable = false;
+                if let Err(e) = self.journal.put_mount(entry).await {
+                    warn!(mount, error = %e, "cannot journal that the sticky disk was settled by its guest");
+                }
+            }
             let policy = Policy::parse(&record.policy).unwrap_or_default();
-            let dirs = self.dirs.clone();
-            let support = self.reflink.clone();
-            let r = record.clone();
-            let outcome = blocking(move || {
+            (record, policy)
+        };
+        let dirs = self.dirs.clone();
+        let support = self.reflink.clone();
+        let r = record.clone();
+        let staging = dirs.mount_dir(&format!("{}.commit", r.mount));
+        let cloned = {
+            let (dirs, staging) = (dirs.clone(), staging.clone());
+            blocking(move || {
                 if !r.committable {
-                    return Ok((Committed::NotCommittable, 0));
+                    return Ok(None);
                 }
                 let state = dirs.read_state(&r.key)?;
                 if state.head != r.parent && policy == Policy::Cas {
-                    return Ok((
-                        Committed::Conflict {
-                            parent: r.parent.map(Generation),
-                            head: state.head.map(Generation),
-                        },
-                        0,
-                    ));
+                    return Ok(Some(Err(Committed::Conflict {
+                        parent: r.parent.map(Generation),
+                        head: state.head.map(Generation),
+                    })));
                 }
-                let staging = dirs.mount_dir(&format!("{}.commit", r.mount));
                 let _ = dirs.remove(&staging);
-                let cloned = match clone_tree(&dirs.mount_dir(&r.mount), &staging, &support) {
-                    Ok(cloned) => cloned,
+                let made =
+                    clone_tree(&dirs.mount_dir(&r.mount), &staging, &support).and_then(|made| {
+                        // What the guest wrote reaches the disk before any
+                        // state names it, and outside the lock.
+                        let handle = fs::File::open(&staging)?;
+                        rustix::fs::syncfs(&handle)?;
+                        Ok(made)
+                    });
+                match made {
+                    Ok(made) => Ok(Some(Ok(made.bytes))),
                     Err(e) => {
                         let _ = dirs.remove(&staging);
-                        return Err(io("clone into", &staging)(e));
+                        Err(io("clone into", &staging)(e))
                     }
-                };
-                let outcome = commit_blocking(&dirs, &r, policy, &staging);
-                if outcome.is_err() {
-                    let _ = dirs.remove(&staging);
                 }
-                outcome.map(|c| (c, cloned.bytes))
             })
-            .await;
-            drop(mounts);
-            self.observe_commit(&record.lease, &outcome);
-            let outcome = outcome.map(|(c, _)| c);
-            match &outcome {
-                Ok(Committed::Published(g)) => {
-                    info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed at its guest's request")
-                }
-                Ok(Committed::Conflict { parent, head }) => {
-                    warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
-                }
-                Ok(Committed::NotCommittable) => {}
-                Err(e) => {
-                    warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head")
-                }
-            }
-            outcome
+            .await
         };
-        if let Err(e) = self.withdraw(mount).await {
-            warn!(mount, error = %e, "cannot journal that the sticky disk was settled by its guest");
+        let outcome = match cloned {
+            Ok(None) => Ok((Committed::NotCommittable, 0)),
+            Ok(Some(Err(conflict))) => Ok((conflict, 0)),
+            Err(e) => Err(e),
+            Ok(Some(Ok(bytes))) => {
+                let _mounts = self.mounts.lock().await;
+                let r = record.clone();
+                let staging = staging.clone();
+                blocking(move || {
+                    let outcome = commit_blocking(&dirs, &r, policy, &staging, false);
+                    if outcome.is_err() {
+                        let _ = dirs.remove(&staging);
+                    }
+                    outcome.map(|c| (c, bytes))
+                })
+                .await
+            }
+        };
+        self.observe_commit(&record.lease, &outcome);
+        let outcome = outcome.map(|(c, _)| c);
+        match &outcome {
+            Ok(Committed::Published(g)) => {
+                info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed at its guest's request")
+            }
+            Ok(Committed::Conflict { parent, head }) => {
+                warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
+            }
+            Ok(Committed::NotCommittable) => {}
+            Err(e) => {
+                warn!(mount, error = %e, "the sticky disk's commit failed; its key keeps its head")
+            }
         }
         outcome
     }
@@ -1258,6 +1288,7 @@ fn commit_blocking(
     record: &MountRecord,
     policy: Policy,
     dir: &Path,
+    sync: bool,
 ) -> Result<Committed, CacheError> {
     let dir = dir.to_owned();
     if !record.committable {
@@ -1272,10 +1303,12 @@ fn commit_blocking(
             head: state.head.map(Generation),
         });
     }
-    // What the job wrote reaches the disk before any state names it.
-    let handle = fs::File::open(&dir).map_err(io("open", &dir))?;
-    rustix::fs::syncfs(&handle).map_err(|e| io("sync", &dir)(e.into()))?;
-    drop(handle);
+    // What the job wrote reaches the disk before any state names it (a
+    // caller that synced it already says so: `sync` false).
+    if sync {
+        let handle = fs::File::open(&dir).map_err(io("open", &dir))?;
+        rustix::fs::syncfs(&handle).map_err(|e| io("sync", &dir)(e.into()))?;
+    }
     let g = state.next;
     let generation = dirs.generation_dir(&record.key, g);
     let parent = generation.parent().expect("a generation has a parent");
@@ -1335,6 +1368,45 @@ mod tests {
             Store::open(root, "dev", journal.clone()).await.unwrap(),
             journal,
         )
+    }
+
+    /// Session 13's tester: a guest's commit of a large disk held the
+    /// store's lock while its tree was cloned, so another job's mount (its
+    /// launch, and the node's command slot behind it) waited for the whole
+    /// copy. Another key's mount asked while a commit clones 20,000 files
+    /// must not wait for it, and the commit still publishes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guests_commit_does_not_hold_another_jobs_mount_while_it_clones() {
+        let (s, _) = store(&dir()).await;
+        let big = s
+            .mount(&lease("big"), &key("big"), Policy::Cas)
+            .await
+            .unwrap();
+        for i in 0..100 {
+            let dir = big.dir.join(format!("d{i}"));
+            fs::create_dir(&dir).unwrap();
+            for j in 0..200 {
+                fs::write(dir.join(format!("f{j}")), [7u8; 4096]).unwrap();
+            }
+        }
+        let started = std::time::Instant::now();
+        let (committed, mounted) = tokio::join!(s.commit_now(&big.id), async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let asked = std::time::Instant::now();
+            let other = s.mount(&lease("other"), &key("other"), Policy::Cas).await;
+            (other, asked.elapsed())
+        });
+        let commit_took = started.elapsed();
+        assert!(matches!(
+            committed.unwrap(),
+            Committed::Published(Generation(1))
+        ));
+        mounted.0.unwrap();
+        assert!(
+            mounted.1 * 4 < commit_took,
+            "the other mount took {:?} of the commit's {commit_took:?}",
+            mounted.1
+        );
     }
 
     /// Mounts `k` for `l`, writes `counter` into it, marks it succeeded and
