@@ -313,3 +313,35 @@ fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Res
     assert!(!ro.path.join("absent").exists());
     Ok(())
 }
+
+/// Found by session 13's second tester: a `--cache-dir` too long for the
+/// guests' cache sockets (`<dir>/guests/<8 hex>/cache.sock`, at most 107
+/// bytes) was accepted by `billet check` and by the node, which then gave
+/// every job no cache API. Both now refuse it, exit 6, saying how long it
+/// may be; one just short enough is accepted.
+#[test]
+fn check_and_the_node_refuse_a_cache_directory_too_long_for_the_guests_sockets() -> Result<()> {
+    let s = setup()?;
+    let listen = "127.0.0.1:1";
+    let suffix = "/guests/00000000/cache.sock".len();
+    let base = s.dir.display().to_string();
+    let pad = |total: usize| format!("{base}/{}", "c".repeat(total - base.len() - 1));
+    let long = pad(108 - suffix);
+    let out = s.run("check", listen, &["--cache-dir", &long])?;
+    assert_exit(&out, 6, "too long for the guests' cache sockets");
+    assert_exit(&out, 6, &format!("at most {}", 107 - suffix));
+    let node = s.run("node", listen, &["--cache-dir", &long])?;
+    assert_eq!(
+        node.status.code(),
+        Some(6),
+        "billet node with the same cache directory: {}",
+        String::from_utf8_lossy(&node.stderr)
+    );
+    let fits = pad(107 - suffix);
+    assert_exit(
+        &s.run("check", listen, &["--cache-dir", &fits])?,
+        0,
+        "ok: billet node would start",
+    );
+    Ok(())
+}

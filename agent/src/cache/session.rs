@@ -57,7 +57,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -84,6 +84,35 @@ pub const ENDPOINT_ENV: &str = "BILLET_CACHE_ENDPOINT";
 pub const GUEST_DIR: &str = "/run/billet-cache";
 /// The socket's name in that directory.
 pub const SOCKET_NAME: &str = "cache.sock";
+
+/// The longest a Unix socket's path may be on Linux (`sun_path` less its
+/// terminating NUL), in bytes.
+pub const SOCKET_PATH_MAX: usize = 107;
+
+/// Checks that the guests' sockets under `cache_dir`
+/// (`<cache_dir>/guests/<8 hex>/cache.sock`) fit a socket's path, so a
+/// node does not start and then give every job no cache API (session 13's
+/// tester: a long `--cache-dir` was accepted by `billet check` and by the
+/// node, and every launch then logged that its session could not listen).
+///
+/// # Errors
+///
+/// [`CacheError::Open`] naming the directory, the length and the limit.
+pub fn check_socket_room(cache_dir: &Path) -> Result<(), CacheError> {
+    let socket = cache_dir.join("guests").join("00000000").join(SOCKET_NAME);
+    let length = socket.as_os_str().len();
+    if length > SOCKET_PATH_MAX {
+        return Err(CacheError::Open {
+            path: cache_dir.to_owned(),
+            message: format!(
+                "is too long for the guests' cache sockets: {} is {length} bytes, and a socket's path is at most {SOCKET_PATH_MAX}; give --cache-dir a path of at most {} bytes",
+                socket.display(),
+                SOCKET_PATH_MAX - (length - cache_dir.as_os_str().len())
+            ),
+        });
+    }
+    Ok(())
+}
 /// The most bytes of a request body.
 pub const MAX_BODY: usize = 8 * 1024;
 
@@ -415,7 +444,7 @@ impl Sessions {
             Ok(listener)
         })();
         let listener = made.map_err(|source| CacheError::Io {
-            op: if socket.as_os_str().len() > 107 {
+            op: if socket.as_os_str().len() > SOCKET_PATH_MAX {
                 "listen on (a socket's path is at most 107 bytes: use a shorter --cache-dir)"
             } else {
                 "listen on"

@@ -144,6 +144,7 @@ fn cache_dir(config: &NodeConfig) -> Result<String, NodeError> {
         ),
         rules.image_store_retention.as_secs() / 3600,
     );
+    crate::cache::session::check_socket_room(dir)?;
     if !dir.is_dir() {
         return Ok(format!(
             "cache: {} is absent; the node creates it (mode 0700) and finds out then whether it has reflinks{eviction}",

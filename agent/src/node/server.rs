@@ -267,6 +267,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     // it opens the first one's journal.
     let local = crate::node::local::bind(&config.state_dir).await?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
+    crate::cache::session::check_socket_room(&config.cache_dir)?;
     let cache = Arc::new(
         crate::cache::Store::open(&config.cache_dir, &config.deployment, journal.clone()).await?,
     );
