@@ -685,10 +685,13 @@ impl Plane {
                         .no_room_logged
                         .is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
                     {
-                        warn!(
-                            uncovered = need,
-                            "no attached node has room for another runner; the jobs wait"
-                        );
+                        match self.too_large_for_every_node() {
+                            Some(why) => warn!(uncovered = need, "{why}"),
+                            None => warn!(
+                                uncovered = need,
+                                "no attached node has room for another runner; the jobs wait"
+                            ),
+                        }
                         cover.no_room_logged = Some(Instant::now());
                     }
                     break;
@@ -761,6 +764,43 @@ impl Plane {
     /// report): compute the node adopted counts even before the ledger
     /// charges it there, and a lease placed and not yet bound counts even
     /// before the node reports it.
+    /// Why no runner of the tier can ever be placed, when that is so: it
+    /// asks for more than every attached node has in all, empty, so its
+    /// jobs would wait for ever behind a warning that read like a node
+    /// briefly full (session 13's tester). `None` when some attached node
+    /// could run it once it has room, or no node is attached.
+    fn too_large_for_every_node(&self) -> Option<String> {
+        let tier = &self.config.tier;
+        let largest = self
+            .nodes
+            .iter()
+            .filter_map(|n| {
+                let status = n.status().borrow().clone()?;
+                Some((n.name().to_owned(), status.capacity))
+            })
+            .max_by_key(|(_, c)| (c.memory_bytes, c.vcpu))?;
+        let fits = |c: &pb::Capacity| {
+            u64::from(c.vcpu) >= u64::from(tier.vcpu) && c.memory_bytes >= tier.memory_bytes
+        };
+        if self
+            .nodes
+            .iter()
+            .filter_map(|n| n.status().borrow().clone())
+            .any(|s| fits(&s.capacity))
+        {
+            return None;
+        }
+        Some(format!(
+            "tier {} asks for {} vCPU and {} MiB per runner, more than any attached node has in all (the largest, {}, has {} vCPU and {} MiB): its jobs wait until a node that large attaches; give the tier less (--vcpu, --memory-bytes) or attach a larger node",
+            tier.label,
+            tier.vcpu,
+            tier.memory_bytes >> 20,
+            largest.0,
+            largest.1.vcpu,
+            largest.1.memory_bytes >> 20
+        ))
+    }
+
     fn pick_node(
         &self,
         charged: &HashMap<String, (u64, u64)>,
@@ -1953,6 +1993,32 @@ mod tests {
     /// Issue #12: a degraded node is never picked, and a node is never
     /// given more than its capacity less what it says it holds, even when
     /// the ledger charges it nothing (compute it adopted).
+    /// Session 13's tester: a tier larger than every node waited for ever
+    /// behind "no attached node has room", which reads like a node briefly
+    /// full. The plane says the tier fits no node, and which is largest.
+    #[tokio::test]
+    async fn a_tier_larger_than_every_node_is_named_as_such_not_as_a_full_node() {
+        let (large, _emulator) = plane_configured(&["node-a", "node-b"], |c| {
+            c.tier.memory_bytes = 128 << 30;
+        })
+        .await;
+        assert_eq!(large.too_large_for_every_node(), None, "no node attached");
+        let (_tx_a, _rx_a) = large.nodes[0].attach_for_test(1, 16);
+        let (_tx_b, _rx_b) = large.nodes[1].attach_for_test(1, 16);
+        let why = large
+            .too_large_for_every_node()
+            .expect("a 128 GiB tier on 64 GiB nodes fits none");
+        assert!(
+            why.contains("more than any attached node has in all")
+                && why.contains("131072 MiB")
+                && why.contains("65536 MiB"),
+            "{why}"
+        );
+        let (small, _emulator) = plane(&["node-a"]).await;
+        let (_tx, _rx) = small.nodes[0].attach_for_test(1, 16);
+        assert_eq!(small.too_large_for_every_node(), None, "the tier fits");
+    }
+
     #[tokio::test]
     async fn pick_node_skips_a_degraded_node_and_counts_what_the_node_says_it_holds() {
         let (plane, _emulator) = plane(&["node-a", "node-b"]).await;
