@@ -83,6 +83,9 @@
 //!   cache, and the question a node asks before serving one; no lease rule.
 //! - `tokens.rs`: one-time join tokens (issue, check, redeem), kept by id
 //!   with only a hash of their secret; no lease rule.
+//! - `wanted.rs`: [`WantedChange`], the jobs a plane keeps covered (assigned
+//!   to its scale set, not taken, not ended), durable across a plane's
+//!   restart; no lease rule.
 //! - `scratch.rs`: [`scratch::ScratchPostgres`], a throwaway PostgreSQL
 //!   database for tests and the benchmark.
 
@@ -98,6 +101,7 @@ pub mod scratch;
 #[cfg(test)]
 mod test_support;
 mod tokens;
+mod wanted;
 
 use std::path::Path;
 use std::time::Duration;
@@ -111,6 +115,7 @@ pub use observations::CacheObservation;
 pub use phase::Phase;
 use schema::{migrate, postgres_pools, sqlite_file_pools, sqlite_memory_pool};
 pub use tokens::TokenRefused;
+pub use wanted::WantedChange;
 
 /// The TTL the reference ledger uses when none is configured (§1.7).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(90);

@@ -109,6 +109,17 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             PRIMARY KEY (scope, owner, repository)
         ) STRICT"],
     ),
+    (
+        6,
+        "wanted jobs",
+        &["CREATE TABLE wanted_jobs (
+            tier TEXT NOT NULL,
+            scale_set_id INTEGER NOT NULL,
+            request_id INTEGER NOT NULL,
+            assigned_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (tier, scale_set_id, request_id)
+        ) STRICT"],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -194,6 +205,17 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             repository TEXT NOT NULL,
             blocked_at_ms BIGINT NOT NULL,
             PRIMARY KEY (scope, owner, repository)
+        )"],
+    ),
+    (
+        6,
+        "wanted jobs",
+        &["CREATE TABLE wanted_jobs (
+            tier TEXT NOT NULL,
+            scale_set_id BIGINT NOT NULL,
+            request_id BIGINT NOT NULL,
+            assigned_at_ms BIGINT NOT NULL,
+            PRIMARY KEY (tier, scale_set_id, request_id)
         )"],
     ),
 ];
