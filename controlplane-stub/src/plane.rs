@@ -19,7 +19,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::calls::{CallHandler, lease_to_wire};
 use crate::github::Github;
-use crate::ledger::{Ledger, NewLease, NodeCapacity, Phase};
+use crate::ledger::{Ledger, NewLease, NodeCapacity, Phase, WantedChange};
 use crate::node_link::{CommandOutcome, NodeLink, NodeTarget, PlaneTls};
 
 /// A tier: which scale set, and how to run its runner.
@@ -233,12 +233,21 @@ struct LostLaunch {
     request_id: i64,
 }
 
-/// Coverage of the assigned jobs, in memory (the ledger holds the leases).
+/// Coverage of the assigned jobs, in memory (the ledger holds the leases,
+/// and the wanted jobs durably: `Ledger::wanted_jobs`).
 #[derive(Debug)]
 struct Cover {
     /// Jobs GitHub assigned to the scale set that no runner has taken and
-    /// that are not completed or cancelled.
+    /// that are not completed or cancelled. The ledger holds the same set,
+    /// written before the message that changed it is acknowledged.
     wanted: BTreeSet<i64>,
+    /// Wanted jobs this plane read from the ledger at start and no message
+    /// has mentioned since, the earliest recorded first: the only ones a
+    /// quiet poll may judge GitHub no longer has (`Cover::quiet_poll`).
+    recovered: Vec<i64>,
+    /// How many wanted jobs the last quiet poll found beyond the jobs
+    /// GitHub says wait, when it found some and no message came since.
+    excess_seen: Option<usize>,
     /// Runner names that took a job (their leases cover nothing more).
     taken: HashSet<String>,
     /// Leases whose launch did not end with a runner: failed, refused,
@@ -262,9 +271,13 @@ struct Cover {
 }
 
 impl Cover {
-    fn new() -> Self {
+    /// Coverage that starts out wanting `recovered` (request ids, the
+    /// earliest recorded first), as read from the ledger.
+    fn recovering(recovered: Vec<i64>) -> Self {
         Self {
-            wanted: BTreeSet::new(),
+            wanted: recovered.iter().copied().collect(),
+            recovered,
+            excess_seen: None,
             taken: HashSet::new(),
             not_covering: HashSet::new(),
             in_flight: HashMap::new(),
@@ -297,6 +310,55 @@ impl Cover {
     fn succeeded(&mut self) {
         self.backoff = None;
         self.retry_at = None;
+    }
+
+    /// A message arrived: it changes what is wanted, so a count from an
+    /// earlier quiet poll no longer says anything.
+    fn message_seen(&mut self) {
+        self.excess_seen = None;
+    }
+
+    /// Job `request_id` is wanted no more (taken, ended, or judged gone).
+    fn forget(&mut self, request_id: i64) {
+        self.wanted.remove(&request_id);
+        self.recovered.retain(|r| *r != request_id);
+    }
+
+    /// A poll ended with no message: every message GitHub had was handled,
+    /// so the jobs wanted should be the `waiting` jobs GitHub counts
+    /// (assigned less running). More are wanted only when a job a
+    /// predecessor recorded ended while no plane listened and its message
+    /// never came; which one cannot be told, and need not be (any runner of
+    /// the set takes any of its jobs): after two quiet polls in a row that
+    /// both count an excess, the smaller excess is forgotten from the
+    /// recovered jobs, the earliest recorded first, and returned. Nothing
+    /// this plane was told itself is ever forgotten this way. Once a quiet
+    /// poll counts no excess, what is left recovered is confirmed.
+    fn quiet_poll(&mut self, waiting: usize) -> Vec<i64> {
+        if self.recovered.is_empty() {
+            self.excess_seen = None;
+            return Vec::new();
+        }
+        let excess = self.wanted.len().saturating_sub(waiting);
+        if excess == 0 {
+            self.recovered.clear();
+            self.excess_seen = None;
+            return Vec::new();
+        }
+        let Some(before) = self.excess_seen.replace(excess) else {
+            return Vec::new();
+        };
+        let gone: Vec<i64> = self
+            .recovered
+            .iter()
+            .copied()
+            .take(before.min(excess))
+            .collect();
+        for request_id in &gone {
+            self.forget(*request_id);
+        }
+        self.excess_seen = None;
+        gone
     }
 
     /// Whether `lease` still stands for a runner that may take an assigned
@@ -351,6 +413,19 @@ impl Plane {
         let ledger = Arc::new(Ledger::connect(&config.ledger, config.lease_ttl).await?);
         let github = Arc::new(Github::with_retry(github, config.scale_set_retry));
         let scale_set = github.ensure_scale_set(&config.tier.label).await?;
+        // The jobs a predecessor was told are assigned and not yet taken:
+        // their messages were acknowledged, so only the ledger still knows
+        // them. Those of a set made again under the tier's name went with
+        // the old set.
+        let label = &config.tier.label;
+        let dropped = ledger
+            .forget_other_scale_sets(label, scale_set.get())
+            .await?;
+        let recovered = ledger.wanted_jobs(label, scale_set.get()).await?;
+        if dropped > 0 || !recovered.is_empty() {
+            info!(scale_set = %label, wanted = recovered.len(), dropped,
+                  "recovered the jobs a previous plane was covering");
+        }
         let nodes: Vec<_> = config
             .nodes
             .iter()
@@ -364,7 +439,7 @@ impl Plane {
             nodes,
             events,
             managed: Mutex::new(HashSet::new()),
-            cover: Mutex::new(Cover::new()),
+            cover: Mutex::new(Cover::recovering(recovered)),
             wake: Notify::new(),
             pass: tokio::sync::Mutex::new(()),
             scale_set: Mutex::new(scale_set),
@@ -546,10 +621,21 @@ impl Plane {
                                 // dropped the old one's jobs with it, so
                                 // they are not covered any more; the new
                                 // set's session assigns its own.
-                                let dropped =
-                                    std::mem::take(&mut self.cover.lock().expect("cover").wanted);
+                                let dropped = {
+                                    let mut cover = self.cover.lock().expect("cover");
+                                    cover.recovered.clear();
+                                    cover.excess_seen = None;
+                                    std::mem::take(&mut cover.wanted)
+                                };
                                 info!(scale_set = %label, old = %old, new = %id, dropped = dropped.len(),
                                       "the runner scale set was made again; listening on its new id");
+                                // Best effort: a plane started later drops
+                                // them too.
+                                if let Err(e) =
+                                    self.ledger.forget_other_scale_sets(&label, id.get()).await
+                                {
+                                    warn!(error = %e, "forgetting the old set's wanted jobs");
+                                }
                             }
                             backoff = restart_backoff();
                             break;
@@ -1558,7 +1644,11 @@ fn restart_backoff() -> backon::ExponentialBackoff {
 /// Feeds listener events to the plane: an assigned job becomes wanted (and
 /// the coverage pass that reserves its lease runs before the message is
 /// acknowledged); a started job is taken, and its runner covers nothing
-/// more; a completed or cancelled job is no longer wanted.
+/// more; a completed or cancelled job is no longer wanted. What a message
+/// changes in the wanted jobs is written to the ledger before anything
+/// else, so it is durable before the message is acknowledged; a poll that
+/// ends with no message lets the plane drop recovered jobs GitHub no
+/// longer counts (`Cover::quiet_poll`).
 struct PlaneScaler {
     plane: Arc<Plane>,
     work: mpsc::UnboundedSender<Work>,
@@ -1569,21 +1659,55 @@ impl Scaler for PlaneScaler {
 
     async fn scale(&mut self, event: Event<'_>) -> Result<(), Self::Error> {
         let Some(message) = event.message() else {
+            if matches!(event, Event::Idle { .. }) {
+                self.quiet_poll(event.statistics()).await;
+            }
             return Ok(());
         };
         let plane = &self.plane;
+        let changes: Vec<WantedChange> = message
+            .jobs
+            .iter()
+            .filter_map(|job| match job {
+                JobMessage::Assigned(job) => {
+                    Some(WantedChange::Assigned(job.job.runner_request_id.get()))
+                }
+                JobMessage::Started(job) => {
+                    Some(WantedChange::Gone(job.job.runner_request_id.get()))
+                }
+                JobMessage::Completed(job) => {
+                    Some(WantedChange::Gone(job.job.runner_request_id.get()))
+                }
+                _ => None,
+            })
+            .collect();
+        // An error leaves the message unacknowledged: GitHub delivers it
+        // again, and every step below is safe to repeat.
+        plane
+            .ledger
+            .record_wanted(
+                &plane.config.tier.label,
+                plane.scale_set().get(),
+                &changes,
+                crate::now_ms(),
+            )
+            .await?;
+        plane.cover.lock().expect("cover").message_seen();
         let mut assigned = false;
         for job in &message.jobs {
             match job {
                 JobMessage::Assigned(job) => {
                     let request_id = job.job.runner_request_id.get();
-                    assigned |= plane.cover.lock().expect("cover").wanted.insert(request_id);
+                    let mut cover = plane.cover.lock().expect("cover");
+                    // Delivered again: GitHub still has it.
+                    cover.recovered.retain(|r| *r != request_id);
+                    assigned |= cover.wanted.insert(request_id);
                 }
                 JobMessage::Started(job) => {
                     let request_id = job.job.runner_request_id.get();
                     {
                         let mut cover = plane.cover.lock().expect("cover");
-                        cover.wanted.remove(&request_id);
+                        cover.forget(request_id);
                         cover.taken.insert(job.runner_name.clone());
                     }
                     plane.emit(PlaneEvent::Started {
@@ -1595,7 +1719,7 @@ impl Scaler for PlaneScaler {
                     let request_id = job.job.runner_request_id.get();
                     {
                         let mut cover = plane.cover.lock().expect("cover");
-                        cover.wanted.remove(&request_id);
+                        cover.forget(request_id);
                         cover.completed.insert(job.runner_name.clone());
                     }
                     plane.emit(PlaneEvent::Completed {
@@ -1618,6 +1742,43 @@ impl Scaler for PlaneScaler {
         }
         plane.wake.notify_one();
         Ok(())
+    }
+}
+
+impl PlaneScaler {
+    /// A poll ended with no message, with GitHub's `statistics`: recovered
+    /// jobs GitHub no longer counts are dropped (`Cover::quiet_poll`), in
+    /// memory and then in the ledger. A failed ledger write is only
+    /// logged: a plane started later recovers those jobs and judges them
+    /// again.
+    async fn quiet_poll(&self, statistics: &scaleset::ScaleSetStatistics) {
+        let plane = &self.plane;
+        let waiting = statistics
+            .total_assigned_jobs
+            .saturating_sub(statistics.total_running_jobs);
+        let gone = plane
+            .cover
+            .lock()
+            .expect("cover")
+            .quiet_poll(usize::try_from(waiting).unwrap_or(usize::MAX));
+        if gone.is_empty() {
+            return;
+        }
+        info!(jobs = ?gone, waiting,
+              "GitHub no longer counts these recovered jobs (they ended while no plane listened); not covering them");
+        let changes: Vec<WantedChange> = gone.into_iter().map(WantedChange::Gone).collect();
+        if let Err(e) = plane
+            .ledger
+            .record_wanted(
+                &plane.config.tier.label,
+                plane.scale_set().get(),
+                &changes,
+                crate::now_ms(),
+            )
+            .await
+        {
+            warn!(error = %e, "forgetting recovered jobs GitHub no longer counts");
+        }
     }
 }
 
@@ -1652,6 +1813,29 @@ mod tests {
         configure: impl FnOnce(&mut PlaneConfig),
     ) -> (Arc<Plane>, scaleset::testing::Emulator) {
         let emulator = scaleset::testing::Emulator::builder().start().await;
+        let mut config = test_config(nodes);
+        configure(&mut config);
+        let lease_ttl = config.lease_ttl;
+        let targets = config.nodes.clone();
+        let plane = Arc::new(Plane {
+            ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
+            github: Arc::new(Github::new(emulator.client())),
+            nodes: targets.into_iter().map(NodeLink::new).collect(),
+            events: broadcast::channel(64).0,
+            managed: Mutex::new(HashSet::new()),
+            cover: Mutex::new(Cover::recovering(Vec::new())),
+            wake: Notify::new(),
+            pass: tokio::sync::Mutex::new(()),
+            scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+            tasks: TaskTracker::new(),
+            config,
+        });
+        (plane, emulator)
+    }
+
+    /// The tests' configuration: links to `nodes` (none dialed), an
+    /// in-memory ledger, the tier `linux` of 1 vCPU and 1 MiB.
+    fn test_config(nodes: &[&str]) -> PlaneConfig {
         let lease_ttl = Duration::from_secs(60);
         let targets: Vec<NodeTarget> = nodes
             .iter()
@@ -1660,7 +1844,7 @@ mod tests {
                 addr: "127.0.0.1:9".parse().expect("addr"),
             })
             .collect();
-        let config = PlaneConfig {
+        PlaneConfig {
             deployment: "dev".into(),
             lease_ttl,
             ledger: crate::ledger::LedgerLocation::SqliteMemory,
@@ -1669,7 +1853,7 @@ mod tests {
                 cert_pem: Vec::new(),
                 key_pem: Vec::new(),
             },
-            nodes: targets.clone(),
+            nodes: targets,
             tier: Tier {
                 label: "linux".into(),
                 image: "billet-standin-runner:dev".into(),
@@ -1695,23 +1879,7 @@ mod tests {
             registration_grace: REGISTRATION_GRACE,
             node_ca: None,
             node_keepalive: crate::node_link::Keepalive::default(),
-        };
-        let mut config = config;
-        configure(&mut config);
-        let plane = Arc::new(Plane {
-            ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
-            github: Arc::new(Github::new(emulator.client())),
-            nodes: targets.into_iter().map(NodeLink::new).collect(),
-            events: broadcast::channel(64).0,
-            managed: Mutex::new(HashSet::new()),
-            cover: Mutex::new(Cover::new()),
-            wake: Notify::new(),
-            pass: tokio::sync::Mutex::new(()),
-            scale_set: Mutex::new(scaleset::ScaleSetId(1)),
-            tasks: TaskTracker::new(),
-            config,
-        });
-        (plane, emulator)
+        }
     }
 
     /// A lease for job `request_id`, bound to `node` and launching there.
@@ -1870,7 +2038,7 @@ mod tests {
             nodes: plane.nodes.clone(),
             events: broadcast::channel(4).0,
             managed: Mutex::new(HashSet::new()),
-            cover: Mutex::new(Cover::new()),
+            cover: Mutex::new(Cover::recovering(Vec::new())),
             wake: Notify::new(),
             pass: tokio::sync::Mutex::new(()),
             scale_set: Mutex::new(scaleset::ScaleSetId(1)),
@@ -2092,5 +2260,175 @@ mod tests {
         assert!(plane.pick_node(&HashMap::new(), &none).is_some());
         let one_more = HashMap::from([("node-a".to_owned(), (4, 0))]);
         assert!(plane.pick_node(&one_more, &none).is_none());
+    }
+
+    /// A plane that runs with `config` on `emulator`'s GitHub, dialing no
+    /// node (`config.nodes` is empty), until `shutdown`.
+    async fn started(
+        config: &PlaneConfig,
+        emulator: &scaleset::testing::Emulator,
+        shutdown: &CancellationToken,
+    ) -> Arc<Plane> {
+        Plane::start(config.clone(), emulator.client(), shutdown.clone())
+            .await
+            .expect("start the plane")
+    }
+
+    /// Waits up to 20 s for `plane` to want exactly `jobs`, then for
+    /// GitHub's queue to be drained (every message acknowledged).
+    async fn wait_wanted(
+        plane: &Plane,
+        emulator: &scaleset::testing::Emulator,
+        jobs: &[scaleset::JobRequestId],
+    ) {
+        let mut want: Vec<i64> = jobs.iter().map(|j| j.get()).collect();
+        want.sort_unstable();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while plane.uncovered_jobs() != want || !emulator.state().queues_drained() {
+            assert!(
+                Instant::now() < deadline,
+                "the plane wants {:?}, not {want:?}; GitHub: {:?}",
+                plane.uncovered_jobs(),
+                emulator.state()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A fresh SQLite ledger file in the temp directory.
+    fn ledger_file() -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("billet-plane-test-{}.db", uuid::Uuid::new_v4()))
+    }
+
+    /// The tester's restart (session 14), at the plane: jobs assigned and
+    /// acknowledged by one plane, which no runner took, are wanted by the
+    /// plane started after it on the same ledger, and a job GitHub then
+    /// cancels is wanted no more, by either the set in memory or the
+    /// ledger.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plane_started_again_wants_the_jobs_its_predecessor_acknowledged() {
+        let emulator = scaleset::testing::Emulator::builder()
+            .long_poll(Duration::from_millis(200))
+            .start()
+            .await;
+        let file = ledger_file();
+        let mut config = test_config(&[]);
+        config.ledger = crate::ledger::LedgerLocation::Sqlite(file.clone());
+        let first_shutdown = CancellationToken::new();
+        let first = started(&config, &emulator, &first_shutdown).await;
+        let jobs: Vec<_> = (0..2)
+            .map(|_| emulator.queue_job(first.scale_set(), ["linux"]))
+            .collect();
+        wait_wanted(&first, &emulator, &jobs).await;
+        first_shutdown.cancel();
+        first.stopped().await;
+        first.ledger().close().await;
+
+        let shutdown = CancellationToken::new();
+        let second = started(&config, &emulator, &shutdown).await;
+        wait_wanted(&second, &emulator, &jobs).await;
+        emulator.complete_job(jobs[0], None);
+        wait_wanted(&second, &emulator, &jobs[1..]).await;
+        shutdown.cancel();
+        second.stopped().await;
+        second.ledger().close().await;
+
+        let shutdown = CancellationToken::new();
+        let third = started(&config, &emulator, &shutdown).await;
+        wait_wanted(&third, &emulator, &jobs[1..]).await;
+        shutdown.cancel();
+        third.stopped().await;
+        third.ledger().close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = file.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// A quiet poll forgets only recovered jobs, the earliest first, and
+    /// only after two quiet polls in a row, with no message between, both
+    /// count more wanted than GitHub says wait; one that counts no excess
+    /// confirms what is left recovered.
+    #[test]
+    fn a_quiet_poll_forgets_only_recovered_jobs_and_only_twice_in_a_row() {
+        let mut cover = Cover::recovering(vec![1, 2, 3]);
+        cover.wanted.insert(4);
+        assert!(
+            cover.quiet_poll(2).is_empty(),
+            "one quiet poll is not enough"
+        );
+        cover.message_seen();
+        assert!(cover.quiet_poll(2).is_empty(), "a message came between");
+        assert_eq!(
+            cover.quiet_poll(3),
+            vec![1],
+            "the smaller excess of the two"
+        );
+        assert_eq!(cover.wanted, BTreeSet::from([2, 3, 4]));
+        assert!(cover.quiet_poll(3).is_empty());
+        assert!(cover.recovered.is_empty(), "confirmed");
+        assert!(cover.quiet_poll(0).is_empty());
+        assert!(cover.quiet_poll(0).is_empty());
+        assert_eq!(
+            cover.wanted,
+            BTreeSet::from([2, 3, 4]),
+            "never what it was told"
+        );
+    }
+
+    /// A job recorded as wanted that ended while no plane listened, and
+    /// whose message never reaches the new plane, is dropped once GitHub's
+    /// statistics on quiet polls say fewer jobs wait; the job GitHub still
+    /// has stays wanted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_recovered_job_github_no_longer_counts_is_dropped_after_quiet_polls() {
+        let emulator = scaleset::testing::Emulator::builder()
+            .long_poll(Duration::from_millis(200))
+            .start()
+            .await;
+        let file = ledger_file();
+        let mut config = test_config(&[]);
+        config.ledger = crate::ledger::LedgerLocation::Sqlite(file.clone());
+        let shutdown = CancellationToken::new();
+        let first = started(&config, &emulator, &shutdown).await;
+        let set = first.scale_set().get();
+        let job = emulator.queue_job(first.scale_set(), ["linux"]);
+        wait_wanted(&first, &emulator, &[job]).await;
+        shutdown.cancel();
+        first.stopped().await;
+        // A job recorded earlier whose completion no plane will hear of.
+        first
+            .ledger()
+            .record_wanted("linux", set, &[WantedChange::Assigned(999_999)], 1)
+            .await
+            .expect("record");
+        first.ledger().close().await;
+
+        let shutdown = CancellationToken::new();
+        let second = started(&config, &emulator, &shutdown).await;
+        assert_eq!(second.uncovered_jobs(), vec![job.get(), 999_999]);
+        wait_wanted(&second, &emulator, &[job]).await;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            assert_eq!(second.uncovered_jobs(), vec![job.get()]);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            second
+                .ledger()
+                .wanted_jobs("linux", set)
+                .await
+                .expect("read"),
+            vec![job.get()]
+        );
+        shutdown.cancel();
+        second.stopped().await;
+        second.ledger().close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = file.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
     }
 }

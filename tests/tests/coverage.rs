@@ -898,3 +898,68 @@ async fn a_launch_the_engine_refuses_ends_its_lease_failed_saying_why_and_leaks_
     .await?;
     cluster.shutdown().await
 }
+
+/// The tester's restart (session 14): jobs GitHub assigned while the only
+/// node had no room, whose `JobAssigned` messages the old plane already
+/// acknowledged, are still covered by the plane that replaces it. The
+/// emulator (GitHub) keeps its state across the restart, as GitHub does;
+/// the new plane learns those jobs only from the ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_waiting_for_room_when_the_plane_restarts_are_covered_by_the_new_plane() -> Result<()>
+{
+    let mut cluster = Cluster::start(ClusterOptions {
+        node_vcpu: 2,
+        ..options(8_000)
+    })
+    .await?;
+    let before = Starts::watch(&cluster);
+    let jobs = cluster.queue_jobs(4);
+    let set = cluster.plane.scale_set();
+    // Two run; two are assigned, acknowledged, and wait for room.
+    wait_until(
+        Duration::from_secs(60),
+        "two jobs running and two waiting, every message acknowledged",
+        || {
+            let state = cluster.emulator.state();
+            let count = |s: JobState| {
+                state
+                    .jobs
+                    .iter()
+                    .filter(|j| j.scale_set_id == set && j.state == s)
+                    .count()
+            };
+            count(JobState::Running) == 2
+                && count(JobState::Assigned) == 2
+                && state.queues_drained()
+                && cluster.plane.uncovered_jobs().len() == 2
+        },
+    )
+    .await?;
+    cluster.restart_plane().await?;
+    let after = Starts::watch(&cluster);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await
+        .with_context(|| {
+            format!(
+                "the new plane covers {:?}; GitHub has {:?}",
+                cluster.plane.uncovered_jobs(),
+                cluster.emulator.state().jobs
+            )
+        })?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    let state = cluster.emulator.state();
+    for id in &jobs {
+        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
+        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+        let mut runners = before.of(*id);
+        runners.extend(after.of(*id));
+        assert_eq!(runners.len(), 1, "job {id} started by {runners:?}");
+    }
+    assert!(
+        state.runners.is_empty(),
+        "registrations left: {:?}",
+        state.runners
+    );
+    cluster.shutdown().await
+}
