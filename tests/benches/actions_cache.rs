@@ -9,10 +9,14 @@
 //! first alternates by round):
 //!
 //! - **the baseline** reads the published archive file (256 KiB reads);
-//! - **the restore** downloads it through the proxy: a CONNECT tunnel,
-//!   TLS 1.3 trusting the node's CA, `GET` of the signed URL, the body
-//!   read in 256 KiB reads. The client is in this process, so its
-//!   decryption shares the machine with the proxy, as a guest's would.
+//! - **the restore** downloads it as `@actions/cache` does: the lookup
+//!   through the proxy (a CONNECT tunnel, TLS 1.3 trusting the node's
+//!   CA), then `GET` of the signed download URL, which is on the proxy's
+//!   listener and fetched straight there over plain HTTP, the body read
+//!   in 256 KiB reads (`BILLET_BENCH_TUNNEL=1`: the same URL's path in a
+//!   tunnel instead, as a node before direct downloads served it). The
+//!   client is in this process, so it shares the machine with the proxy,
+//!   as a guest would.
 //!
 //! Each side reads **cold** first: before each read the archive is synced
 //! and its pages dropped from the page cache (`posix_fadvise(DONTNEED)`
@@ -319,11 +323,20 @@ async fn measure(dir: &std::path::Path, bytes: u64, rounds: u64) -> Result<Figur
             serde_json::json!({"key": "bench", "version": "v1"}),
         )
         .await?;
-    let download = path_of(
-        found["signed_download_url"]
-            .as_str()
-            .context("download URL")?,
+    let mut download = found["signed_download_url"]
+        .as_str()
+        .context("download URL")?
+        .to_owned();
+    anyhow::ensure!(
+        download.starts_with("http://"),
+        "the download URL is not on the proxy's listener: {download}"
     );
+    if std::env::var_os("BILLET_BENCH_TUNNEL").is_some() {
+        // The same URL's path in a tunnel, as a node before direct
+        // downloads served it: for a comparison in the same build.
+        download = download[download.find("/_billet/").context("blob path")?..].to_owned();
+        println!("restoring in a TLS tunnel (BILLET_BENCH_TUNNEL)");
+    }
     let archive = archives
         .entries()?
         .first()
@@ -476,22 +489,44 @@ async fn read_file(archive: &std::path::Path, bytes: u64) -> Result<Duration> {
     Ok(took)
 }
 
-/// The restore: a tunnel, `GET` of the signed URL, the body read whole in
-/// 256 KiB reads.
-async fn restore(client: &Client, path: &str, bytes: u64) -> Result<Duration> {
+/// The restore: `GET` of the signed URL as `@actions/cache` fetches it
+/// (an `http://` URL on the proxy's listener straight there, with no
+/// proxy and no TLS; a path on the results host in a tunnel), the body
+/// read whole in 256 KiB reads.
+async fn restore(client: &Client, url: &str, bytes: u64) -> Result<Duration> {
     let started = Instant::now();
+    if let Some(rest) = url.strip_prefix("http://") {
+        let (authority, target) = rest.split_at(rest.find('/').context("a path")?);
+        let mut tcp = tokio::net::TcpStream::connect(authority).await?;
+        tcp.set_nodelay(true)?;
+        tcp.write_all(format!("GET {target} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+            .await?;
+        let (head, length) = head(&mut tcp).await?;
+        anyhow::ensure!(
+            head.starts_with("HTTP/1.1 200") && length as u64 == bytes,
+            "GET: {head}"
+        );
+        read_body(&mut tcp, bytes).await?;
+        return Ok(started.elapsed());
+    }
     let (status, head, length, mut t) = client
-        .send("GET", path, &[], &mut |_: &mut [u8]| 0, 0)
+        .send("GET", url, &[], &mut |_: &mut [u8]| 0, 0)
         .await?;
     anyhow::ensure!(status == 200 && length as u64 == bytes, "GET: {head}");
+    read_body(&mut t, bytes).await?;
+    Ok(started.elapsed())
+}
+
+/// Reads `bytes` of body in 256 KiB reads.
+async fn read_body<S: tokio::io::AsyncRead + Unpin>(s: &mut S, bytes: u64) -> Result<()> {
     let mut buf = vec![0u8; CHUNK];
     let mut total = 0u64;
     while total < bytes {
-        let n = t.read(&mut buf).await?;
+        let n = s.read(&mut buf).await?;
         anyhow::ensure!(n > 0, "the download ended at {total} bytes");
         total += n as u64;
     }
-    Ok(started.elapsed())
+    Ok(())
 }
 
 fn rustls_pemfile_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'static>> {

@@ -154,6 +154,10 @@ async fn a_job_saves_an_actions_cache_entry_the_next_restores_locally_and_everyt
     // "billet actions cache payload of ..."[2..=8]
     assert_eq!(restored["range"], "llet ac");
     assert_eq!(restored["whole_matches"], true);
+    assert_eq!(
+        restored["direct"], true,
+        "the download URL is on the node's listener, fetched from the container without a tunnel: {restored}"
+    );
     // Each job's artifact call and BuildKit cache call went to GitHub.
     for n in [1, 2] {
         let probe = s.report("actions-probe", n).await?;

@@ -29,7 +29,7 @@
 //! | `BILLET_STANDIN_STICKY` | `--sticky` | none | a sticky disk's counter file: once the job is worked and before it is completed, the runner reads the decimal number in it (a missing file is 0), writes it back incremented and says `sticky counter <path>: <old> -> <new>` on stderr; a file it cannot read or write is said and the job goes on. With `BILLET_CACHE_ENDPOINT` and `BILLET_CACHE_TOKEN` set (a node's cache session) it also speaks the node's cache API as the reference's `stickydisk` action does: what was mounted when the job starts (`cache volume slot ...`), and after the counter a commit of each disk with the job's status, saying what it was told (`cache commit slot N key K: status S told {...}`) |
 //! | `BILLET_STANDIN_STICKY_FILL` | `--sticky-fill` | off | with `--sticky`: after the counter, the runner writes `fill` beside the counter file until its disk is full (`sticky fill <path>: <n> bytes, disk full` on stderr), and goes on: a job that fills its cache disk |
 //! | `BILLET_STANDIN_REPORT` | `--report` | none | an `http://` URL (a test's sink, `tests/src/reports.rs`) where the runner reports what its node's cache API told it, one JSON object per POST: `{"report": "mounted", "volumes": [{"slot", "key", "path", "generation", "cache_hit", "fallback"}...]}` (or `"error"`) when the job starts, and `{"report": "commit", "slot", "key", "status", "told"}` (or `"error"`) for each commit; each with `runner` (its name) and `seq` (0, 1, ... per runner). A report is sent again until the sink answers 2xx (for at most 60 s) and the runner goes on only then, so it never exits with a report unacknowledged; one given up on is said on stderr |
-//! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one, reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches"}`; on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
+//! | `BILLET_STANDIN_ACTIONS_CACHE` | `--actions-cache` | none | a cache key: when the job starts the runner uses the Actions cache through its node's proxy as `@actions/cache` does (`BILLET_ACTIONS_PROXY`, a CONNECT with Basic auth, TLS trusting `BILLET_ACTIONS_CA_FILE`, Twirp JSON with the user agent `@actions/cache-4.0.3`): a lookup of the key; on a hit a ranged download (`Range: bytes=2-8`) and a whole one of the signed URL as the node gave it (on its listener: fetched directly, no tunnel), reported as `{"report": "actions-restore", "hit": true, "matched_key", "local", "range_status", "range", "whole_matches", "direct"}` (`direct`: the URL was `http://`, fetched with no tunnel); on a miss a save (create, one `PUT` with `x-ms-blob-type: BlockBlob`, finalize) of a payload naming the key, reported as `{"report": "actions-save", "hit": false, "local", "put_status", "ok"}`. Then two calls the node must splice to GitHub, an `ArtifactService` call and a `CreateCacheEntry` with a `buildkit/` user agent: `{"report": "actions-probe", "artifact_status", "artifact_local", "buildkit_status", "buildkit_local"}`. Without a proxy: `{"report": "actions", "error": ...}`. Needs `BILLET_STANDIN_REPORT` |
 //! | `BILLET_STANDIN_ACTIONS_ROUNDS` | `--actions-rounds` | 0 | with `BILLET_STANDIN_ACTIONS_CACHE`: "call, wait for a signal, call again". After the probes the runner holds a signed download URL of the key (a lookup of the exact key) and a signed upload URL of `<key>-held` (a create), reported as `{"report": "actions-held", "lookup_ok", "lookup_local", "create_ok", "create_local"}`; then for each round n from 1 it waits for the gate `actions-round-<n>` (`BILLET_STANDIN_GATES`) and calls again: a whole `GET` of the held download URL, a `PUT` of `<key>-held`'s payload to the held upload URL and a fresh lookup of the key, reported as `{"report": "actions-round", "round", "download_status", "download_local", "download_matches", "upload_status", "upload_local", "lookup_status", "lookup_local", "lookup_ok"}`; after the last round it finalizes `<key>-held`: `{"report": "actions-finalize", "status", "local", "ok"}`. A test changes something between rounds (the plane's kill switch) and reads what each call got. A gate not open within 120 s is reported as `actions` with an error, and the job goes on |
 //! | `BILLET_STANDIN_GATES` | `--gates` | none | an `http://` URL where the runner waits for a test's signals (the sink of `tests/src/reports.rs`): the gate `NAME` is open once `GET <url>/NAME` answers 2xx; a closed one is asked again every 100 ms |
 //! | `BILLET_STANDIN_DOCKER_STORE` | `--docker-store` | none | `ready` or `never`: the runner also plays the guest agent of the node's Docker image store (`/var/lib/docker`, its cache session's slot 0): when the job starts it asks for the store (`POST /v1/docker-store` with its architecture, reported as `docker-store` with the answer), reads the stand-in "images" counter `/var/lib/docker/billet-standin-images` (a missing file is 0) and writes it back incremented (`images <old> -> <new>` on stderr, and in the report); after completing the job, `ready` says the store is ready with a clean-unmount proof (`POST /v1/docker-store/ready`), asking again every 100 ms while the node answers 409 (settlement not open yet) for at most `BILLET_STANDIN_READY_WAIT_MS`, and reports the last answer as `docker-ready`; `never` exits without a word. Its sticky-disk commits skip the image store |
@@ -762,6 +762,47 @@ impl ActionsGuest {
         Ok(Answered { status, head, body })
     }
 
+    /// Sends `method` to a signed URL as `@actions/cache`'s HTTP client does: one on the results
+    /// host in a tunnel ([`Self::send`]); an `http://` one (the node's listener) straight to the
+    /// host it names, with no proxy (the job sets an HTTPS proxy only).
+    async fn fetch(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answered, String> {
+        use tokio::io::AsyncWriteExt as _;
+        if let Some(path) = url.strip_prefix(&format!("https://{RESULTS_HOST}")) {
+            return self.send(method, path, headers, body).await;
+        }
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("a signed URL neither on the results host nor http: {url}"))?;
+        let (authority, target) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let mut tcp = tokio::net::TcpStream::connect(authority)
+            .await
+            .map_err(|e| format!("connect {authority}: {e}"))?;
+        let mut raw = format!("{method} {target} HTTP/1.1\r\nHost: {authority}\r\n");
+        for (k, v) in headers {
+            raw.push_str(&format!("{k}: {v}\r\n"));
+        }
+        raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        tcp.write_all(raw.as_bytes())
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        tcp.write_all(body)
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let (head, body) = read_http(&mut tcp).await?;
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or("no status line")?;
+        Ok(Answered { status, head, body })
+    }
+
     async fn twirp(
         &self,
         method: &str,
@@ -852,11 +893,8 @@ async fn actions_cache(key: &str, rounds: u32, gates: Option<&Gates>, reporter: 
         let answer = found.json();
         if answer["ok"] == true {
             let url = answer["signed_download_url"].as_str().unwrap_or_default();
-            let path = url
-                .strip_prefix(&format!("https://{RESULTS_HOST}"))
-                .ok_or("the download URL is not the results host's")?;
-            let range = guest.send("GET", path, &[("Range", "bytes=2-8")], b"").await?;
-            let whole = guest.send("GET", path, &[], b"").await?;
+            let range = guest.fetch("GET", url, &[("Range", "bytes=2-8")], b"").await?;
+            let whole = guest.fetch("GET", url, &[], b"").await?;
             eprintln!("billet-standin-runner: actions cache restored {key} ({} bytes)", whole.body.len());
             reporter
                 .report(
@@ -868,6 +906,7 @@ async fn actions_cache(key: &str, rounds: u32, gates: Option<&Gates>, reporter: 
                         "range_status": range.status,
                         "range": String::from_utf8_lossy(&range.body),
                         "whole_matches": whole.body == payload,
+                        "direct": url.starts_with("http://"),
                     }),
                 )
                 .await;
@@ -883,11 +922,8 @@ async fn actions_cache(key: &str, rounds: u32, gates: Option<&Gates>, reporter: 
                 .as_str()
                 .ok_or_else(|| format!("no upload URL: {}", String::from_utf8_lossy(&created.body)))?
                 .to_owned();
-            let path = url
-                .strip_prefix(&format!("https://{RESULTS_HOST}"))
-                .ok_or("the upload URL is not the results host's")?;
             let put = guest
-                .send("PUT", path, &[("x-ms-blob-type", "BlockBlob")], &payload)
+                .fetch("PUT", &url, &[("x-ms-blob-type", "BlockBlob")], &payload)
                 .await?;
             let finalized = guest
                 .twirp(
@@ -954,12 +990,9 @@ async fn actions_cache(key: &str, rounds: u32, gates: Option<&Gates>, reporter: 
     }
 }
 
-/// The path of a signed URL the node answered in `field` of `answer`, if any.
-fn blob_path(answer: &Answered, field: &str) -> Option<String> {
-    answer.json()[field]
-        .as_str()?
-        .strip_prefix(&format!("https://{RESULTS_HOST}"))
-        .map(str::to_owned)
+/// The signed URL the node answered in `field` of `answer`, if any.
+fn blob_url(answer: &Answered, field: &str) -> Option<String> {
+    answer.json()[field].as_str().map(str::to_owned)
 }
 
 /// `BILLET_STANDIN_ACTIONS_ROUNDS`: holds a download URL of `key` and an upload URL of
@@ -997,13 +1030,13 @@ async fn actions_rounds(
             }),
         )
         .await;
-    let download = blob_path(&found, "signed_download_url").ok_or_else(|| {
+    let download = blob_url(&found, "signed_download_url").ok_or_else(|| {
         format!(
             "no download URL to hold: {}",
             String::from_utf8_lossy(&found.body)
         )
     })?;
-    let upload = blob_path(&created, "signed_upload_url").ok_or_else(|| {
+    let upload = blob_url(&created, "signed_upload_url").ok_or_else(|| {
         format!(
             "no upload URL to hold: {}",
             String::from_utf8_lossy(&created.body)
@@ -1011,9 +1044,9 @@ async fn actions_rounds(
     })?;
     for round in 1..=rounds {
         gates.wait(&format!("actions-round-{round}")).await?;
-        let got = guest.send("GET", &download, &[], b"").await?;
+        let got = guest.fetch("GET", &download, &[], b"").await?;
         let put = guest
-            .send(
+            .fetch(
                 "PUT",
                 &upload,
                 &[("x-ms-blob-type", "BlockBlob")],

@@ -283,6 +283,10 @@ pub struct Archives {
     /// exclusively by an eviction's last look and removal of an entry: an
     /// entry a lookup matched is linked before it can go.
     entries_lock: tokio::sync::RwLock<()>,
+    /// The proxy's listener, where a guest fetches a download's signed URL
+    /// directly, without a tunnel ([`Self::serve_downloads_at`]); unset, a
+    /// download URL is on the results host and fetched in a tunnel.
+    direct: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 #[derive(Deserialize)]
@@ -336,6 +340,22 @@ fn entry_id(store_key: &str, generation: &str) -> i64 {
 
 fn blob_url(id: &str, sig: &str) -> String {
     format!("https://{RESULTS_HOST}{BLOB_PREFIX}{id}?sig={sig}")
+}
+
+/// A signed URL's download or upload id and its query, with the `sig`.
+fn signed_target(uri: &hyper::Uri) -> (String, Vec<(String, String)>, String) {
+    let id = uri
+        .path()
+        .strip_prefix(BLOB_PREFIX)
+        .unwrap_or_default()
+        .to_owned();
+    let query = query_pairs(uri.query().unwrap_or_default());
+    let sig = query
+        .iter()
+        .find(|(k, _)| k == "sig")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    (id, query, sig)
 }
 
 impl Archives {
@@ -411,6 +431,7 @@ impl Archives {
             policy,
             sessions: std::sync::Mutex::new(sessions),
             entries_lock: tokio::sync::RwLock::new(()),
+            direct: std::sync::OnceLock::new(),
         }))
     }
 
@@ -492,6 +513,23 @@ impl Archives {
             .collect();
         for lease in stale {
             self.close(&lease).await;
+        }
+    }
+
+    /// Hands out download URLs on `addr` (`http://<addr>/_billet/actions-cache/<id>?sig=`),
+    /// which the guest fetches directly from the proxy's listener rather
+    /// than in a TLS tunnel to the results host; called once, by the proxy
+    /// that listens there. Later calls change nothing.
+    pub fn serve_downloads_at(&self, addr: std::net::SocketAddr) {
+        let _ = self.direct.set(addr);
+    }
+
+    /// The signed URL of a download: on the proxy's listener when it
+    /// serves downloads directly, else on the results host.
+    fn download_url(&self, id: &str, sig: &str) -> String {
+        match self.direct.get() {
+            Some(addr) => format!("http://{addr}{BLOB_PREFIX}{id}?sig={sig}"),
+            None => blob_url(id, sig),
         }
     }
 
@@ -874,7 +912,7 @@ impl Archives {
         info!(lease = %session.lease, key = %key, "Actions cache entry found");
         Ok(Answer::Local(serde_json::json!({
             "ok": true,
-            "signed_download_url": blob_url(&download.id, &download.sig),
+            "signed_download_url": self.download_url(&download.id, &download.sig),
             "matched_key": key,
         })))
     }
@@ -927,18 +965,7 @@ impl Archives {
     /// `HEAD`, one byte range from `Range` or `x-ms-range`). Always local:
     /// a signed URL GitHub never issued cannot go to GitHub.
     pub async fn blob(&self, session: &ActionsSession, req: Request<Incoming>) -> Response<Body> {
-        let id = req
-            .uri()
-            .path()
-            .strip_prefix(BLOB_PREFIX)
-            .unwrap_or_default()
-            .to_owned();
-        let query = query_pairs(req.uri().query().unwrap_or_default());
-        let sig = query
-            .iter()
-            .find(|(k, _)| k == "sig")
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default();
+        let (id, query, sig) = signed_target(req.uri());
         let signed = |s: &str| bool::from(s.as_bytes().ct_eq(sig.as_bytes()));
         let (upload, download) = {
             let held = session.held.lock().await;
@@ -967,6 +994,44 @@ impl Archives {
         }
         let link = self.root.join("downloads").join(&id);
         serve_download(&link, &req).await
+    }
+
+    /// Answers a download's signed URL fetched from the proxy's listener
+    /// outside any tunnel (`GET` or `HEAD` of
+    /// `http://<listener>/_billet/actions-cache/<id>?sig=`, as
+    /// [`Self::serve_downloads_at`] hands out): the URL is the credential,
+    /// as a blob store's signed URL is, so it is served to whoever holds it
+    /// while the session that matched it lives and the plane allows it
+    /// (else 502, as in a tunnel). An upload's URL is not served here
+    /// (403): uploads stay in the tunnel.
+    pub async fn direct_download(&self, req: Request<Incoming>) -> Response<Body> {
+        if !matches!(*req.method(), Method::GET | Method::HEAD) {
+            return plain(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "a download URL takes GET and HEAD",
+            );
+        }
+        let (id, _, sig) = signed_target(req.uri());
+        let sessions: Vec<Arc<ActionsSession>> = self
+            .sessions
+            .lock()
+            .expect("sessions")
+            .values()
+            .cloned()
+            .collect();
+        for session in sessions {
+            let holds = session
+                .held
+                .lock()
+                .await
+                .downloads
+                .iter()
+                .any(|d| d.id == id && bool::from(d.sig.as_bytes().ct_eq(sig.as_bytes())));
+            if holds {
+                return self.blob(&session, req).await;
+            }
+        }
+        plain(StatusCode::FORBIDDEN, "no such signed download URL")
     }
 
     async fn upload(

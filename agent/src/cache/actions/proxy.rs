@@ -26,6 +26,15 @@
 //!
 //! A locally answered request gets `X-Billet-Actions-Cache: local` and the
 //! tunnel closes after it; a spliced tunnel stays spliced.
+//!
+//! **A download is fetched outside the tunnel.** The signed download URL a
+//! lookup answers is `http://<listener>/_billet/actions-cache/<id>?sig=`,
+//! so `@actions/cache` (which sends plain `http://` requests through no
+//! HTTPS proxy) fetches it straight from this listener: a `GET` or `HEAD`
+//! of that path, not a CONNECT, is answered by
+//! [`Archives::direct_download`], the URL's signature its only credential
+//! (as a blob store's). The guest then neither decrypts nor the node
+//! encrypts the archive's bytes. Uploads stay in the tunnel.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -35,7 +44,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use base64::Engine as _;
-use http_body_util::Empty;
+use http_body_util::{BodyExt as _, Empty};
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, ReadBuf};
@@ -214,6 +223,7 @@ impl ActionsProxy {
             return Err(ProxyError::Unspecified(addr));
         }
         let tls = tokio_rustls::TlsAcceptor::from(ca.server_config());
+        archives.serve_downloads_at(addr);
         Ok(Arc::new(Self {
             archives,
             ca,
@@ -283,7 +293,14 @@ impl ActionsProxy {
                     let proxy = proxy.clone();
                     let stop = stop.clone();
                     let admitted = admitted.clone();
-                    async move { Ok::<_, Infallible>(proxy.connect(req, stop, admitted)) }
+                    async move {
+                        if proxy.is_direct_download(&req) {
+                            return Ok::<_, Infallible>(proxy.archives.direct_download(req).await);
+                        }
+                        Ok(proxy
+                            .connect(req, stop, admitted)
+                            .map(|b| b.map_err(|never| match never {}).boxed()))
+                    }
                 });
                 let connection = hyper::server::conn::http1::Builder::new()
                     .max_buf_size(MAX_HEAD_BYTES)
@@ -294,6 +311,17 @@ impl ActionsProxy {
                 let _ = connection.await;
             });
         }
+    }
+
+    /// A request for a download's signed URL straight to the listener
+    /// (origin form, or absolute form naming this listener), not a CONNECT.
+    fn is_direct_download(&self, req: &Request<hyper::body::Incoming>) -> bool {
+        req.method() != Method::CONNECT
+            && req.uri().path().starts_with(BLOB_PREFIX)
+            && req
+                .uri()
+                .authority()
+                .is_none_or(|a| a.as_str() == self.addr.to_string())
     }
 
     fn connect(
