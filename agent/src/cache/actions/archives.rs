@@ -287,6 +287,18 @@ pub struct Archives {
     /// directly, without a tunnel ([`Self::serve_downloads_at`]); unset, a
     /// download URL is on the results host and fetched in a tunnel.
     direct: std::sync::OnceLock<std::net::SocketAddr>,
+    /// Every live download by id: its session's lease and its signature,
+    /// so a direct download finds its session, and a forged one is
+    /// refused, without waiting on any session's lock.
+    download_index: std::sync::Mutex<HashMap<String, Indexed>>,
+}
+
+/// A download in [`Archives`]'s index: the lease whose session holds it
+/// and its signature.
+#[derive(Debug)]
+struct Indexed {
+    lease: String,
+    sig: String,
 }
 
 #[derive(Deserialize)]
@@ -389,6 +401,7 @@ impl Archives {
         }
         let mut sessions = HashMap::new();
         let mut named = BTreeSet::new();
+        let mut download_index = HashMap::new();
         for (lease, record) in journal.actions_sessions().await? {
             let Ok(record) = serde_json::from_str::<Record>(&record) else {
                 warn!(%lease, "a journaled Actions cache session is unreadable; its guest's cache goes to GitHub");
@@ -399,6 +412,15 @@ impl Archives {
             };
             named.extend(record.held.uploads.iter().map(|u| u.id.clone()));
             named.extend(record.held.downloads.iter().map(|d| d.id.clone()));
+            for d in &record.held.downloads {
+                download_index.insert(
+                    d.id.clone(),
+                    Indexed {
+                        lease: lease.clone(),
+                        sig: d.sig.clone(),
+                    },
+                );
+            }
             sessions.insert(
                 lease.clone(),
                 Arc::new(ActionsSession {
@@ -432,6 +454,7 @@ impl Archives {
             sessions: std::sync::Mutex::new(sessions),
             entries_lock: tokio::sync::RwLock::new(()),
             direct: std::sync::OnceLock::new(),
+            download_index: std::sync::Mutex::new(download_index),
         }))
     }
 
@@ -489,6 +512,12 @@ impl Archives {
         let held = session.held.lock().await;
         for u in &held.uploads {
             remove_any(&self.root.join("uploads").join(&u.id)).await;
+        }
+        {
+            let mut index = self.download_index.lock().expect("download index");
+            for d in &held.downloads {
+                index.remove(&d.id);
+            }
         }
         for d in &held.downloads {
             remove_any(&self.root.join("downloads").join(&d.id)).await;
@@ -899,6 +928,13 @@ impl Archives {
         next.downloads.push(download.clone());
         self.persist(session, &next).await?;
         *held = next;
+        self.download_index.lock().expect("download index").insert(
+            download.id.clone(),
+            Indexed {
+                lease: session.lease.clone(),
+                sig: download.sig.clone(),
+            },
+        );
         let link = self.root.join("downloads").join(&download.id);
         tokio::fs::hard_link(entry.join("archive"), &link)
             .await
@@ -1012,26 +1048,19 @@ impl Archives {
             );
         }
         let (id, _, sig) = signed_target(req.uri());
-        let sessions: Vec<Arc<ActionsSession>> = self
-            .sessions
+        let lease = self
+            .download_index
             .lock()
-            .expect("sessions")
-            .values()
-            .cloned()
-            .collect();
-        for session in sessions {
-            let holds = session
-                .held
-                .lock()
-                .await
-                .downloads
-                .iter()
-                .any(|d| d.id == id && bool::from(d.sig.as_bytes().ct_eq(sig.as_bytes())));
-            if holds {
-                return self.blob(&session, req).await;
-            }
+            .expect("download index")
+            .get(&id)
+            .filter(|d| bool::from(d.sig.as_bytes().ct_eq(sig.as_bytes())))
+            .map(|d| d.lease.clone());
+        let session = lease.and_then(|l| self.sessions.lock().expect("sessions").get(&l).cloned());
+        match session {
+            // Its own session's lock only, as in a tunnel.
+            Some(session) => self.blob(&session, req).await,
+            None => plain(StatusCode::FORBIDDEN, "no such signed download URL"),
         }
-        plain(StatusCode::FORBIDDEN, "no such signed download URL")
     }
 
     async fn upload(
@@ -1428,7 +1457,7 @@ fn parse_range(spec: Option<&str>, size: u64) -> Range {
         },
         (false, false) => match (parse(a), parse(b)) {
             (Some(start), Some(end)) if start <= end && start < size => {
-                Range::Part(start, (end + 1).min(size))
+                Range::Part(start, end.saturating_add(1).min(size))
             }
             _ => Range::Unsatisfiable,
         },
@@ -1493,7 +1522,14 @@ async fn serve_download<B>(link: &Path, req: &Request<B>) -> Response<Body> {
             warn!(error = %e, "cannot seek an Actions cache archive");
             return plain(StatusCode::BAD_GATEWAY, "storage is unavailable");
         }
-        StreamBody::new(file_frames(file.into_std().await, end - start)).boxed()
+        {
+            let file = file.into_std().await;
+            // Read front to back: the kernel may read twice as far ahead
+            // (a hint; its failure changes nothing but speed).
+            use std::os::fd::AsFd as _;
+            let _ = rustix::fs::fadvise(file.as_fd(), 0, None, rustix::fs::Advice::Sequential);
+            StreamBody::new(file_frames(file, end - start)).boxed()
+        }
     };
     let mut r = Response::new(body);
     *r.status_mut() = status;

@@ -287,7 +287,9 @@ impl ActionsProxy {
             let _ = stream.set_nodelay(true);
             let proxy = self.clone();
             let stop = stop.clone();
-            // Owned by `stop`: the connection ends with the proxy.
+            let cut = stop.clone();
+            // Owned by `stop`: the connection ends with the proxy (a direct
+            // download in progress included; a tunnel watches `stop` too).
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req| {
                     let proxy = proxy.clone();
@@ -308,7 +310,10 @@ impl ActionsProxy {
                     .header_read_timeout(FIRST_REQUEST_TIMEOUT)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
                     .with_upgrades();
-                let _ = connection.await;
+                tokio::select! {
+                    () = cut.cancelled() => {}
+                    _ = connection => {}
+                }
             });
         }
     }

@@ -1318,3 +1318,598 @@ async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_a
     let (status, _) = connect(&node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
     assert_eq!(status, 200, "a freed place is used again");
 }
+
+// ---------------------------------------------------------------------------
+// The direct download path, as an independent tester attacked it (session 14).
+// ---------------------------------------------------------------------------
+
+fn t_addr(node: &Node) -> String {
+    node.proxy
+        .guest_url(&node.token)
+        .expose()
+        .rsplit_once('@')
+        .unwrap()
+        .1
+        .to_owned()
+}
+
+async fn t_found(node: &Node, key: &str) -> String {
+    let r = call(
+        node,
+        "GetCacheEntryDownloadURL",
+        serde_json::json!({"key": key, "version": "v1"}),
+    )
+    .await;
+    r.json()["signed_download_url"].as_str().unwrap().to_owned()
+}
+
+/// id and sig of a direct URL.
+fn t_parts(url: &str) -> (String, String) {
+    let rest = &url[url.find(BLOB_PREFIX).unwrap() + BLOB_PREFIX.len()..];
+    let (id, q) = rest.split_once("?sig=").unwrap();
+    (id.to_owned(), q.to_owned())
+}
+
+/// Writes `raw` to the listener and reads until EOF or `wait`; the bytes read and whether EOF came.
+async fn t_raw(addr: &str, raw: &[u8], wait: std::time::Duration) -> (Vec<u8>, bool) {
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(raw).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (out, true),
+            Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+            Err(_) => return (out, false),
+        }
+    }
+}
+
+fn t_status(answer: &[u8]) -> u16 {
+    String::from_utf8_lossy(answer)
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn t_get(addr: &str, target: &str) -> u16 {
+    let (a, _) = t_raw(
+        addr,
+        format!("GET {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    t_status(&a)
+}
+
+#[tokio::test]
+async fn a_forged_malformed_or_traversing_direct_target_is_refused() {
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "k", b"0123456789").await;
+    let url = t_found(&node, "k").await;
+    let addr = t_addr(&node);
+    let (id, sig) = t_parts(&url);
+    let p = BLOB_PREFIX;
+    let enc: String = sig.bytes().map(|b| format!("%{b:02x}")).collect();
+    let cases: Vec<(String, u16)> = vec![
+        (format!("{p}{id}?sig={sig}"), 200),
+        (format!("{p}{id}?sig="), 403),
+        (format!("{p}{id}"), 403),
+        (format!("{p}{id}?sig={}", &sig[..63]), 403),
+        (format!("{p}{id}?sig={sig}0"), 403),
+        (format!("{p}{id}?sig={}", sig.to_uppercase()), 403),
+        (format!("{p}{}?sig={sig}", id.to_uppercase()), 403),
+        (format!("{p}{id}/?sig={sig}"), 403),
+        (format!("{p}{id}?SIG={sig}"), 403),
+        (format!("{p}{id}?sig=x&sig={sig}"), 403),
+        (format!("{p}{id}?sig={sig}&sig=x"), 200), // first sig wins
+        (format!("{p}{id}?sig={enc}"), 200),       // percent-decoded
+        (format!("{p}{id}?sig={sig}%00"), 403),
+        (format!("{p}../{}{id}?sig={sig}", &p[1..]), 403),
+        (format!("{p}%2e%2e/{}{id}?sig={sig}", &p[1..]), 403),
+        (format!("/x/..{p}{id}?sig={sig}"), 405),
+        (format!("/{p}{id}?sig={sig}"), 405),
+        (format!("{p}?sig={sig}"), 403),
+        (format!("{p}{sig}?sig={id}"), 403),
+        ("/".to_owned(), 405),
+    ];
+    let mut bad = Vec::new();
+    for (target, want) in &cases {
+        let got = t_get(&addr, target).await;
+        eprintln!("GET {target} -> {got}");
+        if got != *want {
+            bad.push(format!("{target}: {got}, expected {want}"));
+        }
+    }
+    // Methods other than GET/HEAD on a valid URL.
+    let target = format!("{p}{id}?sig={sig}");
+    for m in [
+        "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND",
+    ] {
+        let (a, _) = t_raw(
+            &addr,
+            format!("{m} {target} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes(),
+            std::time::Duration::from_secs(5),
+        )
+        .await;
+        eprintln!("{m} -> {}", t_status(&a));
+        if t_status(&a) != 405 {
+            bad.push(format!("{m}: {}", t_status(&a)));
+        }
+    }
+    // A GET with a body it does not read: answered, and the connection not reused for the body.
+    let (a, eof) = t_raw(
+        &addr,
+        format!("GET {target} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 5\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+        std::time::Duration::from_secs(3),
+    )
+    .await;
+    eprintln!(
+        "GET with a body: {} eof={eof}: {:?}",
+        t_status(&a),
+        String::from_utf8_lossy(&a)
+    );
+    // Another session's download id with this session's sig, and vice versa.
+    let t2 = CacheToken::mint().unwrap();
+    node.proxy
+        .archives()
+        .open_session("lease-2", &t2, CacheScope::new("octo", "app", REF).unwrap())
+        .await
+        .unwrap();
+    let (status, tcp) = connect(&node, &format!("{RESULTS_HOST}:443"), t2.expose()).await;
+    assert_eq!(status, 200);
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let mut t = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from(RESULTS_HOST).unwrap(),
+            tcp.unwrap(),
+        )
+        .await
+        .unwrap();
+    let r = send(
+        &mut t,
+        &twirp_as(
+            "GetCacheEntryDownloadURL",
+            UA,
+            &serde_json::json!({"key": "k", "version": "v1"}),
+        ),
+    )
+    .await;
+    let url2 = r.json()["signed_download_url"].as_str().unwrap().to_owned();
+    let (id2, sig2) = t_parts(&url2);
+    for (target, want) in [
+        (format!("{p}{id}?sig={sig2}"), 403),
+        (format!("{p}{id2}?sig={sig}"), 403),
+        (format!("{p}{id2}?sig={sig2}"), 200),
+    ] {
+        let got = t_get(&addr, &target).await;
+        eprintln!("cross-session {target} -> {got}");
+        if got != want {
+            bad.push(format!("{target}: {got}, expected {want}"));
+        }
+    }
+    assert_eq!(seen.dials(), 0);
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
+#[tokio::test]
+async fn an_absolute_form_request_for_another_host_is_refused_and_host_is_ignored() {
+    let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "k", b"0123456789").await;
+    let url = t_found(&node, "k").await;
+    let addr = t_addr(&node);
+    let target = &url[url.find(BLOB_PREFIX).unwrap()..];
+    let port = addr.rsplit_once(':').unwrap().1;
+    let auth =
+        base64::engine::general_purpose::STANDARD.encode(format!("billet:{}", node.token.expose()));
+    let cases: Vec<(String, &str, String)> = vec![
+        (format!("http://{addr}{target}"), "own", String::new()),
+        (
+            format!("http://evil.example{target}"),
+            "other host",
+            String::new(),
+        ),
+        (
+            format!("http://{RESULTS_HOST}{target}"),
+            "results host",
+            String::new(),
+        ),
+        (
+            format!("https://{RESULTS_HOST}{target}"),
+            "results host https",
+            String::new(),
+        ),
+        (
+            format!("https://{addr}{target}"),
+            "own https",
+            String::new(),
+        ),
+        (
+            format!("http://localhost:{port}{target}"),
+            "localhost",
+            String::new(),
+        ),
+        (
+            format!("http://{addr}{target}"),
+            "own + proxy auth",
+            format!("Proxy-Authorization: Basic {auth}\r\n"),
+        ),
+        (
+            target.to_owned(),
+            "origin + Host evil",
+            "Host: evil.example\r\n".to_owned(),
+        ),
+    ];
+    for (t, what, extra) in cases {
+        let host = if extra.starts_with("Host") {
+            String::new()
+        } else {
+            format!("Host: {addr}\r\n")
+        };
+        let (a, _) = t_raw(
+            &addr,
+            format!("GET {t} HTTP/1.1\r\n{host}{extra}Connection: close\r\n\r\n").as_bytes(),
+            std::time::Duration::from_secs(5),
+        )
+        .await;
+        eprintln!("{what}: GET {t} -> {}", t_status(&a));
+    }
+    assert_eq!(seen.dials(), 0, "nothing dialled GitHub");
+}
+
+#[tokio::test]
+async fn pipelined_direct_requests_on_one_keep_alive_connection_are_answered_in_order() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "k", b"0123456789").await;
+    let url = t_found(&node, "k").await;
+    let addr = t_addr(&node);
+    let target = &url[url.find(BLOB_PREFIX).unwrap()..];
+    let raw = format!(
+        "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         GET {target} HTTP/1.1\r\nHost: {addr}\r\nRange: bytes=2-3\r\n\r\n\
+         HEAD {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         GET {BLOB_PREFIX}nope?sig=x HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         GET {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    );
+    let (a, eof) = t_raw(&addr, raw.as_bytes(), std::time::Duration::from_secs(5)).await;
+    let text = String::from_utf8_lossy(&a);
+    eprintln!("eof={eof}\n{text}");
+    let statuses: Vec<&str> = text
+        .match_indices("HTTP/1.1 ")
+        .map(|(i, _)| &text[i + 9..i + 12])
+        .collect();
+    assert_eq!(statuses, ["200", "206", "200", "403", "200"]);
+    assert!(eof);
+    // A download, then a CONNECT with the credential, on one connection.
+    let auth =
+        base64::engine::general_purpose::STANDARD.encode(format!("billet:{}", node.token.expose()));
+    let raw = format!(
+        "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         CONNECT {RESULTS_HOST}:443 HTTP/1.1\r\nHost: {RESULTS_HOST}:443\r\nProxy-Authorization: Basic {auth}\r\n\r\n"
+    );
+    let (a, eof) = t_raw(&addr, raw.as_bytes(), std::time::Duration::from_secs(2)).await;
+    eprintln!(
+        "GET then CONNECT: eof={eof}\n{}",
+        String::from_utf8_lossy(&a)
+    );
+}
+
+async fn t_range(
+    node: &Node,
+    direct: &str,
+    method: &str,
+    headers: &[(&str, &str)],
+) -> (String, String) {
+    let target = &direct[direct.find(BLOB_PREFIX).unwrap()..];
+    let addr = t_addr(node);
+    let mut h: Vec<(&str, &str)> = headers.to_vec();
+    h.push(("Connection", "close"));
+    let (d, _) = t_raw(
+        &addr,
+        &request_to(&addr, method, target, &h, b""),
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    let mut t = tunnel(node).await;
+    t.write_all(&request(method, target, &h, b""))
+        .await
+        .unwrap();
+    let mut tb = Vec::new();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), t.read_to_end(&mut tb)).await;
+    let pick = |r: &[u8]| {
+        let text = String::from_utf8_lossy(r).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        let h = head.to_ascii_lowercase();
+        let keep: Vec<&str> = h
+            .lines()
+            .filter(|l| {
+                l.starts_with("content-range")
+                    || l.starts_with("content-length")
+                    || l.starts_with("http/")
+            })
+            .collect();
+        format!("{keep:?} body={body:?}")
+    };
+    (pick(&d), pick(&tb))
+}
+
+#[tokio::test]
+async fn ranges_and_head_answer_directly_as_in_the_tunnel_and_an_overflowing_range_is_capped() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    save(&node, "k", b"0123456789").await;
+    let url = t_found(&node, "k").await;
+    let mut differ = Vec::new();
+    let specs = [
+        "bytes=0-0",
+        "bytes=9-9",
+        "bytes=9-100",
+        "bytes=10-",
+        "bytes=-1",
+        "bytes=-100",
+        "bytes=-0",
+        "bytes=5-2",
+        "bytes=0-1,3-4",
+        "bytes= 2-3",
+        "items=0-1",
+        "bytes=",
+        "bytes=-",
+        "bytes=0-18446744073709551615",
+        "bytes=18446744073709551615-",
+    ];
+    for spec in specs {
+        for (m, hdr) in [("GET", "Range"), ("HEAD", "Range"), ("GET", "x-ms-range")] {
+            let (d, t) = t_range(&node, &url, m, &[(hdr, spec)]).await;
+            eprintln!("{m} {hdr}: {spec}\n  direct {d}\n  tunnel {t}");
+            if d != t {
+                differ.push(format!("{m} {hdr}: {spec}: direct {d} tunnel {t}"));
+            }
+        }
+    }
+    assert!(differ.is_empty(), "{differ:#?}");
+}
+
+async fn t_big(node: &Node, mib: usize) -> String {
+    let bytes: Vec<u8> = (0..mib << 20).map(|i: usize| (i % 251) as u8).collect();
+    assert_eq!(save(node, "big", &bytes).await["ok"], true);
+    t_found(node, "big").await
+}
+
+/// Starts a GET of `url` on a fresh connection and reads `first` bytes, then stops reading.
+async fn t_stalled(url: &str, first: usize) -> tokio::net::TcpStream {
+    let rest = url.strip_prefix("http://").unwrap();
+    let (authority, target) = rest.split_at(rest.find('/').unwrap());
+    let mut tcp = tokio::net::TcpStream::connect(authority).await.unwrap();
+    tcp.write_all(format!("GET {target} HTTP/1.1\r\nHost: {authority}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut got = 0;
+    let mut buf = vec![0u8; 8192];
+    while got < first {
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        got += n;
+    }
+    tcp
+}
+
+#[tokio::test]
+async fn stopping_the_proxy_cuts_a_direct_download_in_progress() {
+    // ActionsProxy::serve: "each connection in a task of its own, cut when `stop` fires".
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let url = t_big(&node, 64).await;
+    let direct = t_stalled(&url, 1024).await;
+    // The same download in a tunnel, for comparison.
+    let target = url[url.find(BLOB_PREFIX).unwrap()..].to_owned();
+    let mut t = tunnel(&node).await;
+    t.write_all(&request("GET", &target, &[], b""))
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 8192];
+    let _ = t.read(&mut buf).await.unwrap();
+    node.stop.cancel();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let drain = |mut s: tokio::net::TcpStream| async move {
+        let mut total = 0usize;
+        let mut buf = vec![0u8; 1 << 16];
+        let r = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return true,
+                    Ok(n) => total += n,
+                }
+            }
+        })
+        .await;
+        (total, r.is_ok())
+    };
+    let (direct_bytes, direct_closed) = drain(direct).await;
+    let mut tunnel_total = 0usize;
+    let tunnel_closed = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            match t.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => tunnel_total += n,
+            }
+        }
+    })
+    .await
+    .is_ok();
+    eprintln!(
+        "after stop: direct read {direct_bytes} more bytes (of 64 MiB), closed within 5 s: {direct_closed}; \
+         tunnel read {tunnel_total}, closed: {tunnel_closed}"
+    );
+    assert!(
+        direct_bytes < 32 << 20,
+        "the direct download went on after stop: {direct_bytes} bytes more"
+    );
+}
+
+#[tokio::test]
+async fn a_direct_download_waits_on_no_other_sessions_lock() {
+    // Found by the tester: direct_download took each live session's `held` lock in turn, and a
+    // finalize holds its session's lock across the plane's policy question (up to 2 s).
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = Arc::new(node((up, &up_ca), Arc::default(), scratch()).await);
+    save(&node, "k", b"0123456789").await;
+    let url = t_found(&node, "k").await;
+    let (id, _) = t_parts(&url);
+    let target = &url[url.find(BLOB_PREFIX).unwrap()..];
+    // Another guest with a reservation it is about to finalize.
+    let mut others = Vec::new();
+    for n in 0..8 {
+        let t = CacheToken::mint().unwrap();
+        node.proxy
+            .archives()
+            .open_session(
+                &format!("other-{n}"),
+                &t,
+                CacheScope::new("octo", "other", REF).unwrap(),
+            )
+            .await
+            .unwrap();
+        others.push(t);
+    }
+    async fn tunnel_as(node: &Node, token: &CacheToken) -> Tunnel {
+        let (status, tcp) = connect(node, &format!("{RESULTS_HOST}:443"), token.expose()).await;
+        assert_eq!(status, 200);
+        let mut roots = rustls::RootCertStore::empty();
+        for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        tokio_rustls::TlsConnector::from(Arc::new(config))
+            .connect(
+                rustls::pki_types::ServerName::try_from(RESULTS_HOST).unwrap(),
+                tcp.unwrap(),
+            )
+            .await
+            .unwrap()
+    }
+    for t in &others {
+        let mut tl = tunnel_as(&node, t).await;
+        let r = send(
+            &mut tl,
+            &twirp_as(
+                "CreateCacheEntry",
+                UA,
+                &serde_json::json!({"key": "o", "version": "v1"}),
+            ),
+        )
+        .await;
+        let up_url = signed_path(r.json()["signed_upload_url"].as_str().unwrap());
+        let mut tl = tunnel_as(&node, t).await;
+        let put = send(
+            &mut tl,
+            &request("PUT", &up_url, &[("x-ms-blob-type", "BlockBlob")], b"abc"),
+        )
+        .await;
+        assert_eq!(put.status, 201);
+    }
+    let mut victims = Vec::new();
+    for n in 0..4 {
+        let t = CacheToken::mint().unwrap();
+        node.proxy
+            .archives()
+            .open_session(
+                &format!("victim-{n}"),
+                &t,
+                CacheScope::new("octo", "app", REF).unwrap(),
+            )
+            .await
+            .unwrap();
+        let mut tl = tunnel_as(&node, &t).await;
+        let r = send(
+            &mut tl,
+            &twirp_as(
+                "GetCacheEntryDownloadURL",
+                UA,
+                &serde_json::json!({"key": "k", "version": "v1"}),
+            ),
+        )
+        .await;
+        victims.push(r.json()["signed_download_url"].as_str().unwrap().to_owned());
+    }
+    // The plane stalls on the others' finalize questions (hung for < 2 s), then recovers.
+    node.policy.set(FakeAnswer::Hang);
+    let asked_before = node.policy.asked().len();
+    let mut finalizing = Vec::new();
+    for t in others.clone() {
+        let node = node.clone();
+        finalizing.push(tokio::spawn(async move {
+            let mut tl = tunnel_as(&node, &t).await;
+            send(
+                &mut tl,
+                &twirp_as(
+                    "FinalizeCacheEntryUpload",
+                    UA,
+                    &serde_json::json!({"key": "o", "version": "v1", "size_bytes": "3"}),
+                ),
+            )
+            .await
+            .status
+        }));
+    }
+    while node.policy.asked().len() < asked_before + others.len() {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    node.policy.set(FakeAnswer::Allow);
+    let addr = t_addr(&node);
+    let t0 = std::time::Instant::now();
+    let in_tunnel = blob(&node, "GET", target, &[], b"").await;
+    let tunnel_took = t0.elapsed();
+    // Victims: lease-1's URL and those of 4 more guests that looked the key up before.
+    let mut urls = vec![url.clone()];
+    urls.extend(victims.iter().cloned());
+    let mut fetches = Vec::new();
+    for u in urls {
+        let node = node.clone();
+        fetches.push(tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let r = blob(&node, "GET", &u, &[], b"").await;
+            (r.status, t0.elapsed())
+        }));
+    }
+    let t0 = std::time::Instant::now();
+    let forged = t_get(&addr, &format!("{BLOB_PREFIX}{id}?sig={}", "0".repeat(64))).await;
+    let forged_took = t0.elapsed();
+    let mut direct = Vec::new();
+    for f in fetches {
+        direct.push(f.await.unwrap());
+    }
+    for f in finalizing {
+        let _ = f.await;
+    }
+    eprintln!(
+        "while other guests' finalizes wait on the plane: tunnel download {} in {tunnel_took:?}; \
+         direct downloads {direct:?}; forged direct {forged} in {forged_took:?}",
+        in_tunnel.status
+    );
+    let slowest = direct.iter().map(|d| d.1).max().unwrap();
+    assert!(
+        slowest < std::time::Duration::from_millis(500),
+        "a direct download waited {slowest:?} on other guests' locks (tunnel: {tunnel_took:?})"
+    );
+}
