@@ -222,7 +222,7 @@ async fn run(measuring: bool) -> Result<()> {
         &figures.baseline_cold,
     );
     line(
-        "restored through the proxy (TLS 1.3):",
+        "restored via the proxy's download URL:",
         &figures.restore_cold,
     );
     let (median, best) = ratio(&figures.baseline_cold, &figures.restore_cold);
@@ -235,7 +235,7 @@ async fn run(measuring: bool) -> Result<()> {
         &figures.baseline_warm,
     );
     line(
-        "restored through the proxy (TLS 1.3):",
+        "restored via the proxy's download URL:",
         &figures.restore_warm,
     );
     let (median, best) = ratio(&figures.baseline_warm, &figures.restore_warm);
