@@ -741,25 +741,7 @@ impl ActionsGuest {
             .connect(name, tcp)
             .await
             .map_err(|e| format!("TLS: {e}"))?;
-        let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: {RESULTS_HOST}\r\n");
-        for (k, v) in headers {
-            raw.push_str(&format!("{k}: {v}\r\n"));
-        }
-        raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-        tls.write_all(raw.as_bytes())
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        tls.write_all(body)
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        tls.flush().await.map_err(|e| format!("send: {e}"))?;
-        let (head, body) = read_http(&mut tls).await?;
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or("no status line")?;
-        Ok(Answered { status, head, body })
+        exchange(&mut tls, RESULTS_HOST, method, path, headers, body).await
     }
 
     /// Sends `method` to a signed URL as `@actions/cache`'s HTTP client does: one on the results
@@ -772,7 +754,6 @@ impl ActionsGuest {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<Answered, String> {
-        use tokio::io::AsyncWriteExt as _;
         if let Some(path) = url.strip_prefix(&format!("https://{RESULTS_HOST}")) {
             return self.send(method, path, headers, body).await;
         }
@@ -783,24 +764,7 @@ impl ActionsGuest {
         let mut tcp = tokio::net::TcpStream::connect(authority)
             .await
             .map_err(|e| format!("connect {authority}: {e}"))?;
-        let mut raw = format!("{method} {target} HTTP/1.1\r\nHost: {authority}\r\n");
-        for (k, v) in headers {
-            raw.push_str(&format!("{k}: {v}\r\n"));
-        }
-        raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-        tcp.write_all(raw.as_bytes())
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        tcp.write_all(body)
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        let (head, body) = read_http(&mut tcp).await?;
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or("no status line")?;
-        Ok(Answered { status, head, body })
+        exchange(&mut tcp, authority, method, target, headers, body).await
     }
 
     async fn twirp(
@@ -828,6 +792,36 @@ fn rustls_pemfile_certs(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'st
     rustls::pki_types::CertificateDer::pem_slice_iter(pem)
         .filter_map(Result::ok)
         .collect()
+}
+
+/// Writes one HTTP/1.1 request (`method target`, `Host: host`, `headers`, a `Content-Length`
+/// body) to `s` and reads its answer.
+async fn exchange<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    s: &mut S,
+    host: &str,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Result<Answered, String> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut raw = format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\n");
+    for (k, v) in headers {
+        raw.push_str(&format!("{k}: {v}\r\n"));
+    }
+    raw.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    s.write_all(raw.as_bytes())
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    s.write_all(body).await.map_err(|e| format!("send: {e}"))?;
+    s.flush().await.map_err(|e| format!("send: {e}"))?;
+    let (head, body) = read_http(s).await?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no status line")?;
+    Ok(Answered { status, head, body })
 }
 
 /// Reads one HTTP/1.1 message's head and `Content-Length` body.

@@ -243,7 +243,13 @@ async fn connect(
 }
 
 async fn tunnel(node: &Node) -> Tunnel {
-    let (status, tcp) = connect(node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
+    tunnel_as(node, &node.token).await
+}
+
+/// A tunnel to the results host with `token`'s session, TLS trusting the
+/// node's CA.
+async fn tunnel_as(node: &Node, token: &CacheToken) -> Tunnel {
+    let (status, tcp) = connect(node, &format!("{RESULTS_HOST}:443"), token.expose()).await;
     assert_eq!(status, 200);
     let mut roots = rustls::RootCertStore::empty();
     for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
@@ -1459,26 +1465,7 @@ async fn a_forged_malformed_or_traversing_direct_target_is_refused() {
         .open_session("lease-2", &t2, CacheScope::new("octo", "app", REF).unwrap())
         .await
         .unwrap();
-    let (status, tcp) = connect(&node, &format!("{RESULTS_HOST}:443"), t2.expose()).await;
-    assert_eq!(status, 200);
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::aws_lc_rs::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    let mut t = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(
-            rustls::pki_types::ServerName::try_from(RESULTS_HOST).unwrap(),
-            tcp.unwrap(),
-        )
-        .await
-        .unwrap();
+    let mut t = tunnel_as(&node, &t2).await;
     let r = send(
         &mut t,
         &twirp_as(
@@ -1785,28 +1772,6 @@ async fn a_direct_download_waits_on_no_other_sessions_lock() {
             .await
             .unwrap();
         others.push(t);
-    }
-    async fn tunnel_as(node: &Node, token: &CacheToken) -> Tunnel {
-        let (status, tcp) = connect(node, &format!("{RESULTS_HOST}:443"), token.expose()).await;
-        assert_eq!(status, 200);
-        let mut roots = rustls::RootCertStore::empty();
-        for c in rustls_pemfile::certs(&mut node.ca_pem.as_bytes()) {
-            roots.add(c.unwrap()).unwrap();
-        }
-        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::aws_lc_rs::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        tokio_rustls::TlsConnector::from(Arc::new(config))
-            .connect(
-                rustls::pki_types::ServerName::try_from(RESULTS_HOST).unwrap(),
-                tcp.unwrap(),
-            )
-            .await
-            .unwrap()
     }
     for t in &others {
         let mut tl = tunnel_as(&node, t).await;
