@@ -75,6 +75,13 @@ pub enum DiskError {
         "the path {0:?} is not a plain absolute directory; no \".\", \"..\" or control characters, and not \"/\""
     )]
     BadPath(String),
+    /// The path is where the container runtime or billet mounts something
+    /// itself: at or under `/proc`, `/dev`, `/sys` or the cache session's
+    /// directory.
+    #[error(
+        "the path {0:?} is at or under {1}, which the container runtime or billet mounts itself; give the disk another path, e.g. \"/cache/npm\""
+    )]
+    ReservedPath(String, &'static str),
     /// Two disks of one job at one path.
     #[error("two sticky disks are mounted at {0:?}; give each its own path")]
     SamePath(String),
@@ -147,12 +154,19 @@ impl std::fmt::Display for DiskKey {
 /// Longest sticky-disk path, in bytes.
 pub const MAX_PATH_BYTES: usize = 4096;
 
+/// Where no sticky disk may be bound, nor under: kernel file systems the
+/// runtime mounts (runc refuses a bind over them at start) and the cache
+/// session's own directory ([`session::GUEST_DIR`], bound beside the
+/// disks; the engine refuses a second mount at one destination).
+pub const RESERVED_PATHS: [&str; 4] = ["/proc", "/dev", "/sys", session::GUEST_DIR];
+
 /// One sticky disk a tier asks for: the key's clone bound at `path`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StickyDisk {
     /// The cache's name.
     pub key: DiskKey,
-    /// Where the job sees it: absolute, plain, not `/`.
+    /// Where the job sees it: absolute, plain, not `/`, in its one
+    /// spelling (no repeated or trailing `/`), outside [`RESERVED_PATHS`].
     pub path: String,
     /// What its commit does when the key moved.
     pub policy: Policy,
@@ -164,7 +178,7 @@ impl StickyDisk {
     /// # Errors
     ///
     /// [`DiskKey::parse`]'s errors, [`DiskError::RelativePath`],
-    /// [`DiskError::BadPath`].
+    /// [`DiskError::BadPath`], [`DiskError::ReservedPath`].
     pub fn new(key: &str, path: &str, policy: Policy) -> Result<Self, DiskError> {
         let key = DiskKey::parse(key)?;
         if !path.starts_with('/') {
@@ -183,9 +197,22 @@ impl StickyDisk {
         {
             return Err(DiskError::BadPath(path.to_owned()));
         }
+        // One spelling per directory: the engine compares destinations
+        // as given, and refuses `/c/npm` beside `/c//npm` at the create.
+        let normal = std::path::Path::new(path)
+            .components()
+            .skip(1)
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .fold(String::new(), |acc, c| acc + "/" + &c);
+        if let Some(reserved) = RESERVED_PATHS
+            .iter()
+            .find(|r| normal == **r || normal.starts_with(&format!("{r}/")))
+        {
+            return Err(DiskError::ReservedPath(path.to_owned(), reserved));
+        }
         Ok(Self {
             key,
-            path: path.to_owned(),
+            path: normal,
             policy,
         })
     }

@@ -475,10 +475,7 @@ fn sticky(
             crate::cache::DiskError::TooMany(disks.len()).to_string(),
         ));
     }
-    if docker_image_store {
-        crate::cache::check_beside_docker_store(disks.len(), disks.iter().map(|d| d.path.as_str()))
-            .map_err(|e| InvalidField::new(FIELD, e.to_string()))?;
-    }
+    let count = disks.len();
     let disks = disks
         .into_iter()
         .enumerate()
@@ -501,13 +498,19 @@ fn sticky(
             StickyDisk::new(&key, &path, policy).map_err(|e| {
                 let part = match e {
                     crate::cache::DiskError::RelativePath(_)
-                    | crate::cache::DiskError::BadPath(_) => "path",
+                    | crate::cache::DiskError::BadPath(_)
+                    | crate::cache::DiskError::ReservedPath(..) => "path",
                     _ => "key",
                 };
                 InvalidField::new(format!("{FIELD}[{i}].{part}"), e.to_string())
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
+    // On the paths in their one spelling (`StickyDisk::new`).
+    if docker_image_store {
+        crate::cache::check_beside_docker_store(count, disks.iter().map(|d| d.path.as_str()))
+            .map_err(|e| InvalidField::new(FIELD, e.to_string()))?;
+    }
     crate::cache::check_disks(&disks).map_err(|e| InvalidField::new(FIELD, e.to_string()))?;
     Ok(disks)
 }
@@ -915,6 +918,69 @@ pub(crate) mod tests {
         assert!(
             with(false, at).is_ok(),
             "without the store the path is free"
+        );
+    }
+
+    /// Found by an independent tester: a disk path the engine refuses is refused at the edge,
+    /// naming the disk, not by `docker create`/`start` at every launch of
+    /// the tier. On main each of these passes the edge, and the engine then
+    /// refuses the container (checked by hand against Docker 20.10:
+    /// "Duplicate mount point: /c//npm" for the first three; runc's "error
+    /// mounting ... to rootfs at /proc" and the like at start for the rest),
+    /// so every launch of the tier fails at the create or the start and the
+    /// job is retried for ever.
+    #[test]
+    fn a_disk_path_the_engine_would_refuse_is_refused_at_the_edge() {
+        let with = |store: bool, disks: Vec<pb::StickyDisk>| {
+            let mut c = full_launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                let tier = l.tier.as_mut().unwrap();
+                tier.sticky_disks = disks;
+                tier.docker_image_store = store;
+            }
+            command(c).command
+        };
+        let disk = |key: &str, path: &str| pb::StickyDisk {
+            key: key.into(),
+            path: path.into(),
+            publication: pb::StickyPublication::Cas.into(),
+        };
+        let mut accepted = Vec::new();
+        // One path in two spellings: two mounts at one destination.
+        if with(false, vec![disk("npm", "/c/npm"), disk("go", "/c//npm")]).is_ok() {
+            accepted.push("/c/npm beside /c//npm");
+        }
+        // The image store's path in another spelling.
+        if with(true, vec![disk("npm", "/var/lib//docker")]).is_ok() {
+            accepted.push("/var/lib//docker beside the Docker image store");
+        }
+        // The cache session's own bind (GUEST_DIR).
+        if with(false, vec![disk("npm", crate::cache::session::GUEST_DIR)]).is_ok() {
+            accepted.push("/run/billet-cache, where the cache socket is bound");
+        }
+        // Kernel file systems the runtime will not mount over.
+        for path in ["/proc", "/dev", "/sys/fs/x"] {
+            if with(false, vec![disk("npm", path)]).is_ok() {
+                accepted.push(path);
+            }
+        }
+        assert!(
+            accepted.is_empty(),
+            "the edge accepted disk paths the engine refuses: {accepted:?}"
+        );
+        // Named by the disk's field, saying what to do.
+        let refused = with(false, vec![disk("npm", "/dev/shm/x")]).unwrap_err();
+        let text = format!("{refused}");
+        assert!(
+            text.contains("sticky_disks[0].path") && text.contains("another path"),
+            "{text}"
+        );
+        // One spelling: a trailing or doubled `/` is the same directory.
+        assert!(with(false, vec![disk("npm", "/c/npm/"), disk("go", "/c/go")]).is_ok());
+        assert!(with(false, vec![disk("npm", "/c/npm/"), disk("go", "/c/npm")]).is_err());
+        assert!(
+            with(false, vec![disk("npm", "/devices")]).is_ok(),
+            "a sibling of /dev is fine"
         );
     }
 
