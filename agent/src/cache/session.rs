@@ -609,7 +609,7 @@ async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: 
             let _admitted = admitted;
             let service = hyper::service::service_fn(move |req| {
                 let session = session.clone();
-                async move { Ok::<_, Infallible>(handle(&session, req).await) }
+                async move { Ok::<_, Infallible>(handle(session, req).await) }
             });
             let connection = hyper::server::conn::http1::Builder::new()
                 .max_buf_size(16 * 1024)
@@ -652,11 +652,14 @@ fn authorised(session: &Session, req: &Request<Incoming>) -> bool {
     bool::from(digest(token).ct_eq(&session.digest))
 }
 
-struct Admitted<'a>(&'a AtomicBool);
+/// The session's one request in progress; the next is admitted once this
+/// is dropped (with the request's handler, or with a settlement that
+/// outlives it).
+struct Admitted(Arc<Session>);
 
-impl Drop for Admitted<'_> {
+impl Drop for Admitted {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.0.busy.store(false, Ordering::Release);
     }
 }
 
@@ -667,7 +670,8 @@ struct CommitBody {
     job_status: Option<String>,
 }
 
-async fn handle(session: &Session, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let session = owned.as_ref();
     if !authorised(session, &req) {
         return error(StatusCode::UNAUTHORIZED, "unauthorised cache session");
     }
@@ -677,7 +681,7 @@ async fn handle(session: &Session, req: Request<Incoming>) -> Response<Full<Byte
             "this session is answering another request; send one at a time",
         );
     }
-    let _admitted = Admitted(&session.busy);
+    let admitted = Admitted(owned.clone());
     let path = req.uri().path().to_owned();
     let parts: Vec<&str> = path.split('/').collect();
     match (req.method().clone(), parts.as_slice()) {
@@ -713,13 +717,23 @@ async fn handle(session: &Session, req: Request<Incoming>) -> Response<Full<Byte
             if *action == "discard" && body.job_status.is_some() {
                 return error(StatusCode::BAD_REQUEST, "a discard takes no job_status");
             }
-            settle(
-                session,
-                slot,
-                *action == "commit",
-                body.job_status.as_deref(),
-            )
-            .await
+            // Its own task: a guest that hangs up mid-commit (a client
+            // timeout shorter than the clone) does not cut the commit off
+            // half done, with the mount withdrawn and its staging clone
+            // left behind. The session stays busy until it is settled, and
+            // a retry then learns what it was told.
+            let commit = *action == "commit";
+            let session = owned.clone();
+            let settled = tokio::spawn(async move {
+                let _admitted = admitted;
+                settle(&session, slot, commit, body.job_status.as_deref()).await
+            });
+            settled.await.unwrap_or_else(|_| {
+                error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the settlement failed; list the volumes to see what the disk was told",
+                )
+            })
         }
         (Method::POST, ["", "v1", "docker-store"]) => match read_json(req).await {
             Ok(body) => docker_store(session, body).await,
@@ -898,9 +912,16 @@ async fn settle(
     commit: bool,
     job_status: Option<&str>,
 ) -> Response<Full<Bytes>> {
-    let mut slots = session.slots.lock().await;
-    let Some(s) = slots.get(slot).cloned() else {
-        return error(StatusCode::NOT_FOUND, "cache slot is not attached");
+    // Not held across the commit's clone: the node's own calls into the
+    // session (`open_settlement` from a Destroy in the command slot) must
+    // not wait for a guest's clone. One settlement at a time per session
+    // (`busy`), so the slot is not settled twice meanwhile.
+    let s = {
+        let slots = session.slots.lock().await;
+        match slots.get(slot).cloned() {
+            Some(s) => s,
+            None => return error(StatusCode::NOT_FOUND, "cache slot is not attached"),
+        }
     };
     if commit && s.docker.is_some() {
         return error(
@@ -955,6 +976,7 @@ async fn settle(
         }
     };
     info!(%lease, slot, key = %s.key, outcome = %told.outcome, "sticky disk settled by its guest");
+    let mut slots = session.slots.lock().await;
     slots[slot].told = Some(told.clone());
     if let Err(e) = session.journal.put_session(&session.record(&slots)).await {
         warn!(%lease, error = %e, "cannot journal what the guest was told");
@@ -1014,6 +1036,120 @@ mod tests {
             .await
             .unwrap();
         (p, m)
+    }
+
+    /// Found by an independent tester: a guest whose HTTP client gives up on a slow commit (a
+    /// client timeout shorter than the clone, O(bytes) on ext4) and hangs
+    /// up. Expected: the commit the node accepted either completes or is
+    /// undone, and nothing is left on the cache disk; a retried commit is
+    /// told the truth. On main hyper drops the handler with the connection:
+    /// the mount was already withdrawn, the clone runs on in its blocking
+    /// task and leaves `mounts/<id>.commit` (the disk's size) until the
+    /// node restarts, nothing is published, and the retry is told
+    /// `fallback`, which says the disk was an empty fallback after a failed
+    /// clone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guest_that_hangs_up_mid_commit_leaks_no_staging_and_is_not_told_fallback() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, ma) = mounted(&store, &sessions, "l1").await;
+        // Enough that the clone takes a while without reflinks.
+        let chunk = vec![7_u8; 1 << 20];
+        for i in 0..300 {
+            std::fs::write(ma.dir.join(format!("f{i}")), &chunk).unwrap();
+        }
+        let mut stream = tokio::net::UnixStream::connect(a.dir.join(SOCKET_NAME))
+            .await
+            .unwrap();
+        let body = r#"{"job_status":"success"}"#;
+        let request = format!(
+            "POST /v1/volumes/0/commit HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n{body}",
+            a.token.expose(),
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        // The guest's client times out and hangs up mid-clone.
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        drop(stream);
+        // Long enough for any clone and publication to finish.
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+        let staging = root.join("mounts").join(format!("{}.commit", ma.id));
+        let head = store.head(&DiskKey::parse("npm").unwrap()).await.unwrap();
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            body,
+        )
+        .await;
+        let mut wrong = Vec::new();
+        if staging.exists() {
+            wrong.push(format!(
+                "the staging clone {} is left on the cache disk",
+                staging.display()
+            ));
+        }
+        if head.is_none() {
+            wrong.push("nothing was published".to_owned());
+        }
+        if told["outcome"] == "fallback" {
+            wrong.push(format!(
+                "the retry was told {told} ({status}), though the disk was no fallback"
+            ));
+        }
+        // The job ends and its compute is gone: its disks are settled and
+        // its session closed.
+        store.mark_succeeded(&lease("l1")).await.unwrap();
+        store.settle(&lease("l1")).await;
+        sessions.close(&lease("l1")).await;
+        if staging.exists() {
+            wrong.push("the staging clone outlives the job's end too".to_owned());
+        }
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
+
+    /// Found by an independent tester: the node's own path into a session (`open_settlement`,
+    /// which a Destroy with `job_result` succeeded calls for every lease
+    /// with a session, from the single command slot) must not wait for a
+    /// guest's clone. On main `settle` holds the session's `slots` mutex
+    /// across `commit_now`'s whole clone (O(bytes) on ext4), so a guest
+    /// committing a large disk in the background as its job completes
+    /// holds the Destroy, and every command queued behind it, for the
+    /// clone's length: the store lock session 13's tester had released,
+    /// taken again one level up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn open_settlement_does_not_wait_for_a_guests_clone() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, ma) = mounted(&store, &sessions, "l1").await;
+        let chunk = vec![7_u8; 1 << 20];
+        for i in 0..600 {
+            std::fs::write(ma.dir.join(format!("f{i}")), &chunk).unwrap();
+        }
+        let dir = a.dir.clone();
+        let token = a.token.expose().to_owned();
+        let commit = tokio::spawn(async move {
+            let began = std::time::Instant::now();
+            let answer = call(&dir, Some(&token), "POST", "/v1/volumes/0/commit", "").await;
+            (answer, began.elapsed())
+        });
+        // The guest's request is in its clone.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let began = std::time::Instant::now();
+        sessions.open_settlement(&lease("l1")).await;
+        let waited = began.elapsed();
+        let ((status, told), clone) = commit.await.unwrap();
+        assert_eq!(status, 200, "{told}");
+        assert_eq!(told["outcome"], "committed", "{told}");
+        assert!(
+            waited < std::time::Duration::from_millis(250),
+            "open_settlement waited {waited:?} for the guest's commit ({clone:?} in all)"
+        );
     }
 
     #[tokio::test]
