@@ -153,7 +153,14 @@ fn raise_to(counter: &Counter, to: u64) {
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
 /// state with no lease reads 0, not absent).
-pub const LEASE_STATES: [&str; 5] = ["launching", "running", "custody", "quarantine", "discard"];
+pub const LEASE_STATES: [&str; 6] = [
+    "launching",
+    "running",
+    "custody",
+    "quarantine",
+    "discard",
+    "ending",
+];
 
 impl Metrics {
     /// Registers every family in `registry` (names prefixed `billet_`),
@@ -1087,6 +1094,46 @@ mod tests {
         );
         m.set_leases(&[], 0, Duration::ZERO);
         assert!(encoded(&registry).contains("billet_leases_held{state=\"running\"} 0"));
+    }
+
+    /// A tester found an ending lease (its runner within the post-job
+    /// grace) counted nowhere: every state a held lease can be in has its
+    /// own series, so the series add up to what the node holds.
+    #[test]
+    fn every_held_state_is_counted_under_its_own_name() {
+        use crate::edge::model::{Epoch, InstanceName, LeaseId};
+        use crate::node::runner::{HeldLease, HeldState};
+        let states = [
+            HeldState::Launching,
+            HeldState::Running,
+            HeldState::Custody,
+            HeldState::Quarantine,
+            HeldState::Discard,
+            HeldState::Ending,
+        ];
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "v", "c");
+        let held: Vec<HeldLease> = states
+            .iter()
+            .enumerate()
+            .map(|(i, state)| {
+                let lease = LeaseId::parse("lease", &format!("lease-{i}")).unwrap();
+                HeldLease {
+                    instance: InstanceName::for_lease(&lease),
+                    lease,
+                    epoch: Epoch(1),
+                    state: *state,
+                    runner: None,
+                    age: Some(Duration::from_secs(1)),
+                }
+            })
+            .collect();
+        m.observe_runner(&held);
+        let text = encoded(&registry);
+        for state in states {
+            let series = format!("billet_leases_held{{state=\"{}\"}} 1", state.as_str());
+            assert!(text.contains(&series), "no {series} in:\n{text}");
+        }
     }
 
     #[test]
