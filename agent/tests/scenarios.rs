@@ -1904,6 +1904,8 @@ async fn custody_records_when_it_started() {
     let w = World::new();
     let r = w.runner();
     let lease = w.launched(&r, 1).await;
+    // Its runner holds a job: past the start deadline it is online.
+    w.core().job_starts(&name(&lease.id));
     let wall_ms = || {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -2007,6 +2009,9 @@ async fn held_compute_is_not_destroyed_on_a_timer_by_default() {
     let w = World::new();
     let r = w.runner();
     let lease = w.launched(&r, 1).await;
+    // A job runs in it (a runner that never took one is the start
+    // deadline's to end, held or not).
+    w.core().job_starts(&name(&lease.id));
     r.assume_custody(&lease.id, lease.epoch, RequestId(1))
         .await
         .unwrap();
@@ -2022,6 +2027,8 @@ async fn held_compute_is_not_destroyed_on_a_timer_by_default() {
 async fn held_under_a_bound(w: &World, bound: Duration) -> (Arc<Runner>, Lease) {
     let r = w.runner_with(RunnerOptions {
         max_custody: Some(bound),
+        // The bound alone: no start deadline asks GitHub first.
+        start_deadline: None,
         ..RunnerOptions::default()
     });
     let lease = w.launched(&r, 1).await;
@@ -2642,6 +2649,60 @@ async fn a_runner_busy_at_github_at_the_start_deadline_is_online_and_left_runnin
 
 /// Issue #11 item 3: with the deadline off (0), a runner that never
 /// connects is not torn down on a timer.
+/// The start deadline holds in custody too (tester-3 found a runner
+/// adopted after a restart, never connected, held for ever while its job
+/// waited): counted from custody's start, it ends a held runner GitHub says
+/// took nothing; a runner seen online before custody is not asked again.
+#[tokio::test(start_paused = true)]
+async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_from_custody() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    });
+    let idle = w.launched(&r, 1).await;
+    let busy = w.launched(&r, 2).await;
+    w.core().job_starts(&name(&busy.id));
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&busy.id));
+    // The idle one was torn down by the running path; a third is held
+    // before its deadline and counts from custody's start.
+    assert_eq!(reason(&w, &idle.id).as_deref(), Some("start_deadline"));
+    let held = w.launched(&r, 3).await;
+    sleep(Duration::from_secs(50)).await;
+    for (lease, request) in [(&held, 3), (&busy, 2)] {
+        r.assume_custody(&lease.id, lease.epoch, RequestId(request))
+            .await
+            .unwrap();
+    }
+    sleep(Duration::from_secs(30)).await;
+    r.tend().await.unwrap();
+    assert!(
+        w.exists(&held.id),
+        "cut before its deadline from custody's start"
+    );
+    sleep(Duration::from_secs(31)).await;
+    r.tend().await.unwrap();
+    assert!(
+        !w.exists(&held.id),
+        "a held runner that took nothing runs on"
+    );
+    assert_eq!(w.phase(&held.id), Phase::Failed);
+    assert_eq!(reason(&w, &held.id).as_deref(), Some("start_deadline"));
+    assert!(w.exists(&busy.id), "a busy held runner was torn down");
+    let asked_busy = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("remove") && l.contains(busy.id.as_str()))
+        .count();
+    assert_eq!(
+        asked_busy, 1,
+        "a runner known online was asked again in custody"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_zero_start_deadline_is_off() {
     let w = World::new();

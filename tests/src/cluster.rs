@@ -394,6 +394,30 @@ impl Installed {
 /// # Errors
 ///
 /// When it cannot be written.
+/// libfaketime's preload library (Debian `libfaketime`, installed with
+/// `faketime` by scripts/test).
+pub const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+
+/// Environment that runs only the node process with its wall clock
+/// `offset` off (libfaketime's spelling: `+300s`, `-90s`), as a badly
+/// synchronised host's or one stepped by NTP: the monotonic and boot
+/// clocks are left alone, as a real step leaves them.
+///
+/// # Errors
+///
+/// When libfaketime is not installed (scripts/test installs it).
+pub fn wall_clock_off(offset: &str) -> Result<Vec<(String, String)>> {
+    if !Path::new(FAKETIME_LIB).exists() {
+        bail!("{FAKETIME_LIB} is missing: install Debian's faketime package (scripts/test does)");
+    }
+    Ok(vec![
+        ("LD_PRELOAD".into(), FAKETIME_LIB.into()),
+        ("FAKETIME".into(), offset.into()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+        ("FAKETIME_NO_CACHE".into(), "1".into()),
+    ])
+}
+
 pub fn write_script(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("write {}", path.display()))?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))

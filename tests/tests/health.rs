@@ -14,16 +14,12 @@ use billet_agent::node::session::NodeService;
 use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls, dial};
 use billet_controlplane_stub::plane::PlaneEvent;
 use billet_proto::v1 as pb;
-use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until};
+use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until, wall_clock_off};
 use billet_tests::engine_proxy::EngineProxy;
 use scaleset::testing::{Endpoint, JobState};
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-
-/// libfaketime's preload library (Debian `libfaketime`, installed with
-/// `faketime` by scripts/test).
-const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 fn state_dir(cluster: &Cluster, node: &str) -> PathBuf {
     cluster.dir.join(format!("state-{node}"))
@@ -35,20 +31,6 @@ async fn status(state_dir: &Path) -> Result<local::Observed> {
         .map_err(anyhow::Error::msg)
 }
 
-/// Environment that runs only the node process `offset` seconds off.
-fn skewed(offset: &str) -> Result<Vec<(String, String)>> {
-    if !Path::new(FAKETIME_LIB).exists() {
-        bail!("{FAKETIME_LIB} is missing: install Debian's faketime package (scripts/test does)");
-    }
-    Ok(vec![
-        ("LD_PRELOAD".into(), FAKETIME_LIB.into()),
-        ("FAKETIME".into(), offset.into()),
-        // Only the wall clock moves, as a badly synchronised host's would.
-        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
-        ("FAKETIME_NO_CACHE".into(), "1".into()),
-    ])
-}
-
 /// Jobs on a node whose wall clock is `offset` seconds from the plane's
 /// run, complete and are cleaned up exactly as on a node in sync, and
 /// nothing is answered EXPIRED; the offset is measured and reported.
@@ -57,7 +39,7 @@ async fn jobs_run_and_clean_up_with_the_node_clock_off_by(
     expect_ms: i64,
 ) -> Result<()> {
     let cluster = Cluster::start(ClusterOptions {
-        node_env: skewed(offset)?,
+        node_env: wall_clock_off(offset)?,
         ..ClusterOptions::default()
     })
     .await?;
@@ -751,6 +733,7 @@ async fn a_journal_whose_writes_failed_on_a_full_disk_takes_writes_again_once_sp
         discard: false,
         observed: true,
         since_unix_ms: 0,
+        since_boot: None,
     };
     journal.put_launch(&launch(0)).await?;
     journal

@@ -9,7 +9,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use billet_controlplane_stub::ledger::{Lease, Phase};
 use billet_controlplane_stub::plane::{PlaneEvent, ScaleDown};
-use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};
+use billet_proto::v1 as pb;
+use billet_tests::cluster::{Cluster, ClusterOptions, wait_until, wall_clock_off};
 use scaleset::JobRequestId;
 use scaleset::testing::{Endpoint, Fault, JobState};
 
@@ -311,7 +312,6 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_unavailable()
 -> Result<()> {
-    use billet_proto::v1 as pb;
     use scaleset::testing::Endpoint;
 
     let image = format!(
@@ -404,16 +404,7 @@ async fn a_runner_that_never_connects_is_freed_after_the_start_deadline() -> Res
         || !cluster.emulator.state().runners.is_empty(),
     )
     .await?;
-    let started = tokio::time::Instant::now();
-    let first = loop {
-        if let Some(l) = leases(&cluster).await?.into_iter().next() {
-            break l;
-        }
-        if started.elapsed() > Duration::from_secs(10) {
-            bail!("no lease");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let first = wait_until_some(&cluster).await?;
     let deadline = tokio::time::Instant::now() + DEADLINE + ONE_TEND + Duration::from_secs(10);
     let ended = loop {
         let l = cluster
@@ -645,4 +636,243 @@ async fn a_runner_ignoring_sigterm_past_the_post_job_grace_is_killed_and_release
     ends_clean(&cluster).await?;
     eprintln!("killed {lived:?} after its completion");
     cluster.shutdown().await
+}
+
+/// Sends the plane's Tend to node-1 until `done` holds, for at most
+/// `timeout`: for tests whose plane does not tend on its own, so that a
+/// scale-down reaches the node before any tend has seen what happened.
+async fn tend_until(
+    cluster: &Cluster,
+    timeout: Duration,
+    what: &str,
+    mut done: impl AsyncFnMut() -> Result<bool>,
+) -> Result<()> {
+    let node = cluster.plane.node("node-1").context("node-1")?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if done().await? {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "{what}: not within {timeout:?}; leases {:?}\nnode log:\n{}",
+                leases(cluster).await?,
+                cluster.nodes["node-1"].log_text()
+            );
+        }
+        node.dispatch(
+            pb::command::Kind::Tend(pb::Tend {}),
+            Duration::from_secs(10),
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The scale-down of a runner killed mid-job, reaching the node before any
+/// tend saw the kill: a tester found the lease recorded `done`. The runner's
+/// compute ended before its job did, so the lease ends `failed` with reason
+/// `killed`, as a tend would have released it, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_down_of_a_runner_killed_mid_job_releases_its_lease_failed_killed_not_done()
+-> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        // No tend of the plane's own: the scale-down is what finds the kill.
+        maintenance_interval: Duration::from_secs(3600),
+        ..options(120_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    cluster.docker.kill_container(&name, None).await?;
+    wait_stopped(&cluster, &name, Duration::from_secs(20)).await?;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let scaled = tokio::time::timeout(
+        Duration::from_secs(60),
+        cluster.plane.scale_down(&lease.id, &shutdown),
+    )
+    .await
+    .context("the scale-down never ended")??;
+    assert_eq!(
+        scaled,
+        ScaleDown::Ended,
+        "the scale-down of a killed runner was not left to the node; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    tend_until(
+        &cluster,
+        Duration::from_secs(30),
+        "the lease to end",
+        async || {
+            Ok(cluster
+                .plane
+                .ledger()
+                .get(&lease.id)
+                .await?
+                .is_some_and(|l| l.phase.is_terminal()))
+        },
+    )
+    .await?;
+    let ended = only_lease(&cluster).await?;
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(ended.failure_reason.as_deref(), Some("killed"), "{ended:?}");
+    github_gives_up_on(&cluster, &jobs);
+    tend_until(
+        &cluster,
+        Duration::from_secs(60),
+        "nothing left",
+        async || {
+            Ok(cluster.containers().await?.is_empty()
+                && cluster.emulator.state().runners.is_empty())
+        },
+    )
+    .await?;
+    cluster.wait_clean(Duration::from_secs(10)).await?;
+    cluster.shutdown().await
+}
+
+/// Kills node-1 with SIGKILL and starts it again with `env` added.
+async fn kill_9_and_restart(cluster: &mut Cluster, env: Vec<(String, String)>) -> Result<()> {
+    let node = cluster.nodes.get_mut("node-1").context("node-1")?;
+    for (k, v) in env {
+        node.set_env(&k, &v);
+    }
+    node.restart().await
+}
+
+/// A node killed -9 while its runner works inside the post-job grace,
+/// restarted with its wall clock stepped 5 minutes ahead: a tester found the
+/// runner killed at once, released `post_job_timeout`, the step counted as
+/// grace spent. Across a restart the grace counts on the boot clock, which
+/// a step does not move: the runner exits on its own and the lease is
+/// `done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ending_runner_survives_a_kill_9_restart_whose_wall_clock_jumped_5_minutes_ahead()
+-> Result<()> {
+    let skew = wall_clock_off("+300s")?;
+    let mut options = options(2_000);
+    options
+        .node_env
+        .push(("BILLET_POST_JOB_GRACE_SECS".into(), "120".into()));
+    let mut cluster = Cluster::start(ClusterOptions {
+        tier_env: vec!["BILLET_STANDIN_POST_JOB_MS=30000".into()],
+        ..options
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    let completed = wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    wait_until(Duration::from_secs(20), "the runner held as ending", || {
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("leaving it the post-job grace")
+    })
+    .await?;
+    kill_9_and_restart(&mut cluster, skew).await?;
+    let stopped = wait_stopped(&cluster, &name, Duration::from_secs(120)).await?;
+    let worked = stopped - completed;
+    assert!(
+        worked >= Duration::from_secs(25),
+        "the container stopped {worked:?} after its job's completion, inside the grace; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    let ended = wait_all_terminal(&cluster, ONE_TEND * 2).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// A runner that never connects, its node killed -9 before the start
+/// deadline and restarted: a tester found the adopted runner exempt from
+/// the deadline, held for ever while its job waited. Adopted compute not
+/// known online is bound by the deadline from its adoption: its
+/// registration removed, it is torn down and its lease released `failed`
+/// with reason `start_deadline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_connecting_runner_adopted_after_a_kill_9_is_still_freed_by_the_start_deadline()
+-> Result<()> {
+    const DEADLINE: Duration = Duration::from_secs(15);
+    let mut opts = options(1500);
+    opts.tier_env = vec!["BILLET_STANDIN_MODE=never-connect".into()];
+    opts.node_env.push((
+        "BILLET_START_DEADLINE_SECS".into(),
+        DEADLINE.as_secs().to_string(),
+    ));
+    let mut cluster = Cluster::start(opts).await?;
+    let mut events = cluster.plane.subscribe();
+    let jobs = cluster.queue_jobs(1);
+    // Killed once the launch is answered (the launch journaled created):
+    // earlier, recovery takes the unconfirmed-launch path instead.
+    let launched = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::Launched { lease, .. }) => return Ok(lease),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => return Err(anyhow::anyhow!("plane events: {e}")),
+            }
+        }
+    })
+    .await
+    .context("no launch")??;
+    let first = cluster
+        .plane
+        .ledger()
+        .get(&launched)
+        .await?
+        .context("the launched lease")?;
+    let name = format!("billet-{}", first.id);
+    kill_9_and_restart(&mut cluster, Vec::new()).await?;
+    let restarted = tokio::time::Instant::now();
+    let deadline = restarted + DEADLINE + ONE_TEND + Duration::from_secs(20);
+    let ended = loop {
+        let l = cluster
+            .plane
+            .ledger()
+            .get(&first.id)
+            .await?
+            .context("the first lease")?;
+        if l.phase.is_terminal() {
+            break l;
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!(
+                "the adopted runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
+                cluster.nodes["node-1"].log_text()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("start_deadline"),
+        "{ended:?}"
+    );
+    assert!(
+        !cluster.containers().await?.contains(&name),
+        "its container outlived the lease"
+    );
+    github_gives_up_on(&cluster, &jobs);
+    wait_all_terminal(&cluster, DEADLINE + ONE_TEND * 2).await?;
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// The first lease the plane records, waiting up to 10 s for one.
+async fn wait_until_some(cluster: &Cluster) -> Result<Lease> {
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Some(l) = leases(cluster).await?.into_iter().next() {
+            return Ok(l);
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            bail!("no lease");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::ending::EndReason;
-use super::journal::{CustodyRecord, LaunchRecord};
+use super::journal::{BootStamp, CustodyRecord, LaunchRecord};
 use super::plane::PlaneError;
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
 use crate::cache::{Inventory, Listed};
@@ -120,6 +120,10 @@ pub(super) struct CustodyEntry {
     /// (a full or failing disk). The next tend writes it again, changed or
     /// not ([`Runner::rejournal`]). Not journaled.
     pub(super) unjournaled: bool,
+    /// The runner is known online (GitHub refused to remove its
+    /// registration: it holds a job), so the start deadline no longer
+    /// applies. Not journaled: a restarted node asks once more.
+    pub(super) online: bool,
 }
 
 impl CustodyEntry {
@@ -148,6 +152,7 @@ impl CustodyEntry {
             ending: false,
             forced: None,
             unjournaled: false,
+            online: false,
         }
     }
 
@@ -202,6 +207,7 @@ pub(super) fn custody_record(lease: &LeaseId, e: &CustodyEntry) -> CustodyRecord
         discard: e.discard,
         observed: e.observed,
         since_unix_ms: now_ms - i64::try_from(since.as_millis()).unwrap_or(0),
+        since_boot: BootStamp::now().map(|now| now.before(since)),
     }
 }
 
@@ -220,14 +226,29 @@ fn journaled_changed(old: &CustodyEntry, new: &CustodyEntry) -> bool {
         || old.since != new.since
 }
 
+/// How long ago the custody a journaled record describes began: by the
+/// boot clock when the record was written in this boot (a wall-clock step
+/// while the node was down does not count; tester-3 found a runner inside
+/// its post-job grace killed after a restart whose clock had jumped 5
+/// minutes ahead), else by the wall clock (after a reboot, or a record of a
+/// release that did not keep the boot clock).
+fn custody_age(r: &CustodyRecord) -> Duration {
+    if let (Some(then), Some(now)) = (&r.since_boot, BootStamp::now())
+        && let Some(age) = now.since(then)
+    {
+        return age;
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    Duration::from_millis(u64::try_from(now_ms - r.since_unix_ms).unwrap_or(0))
+}
+
 /// Rebuilds a custody entry from the journal; `None` for a record this build
 /// cannot read (it is then re-derived from the ledger and the provider).
 pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)> {
     let lease = LeaseId::parse("journal.custody.lease", &r.lease).ok()?;
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let age = Duration::from_millis(u64::try_from(now_ms - r.since_unix_ms).unwrap_or(0));
+    let age = custody_age(r);
     let phase = match &r.phase {
         Some(p) => Some(parse_phase("journal.custody.phase", p).ok()?),
         None => None,
@@ -250,6 +271,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         ending: !r.discard && r.phase.as_deref() == Some(Phase::Teardown.as_str()),
         forced: None,
         unjournaled: false,
+        online: false,
     };
     Some((lease, entry))
 }
@@ -381,12 +403,15 @@ impl Runner {
                 let epoch = epoch.max(running.epoch);
                 self.hold(
                     lease.clone(),
-                    CustodyEntry::job(
-                        epoch,
-                        running.instance.clone(),
-                        request_id,
-                        self.provider.runs_on_host(),
-                    ),
+                    CustodyEntry {
+                        online: running.online,
+                        ..CustodyEntry::job(
+                            epoch,
+                            running.instance.clone(),
+                            request_id,
+                            self.provider.runs_on_host(),
+                        )
+                    },
                 )
                 .await;
                 info!(%lease, instance = %running.instance, "assumed custody");
@@ -417,12 +442,15 @@ impl Runner {
             let lease = r.lease.clone();
             self.hold(
                 lease,
-                CustodyEntry::job(
-                    r.epoch,
-                    r.instance,
-                    request_id,
-                    self.provider.runs_on_host(),
-                ),
+                CustodyEntry {
+                    online: r.online,
+                    ..CustodyEntry::job(
+                        r.epoch,
+                        r.instance,
+                        request_id,
+                        self.provider.runs_on_host(),
+                    )
+                },
             )
             .await;
         }
@@ -882,11 +910,11 @@ impl Runner {
         }
     }
 
-    /// Moves a running request whose instance still runs into custody as a
-    /// teardown released `failed` with `reason`, its registration
-    /// `registration` still to remove (`None`: by lease, not holding the
-    /// teardown back).
-    async fn end_running(
+    /// Moves a running request into custody as a teardown released `failed`
+    /// with `reason`, its registration `registration` still to remove
+    /// (`None`: by lease, not holding the teardown back). A no-op when the
+    /// request no longer runs that lease.
+    pub(super) async fn end_running(
         &self,
         request_id: RequestId,
         r: &Running,
@@ -1377,6 +1405,51 @@ impl Runner {
         }
     }
 
+    /// Whether a held runner that may still run, never known online, has
+    /// passed the start deadline and took nothing: then its registration is
+    /// gone and the entry becomes a teardown released `failed` with reason
+    /// `start_deadline`. The deadline counts from custody's start (compute
+    /// adopted after a restart, or held when the plane assumed custody), so
+    /// a runner is never cut sooner than it would have been had it kept
+    /// running here; tester-3 found an adopted runner that never connected
+    /// held, and its job waiting, for ever. As in
+    /// [`Runner::judge_running`], the node asks GitHub by removing the
+    /// registration: a refusal means it holds a job (online, never asked
+    /// again); an outage leaves it to the next tend. An ending runner (its
+    /// job complete) is the post-job grace's to judge.
+    async fn past_start_deadline(&self, lease: &LeaseId, entry: &mut CustodyEntry) -> bool {
+        let Some(deadline) = self.options.start_deadline.filter(|d| !d.is_zero()) else {
+            return false;
+        };
+        if entry.online || entry.ending || entry.since.elapsed() < deadline {
+            return false;
+        }
+        let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
+        match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+            Ok(()) => {
+                warn!(%lease, instance = %entry.instance, deadline_s = deadline.as_secs(),
+                      "a held runner did not come online within the start deadline; its registration is removed, tearing it down");
+                entry.registration = None;
+                entry.discard = true;
+                entry.outcome = Phase::Failed;
+                entry.reason = Some(EndReason::StartDeadline);
+                if entry.phase.is_some() {
+                    entry.phase = Some(Phase::Teardown);
+                }
+                true
+            }
+            Err(e @ PlaneError::Unavailable(_)) => {
+                warn!(%lease, error = %e, "a held runner is past the start deadline, but its registration could not be removed; the next tend tries again");
+                false
+            }
+            Err(e) => {
+                info!(%lease, answer = %e, "a held runner is past the start deadline and busy at GitHub; it came online");
+                entry.online = true;
+                false
+            }
+        }
+    }
+
     /// The post-job grace has passed and the runner still works: the
     /// operator's bound overrides it. Its registration is removed (routing
     /// first; a refusal or an outage goes to the removal backoff, since the
@@ -1676,7 +1749,10 @@ impl Runner {
                 entry.observed = true;
                 // An instance that no longer runs is ended compute: present
                 // until destroyed, as Docker keeps an exited container.
-                if !entry.discard && instance.may_run() {
+                if !entry.discard
+                    && instance.may_run()
+                    && !self.past_start_deadline(lease, &mut entry).await
+                {
                     self.update(lease, entry).await;
                     return Ok(());
                 }

@@ -101,6 +101,59 @@ pub struct CustodyRecord {
     pub observed: bool,
     /// When custody began, unix milliseconds.
     pub since_unix_ms: i64,
+    /// When custody began on the host's boot clock, when it could be read:
+    /// what a restarted node on the same boot counts the entry's age from,
+    /// so that a wall-clock step while it was down (an NTP correction, an
+    /// operator's `date -s`) neither cuts a post-job grace short nor
+    /// extends it. Kept in the `custody_clocks` table beside the row.
+    pub since_boot: Option<BootStamp>,
+}
+
+/// A moment on the host's boot clock (`CLOCK_BOOTTIME`, milliseconds): it
+/// counts on across a process restart and is not moved by a wall-clock
+/// step, but starts again at a reboot, hence the boot id beside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootStamp {
+    /// `/proc/sys/kernel/random/boot_id` of the boot it was read in.
+    pub boot_id: String,
+    /// Milliseconds since that boot.
+    pub ms: i64,
+}
+
+impl BootStamp {
+    /// Now, or `None` where the boot id cannot be read (no `/proc`).
+    pub fn now() -> Option<Self> {
+        static BOOT_ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        let boot_id = BOOT_ID
+            .get_or_init(|| {
+                std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                    .ok()
+                    .map(|id| id.trim().to_owned())
+                    .filter(|id| !id.is_empty())
+            })
+            .clone()?;
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+        Some(Self {
+            boot_id,
+            ms: t.tv_sec.saturating_mul(1000) + t.tv_nsec / 1_000_000,
+        })
+    }
+
+    /// This stamp `d` earlier.
+    pub fn before(self, d: std::time::Duration) -> Self {
+        Self {
+            ms: self.ms - i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+            ..self
+        }
+    }
+
+    /// How long ago `then` was, by this stamp; `None` when the two are of
+    /// different boots.
+    pub fn since(&self, then: &BootStamp) -> Option<std::time::Duration> {
+        (self.boot_id == then.boot_id).then(|| {
+            std::time::Duration::from_millis(u64::try_from(self.ms - then.ms).unwrap_or(0))
+        })
+    }
 }
 
 /// The node's memory. Every method is idempotent.
@@ -265,6 +318,10 @@ CREATE TABLE IF NOT EXISTS cache_sessions (
 CREATE TABLE IF NOT EXISTS actions_sessions (
     lease TEXT PRIMARY KEY, record TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS custody_clocks (
+    lease TEXT PRIMARY KEY, since_unix_ms INTEGER NOT NULL, boot_id TEXT NOT NULL,
+    since_boot_ms INTEGER NOT NULL
+);
 ";
 
 /// The tables added to schema 1 since it was first released (the
@@ -273,7 +330,12 @@ CREATE TABLE IF NOT EXISTS actions_sessions (
 /// version: a release before it checks only the tables it knows and ignores
 /// another, so a rollback through `billet host-upgrade` to that release
 /// still reads a journal this one wrote.
-const ADDED_TABLES: &[&str] = &["cache_mounts", "cache_sessions", "actions_sessions"];
+const ADDED_TABLES: &[&str] = &[
+    "cache_mounts",
+    "cache_sessions",
+    "actions_sessions",
+    "custody_clocks",
+];
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
@@ -694,6 +756,28 @@ async fn write_custody(
     .execute(&mut *conn)
     .await
     .map_err(io)?;
+    // The boot clock beside the row; a release that does not know the
+    // table leaves a stale one, which is read only while its
+    // `since_unix_ms` still matches the row's.
+    match &c.since_boot {
+        Some(boot) => sqlx::query(
+            "INSERT OR REPLACE INTO custody_clocks (lease, since_unix_ms, boot_id, since_boot_ms)
+                 VALUES (?, ?, ?, ?)",
+        )
+        .bind(&c.lease)
+        .bind(c.since_unix_ms)
+        .bind(&boot.boot_id)
+        .bind(boot.ms)
+        .execute(&mut *conn)
+        .await,
+        None => {
+            sqlx::query("DELETE FROM custody_clocks WHERE lease = ?")
+                .bind(&c.lease)
+                .execute(&mut *conn)
+                .await
+        }
+    }
+    .map_err(io)?;
     Ok(())
 }
 
@@ -771,23 +855,46 @@ impl Journal for SqliteJournal {
     }
 
     async fn forget_custody(&self, lease: &str) -> Result<(), JournalError> {
-        sqlx::query("DELETE FROM custody WHERE lease = ?")
-            .bind(lease)
-            .execute(&mut *self.connection(Durability::Synced).await?)
-            .await
-            .map_err(io)?;
-        Ok(())
+        let mut conn = self.connection(Durability::Synced).await?;
+        let written = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(io)?;
+            for table in ["custody", "custody_clocks"] {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DELETE FROM {table} WHERE lease = ?"
+                )))
+                .bind(lease)
+                .execute(&mut *tx)
+                .await
+                .map_err(io)?;
+            }
+            tx.commit().await.map_err(io)
+        }
+        .await;
+        settle(conn, written)
     }
 
     async fn custody(&self) -> Result<Vec<CustodyRecord>, JournalError> {
-        let rows = sqlx::query("SELECT * FROM custody ORDER BY lease")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(io)?;
+        let rows = sqlx::query(
+            "SELECT c.*, k.since_unix_ms AS clock_unix_ms, k.boot_id AS clock_boot_id,
+                    k.since_boot_ms AS clock_boot_ms
+             FROM custody c LEFT JOIN custody_clocks k ON k.lease = c.lease
+             ORDER BY c.lease",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(io)?;
         rows.iter()
             .map(|r| {
                 let rid: Option<i64> = r.try_get("registration_id").map_err(io)?;
                 let rname: Option<String> = r.try_get("registration_name").map_err(io)?;
+                let since_unix_ms: i64 = r.try_get("since_unix_ms").map_err(io)?;
+                let clock_unix_ms: Option<i64> = r.try_get("clock_unix_ms").map_err(io)?;
+                let boot_id: Option<String> = r.try_get("clock_boot_id").map_err(io)?;
+                let boot_ms: Option<i64> = r.try_get("clock_boot_ms").map_err(io)?;
+                let since_boot = boot_id
+                    .zip(boot_ms)
+                    .filter(|_| clock_unix_ms == Some(since_unix_ms))
+                    .map(|(boot_id, ms)| BootStamp { boot_id, ms });
                 Ok(CustodyRecord {
                     lease: r.try_get("lease").map_err(io)?,
                     epoch: u64::try_from(r.try_get::<i64, _>("epoch").map_err(io)?).unwrap_or(0),
@@ -798,7 +905,8 @@ impl Journal for SqliteJournal {
                     phase: r.try_get("phase").map_err(io)?,
                     discard: r.try_get("discard").map_err(io)?,
                     observed: r.try_get("observed").map_err(io)?,
-                    since_unix_ms: r.try_get("since_unix_ms").map_err(io)?,
+                    since_unix_ms,
+                    since_boot,
                 })
             })
             .collect()
@@ -1203,6 +1311,10 @@ mod tests {
                 discard: true,
                 observed: false,
                 since_unix_ms: 5,
+                since_boot: Some(BootStamp {
+                    boot_id: "boot-1".into(),
+                    ms: 42,
+                }),
             })
             .await
             .unwrap();
@@ -1220,6 +1332,58 @@ mod tests {
             j.results().await.unwrap(),
             vec![("c1".to_owned(), b"xyz".to_vec())]
         );
+    }
+
+    /// The boot clock is read back with its row, and only while it matches
+    /// the row: a release that rewrote the row without the clock (a
+    /// rollback, then this release again) leaves a stale one, never used.
+    #[tokio::test]
+    async fn a_custody_rows_boot_clock_is_kept_and_a_stale_one_is_ignored() {
+        let d = dir();
+        let j = SqliteJournal::open(&d).await.unwrap();
+        let boot = BootStamp {
+            boot_id: "boot-1".into(),
+            ms: 42,
+        };
+        let record = CustodyRecord {
+            lease: "a".into(),
+            epoch: 1,
+            instance: "billet-a".into(),
+            request_id: 7,
+            registration: None,
+            outcome: "done".into(),
+            phase: Some("teardown".into()),
+            discard: false,
+            observed: true,
+            since_unix_ms: 5,
+            since_boot: Some(boot.clone()),
+        };
+        j.put_custody(&record).await.unwrap();
+        assert_eq!(j.custody().await.unwrap()[0].since_boot, Some(boot));
+        // What an older release writes: the row, not its clock.
+        sqlx::query("UPDATE custody SET since_unix_ms = 6 WHERE lease = 'a'")
+            .execute(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(j.custody().await.unwrap()[0].since_boot, None);
+        j.forget_custody("a").await.unwrap();
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM custody_clocks")
+            .fetch_one(&j.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 0, "a forgotten entry's clock outlived it");
+    }
+
+    #[test]
+    fn the_boot_clock_counts_within_one_boot_only() {
+        let now = BootStamp::now().expect("a Linux host has a boot id");
+        let then = now.clone().before(std::time::Duration::from_secs(10));
+        assert_eq!(now.since(&then), Some(std::time::Duration::from_secs(10)));
+        let other = BootStamp {
+            boot_id: "another boot".into(),
+            ..then
+        };
+        assert_eq!(now.since(&other), None);
     }
 
     #[tokio::test]

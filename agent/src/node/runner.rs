@@ -24,7 +24,7 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use super::custody::CustodyEntry;
-use super::ending::Removals;
+use super::ending::{EndReason, Removals};
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
@@ -1092,7 +1092,11 @@ impl Runner {
     /// (issue #11 item 4). Idempotent: a request nothing was started for,
     /// or whose compute is proven gone, is success.
     ///
-    /// - A scale-down (no completion, no force) removes the runner's
+    /// - A scale-down (no completion, no force) of compute that already
+    ///   ended other than by exiting 0 (killed, OOM, a crash, removed) holds
+    ///   it in custody as a teardown released `failed` with that reason
+    ///   ([`RunnerError::Custody`]), as a tend would have.
+    /// - Any other scale-down removes the runner's
     ///   registration first. GitHub refusing it as busy (JobStillRunning)
     ///   answers [`RunnerError::Busy`] and leaves the instance running and
     ///   the lease held; a removal that fails for an outage destroys nothing
@@ -1239,6 +1243,29 @@ impl Runner {
             // A scale-down: GitHub has not retired this runner, and it may
             // have just taken a job its listing does not show yet. Routing
             // first; a busy runner is kept.
+            let died = match &instance {
+                None => Some(EndReason::Removed),
+                Some(i) if !runs => EndReason::from_state(i.state),
+                Some(_) => None,
+            };
+            if let Some(died) = died {
+                // Its compute ended before its job did (killed, OOM, a
+                // crash, removed): a scale-down must not turn that into a
+                // `done`. Torn down as a tend would, released `failed`.
+                warn!(lease = %running.lease, request = %request_id, instance = %running.instance, reason = %died,
+                      "scale-down of a runner whose compute already ended; tearing it down and releasing the lease as failed");
+                self.end_running(
+                    request_id,
+                    &running,
+                    died,
+                    Some(running.registration.clone()),
+                )
+                .await;
+                return Err(RunnerError::Custody(format!(
+                    "{} ended ({died}) before its job did; this node releases lease {} as failed once it is torn down",
+                    running.instance, running.lease
+                )));
+            }
             match self
                 .jit
                 .remove_runner(&running.lease, running.epoch, id, &name)
