@@ -405,36 +405,13 @@ async fn a_runner_that_never_connects_is_freed_after_the_start_deadline() -> Res
     )
     .await?;
     let first = wait_until_some(&cluster).await?;
-    let deadline = tokio::time::Instant::now() + DEADLINE + ONE_TEND + Duration::from_secs(10);
-    let ended = loop {
-        let l = cluster
-            .plane
-            .ledger()
-            .get(&first.id)
-            .await?
-            .context("the first lease")?;
-        if l.phase.is_terminal() {
-            break l;
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!(
-                "the runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
-                cluster.nodes["node-1"].log_text()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
-    assert_eq!(
-        ended.failure_reason.as_deref(),
-        Some("start_deadline"),
-        "{ended:?}"
-    );
     let container = format!("billet-{}", first.id);
-    assert!(
-        !cluster.containers().await?.contains(&container),
-        "its container outlived the lease"
-    );
+    freed_by_the_start_deadline(
+        &cluster,
+        &first.id,
+        DEADLINE + ONE_TEND + Duration::from_secs(10),
+    )
+    .await?;
     let registered = cluster
         .emulator
         .state()
@@ -819,29 +796,40 @@ async fn a_never_connecting_runner_adopted_after_a_kill_9_is_still_freed_by_the_
     })
     .await
     .context("no launch")??;
-    let first = cluster
-        .plane
-        .ledger()
-        .get(&launched)
-        .await?
-        .context("the launched lease")?;
-    let name = format!("billet-{}", first.id);
     kill_9_and_restart(&mut cluster, Vec::new()).await?;
-    let restarted = tokio::time::Instant::now();
-    let deadline = restarted + DEADLINE + ONE_TEND + Duration::from_secs(20);
+    freed_by_the_start_deadline(
+        &cluster,
+        &launched,
+        DEADLINE + ONE_TEND + Duration::from_secs(20),
+    )
+    .await?;
+    github_gives_up_on(&cluster, &jobs);
+    wait_all_terminal(&cluster, DEADLINE + ONE_TEND * 2).await?;
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// Waits up to `within` for `lease` to end, and checks it ended `failed`
+/// with reason `start_deadline` and its container went with it.
+async fn freed_by_the_start_deadline(
+    cluster: &Cluster,
+    lease: &str,
+    within: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + within;
     let ended = loop {
         let l = cluster
             .plane
             .ledger()
-            .get(&first.id)
+            .get(lease)
             .await?
-            .context("the first lease")?;
+            .context("the lease")?;
         if l.phase.is_terminal() {
             break l;
         }
         if tokio::time::Instant::now() > deadline {
             bail!(
-                "the adopted runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
+                "the runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
                 cluster.nodes["node-1"].log_text()
             );
         }
@@ -854,13 +842,13 @@ async fn a_never_connecting_runner_adopted_after_a_kill_9_is_still_freed_by_the_
         "{ended:?}"
     );
     assert!(
-        !cluster.containers().await?.contains(&name),
+        !cluster
+            .containers()
+            .await?
+            .contains(&format!("billet-{lease}")),
         "its container outlived the lease"
     );
-    github_gives_up_on(&cluster, &jobs);
-    wait_all_terminal(&cluster, DEADLINE + ONE_TEND * 2).await?;
-    ends_clean(&cluster).await?;
-    cluster.shutdown().await
+    Ok(())
 }
 
 /// The first lease the plane records, waiting up to 10 s for one.
