@@ -785,17 +785,7 @@ async fn a_never_connecting_runner_adopted_after_a_kill_9_is_still_freed_by_the_
     let jobs = cluster.queue_jobs(1);
     // Killed once the launch is answered (the launch journaled created):
     // earlier, recovery takes the unconfirmed-launch path instead.
-    let launched = tokio::time::timeout(Duration::from_secs(60), async {
-        loop {
-            match events.recv().await {
-                Ok(PlaneEvent::Launched { lease, .. }) => return Ok(lease),
-                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
-                Err(e) => return Err(anyhow::anyhow!("plane events: {e}")),
-            }
-        }
-    })
-    .await
-    .context("no launch")??;
+    let launched = wait_launched(&mut events).await?;
     kill_9_and_restart(&mut cluster, Vec::new()).await?;
     freed_by_the_start_deadline(
         &cluster,
@@ -863,4 +853,125 @@ async fn wait_until_some(cluster: &Cluster) -> Result<Lease> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The lease of the plane's next `Launched` event (the launch answered,
+/// so journaled created), waiting up to a minute.
+async fn wait_launched(
+    events: &mut tokio::sync::broadcast::Receiver<PlaneEvent>,
+) -> Result<String> {
+    tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::Launched { lease, .. }) => return Ok(lease),
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => return Err(anyhow::anyhow!("plane events: {e}")),
+            }
+        }
+    })
+    .await
+    .context("no launch")?
+}
+
+/// Kills node-1 with SIGKILL, restarts it, and waits
+/// until the restarted node has adopted what it finds.
+async fn adopted_after_a_kill_9(cluster: &mut Cluster) -> Result<()> {
+    kill_9_and_restart(cluster, Vec::new()).await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    wait_until(Duration::from_secs(30), "the runner adopted", || {
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("adopting an instance")
+    })
+    .await
+}
+
+/// A runner adopted after a kill -9 that never took a job, killed by
+/// `docker kill`, then scaled down before any tend saw the kill: tester-4
+/// found the lease released `done` (the held path asked GitHub, which let
+/// the idle registration go, and tore it down as a scale-down). Ended
+/// compute is torn down with its reason: `failed`, `killed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_down_of_an_adopted_runner_killed_before_it_releases_its_lease_failed_killed()
+-> Result<()> {
+    let mut opts = options(1500);
+    opts.maintenance_interval = Duration::from_secs(3600);
+    opts.tier_env = vec!["BILLET_STANDIN_MODE=never-connect".into()];
+    opts.node_env
+        .push(("BILLET_START_DEADLINE_SECS".into(), "0".into()));
+    let mut cluster = Cluster::start(opts).await?;
+    let mut events = cluster.plane.subscribe();
+    let jobs = cluster.queue_jobs(1);
+    let lease = wait_launched(&mut events).await?;
+    let name = format!("billet-{lease}");
+    adopted_after_a_kill_9(&mut cluster).await?;
+    cluster.docker.kill_container(&name, None).await?;
+    wait_stopped(&cluster, &name, Duration::from_secs(20)).await?;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        cluster.plane.scale_down(&lease, &shutdown),
+    )
+    .await
+    .context("the scale-down never ended")??;
+    tend_until(
+        &cluster,
+        Duration::from_secs(30),
+        "the lease to end",
+        async || {
+            Ok(cluster
+                .plane
+                .ledger()
+                .get(&lease)
+                .await?
+                .is_some_and(|l| l.phase.is_terminal()))
+        },
+    )
+    .await?;
+    let ended = cluster.plane.ledger().get(&lease).await?.context("lease")?;
+    assert_eq!(
+        (ended.phase, ended.failure_reason.as_deref()),
+        (Phase::Failed, Some("killed")),
+        "{ended:?}\nnode log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    github_gives_up_on(&cluster, &jobs);
+    cluster.shutdown().await
+}
+
+/// A runner adopted after a kill -9 while its job ran, its container then
+/// removed out of band: tester-4 found the lease released `done` while
+/// GitHub still held the job on the dead runner. As for a runner this
+/// process launched, it ends `failed`, `removed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_runner_removed_out_of_band_mid_job_releases_its_lease_failed_removed()
+-> Result<()> {
+    let mut cluster = Cluster::start(options(120_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    adopted_after_a_kill_9(&mut cluster).await?;
+    cluster
+        .docker
+        .remove_container(
+            &name,
+            Some(
+                bollard::query_parameters::RemoveContainerOptionsBuilder::default()
+                    .force(true)
+                    .build(),
+            ),
+        )
+        .await?;
+    let ended = wait_all_terminal(&cluster, ONE_TEND * 2).await?;
+    assert_eq!(
+        (ended[0].phase, ended[0].failure_reason.as_deref()),
+        (Phase::Failed, Some("removed")),
+        "{ended:?}"
+    );
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
 }

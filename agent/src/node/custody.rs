@@ -1549,6 +1549,16 @@ impl Runner {
             if entry.phase.is_some() {
                 entry.phase = Some(Phase::Teardown);
             }
+        } else if let Some(died) = self.died_while_held(&entry).await {
+            // A scale-down of a held job whose compute already ended other
+            // than by exiting 0 (a kill no tend has seen yet): torn down
+            // with its reason, as a tend would have, never a `done`
+            // (tester-4, for a runner adopted after a restart).
+            warn!(%lease, instance = %entry.instance, reason = %died,
+                  "scale-down of a held runner whose compute already ended; tearing it down and releasing the lease as failed");
+            entry.reason = Some(died);
+            entry.outcome = Phase::Failed;
+            teardown(&mut entry);
         } else {
             // A scale-down of a held job: routing first, a busy one is kept.
             match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
@@ -1591,6 +1601,27 @@ impl Runner {
             });
         }
         Ok(())
+    }
+
+    /// Why a held entry's compute, as `found` by the provider, ended
+    /// before its job did: an exit other than 0, a kill, an OOM kill, or an
+    /// instance this host's provider saw that is now gone (removed behind
+    /// the node's back; tester-4 found an adopted runner so removed
+    /// released `done`). `None` while it may run or after an exit 0.
+    fn end_reason(&self, entry: &CustodyEntry, found: Option<&Instance>) -> Option<EndReason> {
+        match found {
+            None => (entry.observed && self.provider.runs_on_host()).then_some(EndReason::Removed),
+            Some(i) if !i.may_run() => EndReason::from_state(i.state),
+            Some(_) => None,
+        }
+    }
+
+    /// [`Runner::end_reason`] for a held entry's instance, asked of the
+    /// provider now; `None` too when the provider cannot be asked (the
+    /// caller's ordinary path then decides).
+    async fn died_while_held(&self, entry: &CustodyEntry) -> Option<EndReason> {
+        let found = self.provider.find(&entry.instance).await.ok()?;
+        self.end_reason(entry, found.as_ref())
     }
 
     /// One step for one custody entry (spec/node.md §2.7), reading the
@@ -1714,11 +1745,9 @@ impl Runner {
             }
         }
         let ended = found.as_ref().is_none_or(|i| !i.may_run());
-        if let Some(instance) = &found
-            && !instance.may_run()
-            && !entry.discard
+        if !entry.discard
             && entry.reason.is_none()
-            && let Some(reason) = EndReason::from_state(instance.state)
+            && let Some(reason) = self.end_reason(&entry, found.as_ref())
         {
             // A held job whose runner died: the job did not finish.
             warn!(%lease, instance = %entry.instance, %reason, "a held runner's compute ended; releasing its lease as failed");
