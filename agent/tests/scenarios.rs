@@ -22,7 +22,9 @@ use billet_agent::edge::model::{
 };
 use billet_agent::node::ending::{EndReason, SpotAction};
 use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
-use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::node::plane::{
+    JitSource, LaunchedSet, LeaseStore, PlaneError, Registration, Retired,
+};
 use billet_agent::node::runner::{
     HeldState, POST_JOB_GRACE, Runner, RunnerError, RunnerOptions, STRAY_GRACE,
 };
@@ -280,6 +282,19 @@ impl JitSource for Plane {
         self.note(format!("remove {lease} after {destroys} destroys"));
         self.inner
             .remove_runner(lease, epoch, runner_id, runner_name)
+            .await
+    }
+    async fn retire_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<Retired, PlaneError> {
+        let destroys = self.fake.count(Operation::Destroy);
+        self.note(format!("remove {lease} after {destroys} destroys"));
+        self.inner
+            .retire_runner(lease, epoch, runner_id, runner_name)
             .await
     }
 }
@@ -2709,6 +2724,42 @@ async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_
         asked_busy, 1,
         "a runner known online was asked again in custody"
     );
+}
+
+/// A runner whose short job ended before the deadline was first judged,
+/// still at its post-job work, its completion not yet delivered: GitHub
+/// has already let its ephemeral registration go, so at the deadline the
+/// removal finds nothing. Tester-4 found such a runner torn down and its
+/// lease released `failed` `start_deadline` for a job that succeeded. It
+/// took a job: it is left to exit, and is never asked again.
+#[tokio::test(start_paused = true)]
+async fn a_runner_whose_job_ended_before_the_start_deadline_is_not_torn_down_by_it() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    w.core()
+        .job_ends(&name(&lease.id), fakes::Job::Finishing, "succeeded");
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    sleep(Duration::from_secs(600)).await;
+    r.tend().await.unwrap();
+    assert!(
+        w.exists(&lease.id),
+        "a runner that did its job was torn down"
+    );
+    assert!(!w.phase(&lease.id).is_terminal());
+    assert_eq!(reason(&w, &lease.id), None);
+    let removals = w
+        .plane
+        .log()
+        .into_iter()
+        .filter(|l| l.starts_with("remove"))
+        .count();
+    assert_eq!(removals, 1, "asked again after GitHub had let it go");
 }
 
 #[tokio::test(start_paused = true)]

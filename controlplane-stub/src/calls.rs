@@ -477,7 +477,7 @@ impl CallHandler {
                         (Some(id), None) => (id, format!("billet-{lease_id}")),
                     }
                 };
-                self.github.remove_runner(id, &name).await.map_err(|e| {
+                let removed = self.github.remove_runner(id, &name).await.map_err(|e| {
                     // A runner running a job cannot be removed: that is an
                     // answer (the node keeps it), not an outage.
                     let code = if e.is_job_still_running() {
@@ -487,7 +487,11 @@ impl CallHandler {
                     };
                     error(code, e.to_string())
                 })?;
-                Ok(None)
+                Ok(Some(pb::plane_reply::Result::RunnerRemoval(
+                    pb::RunnerRemoval {
+                        already_gone: !removed,
+                    },
+                )))
             }
         }
     }
@@ -1150,11 +1154,20 @@ mod tests {
         );
         emulator.clear_faults();
 
-        // Once the job is over the same call removes it: the refusal was
-        // about now, and the node asks again.
+        // Once the job is over the same call succeeds: the refusal was
+        // about now, and the node asks again. GitHub let the ephemeral
+        // runner go with its job, and the answer says so (what the start
+        // deadline reads as "it took a job").
         emulator.complete_job(job, None);
         let after = handler.handle("node-a", remove()).await;
         assert!(after.error.is_none(), "{after:?}");
+        assert_eq!(
+            after.result,
+            Some(pb::plane_reply::Result::RunnerRemoval(pb::RunnerRemoval {
+                already_gone: true
+            })),
+            "{after:?}"
+        );
         let _ = session.close().await;
     }
 

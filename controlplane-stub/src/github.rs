@@ -303,7 +303,9 @@ impl Github {
     }
 
     /// Removes a runner by id, or by name when the id is unknown. Already
-    /// gone is success.
+    /// gone is success: `Ok(true)` when this call removed it, `Ok(false)`
+    /// when GitHub no longer had it (an ephemeral runner's registration
+    /// goes with its completed job).
     ///
     /// # Errors
     ///
@@ -312,13 +314,13 @@ impl Github {
         &self,
         runner_id: i64,
         runner_name: &str,
-    ) -> Result<(), GithubError> {
+    ) -> Result<bool, GithubError> {
         let id = if runner_id > 0 {
             RunnerId(runner_id)
         } else {
             match self.client.get_runner_by_name(runner_name).await {
                 Ok(Some(r)) => r.id,
-                Ok(None) => return Ok(()),
+                Ok(None) => return Ok(false),
                 Err(source) => {
                     return Err(GithubError::Call {
                         operation: format!("look up runner {runner_name}"),
@@ -328,8 +330,8 @@ impl Github {
             }
         };
         match self.client.remove_runner(id).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.is_not_found() || e.is_runner_not_found() => Ok(()),
+            Ok(()) => Ok(true),
+            Err(e) if e.is_not_found() || e.is_runner_not_found() => Ok(false),
             Err(source) => Err(GithubError::Call {
                 operation: format!("remove runner {runner_name} ({id})"),
                 source,

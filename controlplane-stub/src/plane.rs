@@ -1510,7 +1510,7 @@ impl Plane {
                     .clone()
                     .unwrap_or_else(|| format!("billet-{}", l.id));
                 match self.github.remove_runner(runner_id, &name).await {
-                    Ok(()) => {
+                    Ok(_) => {
                         info!(lease = %l.id, runner = %name, "removed a registration no open lease accounts for")
                     }
                     Err(e) if e.is_job_still_running() => {

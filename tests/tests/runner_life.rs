@@ -975,3 +975,63 @@ async fn an_adopted_runner_removed_out_of_band_mid_job_releases_its_lease_failed
     ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
+
+/// A runner whose short job completed before the start deadline was first
+/// judged, still at 40 s of post-job work, its completion reaching the
+/// plane late (GitHub's messages delayed 45 s): tester-4 found it stopped
+/// at the deadline and its lease released `failed` `start_deadline` for a
+/// job that succeeded, with and without a kill -9 restart mid-job. GitHub
+/// had already let its ephemeral registration go, which says it took a
+/// job: it is left to exit on its own, and the lease ends `done`.
+async fn a_runner_whose_job_completed_before_the_start_deadline(
+    restart_mid_job: bool,
+) -> Result<()> {
+    const DEADLINE: u64 = 12;
+    let mut opts = options(if restart_mid_job { 6_000 } else { 2_000 });
+    opts.tier_env = vec!["BILLET_STANDIN_POST_JOB_MS=40000".into()];
+    opts.node_env
+        .push(("BILLET_START_DEADLINE_SECS".into(), DEADLINE.to_string()));
+    opts.node_env
+        .push(("BILLET_POST_JOB_GRACE_SECS".into(), "120".into()));
+    let mut cluster = Cluster::start(opts).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    if restart_mid_job {
+        kill_9_and_restart(&mut cluster, Vec::new()).await?;
+    }
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GetMessage, Duration::from_secs(45)));
+    let completed = wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    let stopped = wait_stopped(&cluster, &name, Duration::from_secs(90)).await?;
+    let worked = stopped - completed;
+    cluster.emulator.clear_faults();
+    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
+    assert!(
+        worked >= Duration::from_secs(35),
+        "the runner was stopped {worked:?} after its job completed, inside its post-job work; node log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(60)).await?;
+    assert_eq!(
+        (ended[0].phase, ended[0].failure_reason.as_deref()),
+        (Phase::Done, None),
+        "{ended:?}"
+    );
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_at_its_post_job_work_when_the_start_deadline_passes_is_not_killed() -> Result<()>
+{
+    a_runner_whose_job_completed_before_the_start_deadline(false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_runner_at_its_post_job_work_when_the_start_deadline_passes_is_not_killed()
+-> Result<()> {
+    a_runner_whose_job_completed_before_the_start_deadline(true).await
+}

@@ -23,7 +23,7 @@ use tracing::{debug, error, info, warn};
 
 use super::ending::EndReason;
 use super::journal::{BootStamp, CustodyRecord, LaunchRecord};
-use super::plane::PlaneError;
+use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
 use crate::cache::{Inventory, Listed};
 use crate::edge::model::{
@@ -124,6 +124,9 @@ pub(super) struct CustodyEntry {
     /// registration: it holds a job), so the start deadline no longer
     /// applies. Not journaled: a restarted node asks once more.
     pub(super) online: bool,
+    /// As [`Running`]'s: a removal at the start deadline failed without an
+    /// answer. Not journaled.
+    pub(super) retire_tried: bool,
 }
 
 impl CustodyEntry {
@@ -153,6 +156,7 @@ impl CustodyEntry {
             forced: None,
             unjournaled: false,
             online: false,
+            retire_tried: false,
         }
     }
 
@@ -272,6 +276,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         forced: None,
         unjournaled: false,
         online: false,
+        retire_tried: false,
     };
     Some((lease, entry))
 }
@@ -405,6 +410,7 @@ impl Runner {
                     lease.clone(),
                     CustodyEntry {
                         online: running.online,
+                        retire_tried: running.retire_tried,
                         ..CustodyEntry::job(
                             epoch,
                             running.instance.clone(),
@@ -444,6 +450,7 @@ impl Runner {
                 lease,
                 CustodyEntry {
                     online: r.online,
+                    retire_tried: r.retire_tried,
                     ..CustodyEntry::job(
                         r.epoch,
                         r.instance,
@@ -796,8 +803,15 @@ impl Runner {
                 continue;
             }
             let (id, name) = &r.registration;
-            match self.jit.remove_runner(&r.lease, r.epoch, *id, name).await {
-                Ok(()) => {
+            match self.jit.retire_runner(&r.lease, r.epoch, *id, name).await {
+                Ok(Retired::AlreadyGone) if !r.retire_tried => {
+                    info!(lease = %r.lease, instance = %r.instance,
+                          "past the start deadline, GitHub had already let the runner go: it took a job and finished it; left to exit on its own");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.online = true;
+                    }
+                }
+                Ok(_) => {
                     warn!(lease = %r.lease, instance = %r.instance, deadline_s = deadline.as_secs(),
                           "the runner did not come online within the start deadline; its registration is removed, tearing it down");
                     self.end_running(request_id, &r, EndReason::StartDeadline, None)
@@ -805,6 +819,9 @@ impl Runner {
                 }
                 Err(e @ PlaneError::Unavailable(_)) => {
                     warn!(lease = %r.lease, error = %e, "past the start deadline, but the registration could not be removed; the next tend tries again");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.retire_tried = true;
+                    }
                 }
                 Err(e) => {
                     // GitHub will not remove a runner holding a job (or the
@@ -1425,8 +1442,14 @@ impl Runner {
             return false;
         }
         let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
-        match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
-            Ok(()) => {
+        match self.jit.retire_runner(lease, entry.epoch, id, &name).await {
+            Ok(Retired::AlreadyGone) if !entry.retire_tried => {
+                info!(%lease, instance = %entry.instance,
+                      "a held runner is past the start deadline and GitHub had already let it go: it took a job and finished it; left to exit on its own");
+                entry.online = true;
+                false
+            }
+            Ok(_) => {
                 warn!(%lease, instance = %entry.instance, deadline_s = deadline.as_secs(),
                       "a held runner did not come online within the start deadline; its registration is removed, tearing it down");
                 entry.registration = None;
@@ -1440,6 +1463,7 @@ impl Runner {
             }
             Err(e @ PlaneError::Unavailable(_)) => {
                 warn!(%lease, error = %e, "a held runner is past the start deadline, but its registration could not be removed; the next tend tries again");
+                entry.retire_tried = true;
                 false
             }
             Err(e) => {

@@ -953,6 +953,22 @@ impl<P: JitSource + 'static> JitSource for MeteredPlane<P> {
         self.observe("remove_runner", start, &r);
         r
     }
+
+    async fn retire_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<crate::node::plane::Retired, PlaneError> {
+        let start = Instant::now();
+        let r = self
+            .inner
+            .retire_runner(lease, epoch, runner_id, runner_name)
+            .await;
+        self.observe("remove_runner", start, &r);
+        r
+    }
 }
 
 /// A [`Journal`] whose writes are timed (reads are not: they happen once,

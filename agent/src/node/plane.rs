@@ -259,6 +259,34 @@ pub trait JitSource: Send + Sync + std::fmt::Debug {
         runner_id: i64,
         runner_name: &str,
     ) -> Result<(), PlaneError>;
+
+    /// [`JitSource::remove_runner`], telling whether GitHub still had the
+    /// registration: what the start deadline needs to tell a runner that
+    /// took nothing (its registration removed now) from one that took a
+    /// job and finished it (an ephemeral runner's registration goes with
+    /// its completed job). The default, for a source that cannot tell,
+    /// answers [`Retired::Removed`].
+    async fn retire_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<Retired, PlaneError> {
+        self.remove_runner(lease, epoch, runner_id, runner_name)
+            .await
+            .map(|()| Retired::Removed)
+    }
+}
+
+/// What a [`JitSource::retire_runner`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retired {
+    /// The registration was there and is removed now (or the plane could
+    /// not tell).
+    Removed,
+    /// GitHub no longer had it: this call removed nothing.
+    AlreadyGone,
 }
 
 /// How long a message may wait for room in a session's outbound buffer
@@ -868,6 +896,30 @@ impl JitSource for PlaneLink {
         }))
         .await
         .map(drop)
+    }
+
+    async fn retire_runner(
+        &self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<Retired, PlaneError> {
+        let (lease_id, epoch) = lease_epoch(lease, epoch);
+        let reply = self
+            .call(pb::node_call::Call::RemoveRunner(pb::RemoveRunner {
+                lease_id,
+                epoch,
+                runner_id,
+                runner_name: runner_name.into(),
+            }))
+            .await?;
+        Ok(match reply {
+            Some(pb::plane_reply::Result::RunnerRemoval(pb::RunnerRemoval {
+                already_gone: true,
+            })) => Retired::AlreadyGone,
+            _ => Retired::Removed,
+        })
     }
 }
 

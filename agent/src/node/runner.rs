@@ -139,8 +139,14 @@ pub(super) struct Running {
     pub(super) since: Instant,
     /// GitHub has said the runner is busy (it refused to remove the
     /// registration of a runner holding a job): the runner came online,
-    /// and the start deadline no longer applies.
+    /// and the start deadline no longer applies. Also set when GitHub had
+    /// already let the registration go at the deadline (it took a job and
+    /// finished it).
     pub(super) online: bool,
+    /// A removal at the start deadline failed without an answer: it may
+    /// have removed the registration, so a later "already gone" proves
+    /// nothing.
+    pub(super) retire_tried: bool,
     /// Whole hours of the lease's life already warned about.
     pub(super) warned_hours: u64,
 }
@@ -976,6 +982,7 @@ impl Runner {
                         registration: (record.runner_id, record.runner_name.clone()),
                         since: Instant::now(),
                         online: false,
+                        retire_tried: false,
                         warned_hours: 0,
                     },
                 );

@@ -16,7 +16,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use billet_agent::cache::Observation;
 use billet_agent::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
-use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use billet_agent::node::plane::{
+    JitSource, LaunchedSet, LeaseStore, PlaneError, Registration, Retired,
+};
 use billet_agent::provider::Instance;
 use billet_agent::provider::fake::FakeProvider;
 use tokio::sync::Notify;
@@ -635,12 +637,14 @@ impl Core {
         })
     }
 
+    /// Removes a registration as the plane does, telling whether GitHub
+    /// still had it (an ephemeral one goes with its completed job).
     pub fn remove_runner(
         &mut self,
         id: &LeaseId,
         runner_id: i64,
         runner_name: &str,
-    ) -> Result<(), PlaneError> {
+    ) -> Result<Retired, PlaneError> {
         let row = self.owned(id)?;
         let name = if runner_id > 0 {
             if row.runner.as_ref().is_some_and(|(r, _)| *r != runner_id) {
@@ -652,7 +656,7 @@ impl Core {
         } else {
             match &row.runner {
                 Some((_, name)) => name.clone(),
-                None => return Ok(()),
+                None => return Ok(Retired::Removed),
             }
         };
         let exact = self
@@ -673,12 +677,13 @@ impl Core {
                 )));
             }
             if self.sabotage == Some(Sabotage::RemovalKeepsRegistration) {
-                return Ok(());
+                return Ok(Retired::Removed);
             }
             self.regs.remove(&name);
             self.event(|| format!("github: node removed registration {name}"));
+            return Ok(Retired::Removed);
         }
-        Ok(())
+        Ok(Retired::AlreadyGone)
     }
 
     fn take_fault(&mut self, op: LOp, keys: &[LeaseId]) -> Option<Fault> {
@@ -1185,6 +1190,19 @@ impl JitSource for FakeLedger {
         runner_id: i64,
         runner_name: &str,
     ) -> Result<(), PlaneError> {
+        self.call(LOp::RemoveRunner, std::slice::from_ref(lease), false, |c| {
+            c.remove_runner(lease, runner_id, runner_name).map(drop)
+        })
+        .await
+    }
+
+    async fn retire_runner(
+        &self,
+        lease: &LeaseId,
+        _epoch: Epoch,
+        runner_id: i64,
+        runner_name: &str,
+    ) -> Result<Retired, PlaneError> {
         self.call(LOp::RemoveRunner, std::slice::from_ref(lease), false, |c| {
             c.remove_runner(lease, runner_id, runner_name)
         })
