@@ -2714,14 +2714,9 @@ async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_
     assert_eq!(w.phase(&held.id), Phase::Failed);
     assert_eq!(reason(&w, &held.id).as_deref(), Some("start_deadline"));
     assert!(w.exists(&busy.id), "a busy held runner was torn down");
-    let asked_busy = w
-        .plane
-        .log()
-        .into_iter()
-        .filter(|l| l.starts_with("remove") && l.contains(busy.id.as_str()))
-        .count();
     assert_eq!(
-        asked_busy, 1,
+        removals_of(&w, &busy.id),
+        1,
         "a runner known online was asked again in custody"
     );
 }
@@ -2753,13 +2748,20 @@ async fn a_runner_whose_job_ended_before_the_start_deadline_is_not_torn_down_by_
     );
     assert!(!w.phase(&lease.id).is_terminal());
     assert_eq!(reason(&w, &lease.id), None);
-    let removals = w
-        .plane
+    assert_eq!(
+        removals_of(&w, &lease.id),
+        1,
+        "asked again after GitHub had let it go"
+    );
+}
+
+/// How many registration removals the plane was asked for `lease`.
+fn removals_of(w: &World, lease: &LeaseId) -> usize {
+    w.plane
         .log()
         .into_iter()
-        .filter(|l| l.starts_with("remove"))
-        .count();
-    assert_eq!(removals, 1, "asked again after GitHub had let it go");
+        .filter(|l| l.starts_with("remove") && l.contains(lease.as_str()))
+        .count()
 }
 
 #[tokio::test(start_paused = true)]

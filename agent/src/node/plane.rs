@@ -887,15 +887,9 @@ impl JitSource for PlaneLink {
         runner_id: i64,
         runner_name: &str,
     ) -> Result<(), PlaneError> {
-        let (lease_id, epoch) = lease_epoch(lease, epoch);
-        self.call(pb::node_call::Call::RemoveRunner(pb::RemoveRunner {
-            lease_id,
-            epoch,
-            runner_id,
-            runner_name: runner_name.into(),
-        }))
-        .await
-        .map(drop)
+        self.retire_runner(lease, epoch, runner_id, runner_name)
+            .await
+            .map(drop)
     }
 
     async fn retire_runner(
