@@ -497,11 +497,8 @@ mod tests {
     use std::io::{Seek, Write};
     use std::os::unix::fs::FileExt;
 
-    fn dir() -> std::path::PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("billet-clone-{}", uuid::Uuid::new_v4().simple()));
-        fs::create_dir_all(&d).unwrap();
-        d
+    fn dir() -> crate::cache::Scratch {
+        crate::cache::Scratch::new("billet-clone")
     }
 
     #[test]

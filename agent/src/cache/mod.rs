@@ -25,6 +25,37 @@ pub mod lifecycle;
 pub mod session;
 pub mod store;
 
+/// A scratch directory for tests, removed when it is dropped: the cache's
+/// tests write up to a gigabyte each, and left behind they filled the
+/// temporary directory run after run.
+#[cfg(test)]
+pub(crate) struct Scratch(std::path::PathBuf);
+
+#[cfg(test)]
+impl Scratch {
+    /// A new empty directory `<tmp>/<prefix>-<uuid>`.
+    pub(crate) fn new(prefix: &str) -> Self {
+        let d = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&d).expect("create a scratch directory");
+        Self(d)
+    }
+}
+
+#[cfg(test)]
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub use lifecycle::{Evicted, Inventory, Listed};
 pub use store::{
     CacheError, Committed, EvictReport, Eviction, Generation, Mount, Observation, STORE_LOCK,

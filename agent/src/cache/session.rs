@@ -991,28 +991,8 @@ mod tests {
     use crate::node::journal::MemoryJournal;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    /// A scratch directory removed when the test ends (some tests fill
-    /// a gigabyte: left behind, each run of the suite leaked about 1.5 GiB
-    /// into the temporary directory).
-    struct Scratch(PathBuf);
-
-    impl std::ops::Deref for Scratch {
-        type Target = Path;
-        fn deref(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn scratch() -> Scratch {
-        let d = std::env::temp_dir().join(format!("bcs-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
+    fn scratch() -> crate::cache::Scratch {
+        crate::cache::Scratch::new("bcs")
     }
 
     fn lease(l: &str) -> LeaseId {

@@ -1338,11 +1338,8 @@ mod tests {
     use super::*;
     use crate::node::journal::{MemoryJournal, SqliteJournal};
 
-    fn dir() -> PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("billet-cache-{}", uuid::Uuid::new_v4().simple()));
-        fs::create_dir_all(&d).unwrap();
-        d
+    fn dir() -> crate::cache::Scratch {
+        crate::cache::Scratch::new("billet-cache")
     }
 
     /// Waits until the clock has moved past the current millisecond, so
@@ -1377,7 +1374,8 @@ mod tests {
     /// must not wait for it, and the commit still publishes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_guests_commit_does_not_hold_another_jobs_mount_while_it_clones() {
-        let (s, _) = store(&dir()).await;
+        let d = dir();
+        let (s, _) = store(&d).await;
         let big = s
             .mount(&lease("big"), &key("big"), Policy::Cas)
             .await
