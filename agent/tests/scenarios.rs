@@ -2726,12 +2726,14 @@ async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_
 /// has already let its ephemeral registration go, so at the deadline the
 /// removal finds nothing. Tester-4 found such a runner torn down and its
 /// lease released `failed` `start_deadline` for a job that succeeded. It
-/// took a job: it is left to exit, and is never asked again.
+/// can take no job: it is left the post-job grace to exit, and its exit 0
+/// ends the lease `done`.
 #[tokio::test(start_paused = true)]
-async fn a_runner_whose_job_ended_before_the_start_deadline_is_not_torn_down_by_it() {
+async fn a_runner_whose_job_ended_before_the_start_deadline_is_left_its_grace_to_exit() {
     let w = World::new();
     let r = w.runner_with(RunnerOptions {
         start_deadline: Some(Duration::from_secs(60)),
+        post_job_grace: Duration::from_secs(120),
         ..RunnerOptions::default()
     });
     let lease = w.launched(&r, 1).await;
@@ -2740,19 +2742,57 @@ async fn a_runner_whose_job_ended_before_the_start_deadline_is_not_torn_down_by_
         .job_ends(&name(&lease.id), fakes::Job::Finishing, "succeeded");
     sleep(Duration::from_secs(61)).await;
     r.tend().await.unwrap();
-    sleep(Duration::from_secs(600)).await;
+    sleep(Duration::from_secs(100)).await;
     r.tend().await.unwrap();
     assert!(
         w.exists(&lease.id),
         "a runner that did its job was torn down"
     );
-    assert!(!w.phase(&lease.id).is_terminal());
+    w.fake.exit(&name(&lease.id), 0, false);
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
     assert_eq!(reason(&w, &lease.id), None);
-    assert_eq!(
-        removals_of(&w, &lease.id),
-        1,
-        "asked again after GitHub had let it go"
+}
+
+/// A runner that never connected, its registration removed out of band
+/// before the deadline: the removal finds nothing there too. Tester-5
+/// found it then held for ever, its job waiting. It is left the same grace
+/// and, still running past it, stopped and released `failed`
+/// `start_deadline`, held or running.
+#[tokio::test(start_paused = true)]
+async fn a_never_connected_runner_whose_registration_vanished_is_stopped_after_the_grace() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        post_job_grace: Duration::from_secs(120),
+        ..RunnerOptions::default()
+    });
+    let running = w.launched(&r, 1).await;
+    let held = w.launched(&r, 2).await;
+    r.assume_custody(&held.id, held.epoch, RequestId(2))
+        .await
+        .unwrap();
+    for lease in [&running, &held] {
+        w.core().regs.remove(name(&lease.id).as_str());
+    }
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    assert!(
+        w.exists(&running.id) && w.exists(&held.id),
+        "stopped before the grace"
     );
+    sleep(Duration::from_secs(121)).await;
+    r.tend().await.unwrap();
+    r.tend().await.unwrap();
+    for lease in [&running, &held] {
+        assert!(
+            !w.exists(&lease.id),
+            "a runner that can take no job runs on"
+        );
+        assert_eq!(w.phase(&lease.id), Phase::Failed);
+        assert_eq!(reason(&w, &lease.id).as_deref(), Some("start_deadline"));
+    }
+    assert!(!r.holding());
 }
 
 /// How many registration removals the plane was asked for `lease`.

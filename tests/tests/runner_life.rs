@@ -1035,3 +1035,54 @@ async fn an_adopted_runner_at_its_post_job_work_when_the_start_deadline_passes_i
 -> Result<()> {
     a_runner_whose_job_completed_before_the_start_deadline(true).await
 }
+
+/// A never-connecting runner adopted after a kill -9, its registration
+/// removed out of band before the start deadline, the plane's own
+/// registration check held off: tester-5 found it held for ever, its job
+/// waiting, since a registration already gone read as "took a job". It can
+/// take no job: it gets the post-job grace to exit, then is stopped and
+/// its lease released `failed` `start_deadline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_never_connecting_runner_whose_registration_vanished_is_still_freed()
+-> Result<()> {
+    const DEADLINE: Duration = Duration::from_secs(10);
+    const GRACE: Duration = Duration::from_secs(5);
+    let mut opts = options(1500);
+    opts.tier_env = vec!["BILLET_STANDIN_MODE=never-connect".into()];
+    opts.registration_grace = Duration::from_secs(600);
+    opts.node_env.extend([
+        (
+            "BILLET_START_DEADLINE_SECS".into(),
+            DEADLINE.as_secs().to_string(),
+        ),
+        (
+            "BILLET_POST_JOB_GRACE_SECS".into(),
+            GRACE.as_secs().to_string(),
+        ),
+    ]);
+    let mut cluster = Cluster::start(opts).await?;
+    let mut events = cluster.plane.subscribe();
+    let jobs = cluster.queue_jobs(1);
+    let lease = wait_launched(&mut events).await?;
+    adopted_after_a_kill_9(&mut cluster).await?;
+    let runner = cluster
+        .plane
+        .ledger()
+        .get(&lease)
+        .await?
+        .and_then(|l| l.runner_id)
+        .context("no registration minted")?;
+    cluster
+        .emulator
+        .client()
+        .remove_runner(scaleset::RunnerId(runner))
+        .await?;
+    freed_by_the_start_deadline(
+        &cluster,
+        &lease,
+        DEADLINE + GRACE + Duration::from_secs(10) + ONE_TEND * 2,
+    )
+    .await?;
+    github_gives_up_on(&cluster, &jobs);
+    cluster.shutdown().await
+}

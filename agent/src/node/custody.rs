@@ -127,6 +127,11 @@ pub(super) struct CustodyEntry {
     /// As [`Running`]'s: a removal at the start deadline failed without an
     /// answer. Not journaled.
     pub(super) retire_tried: bool,
+    /// The reason an ending runner that overruns its grace is stopped
+    /// with; `None` is `post_job_timeout`. `start_deadline` for a runner
+    /// whose registration GitHub no longer had at the start deadline. Not
+    /// journaled: after a restart an overrun is `post_job_timeout`.
+    pub(super) grace_reason: Option<EndReason>,
 }
 
 impl CustodyEntry {
@@ -157,6 +162,7 @@ impl CustodyEntry {
             unjournaled: false,
             online: false,
             retire_tried: false,
+            grace_reason: None,
         }
     }
 
@@ -277,6 +283,7 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         unjournaled: false,
         online: false,
         retire_tried: false,
+        grace_reason: None,
     };
     Some((lease, entry))
 }
@@ -805,11 +812,7 @@ impl Runner {
             let (id, name) = &r.registration;
             match self.jit.retire_runner(&r.lease, r.epoch, *id, name).await {
                 Ok(Retired::AlreadyGone) if !r.retire_tried => {
-                    info!(lease = %r.lease, instance = %r.instance,
-                          "past the start deadline, GitHub had already let the runner go: it took a job and finished it; left to exit on its own");
-                    if let Some(s) = self.state().running.get_mut(&request_id) {
-                        s.online = true;
-                    }
+                    self.leave_to_exit(request_id, &r).await;
                 }
                 Ok(_) => {
                     warn!(lease = %r.lease, instance = %r.instance, deadline_s = deadline.as_secs(),
@@ -963,6 +966,48 @@ impl Runner {
                     request_id,
                     Phase::Failed,
                     true,
+                )
+            },
+        )
+        .await;
+    }
+
+    /// A running request past the start deadline whose registration GitHub
+    /// no longer had: an ephemeral runner's goes with its completed job (a
+    /// runner at its post-job work, its completion not yet delivered;
+    /// tester-4 found one killed and recorded `failed` `start_deadline`),
+    /// but a registration removed out of band looks the same (tester-5
+    /// found such a never-connecting runner then held for ever). Either
+    /// way it can take no job: it is held as *ending*, left the post-job
+    /// grace to exit on its own (`done`), and stopped past it, released
+    /// `failed` with reason `start_deadline`.
+    async fn leave_to_exit(&self, request_id: RequestId, r: &Running) {
+        let still = {
+            let mut s = self.state();
+            let same = s
+                .running
+                .get(&request_id)
+                .is_some_and(|now| now.lease == r.lease);
+            if same {
+                s.running.remove(&request_id);
+            }
+            same
+        };
+        if !still {
+            return;
+        }
+        info!(lease = %r.lease, instance = %r.instance, grace_s = self.options.post_job_grace.as_secs(),
+              "past the start deadline, GitHub no longer has the runner's registration (a job it finished, or removed out of band); it can take no job and is left the post-job grace to exit");
+        self.hold(
+            r.lease.clone(),
+            CustodyEntry {
+                registration: None,
+                grace_reason: Some(EndReason::StartDeadline),
+                ..CustodyEntry::ending(
+                    r.epoch,
+                    r.instance.clone(),
+                    request_id,
+                    r.registration.clone(),
                 )
             },
         )
@@ -1444,9 +1489,15 @@ impl Runner {
         let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
         match self.jit.retire_runner(lease, entry.epoch, id, &name).await {
             Ok(Retired::AlreadyGone) if !entry.retire_tried => {
-                info!(%lease, instance = %entry.instance,
-                      "a held runner is past the start deadline and GitHub had already let it go: it took a job and finished it; left to exit on its own");
-                entry.online = true;
+                info!(%lease, instance = %entry.instance, grace_s = self.options.post_job_grace.as_secs(),
+                      "a held runner is past the start deadline and GitHub no longer has its registration (a job it finished, or removed out of band); it can take no job and is left the post-job grace to exit");
+                entry.registration = None;
+                entry.ending = true;
+                entry.since = Instant::now();
+                entry.grace_reason = Some(EndReason::StartDeadline);
+                if entry.phase.is_some() {
+                    entry.phase = Some(Phase::Teardown);
+                }
                 false
             }
             Ok(_) => {
@@ -1500,7 +1551,7 @@ impl Runner {
               "the runner kept working past the post-job grace after its job's completion; stopping it (SIGTERM, then SIGKILL)");
         entry.discard = true;
         entry.outcome = Phase::Failed;
-        entry.reason = Some(EndReason::PostJobTimeout);
+        entry.reason = Some(entry.grace_reason.unwrap_or(EndReason::PostJobTimeout));
         if let Err(e) = self
             .provider
             .stop(&entry.instance, self.options.stop_timeout)
