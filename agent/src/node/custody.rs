@@ -941,18 +941,7 @@ impl Runner {
         reason: EndReason,
         registration: Option<(i64, String)>,
     ) {
-        let still = {
-            let mut s = self.state();
-            let same = s
-                .running
-                .get(&request_id)
-                .is_some_and(|now| now.lease == r.lease);
-            if same {
-                s.running.remove(&request_id);
-            }
-            same
-        };
-        if !still {
+        if !self.take_running(request_id, &r.lease) {
             return;
         }
         self.hold(
@@ -972,6 +961,20 @@ impl Runner {
         .await;
     }
 
+    /// Takes `request_id` out of the running requests if it still runs
+    /// `lease`; whether it did.
+    fn take_running(&self, request_id: RequestId, lease: &LeaseId) -> bool {
+        let mut s = self.state();
+        let same = s
+            .running
+            .get(&request_id)
+            .is_some_and(|now| now.lease == *lease);
+        if same {
+            s.running.remove(&request_id);
+        }
+        same
+    }
+
     /// A running request past the start deadline whose registration GitHub
     /// no longer had: an ephemeral runner's goes with its completed job (a
     /// runner at its post-job work, its completion not yet delivered;
@@ -982,18 +985,7 @@ impl Runner {
     /// grace to exit on its own (`done`), and stopped past it, released
     /// `failed` with reason `start_deadline`.
     async fn leave_to_exit(&self, request_id: RequestId, r: &Running) {
-        let still = {
-            let mut s = self.state();
-            let same = s
-                .running
-                .get(&request_id)
-                .is_some_and(|now| now.lease == r.lease);
-            if same {
-                s.running.remove(&request_id);
-            }
-            same
-        };
-        if !still {
+        if !self.take_running(request_id, &r.lease) {
             return;
         }
         info!(lease = %r.lease, instance = %r.instance, grace_s = self.options.post_job_grace.as_secs(),
