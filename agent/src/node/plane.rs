@@ -262,9 +262,10 @@ pub trait JitSource: Send + Sync + std::fmt::Debug {
 
     /// [`JitSource::remove_runner`], telling whether GitHub still had the
     /// registration: what the start deadline needs to tell a runner that
-    /// took nothing (its registration removed now) from one that took a
-    /// job and finished it (an ephemeral runner's registration goes with
-    /// its completed job). The default, for a source that cannot tell,
+    /// took nothing (its registration removed now: torn down at once) from
+    /// one GitHub had already let go (an ephemeral runner's registration
+    /// goes with its completed job, or it was removed out of band: left the
+    /// post-job grace to exit). The default, for a source that cannot tell,
     /// answers [`Retired::Removed`].
     async fn retire_runner(
         &self,

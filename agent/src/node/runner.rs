@@ -139,9 +139,7 @@ pub(super) struct Running {
     pub(super) since: Instant,
     /// GitHub has said the runner is busy (it refused to remove the
     /// registration of a runner holding a job): the runner came online,
-    /// and the start deadline no longer applies. Also set when GitHub had
-    /// already let the registration go at the deadline (it took a job and
-    /// finished it).
+    /// and the start deadline no longer applies.
     pub(super) online: bool,
     /// A removal at the start deadline failed without an answer: it may
     /// have removed the registration, so a later "already gone" proves
