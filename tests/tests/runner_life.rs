@@ -242,16 +242,7 @@ async fn a_runner_whose_container_is_removed_out_of_band_frees_its_lease_failed_
     let jobs = cluster.queue_jobs(1);
     wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
     let lease = only_lease(&cluster).await?;
-    cluster
-        .docker
-        .remove_container(
-            &format!("billet-{}", lease.id),
-            Some(bollard::query_parameters::RemoveContainerOptions {
-                force: true,
-                ..Default::default()
-            }),
-        )
-        .await?;
+    remove_out_of_band(&cluster, &format!("billet-{}", lease.id)).await?;
     let ended = wait_all_terminal(&cluster, ONE_TEND).await?;
     assert_eq!(ended[0].phase, Phase::Failed, "{ended:?}");
     assert_eq!(ended[0].failure_reason.as_deref(), Some("removed"));
@@ -270,16 +261,7 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
     let node = cluster.nodes.get_mut("node-1").context("node")?;
     node.kill().await?;
     for name in cluster.containers().await? {
-        cluster
-            .docker
-            .remove_container(
-                &name,
-                Some(bollard::query_parameters::RemoveContainerOptions {
-                    force: true,
-                    ..Default::default()
-                }),
-            )
-            .await?;
+        remove_out_of_band(&cluster, &name).await?;
     }
     let node = cluster.nodes.get_mut("node-1").context("node")?;
     node.restart().await?;
@@ -646,6 +628,30 @@ async fn tend_until(
     }
 }
 
+/// Sends Tend until `lease` ends, for at most 30 s, and returns it ended.
+async fn tend_until_ended(cluster: &Cluster, lease: &str) -> Result<Lease> {
+    tend_until(
+        cluster,
+        Duration::from_secs(30),
+        "the lease to end",
+        async || {
+            Ok(cluster
+                .plane
+                .ledger()
+                .get(lease)
+                .await?
+                .is_some_and(|l| l.phase.is_terminal()))
+        },
+    )
+    .await?;
+    cluster
+        .plane
+        .ledger()
+        .get(lease)
+        .await?
+        .context("the lease")
+}
+
 /// The scale-down of a runner killed mid-job, reaching the node before any
 /// tend saw the kill: a tester found the lease recorded `done`. The runner's
 /// compute ended before its job did, so the lease ends `failed` with reason
@@ -678,21 +684,7 @@ async fn a_scale_down_of_a_runner_killed_mid_job_releases_its_lease_failed_kille
         "the scale-down of a killed runner was not left to the node; node log:\n{}",
         cluster.nodes["node-1"].log_text()
     );
-    tend_until(
-        &cluster,
-        Duration::from_secs(30),
-        "the lease to end",
-        async || {
-            Ok(cluster
-                .plane
-                .ledger()
-                .get(&lease.id)
-                .await?
-                .is_some_and(|l| l.phase.is_terminal()))
-        },
-    )
-    .await?;
-    let ended = only_lease(&cluster).await?;
+    let ended = tend_until_ended(&cluster, &lease.id).await?;
     assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
     assert_eq!(ended.failure_reason.as_deref(), Some("killed"), "{ended:?}");
     github_gives_up_on(&cluster, &jobs);
@@ -806,25 +798,14 @@ async fn freed_by_the_start_deadline(
     lease: &str,
     within: Duration,
 ) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + within;
-    let ended = loop {
-        let l = cluster
-            .plane
-            .ledger()
-            .get(lease)
-            .await?
-            .context("the lease")?;
-        if l.phase.is_terminal() {
-            break l;
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!(
-                "the runner that never connects still holds its lease: {l:?}\nnode log:\n{}",
-                cluster.nodes["node-1"].log_text()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let ended = cluster
+        .wait_lease_ended(
+            lease,
+            within,
+            "the runner that never connects still holds its lease",
+        )
+        .await
+        .with_context(|| format!("node log:\n{}", cluster.nodes["node-1"].log_text()))?;
     assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
     assert_eq!(
         ended.failure_reason.as_deref(),
@@ -873,6 +854,21 @@ async fn wait_launched(
     .context("no launch")?
 }
 
+/// Removes a container behind the node's back, as `docker rm -f` does.
+async fn remove_out_of_band(cluster: &Cluster, name: &str) -> Result<()> {
+    cluster
+        .docker
+        .remove_container(
+            name,
+            Some(bollard::query_parameters::RemoveContainerOptions {
+                force: true,
+                ..Default::default()
+            }),
+        )
+        .await?;
+    Ok(())
+}
+
 /// Kills node-1 with SIGKILL, restarts it, and waits
 /// until the restarted node has adopted what it finds.
 async fn adopted_after_a_kill_9(cluster: &mut Cluster) -> Result<()> {
@@ -916,21 +912,7 @@ async fn a_scale_down_of_an_adopted_runner_killed_before_it_releases_its_lease_f
     )
     .await
     .context("the scale-down never ended")??;
-    tend_until(
-        &cluster,
-        Duration::from_secs(30),
-        "the lease to end",
-        async || {
-            Ok(cluster
-                .plane
-                .ledger()
-                .get(&lease)
-                .await?
-                .is_some_and(|l| l.phase.is_terminal()))
-        },
-    )
-    .await?;
-    let ended = cluster.plane.ledger().get(&lease).await?.context("lease")?;
+    let ended = tend_until_ended(&cluster, &lease).await?;
     assert_eq!(
         (ended.phase, ended.failure_reason.as_deref()),
         (Phase::Failed, Some("killed")),
@@ -954,17 +936,7 @@ async fn an_adopted_runner_removed_out_of_band_mid_job_releases_its_lease_failed
     let lease = only_lease(&cluster).await?;
     let name = format!("billet-{}", lease.id);
     adopted_after_a_kill_9(&mut cluster).await?;
-    cluster
-        .docker
-        .remove_container(
-            &name,
-            Some(
-                bollard::query_parameters::RemoveContainerOptionsBuilder::default()
-                    .force(true)
-                    .build(),
-            ),
-        )
-        .await?;
+    remove_out_of_band(&cluster, &name).await?;
     let ended = wait_all_terminal(&cluster, ONE_TEND * 2).await?;
     assert_eq!(
         (ended[0].phase, ended[0].failure_reason.as_deref()),

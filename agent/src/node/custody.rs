@@ -1671,16 +1671,11 @@ impl Runner {
     }
 
     /// Why a held entry's compute, as `found` by the provider, ended
-    /// before its job did: an exit other than 0, a kill, an OOM kill, or an
-    /// instance this host's provider saw that is now gone (removed behind
-    /// the node's back; tester-4 found an adopted runner so removed
-    /// released `done`). `None` while it may run or after an exit 0.
+    /// before its job did ([`EndReason::of_instance`]); an absence is proof
+    /// for an instance this host's provider saw (tester-4 found an adopted
+    /// runner removed behind the node's back released `done`).
     fn end_reason(&self, entry: &CustodyEntry, found: Option<&Instance>) -> Option<EndReason> {
-        match found {
-            None => (entry.observed && self.provider.runs_on_host()).then_some(EndReason::Removed),
-            Some(i) if !i.may_run() => EndReason::from_state(i.state),
-            Some(_) => None,
-        }
+        EndReason::of_instance(found, entry.observed && self.provider.runs_on_host())
     }
 
     /// [`Runner::end_reason`] for a held entry's instance, asked of the

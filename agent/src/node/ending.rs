@@ -27,7 +27,7 @@ use backon::{BackoffBuilder as _, ExponentialBuilder};
 use tokio::time::Instant;
 
 use crate::edge::model::{Epoch, LeaseId};
-use crate::provider::{Exit, InstanceState};
+use crate::provider::{Exit, Instance, InstanceState};
 
 /// Why compute ended before its job did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -116,6 +116,21 @@ impl EndReason {
             InstanceState::Exited(exit) => Self::from_exit(exit),
             InstanceState::Removing => Some(EndReason::Killed),
             InstanceState::Created | InstanceState::Running | InstanceState::Unknown => None,
+        }
+    }
+}
+
+impl EndReason {
+    /// Why compute `found` by the provider (`None`: not there) ended before
+    /// its job did: [`EndReason::from_state`] for an instance that no longer
+    /// runs, [`EndReason::Removed`] for one missing when `absent_is_proof`
+    /// (this host's provider saw it exist). `None` while it may run, after
+    /// an exit 0, or for an absence that proves nothing.
+    pub fn of_instance(found: Option<&Instance>, absent_is_proof: bool) -> Option<Self> {
+        match found {
+            None => absent_is_proof.then_some(EndReason::Removed),
+            Some(i) if !i.may_run() => Self::from_state(i.state),
+            Some(_) => None,
         }
     }
 }

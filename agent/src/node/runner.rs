@@ -1248,12 +1248,8 @@ impl Runner {
             // A scale-down: GitHub has not retired this runner, and it may
             // have just taken a job its listing does not show yet. Routing
             // first; a busy runner is kept.
-            let died = match &instance {
-                None => Some(EndReason::Removed),
-                Some(i) if !runs => EndReason::from_state(i.state),
-                Some(_) => None,
-            };
-            if let Some(died) = died {
+            // The create saw it exist: its absence is proof it is gone.
+            if let Some(died) = EndReason::of_instance(instance.as_ref(), true) {
                 // Its compute ended before its job did (killed, OOM, a
                 // crash, removed): a scale-down must not turn that into a
                 // `done`. Torn down as a tend would, released `failed`.
