@@ -12,10 +12,13 @@
 //!   node's types, the proto conversions, and mTLS.
 //! - [`cache`]: the node-local cache: sticky disks, their generations,
 //!   mounts, commits and eviction.
+//! - [`claim`]: exclusive claims on host files (the updater's host claim,
+//!   the cache store's lock), patient with a forked child's inherited lock.
 //! - [`cli`]: the command line, the configuration layering and the exit
 //!   codes of the `billet` binary.
 
 pub mod cache;
+pub mod claim;
 pub mod cli;
 pub mod edge;
 pub mod node;

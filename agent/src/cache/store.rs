@@ -1240,13 +1240,15 @@ fn open_dirs(dirs: &Dirs, named: &BTreeSet<String>) -> Result<fs::File, CacheErr
         .write(true)
         .open(dirs.root.join(STORE_LOCK))
         .map_err(|e| fail(format!("cannot open its lock file: {e}")))?;
-    rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
-        |e| {
-            fail(format!(
-                "is in use by another process ({e}); give each node its own --cache-dir"
-            ))
-        },
-    )?;
+    match crate::claim::take(&lock, crate::claim::PATIENCE) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(fail(
+                "is in use by another process; give each node its own --cache-dir".to_owned(),
+            ));
+        }
+        Err(e) => return Err(fail(format!("cannot lock it: {e}"))),
+    }
     let trash = dirs.root.join("trash");
     for entry in fs::read_dir(&trash).map_err(io("read", &trash))? {
         let path = entry.map_err(io("read", &trash))?.path();

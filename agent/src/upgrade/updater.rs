@@ -55,6 +55,7 @@ pub const DIR: &str = "upgrade";
 pub const JOURNAL_FILE: &str = "journal.json";
 /// The host claim, inside [`DIR`]: held (`flock`) for the updater's life.
 pub const LOCK_FILE: &str = "lock";
+
 /// One line per step of every upgrade, inside [`DIR`].
 pub const HISTORY_FILE: &str = "history.log";
 
@@ -364,7 +365,10 @@ impl Files {
             .map_err(|e| format!("{}: {e}", self.dir.display()))
     }
 
-    /// Takes the host claim, or says who has it.
+    /// Takes the host claim: `Some(lock)` held until dropped, or `None`
+    /// while another process holds it (tried again for
+    /// [`crate::claim::PATIENCE`] first: a claim just released can still be
+    /// held for a moment by a forked child).
     fn claim(&self) -> Result<Option<File>, String> {
         let path = self.dir.join(LOCK_FILE);
         let file = std::fs::OpenOptions::new()
@@ -373,10 +377,10 @@ impl Files {
             .write(true)
             .open(&path)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        match file.try_lock() {
-            Ok(()) => Ok(Some(file)),
-            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
-            Err(std::fs::TryLockError::Error(e)) => Err(format!("{}: {e}", path.display())),
+        match crate::claim::take(&file, crate::claim::PATIENCE) {
+            Ok(true) => Ok(Some(file)),
+            Ok(false) => Ok(None),
+            Err(e) => Err(format!("{}: {e}", path.display())),
         }
     }
 
@@ -1508,6 +1512,28 @@ mod tests {
         ));
         // Settled once: the next start finds nothing to do.
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
+    }
+
+    #[test]
+    fn a_claim_released_while_a_forked_child_still_holds_it_is_taken_once_the_child_execs() {
+        // CI saw `a_node_start_rolls_back...` find the claim busy just after
+        // its holder dropped it: another test's thread had forked, and the
+        // child held the inherited lock until its exec. Made certain here
+        // with a child given the same open lock file for 100 ms.
+        let (dir, files, install) = host(Step::Swapped, "2.0.0");
+        let held = files.claim().expect("claim").expect("free");
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.1")
+            .stdin(held.try_clone().expect("dup"))
+            .spawn()
+            .expect("sleep");
+        drop(held);
+        assert_eq!(
+            settle_at_node_start(&dir),
+            Ok(Settled::RolledBack(install.clone()))
+        );
+        assert!(child.wait().expect("child").success());
+        assert_eq!(version_of(&install), "1.0.0");
     }
 
     #[test]
