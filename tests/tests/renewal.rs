@@ -608,3 +608,97 @@ async fn a_node_started_on_an_expired_certificate_keeps_its_compute_and_re_enrol
     );
     cluster.shutdown().await
 }
+
+/// A node whose wall clock is stepped 120 s back just after it attached,
+/// with a 90 s certificate the plane renews for an hour: "minutes off" and
+/// "a certificate of a few minutes", the two things issue #13 asks a node
+/// to survive, at once (tester-6). The plane backdates what it signs by 60
+/// s, so on the node's own clock every renewed certificate was "not valid
+/// yet" and refused, and the renewal itself came 120 s late; only a
+/// session opened before the original certificate's end kept the plane
+/// attached. Certificate dates are now read on the plane's clock (the
+/// offset the session measures): the renewal is installed, on time, and a
+/// job queued 40 s after the original certificate's end runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_120_s_behind_the_plane_renews_its_short_lived_certificate_on_the_planes_clock()
+-> Result<()> {
+    let dir = billet_tests::cluster::scratch_dir("renewal-clock-behind")?;
+    let spec = dir.join("faketime");
+    std::fs::write(&spec, "+0\n")?;
+    // The step comes after the node has loaded its certificate: started
+    // behind, a certificate the plane dated a moment ago is not valid yet
+    // at start-up, which this test is not about.
+    let mut node_env = billet_tests::cluster::wall_clock_off("+0")?;
+    node_env.retain(|(k, _)| k != "FAKETIME");
+    node_env.push(("FAKETIME_TIMESTAMP_FILE".into(), spec.display().to_string()));
+    let cluster = Cluster::start(ClusterOptions {
+        node_env,
+        node_cert_lifetime: Some(Duration::from_secs(90)),
+        plane_signs: Some(Duration::from_secs(3600)),
+        work_ms: 1000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let node = &cluster.nodes["node-1"];
+    let cert = cluster.certs.node("node-1").context("files")?.cert.clone();
+    let original_not_after = not_after_ms(&cert)?;
+    std::fs::write(&spec, "-120s\n")?;
+    let state_dir = cluster.dir.join("state-node-1");
+    // The node measures the step from the plane's next commands.
+    wait_status(
+        &state_dir,
+        Duration::from_secs(30),
+        "the offset measured",
+        |v| {
+            v["clock_offset_ms"]
+                .as_i64()
+                .is_some_and(|ms| (ms + 120_000).abs() < 5_000)
+        },
+    )
+    .await?;
+
+    // Renewed at two thirds of the 90 s by the plane's clock, well before
+    // the original certificate's end.
+    let started = tokio::time::Instant::now();
+    loop {
+        if not_after_ms(&cert)? > original_not_after + 30 * 60 * 1000 {
+            break;
+        }
+        ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "the certificate on disk was not renewed; node log:\n{}",
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    ensure!(
+        billet_controlplane_stub::now_ms() < original_not_after,
+        "renewed only after the original certificate's end (the plane's clock): it was timed on the node's own"
+    );
+    let log = node.log_text();
+    ensure!(
+        log.contains("certificate renewed through the plane") && !log.contains("not valid yet"),
+        "a renewed certificate was refused:\n{log}"
+    );
+
+    // Past the original certificate's end by the plane's clock, sessions
+    // open on the renewed one and jobs still launch.
+    while billet_controlplane_stub::now_ms() < original_not_after + 40_000 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let late = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&late, Duration::from_secs(60))
+        .await
+        .with_context(|| format!("node log:\n{}", node.log_text()))?;
+    let v = status(&state_dir)?;
+    assert_eq!(v["identity_expired"], false, "{v}");
+    ensure!(
+        v["certificate_remaining_ms"]
+            .as_i64()
+            .is_some_and(|ms| ms > 30 * 60 * 1000),
+        "remaining lifetime not reported on the plane's clock: {v}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    cluster.shutdown().await
+}

@@ -165,6 +165,7 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         certificate_renew_at_unix_ms,
         identity_expired,
         degraded_reasons,
+        clock_offset_ms,
         slot_busy_ms,
         cache_filesystem,
         cache_clone,
@@ -187,6 +188,7 @@ pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::
         "identity": identity(s, now),
         "identity_expired": identity_expired,
         "degraded_reasons": degraded_reasons.iter().map(|r| reason_name(*r)).collect::<Vec<_>>(),
+        "clock_offset_ms": clock_offset_ms,
         "slot_busy_ms": slot_busy_ms,
         "cache_filesystem": cache_filesystem,
         "cache_clone": cache_clone,
@@ -271,7 +273,7 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     use std::fmt::Write;
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::new();
-    let plane = at(s.plane_contact_unix_ms).map_or_else(
+    let mut plane = at(s.plane_contact_unix_ms).map_or_else(
         || "never heard from".to_owned(),
         |t| {
             format!(
@@ -280,6 +282,15 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
             )
         },
     );
+    if s.clock_offset_ms.unsigned_abs() >= 1000 {
+        let off = human(s.clock_offset_ms.unsigned_abs() / 1000);
+        let side = if s.clock_offset_ms > 0 {
+            "ahead of"
+        } else {
+            "behind"
+        };
+        let _ = write!(plane, "; this node's clock is {off} {side} the plane's");
+    }
     let cert = at(s.certificate_not_after_unix_ms).map_or_else(
         || "unreadable".to_owned(),
         |t| match seconds_from(now, t) {
@@ -510,5 +521,21 @@ mod tests {
             now(),
         );
         assert!(never["plane_contact_age_secs"].is_null());
+    }
+
+    #[test]
+    fn the_status_says_how_far_this_nodes_clock_is_from_the_planes() {
+        let behind = pb::LocalStatus {
+            clock_offset_ms: -120_000,
+            ..status()
+        };
+        assert_eq!(json(true, &behind, now())["clock_offset_ms"], -120_000);
+        let text = table(true, &behind, now());
+        assert!(
+            text.contains("last heard 5s ago; this node's clock is 2m behind the plane's"),
+            "{text}"
+        );
+        let in_sync = table(true, &status(), now());
+        assert!(!in_sync.contains("clock"), "{in_sync}");
     }
 }

@@ -36,6 +36,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
+use crate::edge::clock::PlaneClock;
 use crate::edge::listen::AcceptErrors;
 use crate::edge::tls::{Validity, dns_names};
 
@@ -336,7 +337,9 @@ impl Pending {
 /// Accepts TCP connections and completes mTLS handshakes off the accept
 /// path (each with the configuration in force at that moment), yielding
 /// only finished sessions whose client certificate names `plane_name` (when
-/// set). See the module doc for the limits and the refusal log.
+/// set). See the module doc for the limits and the refusal log. Each
+/// session's `certificates_expire` is the earlier end of the two
+/// certificates, read on `clock` (the plane dates both).
 ///
 /// The returned channel closes when `cancel` fires.
 pub fn accept(
@@ -344,6 +347,7 @@ pub fn accept(
     config: watch::Receiver<Arc<rustls::ServerConfig>>,
     validity: watch::Receiver<Validity>,
     plane_name: Option<String>,
+    clock: Arc<PlaneClock>,
     cancel: CancellationToken,
 ) -> mpsc::Receiver<Result<Accepted, io::Error>> {
     let (tx, rx) = mpsc::channel(MAX_PENDING_HANDSHAKES);
@@ -381,7 +385,7 @@ pub fn accept(
                 // next connection, never to one already open.
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
                 let node_expires = validity.borrow().1;
-                let (tx, plane_name) = (tx.clone(), plane_name.clone());
+                let (tx, plane_name, clock) = (tx.clone(), plane_name.clone(), clock.clone());
                 let (pending, log) = (Arc::clone(&pending), Arc::clone(&log));
                 tokio::spawn(async move {
                     let local = tcp.local_addr().ok();
@@ -397,7 +401,7 @@ pub fn accept(
                                 .into_iter()
                                 .flatten()
                                 .min()
-                                .map(monotonic);
+                                .map(|at| Instant::now() + clock.until(at));
                             let _ = tx
                                 .send(Ok(Accepted {
                                     stream,
@@ -423,12 +427,6 @@ pub fn accept(
         .instrument(info_span!("tls_accept")),
     );
     rx
-}
-
-/// A wall-clock time as an instant on this node's monotonic clock.
-fn monotonic(at: SystemTime) -> Instant {
-    let left = at.duration_since(SystemTime::now()).unwrap_or_default();
-    Instant::now() + left
 }
 
 fn log_refusal(peer: SocketAddr, refusal: Refusal, detail: &str) {

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
+use crate::edge::clock::PlaneClock;
 use crate::edge::model::NodeName;
 
 /// A certificate or key that cannot be used.
@@ -186,6 +187,23 @@ impl NodeTls {
         )
     }
 
+    /// As [`NodeTls::load`], valid at `at` rather than now: the plane's
+    /// time ([`crate::edge::clock::PlaneClock::now`]), which the reload of
+    /// replaced files judges by.
+    ///
+    /// # Errors
+    ///
+    /// As [`NodeTls::load`].
+    pub fn load_at(paths: &TlsPaths, at: SystemTime) -> Result<Self, TlsError> {
+        Self::from_parts_at(
+            paths,
+            load_certs(&paths.cert)?,
+            load_key(&paths.key)?,
+            Lapsed::Refuse,
+            at,
+        )
+    }
+
     /// As [`NodeTls::load`], except that a certificate that has expired,
     /// but otherwise verifies (it chains to the CA and was valid for its
     /// name during its lifetime, its key matches), is accepted, with
@@ -208,19 +226,29 @@ impl NodeTls {
     }
 
     /// Checks a certificate chain and key that are not on disk yet (a
-    /// renewal's) as [`NodeTls::load`] checks files: against the CA at
-    /// `paths.ca`, valid now, the key matching; errors name `paths`' files,
+    /// renewal's, an enrolment's) as [`NodeTls::load`] checks files: against
+    /// the CA at `paths.ca`, the key matching, but valid at `at`, the time
+    /// the plane's clock reads ([`crate::edge::clock::PlaneClock::now`]):
+    /// the plane dates what it signs by its own clock and judges the
+    /// certificate by it, so a node whose clock is behind must not refuse
+    /// a fresh certificate as not valid yet. Errors name `paths`' files,
     /// where they are about to be written.
     ///
     /// # Errors
     ///
     /// As [`NodeTls::load`].
-    pub fn from_pem(paths: &TlsPaths, cert_pem: &[u8], key_pem: &[u8]) -> Result<Self, TlsError> {
-        Self::from_parts(
+    pub fn from_pem_at(
+        paths: &TlsPaths,
+        cert_pem: &[u8],
+        key_pem: &[u8],
+        at: SystemTime,
+    ) -> Result<Self, TlsError> {
+        Self::from_parts_at(
             paths,
             parse_certs(cert_pem, &paths.cert)?,
             parse_key(key_pem, &paths.key)?,
             Lapsed::Refuse,
+            at,
         )
     }
 
@@ -229,6 +257,16 @@ impl NodeTls {
         certs: Vec<CertificateDer<'static>>,
         key: PrivateKeyDer<'static>,
         lapsed: Lapsed,
+    ) -> Result<Self, TlsError> {
+        Self::from_parts_at(paths, certs, key, lapsed, SystemTime::now())
+    }
+
+    fn from_parts_at(
+        paths: &TlsPaths,
+        certs: Vec<CertificateDer<'static>>,
+        key: PrivateKeyDer<'static>,
+        lapsed: Lapsed,
+        at: SystemTime,
     ) -> Result<Self, TlsError> {
         let names = dns_names(&certs[0]).map_err(|problem| TlsError::Content {
             path: paths.cert.clone(),
@@ -286,7 +324,10 @@ impl NodeTls {
                 paths.ca.display()
             ),
         };
-        let expired = match verify(rustls::pki_types::UnixTime::now()) {
+        let at = rustls::pki_types::UnixTime::since_unix_epoch(
+            at.duration_since(UNIX_EPOCH).unwrap_or_default(),
+        );
+        let expired = match verify(at) {
             Ok(_) => false,
             Err(e) if lapsed == Lapsed::Tolerate && is_expiry(&e) => {
                 // Everything but the date is checked again, as of a moment
@@ -396,13 +437,16 @@ fn read_all(paths: &TlsPaths) -> Option<[Vec<u8>; 3]> {
     ])
 }
 
-fn warn_if_expiring(tls: &NodeTls, paths: &TlsPaths, policy: &ReloadPolicy) -> bool {
+fn warn_if_expiring(
+    tls: &NodeTls,
+    paths: &TlsPaths,
+    policy: &ReloadPolicy,
+    now: SystemTime,
+) -> bool {
     let Some(not_after) = tls.not_after else {
         return false;
     };
-    let left = not_after
-        .duration_since(SystemTime::now())
-        .unwrap_or_default();
+    let left = not_after.duration_since(now).unwrap_or_default();
     if left <= policy.expiry_warning {
         warn!(
             cert = %paths.cert.display(),
@@ -542,19 +586,23 @@ fn rename(from: &Path, to: &Path) -> Result<(), TlsError> {
 /// a chain that does not verify, an expired or not yet valid certificate,
 /// another node's name) leaves the current configuration in place, with a
 /// warning naming the file. Warns daily while the certificate is within
-/// `policy.expiry_warning` of expiring. Returns the configuration in force
-/// and the handle on the files, which also watches the validity window of
-/// the certificate in force.
+/// `policy.expiry_warning` of expiring. Dates are read on `clock`, the
+/// plane's clock as this node reads it (the plane dates what it signs and
+/// judges it; a node behind would otherwise refuse a fresh renewal as not
+/// valid yet). Returns the configuration in force and the handle on the
+/// files, which also watches the validity window of the certificate in
+/// force.
 pub fn watch_files(
     paths: TlsPaths,
     initial: &NodeTls,
     policy: ReloadPolicy,
+    clock: Arc<PlaneClock>,
     cancel: CancellationToken,
 ) -> (watch::Receiver<Arc<rustls::ServerConfig>>, IdentityFiles) {
     let (tx, rx) = watch::channel(initial.config.clone());
     let (validity_tx, validity_rx) = watch::channel((initial.not_before, initial.not_after));
     let node_name = initial.node_name.clone();
-    let mut warned_at = warn_if_expiring(initial, &paths, &policy).then(Instant::now);
+    let mut warned_at = warn_if_expiring(initial, &paths, &policy, clock.now()).then(Instant::now);
     let mut current = initial.clone();
     let files = IdentityFiles {
         paths: paths.clone(),
@@ -587,7 +635,7 @@ pub fn watch_files(
                 let now = read_all(&paths);
                 if now.is_some() && now != seen {
                     seen = now;
-                    match NodeTls::load(&paths) {
+                    match NodeTls::load_at(&paths, clock.now()) {
                         Ok(fresh) if fresh.node_name != node_name => warn!(
                             cert = %paths.cert.display(),
                             old = %node_name,
@@ -605,7 +653,7 @@ pub fn watch_files(
                     }
                 }
                 if warned_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(86_400))
-                    && warn_if_expiring(&current, &paths, &policy)
+                    && warn_if_expiring(&current, &paths, &policy, clock.now())
                 {
                     warned_at = Some(Instant::now());
                 }

@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
+use crate::edge::clock::PlaneClock;
 use crate::edge::model::{ByteSize, InstanceName};
 use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::node::slot::CommandSlot;
@@ -212,6 +213,9 @@ pub struct Health {
     slot: Mutex<Option<Arc<CommandSlot>>>,
     journal_probe_log: LogLimit,
     journal_probing: std::sync::atomic::AtomicBool,
+    /// The plane's clock through the offset last recorded: certificate
+    /// dates are judged on it.
+    plane_clock: Arc<PlaneClock>,
 }
 
 impl Default for Health {
@@ -223,6 +227,7 @@ impl Default for Health {
             slot: Mutex::new(None),
             journal_probe_log: LogLimit::default(),
             journal_probing: std::sync::atomic::AtomicBool::new(false),
+            plane_clock: Arc::default(),
         }
     }
 }
@@ -342,8 +347,16 @@ impl Health {
         });
     }
 
+    /// The plane's clock as this node reads it, corrected by every offset
+    /// [`Health::clock_offset`] records: what certificate dates are judged
+    /// on (the identity's renewal, the sessions' end, this health).
+    pub fn plane_clock(&self) -> Arc<PlaneClock> {
+        Arc::clone(&self.plane_clock)
+    }
+
     /// Records a measured clock offset (this node minus the plane), in ms.
     pub fn clock_offset(&self, offset_ms: i64) {
+        self.plane_clock.set_offset_ms(offset_ms);
         let limit = i64::try_from(CLOCK_OFFSET_LIMIT.as_millis()).unwrap_or(i64::MAX);
         {
             let mut inner = self.inner.lock().expect("health");
@@ -360,7 +373,8 @@ impl Health {
     }
 
     /// Records the certificate the node serves now (`not_before`,
-    /// `not_after`), judged against this node's clock.
+    /// `not_after`), judged against the plane's clock ([`Health::plane_clock`]:
+    /// the plane is who refuses an expired one).
     pub fn certificate(&self, not_before: Option<SystemTime>, not_after: Option<SystemTime>) {
         {
             let mut inner = self.inner.lock().expect("health");
@@ -370,7 +384,7 @@ impl Health {
         let Some(not_after) = not_after else {
             return;
         };
-        let now = SystemTime::now();
+        let now = self.plane_clock.now();
         let expired = now >= not_after;
         let left = not_after.duration_since(now).unwrap_or_default();
         let lifetime = not_before

@@ -6,11 +6,15 @@
 //! Either way the node makes a fresh key and a certificate request naming
 //! itself ([`crate::edge::enroll::request`]); the key never leaves the node
 //! and the node never holds the CA key. What the plane sends back is checked
-//! as the files would be (chains to the CA, valid now, names this node,
-//! matches the key), written over the identity files and put in force
+//! as the files would be (chains to the CA, valid now by the plane's clock
+//! ([`crate::edge::clock::PlaneClock`]), names this node, matches the key), written over the identity files and put in force
 //! through the reload path ([`IdentityFiles::replace`]): no restart, no
 //! session dropped, nothing the node runs touched. Sessions opened after it
 //! (the recycled one included) are opened on the new certificate.
+//!
+//! The renewal's time, like every certificate date, is read on the plane's
+//! clock: a node minutes behind renews when the plane's two thirds have
+//! passed, not minutes late.
 //!
 //! A renewal that fails is retried with backoff (1 s doubling to 60 s,
 //! jittered, without end); meanwhile the health subsystem raises
@@ -27,6 +31,7 @@ use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::edge::clock::PlaneClock;
 use crate::edge::enroll::{EnrollError, JoinToken};
 use crate::edge::model::NodeName;
 use crate::edge::tls::{IdentityFiles, NodeTls, TlsError};
@@ -89,6 +94,9 @@ pub struct IdentityKeeper {
     plane_name: String,
     link: Arc<PlaneLink>,
     metrics: Option<Arc<Metrics>>,
+    /// Certificate dates are read on it; this node's own clock until
+    /// [`IdentityKeeper::with_plane_clock`].
+    plane_clock: Arc<PlaneClock>,
     one_at_a_time: tokio::sync::Mutex<()>,
 }
 
@@ -107,6 +115,7 @@ impl IdentityKeeper {
             plane_name,
             link,
             metrics: None,
+            plane_clock: Arc::default(),
             one_at_a_time: tokio::sync::Mutex::new(()),
         }
     }
@@ -118,7 +127,16 @@ impl IdentityKeeper {
         self
     }
 
-    /// When the certificate in force is renewed ([`renew_at`]).
+    /// Reads certificate dates on `clock` (the health subsystem's, corrected
+    /// by the offset each session measures).
+    #[must_use]
+    pub fn with_plane_clock(mut self, clock: Arc<PlaneClock>) -> Self {
+        self.plane_clock = clock;
+        self
+    }
+
+    /// When the certificate in force is renewed ([`renew_at`]), as the
+    /// plane's clock reads it.
     pub fn renew_at(&self) -> Option<SystemTime> {
         let (not_before, not_after) = self.files.validity();
         renew_at(not_before, not_after)
@@ -130,11 +148,17 @@ impl IdentityKeeper {
         }
     }
 
-    /// Checks what the plane sent against the node's CA and name, and
-    /// installs it with `key_pem`; answers the new certificate's end.
+    /// Checks what the plane sent against the node's CA and name, valid at
+    /// the plane's time, and installs it with `key_pem`; answers the new
+    /// certificate's end.
     async fn install(&self, chain_pem: &str, key_pem: &str) -> Result<SystemTime, IdentityError> {
-        let fresh = NodeTls::from_pem(self.files.paths(), chain_pem.as_bytes(), key_pem.as_bytes())
-            .map_err(IdentityError::Issued)?;
+        let fresh = NodeTls::from_pem_at(
+            self.files.paths(),
+            chain_pem.as_bytes(),
+            key_pem.as_bytes(),
+            self.plane_clock.now(),
+        )
+        .map_err(IdentityError::Issued)?;
         if fresh.node_name != self.node_name {
             return Err(IdentityError::OtherNode {
                 expected: self.node_name.clone(),
@@ -239,7 +263,7 @@ impl IdentityKeeper {
         let mut validity = self.files.watch_validity();
         loop {
             let due = self.renew_at();
-            let wait = due.map(|at| at.duration_since(SystemTime::now()).unwrap_or_default());
+            let wait = due.map(|at| self.plane_clock.until(at));
             tokio::select! {
                 () = cancel.cancelled() => return,
                 changed = validity.changed() => {

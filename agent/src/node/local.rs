@@ -179,7 +179,7 @@ impl pb::local_server::Local for LocalService {
             .collect();
         let health = self.health.snapshot();
         let certificate_remaining_ms = health.certificate_not_after.map_or(0, |t| {
-            match t.duration_since(std::time::SystemTime::now()) {
+            match t.duration_since(self.health.plane_clock().now()) {
                 Ok(left) => i64::try_from(left.as_millis()).unwrap_or(i64::MAX).max(1),
                 Err(past) => -i64::try_from(past.duration().as_millis()).unwrap_or(i64::MAX),
             }

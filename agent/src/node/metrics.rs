@@ -467,10 +467,12 @@ impl Metrics {
     }
 
     /// When the certificate in force expires.
-    /// Also sets the time it has left, from now.
-    pub fn set_certificate_expiry(&self, not_after: SystemTime) {
+    /// Also sets the time it has left from `now`, the plane's clock as this
+    /// node reads it ([`crate::edge::clock::PlaneClock::now`]: the plane
+    /// dates the certificate and judges it).
+    pub fn set_certificate_expiry(&self, not_after: SystemTime, now: SystemTime) {
         self.certificate_expiry.set(unix_seconds(not_after));
-        let left = match not_after.duration_since(SystemTime::now()) {
+        let left = match not_after.duration_since(now) {
             Ok(d) => d.as_secs_f64(),
             Err(e) => -e.duration().as_secs_f64(),
         };

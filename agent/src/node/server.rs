@@ -557,7 +557,7 @@ pub async fn run(
         crate::upgrade::version::COMMIT,
     ));
     if let Some(not_after) = tls.not_after {
-        metrics.set_certificate_expiry(not_after);
+        metrics.set_certificate_expiry(not_after, std::time::SystemTime::now());
     }
     let provider: Arc<dyn Provider> = Arc::new(MeteredProvider::new(provider, metrics.clone()));
     let journal: Arc<dyn Journal> = Arc::new(MeteredJournal::new(journal, metrics.clone()));
@@ -657,6 +657,7 @@ pub async fn run(
         config.tls.clone(),
         &tls,
         config.tls_reload,
+        health.plane_clock(),
         shutdown.clone(),
     );
     let validity = identity_files.watch_validity();
@@ -669,7 +670,8 @@ pub async fn run(
             config.plane_name.clone(),
             link.clone(),
         )
-        .with_metrics(metrics.clone()),
+        .with_metrics(metrics.clone())
+        .with_plane_clock(health.plane_clock()),
     );
     tokio::spawn(
         keeper
@@ -817,6 +819,7 @@ pub async fn run(
     if let Some(listener) = metrics_listener {
         info!(addr = ?listener.local_addr().ok(), "serving metrics at /metrics");
         let (runner, cert) = (runner.clone(), config.tls.cert.clone());
+        let plane_clock = health.plane_clock();
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {
             m.observe_runner(&runner.held());
             if let Some(cache) = &cache_store {
@@ -824,7 +827,7 @@ pub async fn run(
                 m.set_cache_evicted(&cache.evicted());
             }
             if let Some(not_after) = crate::node::metrics::certificate_expiry(&cert) {
-                m.set_certificate_expiry(not_after);
+                m.set_certificate_expiry(not_after, plane_clock.now());
             }
         });
         tasks.spawn(
@@ -915,6 +918,7 @@ pub async fn run(
         tls_config,
         validity.clone(),
         Some(config.plane_name.clone()),
+        health.plane_clock(),
         shutdown.clone(),
     );
     // Limits: a silent peer is found by HTTP/2 pings, a flooding one meets
