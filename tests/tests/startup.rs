@@ -115,8 +115,46 @@ fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
     Ok(())
 }
 
-/// Expiry is the only fault start-up tolerates: an expired certificate of
-/// another CA, and one not valid yet, still exit 3 naming the file.
+/// A certificate the plane dated a moment ago, on a node whose clock is two
+/// minutes behind, starts two minutes in the node's future: start-up serves
+/// it (the plane judges it by its own clock and will accept it), with a
+/// warning, and goes on to the missing engine (exit 5). Before, such a node
+/// refused to start (exit 3) until its own clock caught up, so a node behind
+/// the plane could not restart soon after a renewal.
+#[test]
+fn a_certificate_starting_minutes_ahead_of_a_node_behind_the_plane_starts_with_a_warning()
+-> Result<()> {
+    let (certs, state) = setup()?;
+    let now = std::time::SystemTime::now();
+    let ahead = billet_certs_dev::generate_with(
+        &scratch_dir("ahead")?,
+        "plane",
+        &["node-1"],
+        &billet_certs_dev::Options {
+            validity: billet_certs_dev::Validity {
+                not_before: now + std::time::Duration::from_secs(120),
+                not_after: now + std::time::Duration::from_secs(86_400),
+            },
+            ca_dir: Some(certs.dir.clone()),
+        },
+    )?;
+    let files = ahead.node("node-1").expect("files");
+    let cert = files.cert.display().to_string();
+    let key = files.key.display().to_string();
+    let out = node(
+        &["--cert", &cert, "--key", &key],
+        &certs,
+        &state,
+        "/nonexistent/docker.sock",
+    )?;
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
+    assert_exit(&out, 5, "not valid yet by this node's clock");
+    Ok(())
+}
+
+/// Start-up tolerates expiry, and a start within the clock skew a healthy
+/// node may have: an expired certificate of another CA, and one valid only
+/// from tomorrow, still exit 3 naming the file.
 #[test]
 fn an_expired_certificate_of_another_ca_and_one_not_yet_valid_exit_3() -> Result<()> {
     let (certs, state) = setup()?;

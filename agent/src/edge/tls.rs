@@ -210,8 +210,11 @@ impl NodeTls {
     /// [`NodeTls::expired`] set: a node started on it keeps the compute it
     /// holds and is re-enrolled through its local socket, since no plane
     /// can attach to it. Malformed files, another CA, a name that does not
-    /// verify, a key that does not match and a certificate not valid yet
-    /// are refused as by [`NodeTls::load`].
+    /// verify and a key that does not match are refused as by
+    /// [`NodeTls::load`]. A certificate not valid yet is served when it
+    /// starts within [`START_CLOCK_SKEW`] (this node's clock is behind the
+    /// plane's that dated it; the plane judges it by its own), with a
+    /// warning, and refused when it starts later.
     ///
     /// # Errors
     ///
@@ -324,23 +327,45 @@ impl NodeTls {
                 paths.ca.display()
             ),
         };
+        let when = at;
         let at = rustls::pki_types::UnixTime::since_unix_epoch(
             at.duration_since(UNIX_EPOCH).unwrap_or_default(),
         );
+        let inside_lifetime = || match (not_before, not_after) {
+            (Some(b), Some(a)) => a
+                .duration_since(b)
+                .ok()
+                .map(|life| b + life / 2)
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok()),
+            _ => None,
+        };
         let expired = match verify(at) {
             Ok(_) => false,
+            Err(e)
+                if lapsed == Lapsed::Tolerate
+                    && is_not_yet_valid(&e)
+                    && not_before.is_some_and(|b| {
+                        b.duration_since(when).unwrap_or_default() <= START_CLOCK_SKEW
+                    }) =>
+            {
+                // Starting within the skew a healthy node may have from
+                // the plane's clock (which dated it): this node is behind,
+                // and the plane, which judges it, will accept it.
+                let inside = inside_lifetime().ok_or_else(|| refused(e.clone()))?;
+                verify(rustls::pki_types::UnixTime::since_unix_epoch(inside)).map_err(refused)?;
+                warn!(
+                    cert = %paths.cert.display(),
+                    starts_in_secs = not_before
+                        .and_then(|b| b.duration_since(when).ok())
+                        .map_or(0, |d| d.as_secs()),
+                    "the node's certificate is not valid yet by this node's clock; serving it, since the plane that dated it judges it by its own (this node's clock is behind; billet node status shows by how much once the plane attaches)"
+                );
+                false
+            }
             Err(e) if lapsed == Lapsed::Tolerate && is_expiry(&e) => {
                 // Everything but the date is checked again, as of a moment
                 // inside the certificate's own lifetime.
-                let inside = match (not_before, not_after) {
-                    (Some(b), Some(a)) => a
-                        .duration_since(b)
-                        .ok()
-                        .map(|life| b + life / 2)
-                        .and_then(|t| t.duration_since(UNIX_EPOCH).ok()),
-                    _ => None,
-                }
-                .ok_or_else(|| refused(e.clone()))?;
+                let inside = inside_lifetime().ok_or_else(|| refused(e.clone()))?;
                 verify(rustls::pki_types::UnixTime::since_unix_epoch(inside)).map_err(refused)?;
                 true
             }
@@ -386,6 +411,24 @@ enum Lapsed {
     Refuse,
     /// Accepted at start-up, when everything else verifies.
     Tolerate,
+}
+
+/// How far in this node's future a certificate may start and still be
+/// served at start-up, before any plane has said what its clock reads: the
+/// clock offset a node may have and stay healthy (`CLOCK_OFFSET_LIMIT` in
+/// `node/health.rs`, 10 minutes). A certificate the plane dated a moment
+/// ago starts up to that far ahead of a node that is behind.
+pub const START_CLOCK_SKEW: Duration = Duration::from_secs(10 * 60);
+
+/// Whether rustls refused a certificate only for not being valid yet.
+fn is_not_yet_valid(e: &rustls::Error) -> bool {
+    matches!(
+        e,
+        rustls::Error::InvalidCertificate(
+            rustls::CertificateError::NotValidYet
+                | rustls::CertificateError::NotValidYetContext { .. }
+        )
+    )
 }
 
 /// Whether rustls refused a certificate only for having expired.
