@@ -42,6 +42,9 @@ use crate::node::plane::{PlaneError, PlaneLink};
 pub const RENEWAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// The longest wait between two tries of a renewal.
 pub const RENEWAL_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// How often a renewal not yet due is looked at again: its time is read on
+/// the plane's clock, whose offset may be measured or move meanwhile.
+const RENEWAL_RECHECK: Duration = Duration::from_secs(15);
 
 /// When a certificate valid from `not_before` to `not_after` is renewed:
 /// two thirds into its lifetime. `None` when either end is unknown or the
@@ -264,6 +267,10 @@ impl IdentityKeeper {
         loop {
             let due = self.renew_at();
             let wait = due.map(|at| self.plane_clock.until(at));
+            // Looked at again every RENEWAL_RECHECK while not due: the
+            // offset to the plane's clock, which the wait is read on, may
+            // be measured (or move) meanwhile.
+            let due_now = wait.is_some_and(|w| w.is_zero());
             tokio::select! {
                 () = cancel.cancelled() => return,
                 changed = validity.changed() => {
@@ -274,10 +281,14 @@ impl IdentityKeeper {
                 }
                 () = async {
                     match wait {
-                        Some(w) => tokio::time::sleep(w).await,
+                        Some(w) => tokio::time::sleep(w.min(RENEWAL_RECHECK)).await,
                         None => std::future::pending().await,
                     }
-                } => {}
+                } => {
+                    if !due_now {
+                        continue;
+                    }
+                }
             }
             let in_force = *validity.borrow_and_update();
             let mut delays = ExponentialBuilder::default()
