@@ -366,10 +366,16 @@ impl Files {
     }
 
     /// Takes the host claim: `Some(lock)` held until dropped, or `None`
-    /// while another process holds it (tried again for
-    /// [`crate::claim::PATIENCE`] first: a claim just released can still be
-    /// held for a moment by a forked child).
-    fn claim(&self) -> Result<Option<File>, String> {
+    /// while another process holds it, tried again for `patience` first
+    /// ([`crate::claim::take`]: a claim just released can still be held for
+    /// a moment by a forked child).
+    ///
+    /// A node's start asks with no patience ([`settle_at_node_start`]): a
+    /// live updater that dies while the node waits would otherwise have
+    /// its swap undone under the very node it started, which the next
+    /// `host-upgrade --settle` is there to judge instead
+    /// (`upgrade.rs::an_updater_killed_while_its_new_node_comes_up_is_finished_by_settle_not_rolled_back`).
+    fn claim(&self, patience: std::time::Duration) -> Result<Option<File>, String> {
         let path = self.dir.join(LOCK_FILE);
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -377,7 +383,7 @@ impl Files {
             .write(true)
             .open(&path)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        match crate::claim::take(&file, crate::claim::PATIENCE) {
+        match crate::claim::take(&file, patience) {
             Ok(true) => Ok(Some(file)),
             Ok(false) => Ok(None),
             Err(e) => Err(format!("{}: {e}", path.display())),
@@ -752,7 +758,7 @@ pub async fn run(
     if let Err(e) = files.create() {
         return Err(refuse(e));
     }
-    let _claim = match files.claim() {
+    let _claim = match files.claim(crate::claim::PATIENCE) {
         Ok(Some(lock)) => lock,
         Ok(None) => {
             return Err(refuse(format!(
@@ -1244,7 +1250,7 @@ pub async fn settle_interrupted(config: &UpgradeConfig) -> Result<(), String> {
     let Some(mut record) = last.filter(|r| !r.step.is_final()) else {
         return Ok(());
     };
-    let Some(_claim) = files.claim()? else {
+    let Some(_claim) = files.claim(crate::claim::PATIENCE)? else {
         info!("an updater is still at work; nothing to settle");
         return Ok(());
     };
@@ -1285,7 +1291,7 @@ pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     if files.read()?.is_none_or(|r| r.step.is_final()) {
         return Ok(Settled::Nothing);
     }
-    let Some(_claim) = files.claim()? else {
+    let Some(_claim) = files.claim(std::time::Duration::ZERO)? else {
         // A live updater (it started this node, or is about to).
         return Ok(Settled::Nothing);
     };
@@ -1496,10 +1502,20 @@ mod tests {
     fn a_node_start_rolls_back_a_swap_its_dead_updater_never_proved() {
         let (dir, files, install) = host(Step::Swapped, "2.0.0");
         // While an updater holds the claim, the node leaves it alone.
-        let held = files.claim().expect("claim").expect("free");
+        let held = files.claim(Duration::ZERO).expect("claim").expect("free");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
         assert_eq!(version_of(&install), "2.0.0");
+        // The updater dies. A sibling test's thread that forked meanwhile
+        // holds the dropped descriptor until its child execs (CI saw the
+        // start below find the claim busy), so the death is complete once
+        // the claim can be taken.
         drop(held);
+        drop(
+            files
+                .claim(crate::claim::PATIENCE)
+                .expect("claim")
+                .expect("the updater's claim is let go"),
+        );
 
         assert_eq!(
             settle_at_node_start(&dir),
@@ -1515,25 +1531,25 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_released_while_a_forked_child_still_holds_it_is_taken_once_the_child_execs() {
-        // CI saw `a_node_start_rolls_back...` find the claim busy just after
-        // its holder dropped it: another test's thread had forked, and the
-        // child held the inherited lock until its exec. Made certain here
-        // with a child given the same open lock file for 100 ms.
+    fn a_node_start_does_not_wait_for_a_busy_claim() {
+        // Whoever holds the claim (here a child given the same open lock
+        // file, as a forked child of the updater would hold it), the node's
+        // start decides at once: an updater dying while the node waited
+        // would have its swap undone under the node it started, which
+        // `host-upgrade --settle` judges instead.
         let (dir, files, install) = host(Step::Swapped, "2.0.0");
-        let held = files.claim().expect("claim").expect("free");
+        let held = files.claim(Duration::ZERO).expect("claim").expect("free");
         let mut child = std::process::Command::new("sleep")
-            .arg("0.1")
+            .arg("0.5")
             .stdin(held.try_clone().expect("dup"))
             .spawn()
             .expect("sleep");
         drop(held);
-        assert_eq!(
-            settle_at_node_start(&dir),
-            Ok(Settled::RolledBack(install.clone()))
-        );
+        let started = std::time::Instant::now();
+        assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
+        assert!(started.elapsed() < crate::claim::PATIENCE, "it waited");
+        assert_eq!(version_of(&install), "2.0.0");
         assert!(child.wait().expect("child").success());
-        assert_eq!(version_of(&install), "1.0.0");
     }
 
     #[test]
