@@ -327,8 +327,7 @@ impl NodeTls {
                 paths.ca.display()
             ),
         };
-        let when = at;
-        let at = rustls::pki_types::UnixTime::since_unix_epoch(
+        let at_unix = rustls::pki_types::UnixTime::since_unix_epoch(
             at.duration_since(UNIX_EPOCH).unwrap_or_default(),
         );
         let inside_lifetime = || match (not_before, not_after) {
@@ -339,13 +338,13 @@ impl NodeTls {
                 .and_then(|t| t.duration_since(UNIX_EPOCH).ok()),
             _ => None,
         };
-        let expired = match verify(at) {
+        let expired = match verify(at_unix) {
             Ok(_) => false,
             Err(e)
                 if lapsed == Lapsed::Tolerate
                     && is_not_yet_valid(&e)
                     && not_before.is_some_and(|b| {
-                        b.duration_since(when).unwrap_or_default() <= START_CLOCK_SKEW
+                        b.duration_since(at).unwrap_or_default() <= START_CLOCK_SKEW
                     }) =>
             {
                 // Starting within the skew a healthy node may have from
@@ -356,7 +355,7 @@ impl NodeTls {
                 warn!(
                     cert = %paths.cert.display(),
                     starts_in_secs = not_before
-                        .and_then(|b| b.duration_since(when).ok())
+                        .and_then(|b| b.duration_since(at).ok())
                         .map_or(0, |d| d.as_secs()),
                     "the node's certificate is not valid yet by this node's clock; serving it, since the plane that dated it judges it by its own (this node's clock is behind; billet node status shows by how much once the plane attaches)"
                 );

@@ -7,10 +7,11 @@
 //! itself ([`crate::edge::enroll::request`]); the key never leaves the node
 //! and the node never holds the CA key. What the plane sends back is checked
 //! as the files would be (chains to the CA, valid now by the plane's clock
-//! ([`crate::edge::clock::PlaneClock`]), names this node, matches the key), written over the identity files and put in force
-//! through the reload path ([`IdentityFiles::replace`]): no restart, no
-//! session dropped, nothing the node runs touched. Sessions opened after it
-//! (the recycled one included) are opened on the new certificate.
+//! ([`crate::edge::clock::PlaneClock`]), names this node, matches the key),
+//! written over the identity files and put in force through the reload
+//! path ([`IdentityFiles::replace`]): no restart, no session dropped,
+//! nothing the node runs touched. Sessions opened after it (the recycled
+//! one included) are opened on the new certificate.
 //!
 //! The renewal's time, like every certificate date, is read on the plane's
 //! clock: a node minutes behind renews when the plane's two thirds have
