@@ -1,7 +1,7 @@
 //! Start-up refuses bad configuration with a message naming what to fix and
 //! the documented exit code (README "Exit codes").
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use anyhow::{Context, Result};
@@ -85,6 +85,29 @@ fn an_unreadable_certificate_exits_3_naming_the_file() -> Result<()> {
     Ok(())
 }
 
+/// Starts a node on a certificate for node-1 with `validity`, signed by
+/// `ca_dir`'s CA (a fresh CA when `None`), against the engine at `docker`;
+/// answers what it printed and the certificate's path.
+fn node_with_dates(
+    certs: &billet_certs_dev::DevCerts,
+    state: &Path,
+    validity: billet_certs_dev::Validity,
+    ca_dir: Option<PathBuf>,
+    docker: &str,
+) -> Result<(Output, String)> {
+    let made = billet_certs_dev::generate_with(
+        &scratch_dir("dates")?,
+        "plane",
+        &["node-1"],
+        &billet_certs_dev::Options { validity, ca_dir },
+    )?;
+    let files = made.node("node-1").expect("files");
+    let cert = files.cert.display().to_string();
+    let key = files.key.display().to_string();
+    let out = node(&["--cert", &cert, "--key", &key], certs, state, docker)?;
+    Ok((out, cert))
+}
+
 /// A certificate of this deployment's CA that has expired does not stop
 /// start-up (issue #13): the node keeps what it holds and waits to be
 /// re-enrolled, with a warning saying so. Here start-up goes on past the TLS
@@ -92,22 +115,11 @@ fn an_unreadable_certificate_exits_3_naming_the_file() -> Result<()> {
 #[test]
 fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
     let (certs, state) = setup()?;
-    let expired = billet_certs_dev::generate_with(
-        &scratch_dir("expired")?,
-        "plane",
-        &["node-1"],
-        &billet_certs_dev::Options {
-            validity: billet_certs_dev::Validity::expired(),
-            ca_dir: Some(certs.dir.clone()),
-        },
-    )?;
-    let files = expired.node("node-1").expect("files");
-    let cert = files.cert.display().to_string();
-    let key = files.key.display().to_string();
-    let out = node(
-        &["--cert", &cert, "--key", &key],
+    let (out, _) = node_with_dates(
         &certs,
         &state,
+        billet_certs_dev::Validity::expired(),
+        Some(certs.dir.clone()),
         "/nonexistent/docker.sock",
     )?;
     assert_exit(&out, 5, "/nonexistent/docker.sock");
@@ -126,25 +138,14 @@ fn a_certificate_starting_minutes_ahead_of_a_node_behind_the_plane_starts_with_a
 -> Result<()> {
     let (certs, state) = setup()?;
     let now = std::time::SystemTime::now();
-    let ahead = billet_certs_dev::generate_with(
-        &scratch_dir("ahead")?,
-        "plane",
-        &["node-1"],
-        &billet_certs_dev::Options {
-            validity: billet_certs_dev::Validity {
-                not_before: now + std::time::Duration::from_secs(120),
-                not_after: now + std::time::Duration::from_secs(86_400),
-            },
-            ca_dir: Some(certs.dir.clone()),
-        },
-    )?;
-    let files = ahead.node("node-1").expect("files");
-    let cert = files.cert.display().to_string();
-    let key = files.key.display().to_string();
-    let out = node(
-        &["--cert", &cert, "--key", &key],
+    let (out, _) = node_with_dates(
         &certs,
         &state,
+        billet_certs_dev::Validity {
+            not_before: now + std::time::Duration::from_secs(120),
+            not_after: now + std::time::Duration::from_secs(86_400),
+        },
+        Some(certs.dir.clone()),
         "/nonexistent/docker.sock",
     )?;
     assert_exit(&out, 5, "/nonexistent/docker.sock");
@@ -165,21 +166,8 @@ fn an_expired_certificate_of_another_ca_and_one_not_yet_valid_exit_3() -> Result
             Some(certs.dir.clone()),
         ),
     ] {
-        let bad = billet_certs_dev::generate_with(
-            &scratch_dir("bad-dates")?,
-            "plane",
-            &["node-1"],
-            &billet_certs_dev::Options { validity, ca_dir },
-        )?;
-        let files = bad.node("node-1").expect("files");
-        let cert = files.cert.display().to_string();
-        let key = files.key.display().to_string();
-        let out = node(
-            &["--cert", &cert, "--key", &key],
-            &certs,
-            &state,
-            "/var/run/docker.sock",
-        )?;
+        let (out, cert) =
+            node_with_dates(&certs, &state, validity, ca_dir, "/var/run/docker.sock")?;
         assert_exit(&out, 3, &cert);
     }
     Ok(())
