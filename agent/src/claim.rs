@@ -5,9 +5,11 @@
 //! the holder, between its fork and its `exec`, holds it too for that
 //! instant (the descriptor is close-on-exec, not close-on-fork). A claim
 //! its holder has just released can therefore still be busy for a moment.
-//! [`take`] tries a busy claim again for [`PATIENCE`] before it reports it
-//! held; a real holder (an updater, a node) keeps its claim for minutes or
-//! for ever, so the wait never changes the answer for one.
+//! [`take`] tries a busy claim again for a patience (usually [`PATIENCE`])
+//! before it reports it held; a real holder (an updater, a node) keeps its
+//! claim for minutes or for ever. A caller whose answer must not change if
+//! the holder dies during the wait (a node start deciding whether to undo
+//! an updater's swap) passes no patience.
 
 use std::fs::{File, TryLockError};
 use std::time::{Duration, Instant};
