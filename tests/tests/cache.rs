@@ -685,9 +685,17 @@ async fn a_failed_mount_gives_the_job_an_empty_uncommittable_directory_and_the_j
     run_jobs(cluster, 1).await?;
     let mounted = guests.mounted(1).await?;
     assert_eq!(
-        (&mounted[0]["fallback"], &mounted[0]["cache_hit"]),
-        (&serde_json::json!(true), &serde_json::json!(false)),
-        "{mounted:?}"
+        (
+            &mounted[0]["fallback"],
+            &mounted[0]["cache_hit"],
+            &mounted[0]["generation"]
+        ),
+        (
+            &serde_json::json!(true),
+            &serde_json::json!(false),
+            &serde_json::Value::Null
+        ),
+        "a fallback was cloned from no generation: {mounted:?}"
     );
     assert_eq!(
         guests.told(1).await?,

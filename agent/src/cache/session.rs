@@ -19,9 +19,10 @@
 //! when the compute is proven gone ([`Sessions::close`]); a restarted node
 //! listens again for every journaled session ([`Sessions::open`]).
 //!
-//! **The API** (JSON, at most 8 KiB of body; each session admits one
-//! request at a time, a second gets 429; an unauthenticated request gets
-//! 401 whatever its path):
+//! **The API** (JSON, at most 8 KiB of body, which must arrive within 10 s
+//! of the request's head or it gets 408; each session answers one request
+//! at a time once its body is in, a second gets 429; an unauthenticated
+//! request gets 401 whatever its path):
 //!
 //! - `GET /v1/volumes`: what was mounted, per slot (the tier's disks in
 //!   order): `{"volumes": [{"slot", "key", "path", "policy", "generation"
@@ -36,8 +37,12 @@
 //!   (`reason: "job_failed"`: a job that did not succeed publishes
 //!   nothing; `reason: "untrusted"`: an untrusted tier's job never
 //!   publishes, spec/cache.md §5.1), `fallback` (the disk was an empty fallback after a failed
-//!   clone: never published), `unavailable` (the commit failed; the key
-//!   keeps its head). A slot settled already: 409 with what it was told.
+//!   clone: never published), `unavailable` (the commit failed, `reason:
+//!   "cache unavailable"`, or an earlier commit of the disk was cut off by
+//!   a node restart before it published, `reason: "interrupted"`; the key
+//!   keeps its head; a commit cut off after it published is told
+//!   `committed` when asked again). A slot settled already: 409 with what
+//!   it was told.
 //! - `POST /v1/volumes/{slot}/discard`: never publish this disk; 200
 //!   `discarded`.
 //! - `POST /v1/docker-store`, body `{"architecture": "amd64"}`: the Docker
@@ -115,6 +120,10 @@ pub fn check_socket_room(cache_dir: &Path) -> Result<(), CacheError> {
 }
 /// The most bytes of a request body.
 pub const MAX_BODY: usize = 8 * 1024;
+
+/// How long a request's body may take to arrive once its head has: 10 s,
+/// then 408. A guest's bodies are at most [`MAX_BODY`] and sent at once.
+pub const BODY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The value of [`ENDPOINT_ENV`].
 #[must_use]
@@ -675,6 +684,32 @@ async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<By
     if !authorised(session, &req) {
         return error(StatusCode::UNAUTHORIZED, "unauthorised cache session");
     }
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    // The body before the session is taken, bounded in size and in time:
+    // a request whose body stalls (session 16's tester: a Content-Length
+    // never sent) holds its own connection, not the guest's other
+    // requests.
+    let body = match tokio::time::timeout(
+        BODY_PATIENCE,
+        Limited::new(req.into_body(), MAX_BODY).collect(),
+    )
+    .await
+    {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(_)) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "the body is unreadable or longer than 8 KiB",
+            );
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "the body did not arrive within 10 s; send the whole request at once",
+            );
+        }
+    };
     if session.busy.swap(true, Ordering::AcqRel) {
         return error(
             StatusCode::TOO_MANY_REQUESTS,
@@ -682,22 +717,12 @@ async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<By
         );
     }
     let admitted = Admitted(owned.clone());
-    let path = req.uri().path().to_owned();
     let parts: Vec<&str> = path.split('/').collect();
-    match (req.method().clone(), parts.as_slice()) {
+    match (method, parts.as_slice()) {
         (Method::GET, ["", "v1", "volumes"]) => list(session).await,
         (Method::POST, ["", "v1", "volumes", slot, action @ ("commit" | "discard")]) => {
             let Some(slot) = parse_slot(slot) else {
                 return error(StatusCode::NOT_FOUND, "no such cache slot");
-            };
-            let body = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-                Ok(b) => b.to_bytes(),
-                Err(_) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        "the body is unreadable or longer than 8 KiB",
-                    );
-                }
             };
             let body: CommitBody = if body.iter().all(u8::is_ascii_whitespace) {
                 CommitBody::default()
@@ -735,38 +760,27 @@ async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<By
                 )
             })
         }
-        (Method::POST, ["", "v1", "docker-store"]) => match read_json(req).await {
+        (Method::POST, ["", "v1", "docker-store"]) => match serde_json::from_slice(&body) {
             Ok(body) => docker_store(session, body).await,
-            Err(refused) => refused,
+            Err(e) => unfit(&e),
         },
-        (Method::POST, ["", "v1", "docker-store", "ready"]) => match read_json(req).await {
-            Ok(body) => docker_ready(session, body).await,
-            Err(refused) => refused,
-        },
+        (Method::POST, ["", "v1", "docker-store", "ready"]) => {
+            match serde_json::from_slice(&body) {
+                Ok(body) => docker_ready(session, body).await,
+                Err(e) => unfit(&e),
+            }
+        }
         _ => error(StatusCode::NOT_FOUND, "no such cache API route"),
     }
 }
 
-/// Reads a JSON body of at most [`MAX_BODY`] bytes, unknown fields refused.
-async fn read_json<T: serde::de::DeserializeOwned>(
-    req: Request<Incoming>,
-) -> Result<T, Response<Full<Bytes>>> {
-    let body = Limited::new(req.into_body(), MAX_BODY)
-        .collect()
-        .await
-        .map_err(|_| {
-            error(
-                StatusCode::BAD_REQUEST,
-                "the body is unreadable or longer than 8 KiB",
-            )
-        })?
-        .to_bytes();
-    serde_json::from_slice(&body).map_err(|e| {
-        error(
-            StatusCode::BAD_REQUEST,
-            &format!("the body is not what this route takes: {e}"),
-        )
-    })
+/// 400 for a body that is not what its route takes (the structs refuse
+/// unknown fields).
+fn unfit(e: &serde_json::Error) -> Response<Full<Bytes>> {
+    error(
+        StatusCode::BAD_REQUEST,
+        &format!("the body is not what this route takes: {e}"),
+    )
 }
 
 #[derive(Deserialize)]
@@ -971,7 +985,11 @@ async fn settle(
                 head: head.map(|g| g.0),
                 ..Told::not("conflict", "conflict")
             },
-            Ok(Committed::NotCommittable) => Told::not("fallback", "fallback"),
+            Ok(Committed::NotCommittable) if s.fallback => Told::not("fallback", "fallback"),
+            // Withdrawn, not a fallback, and nothing published from it: a
+            // commit of this disk began before a node restart cut it off
+            // (the guest was never told), and did not publish.
+            Ok(Committed::NotCommittable) => Told::not("unavailable", "interrupted"),
             Err(_) => Told::not("unavailable", "cache unavailable"),
         }
     };
@@ -1343,6 +1361,152 @@ mod tests {
         // An empty listing, with nothing held: the compute is gone.
         sessions.reconcile(&Listed::new([], [])).await;
         assert!(sessions.open_leases().is_empty());
+    }
+
+    /// The node restarted over `root` and `journal`: a new store (once the
+    /// old one's lock is gone) and its sessions listening again.
+    async fn restarted(
+        root: &std::path::Path,
+        journal: &Arc<MemoryJournal>,
+    ) -> (Arc<Store>, Arc<Sessions>) {
+        let store = loop {
+            match Store::open(root, "dev", journal.clone()).await {
+                Ok(s) => break Arc::new(s),
+                Err(_) => tokio::task::yield_now().await,
+            }
+        };
+        let sessions = Sessions::open(store.clone()).await;
+        (store, sessions)
+    }
+
+    /// Session 16's tester (tester-8): the node killed with -9 during a
+    /// guest's commit, after the commit published and before the guest
+    /// was told. The guest's client saw its connection cut and asked
+    /// again of the restarted node, which told it `fallback`, a disk that
+    /// was never cloned, for a disk that was a hit and whose commit had
+    /// published. It is told what its commit did: `committed`, with the
+    /// generation.
+    #[tokio::test]
+    async fn a_commit_cut_off_by_a_node_kill_after_it_published_is_told_committed_on_retry() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let (a, ma) = {
+            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+            let sessions = Sessions::open(store.clone()).await;
+            let (a, ma) = mounted(&store, &sessions, "l1").await;
+            std::fs::write(ma.dir.join("n"), "a").unwrap();
+            // The commit the guest asked for gets as far as publishing;
+            // the node dies before it journals what it told the guest.
+            assert_eq!(
+                store.commit_now(&ma.id).await.unwrap(),
+                Committed::Published(crate::cache::Generation(1))
+            );
+            drop(sessions);
+            (a, ma)
+        };
+        let (store, sessions) = restarted(&root, &journal).await;
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!(status, 200, "{told}");
+        assert_eq!(
+            (told["outcome"].as_str(), &told["generation"]),
+            (Some("committed"), &serde_json::json!(1)),
+            "{told}"
+        );
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            Some(crate::cache::Generation(1))
+        );
+        sessions.close(&lease("l1")).await;
+        drop(ma);
+    }
+
+    /// The same kill, earlier: the commit had withdrawn the disk and not
+    /// yet published. The retry is told the commit was interrupted
+    /// (`unavailable`, reason `interrupted`), not that the disk was a
+    /// fallback, and nothing is published.
+    #[tokio::test]
+    async fn a_commit_cut_off_by_a_node_kill_before_it_published_is_told_interrupted_not_fallback()
+    {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let a = {
+            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+            let sessions = Sessions::open(store.clone()).await;
+            let (a, ma) = mounted(&store, &sessions, "l1").await;
+            std::fs::write(ma.dir.join("n"), "a").unwrap();
+            // The commit's first step, then the kill.
+            store.withdraw(&ma.id).await.unwrap();
+            drop(sessions);
+            a
+        };
+        let (store, sessions) = restarted(&root, &journal).await;
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!(status, 200, "{told}");
+        assert_eq!(
+            (told["outcome"].as_str(), told["reason"].as_str()),
+            (Some("unavailable"), Some("interrupted")),
+            "{told}"
+        );
+        assert_eq!(told["published"], false);
+        assert_eq!(
+            store.head(&DiskKey::parse("npm").unwrap()).await.unwrap(),
+            None
+        );
+        sessions.close(&lease("l1")).await;
+    }
+
+    /// Session 16's tester (tester-8): a request whose body never came
+    /// (a Content-Length the client did not send) held the session's one
+    /// request at a time, so every other request of the guest was told 429
+    /// until that connection closed. The body is read before the session
+    /// is taken.
+    #[tokio::test]
+    async fn a_request_whose_body_stalls_does_not_hold_the_session() {
+        let root = scratch();
+        let journal = Arc::new(MemoryJournal::default());
+        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
+        let sessions = Sessions::open(store.clone()).await;
+        let (a, _ma) = mounted(&store, &sessions, "l1").await;
+        let mut stalled = tokio::net::UnixStream::connect(a.dir.join(SOCKET_NAME))
+            .await
+            .unwrap();
+        let request = format!(
+            "POST /v1/volumes/0/commit HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: 100\r\n\r\n{{\"job_",
+            a.token.expose(),
+        );
+        stalled.write_all(request.as_bytes()).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let (status, listed) = call(&a.dir, Some(a.token.expose()), "GET", "/v1/volumes", "").await;
+        assert_eq!(status, 200, "{listed}");
+        let (status, told) = call(
+            &a.dir,
+            Some(a.token.expose()),
+            "POST",
+            "/v1/volumes/0/commit",
+            "",
+        )
+        .await;
+        assert_eq!(
+            (status, told["outcome"].as_str()),
+            (200, Some("committed")),
+            "{told}"
+        );
+        drop(stalled);
+        sessions.close(&lease("l1")).await;
     }
 
     #[tokio::test]

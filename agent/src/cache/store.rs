@@ -132,7 +132,7 @@ pub struct Mount {
     pub id: String,
     /// The directory the provider binds.
     pub dir: PathBuf,
-    /// The generation it was cloned from; `None` when cold.
+    /// The generation it was cloned from; `None` when cold or a fallback.
     pub parent: Option<Generation>,
     /// False for a fallback: an empty directory after a failed clone,
     /// never committed.
@@ -259,10 +259,15 @@ pub struct GenerationUse {
 pub(crate) type WalkSeam = Arc<dyn Fn() + Send + Sync>;
 
 /// One generation's provenance.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct GenerationMeta {
     published_unix_ms: i64,
     used_unix_ms: i64,
+    /// The mount it was committed from (absent in a state written before
+    /// it was kept): a commit retried after a node restart that cut off
+    /// the first one's answer is told what the first one published.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mount: Option<String>,
 }
 
 /// A key's `state.json`.
@@ -620,6 +625,9 @@ impl Store {
             Err(e) if record.parent.is_some() && record.committable => {
                 warn!(%lease, %key, parent = record.parent, error = %e, "cannot clone the sticky disk; the job gets an empty directory and nothing is published from it");
                 record.committable = false;
+                // Cloned from nothing: the guest's listing says so
+                // (`generation` null beside `fallback`).
+                record.parent = None;
                 let dirs = self.dirs.clone();
                 let mid = id.clone();
                 let made = blocking(move || {
@@ -642,6 +650,11 @@ impl Store {
                 return Err(e);
             }
         };
+        if !record.committable {
+            // A fallback (the journal refused the intent): an empty
+            // directory, cloned from nothing.
+            record.parent = None;
+        }
         let mount = Mount {
             id: id.clone(),
             dir: self.dirs.mount_dir(&id),
@@ -916,7 +929,14 @@ impl Store {
             let (dirs, staging) = (dirs.clone(), staging.clone());
             blocking(move || {
                 if !r.committable {
-                    return Ok(None);
+                    // Withdrawn already: a fallback, or a commit that began
+                    // before and whose answer a node restart cut off. What
+                    // that one published, if anything, is its answer.
+                    let state = dirs.read_state(&r.key)?;
+                    let published = state.generations.iter().find_map(|(g, meta)| {
+                        (meta.mount.as_deref() == Some(r.mount.as_str())).then_some(*g)
+                    });
+                    return Ok(published.map(|g| Err(Committed::Published(Generation(g)))));
                 }
                 let state = dirs.read_state(&r.key)?;
                 if state.head != r.parent && policy == Policy::Cas {
@@ -946,7 +966,9 @@ impl Store {
         };
         let outcome = match cloned {
             Ok(None) => Ok((Committed::NotCommittable, 0)),
-            Ok(Some(Err(conflict))) => Ok((conflict, 0)),
+            // Answered without a clone: a conflict, or what an earlier
+            // commit of this mount published.
+            Ok(Some(Err(answer))) => Ok((answer, 0)),
             Err(e) => Err(e),
             Ok(Some(Ok(bytes))) => {
                 let _mounts = self.mounts.lock().await;
@@ -1324,6 +1346,7 @@ fn commit_blocking(
         GenerationMeta {
             published_unix_ms: now,
             used_unix_ms: now,
+            mount: Some(record.mount.clone()),
         },
     );
     if let Err(e) = dirs.write_state(&state) {
@@ -1407,6 +1430,28 @@ mod tests {
             "the other mount took {:?} of the commit's {commit_took:?}",
             mounted.1
         );
+    }
+
+    /// Session 16's tester (tester-8): a mount whose clone failed (its
+    /// disk ran out of space) fell back to an empty directory, yet still
+    /// named the generation it could not clone as its parent, so the
+    /// guest's `GET /v1/volumes` reported `generation: 1` beside
+    /// `fallback: true`. A fallback was cloned from nothing.
+    #[tokio::test]
+    async fn a_mount_whose_clone_fails_names_no_parent_generation() {
+        let d = dir();
+        let (s, journal) = store(&d).await;
+        publish(&s, "l1", "npm", "1").await;
+        fs::remove_dir_all(s.generation_dir(&key("npm"), Generation(1))).unwrap();
+        let m = s
+            .mount(&lease("l2"), &key("npm"), Policy::Cas)
+            .await
+            .unwrap();
+        assert!(!m.committable);
+        assert_eq!(m.parent, None, "a fallback names no parent");
+        let records = journal.mounts().await.unwrap();
+        let record = records.iter().find(|r| r.mount == m.id).unwrap();
+        assert_eq!(record.parent, None, "nor does its journal record");
     }
 
     /// Mounts `k` for `l`, writes `counter` into it, marks it succeeded and

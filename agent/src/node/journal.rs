@@ -232,7 +232,9 @@ pub struct MountRecord {
     /// `"cas"` or `"last-writer-wins"`.
     pub policy: String,
     /// False for a fallback mount (an empty directory after a failed
-    /// clone): it is never committed.
+    /// clone), which is never committed, and for one withdrawn from
+    /// publication (its guest settled it: its commit began, or it was
+    /// discarded).
     pub committable: bool,
     /// The job ended with GitHub's result `succeeded`: its end commits the
     /// mount instead of discarding it.
