@@ -1068,8 +1068,7 @@ mod tests {
     async fn a_guest_that_hangs_up_mid_commit_leaks_no_staging_and_is_not_told_fallback() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, ma) = mounted(&store, &sessions, "l1").await;
         // Enough that the clone takes a while without reflinks.
         let chunk = vec![7_u8; 1 << 20];
@@ -1140,8 +1139,7 @@ mod tests {
     async fn open_settlement_does_not_wait_for_a_guests_clone() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, ma) = mounted(&store, &sessions, "l1").await;
         let chunk = vec![7_u8; 1 << 20];
         for i in 0..600 {
@@ -1172,8 +1170,7 @@ mod tests {
     async fn a_guest_is_told_its_commit_and_a_second_cas_commit_is_a_conflict() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, ma) = mounted(&store, &sessions, "l1").await;
         let (b, mb) = mounted(&store, &sessions, "l2").await;
         // Journaled before any compute could use it, without the token.
@@ -1255,8 +1252,7 @@ mod tests {
         const CAP: usize = MAX_SESSION_CONNECTIONS;
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, _) = mounted(&store, &sessions, "l1").await;
         let socket = a.dir.join(SOCKET_NAME);
         let mut idle = Vec::new();
@@ -1281,8 +1277,7 @@ mod tests {
     async fn a_wrong_missing_or_closed_credential_is_refused_and_changes_nothing() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, ma) = mounted(&store, &sessions, "l1").await;
         let (b, _) = mounted(&store, &sessions, "l2").await;
         let wrong = "0".repeat(64);
@@ -1330,20 +1325,12 @@ mod tests {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
         let (a, ma) = {
-            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-            let sessions = Sessions::open(store.clone()).await;
+            let (store, sessions) = opened(&root, &journal).await;
             let made = mounted(&store, &sessions, "l1").await;
             drop(sessions);
             made
         };
-        // The first store's lock is gone with it.
-        let store = loop {
-            match Store::open(&root, "dev", journal.clone()).await {
-                Ok(s) => break Arc::new(s),
-                Err(_) => tokio::task::yield_now().await,
-            }
-        };
-        let sessions = Sessions::open(store.clone()).await;
+        let (_store, sessions) = opened(&root, &journal).await;
         assert_eq!(sessions.open_leases(), vec!["l1".to_owned()]);
         std::fs::write(ma.dir.join("n"), "a").unwrap();
         let (status, told) = call(
@@ -1363,9 +1350,10 @@ mod tests {
         assert!(sessions.open_leases().is_empty());
     }
 
-    /// The node restarted over `root` and `journal`: a new store (once the
-    /// old one's lock is gone) and its sessions listening again.
-    async fn restarted(
+    /// A node's cache over `root` and `journal`: its store (once a previous
+    /// one's lock is gone, as after a restart) and its sessions, listening
+    /// for every session the journal names.
+    async fn opened(
         root: &std::path::Path,
         journal: &Arc<MemoryJournal>,
     ) -> (Arc<Store>, Arc<Sessions>) {
@@ -1391,8 +1379,7 @@ mod tests {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
         let (a, ma) = {
-            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-            let sessions = Sessions::open(store.clone()).await;
+            let (store, sessions) = opened(&root, &journal).await;
             let (a, ma) = mounted(&store, &sessions, "l1").await;
             std::fs::write(ma.dir.join("n"), "a").unwrap();
             // The commit the guest asked for gets as far as publishing;
@@ -1404,7 +1391,7 @@ mod tests {
             drop(sessions);
             (a, ma)
         };
-        let (store, sessions) = restarted(&root, &journal).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (status, told) = call(
             &a.dir,
             Some(a.token.expose()),
@@ -1437,8 +1424,7 @@ mod tests {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
         let a = {
-            let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-            let sessions = Sessions::open(store.clone()).await;
+            let (store, sessions) = opened(&root, &journal).await;
             let (a, ma) = mounted(&store, &sessions, "l1").await;
             std::fs::write(ma.dir.join("n"), "a").unwrap();
             // The commit's first step, then the kill.
@@ -1446,7 +1432,7 @@ mod tests {
             drop(sessions);
             a
         };
-        let (store, sessions) = restarted(&root, &journal).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (status, told) = call(
             &a.dir,
             Some(a.token.expose()),
@@ -1478,8 +1464,7 @@ mod tests {
     async fn a_request_whose_body_stalls_does_not_hold_the_session() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, _ma) = mounted(&store, &sessions, "l1").await;
         let mut stalled = tokio::net::UnixStream::connect(a.dir.join(SOCKET_NAME))
             .await
@@ -1513,8 +1498,7 @@ mod tests {
     async fn a_failed_job_and_a_fallback_are_told_they_publish_nothing() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, _) = mounted(&store, &sessions, "l1").await;
         let (status, told) = call(
             &a.dir,
@@ -1569,8 +1553,7 @@ mod tests {
     async fn an_untrusted_guests_commit_is_told_untrusted_and_publishes_nothing() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let k = DiskKey::parse("npm").unwrap();
         let m = store.mount(&lease("l1"), &k, Policy::Cas).await.unwrap();
         let mut slot = Slot::of(&m, "npm", "/cache", "cas");
@@ -1650,8 +1633,7 @@ mod tests {
     async fn the_image_store_is_slot_zero_published_only_after_settlement_and_readiness() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let (a, m) = with_image_store(&store, &sessions, "l1", false).await;
         let t = Some(a.token.expose());
         let (status, got) = call(
@@ -1738,8 +1720,7 @@ mod tests {
     async fn without_settlement_readiness_or_trust_the_image_store_is_discarded() {
         let root = scratch();
         let journal = Arc::new(MemoryJournal::default());
-        let store = Arc::new(Store::open(&root, "dev", journal.clone()).await.unwrap());
-        let sessions = Sessions::open(store.clone()).await;
+        let (store, sessions) = opened(&root, &journal).await;
         let key = DiskKey::docker_images("amd64").unwrap();
         // A failed job: no settlement, so a ready is refused.
         let (a, _) = with_image_store(&store, &sessions, "l1", false).await;
