@@ -515,7 +515,9 @@ impl ActionsProxy {
                 return respond(&mut guest, 502, "the results service is unreachable").await;
             }
         };
-        if upstream.write_all(sent).await.is_err() {
+        // Flushed: a TLS stream may hold what it was given until flushed,
+        // and the copies below write (and so flush) only what comes next.
+        if upstream.write_all(sent).await.is_err() || upstream.flush().await.is_err() {
             return;
         }
         let (mut gr, mut gw) = tokio::io::split(guest);

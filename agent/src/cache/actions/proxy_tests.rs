@@ -100,6 +100,7 @@ async fn fake_upstream(mode: UpstreamMode) -> (SocketAddr, String, Seen) {
                         let _ = tls
                             .write_all(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
                             .await;
+                        let _ = tls.flush().await;
                         // Echo frames back, reversed, until the guest ends.
                         let mut buf = [0u8; 1024];
                         while let Ok(n) = tls.read(&mut buf).await {
@@ -109,6 +110,7 @@ async fn fake_upstream(mode: UpstreamMode) -> (SocketAddr, String, Seen) {
                             let mut b = buf[..n].to_vec();
                             b.reverse();
                             let _ = tls.write_all(&b).await;
+                            let _ = tls.flush().await;
                         }
                         return;
                     }
@@ -292,6 +294,12 @@ async fn send<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     raw: &[u8],
 ) -> Reply {
     t.write_all(raw).await.unwrap();
+    // TLS: what rustls still holds goes out now. Without it a large body's
+    // last records could wait in the client while it reads for the answer
+    // the node cannot give until they come (the 64 MiB upload of
+    // `stopping_the_proxy_cuts_a_direct_download_in_progress` hung so, now
+    // and then, under load).
+    t.flush().await.unwrap();
     let (head, body) = read_message(t).await.expect("an answer");
     Reply {
         status: head.split(' ').nth(1).unwrap().parse().unwrap(),
@@ -1118,9 +1126,11 @@ async fn a_live_log_websocket_is_spliced_both_ways() {
     )
     .await
     .unwrap();
+    t.flush().await.unwrap();
     let (head, _) = read_message(&mut t).await.unwrap();
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     t.write_all(b"frame").await.unwrap();
+    t.flush().await.unwrap();
     let mut back = [0u8; 5];
     t.read_exact(&mut back).await.unwrap();
     assert_eq!(&back, b"emarf");
@@ -1616,6 +1626,7 @@ async fn t_range(
     t.write_all(&request(method, target, &h, b""))
         .await
         .unwrap();
+    t.flush().await.unwrap();
     let mut tb = Vec::new();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), t.read_to_end(&mut tb)).await;
     let pick = |r: &[u8]| {
@@ -1721,6 +1732,7 @@ async fn stopping_the_proxy_cuts_a_direct_download_in_progress_within_a_bound() 
     t.write_all(&request("GET", &target, &[], b""))
         .await
         .unwrap();
+    t.flush().await.unwrap();
     let mut buf = vec![0u8; 8192];
     let _ = t.read(&mut buf).await.unwrap();
     node.stop.cancel();
