@@ -258,7 +258,13 @@ struct Cover {
     in_flight: HashMap<String, String>,
     /// Runner names whose job GitHub reported completed.
     completed: HashSet<String>,
-    /// Launch delays after consecutive failures; `None` after a success.
+    /// Leases whose launch was answered and that have not been seen closed
+    /// yet: one that closes with its runner having taken no job, and that
+    /// the plane did not end itself, was a launch that did not end with a
+    /// runner serving a job.
+    launched: HashSet<String>,
+    /// Launch delays after consecutive failures; `None` once a runner took
+    /// a job.
     backoff: Option<backon::ExponentialBackoff>,
     /// No launch before this instant.
     retry_at: Option<Instant>,
@@ -282,6 +288,7 @@ impl Cover {
             not_covering: HashSet::new(),
             in_flight: HashMap::new(),
             completed: HashSet::new(),
+            launched: HashSet::new(),
             backoff: None,
             retry_at: None,
             avoid: HashMap::new(),
@@ -307,6 +314,11 @@ impl Cover {
         delay
     }
 
+    /// A runner took a job: launches work, and the next failure waits the
+    /// shortest time again. Not on a launch's answer: a runner that starts
+    /// and then ends without taking a job (a broken image or configuration:
+    /// it exits at once) has its launch answered every time, and was
+    /// replaced every 2 s for as long as the job waited (tester-9).
     fn succeeded(&mut self) {
         self.backoff = None;
         self.retry_at = None;
@@ -727,6 +739,9 @@ impl Plane {
             }
         }
         let open = self.ledger.open_leases().await?;
+        if self.note_runners_ended_idle(&open).await? {
+            return Ok(());
+        }
         let mut launches = Vec::new();
         {
             let mut cover = self.cover.lock().expect("cover");
@@ -919,6 +934,48 @@ impl Plane {
             .map(|(_, n)| n)
     }
 
+    /// Launched leases that `open` no longer holds: one whose runner took
+    /// no job (its name neither started nor completed a job) and that the
+    /// plane did not end itself (`not_covering`: a scale-down, a refused
+    /// or failed launch) is a launch that did not end with a runner
+    /// serving a job, so the next launch waits, longer each time in a row
+    /// (issue #12 item 1; tester-9: a runner image that exits at once was
+    /// replaced every 2 s). Returns whether a wait began.
+    async fn note_runners_ended_idle(
+        &self,
+        open: &[crate::ledger::Lease],
+    ) -> Result<bool, crate::ledger::LedgerError> {
+        let closed: Vec<String> = {
+            let open_ids: HashSet<&str> = open.iter().map(|l| l.id.as_str()).collect();
+            let cover = self.cover.lock().expect("cover");
+            cover
+                .launched
+                .iter()
+                .filter(|id| !open_ids.contains(id.as_str()))
+                .cloned()
+                .collect()
+        };
+        let mut idle = Vec::new();
+        for id in closed {
+            let runner = self.ledger.get(&id).await?.and_then(|l| l.runner_name);
+            let mut cover = self.cover.lock().expect("cover");
+            cover.launched.remove(&id);
+            let served = runner
+                .as_ref()
+                .is_some_and(|n| cover.taken.contains(n) || cover.completed.contains(n));
+            if !served && !cover.not_covering.contains(&id) {
+                idle.push(id);
+            }
+        }
+        if idle.is_empty() {
+            return Ok(false);
+        }
+        let delay = self.cover.lock().expect("cover").failed();
+        warn!(leases = ?idle, delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+              "a launched runner ended without taking a job; the next launch waits");
+        Ok(true)
+    }
+
     async fn launch(self: Arc<Self>, lease: crate::ledger::Lease, node: Arc<NodeLink>) {
         let tier = &self.config.tier;
         let mut wire = lease_to_wire(&lease);
@@ -951,7 +1008,11 @@ impl Plane {
             .remove(&lease.id);
         if outcome.is_ok() {
             info!("launched");
-            self.cover.lock().expect("cover").succeeded();
+            self.cover
+                .lock()
+                .expect("cover")
+                .launched
+                .insert(lease.id.clone());
             self.emit(PlaneEvent::Launched {
                 lease: lease.id.clone(),
                 node: node.name().to_owned(),
@@ -1709,6 +1770,7 @@ impl Scaler for PlaneScaler {
                         let mut cover = plane.cover.lock().expect("cover");
                         cover.forget(request_id);
                         cover.taken.insert(job.runner_name.clone());
+                        cover.succeeded();
                     }
                     plane.emit(PlaneEvent::Started {
                         request_id,

@@ -1058,3 +1058,77 @@ async fn an_adopted_never_connecting_runner_whose_registration_vanished_is_still
     github_gives_up_on(&cluster, &jobs);
     cluster.shutdown().await
 }
+
+/// Found by an independent tester (tester-9): a runner that takes its job
+/// and exits 0 without completing it (a crash whose exit code says
+/// nothing) was released `done`, though GitHub still ran the job on it and
+/// refused the registration's removal as busy (JobStillRunning). Issue
+/// #11: a job whose runner died is never recorded `done`. Its lease is
+/// released `failed`, `exit 0`, and nothing leaks once GitHub gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_exiting_0_mid_job_is_released_failed_exit_0_not_done() -> Result<()> {
+    let mut opts = options(1500);
+    opts.tier_env = vec![
+        "BILLET_STANDIN_MODE=exit".into(),
+        "BILLET_STANDIN_EXIT_CODE=0".into(),
+    ];
+    let cluster = Cluster::start(opts).await?;
+    let jobs = cluster.queue_jobs(1);
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(60)).await?;
+    let job = cluster
+        .emulator
+        .state()
+        .jobs
+        .into_iter()
+        .find(|j| j.id == jobs[0])
+        .context("the job")?;
+    assert_eq!(
+        job.state,
+        JobState::Running,
+        "GitHub still holds the job on the runner that exited"
+    );
+    assert_eq!(
+        (ended[0].phase, ended[0].failure_reason.as_deref()),
+        (Phase::Failed, Some("exit 0")),
+        "a runner that exited 0 while GitHub ran its job did not finish it: {ended:?}\nnode log:\n{}",
+        cluster.nodes["node-1"].log_text()
+    );
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// Found by an independent tester (tester-9): a runner that ends at start
+/// without taking a job (an image or configuration the operator got
+/// wrong; here the stand-in exits 2 on an unknown mode) was replaced about
+/// every 2 s for as long as its job waited, each replacement minting a JIT
+/// config and registering a runner: the stub reset its backoff whenever a
+/// launch was answered. A launch that does not end with a runner serving a
+/// job is replaced after exponential backoff (500 ms doubling to 15 s,
+/// ARCHITECTURE "The plane's obligations"): about 7 launches in 30 s, where
+/// there were 15.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_that_ends_at_start_is_replaced_with_backoff_not_every_2_s() -> Result<()> {
+    let mut opts = options(1500);
+    opts.tier_env = vec!["BILLET_STANDIN_MODE=bogus".into()];
+    let cluster = Cluster::start(opts).await?;
+    let jobs = cluster.queue_jobs(1);
+    let window = Duration::from_secs(30);
+    tokio::time::sleep(window).await;
+    let all = leases(&cluster).await?;
+    let mints = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len();
+    cluster.emulator.complete_job(jobs[0], Some("cancelled"));
+    assert!(
+        all.len() <= 10,
+        "a runner ending at start was replaced {} times in {window:?} ({mints} JIT configs minted): expected exponential backoff from 500 ms to 15 s, about 7 at most; leases {all:?}",
+        all.len()
+    );
+    assert!(
+        all.len() >= 3,
+        "it is still replaced while its job waits: {all:?}"
+    );
+    cluster.shutdown().await
+}

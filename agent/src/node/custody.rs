@@ -1440,6 +1440,20 @@ impl Runner {
                 Ok(())
             }
             Err(e) if ended => {
+                if matches!(e, PlaneError::Busy(_))
+                    && entry.outcome == Phase::Done
+                    && entry.reason.is_none()
+                    && entry.forced.is_none()
+                    && !entry.ending
+                {
+                    // A runner that exited 0 on its own, while GitHub still
+                    // runs a job on it (JobStillRunning): it did not finish
+                    // that job, so its lease is not released `done`
+                    // (tester-9: a runner crashing with exit 0 mid-job).
+                    warn!(%lease, instance = %entry.instance, "the runner exited 0 while GitHub still runs its job; releasing its lease as failed, exit 0");
+                    entry.reason = Some(EndReason::Exit(0));
+                    entry.outcome = Phase::Failed;
+                }
                 let wait = self.state().removals.failed(lease, entry.epoch, (id, name));
                 warn!(%lease, error = %e, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet; retrying with backoff");
                 entry.registration = None;

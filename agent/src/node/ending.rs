@@ -34,7 +34,9 @@ use crate::provider::{Exit, Instance, InstanceState};
 pub enum EndReason {
     /// The OOM killer ended the runner under its memory limit.
     Oom,
-    /// The runner exited with this code (not 0, not 137).
+    /// The runner exited with this code: not 137, and 0 only for a runner
+    /// whose job GitHub still ran once it had exited (its registration's
+    /// removal refused as busy), which did not finish that job.
     Exit(i64),
     /// The runner was killed with SIGKILL (exit 137) without the OOM flag:
     /// `docker kill`, an operator.
