@@ -147,7 +147,7 @@ async fn run(config: &Config, measuring: bool) -> Result<()> {
         if measuring { "" } else { " (smoke pass)" }
     );
     let tmp = std::env::temp_dir();
-    let xfs = ScratchFs::xfs_reflink(&tmp, (config.small_bytes * 11 >> 30) + 4)?;
+    let xfs = ScratchFs::xfs_reflink(&tmp, ((config.small_bytes * 11) >> 30) + 4)?;
     let on_xfs = measure(
         "xfs (reflink=1, loop)",
         &xfs.path,
@@ -186,7 +186,7 @@ async fn run(config: &Config, measuring: bool) -> Result<()> {
             if m.reflink { "reflink" } else { "copy" },
             m.small_bytes >> 20,
             m.mount_small_ms,
-            m.small_bytes * 10 >> 20,
+            (m.small_bytes * 10) >> 20,
             m.mount_large_ms,
             m.mount_large_ms / m.mount_small_ms,
             m.commit_ms / m.write_ms,
