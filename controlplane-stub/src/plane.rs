@@ -1326,6 +1326,10 @@ impl Plane {
         lease_id: &str,
         shutdown: &CancellationToken,
     ) -> Result<ScaleDown, crate::ledger::LedgerError> {
+        // The plane's own end of the runner, however it goes: never a
+        // runner that ended without a job (`note_runners_ended_idle`), even
+        // when the node releases the lease before this marks it.
+        self.cover.lock().expect("cover").launched.remove(lease_id);
         let mut backoff = restart_backoff();
         loop {
             let Some(lease) = self.ledger.get(lease_id).await? else {
