@@ -706,7 +706,10 @@ async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<By
         Err(_) => {
             return error(
                 StatusCode::REQUEST_TIMEOUT,
-                "the body did not arrive within 10 s; send the whole request at once",
+                &format!(
+                    "the body did not arrive within {} s; send the whole request at once",
+                    BODY_PATIENCE.as_secs()
+                ),
             );
         }
     };
@@ -985,10 +988,10 @@ async fn settle(
                 head: head.map(|g| g.0),
                 ..Told::not("conflict", "conflict")
             },
-            Ok(Committed::NotCommittable) if s.fallback => Told::not("fallback", "fallback"),
-            // Withdrawn, not a fallback, and nothing published from it: a
-            // commit of this disk began before a node restart cut it off
-            // (the guest was never told), and did not publish.
+            // Withdrawn, yet no fallback (a fallback was answered above)
+            // and nothing published from it: a commit of this disk began
+            // before a node restart cut it off (the guest was never told),
+            // and did not publish.
             Ok(Committed::NotCommittable) => Told::not("unavailable", "interrupted"),
             Err(_) => Told::not("unavailable", "cache unavailable"),
         }

@@ -590,11 +590,13 @@ impl Store {
         // its journal and discards it.
         if let Err(e) = self.journal.put_mount(&record).await {
             warn!(%lease, %key, error = %e, "cannot journal the sticky disk's mount; the job gets an empty directory and nothing is published from it");
+            // A fallback, cloned from nothing.
             record.committable = false;
+            record.parent = None;
         }
         let dirs = self.dirs.clone();
         let support = self.reflink.clone();
-        let parent = record.parent.filter(|_| record.committable);
+        let parent = record.parent;
         let (k, mid) = (key.as_str().to_owned(), id.clone());
         let cloned = blocking(move || {
             let dir = dirs.mount_dir(&mid);
@@ -650,11 +652,6 @@ impl Store {
                 return Err(e);
             }
         };
-        if !record.committable {
-            // A fallback (the journal refused the intent): an empty
-            // directory, cloned from nothing.
-            record.parent = None;
-        }
         let mount = Mount {
             id: id.clone(),
             dir: self.dirs.mount_dir(&id),
