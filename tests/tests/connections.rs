@@ -24,13 +24,15 @@ enum Hostile {
 }
 
 /// Holds `count` connections from `source` to `node` until `stop`: each one
-/// the node drops is dialed again half a second later, as a persistent
-/// client would. Counts connections made in `made`.
+/// the node drops is dialed again `pause` later (half a second, as a
+/// persistent client would; zero, at once, as a storm). Counts connections
+/// made in `made`.
 fn hold(
     count: usize,
     source: [u8; 4],
     node: SocketAddr,
     how: Hostile,
+    pause: Duration,
     made: Arc<AtomicUsize>,
     stop: CancellationToken,
 ) -> tokio::task::JoinSet<()> {
@@ -38,11 +40,15 @@ fn hold(
     for _ in 0..count {
         let (made, stop) = (Arc::clone(&made), stop.clone());
         set.spawn(async move {
-            let mut redial = tokio::time::interval(Duration::from_millis(500));
+            let mut redial = (!pause.is_zero()).then(|| tokio::time::interval(pause));
             while !stop.is_cancelled() {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    _ = redial.tick() => {}
+                if let Some(redial) = redial.as_mut() {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        _ = redial.tick() => {}
+                    }
+                } else {
+                    tokio::task::yield_now().await;
                 }
                 let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
                     continue;
@@ -81,6 +87,7 @@ fn refusal_lines(log: &str) -> Vec<&str> {
         .filter(|l| {
             l.contains("refused a connection")
                 || l.contains("dropped an unfinished TLS handshake")
+                || l.contains("dropped a connection that had sent nothing")
                 || l.contains("refused more connections")
         })
         .collect()
@@ -105,6 +112,7 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
         [127, 0, 0, 2],
         node,
         Hostile::Idle,
+        Duration::from_millis(500),
         made.clone(),
         stop.clone(),
     );
@@ -113,6 +121,7 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
         [127, 0, 0, 3],
         node,
         Hostile::Stalled,
+        Duration::from_millis(500),
         made.clone(),
         stop.clone(),
     );
@@ -181,6 +190,79 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
         lines.iter().any(|l| l.contains("suppressed")),
         "no line says how many refusals were suppressed:\n{}",
         lines.join("\n")
+    );
+    cluster.shutdown().await
+}
+
+/// Session 17's tester: 300 idle connections from the plane's own address,
+/// each dialed again the moment the node drops it (thousands a second),
+/// evicted the plane's unfinished handshake every time (the oldest went at
+/// the per-address limit), and the plane did not attach again within 30 s.
+/// A connection that has sent no byte now goes first; the plane's
+/// ClientHello follows its connect at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_storm_from_the_planes_own_address_does_not_lock_the_plane_out() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let node = cluster.nodes["node-1"].addr;
+    let link = cluster.plane.node("node-1").context("node")?;
+    let stop = CancellationToken::new();
+    let made = Arc::new(AtomicUsize::new(0));
+    let mut storm = hold(
+        300,
+        [127, 0, 0, 1],
+        node,
+        Hostile::Idle,
+        Duration::ZERO,
+        made.clone(),
+        stop.clone(),
+    );
+    wait_until(Duration::from_secs(30), "5,000 storm connections", || {
+        made.load(Ordering::Relaxed) >= 5000
+    })
+    .await?;
+    let mut attaches = Vec::new();
+    for _ in 0..3 {
+        link.partition(true);
+        let mut status = link.status();
+        tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none))
+            .await
+            .context("the partition cuts the session")??;
+        let before = made.load(Ordering::Relaxed);
+        let healed = tokio::time::Instant::now();
+        link.partition(false);
+        let attached =
+            tokio::time::timeout(Duration::from_secs(30), status.wait_for(Option::is_some))
+                .await
+                .is_ok_and(|r| r.is_ok());
+        let took = healed.elapsed();
+        let during = made.load(Ordering::Relaxed) - before;
+        assert!(
+            attached && took <= Duration::from_secs(5),
+            "in a storm from its own address ({during} connections meanwhile), the plane \
+             attached after {took:?} (bound 5 s; attached: {attached}); the node's last \
+             refusal lines:\n{}",
+            {
+                let log = cluster.nodes["node-1"].log_text();
+                let lines = refusal_lines(&log);
+                let summaries: Vec<&str> = lines
+                    .iter()
+                    .copied()
+                    .filter(|l| l.contains("suppressed"))
+                    .collect();
+                summaries[summaries.len().saturating_sub(8)..].join("\n")
+            }
+        );
+        assert!(during > 0, "the storm went on while the plane dialed");
+        attaches.push((took, during));
+    }
+    stop.cancel();
+    while storm.join_next().await.is_some() {}
+    eprintln!(
+        "plane attach times (and storm connections meanwhile) {attaches:?}; {} in all",
+        made.load(Ordering::Relaxed)
     );
     cluster.shutdown().await
 }
@@ -336,6 +418,7 @@ async fn idle_connections_on_the_metrics_port_of_a_node_at_1024_files_do_not_sto
             [127, 3, 0, source],
             metrics,
             Hostile::Idle,
+            Duration::from_millis(500),
             made.clone(),
             stop.clone(),
         );

@@ -5,11 +5,19 @@
 //!   handshake slot, so the kernel's backlog never fills) and gets
 //!   `TCP_NODELAY`: the wire is small request/response messages.
 //! - A handshake has [`HANDSHAKE_TIMEOUT`] to finish.
-//! - At most [`MAX_PENDING_PER_PEER`] handshakes run per peer address and
-//!   [`MAX_PENDING_HANDSHAKES`] in all. At a limit the *oldest* unfinished
-//!   handshake (that peer's, or anyone's) is dropped to make room, never the
-//!   newcomer: a plane that dials into a flood finishes its handshake in
-//!   milliseconds, long before idle connections would have aged out.
+//! - A connection that has sent no byte yet is *silent*; one that has is a
+//!   handshake. At most [`MAX_SILENT_PER_PEER`] silent connections are held
+//!   per peer address and [`MAX_SILENT`] in all; at most
+//!   [`MAX_PENDING_PER_PEER`] handshakes run per peer address and
+//!   [`MAX_PENDING_HANDSHAKES`] in all. At a limit the oldest of the class
+//!   (that peer's, or anyone's) is dropped to make room, never the
+//!   newcomer. The classes are apart so that an idle flood, however fast it
+//!   redials, never drops a handshake: a plane's ClientHello follows its
+//!   connect at once, and once it has arrived only other handshakes compete
+//!   with it (session 17's tester locked a plane out with 12,000 idle dials
+//!   a second from the plane's own address when one limit held both). A
+//!   plane that dials into a flood finishes its handshake in milliseconds,
+//!   long before idle connections would have aged out.
 //! - Refusals are logged at a bounded rate ([`REFUSAL_LOG_BURST`] lines per
 //!   [`REFUSAL_LOG_WINDOW`], and the first of each reason in the window);
 //!   past that they are counted, and the count is logged once per window
@@ -45,12 +53,25 @@ use crate::edge::tls::{Validity, dns_names};
 /// plane cannot use.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Most unfinished handshakes at once; past it the oldest is dropped.
+/// Most unfinished handshakes at once (connections that have sent a byte);
+/// past it the oldest is dropped.
 pub const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// Most unfinished handshakes from one peer address; past it that peer's
 /// oldest is dropped, so one address cannot take every slot.
 pub const MAX_PENDING_PER_PEER: usize = 8;
+
+/// Most connections from one peer address that have sent no byte yet; past
+/// it that peer's oldest such is dropped. Apart from the handshakes and
+/// larger, because such a connection costs a descriptor and a parked task
+/// and nothing else, and because the more of them are held the slower an
+/// idle flood that redials at once churns: a plane whose ClientHello is a
+/// moment behind its connect is not dropped before it speaks.
+pub const MAX_SILENT_PER_PEER: usize = 128;
+
+/// Most connections that have sent no byte yet, from anyone; past it the
+/// oldest such is dropped.
+pub const MAX_SILENT: usize = 512;
 
 /// The window of the refusal log's rate limit.
 pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
@@ -199,8 +220,11 @@ enum Refusal {
     Timeout,
     /// The handshake failed (plaintext, no or a foreign client certificate).
     Handshake,
-    /// Dropped at a limit to make room for a newer connection.
+    /// Dropped at a limit to make room for a newer connection, mid-handshake.
     Evicted,
+    /// Dropped at a limit to make room for a newer connection, having sent
+    /// nothing.
+    EvictedIdle,
     /// The client certificate does not name the plane.
     NotThePlane,
     /// The client certificate could not be read.
@@ -213,6 +237,7 @@ impl Refusal {
             Refusal::Timeout => "timeout",
             Refusal::Handshake => "handshake_failed",
             Refusal::Evicted => "evicted",
+            Refusal::EvictedIdle => "evicted_idle",
             Refusal::NotThePlane => "not_the_plane",
             Refusal::Unreadable => "unreadable_certificate",
         }
@@ -282,42 +307,101 @@ impl RefusalLog {
     }
 }
 
-/// The unfinished handshakes, oldest first, each with its peer and the
-/// token that drops it.
+/// An unfinished handshake: its peer, the token that drops it, and whether
+/// the peer has sent a byte yet.
+#[derive(Debug)]
+struct Unfinished {
+    ip: IpAddr,
+    dropped: CancellationToken,
+    spoke: bool,
+}
+
+/// The unfinished handshakes, oldest first.
 #[derive(Debug, Default)]
 struct Pending {
     next: u64,
-    by_age: BTreeMap<u64, (IpAddr, CancellationToken)>,
+    by_age: BTreeMap<u64, Unfinished>,
     by_peer: HashMap<IpAddr, VecDeque<u64>>,
 }
 
 impl Pending {
-    /// Admits a handshake from `ip`, dropping the oldest one at a limit
-    /// (that peer's at the per-peer limit, else anyone's at the total).
-    /// Returns its number and the token that drops it.
-    fn admit(&mut self, ip: IpAddr) -> (u64, CancellationToken) {
-        let victim = match self.by_peer.get(&ip) {
-            Some(own) if own.len() >= MAX_PENDING_PER_PEER => own.front().copied(),
-            _ if self.by_age.len() >= MAX_PENDING_HANDSHAKES => self.by_age.keys().next().copied(),
-            _ => None,
+    /// The limits of a class: per peer and in all.
+    fn caps(spoke: bool) -> (usize, usize) {
+        if spoke {
+            (MAX_PENDING_PER_PEER, MAX_PENDING_HANDSHAKES)
+        } else {
+            (MAX_SILENT_PER_PEER, MAX_SILENT)
+        }
+    }
+
+    /// The connection to drop so that one more of class `spoke` from `ip`
+    /// fits: that peer's oldest of the class at its per-peer limit, else
+    /// anyone's oldest of the class at the class's total; `None` when it
+    /// fits. `except` is never chosen.
+    fn victim(&self, ip: IpAddr, spoke: bool, except: Option<u64>) -> Option<u64> {
+        let (per_peer, total) = Self::caps(spoke);
+        let of_class = |seq: &u64| {
+            Some(*seq) != except && self.by_age.get(seq).is_some_and(|u| u.spoke == spoke)
         };
+        let own: Vec<u64> = self
+            .by_peer
+            .get(&ip)
+            .map(|own| own.iter().copied().filter(|s| of_class(s)).collect())
+            .unwrap_or_default();
+        if own.len() >= per_peer {
+            return own.first().copied();
+        }
+        let in_class = self.by_age.keys().filter(|s| of_class(s)).count();
+        if in_class >= total {
+            return self.by_age.keys().copied().find(|s| of_class(s));
+        }
+        None
+    }
+
+    fn drop_one(&mut self, victim: Option<u64>) {
         if let Some(victim) = victim {
-            if let Some((_, token)) = self.by_age.get(&victim) {
-                token.cancel();
+            if let Some(u) = self.by_age.get(&victim) {
+                u.dropped.cancel();
             }
             self.finish(victim);
         }
+    }
+
+    /// Admits a connection from `ip` (`spoke`: its first bytes have
+    /// arrived), dropping the oldest of its class at a limit (see
+    /// [`Self::victim`]). Returns its number and the token that drops it.
+    fn admit(&mut self, ip: IpAddr, spoke: bool) -> (u64, CancellationToken) {
+        self.drop_one(self.victim(ip, spoke, None));
         let seq = self.next;
         self.next += 1;
-        let token = CancellationToken::new();
-        self.by_age.insert(seq, (ip, token.clone()));
+        let dropped = CancellationToken::new();
+        self.by_age.insert(
+            seq,
+            Unfinished {
+                ip,
+                dropped: dropped.clone(),
+                spoke,
+            },
+        );
         self.by_peer.entry(ip).or_default().push_back(seq);
-        (seq, token)
+        (seq, dropped)
+    }
+
+    /// Notes that connection `seq`'s peer has sent its first bytes: it
+    /// moves to the handshakes, dropping the oldest of those at a limit.
+    fn spoke(&mut self, seq: u64) {
+        let Some(ip) = self.by_age.get(&seq).filter(|u| !u.spoke).map(|u| u.ip) else {
+            return;
+        };
+        self.drop_one(self.victim(ip, true, Some(seq)));
+        if let Some(u) = self.by_age.get_mut(&seq) {
+            u.spoke = true;
+        }
     }
 
     /// Forgets handshake `seq` (finished, failed or dropped).
     fn finish(&mut self, seq: u64) {
-        let Some((ip, _)) = self.by_age.remove(&seq) else {
+        let Some(Unfinished { ip, .. }) = self.by_age.remove(&seq) else {
             return;
         };
         if let Some(own) = self.by_peer.get_mut(&ip) {
@@ -380,7 +464,10 @@ pub fn accept(
                 if let Err(e) = tcp.set_nodelay(true) {
                     debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                 }
-                let (seq, dropped) = pending.lock().expect("pending").admit(peer.ip());
+                // Bytes already waiting (the accept queue is long in a
+                // flood, so a plane's ClientHello is usually here by now).
+                let spoke = has_spoken(&tcp);
+                let (seq, dropped) = pending.lock().expect("pending").admit(peer.ip(), spoke);
                 // The configuration in force now: a rotation applies to the
                 // next connection, never to one already open.
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
@@ -389,9 +476,31 @@ pub fn accept(
                 let (pending, log) = (Arc::clone(&pending), Arc::clone(&log));
                 tokio::spawn(async move {
                     let local = tcp.local_addr().ok();
+                    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+                    let talked = std::sync::atomic::AtomicBool::new(spoke);
+                    let spoken = async {
+                        if !spoke {
+                            if tokio::time::timeout_at(deadline, first_bytes(&tcp))
+                                .await
+                                .is_err()
+                            {
+                                return Err((Refusal::Timeout, String::new()));
+                            }
+                            talked.store(true, std::sync::atomic::Ordering::Relaxed);
+                            pending.lock().expect("pending").spoke(seq);
+                        }
+                        handshake(acceptor, tcp, plane_name.as_deref(), deadline).await
+                    };
                     let outcome = tokio::select! {
-                        () = dropped.cancelled() => Err((Refusal::Evicted, String::new())),
-                        done = handshake(acceptor, tcp, plane_name.as_deref()) => done,
+                        () = dropped.cancelled() => {
+                            let refusal = if talked.load(std::sync::atomic::Ordering::Relaxed) {
+                                Refusal::Evicted
+                            } else {
+                                Refusal::EvictedIdle
+                            };
+                            Err((refusal, String::new()))
+                        }
+                        done = spoken => done,
                     };
                     pending.lock().expect("pending").finish(seq);
                     match outcome {
@@ -439,7 +548,10 @@ fn log_refusal(peer: SocketAddr, refusal: Refusal, detail: &str) {
             warn!(%peer, reason, error = detail, "refused a connection: TLS handshake failed (plaintext, no client certificate, or one this deployment's CA did not issue)")
         }
         Refusal::Evicted => {
-            warn!(%peer, reason, "dropped an unfinished TLS handshake to make room for a newer connection (too many at once from this address or in all)")
+            warn!(%peer, reason, "dropped an unfinished TLS handshake to make room for a newer one (too many at once from this address or in all)")
+        }
+        Refusal::EvictedIdle => {
+            warn!(%peer, reason, "dropped a connection that had sent nothing to make room for a newer one (too many idle at once from this address or in all)")
         }
         Refusal::NotThePlane => {
             warn!(%peer, reason, names = detail, "refused a connection: the client certificate does not name the configured plane")
@@ -450,14 +562,47 @@ fn log_refusal(peer: SocketAddr, refusal: Refusal, detail: &str) {
     }
 }
 
+/// Whether `tcp` has bytes waiting (or an end) to be read, asked of the
+/// kernel without waiting and without taking them.
+fn has_spoken(tcp: &TcpStream) -> bool {
+    peek(tcp).is_ok()
+}
+
+fn peek(tcp: &TcpStream) -> io::Result<usize> {
+    let mut byte = [0u8; 1];
+    rustix::net::recv(
+        tcp,
+        &mut byte[..],
+        rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
+    )
+    .map(|(n, _)| n)
+    .map_err(io::Error::from)
+}
+
+/// Waits until `tcp` has bytes (or an end, or an error) to read, without
+/// taking them: a readiness the kernel does not confirm is cleared and
+/// waited for again.
+async fn first_bytes(tcp: &TcpStream) {
+    loop {
+        if tcp.readable().await.is_err() {
+            return;
+        }
+        match tcp.try_io(tokio::io::Interest::READABLE, || peek(tcp)) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            _ => return,
+        }
+    }
+}
+
 type Handshake = (TlsStream<TcpStream>, Option<SystemTime>);
 
 async fn handshake(
     acceptor: TlsAcceptor,
     tcp: TcpStream,
     plane_name: Option<&str>,
+    deadline: Instant,
 ) -> Result<Handshake, (Refusal, String)> {
-    let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
         Err(_) => return Err((Refusal::Timeout, String::new())),
         Ok(Err(e)) => return Err((Refusal::Handshake, e.to_string())),
         Ok(Ok(stream)) => stream,
@@ -513,13 +658,13 @@ mod tests {
     #[test]
     fn a_peer_at_its_limit_loses_its_oldest_handshake_and_no_one_elses() {
         let mut pending = Pending::default();
-        let (_, other) = pending.admit(ip(2));
+        let (_, other) = pending.admit(ip(2), true);
         let mut own = Vec::new();
         for _ in 0..MAX_PENDING_PER_PEER {
-            own.push(pending.admit(ip(1)).1);
+            own.push(pending.admit(ip(1), true).1);
         }
         assert!(own.iter().all(|t| !t.is_cancelled()));
-        let (_, newest) = pending.admit(ip(1));
+        let (_, newest) = pending.admit(ip(1), true);
         assert!(own[0].is_cancelled(), "the oldest of that peer is dropped");
         assert!(own[1..].iter().all(|t| !t.is_cancelled()));
         assert!(
@@ -539,9 +684,9 @@ mod tests {
         let mut tokens = Vec::new();
         for n in 0..MAX_PENDING_HANDSHAKES {
             let last = u8::try_from(n / MAX_PENDING_PER_PEER).expect("few peers");
-            tokens.push(pending.admit(ip(last)).1);
+            tokens.push(pending.admit(ip(last), true).1);
         }
-        let (_, newest) = pending.admit(ip(200));
+        let (_, newest) = pending.admit(ip(200), true);
         assert!(tokens[0].is_cancelled());
         assert!(tokens[1..].iter().all(|t| !t.is_cancelled()));
         assert!(!newest.is_cancelled());
@@ -549,14 +694,82 @@ mod tests {
     }
 
     #[test]
+    fn an_idle_flood_from_a_peers_own_address_never_drops_its_handshake() {
+        // Session 17's tester: a flood of idle dials from the plane's own
+        // address evicted the plane's handshake when one limit held both.
+        let mut pending = Pending::default();
+        let (plane_seq, plane) = pending.admit(ip(1), false);
+        let mut idle = Vec::new();
+        for _ in 1..MAX_SILENT_PER_PEER {
+            idle.push(pending.admit(ip(1), false).1);
+        }
+        pending.spoke(plane_seq);
+        let (_, spoken_at_accept) = pending.admit(ip(1), true);
+        for round in 0..10_000 {
+            idle.push(pending.admit(ip(1), false).1);
+            assert!(
+                !plane.is_cancelled(),
+                "round {round}: the plane was dropped"
+            );
+            assert!(!spoken_at_accept.is_cancelled());
+        }
+        let kept: Vec<bool> = idle.iter().map(|t| !t.is_cancelled()).collect();
+        assert_eq!(
+            kept.iter().filter(|k| **k).count(),
+            MAX_SILENT_PER_PEER,
+            "the peer's silent connections are held to their limit"
+        );
+        assert!(
+            kept.iter().rev().take(MAX_SILENT_PER_PEER).all(|k| *k),
+            "the oldest silent ones go first"
+        );
+    }
+
+    #[test]
+    fn the_silent_are_held_to_their_total_and_one_that_speaks_joins_the_handshakes_limit() {
+        let mut pending = Pending::default();
+        let mut silent = Vec::new();
+        for n in 0..MAX_SILENT {
+            let last = u8::try_from(n / MAX_SILENT_PER_PEER).expect("few peers");
+            silent.push(pending.admit(ip(last), false));
+        }
+        let handshake = pending.admit(ip(100), true).1;
+        pending.admit(ip(200), false);
+        assert!(
+            silent[0].1.is_cancelled(),
+            "the oldest silent of anyone goes"
+        );
+        assert!(silent[1..].iter().all(|(_, t)| !t.is_cancelled()));
+        assert!(!handshake.is_cancelled(), "a handshake is not silent");
+        // Handshakes of peer 1 at their limit; one of its silent speaks.
+        let mut handshakes = Vec::new();
+        for _ in 0..MAX_PENDING_PER_PEER {
+            handshakes.push(pending.admit(ip(1), true).1);
+        }
+        let (speaker, speaker_token) = silent[MAX_SILENT_PER_PEER + 1].clone();
+        pending.spoke(speaker);
+        assert!(
+            handshakes[0].is_cancelled(),
+            "the oldest handshake of that peer goes"
+        );
+        assert!(handshakes[1..].iter().all(|t| !t.is_cancelled()));
+        assert!(!speaker_token.is_cancelled());
+        pending.spoke(speaker);
+        assert!(
+            handshakes[1..].iter().all(|t| !t.is_cancelled()),
+            "speaking twice moves nothing"
+        );
+    }
+
+    #[test]
     fn a_finished_handshake_frees_its_place() {
         let mut pending = Pending::default();
         let mut seqs = Vec::new();
         for _ in 0..MAX_PENDING_PER_PEER {
-            seqs.push(pending.admit(ip(1)));
+            seqs.push(pending.admit(ip(1), true));
         }
         pending.finish(seqs[3].0);
-        let (_, newest) = pending.admit(ip(1));
+        let (_, newest) = pending.admit(ip(1), true);
         assert!(
             seqs.iter().all(|(_, t)| !t.is_cancelled()),
             "a free place is used before anything is dropped"
