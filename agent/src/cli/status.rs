@@ -139,13 +139,15 @@ fn seconds_from(now: SystemTime, t: SystemTime) -> i64 {
     }
 }
 
-/// A duration for people: `45s`, `12m`, `3h`, `9d`.
+/// A duration for people, to the nearest unit: `45s`, `12m`, `3h`, `9d`
+/// (1,199 s is `20m`, not `19m`).
 fn human(secs: u64) -> String {
+    let nearest = |unit: u64| secs.saturating_add(unit / 2) / unit;
     match secs {
         s if s < 120 => format!("{s}s"),
-        s if s < 7200 => format!("{}m", s / 60),
-        s if s < 172_800 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86_400),
+        s if s < 7200 => format!("{}m", nearest(60)),
+        s if s < 172_800 => format!("{}h", nearest(3600)),
+        _ => format!("{}d", nearest(86_400)),
     }
 }
 
@@ -283,7 +285,7 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
         },
     );
     if s.clock_offset_ms.unsigned_abs() >= 1000 {
-        let off = human(s.clock_offset_ms.unsigned_abs() / 1000);
+        let off = human(s.clock_offset_ms.unsigned_abs().saturating_add(500) / 1000);
         let side = if s.clock_offset_ms > 0 {
             "ahead of"
         } else {
@@ -401,6 +403,18 @@ mod tests {
 
     /// Issue #13 item 3: an expired identity says so, with what to do; a
     /// live one says when it is renewed.
+    #[test]
+    fn a_duration_is_shown_to_the_nearest_unit() {
+        // Session 17's tester: a clock 1,199.6 s behind read "19m behind".
+        assert_eq!(human(1199), "20m");
+        assert_eq!(human(1169), "19m");
+        assert_eq!(human(119), "119s");
+        assert_eq!(human(5399), "90m");
+        assert_eq!(human(9000), "3h");
+        assert_eq!(human(8999), "2h");
+        assert_eq!(human(216_000), "3d");
+    }
+
     #[test]
     fn the_identity_line_says_expired_or_when_the_plane_renews_it() {
         let mut s = status();
@@ -537,5 +551,12 @@ mod tests {
         );
         let in_sync = table(true, &status(), now());
         assert!(!in_sync.contains("clock"), "{in_sync}");
+        // Session 17's tester: 1,199.6 s behind read "19m behind".
+        let twenty = pb::LocalStatus {
+            clock_offset_ms: -1_199_600,
+            ..status()
+        };
+        let text = table(true, &twenty, now());
+        assert!(text.contains("clock is 20m behind"), "{text}");
     }
 }

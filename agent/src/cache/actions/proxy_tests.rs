@@ -1905,3 +1905,53 @@ async fn a_direct_download_waits_on_no_other_sessions_lock() {
         "a direct download waited {slowest:?} on other guests' locks (tunnel: {tunnel_took:?})"
     );
 }
+
+/// A direct download of several frames, whole and then a range across
+/// frame boundaries, arrives byte for byte on one keep-alive connection,
+/// which then closes as asked.
+#[tokio::test]
+async fn a_direct_download_arrives_byte_for_byte_whole_and_ranged_on_a_kept_connection() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    let archive: Vec<u8> = (0..(3 << 20) + 12_345u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    save(&node, "big", &archive).await;
+    let url = t_found(&node, "big").await;
+    let addr = t_addr(&node);
+    let target = &url[url.find(BLOB_PREFIX).unwrap()..];
+    let (from, to) = (1_000_003usize, 2_500_007usize);
+    let raw = format!(
+        "GET {target} HTTP/1.1\r\nHost: {addr}\r\n\r\n\
+         GET {target} HTTP/1.1\r\nHost: {addr}\r\nRange: bytes={from}-{to}\r\nConnection: close\r\n\r\n"
+    );
+    let (answer, eof) = t_raw(&addr, raw.as_bytes(), std::time::Duration::from_secs(20)).await;
+    assert!(eof, "the connection closes after the request that asked");
+    let split = |a: &[u8]| {
+        let end = a.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let head = String::from_utf8_lossy(&a[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length: "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        (head, end, length)
+    };
+    let (head, end, length) = split(&answer);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert_eq!(length, archive.len());
+    assert!(!head.contains("connection: close"), "{head}");
+    assert!(answer[end..end + length] == archive[..], "the whole archive differs");
+    let rest = &answer[end + length..];
+    let (head, end, length) = split(rest);
+    assert!(head.starts_with("http/1.1 206"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(
+        head.contains(&format!("content-range: bytes {from}-{to}/{}", archive.len())),
+        "{head}"
+    );
+    assert_eq!(rest.len(), end + length, "nothing after the range");
+    assert!(rest[end..] == archive[from..=to], "the range differs");
+}
