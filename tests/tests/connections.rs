@@ -81,6 +81,25 @@ fn hold(
     set
 }
 
+/// Cuts the plane's session to `link` and heals it: whether the plane
+/// attached again within 30 s, and how long after the heal.
+async fn cut_and_reattach(
+    link: &billet_controlplane_stub::node_link::NodeLink,
+) -> Result<(bool, Duration)> {
+    link.partition(true);
+    let mut status = link.status();
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none))
+        .await
+        .context("the partition cuts the session")??;
+    let healed = tokio::time::Instant::now();
+    link.partition(false);
+    // A bool at once: the watch's guard must not be held across awaits.
+    let attached = tokio::time::timeout(Duration::from_secs(30), status.wait_for(Option::is_some))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    Ok((attached, healed.elapsed()))
+}
+
 /// Lines in the node's log about connections it refused or dropped.
 fn refusal_lines(log: &str) -> Vec<&str> {
     log.lines()
@@ -137,19 +156,7 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
     // again and again over the minute: each time it is attached within 2 s.
     let mut attaches = Vec::new();
     while started.elapsed() < Duration::from_secs(60) {
-        link.partition(true);
-        let mut status = link.status();
-        tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none))
-            .await
-            .context("the partition cuts the session")??;
-        let healed = tokio::time::Instant::now();
-        link.partition(false);
-        // A bool at once: the watch's guard must not be held across awaits.
-        let attached =
-            tokio::time::timeout(Duration::from_secs(30), status.wait_for(Option::is_some))
-                .await
-                .is_ok_and(|r| r.is_ok());
-        let took = healed.elapsed();
+        let (attached, took) = cut_and_reattach(link).await?;
         assert!(
             attached && took <= Duration::from_secs(2),
             "with hostile connections held, the plane attached after {took:?} (bound 2 s); \
@@ -225,19 +232,8 @@ async fn a_reconnect_storm_from_the_planes_own_address_does_not_lock_the_plane_o
     .await?;
     let mut attaches = Vec::new();
     for _ in 0..3 {
-        link.partition(true);
-        let mut status = link.status();
-        tokio::time::timeout(Duration::from_secs(10), status.wait_for(Option::is_none))
-            .await
-            .context("the partition cuts the session")??;
         let before = made.load(Ordering::Relaxed);
-        let healed = tokio::time::Instant::now();
-        link.partition(false);
-        let attached =
-            tokio::time::timeout(Duration::from_secs(30), status.wait_for(Option::is_some))
-                .await
-                .is_ok_and(|r| r.is_ok());
-        let took = healed.elapsed();
+        let (attached, took) = cut_and_reattach(link).await?;
         let during = made.load(Ordering::Relaxed) - before;
         assert!(
             attached && took <= Duration::from_secs(5),

@@ -1943,13 +1943,19 @@ async fn a_direct_download_arrives_byte_for_byte_whole_and_ranged_on_a_kept_conn
     assert!(head.starts_with("http/1.1 200"), "{head}");
     assert_eq!(length, archive.len());
     assert!(!head.contains("connection: close"), "{head}");
-    assert!(answer[end..end + length] == archive[..], "the whole archive differs");
+    assert!(
+        answer[end..end + length] == archive[..],
+        "the whole archive differs"
+    );
     let rest = &answer[end + length..];
     let (head, end, length) = split(rest);
     assert!(head.starts_with("http/1.1 206"), "{head}");
     assert!(head.contains("connection: close"), "{head}");
     assert!(
-        head.contains(&format!("content-range: bytes {from}-{to}/{}", archive.len())),
+        head.contains(&format!(
+            "content-range: bytes {from}-{to}/{}",
+            archive.len()
+        )),
         "{head}"
     );
     assert_eq!(rest.len(), end + length, "nothing after the range");
