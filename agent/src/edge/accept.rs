@@ -71,7 +71,7 @@ pub const MAX_SILENT_PER_PEER: usize = 128;
 
 /// Most connections that have sent no byte yet, from anyone; past it the
 /// oldest such is dropped.
-pub const MAX_SILENT: usize = 512;
+pub const MAX_SILENT: usize = 256;
 
 /// The window of the refusal log's rate limit.
 pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
