@@ -139,16 +139,35 @@ fn seconds_from(now: SystemTime, t: SystemTime) -> i64 {
     }
 }
 
-/// A duration for people, to the nearest unit: `45s`, `12m`, `3h`, `9d`
-/// (1,199 s is `20m`, not `19m`).
+/// Milliseconds from `now` to `t` (negative in the past).
+fn millis_from(now: SystemTime, t: SystemTime) -> i64 {
+    match t.duration_since(now) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
+/// A duration for people, to the nearest unit, the unit chosen after
+/// rounding: `45s`, `12m`, `3h`, `9d` (1,199 s is `20m`, 7,170 s `2h`,
+/// 172,000 s `2d`).
 fn human(secs: u64) -> String {
     let nearest = |unit: u64| secs.saturating_add(unit / 2) / unit;
-    match secs {
-        s if s < 120 => format!("{s}s"),
-        s if s < 7200 => format!("{}m", nearest(60)),
-        s if s < 172_800 => format!("{}h", nearest(3600)),
-        _ => format!("{}d", nearest(86_400)),
+    if secs < 120 {
+        return format!("{secs}s");
     }
+    if nearest(60) < 120 {
+        return format!("{}m", nearest(60));
+    }
+    if nearest(3600) < 48 {
+        return format!("{}h", nearest(3600));
+    }
+    format!("{}d", nearest(86_400))
+}
+
+/// [`human`] of milliseconds, to the nearest second first (89.9 s is
+/// `90s`).
+fn human_ms(ms: u64) -> String {
+    human(ms.saturating_add(500) / 1000)
 }
 
 /// The JSON form: the status's own field names, ages and times in
@@ -234,7 +253,7 @@ fn degraded(s: &pb::LocalStatus) -> String {
 /// The slot line: idle, or how long its command has run.
 fn slot(s: &pb::LocalStatus) -> String {
     match u64::try_from(s.slot_busy_ms) {
-        Ok(ms) if ms > 0 => format!("busy for {}", human(ms / 1000)),
+        Ok(ms) if ms > 0 => format!("busy for {}", human_ms(ms)),
         _ => "idle".into(),
     }
 }
@@ -259,10 +278,10 @@ fn identity(s: &pb::LocalStatus, now: SystemTime) -> String {
         return "identity expired: the plane cannot attach; re-enrol with a join token (billet node enroll)".into();
     }
     match at(s.certificate_renew_at_unix_ms) {
-        Some(t) if seconds_from(now, t) > 0 => {
+        Some(t) if millis_from(now, t) > 0 => {
             format!(
                 "renewed by the plane in {}",
-                human(seconds_from(now, t).unsigned_abs())
+                human_ms(millis_from(now, t).unsigned_abs())
             )
         }
         Some(_) => "renewal due: asking the plane".into(),
@@ -280,12 +299,12 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
         |t| {
             format!(
                 "last heard {} ago",
-                human(seconds_from(now, t).unsigned_abs())
+                human_ms(millis_from(now, t).unsigned_abs())
             )
         },
     );
     if s.clock_offset_ms.unsigned_abs() >= 1000 {
-        let off = human(s.clock_offset_ms.unsigned_abs().saturating_add(500) / 1000);
+        let off = human_ms(s.clock_offset_ms.unsigned_abs());
         let side = if s.clock_offset_ms > 0 {
             "ahead of"
         } else {
@@ -295,9 +314,9 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     }
     let cert = at(s.certificate_not_after_unix_ms).map_or_else(
         || "unreadable".to_owned(),
-        |t| match seconds_from(now, t) {
-            secs if secs >= 0 => format!("expires in {}", human(secs.unsigned_abs())),
-            secs => format!("EXPIRED {} ago", human(secs.unsigned_abs())),
+        |t| match millis_from(now, t) {
+            ms if ms >= 0 => format!("expires in {}", human_ms(ms.unsigned_abs())),
+            ms => format!("EXPIRED {} ago", human_ms(ms.unsigned_abs())),
         },
     );
     let _ = writeln!(out, "version      {}", s.version);
@@ -334,7 +353,7 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
                 if l.age_ms == 0 {
                     "-".to_owned()
                 } else {
-                    human(l.age_ms / 1000)
+                    human_ms(l.age_ms)
                 },
             ]
         })
@@ -413,6 +432,11 @@ mod tests {
         assert_eq!(human(9000), "3h");
         assert_eq!(human(8999), "2h");
         assert_eq!(human(216_000), "3d");
+        // Session 18's tester: the unit is chosen after rounding.
+        assert_eq!(human(7170), "2h", "not 120m");
+        assert_eq!(human(172_000), "2d", "not 48h");
+        assert_eq!(human(7140), "119m");
+        assert_eq!(human_ms(89_900), "90s");
     }
 
     #[test]
@@ -558,5 +582,27 @@ mod tests {
         };
         let text = table(true, &twenty, now());
         assert!(text.contains("clock is 20m behind"), "{text}");
+        // Session 18's tester: ages round too, and a certificate expired
+        // 400 ms ago is expired, not "expires in 0s".
+        let now_ms = i64::try_from(
+            now()
+                .duration_since(UNIX_EPOCH)
+                .expect("after the epoch")
+                .as_millis(),
+        )
+        .expect("in range");
+        let text = table(
+            true,
+            &pb::LocalStatus {
+                plane_contact_unix_ms: now_ms - 89_900,
+                certificate_not_after_unix_ms: now_ms - 400,
+                clock_offset_ms: 172_000_000,
+                ..status()
+            },
+            now(),
+        );
+        assert!(text.contains("last heard 90s ago"), "{text}");
+        assert!(text.contains("EXPIRED 0s ago"), "{text}");
+        assert!(text.contains("clock is 2d ahead of"), "{text}");
     }
 }
