@@ -335,27 +335,40 @@ impl Pending {
     }
 
     /// The connection to drop so that one more of class `spoke` from `ip`
-    /// fits: that peer's oldest of the class at its per-peer limit, else
-    /// anyone's oldest of the class at the class's total; `None` when it
-    /// fits. `except` is never chosen.
+    /// fits: that peer's oldest of the class at its per-peer limit; at the
+    /// class's total, the oldest of the class from the peer holding the
+    /// most of it (the oldest such peer's at a tie), so that a plane's one
+    /// connection is never dropped while another address holds more,
+    /// however fast their connections turn over; `None` when it fits.
+    /// `except` is never chosen.
     fn victim(&self, ip: IpAddr, spoke: bool, except: Option<u64>) -> Option<u64> {
         let (per_peer, total) = Self::caps(spoke);
         let of_class = |seq: &u64| {
             Some(*seq) != except && self.by_age.get(seq).is_some_and(|u| u.spoke == spoke)
         };
-        let own: Vec<u64> = self
-            .by_peer
-            .get(&ip)
-            .map(|own| own.iter().copied().filter(|s| of_class(s)).collect())
-            .unwrap_or_default();
-        if own.len() >= per_peer {
-            return own.first().copied();
+        let held = |own: &VecDeque<u64>| -> (usize, Option<u64>) {
+            let mut mine = own.iter().copied().filter(|s| of_class(s));
+            let oldest = mine.next();
+            (oldest.map_or(0, |_| 1 + mine.count()), oldest)
+        };
+        let (own, oldest) = self.by_peer.get(&ip).map_or((0, None), held);
+        if own >= per_peer {
+            return oldest;
         }
-        let in_class = self.by_age.keys().filter(|s| of_class(s)).count();
-        if in_class >= total {
-            return self.by_age.keys().copied().find(|s| of_class(s));
+        let in_class: usize = self.by_peer.values().map(|own| held(own).0).sum();
+        if in_class < total {
+            return None;
         }
-        None
+        // The most held, then the oldest: `Reverse` so that `max` prefers
+        // the smaller (older) sequence number at a tie.
+        self.by_peer
+            .values()
+            .filter_map(|own| match held(own) {
+                (n, Some(oldest)) => Some((n, std::cmp::Reverse(oldest))),
+                _ => None,
+            })
+            .max()
+            .map(|(_, std::cmp::Reverse(oldest))| oldest)
     }
 
     fn drop_one(&mut self, victim: Option<u64>) {
@@ -759,6 +772,35 @@ mod tests {
             handshakes[1..].iter().all(|t| !t.is_cancelled()),
             "speaking twice moves nothing"
         );
+    }
+
+    #[test]
+    fn at_a_total_limit_the_peer_holding_most_loses_its_oldest_not_a_lone_older_one() {
+        // Session 18's tester: 9 addresses of stalled handshakes, each
+        // within its 8, dropped a plane 10 ms away as the oldest of all.
+        for spoke in [true, false] {
+            let (per_peer, total) = Pending::caps(spoke);
+            let mut pending = Pending::default();
+            let (_, plane) = pending.admit(ip(1), spoke);
+            let mut peer = 10u8;
+            while pending.len() < total {
+                for _ in 0..per_peer - 1 {
+                    if pending.len() < total {
+                        pending.admit(ip(peer), spoke);
+                    }
+                }
+                peer += 1;
+            }
+            for round in 0..10_000 {
+                let from = 10 + u8::try_from(round % 9).expect("small");
+                pending.admit(ip(from), spoke);
+                assert!(
+                    !plane.is_cancelled(),
+                    "spoke {spoke}, round {round}: the plane's lone connection was dropped"
+                );
+            }
+            assert_eq!(pending.len(), total);
+        }
     }
 
     #[test]
