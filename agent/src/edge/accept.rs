@@ -2,22 +2,26 @@
 //! and no way for unauthenticated peers to crowd the plane out.
 //!
 //! - Every connection is accepted at once (the loop never waits for a
-//!   handshake slot, so the kernel's backlog never fills) and gets
-//!   `TCP_NODELAY`: the wire is small request/response messages.
+//!   handshake slot, so the kernel's backlog fills only when connections
+//!   come faster than the loop can take them) and gets `TCP_NODELAY`: the
+//!   wire is small request/response messages.
 //! - A handshake has [`HANDSHAKE_TIMEOUT`] to finish.
 //! - A connection that has sent no byte yet is *silent*; one that has is a
 //!   handshake. At most [`MAX_SILENT_PER_PEER`] silent connections are held
 //!   per peer address and [`MAX_SILENT`] in all; at most
 //!   [`MAX_PENDING_PER_PEER`] handshakes run per peer address and
-//!   [`MAX_PENDING_HANDSHAKES`] in all. At a limit the oldest of the class
-//!   (that peer's, or anyone's) is dropped to make room, never the
-//!   newcomer. The classes are apart so that an idle flood, however fast it
-//!   redials, never drops a handshake: a plane's ClientHello follows its
-//!   connect at once, and once it has arrived only other handshakes compete
-//!   with it (session 17's tester locked a plane out with 12,000 idle dials
-//!   a second from the plane's own address when one limit held both). A
-//!   plane that dials into a flood finishes its handshake in milliseconds,
-//!   long before idle connections would have aged out.
+//!   [`MAX_PENDING_HANDSHAKES`] in all. At a peer's limit its oldest of the
+//!   class is dropped to make room; at a total limit, the oldest of the
+//!   class from the peer holding the most of it; never the newcomer. The
+//!   classes are apart so that an idle flood, however fast it redials,
+//!   never drops a handshake: a plane's ClientHello follows its connect at
+//!   once, and once it has arrived only other handshakes compete with it
+//!   (session 17's tester locked a plane out with 12,000 idle dials a
+//!   second from the plane's own address when one limit held both). The
+//!   heaviest peer pays at a total limit so that a flood from many
+//!   addresses drops its own connections before a plane's one, however far
+//!   away the plane is (session 18's tester: a plane 10 ms away was always
+//!   the oldest of all in a storm of stalled handshakes from 9 addresses).
 //! - Refusals are logged at a bounded rate ([`REFUSAL_LOG_BURST`] lines per
 //!   [`REFUSAL_LOG_WINDOW`], and the first of each reason in the window);
 //!   past that they are counted, and the count is logged once per window
