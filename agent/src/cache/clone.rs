@@ -160,7 +160,7 @@ pub struct Cloned {
 ///
 /// The tree may be a guest's live mount, which the guest can change while
 /// it is read (a commit asked in the middle of a job), and the node runs as
-/// root: every entry is reached through [`walk`], by its parent's
+/// root: every entry is reached through `walk`, by its parent's
 /// descriptor and never through a symbolic link, so a directory swapped for
 /// a link to the host mid-walk is refused, not followed.
 ///
@@ -453,7 +453,7 @@ fn keep_owner(path: &Path, meta: &fs::Metadata) {
 
 /// Bytes a tree holds on the disk (allocated blocks, so holes are free;
 /// extents a reflink shares are counted once per file). Read as
-/// [`clone_tree`] reads: through [`walk`], never following a link.
+/// [`clone_tree`] reads: through `walk`, never following a link.
 ///
 /// # Errors
 ///
@@ -475,7 +475,7 @@ pub fn tree_bytes(path: &Path) -> io::Result<u64> {
 
 /// The apparent size of the regular files in a tree, in bytes (what
 /// [`Cloned::bytes`] counts for a clone of it): holes count, shared extents
-/// count once per file. Symbolic links are not followed ([`walk`]).
+/// count once per file. Symbolic links are not followed (`walk`).
 ///
 /// # Errors
 ///

@@ -167,9 +167,9 @@ impl Held {
 /// given, `archives`' published entries, by `rules`:
 ///
 /// 1. under the store's lock, every mounted generation is renewed as used
-///    now ([`Store::renew_mounted`]);
+///    now (`Store::renew_mounted`);
 /// 2. **without any lock**, the walk reads every generation's and
-///    archive's size and last use ([`Store::survey`],
+///    archive's size and last use (`Store::survey`,
 ///    [`Archives::entries`]);
 /// 3. victims are chosen from what the walk read: every generation no
 ///    longer its key's head, everything unused for its retention
@@ -178,7 +178,7 @@ impl Held {
 ///    [`Eviction::budget_bytes`]; never a mounted generation or an archive
 ///    a live session reads;
 /// 4. each victim is looked at again and removed under its lock
-///    ([`Store::remove_generation`], [`Archives::evict_entry`]): one
+///    (`Store::remove_generation`, [`Archives::evict_entry`]): one
 ///    mounted, read or used since the walk stays.
 ///
 /// # Errors

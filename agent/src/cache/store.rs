@@ -39,15 +39,15 @@
 //! - **Eviction** ([`super::lifecycle::evict`], with the Actions cache's
 //!   archives): a generation some open mount was cloned from is never
 //!   removed, and its last use is renewed to the pass's time
-//!   ([`Store::renew_mounted`], the reference's `RenewActive`: a long job's
+//!   (`Store::renew_mounted`, the reference's `RenewActive`: a long job's
 //!   generation is used for as long as it is mounted). Others go when
 //!   superseded (no longer the head), when the head was last used longer
 //!   ago than its key's retention ([`Eviction::retention_of`]: a Docker
 //!   image store keeps its own), and, least recently used first, while the
 //!   cache holds more than its byte budget. The walk that reads every
-//!   generation's size ([`Store::survey`]) takes no lock; each victim is
+//!   generation's size (`Store::survey`) takes no lock; each victim is
 //!   looked at again and removed under the lock
-//!   ([`Store::remove_generation`]), its tree deleted after the lock is
+//!   (`Store::remove_generation`), its tree deleted after the lock is
 //!   released.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -237,7 +237,7 @@ pub struct EvictReport {
 }
 
 /// One generation as an eviction pass's walk found it, read without the
-/// store's lock ([`Store::survey`]).
+/// store's lock (`Store::survey`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GenerationUse {
     /// Its key.

@@ -543,7 +543,7 @@ impl IdentityFiles {
     /// watcher waits; then has the watcher load, check and serve them through
     /// the reload path, and waits until the certificate in force is the new
     /// one (its `not_after` is `expect_not_after`). The caller has checked
-    /// them ([`NodeTls::from_pem`]).
+    /// them (`NodeTls::from_pem`).
     ///
     /// # Errors
     ///

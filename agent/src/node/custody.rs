@@ -505,7 +505,7 @@ impl Runner {
     /// [`Runner::sweep`], saying also what the provider listed when the
     /// sweep began: what `Sweep` reports to the plane. The same inventory
     /// settles the sticky disks of leases whose compute it proves gone
-    /// ([`Runner::reconcile_cache`]).
+    /// (`Runner::reconcile_cache`).
     pub async fn sweep_inventory(&self) -> Swept {
         let before = self.running_snapshot();
         let instances = match self.provider.list().await {
@@ -1297,7 +1297,7 @@ impl Runner {
 
     /// One pass over this node's compute, on one provider list: running
     /// requests whose compute ended are moved to custody
-    /// ([`Runner::end_gone_runners`]), every custody entry advances by one
+    /// (`Runner::end_gone_runners`), every custody entry advances by one
     /// step, and registration removals whose backoff has passed are tried
     /// again. When the list fails, each custody entry asks the provider
     /// itself.

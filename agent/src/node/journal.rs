@@ -345,7 +345,7 @@ pub const APPLICATION_ID: i64 = 0x626c_746a;
 /// `PRAGMA user_version`: the journal's schema version. It changes only
 /// with a change an older release cannot read (a column changed or
 /// removed), which makes that release refuse the journal; an added table
-/// ([`ADDED_TABLES`]) is not one.
+/// (`ADDED_TABLES`) is not one.
 pub const SCHEMA_VERSION: i64 = 1;
 
 /// Stamps a database as a journal of this schema. Both values are this

@@ -254,7 +254,7 @@ const START_PING_BOUND: Duration = Duration::from_secs(10);
 
 /// Loads everything that can fail before binding: TLS material, the state
 /// directory and the provider (reachable; an engine that accepts
-/// connections and does not answer within [`START_PING_BOUND`] is left to
+/// connections and does not answer within `START_PING_BOUND` is left to
 /// the health probe, which reports it).
 ///
 /// # Errors

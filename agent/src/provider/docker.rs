@@ -30,7 +30,7 @@
 //!
 //! bollard's own Unix client closes its connection after every request
 //! (`pool_max_idle_per_host(0)`). This provider hands bollard a transport
-//! of its own ([`pooled`]): the same Unix connector behind a hyper client
+//! of its own (`pooled`): the same Unix connector behind a hyper client
 //! that keeps idle connections for [`POOL_IDLE`], so consecutive calls
 //! (a tend's list, a launch's create and start) reuse one connection
 //! rather than connecting for each request.

@@ -529,7 +529,7 @@ impl Archives {
     }
 
     /// Closes the session of every lease `listed` proves has no compute
-    /// (only a successful inventory makes a [`Listed`]: spec/cache.md
+    /// (only a successful inventory makes a [`Listed`](crate::cache::Listed): spec/cache.md
     /// §3.4).
     pub async fn reconcile(&self, listed: &crate::cache::Listed) {
         let stale: Vec<String> = self
