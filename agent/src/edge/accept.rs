@@ -311,8 +311,8 @@ impl RefusalLog {
     }
 }
 
-/// An unfinished handshake: its peer, the token that drops it, and whether
-/// the peer has sent a byte yet.
+/// An unfinished connection: its peer, the token that drops it, and
+/// whether the peer has sent a byte yet (its class).
 #[derive(Debug)]
 struct Unfinished {
     ip: IpAddr,
@@ -320,12 +320,23 @@ struct Unfinished {
     spoke: bool,
 }
 
-/// The unfinished handshakes, oldest first.
+/// One peer address's unfinished connections, oldest first, and how many
+/// of each class (`[silent, spoke]`).
+#[derive(Debug, Default)]
+struct Peer {
+    seqs: VecDeque<u64>,
+    held: [usize; 2],
+}
+
+/// The unfinished connections, oldest first, with counts kept per class so
+/// that admitting one costs no walk of them all, even in a flood.
 #[derive(Debug, Default)]
 struct Pending {
     next: u64,
     by_age: BTreeMap<u64, Unfinished>,
-    by_peer: HashMap<IpAddr, VecDeque<u64>>,
+    by_peer: HashMap<IpAddr, Peer>,
+    /// How many of each class in all (`[silent, spoke]`).
+    totals: [usize; 2],
 }
 
 impl Pending {
@@ -338,41 +349,39 @@ impl Pending {
         }
     }
 
+    /// `peer`'s oldest connection of class `spoke`.
+    fn oldest_of(&self, peer: &Peer, spoke: bool) -> Option<u64> {
+        peer.seqs
+            .iter()
+            .copied()
+            .find(|s| self.by_age.get(s).is_some_and(|u| u.spoke == spoke))
+    }
+
     /// The connection to drop so that one more of class `spoke` from `ip`
     /// fits: that peer's oldest of the class at its per-peer limit; at the
     /// class's total, the oldest of the class from the peer holding the
-    /// most of it (the oldest such peer's at a tie), so that a plane's one
-    /// connection is never dropped while another address holds more,
-    /// however fast their connections turn over; `None` when it fits.
-    /// `except` is never chosen.
-    fn victim(&self, ip: IpAddr, spoke: bool, except: Option<u64>) -> Option<u64> {
+    /// most of it (at a tie, the peer whose oldest connection is oldest),
+    /// so that a plane's one connection is never dropped while another
+    /// address holds more, however fast their connections turn over;
+    /// `None` when it fits.
+    fn victim(&self, ip: IpAddr, spoke: bool) -> Option<u64> {
         let (per_peer, total) = Self::caps(spoke);
-        let of_class = |seq: &u64| {
-            Some(*seq) != except && self.by_age.get(seq).is_some_and(|u| u.spoke == spoke)
-        };
-        let held = |own: &VecDeque<u64>| -> (usize, Option<u64>) {
-            let mut mine = own.iter().copied().filter(|s| of_class(s));
-            let oldest = mine.next();
-            (oldest.map_or(0, |_| 1 + mine.count()), oldest)
-        };
-        let (own, oldest) = self.by_peer.get(&ip).map_or((0, None), held);
-        if own >= per_peer {
-            return oldest;
+        let class = usize::from(spoke);
+        if let Some(own) = self.by_peer.get(&ip)
+            && own.held[class] >= per_peer
+        {
+            return self.oldest_of(own, spoke);
         }
-        let in_class: usize = self.by_peer.values().map(|own| held(own).0).sum();
-        if in_class < total {
+        if self.totals[class] < total {
             return None;
         }
-        // The most held, then the oldest: `Reverse` so that `max` prefers
-        // the smaller (older) sequence number at a tie.
-        self.by_peer
+        let heaviest = self
+            .by_peer
             .values()
-            .filter_map(|own| match held(own) {
-                (n, Some(oldest)) => Some((n, std::cmp::Reverse(oldest))),
-                _ => None,
-            })
-            .max()
-            .map(|(_, std::cmp::Reverse(oldest))| oldest)
+            .filter(|p| p.held[class] > 0)
+            // `Reverse`: at a tie `max` prefers the older front.
+            .max_by_key(|p| (p.held[class], std::cmp::Reverse(p.seqs.front().copied())))?;
+        self.oldest_of(heaviest, spoke)
     }
 
     fn drop_one(&mut self, victim: Option<u64>) {
@@ -385,10 +394,10 @@ impl Pending {
     }
 
     /// Admits a connection from `ip` (`spoke`: its first bytes have
-    /// arrived), dropping the oldest of its class at a limit (see
+    /// arrived), dropping one of its class at a limit (see
     /// [`Self::victim`]). Returns its number and the token that drops it.
     fn admit(&mut self, ip: IpAddr, spoke: bool) -> (u64, CancellationToken) {
-        self.drop_one(self.victim(ip, spoke, None));
+        self.drop_one(self.victim(ip, spoke));
         let seq = self.next;
         self.next += 1;
         let dropped = CancellationToken::new();
@@ -400,37 +409,64 @@ impl Pending {
                 spoke,
             },
         );
-        self.by_peer.entry(ip).or_default().push_back(seq);
+        let peer = self.by_peer.entry(ip).or_default();
+        peer.seqs.push_back(seq);
+        peer.held[usize::from(spoke)] += 1;
+        self.totals[usize::from(spoke)] += 1;
         (seq, dropped)
     }
 
     /// Notes that connection `seq`'s peer has sent its first bytes: it
-    /// moves to the handshakes, dropping the oldest of those at a limit.
+    /// moves to the handshakes, dropping one of those at a limit.
     fn spoke(&mut self, seq: u64) {
         let Some(ip) = self.by_age.get(&seq).filter(|u| !u.spoke).map(|u| u.ip) else {
             return;
         };
-        self.drop_one(self.victim(ip, true, Some(seq)));
+        self.drop_one(self.victim(ip, true));
         if let Some(u) = self.by_age.get_mut(&seq) {
             u.spoke = true;
+            if let Some(peer) = self.by_peer.get_mut(&ip) {
+                peer.held[0] -= 1;
+                peer.held[1] += 1;
+            }
+            self.totals[0] -= 1;
+            self.totals[1] += 1;
         }
     }
 
-    /// Forgets handshake `seq` (finished, failed or dropped).
+    /// Forgets connection `seq` (finished, failed or dropped).
     fn finish(&mut self, seq: u64) {
-        let Some(Unfinished { ip, .. }) = self.by_age.remove(&seq) else {
+        let Some(Unfinished { ip, spoke, .. }) = self.by_age.remove(&seq) else {
             return;
         };
-        if let Some(own) = self.by_peer.get_mut(&ip) {
-            own.retain(|s| *s != seq);
-            if own.is_empty() {
+        let class = usize::from(spoke);
+        self.totals[class] -= 1;
+        if let Some(peer) = self.by_peer.get_mut(&ip) {
+            peer.seqs.retain(|s| *s != seq);
+            peer.held[class] -= 1;
+            if peer.seqs.is_empty() {
                 self.by_peer.remove(&ip);
             }
         }
     }
 
+    /// How many are held; panics when the counts kept disagree with them.
     #[cfg(test)]
     fn len(&self) -> usize {
+        let mut totals = [0; 2];
+        for u in self.by_age.values() {
+            totals[usize::from(u.spoke)] += 1;
+        }
+        assert_eq!(totals, self.totals, "the class totals");
+        for (ip, peer) in &self.by_peer {
+            let mut held = [0; 2];
+            for s in &peer.seqs {
+                let u = &self.by_age[s];
+                assert_eq!(u.ip, *ip);
+                held[usize::from(u.spoke)] += 1;
+            }
+            assert_eq!(held, peer.held, "{ip}'s counts");
+        }
         self.by_age.len()
     }
 }
@@ -740,6 +776,7 @@ mod tests {
             kept.iter().rev().take(MAX_SILENT_PER_PEER).all(|k| *k),
             "the oldest silent ones go first"
         );
+        assert_eq!(pending.len(), MAX_SILENT_PER_PEER + 2);
     }
 
     #[test]
@@ -776,6 +813,7 @@ mod tests {
             handshakes[1..].iter().all(|t| !t.is_cancelled()),
             "speaking twice moves nothing"
         );
+        assert_eq!(pending.len(), MAX_SILENT + 1 + MAX_PENDING_PER_PEER - 1);
     }
 
     #[test]
