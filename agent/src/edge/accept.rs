@@ -233,6 +233,8 @@ enum Refusal {
     NotThePlane,
     /// The client certificate could not be read.
     Unreadable,
+    /// Closed having sent nothing (a scan, a health check): not logged.
+    Closed,
 }
 
 impl Refusal {
@@ -244,6 +246,7 @@ impl Refusal {
             Refusal::EvictedIdle => "evicted_idle",
             Refusal::NotThePlane => "not_the_plane",
             Refusal::Unreadable => "unreadable_certificate",
+            Refusal::Closed => "closed",
         }
     }
 }
@@ -518,8 +521,17 @@ pub fn accept(
                     debug!(%peer, error = %e, "cannot set TCP_NODELAY");
                 }
                 // Bytes already waiting (the accept queue is long in a
-                // flood, so a plane's ClientHello is usually here by now).
-                let spoke = has_spoken(&tcp);
+                // flood, so a plane's ClientHello is usually here by now),
+                // or a peer gone already (a scan, a health check): that
+                // one takes no place at all.
+                let spoke = match first_look(&tcp) {
+                    Look::Spoke => true,
+                    Look::Silent => false,
+                    Look::Gone => {
+                        debug!(%peer, "a connection closed before sending anything");
+                        continue;
+                    }
+                };
                 let (seq, dropped) = pending.lock().expect("pending").admit(peer.ip(), spoke);
                 // The configuration in force now: a rotation applies to the
                 // next connection, never to one already open.
@@ -533,11 +545,14 @@ pub fn accept(
                     let talked = std::sync::atomic::AtomicBool::new(spoke);
                     let spoken = async {
                         if !spoke {
-                            if tokio::time::timeout_at(deadline, first_bytes(&tcp))
-                                .await
-                                .is_err()
-                            {
-                                return Err((Refusal::Timeout, String::new()));
+                            match tokio::time::timeout_at(deadline, first_bytes(&tcp)).await {
+                                Err(_) => return Err((Refusal::Timeout, String::new())),
+                                Ok(Look::Spoke) => {}
+                                // Closed having said nothing: it leaves its
+                                // place and never counts as a handshake.
+                                Ok(Look::Silent | Look::Gone) => {
+                                    return Err((Refusal::Closed, String::new()));
+                                }
                             }
                             talked.store(true, std::sync::atomic::Ordering::Relaxed);
                             pending.lock().expect("pending").spoke(seq);
@@ -572,6 +587,11 @@ pub fn accept(
                                     certificates_expire,
                                 }))
                                 .await;
+                        }
+                        // Not counted by the refusal log: a scan or a
+                        // health check is no refusal worth a line.
+                        Err((Refusal::Closed, detail)) => {
+                            log_refusal(peer, Refusal::Closed, &detail)
                         }
                         Err((refusal, detail)) => {
                             if log
@@ -612,13 +632,35 @@ fn log_refusal(peer: SocketAddr, refusal: Refusal, detail: &str) {
         Refusal::Unreadable => {
             warn!(%peer, reason, "refused a connection: unreadable client certificate")
         }
+        Refusal::Closed => {
+            debug!(%peer, reason, "a connection closed before sending anything");
+        }
     }
 }
 
 /// Whether `tcp` has bytes waiting (or an end) to be read, asked of the
 /// kernel without waiting and without taking them.
-fn has_spoken(tcp: &TcpStream) -> bool {
-    peek(tcp).is_ok()
+/// What a connection's first look finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Look {
+    /// Bytes are waiting.
+    Spoke,
+    /// Nothing yet.
+    Silent,
+    /// The peer closed (or the socket failed) having sent nothing.
+    Gone,
+}
+
+/// Whether `tcp` has bytes waiting, nothing yet, or an end with nothing
+/// before it; asked of the kernel without waiting and without taking
+/// them.
+fn first_look(tcp: &TcpStream) -> Look {
+    match peek(tcp) {
+        Ok(0) => Look::Gone,
+        Ok(_) => Look::Spoke,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Look::Silent,
+        Err(_) => Look::Gone,
+    }
 }
 
 fn peek(tcp: &TcpStream) -> io::Result<usize> {
@@ -632,17 +674,18 @@ fn peek(tcp: &TcpStream) -> io::Result<usize> {
     .map_err(io::Error::from)
 }
 
-/// Waits until `tcp` has bytes (or an end, or an error) to read, without
-/// taking them: a readiness the kernel does not confirm is cleared and
-/// waited for again.
-async fn first_bytes(tcp: &TcpStream) {
+/// Waits until `tcp` has bytes to read ([`Look::Spoke`]) or has ended with
+/// none ([`Look::Gone`]), without taking them: a readiness the kernel does
+/// not confirm is cleared and waited for again.
+async fn first_bytes(tcp: &TcpStream) -> Look {
     loop {
         if tcp.readable().await.is_err() {
-            return;
+            return Look::Gone;
         }
         match tcp.try_io(tokio::io::Interest::READABLE, || peek(tcp)) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            _ => return,
+            Ok(0) | Err(_) => return Look::Gone,
+            Ok(_) => return Look::Spoke,
         }
     }
 }
