@@ -165,8 +165,12 @@ fn human(secs: u64) -> String {
 }
 
 /// [`human`] of milliseconds, to the nearest second first (89.9 s is
-/// `90s`).
+/// `90s`); a time under half a second but not none is `under 1s` (a
+/// certificate 400 ms from its end does not "expire in 0s").
 fn human_ms(ms: u64) -> String {
+    if (1..500).contains(&ms) {
+        return "under 1s".into();
+    }
     human(ms.saturating_add(500) / 1000)
 }
 
@@ -296,11 +300,11 @@ pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     let mut out = String::new();
     let mut plane = at(s.plane_contact_unix_ms).map_or_else(
         || "never heard from".to_owned(),
-        |t| {
-            format!(
-                "last heard {} ago",
-                human_ms(millis_from(now, t).unsigned_abs())
-            )
+        |t| match millis_from(now, t) {
+            // A contact dated ahead of this clock (the clock stepped back
+            // since): heard, and lately.
+            ms if ms > 0 => "last heard just now".into(),
+            ms => format!("last heard {} ago", human_ms(ms.unsigned_abs())),
         },
     );
     if s.clock_offset_ms.unsigned_abs() >= 1000 {
@@ -602,7 +606,20 @@ mod tests {
             now(),
         );
         assert!(text.contains("last heard 90s ago"), "{text}");
-        assert!(text.contains("EXPIRED 0s ago"), "{text}");
+        assert!(text.contains("EXPIRED under 1s ago"), "{text}");
         assert!(text.contains("clock is 2d ahead of"), "{text}");
+        // Session 18's second tester: under a second is not "0s", and a
+        // contact dated ahead of this clock is not "5s ago".
+        let text = table(
+            true,
+            &pb::LocalStatus {
+                plane_contact_unix_ms: now_ms + 5_000,
+                certificate_not_after_unix_ms: now_ms + 400,
+                ..status()
+            },
+            now(),
+        );
+        assert!(text.contains("last heard just now"), "{text}");
+        assert!(text.contains("expires in under 1s"), "{text}");
     }
 }
