@@ -212,8 +212,8 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
 /// each dialed again the moment the node drops it (thousands a second),
 /// evicted the plane's unfinished handshake every time (the oldest went at
 /// the per-address limit), and the plane did not attach again within 30 s.
-/// A connection that has sent no byte now goes first; the plane's
-/// ClientHello follows its connect at once.
+/// Connections that have sent no byte are now held apart from handshakes,
+/// and the plane's ClientHello follows its connect at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_storm_from_the_planes_own_address_does_not_lock_the_plane_out() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
