@@ -24,6 +24,8 @@ enum Hostile {
     /// Connects and closes at once, having sent nothing (a port scan, a
     /// load balancer's health check).
     Close,
+    /// Sends one byte (a TLS record's first) and closes at once.
+    OneByteClose,
 }
 
 /// Holds `count` connections from `source` to `node` until `stop`: each one
@@ -64,6 +66,11 @@ fn hold(
                 };
                 made.fetch_add(1, Ordering::Relaxed);
                 if matches!(how, Hostile::Close) {
+                    drop(tcp);
+                    continue;
+                }
+                if matches!(how, Hostile::OneByteClose) {
+                    let _ = tcp.write_all(&[0x16]).await;
                     drop(tcp);
                     continue;
                 }
@@ -716,6 +723,25 @@ async fn a_plane_not_on_loopback_finishes_its_handshake_in_storms_from_many_addr
             vec![[127, 0, 0, 1]],
             100,
             Hostile::Close,
+        ),
+        // Session 18's third tester (tester-13): one byte and a close, from
+        // the plane's own address, took that address's 8 handshake places
+        // faster than their tasks freed them, and the plane's handshake,
+        // the oldest, went: 9 of 10 failed. The handshake that has read
+        // the fewest bytes now goes first.
+        (
+            Duration::from_millis(10),
+            vec![[127, 0, 0, 1]],
+            100,
+            Hostile::OneByteClose,
+        ),
+        // The same rule holds against a fragment of a ClientHello that
+        // stalls, from the plane's own address.
+        (
+            Duration::from_millis(10),
+            vec![[127, 0, 0, 1]],
+            50,
+            Hostile::Stalled,
         ),
     ] {
         let (n, kind) = (sources.len(), format!("{how:?}"));

@@ -37,6 +37,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future as _;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -87,7 +88,7 @@ pub const REFUSAL_LOG_BURST: u32 = 10;
 #[derive(Debug)]
 pub struct Accepted {
     /// The session.
-    pub stream: TlsStream<TcpStream>,
+    pub stream: TlsStream<Counted>,
     /// Who dialed.
     pub peer: SocketAddr,
     /// The address it reached.
@@ -148,7 +149,7 @@ fn ages(now: Instant, expires: Option<Instant>) -> (Option<Instant>, Option<Inst
 /// [`ConnectionInfo::cut_at`] passes.
 #[derive(Debug)]
 pub struct Connection {
-    stream: TlsStream<TcpStream>,
+    stream: TlsStream<Counted>,
     info: ConnectionInfo,
     cut: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
@@ -314,13 +315,15 @@ impl RefusalLog {
     }
 }
 
-/// An unfinished connection: its peer, the token that drops it, and
-/// whether the peer has sent a byte yet (its class).
+/// An unfinished connection: its peer, the token that drops it, whether
+/// the peer has sent a byte yet (its class), and how many bytes its
+/// handshake has read.
 #[derive(Debug)]
 struct Unfinished {
     ip: IpAddr,
     dropped: CancellationToken,
     spoke: bool,
+    received: Arc<AtomicU64>,
 }
 
 /// One peer address's unfinished connections, oldest first, and how many
@@ -352,18 +355,34 @@ impl Pending {
         }
     }
 
-    /// `peer`'s oldest connection of class `spoke`.
-    fn oldest_of(&self, peer: &Peer, spoke: bool) -> Option<u64> {
+    /// `peer`'s connection of class `spoke` whose handshake has read the
+    /// fewest bytes, the oldest of those: one that sent a byte or a
+    /// fragment and stalled, or whose task has not read it yet, goes before
+    /// a plane's handshake several round trips along.
+    fn least_along(&self, peer: &Peer, spoke: bool) -> Option<u64> {
         peer.seqs
             .iter()
-            .copied()
-            .find(|s| self.by_age.get(s).is_some_and(|u| u.spoke == spoke))
+            .filter_map(|s| {
+                let u = self.by_age.get(s).filter(|u| u.spoke == spoke)?;
+                Some((u.received.load(Ordering::Relaxed), *s))
+            })
+            .min()
+            .map(|(_, s)| s)
+    }
+
+    /// The byte count of connection `seq`'s handshake, which its task's
+    /// stream adds to ([`Counted`]).
+    fn received(&self, seq: u64) -> Arc<AtomicU64> {
+        self.by_age
+            .get(&seq)
+            .map_or_else(Arc::default, |u| Arc::clone(&u.received))
     }
 
     /// The connection to drop so that one more of class `spoke` from `ip`
-    /// fits: that peer's oldest of the class at its per-peer limit; at the
-    /// class's total, the oldest of the class from the peer holding the
-    /// most of it (at a tie, the peer whose oldest connection is oldest),
+    /// fits: that peer's least along of the class at its per-peer limit
+    /// ([`Self::least_along`]); at the class's total, the least along of
+    /// the class from the peer holding the most of it (at a tie, the peer
+    /// whose oldest connection is oldest),
     /// so that a plane's one connection is never dropped while another
     /// address holds more, however fast their connections turn over;
     /// `None` when it fits.
@@ -373,7 +392,7 @@ impl Pending {
         if let Some(own) = self.by_peer.get(&ip)
             && own.held[class] >= per_peer
         {
-            return self.oldest_of(own, spoke);
+            return self.least_along(own, spoke);
         }
         if self.totals[class] < total {
             return None;
@@ -384,7 +403,7 @@ impl Pending {
             .filter(|p| p.held[class] > 0)
             // `Reverse`: at a tie `max` prefers the older front.
             .max_by_key(|p| (p.held[class], std::cmp::Reverse(p.seqs.front().copied())))?;
-        self.oldest_of(heaviest, spoke)
+        self.least_along(heaviest, spoke)
     }
 
     fn drop_one(&mut self, victim: Option<u64>) {
@@ -410,6 +429,7 @@ impl Pending {
                 ip,
                 dropped: dropped.clone(),
                 spoke,
+                received: Arc::default(),
             },
         );
         let peer = self.by_peer.entry(ip).or_default();
@@ -525,14 +545,23 @@ pub fn accept(
                 // or a peer gone already (a scan, a health check): that
                 // one takes no place at all.
                 let spoke = match first_look(&tcp) {
-                    Look::Spoke => true,
-                    Look::Silent => false,
+                    Look::Spoke(n) => Some(n),
+                    Look::Silent => None,
                     Look::Gone => {
                         debug!(%peer, "a connection closed before sending anything");
                         continue;
                     }
                 };
-                let (seq, dropped) = pending.lock().expect("pending").admit(peer.ip(), spoke);
+                let (seq, dropped, received) = {
+                    let mut pending = pending.lock().expect("pending");
+                    let (seq, dropped) = pending.admit(peer.ip(), spoke.is_some());
+                    let received = pending.received(seq);
+                    // What is waiting counts towards how far along it is,
+                    // before its task has read a byte.
+                    received.store(spoke.unwrap_or(0), Ordering::Relaxed);
+                    (seq, dropped, received)
+                };
+                let spoke = spoke.is_some();
                 // The configuration in force now: a rotation applies to the
                 // next connection, never to one already open.
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
@@ -547,7 +576,9 @@ pub fn accept(
                         if !spoke {
                             match tokio::time::timeout_at(deadline, first_bytes(&tcp)).await {
                                 Err(_) => return Err((Refusal::Timeout, String::new())),
-                                Ok(Look::Spoke) => {}
+                                Ok(Look::Spoke(n)) => {
+                                    received.fetch_add(n, Ordering::Relaxed);
+                                }
                                 // Closed having said nothing: it leaves its
                                 // place and never counts as a handshake.
                                 Ok(Look::Silent | Look::Gone) => {
@@ -557,6 +588,10 @@ pub fn accept(
                             talked.store(true, std::sync::atomic::Ordering::Relaxed);
                             pending.lock().expect("pending").spoke(seq);
                         }
+                        let tcp = Counted {
+                            inner: tcp,
+                            received,
+                        };
                         handshake(acceptor, tcp, plane_name.as_deref(), deadline).await
                     };
                     let outcome = tokio::select! {
@@ -643,8 +678,8 @@ fn log_refusal(peer: SocketAddr, refusal: Refusal, detail: &str) {
 /// What a connection's first look finds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Look {
-    /// Bytes are waiting.
-    Spoke,
+    /// This many bytes are waiting (counted up to [`PEEK_BYTES`]).
+    Spoke(u64),
     /// Nothing yet.
     Silent,
     /// The peer closed (or the socket failed) having sent nothing.
@@ -657,17 +692,21 @@ enum Look {
 fn first_look(tcp: &TcpStream) -> Look {
     match peek(tcp) {
         Ok(0) => Look::Gone,
-        Ok(_) => Look::Spoke,
+        Ok(n) => Look::Spoke(n as u64),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Look::Silent,
         Err(_) => Look::Gone,
     }
 }
 
+/// How many waiting bytes a first look counts: more than a ClientHello
+/// fragment, less than a full one with its extensions.
+const PEEK_BYTES: usize = 2048;
+
 fn peek(tcp: &TcpStream) -> io::Result<usize> {
-    let mut byte = [0u8; 1];
+    let mut bytes = [0u8; PEEK_BYTES];
     rustix::net::recv(
         tcp,
-        &mut byte[..],
+        &mut bytes[..],
         rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT,
     )
     .map(|(n, _)| n)
@@ -685,16 +724,75 @@ async fn first_bytes(tcp: &TcpStream) -> Look {
         match tcp.try_io(tokio::io::Interest::READABLE, || peek(tcp)) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Ok(0) | Err(_) => return Look::Gone,
-            Ok(_) => return Look::Spoke,
+            Ok(n) => return Look::Spoke(n as u64),
         }
     }
 }
 
-type Handshake = (TlsStream<TcpStream>, Option<SystemTime>);
+/// A TCP stream that counts the bytes read from it, so that the limits on
+/// unfinished handshakes can tell one several round trips along (a plane's)
+/// from one that sent a byte or a fragment and stalled or ended.
+#[derive(Debug)]
+pub struct Counted {
+    inner: TcpStream,
+    received: Arc<AtomicU64>,
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        let read = buf.filled().len().saturating_sub(before);
+        self.received.fetch_add(read as u64, Ordering::Relaxed);
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+type Handshake = (TlsStream<Counted>, Option<SystemTime>);
 
 async fn handshake(
     acceptor: TlsAcceptor,
-    tcp: TcpStream,
+    tcp: Counted,
     plane_name: Option<&str>,
     deadline: Instant,
 ) -> Result<Handshake, (Refusal, String)> {
@@ -886,6 +984,33 @@ mod tests {
             }
             assert_eq!(pending.len(), total);
         }
+    }
+
+    #[test]
+    fn at_a_peers_limit_the_handshake_that_has_read_least_goes_first() {
+        // Session 18's third tester: one byte and a close, from the
+        // plane's own address, dropped the plane's handshake as the oldest.
+        let mut pending = Pending::default();
+        let (plane_seq, plane) = pending.admit(ip(1), true);
+        pending.received(plane_seq).store(517, Ordering::Relaxed);
+        let mut fragments = Vec::new();
+        for _ in 1..MAX_PENDING_PER_PEER {
+            let (seq, token) = pending.admit(ip(1), true);
+            pending.received(seq).store(1, Ordering::Relaxed);
+            fragments.push(token);
+        }
+        for _ in 0..100 {
+            fragments.push(pending.admit(ip(1), true).1);
+            assert!(!plane.is_cancelled(), "the plane's handshake went");
+        }
+        assert_eq!(pending.len(), MAX_PENDING_PER_PEER);
+        // Among equals, the oldest still goes first.
+        let mut equals = Pending::default();
+        let first = equals.admit(ip(2), true).1;
+        for _ in 0..MAX_PENDING_PER_PEER {
+            equals.admit(ip(2), true);
+        }
+        assert!(first.is_cancelled());
     }
 
     #[test]
