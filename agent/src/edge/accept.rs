@@ -10,9 +10,13 @@
 //!   handshake. At most [`MAX_SILENT_PER_PEER`] silent connections are held
 //!   per peer address and [`MAX_SILENT`] in all; at most
 //!   [`MAX_PENDING_PER_PEER`] handshakes run per peer address and
-//!   [`MAX_PENDING_HANDSHAKES`] in all. At a peer's limit its oldest of the
-//!   class is dropped to make room; at a total limit, the oldest of the
-//!   class from the peer holding the most of it; never the newcomer. The
+//!   [`MAX_PENDING_HANDSHAKES`] in all. At a peer's limit its connection of
+//!   the class that has read the fewest bytes (the oldest of those) is
+//!   dropped to make room; at a total limit, the same from the peer holding
+//!   the most of the class; never the newcomer. Fewest bytes first, so that
+//!   connections sending a byte or a ClientHello fragment and then stalling
+//!   or closing, even from the plane's own address, go before a plane's
+//!   handshake several round trips along (session 18's third tester). The
 //!   classes are apart so that an idle flood, however fast it redials,
 //!   never drops a handshake: a plane's ClientHello follows its connect at
 //!   once, and once it has arrived only other handshakes compete with it
