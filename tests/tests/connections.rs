@@ -28,13 +28,13 @@ enum Hostile {
     OneByteClose,
 }
 
-/// Holds `count` connections from `source` to `node` until `stop`: each one
-/// the node drops is dialed again `pause` later (half a second, as a
-/// persistent client would; zero, at once, as a storm). Counts connections
-/// made in `made`.
+/// Holds `count` connections from each of `sources` to `node` until
+/// `stop`: each one the node drops is dialed again `pause` later (half a
+/// second, as a persistent client would; zero, at once, as a storm).
+/// Counts connections made in `made`.
 fn hold(
     count: usize,
-    source: [u8; 4],
+    sources: impl IntoIterator<Item = [u8; 4]>,
     node: SocketAddr,
     how: Hostile,
     pause: Duration,
@@ -42,7 +42,10 @@ fn hold(
     stop: CancellationToken,
 ) -> tokio::task::JoinSet<()> {
     let mut set = tokio::task::JoinSet::new();
-    for _ in 0..count {
+    for source in sources
+        .into_iter()
+        .flat_map(|s| std::iter::repeat_n(s, count))
+    {
         let (made, stop) = (Arc::clone(&made), stop.clone());
         set.spawn(async move {
             let mut redial = (!pause.is_zero()).then(|| tokio::time::interval(pause));
@@ -95,6 +98,17 @@ fn hold(
     set
 }
 
+/// A cluster of one node the plane has attached to, and the node's address
+/// for the plane.
+async fn attached() -> Result<(Cluster, SocketAddr)> {
+    let cluster = Cluster::start(ClusterOptions::default()).await?;
+    cluster
+        .wait_attached("node-1", Duration::from_secs(30))
+        .await?;
+    let node = cluster.nodes["node-1"].addr;
+    Ok((cluster, node))
+}
+
 /// Cuts the plane's session to `link` and heals it: whether the plane
 /// attached again within 30 s, and how long after the heal.
 async fn cut_and_reattach(
@@ -129,11 +143,7 @@ fn refusal_lines(log: &str) -> Vec<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_out_nor_flood_the_log()
 -> Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
-    cluster
-        .wait_attached("node-1", Duration::from_secs(30))
-        .await?;
-    let node = cluster.nodes["node-1"].addr;
+    let (cluster, node) = attached().await?;
     let link = cluster.plane.node("node-1").context("node")?;
 
     // The hostile peers come from addresses of their own (all of 127/8 is
@@ -142,7 +152,7 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
     let made = Arc::new(AtomicUsize::new(0));
     let mut idle = hold(
         500,
-        [127, 0, 0, 2],
+        [[127, 0, 0, 2]],
         node,
         Hostile::Idle,
         Duration::from_millis(500),
@@ -151,7 +161,7 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
     );
     let mut stalled = hold(
         50,
-        [127, 0, 0, 3],
+        [[127, 0, 0, 3]],
         node,
         Hostile::Stalled,
         Duration::from_millis(500),
@@ -223,17 +233,13 @@ async fn five_hundred_idle_connections_held_for_a_minute_neither_lock_the_plane_
 /// and the plane's ClientHello follows its connect at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_storm_from_the_planes_own_address_does_not_lock_the_plane_out() -> Result<()> {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
-    cluster
-        .wait_attached("node-1", Duration::from_secs(30))
-        .await?;
-    let node = cluster.nodes["node-1"].addr;
+    let (cluster, node) = attached().await?;
     let link = cluster.plane.node("node-1").context("node")?;
     let stop = CancellationToken::new();
     let made = Arc::new(AtomicUsize::new(0));
     let mut storm = hold(
         300,
-        [127, 0, 0, 1],
+        [[127, 0, 0, 1]],
         node,
         Hostile::Idle,
         Duration::ZERO,
@@ -421,19 +427,15 @@ async fn idle_connections_on_the_metrics_port_of_a_node_at_1024_files_do_not_sto
 
     let stop = CancellationToken::new();
     let made = Arc::new(AtomicUsize::new(0));
-    let mut flood = tokio::task::JoinSet::new();
-    for source in 1..=15u8 {
-        let mut set = hold(
-            100,
-            [127, 3, 0, source],
-            metrics,
-            Hostile::Idle,
-            Duration::from_millis(500),
-            made.clone(),
-            stop.clone(),
-        );
-        flood.spawn(async move { while set.join_next().await.is_some() {} });
-    }
+    let mut flood = hold(
+        100,
+        (1..=15u8).map(|source| [127, 3, 0, source]),
+        metrics,
+        Hostile::Idle,
+        Duration::from_millis(500),
+        made.clone(),
+        stop.clone(),
+    );
     wait_until(
         Duration::from_secs(30),
         "1,500 connections to the metrics port",
@@ -656,19 +658,15 @@ async fn slow_plane_in_a_storm(
     let node = cluster.nodes["node-1"].addr;
     let stop = CancellationToken::new();
     let made = Arc::new(AtomicUsize::new(0));
-    let mut storm = tokio::task::JoinSet::new();
-    for source in sources {
-        let mut set = hold(
-            per,
-            source,
-            node,
-            how,
-            Duration::ZERO,
-            made.clone(),
-            stop.clone(),
-        );
-        storm.spawn(async move { while set.join_next().await.is_some() {} });
-    }
+    let mut storm = hold(
+        per,
+        sources,
+        node,
+        how,
+        Duration::ZERO,
+        made.clone(),
+        stop.clone(),
+    );
     wait_until(Duration::from_secs(30), "5,000 storm connections", || {
         made.load(Ordering::Relaxed) >= 5_000
     })
@@ -693,11 +691,7 @@ async fn slow_plane_in_a_storm(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plane_not_on_loopback_finishes_its_handshake_in_storms_from_many_addresses() -> Result<()>
 {
-    let cluster = Cluster::start(ClusterOptions::default()).await?;
-    cluster
-        .wait_attached("node-1", Duration::from_secs(30))
-        .await?;
-    let node = cluster.nodes["node-1"].addr;
+    let (cluster, node) = attached().await?;
     slow_plane_session(&cluster, node, Duration::from_millis(10))
         .await
         .map_err(|e| anyhow::anyhow!("a plane 10 ms away without a storm: {e}"))?;

@@ -131,12 +131,9 @@ fn at(unix_ms: i64) -> Option<SystemTime> {
         .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
 }
 
-/// Seconds from `now` to `t` (negative in the past).
+/// Whole seconds from `now` to `t` (negative in the past; toward zero).
 fn seconds_from(now: SystemTime, t: SystemTime) -> i64 {
-    match t.duration_since(now) {
-        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
-        Err(e) => -i64::try_from(e.duration().as_secs()).unwrap_or(i64::MAX),
-    }
+    millis_from(now, t) / 1000
 }
 
 /// Milliseconds from `now` to `t` (negative in the past).

@@ -552,7 +552,7 @@ pub fn accept(
                     Look::Spoke(n) => Some(n),
                     Look::Silent => None,
                     Look::Gone => {
-                        debug!(%peer, "a connection closed before sending anything");
+                        log_refusal(peer, Refusal::Closed, "");
                         continue;
                     }
                 };
@@ -562,10 +562,16 @@ pub fn accept(
                     let received = pending.received(seq);
                     // What is waiting counts towards how far along it is,
                     // before its task has read a byte.
-                    received.store(spoke.unwrap_or(0), Ordering::Relaxed);
+                    if let Some(waiting) = spoke {
+                        received.store(waiting, Ordering::Relaxed);
+                    }
                     (seq, dropped, received)
                 };
                 let spoke = spoke.is_some();
+                // More than none once it has spoken (what was waiting at
+                // either look counts): whether an eviction dropped a
+                // handshake or an idle connection.
+                let progress = Arc::clone(&received);
                 // The configuration in force now: a rotation applies to the
                 // next connection, never to one already open.
                 let acceptor = TlsAcceptor::from(config.borrow().clone());
@@ -575,7 +581,6 @@ pub fn accept(
                 tokio::spawn(async move {
                     let local = tcp.local_addr().ok();
                     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-                    let talked = std::sync::atomic::AtomicBool::new(spoke);
                     let spoken = async {
                         if !spoke {
                             match tokio::time::timeout_at(deadline, first_bytes(&tcp)).await {
@@ -589,7 +594,6 @@ pub fn accept(
                                     return Err((Refusal::Closed, String::new()));
                                 }
                             }
-                            talked.store(true, std::sync::atomic::Ordering::Relaxed);
                             pending.lock().expect("pending").spoke(seq);
                         }
                         let tcp = Counted {
@@ -600,7 +604,7 @@ pub fn accept(
                     };
                     let outcome = tokio::select! {
                         () = dropped.cancelled() => {
-                            let refusal = if talked.load(std::sync::atomic::Ordering::Relaxed) {
+                            let refusal = if progress.load(Ordering::Relaxed) > 0 {
                                 Refusal::Evicted
                             } else {
                                 Refusal::EvictedIdle
