@@ -557,35 +557,28 @@ async fn slow_relay(listener: tokio::net::TcpListener, node: SocketAddr, delay: 
     let Ok(upstream) = tokio::net::TcpStream::connect(node).await else {
         return;
     };
-    let (mut cr, mut cw) = client.into_split();
-    let (mut ur, mut uw) = upstream.into_split();
-    let up = async move {
-        let mut buf = vec![0u8; 16384];
-        while let Ok(n) = cr.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-            tokio::time::sleep(delay).await;
-            if uw.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
+    let (cr, cw) = client.into_split();
+    let (ur, uw) = upstream.into_split();
+    tokio::join!(delayed_copy(cr, uw, delay), delayed_copy(ur, cw, delay));
+}
+
+/// Copies `from` to `to`, each chunk held `delay`, until either ends.
+async fn delayed_copy(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    let mut buf = vec![0u8; 16384];
+    while let Ok(n) = from.read(&mut buf).await {
+        if n == 0 {
+            break;
         }
-        let _ = uw.shutdown().await;
-    };
-    let down = async move {
-        let mut buf = vec![0u8; 16384];
-        while let Ok(n) = ur.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-            tokio::time::sleep(delay).await;
-            if cw.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
+        tokio::time::sleep(delay).await;
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
         }
-        let _ = cw.shutdown().await;
-    };
-    tokio::join!(up, down);
+    }
+    let _ = to.shutdown().await;
 }
 
 /// One mTLS session to `node` as the plane (its certificate) through a
