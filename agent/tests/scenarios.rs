@@ -881,6 +881,33 @@ async fn after_a_restart_an_instance_journaled_created_that_never_started_is_tor
     assert!(!r.holding());
 }
 
+/// Issue #14: a launch carrying its registration creates its instance
+/// beside the launch record's sync and its bind, and starts it only once
+/// both hold. A process killed in between leaves an instance that never
+/// started, bound here, with no launch record: it is torn down and its
+/// registration removed, never adopted as a job (a `created` instance
+/// runs nothing and billet never starts it later).
+#[tokio::test]
+async fn after_a_restart_an_unstarted_instance_with_no_launch_record_is_torn_down_not_adopted() {
+    let w = World::new();
+    let lease = w.launching_lease(24);
+    let runner_name = name(&lease.id);
+    w.core()
+        .mint(&lease.id, Epoch(1), &runner_name)
+        .expect("minted");
+    w.put_instance(&runner_name, true);
+    assert!(w.fake.set_state(&runner_name, InstanceState::Created));
+
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+
+    assert!(!w.registered(&lease.id), "the runner is still routable");
+    assert!(!w.exists(&lease.id), "the instance that never ran was kept");
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert!(!r.holding());
+}
+
 /// A process killed mid-create never learned whether its instance started;
 /// the next one asks GitHub through the removal itself. GitHub refuses to
 /// remove a runner that has taken its job (JobStillRunning), so that runner

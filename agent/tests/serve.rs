@@ -621,6 +621,7 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
         .send(
             "c1",
             pb::command::Kind::Launch(pb::Launch {
+                registration: None,
                 lease: Some(launch),
                 tier: Some(pb::TierSpec {
                     label: "linux".into(),

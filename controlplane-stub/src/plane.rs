@@ -69,6 +69,11 @@ pub struct PlaneConfig {
     pub tier: Tier,
     /// How long a launch may wait in a node's queue and run.
     pub launch_timeout: Duration,
+    /// Mint a launch's runner registration before dispatching it, and send
+    /// it in `Launch.registration`, to a node whose `Hello` said it takes
+    /// one (issue #14: the node then creates beside its bind). Off, or for
+    /// an older node, the node mints through `MintJit`.
+    pub mint_before_dispatch: bool,
     /// How long a destroy may take.
     pub destroy_timeout: Duration,
     /// How often the reaper runs.
@@ -980,7 +985,28 @@ impl Plane {
         let tier = &self.config.tier;
         let mut wire = lease_to_wire(&lease);
         wire.providers = vec!["docker".into()];
+        let ahead = self.config.mint_before_dispatch
+            && node
+                .status()
+                .borrow()
+                .as_ref()
+                .is_some_and(|s| s.hello.launches_with_registration);
+        let registration = if ahead {
+            match self.mint_ahead(&lease).await {
+                Ok(minted) => Some(minted),
+                Err(refused) => {
+                    // Nothing was dispatched: a failure like a node's
+                    // failed mint, with nothing started.
+                    self.launch_ended(lease, node, CommandOutcome::Answered(refused), None)
+                        .await;
+                    return;
+                }
+            }
+        } else {
+            None
+        };
         let command = pb::command::Kind::Launch(pb::Launch {
+            registration: registration.clone(),
             lease: Some(wire),
             tier: Some(pb::TierSpec {
                 label: tier.label.clone(),
@@ -1001,6 +1027,102 @@ impl Plane {
             }),
         });
         let outcome = node.dispatch(command, self.config.launch_timeout).await;
+        self.launch_ended(lease, node, outcome, registration).await;
+    }
+
+    /// Mints the registration of `lease` for its launch (issue #14), as a
+    /// node's `MintJit` would and with the same record: the runner named
+    /// `billet-<lease>`, recorded against the lease before it is sent. A
+    /// mint the ledger will not record is removed at once. Returns the
+    /// failed command result the launch ends with when it cannot be minted
+    /// (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or the ledger's code).
+    async fn mint_ahead(
+        &self,
+        lease: &crate::ledger::Lease,
+    ) -> Result<pb::JitConfig, pb::CommandResult> {
+        let failed = |code: pb::ErrorCode, message: String| pb::CommandResult {
+            outcome: pb::Outcome::Failed as i32,
+            error: Some(pb::Error {
+                code: code as i32,
+                message,
+            }),
+            ..Default::default()
+        };
+        let name = format!("billet-{}", lease.id);
+        let minted = self.github.mint(&lease.tier, &name).await.map_err(|e| {
+            let code = if e.is_scale_set_not_found() {
+                pb::ErrorCode::ScaleSetNotFound
+            } else {
+                pb::ErrorCode::Unavailable
+            };
+            failed(code, format!("mint a JIT config for {name}: {e}"))
+        })?;
+        if let Err(e) = self
+            .ledger
+            .set_runner(
+                &lease.id,
+                lease.epoch,
+                minted.runner_id,
+                &minted.runner_name,
+            )
+            .await
+        {
+            // Never send a registration the ledger cannot name; one this
+            // removal misses is found by its name by the registration pass.
+            if let Err(removal) = self
+                .github
+                .remove_runner(minted.runner_id, &minted.runner_name)
+                .await
+            {
+                warn!(runner = %minted.runner_name, error = %removal,
+                      "a registration the ledger refused to record could not be removed; the registration pass removes it by name");
+            }
+            return Err(failed(
+                pb::ErrorCode::Internal,
+                format!("record the registration of lease {}: {e}", lease.id),
+            ));
+        }
+        Ok(pb::JitConfig {
+            encoded_jit_config: minted.config,
+            runner_id: minted.runner_id,
+            runner_name: minted.runner_name,
+        })
+    }
+
+    /// Removes the registration this plane minted for a launch that ended
+    /// with nothing started (issue #14: the plane's obligation once it
+    /// mints before dispatch). GitHub no longer having it is success; a
+    /// removal that fails is left to the registration pass, which removes
+    /// the registrations of ended leases.
+    async fn remove_minted(&self, lease: &str, registration: &pb::JitConfig) {
+        match self
+            .github
+            .remove_runner(registration.runner_id, &registration.runner_name)
+            .await
+        {
+            Ok(_) => {
+                info!(%lease, runner = %registration.runner_name, "removed the registration of a launch that started nothing");
+            }
+            Err(e) => {
+                warn!(%lease, runner = %registration.runner_name, error = %e,
+                      "cannot remove the registration of a launch that started nothing; the registration pass removes it");
+            }
+        }
+    }
+
+    /// What the plane does with a launch's outcome: a launched lease is
+    /// covered; a lost one is the node's if it may have started a runner;
+    /// any other is failed, released and backed off. `registration` is the
+    /// one this plane minted before dispatching, removed here whenever the
+    /// lease ends with nothing started.
+    async fn launch_ended(
+        self: Arc<Self>,
+        lease: crate::ledger::Lease,
+        node: Arc<NodeLink>,
+        outcome: CommandOutcome,
+        registration: Option<pb::JitConfig>,
+    ) {
+        let tier = &self.config.tier;
         self.cover
             .lock()
             .expect("cover")
@@ -1043,18 +1165,29 @@ impl Plane {
         // one ledger transaction: a mint recorded in between would leave a
         // runner started on a lease already ended. A ledger error counts as
         // minted, the careful side (the lease stays open and covered).
+        //
+        // A registration this plane minted before dispatching is recorded
+        // from the start, so there the question is the bind instead: the
+        // node starts nothing before its bind holds (issue #14).
         let minted = match &outcome {
-            CommandOutcome::Lost(_) => match self
-                .ledger
-                .release_unminted(&lease.id, lease.epoch, crate::now_ms())
-                .await
-            {
-                Ok(released) => released.is_none(),
-                Err(e) => {
-                    warn!(error = %e, "the lost launch's lease could not be judged; it is treated as minted");
-                    true
+            CommandOutcome::Lost(_) => {
+                let judged = if registration.is_some() {
+                    self.ledger
+                        .release_unbound(&lease.id, lease.epoch, crate::now_ms())
+                        .await
+                } else {
+                    self.ledger
+                        .release_unminted(&lease.id, lease.epoch, crate::now_ms())
+                        .await
+                };
+                match judged {
+                    Ok(released) => released.is_none(),
+                    Err(e) => {
+                        warn!(error = %e, "the lost launch's lease could not be judged; it is treated as minted");
+                        true
+                    }
                 }
-            },
+            }
             _ => false,
         };
         if minted {
@@ -1140,6 +1273,12 @@ impl Plane {
             {
                 warn!(error = %e, "release after a failed launch");
             }
+        }
+        // Nothing started (the node said so, or never bound the lost
+        // launch's lease): the registration minted for it goes now. A node
+        // holding the lease removes it itself with what it started.
+        if !custody && let Some(registration) = &registration {
+            self.remove_minted(&lease.id, registration).await;
         }
         self.wake.notify_one();
     }
@@ -1934,6 +2073,7 @@ mod tests {
                 docker_image_store: false,
             },
             launch_timeout: Duration::from_secs(30),
+            mint_before_dispatch: true,
             destroy_timeout: Duration::from_secs(30),
             reap_interval: Duration::from_secs(60),
             max_runners: 10,

@@ -793,6 +793,7 @@ impl Bench {
             .await
             .context("reserve a lease")?;
         let command = pb::command::Kind::Launch(pb::Launch {
+            registration: None,
             lease: Some(lease_to_wire(&lease)),
             tier: Some(pb::TierSpec {
                 label: TIER.into(),

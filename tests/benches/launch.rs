@@ -2,12 +2,16 @@
 //!
 //! Measures, interleaved in one run against the same engine and image:
 //!
-//! - **(a) Launch**: the plane's [`NodeLink::dispatch`] of a `Launch` command to a real
-//!   `billet node` process over mTLS, from sending the command to receiving its result. It covers
-//!   the session, the node's single slot, `Bind` and `Advance(launching)` written to the plane's
-//!   SQLite ledger in one node call on the session (`BindAdvance`, one transaction), the JIT config
-//!   minted by the plane from the
-//!   scale-set emulator, and the Docker provider's create and start of the container.
+//! - **(a) Launch**: the plane's launch of a lease on a real `billet node` process over mTLS, from
+//!   the plane's first step to receiving the node's result. By default (`BILLET_BENCH_MINT=plane`,
+//!   issue #14) the plane mints the JIT config from the scale-set emulator and records it in its
+//!   SQLite ledger first, as `billet-plane` does for a node that takes a registration, then
+//!   [`NodeLink::dispatch`]es the `Launch` carrying it; the node creates the container beside
+//!   `BindAdvance` (Bind and Advance(launching) in one node call and one ledger transaction) and
+//!   starts it once the bind holds. With `BILLET_BENCH_MINT=node` the `Launch` carries no
+//!   registration and the node asks the plane to mint (`MintJit`) after its bind and before its
+//!   create, as an older plane or node does. Either way it covers the session, the node's single
+//!   slot, the mint and the Docker provider's create and start of the container.
 //! - **(b) baseline**: what a launch cannot do without: a JIT config minted from the scale-set
 //!   emulator exactly as the plane mints one (the stub's `Github::mint`), then the same container
 //!   (image, entrypoint, environment with that config, labels, CPU and memory limits, network)
@@ -24,6 +28,7 @@
 //! ```text
 //! cargo bench -p billet-tests --bench launch
 //! BILLET_BENCH_ITERATIONS=50 BILLET_BENCH_WARMUP=5 cargo bench -p billet-tests --bench launch
+//! BILLET_BENCH_MINT=node cargo bench -p billet-tests --bench launch
 //! ```
 //!
 //! Run without `--bench` (as `cargo test --benches` does), it makes one unmeasured pass as a
@@ -150,6 +155,9 @@ struct Bench {
     github: Github,
     /// The node's `--metrics-listen` address, read for the per-step breakdown.
     metrics: std::net::SocketAddr,
+    /// (a) mints before dispatching and sends the registration in the `Launch`; otherwise the
+    /// node mints (`BILLET_BENCH_MINT`).
+    plane_mints: bool,
 }
 
 /// What one run measured: (a) whole, (b) whole and in its two parts, and the node's own
@@ -166,6 +174,11 @@ struct Measured {
 }
 
 async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
+    let plane_mints = match std::env::var("BILLET_BENCH_MINT").as_deref() {
+        Ok("plane") | Err(_) => true,
+        Ok("node") => false,
+        Ok(other) => bail!("BILLET_BENCH_MINT must be `plane` or `node`, not {other:?}"),
+    };
     let docker = connect_docker().await?;
     let engine = docker
         .version()
@@ -193,6 +206,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         docker,
         next_request_id: FIRST_REQUEST_ID,
         metrics,
+        plane_mints,
     };
 
     let measuring_since = Instant::now();
@@ -252,13 +266,25 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         "container: {STANDIN_IMAGE}, {VCPU} vCPU, {} MiB, network host; node `billet node` over mTLS on this host",
         MEMORY_BYTES >> 20
     );
+    println!(
+        "(a) mints {} (BILLET_BENCH_MINT={})",
+        if plane_mints {
+            "at the plane before dispatch; the node creates beside its bind"
+        } else {
+            "at the node's MintJit, after its bind and before its create"
+        },
+        if plane_mints { "plane" } else { "node" }
+    );
     println!();
     println!(
         "  {:<52} {:>8} {:>8} {:>8} {:>8}",
         "ms", "median", "p90", "min", "max"
     );
     for (label, samples) in [
-        ("(a) Launch: plane dispatch -> node result, mTLS", &launch),
+        (
+            "(a) Launch: plane's mint or dispatch -> node result",
+            &launch,
+        ),
         ("(b) baseline: JIT mint + Docker create + start", &baseline),
     ] {
         println!(
@@ -458,10 +484,15 @@ impl Bench {
             )
             .await
             .context("reserve a lease")?;
-        let command = launch_command(&lease);
         let node = self.node()?;
 
         let started = Instant::now();
+        let registration = if self.plane_mints {
+            Some(self.mint_ahead(&lease).await?)
+        } else {
+            None
+        };
+        let command = launch_command(&lease, registration);
         let outcome = node.dispatch(command, COMMAND_TIMEOUT).await;
         let elapsed = started.elapsed();
 
@@ -483,6 +514,33 @@ impl Bench {
         );
         self.tear_down(&lease).await?;
         Ok(elapsed)
+    }
+
+    /// Mints the lease's registration and records it in the ledger, as the stub plane's launch
+    /// does before it dispatches (`Plane::mint_ahead`).
+    async fn mint_ahead(&self, lease: &Lease) -> Result<pb::JitConfig> {
+        let name = format!("billet-{}", lease.id);
+        let minted = self
+            .github
+            .mint(TIER, &name)
+            .await
+            .with_context(|| format!("mint a JIT config for {name}"))?;
+        self.cluster
+            .plane
+            .ledger()
+            .set_runner(
+                &lease.id,
+                lease.epoch,
+                minted.runner_id,
+                &minted.runner_name,
+            )
+            .await
+            .with_context(|| format!("record the registration of lease {}", lease.id))?;
+        Ok(pb::JitConfig {
+            encoded_jit_config: minted.config,
+            runner_id: minted.runner_id,
+            runner_name: minted.runner_name,
+        })
     }
 
     /// Destroys the lease's instance through the node, releases the lease and removes its runner
@@ -670,9 +728,11 @@ impl Bench {
     }
 }
 
-/// A launch as the plane sends it (tests/tests/commands.rs), with [`RUNNER_ENV`].
-fn launch_command(lease: &Lease) -> pb::command::Kind {
+/// A launch as the plane sends it (tests/tests/commands.rs), with [`RUNNER_ENV`] and the
+/// registration the plane minted, if it did.
+fn launch_command(lease: &Lease, registration: Option<pb::JitConfig>) -> pb::command::Kind {
     pb::command::Kind::Launch(pb::Launch {
+        registration,
         lease: Some(lease_to_wire(lease)),
         tier: Some(pb::TierSpec {
             label: TIER.into(),

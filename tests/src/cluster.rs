@@ -39,6 +39,10 @@ pub struct ClusterOptions {
     pub lease_ttl: Duration,
     /// Launch timeout at the plane.
     pub launch_timeout: Duration,
+    /// The plane mints each launch's registration before dispatching it
+    /// (issue #14; [`PlaneConfig::mint_before_dispatch`]). On by default,
+    /// as in `billet-plane`; off, the node mints through `MintJit`.
+    pub mint_before_dispatch: bool,
     /// Extra environment for node processes.
     pub node_env: Vec<(String, String)>,
     /// The Docker socket the nodes use.
@@ -135,6 +139,7 @@ impl Default for ClusterOptions {
             node_log: "info".into(),
             lease_ttl: Duration::from_secs(15),
             launch_timeout: Duration::from_secs(120),
+            mint_before_dispatch: true,
             node_env: Vec::new(),
             docker_socket: PathBuf::from("/var/run/docker.sock"),
             maintenance_interval: Duration::from_secs(2),
@@ -938,6 +943,7 @@ impl Cluster {
                 docker_image_store: options.docker_image_store,
             },
             launch_timeout: options.launch_timeout,
+            mint_before_dispatch: options.mint_before_dispatch,
             destroy_timeout: Duration::from_secs(60),
             reap_interval: Duration::from_secs(1),
             max_runners: 20,

@@ -14,6 +14,7 @@ use scaleset::testing::{Endpoint, Fault};
 
 fn launch(lease: &billet_controlplane_stub::ledger::Lease) -> pb::command::Kind {
     pb::command::Kind::Launch(pb::Launch {
+        registration: None,
         lease: Some(lease_to_wire(lease)),
         tier: Some(pb::TierSpec {
             label: TIER.into(),

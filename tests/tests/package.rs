@@ -328,6 +328,7 @@ async fn plane_for(
             docker_image_store: false,
         },
         launch_timeout: Duration::from_secs(60),
+        mint_before_dispatch: true,
         destroy_timeout: Duration::from_secs(60),
         reap_interval: Duration::from_secs(1),
         max_runners: 1,

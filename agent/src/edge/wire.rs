@@ -30,6 +30,9 @@ pub enum NodeCommand {
         tier: TierSpec,
         /// The job behind it.
         job: Job,
+        /// The runner registration the plane minted before dispatching
+        /// (`Launch.registration`); `None` when the node mints.
+        registration: Option<crate::node::plane::Registration>,
     },
     /// Tear down whatever was started for a request.
     Destroy {
@@ -189,10 +192,48 @@ pub fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
     }
 }
 
+/// A registration the plane minted for `lease` (`Launch.registration`): a
+/// positive runner id, the runner name `billet-<lease id>` (the name the
+/// node's instance and every removal use) and a config that is not empty.
+fn registration(
+    r: pb::JitConfig,
+    lease: &LeaseId,
+) -> Result<crate::node::plane::Registration, InvalidField> {
+    if r.runner_id <= 0 {
+        return Err(InvalidField::new(
+            "launch.registration.runner_id",
+            "must be the positive id GitHub gave the registration",
+        ));
+    }
+    let expected = crate::edge::model::InstanceName::for_lease(lease);
+    if r.runner_name != expected.as_str() {
+        return Err(InvalidField::new(
+            "launch.registration.runner_name",
+            format!("must be {expected}, the runner name of the lease"),
+        ));
+    }
+    if r.encoded_jit_config.is_empty() {
+        return Err(InvalidField::new(
+            "launch.registration.encoded_jit_config",
+            "must not be empty",
+        ));
+    }
+    Ok(crate::node::plane::Registration {
+        config: crate::edge::model::JitConfig::new(r.encoded_jit_config),
+        runner_id: r.runner_id,
+        runner_name: r.runner_name,
+    })
+}
+
 fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
     use pb::command::Kind;
     Ok(match kind {
-        Kind::Launch(pb::Launch { lease, tier, job }) => {
+        Kind::Launch(pb::Launch {
+            lease,
+            tier,
+            job,
+            registration,
+        }) => {
             let lease = lease.ok_or_else(|| InvalidField::new("launch.lease", "is missing"))?;
             let lease = self::lease(lease, "launch.lease")?;
             let tier =
@@ -207,7 +248,15 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                     ),
                 ));
             }
-            NodeCommand::Launch { lease, tier, job }
+            let registration = registration
+                .map(|r| self::registration(r, &lease.id))
+                .transpose()?;
+            NodeCommand::Launch {
+                lease,
+                tier,
+                job,
+                registration,
+            }
         }
         Kind::Destroy(pb::Destroy {
             request_id,
@@ -577,6 +626,7 @@ pub(crate) mod tests {
             deadline_unix_ms: 1,
             deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
+                registration: None,
                 lease: Some(pb::Lease {
                     id: "l1".into(),
                     epoch: 1,
@@ -615,6 +665,7 @@ pub(crate) mod tests {
             deadline_unix_ms: 1_767_225_600_000,
             deadline_remaining_ms: Some(45_000),
             kind: Some(pb::command::Kind::Launch(pb::Launch {
+                registration: None,
                 lease: Some(pb::Lease {
                     id: "lease-7f3a".into(),
                     epoch: 4,
@@ -672,6 +723,7 @@ pub(crate) mod tests {
     /// the conversion.
     fn full_launch_expected() -> NodeCommand {
         NodeCommand::Launch {
+            registration: None,
             lease: Lease {
                 id: LeaseId::parse("test", "lease-7f3a").unwrap(),
                 epoch: Epoch(4),
@@ -1136,6 +1188,7 @@ pub(crate) mod properties {
                 any::<i64>()
             )
                 .prop_map(|(lease, tier, r)| Some(Kind::Launch(pb::Launch {
+                    registration: None,
                     lease,
                     tier,
                     job: Some(pb::Job {

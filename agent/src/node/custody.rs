@@ -1086,12 +1086,13 @@ impl Runner {
                             l.request_id = RequestId(r.request_id);
                         }
                         let record = requests.get(lease.as_str());
-                        // Journaled as created while it started (issue #14),
-                        // an instance still `created` never ran: the
-                        // earlier process died before its start answered.
-                        let unconfirmed = record.is_some_and(|r| {
-                            !r.created || instance.state == InstanceState::Created
-                        });
+                        // An instance still `created` never ran, whatever
+                        // its record says (issue #14): the earlier process
+                        // died before its start answered, or before the
+                        // record of a launch that created beside its bind
+                        // was synced, so there may be no record at all.
+                        let unconfirmed = instance.state == InstanceState::Created
+                            || record.is_some_and(|r| !r.created);
                         if unconfirmed
                             && self
                                 .retire_idle_runner(&lease, l.epoch, record)

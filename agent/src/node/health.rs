@@ -689,12 +689,13 @@ impl Provider for WatchedProvider {
         &self,
         spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        start: crate::provider::StartGate,
     ) -> Result<Instance, ProviderError> {
         let operation = format!("create {}", spec.name);
         self.bounded(
             operation,
             self.create_timeout,
-            self.inner.create_then_start(spec, created),
+            self.inner.create_then_start(spec, created, start),
         )
         .await
     }

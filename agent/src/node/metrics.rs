@@ -702,6 +702,7 @@ impl Provider for MeteredProvider {
         &self,
         spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        gate: crate::provider::StartGate,
     ) -> Result<Instance, ProviderError> {
         let start = Instant::now();
         // Passed on as soon as the instance exists, timed on the way.
@@ -713,7 +714,8 @@ impl Provider for MeteredProvider {
             }
             at
         };
-        let (r, created_after) = tokio::join!(self.inner.create_then_start(spec, exists), forward);
+        let (r, created_after) =
+            tokio::join!(self.inner.create_then_start(spec, exists, gate), forward);
         let (took, ok) = timed(start, &r);
         self.observe("create", took, ok);
         // The Docker provider's create also starts the container: `create`

@@ -114,7 +114,7 @@ impl LaunchedSet {
 }
 
 /// A minted runner registration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Registration {
     /// The encoded config, a credential.
     pub config: JitConfig,

@@ -26,7 +26,7 @@ use tracing::{info, warn};
 use super::custody::CustodyEntry;
 use super::ending::{EndReason, Removals};
 use super::journal::{Journal, LaunchRecord, MemoryJournal};
-use super::plane::{JitSource, LeaseStore, PlaneError};
+use super::plane::{JitSource, LeaseStore, PlaneError, Registration};
 use crate::cache::Store;
 use crate::edge::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
@@ -301,6 +301,24 @@ pub struct Runner {
     /// The Actions cache proxy (`cache/actions/`); `None`: no guest gets
     /// one.
     pub(super) actions: Option<Arc<crate::cache::actions::proxy::ActionsProxy>>,
+}
+
+/// Why a launch beside its bind did not start its instance.
+enum Unready {
+    /// Nothing of this launch holds the lease: the check or the bind
+    /// refused it (a lease the bind took is released already).
+    Refused(RunnerError),
+    /// The lease is bound here and the launch cannot go on (its record
+    /// could not be journaled, or the plane would not resize it).
+    Bound(String),
+}
+
+/// Whether a launch of `tier` mounts nothing and opens no cache session
+/// (no sticky disk, no Docker image store, no Actions cache): only such a
+/// launch is created beside its bind, since a mount is taken under the
+/// bound lease.
+fn asks_nothing_of_the_cache(tier: &TierSpec) -> bool {
+    tier.sticky_disks.is_empty() && !tier.docker_image_store && tier.actions_cache.is_none()
 }
 
 pub(super) fn now_plus(grace: Duration, since: Instant) -> bool {
@@ -661,6 +679,28 @@ impl Runner {
     /// the lease); [`RunnerError::Custody`] when something may have started
     /// and this node now holds the lease.
     pub async fn launch(&self, lease: Lease, tier: TierSpec, job: Job) -> Result<(), RunnerError> {
+        self.launch_with(lease, tier, job, None).await
+    }
+
+    /// [`Runner::launch`], with the runner registration the plane minted
+    /// before it dispatched the launch (`Launch.registration`, issue #14)
+    /// when it sent one. With a registration the node asks no mint; for a
+    /// tier that asks nothing of the cache (whose mounts need the bind) it
+    /// also creates the instance beside the bind and starts it only once
+    /// the bind holds ([`Runner::launch_beside_bind`]), so the create no
+    /// longer waits for a plane round trip. A registration whose launch is
+    /// answered neither OK nor with custody is the plane's to remove.
+    ///
+    /// # Errors
+    ///
+    /// As [`Runner::launch`].
+    pub async fn launch_with(
+        &self,
+        lease: Lease,
+        tier: TierSpec,
+        job: Job,
+        registration: Option<Registration>,
+    ) -> Result<(), RunnerError> {
         let kind = self.provider.kind();
         if !lease.providers.is_empty() && !lease.providers.iter().any(|p| p == kind) {
             return Err(RunnerError::Failed(format!(
@@ -722,8 +762,11 @@ impl Runner {
             epoch: lease.epoch.0,
             request_id: lease.request_id.0,
             instance: name.as_str().to_owned(),
-            runner_id: 0,
-            runner_name: String::new(),
+            runner_id: registration.as_ref().map_or(0, |r| r.runner_id),
+            runner_name: registration
+                .as_ref()
+                .map(|r| r.runner_name.clone())
+                .unwrap_or_default(),
             created: false,
         };
         // The record is synced while the image is checked and the lease
@@ -734,6 +777,29 @@ impl Runner {
         // whose earlier record still carries a pending registration removal
         // is not overwritten until its bind proves this launch current.
         let pending_removal = self.state().removals.contains(&lease.id);
+        if let Some(registration) = &registration
+            && !pending_removal
+            && asks_nothing_of_the_cache(&tier)
+        {
+            let result = self
+                .launch_beside_bind(
+                    &lease,
+                    &tier,
+                    &name,
+                    &job,
+                    &mut record,
+                    registration.clone(),
+                )
+                .await;
+            self.state().launching.remove(&lease.id);
+            if matches!(
+                result,
+                Err(RunnerError::Failed(_) | RunnerError::Refused(_))
+            ) {
+                self.forget(&lease.id).await;
+            }
+            return result;
+        }
         let (journaled, prepared) = if pending_removal {
             let prepared = self.check_and_bind(&lease, &tier).await;
             let journaled = match &prepared {
@@ -768,7 +834,7 @@ impl Runner {
                 lease.id
             ))),
             Ok(()) => {
-                self.launch_bound(&lease, &tier, &name, &job, &mut record)
+                self.launch_bound(&lease, &tier, &name, &job, &mut record, registration)
                     .await
             }
         };
@@ -899,9 +965,14 @@ impl Runner {
         name: &InstanceName,
         job: &Job,
         record: &mut LaunchRecord,
+        minted: Option<Registration>,
     ) -> Result<(), RunnerError> {
         let (vcpu, memory) = self.resize_to_shape(lease).await?;
-        let registration = match self.jit.mint(&lease.id, lease.epoch, name).await {
+        let minted = match minted {
+            Some(r) => Ok(r),
+            None => self.jit.mint(&lease.id, lease.epoch, name).await,
+        };
+        let registration = match minted {
             Ok(r) => r,
             Err(mint_error) => {
                 // The mint may have happened and only its answer been lost:
@@ -969,31 +1040,7 @@ impl Runner {
         }
         match created {
             Ok(instance) => {
-                info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
-                      repository = %job.repository, "launched");
-                self.state().running.insert(
-                    lease.request_id,
-                    Running {
-                        lease: lease.id.clone(),
-                        epoch: lease.epoch,
-                        instance: name.clone(),
-                        registration: (record.runner_id, record.runner_name.clone()),
-                        since: Instant::now(),
-                        online: false,
-                        retire_tried: false,
-                        warned_hours: 0,
-                    },
-                );
-                // Only once the start has answered: a record saying created
-                // is adopted as a job by recovery without asking GitHub, so
-                // it must not name an instance whose start may have failed
-                // (issue #14 tried writing it beside the start; the
-                // simulation's seed 9344, a create that fails after
-                // starting and a crash, adopted a runner with no job).
-                record.created = true;
-                if let Err(e) = self.journal.amend_launch(record).await {
-                    warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
-                }
+                self.started(lease, name, job, record, &instance).await;
                 Ok(())
             }
             Err(create_error) => {
@@ -1002,11 +1049,175 @@ impl Runner {
                     lease,
                     name,
                     (registration.runner_id, registration.runner_name),
-                    create_error,
+                    &format!("create {name}: {create_error}"),
                 )
                 .await
             }
         }
+    }
+
+    /// A launch's instance started: it runs here from now on, and its
+    /// record says so.
+    async fn started(
+        &self,
+        lease: &Lease,
+        name: &InstanceName,
+        job: &Job,
+        record: &mut LaunchRecord,
+        instance: &Instance,
+    ) {
+        info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
+              repository = %job.repository, "launched");
+        self.state().running.insert(
+            lease.request_id,
+            Running {
+                lease: lease.id.clone(),
+                epoch: lease.epoch,
+                instance: name.clone(),
+                registration: (record.runner_id, record.runner_name.clone()),
+                since: Instant::now(),
+                online: false,
+                retire_tried: false,
+                warned_hours: 0,
+            },
+        );
+        // Only once the start has answered: a record saying created
+        // is adopted as a job by recovery without asking GitHub, so
+        // it must not name an instance whose start may have failed
+        // (issue #14 tried writing it beside the start; the
+        // simulation's seed 9344, a create that fails after
+        // starting and a crash, adopted a runner with no job).
+        record.created = true;
+        if let Err(e) = self.journal.amend_launch(record).await {
+            warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
+        }
+    }
+
+    /// A launch carrying its registration, of a tier that asks nothing of
+    /// the cache (issue #14): the instance is created beside the launch
+    /// record's sync, the image check and `BindAdvance`, and started only
+    /// once all three have passed (and the lease is resized, when the
+    /// provider runs it at another size), so the create, about ten times
+    /// the bind, hides the bind. Nothing runs before the lease is bound
+    /// here and the launch is journaled: a refusal or a failed journal
+    /// write withholds the start and removes the created instance; a
+    /// restart that finds the instance still `created` tears it down
+    /// without adopting it, record or no record. The registration is
+    /// already in the record, so no amendment waits beside the create.
+    async fn launch_beside_bind(
+        &self,
+        lease: &Lease,
+        tier: &TierSpec,
+        name: &InstanceName,
+        job: &Job,
+        record: &mut LaunchRecord,
+        registration: Registration,
+    ) -> Result<(), RunnerError> {
+        let (vcpu, memory) = self
+            .provider
+            .shape(lease.vcpu, lease.memory)
+            .await
+            .map_err(|e| {
+                RunnerError::Failed(format!(
+                    "ask the provider what lease {} would run at, so nothing was started: {e}",
+                    lease.id
+                ))
+            })?;
+        let spec = InstanceSpec {
+            name: name.clone(),
+            lease: lease.id.clone(),
+            epoch: lease.epoch,
+            request_id: lease.request_id,
+            image: tier.image.clone(),
+            command: tier.command.clone(),
+            vcpu,
+            memory,
+            shm: tier.shm,
+            network: tier.network.clone(),
+            env: tier.env.clone(),
+            jit_config: registration.config,
+            binds: Vec::new(),
+            cache_token: None,
+            actions_proxy: None,
+        };
+        let (open, gate) = tokio::sync::oneshot::channel();
+        let (created, _) = tokio::sync::oneshot::channel();
+        let written = record.clone();
+        let ready = async {
+            let (journaled, prepared) = tokio::join!(
+                self.journal.put_launch(&written),
+                self.check_and_bind(lease, tier)
+            );
+            let ready = match (journaled, prepared) {
+                (_, Err(refused)) => Err(Unready::Refused(refused)),
+                (Err(e), Ok(())) => Err(Unready::Bound(format!(
+                    "cannot journal the launch of {}, so nothing was started: {e}",
+                    lease.id
+                ))),
+                (Ok(()), Ok(())) => self
+                    .resize_to(lease, vcpu, memory)
+                    .await
+                    .map_err(|e| Unready::Bound(e.to_string())),
+            };
+            let _ = open.send(ready.is_ok());
+            ready
+        };
+        let (ready, created) =
+            tokio::join!(ready, self.provider.create_then_start(spec, created, gate));
+        let registered = (registration.runner_id, registration.runner_name);
+        match (ready, created) {
+            (Ok(()), Ok(instance)) => {
+                self.started(lease, name, job, record, &instance).await;
+                Ok(())
+            }
+            (Ok(()), Err(create_error)) => {
+                warn!(lease = %lease.id, error = %create_error, "create failed; removing the registration, then any stray");
+                self.fail_launch(
+                    lease,
+                    name,
+                    registered,
+                    &format!("create {name}: {create_error}"),
+                )
+                .await
+            }
+            // Bound here, and nothing started: the registration and the
+            // created instance go as after a failed create, and what is not
+            // proven gone is held.
+            (Err(Unready::Bound(cause)), _) => {
+                warn!(lease = %lease.id, %cause, "the launch cannot go on; removing the registration and the created instance");
+                self.fail_launch(lease, name, registered, &cause).await
+            }
+            // Not bound here (or released by the refused check): nothing
+            // started, and the plane removes the registration it minted.
+            // An instance created meanwhile is removed; one that cannot be
+            // is never started and goes with the next sweep.
+            (Err(Unready::Refused(refused)), _) => {
+                match self.provider.destroy(name).await {
+                    Ok(_) => {}
+                    Err(e) => {
+                        warn!(lease = %lease.id, instance = %name, error = %e, "cannot remove the instance created beside a refused launch; it was never started, and the next sweep removes it");
+                    }
+                }
+                if let Err(e) = self.journal.forget_launch(lease.id.as_str()).await {
+                    warn!(lease = %lease.id, error = %e, "cannot clear the record of a launch that was refused; a restart re-checks it");
+                }
+                Err(refused)
+            }
+        }
+    }
+
+    /// After the bind: the lease resized to `vcpu` and `memory` when the
+    /// provider runs it at another size than it asks ([`Runner::resize_to_shape`]).
+    async fn resize_to(
+        &self,
+        lease: &Lease,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), RunnerError> {
+        if (vcpu, memory) == (lease.vcpu, lease.memory) {
+            return Ok(());
+        }
+        self.resize_to_shape(lease).await.map(|_| ())
     }
 
     /// spec/node.md §2.2 step 14: routing first, then compute, and hold
@@ -1016,7 +1227,7 @@ impl Runner {
         lease: &Lease,
         name: &InstanceName,
         registration: (i64, String),
-        create_error: ProviderError,
+        cause: &str,
     ) -> Result<(), RunnerError> {
         // Held (and journaled) before any cleanup, so a node that dies
         // midway finds a failed launch to tear down, not a job to adopt.
@@ -1037,7 +1248,7 @@ impl Runner {
             .await
         {
             return Err(RunnerError::Custody(format!(
-                "create {name} failed ({create_error}) and its registration could not be removed ({e}); holding the lease until both are cleaned up"
+                "{cause}, and the registration could not be removed ({e}); holding the lease until both are cleaned up"
             )));
         }
         entry.registration = None;
@@ -1058,16 +1269,14 @@ impl Runner {
         if entry.unconfirmed {
             self.update(&lease.id, entry).await;
             return Err(RunnerError::Custody(format!(
-                "create {name} failed ({create_error}); holding the lease until the instance is proven gone"
+                "{cause}; holding the lease until the instance is proven gone"
             )));
         }
         // Registration removed and instance proven gone: nothing is held,
         // and the caller releases the lease.
         self.state().custody.remove(&lease.id);
         self.forget(&lease.id).await;
-        Err(RunnerError::Failed(format!(
-            "create {name}: {create_error}"
-        )))
+        Err(RunnerError::Failed(cause.to_owned()))
     }
 
     /// Whether a runner still working when its job's completion arrives

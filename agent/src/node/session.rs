@@ -212,6 +212,7 @@ impl NodeService {
             held: Some(held(&self.runner)),
             degraded: health.degraded(),
             degraded_reasons: wire::degraded_reasons(&health),
+            launches_with_registration: true,
         }
     }
 
@@ -768,13 +769,18 @@ async fn execute(
         }
     };
     match command {
-        NodeCommand::Launch { lease, tier, job } => {
+        NodeCommand::Launch {
+            lease,
+            tier,
+            job,
+            registration,
+        } => {
             let launched = Launched {
                 lease: lease.id.clone(),
                 epoch: lease.epoch,
                 request_id: lease.request_id,
             };
-            let r = runner.launch(lease, tier, job).await;
+            let r = runner.launch_with(lease, tier, job, registration).await;
             let success = r.is_ok();
             (from_runner(r), success.then_some(launched))
         }
@@ -1349,6 +1355,126 @@ mod scenarios {
         task.await.expect("executor");
     }
 
+    /// A launch as [`launch`] makes, carrying the registration the plane
+    /// minted before dispatching it (issue #14).
+    fn push_registered_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {
+        let mut command = crate::edge::wire::tests::launch();
+        command.id = id.into();
+        command.deadline_unix_ms = now_unix_ms() + 60_000;
+        let Some(pb::command::Kind::Launch(launch)) = &mut command.kind else {
+            unreachable!("wire::tests::launch is a launch");
+        };
+        let lease = launch
+            .lease
+            .as_ref()
+            .map(|l| l.id.clone())
+            .unwrap_or_default();
+        launch.registration = Some(pb::JitConfig {
+            encoded_jit_config: "plane-minted".into(),
+            runner_id: 77,
+            runner_name: format!("billet-{lease}"),
+        });
+        let (id, command) = wire::command(command)
+            .command
+            .expect("a well-formed launch");
+        let admission = slot.push(Queued {
+            id,
+            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
+            command,
+            session: Arc::clone(session),
+        });
+        assert!(matches!(admission, Admission::Queued), "{admission:?}");
+    }
+
+    /// Issue #14: a launch carrying the registration the plane minted asks
+    /// the plane once (`BindAdvance`) and never to mint, and its instance
+    /// runs with that registration's config.
+    #[tokio::test]
+    async fn a_launch_carrying_its_registration_asks_the_plane_once_and_mints_nothing() {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, default_answer);
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_registered_launch(&slot, &plane.session, "c1");
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
+        assert_eq!(
+            plane.calls(),
+            ["bind_advance"],
+            "plane round trips on the launch path"
+        );
+        let used: Vec<String> = provider
+            .jit_configs_used()
+            .iter()
+            .map(|c| c.expose().to_owned())
+            .collect();
+        assert_eq!(used, ["plane-minted"]);
+        let instances = provider.instances();
+        assert_eq!(instances.len(), 1);
+        assert_eq!(instances[0].state, crate::provider::InstanceState::Running);
+        let held = runner.held();
+        assert_eq!(held.len(), 1, "{held:?}");
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
+    /// Issue #14: the instance of a launch carrying its registration is
+    /// created before the bind is answered, and started only once it is:
+    /// a refused bind leaves nothing running and nothing behind (the
+    /// created instance removed unstarted), asks the plane to remove
+    /// nothing (the registration is the plane's), and holds nothing.
+    #[tokio::test]
+    async fn a_launch_carrying_its_registration_whose_bind_is_refused_removes_its_unstarted_instance()
+     {
+        let provider = Arc::new(FakeProvider::new());
+        let (runner, link) = node(provider.clone());
+        let mut plane = open_plane(&link, |call| match call {
+            pb::node_call::Call::BindAdvance(_) => Err(pb::ErrorCode::Fenced),
+            other => default_answer(other),
+        });
+        let slot = Arc::new(CommandSlot::new());
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(execute_commands(
+            runner.clone(),
+            slot.clone(),
+            executor(Arc::new(Recovery::done())),
+            cancel.clone(),
+        ));
+        push_registered_launch(&slot, &plane.session, "c1");
+        let result = plane.result().await;
+        assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+        assert!(!result.custody, "{result:?}");
+        assert_eq!(plane.calls(), ["bind_advance"]);
+        let operations: Vec<_> = provider
+            .calls()
+            .iter()
+            .map(crate::provider::fake::Call::operation)
+            .collect();
+        assert!(
+            operations.contains(&crate::provider::fake::Operation::Create),
+            "the instance was not created beside the bind: {operations:?}"
+        );
+        assert!(
+            operations.contains(&crate::provider::fake::Operation::Destroy),
+            "the unstarted instance was not removed: {operations:?}"
+        );
+        assert!(
+            provider.instances().is_empty(),
+            "{:?}",
+            provider.instances()
+        );
+        assert!(!runner.holding());
+        cancel.cancel();
+        task.await.expect("executor");
+    }
+
     /// Issue #17 item 5: a lease asking for more vCPUs than the provider
     /// runs (the Docker engine refuses a limit above its host's CPUs) is
     /// resized in the ledger to what runs, after the bind and before the
@@ -1854,6 +1980,7 @@ mod scenarios {
             deadline_unix_ms: now_unix_ms() + 60_000,
             deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
+                registration: None,
                 lease: None,
                 tier: Some(pb::TierSpec {
                     label: "linux".into(),
@@ -1897,6 +2024,7 @@ mod scenarios {
             deadline_unix_ms: now_unix_ms() + 60_000,
             deadline_remaining_ms: None,
             kind: Some(pb::command::Kind::Launch(pb::Launch {
+                registration: None,
                 lease: None,
                 tier: None,
                 job: None,

@@ -494,9 +494,10 @@ impl Provider for DockerProvider {
         &self,
         spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
         let operation = format!("create {}", spec.name);
-        self.bounded(&operation, self.create_unbounded(spec, created))
+        self.bounded(&operation, self.create_unbounded(spec, created, start))
             .await
     }
 
@@ -611,6 +612,7 @@ impl DockerProvider {
         &self,
         spec: InstanceSpec,
         exists: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
         let (name, body) = self.container_for(&spec)?;
         let operation = format!("create {name}");
@@ -651,6 +653,7 @@ impl DockerProvider {
         }
         // The container exists: the caller may record it while it starts.
         let _ = exists.send(());
+        super::await_start(start, &operation).await?;
 
         docker
             .start_container(&created.id, None)

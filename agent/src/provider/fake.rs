@@ -455,6 +455,7 @@ impl Provider for FakeProvider {
         &self,
         spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
         {
             let mut state = self.state();
@@ -500,6 +501,7 @@ impl Provider for FakeProvider {
             instance
         };
         let _ = created.send(());
+        super::await_start(start, &operation).await?;
         let mut blocked = self.blocked.subscribe();
         // The sender lives as long as `self`, so this cannot fail.
         let _ = blocked

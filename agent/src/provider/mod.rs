@@ -213,6 +213,41 @@ pub enum ProviderError {
     /// The spec cannot be run by this provider.
     #[error("refused: {0}")]
     Refused(String),
+    /// The caller withheld the start of an instance it had created
+    /// ([`Provider::create_then_start`]'s `start` said `false` or was
+    /// dropped): it stays created and never started, for the caller to
+    /// remove.
+    #[error("{operation}: the start was withheld")]
+    StartWithheld {
+        /// What was attempted, such as `create billet-abc`.
+        operation: String,
+    },
+}
+
+/// Whether a created instance may start: `true` starts it; `false`, or the
+/// sender dropped, withholds the start ([`Provider::create_then_start`]).
+pub type StartGate = tokio::sync::oneshot::Receiver<bool>;
+
+/// A [`StartGate`] already open: the instance starts as soon as it exists.
+pub fn start_now() -> StartGate {
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let _ = open.send(true);
+    gate
+}
+
+/// Waits for `gate`: `Ok` to start, [`ProviderError::StartWithheld`] for
+/// `operation` when the start is withheld.
+///
+/// # Errors
+///
+/// [`ProviderError::StartWithheld`].
+pub async fn await_start(gate: StartGate, operation: &str) -> Result<(), ProviderError> {
+    match gate.await {
+        Ok(true) => Ok(()),
+        Ok(false) | Err(_) => Err(ProviderError::StartWithheld {
+            operation: operation.to_owned(),
+        }),
+    }
 }
 
 /// Something that runs runners: the Docker engine, a local process, a VM.
@@ -249,32 +284,39 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     /// Creates and starts an instance. Returns once it is created.
     ///
     /// [`Provider::create_then_start`] without being told when the instance
-    /// exists.
+    /// exists, starting it at once.
     ///
     /// # Errors
     ///
     /// [`ProviderError`]; an error does not prove nothing started.
     async fn create(&self, spec: InstanceSpec) -> Result<Instance, ProviderError> {
         let (created, _) = tokio::sync::oneshot::channel();
-        self.create_then_start(spec, created).await
+        self.create_then_start(spec, created, start_now()).await
     }
 
-    /// Creates and starts an instance, sending on `created` as soon as the
-    /// instance exists and before it is started, so the caller can record
-    /// it while it starts (issue #14: the launch journals the created
-    /// instance beside Docker's start). A provider that cannot tell the two
-    /// apart sends once both are done. `created` is dropped unsent when
-    /// nothing was created. Required, with no default, so that a wrapper
-    /// cannot forget to pass `created` to the provider it wraps.
+    /// Creates an instance, sends on `created` as soon as it exists, then
+    /// waits for `start` and starts it only when that says `true`. The
+    /// caller learns when to record the instance while it starts (issue
+    /// #14: the launch journals the created instance beside Docker's
+    /// start) and may create before it knows the instance may run (a
+    /// launch carrying its registration creates beside its bind and opens
+    /// the gate once the bind holds). A provider that cannot tell create
+    /// from start sends once both are done. `created` is dropped unsent
+    /// when nothing was created. Required, with no default, so that a
+    /// wrapper cannot forget to pass `created` and `start` to the provider
+    /// it wraps.
     ///
     /// # Errors
     ///
-    /// As [`Provider::create`]: an error does not prove nothing started,
-    /// whether or not `created` was sent.
+    /// [`ProviderError::StartWithheld`] when `start` said `false` or was
+    /// dropped: the instance stays, created and never started, for the
+    /// caller to remove. Otherwise as [`Provider::create`]: an error does
+    /// not prove nothing started, whether or not `created` was sent.
     async fn create_then_start(
         &self,
         spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        start: StartGate,
     ) -> Result<Instance, ProviderError>;
 
     /// Removes an instance by name. Already gone is success

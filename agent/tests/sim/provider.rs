@@ -91,6 +91,7 @@ impl Provider for SimProvider {
         &self,
         mut spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
+        start: billet_agent::provider::StartGate,
     ) -> Result<Instance, ProviderError> {
         let gate = self.enter(true).await;
         if self.shared.lock().sabotage == Some(Sabotage::ReuseJitConfig)
@@ -108,7 +109,7 @@ impl Provider for SimProvider {
             _ => {}
         }
         // Completes in one poll: nothing in the fake waits unless blocked.
-        let result = self.fake.create_then_start(spec, created).await;
+        let result = self.fake.create_then_start(spec, created, start).await;
         if !existed && self.fake.instance(&name).is_some() {
             let mut c = self.shared.lock();
             c.created_since_check = true;

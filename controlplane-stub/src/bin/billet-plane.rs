@@ -489,6 +489,7 @@ async fn main() -> ExitCode {
             docker_image_store: false,
         },
         launch_timeout: Duration::from_secs(300),
+        mint_before_dispatch: true,
         destroy_timeout: Duration::from_secs(120),
         reap_interval: Duration::from_secs(5),
         max_runners: args.max_runners,

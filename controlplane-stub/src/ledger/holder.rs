@@ -372,6 +372,57 @@ impl Ledger {
         finish(tx, id).await.map(Some)
     }
 
+    /// Ends the lease `failed` unless a node has bound it, deciding and writing in one transaction under the
+    /// lease's row lock: [`Ledger::release_unminted`] for a launch whose
+    /// registration the plane minted before dispatching it (issue #14), so
+    /// that a registration is recorded from the start and cannot tell a
+    /// launch that did nothing from one that did. A node starts an instance
+    /// only once its bind holds, so either the release comes first and the
+    /// node's bind is refused (it removes what it created, unstarted), or
+    /// the bind comes first and nothing is released.
+    ///
+    /// Returns `Ok(Some(lease))` when the lease ended here or had already
+    /// ended `failed`, `Ok(None)` when it was bound (the lease is left as
+    /// it is: the node may well have started a runner).
+    ///
+    /// # Errors
+    ///
+    /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
+    pub async fn release_unbound(
+        &self,
+        id: &str,
+        epoch: u64,
+        now_ms: i64,
+    ) -> Result<Option<Lease>> {
+        let mut tx = self.begin_write().await?;
+        let lease = load_fenced(&mut tx, self.backend, id, epoch).await?;
+        if lease.phase.is_terminal() {
+            return if lease.phase == Phase::Failed {
+                Ok(Some(lease))
+            } else {
+                Err(LedgerError::Conflict(format!(
+                    "lease {id} already ended as {}; it cannot also end as failed",
+                    lease.phase
+                )))
+            };
+        }
+        if lease.node.is_some() {
+            return Ok(None);
+        }
+        let done = sqlx::query(
+            "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+             WHERE id = $3 AND epoch = $4 AND node IS NULL",
+        )
+        .bind(Phase::Failed.as_str())
+        .bind(now_ms)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .execute(&mut *tx)
+        .await?;
+        expect_one_row(done.rows_affected(), id)?;
+        finish(tx, id).await.map(Some)
+    }
+
     /// Records why the job will fail. The first reason stays; the same
     /// reason again is a no-op. Capacity stays charged.
     ///
@@ -1037,6 +1088,31 @@ mod tests {
             assert_eq!((lease.phase, lease.epoch), (Phase::Launching, 1));
             assert_eq!(lease.runner_id, None);
             assert_eq!(lease.failure_reason, None);
+        }
+    }
+
+    on_both_backends! {
+        /// Issue #14: a launch whose registration the plane minted before
+        /// dispatching it, and whose result was lost, ends `failed` only
+        /// while no node has bound it; a registration recorded does not
+        /// keep it open, a bind does.
+        async fn a_lost_launch_ends_its_lease_only_while_it_is_unbound(db) {
+            let l = db.ledger().await;
+            l.reserve(new_lease("a"), 0).await.unwrap();
+            l.set_runner("a", 1, 7, "billet-a").await.unwrap();
+            let ended = l.release_unbound("a", 1, 10).await.unwrap();
+            assert_eq!(ended.map(|e| e.phase), Some(Phase::Failed));
+            assert_eq!(code(l.bind_advance("a", 1, "n1", Phase::Launching, 20).await), "not_found");
+            let again = l.release_unbound("a", 1, 30).await.unwrap();
+            assert_eq!(again.map(|e| e.phase), Some(Phase::Failed), "repeats without effect");
+
+            l.reserve(new_lease("b"), 0).await.unwrap();
+            l.set_runner("b", 1, 8, "billet-b").await.unwrap();
+            l.bind_advance("b", 1, "n1", Phase::Launching, 40).await.unwrap();
+            assert_eq!(l.release_unbound("b", 1, 50).await.unwrap(), None);
+            let kept = l.get("b").await.unwrap().unwrap();
+            assert_eq!((kept.phase, kept.node.as_deref()), (Phase::Launching, Some("n1")));
+            assert_eq!(code(l.release_unbound("b", 2, 60).await), "fenced");
         }
     }
 
