@@ -237,6 +237,14 @@ pub struct Core {
     pub create_called: bool,
     /// GitHub's registrations, by runner name.
     pub regs: BTreeMap<String, Reg>,
+    /// The JIT configs handed to creates that may have started their
+    /// instance (a create whose start was withheld ran no runner, so its
+    /// config was never consumed), in order: invariant (5) reads it.
+    pub configs_run: Vec<String>,
+    /// Leases whose registration the plane minted before dispatching the
+    /// launch (issue #14): the plane's registration pass removes such a
+    /// registration once its lease has ended, as the stub's does.
+    pub minted_ahead: BTreeSet<LeaseId>,
     pub mints: BTreeMap<LeaseId, u32>,
     pub mint_attempts: BTreeMap<LeaseId, u32>,
     pub next_runner_id: i64,
@@ -292,6 +300,8 @@ impl Core {
             created_since_check: false,
             create_called: false,
             regs: BTreeMap::new(),
+            configs_run: Vec::new(),
+            minted_ahead: BTreeSet::new(),
             mints: BTreeMap::new(),
             mint_attempts: BTreeMap::new(),
             next_runner_id: 1000,
@@ -635,6 +645,88 @@ impl Core {
             runner_id,
             runner_name: runner_name.to_owned(),
         })
+    }
+
+    /// The plane mints the registration of an open lease before it
+    /// dispatches its launch (issue #14), recorded against the lease. The
+    /// node must then never mint for it: this counts as the one mint, so a
+    /// node that asks again breaks invariant (5).
+    pub fn mint_ahead(&mut self, id: &LeaseId, epoch: Epoch) -> Result<Registration, PlaneError> {
+        let row = self.open(id, epoch)?;
+        if row.runner.is_some() {
+            return Err(PlaneError::Refused(format!(
+                "lease {id} already had a JIT config minted"
+            )));
+        }
+        *self.mint_attempts.entry(id.clone()).or_default() += 1;
+        let runner_name = name_of(id);
+        self.next_runner_id += 1;
+        let runner_id = self.next_runner_id;
+        let config = format!("jit-{id}-{runner_id}");
+        self.row(id).runner = Some((runner_id, runner_name.clone()));
+        self.regs.insert(
+            runner_name.clone(),
+            Reg {
+                id: runner_id,
+                lease: id.clone(),
+                config: config.clone(),
+                connected: false,
+                job: false,
+                busy: false,
+            },
+        );
+        *self.mints.entry(id.clone()).or_default() += 1;
+        self.minted_ahead.insert(id.clone());
+        self.event(|| format!("plane: minted {runner_name} (runner {runner_id}) before dispatch"));
+        Ok(Registration {
+            config: JitConfig::new(config),
+            runner_id,
+            runner_name,
+        })
+    }
+
+    /// The plane removes the registration it minted before dispatching a
+    /// launch that started nothing (issue #14).
+    pub fn plane_remove_registration(&mut self, id: &LeaseId) {
+        let Some((_, name)) = self.leases.get(id).and_then(|r| r.runner.clone()) else {
+            return;
+        };
+        if self.regs.get(&name).is_some_and(|r| r.lease == *id) {
+            self.regs.remove(&name);
+            self.event(|| {
+                format!("plane: removed {name}, minted for a launch that started nothing")
+            });
+        }
+    }
+
+    /// The plane's registration pass (the stub's `registrations_once`),
+    /// for the registrations it minted before dispatch: one whose lease
+    /// has ended and whose runner took no job is removed. (A registration
+    /// the node minted is left to the node, so the simulation still sees a
+    /// node that forgets its own.)
+    pub fn plane_registration_pass(&mut self) {
+        let ended: Vec<String> = self
+            .regs
+            .iter()
+            .filter(|(_, reg)| {
+                !reg.job
+                    && self.minted_ahead.contains(&reg.lease)
+                    && self
+                        .leases
+                        .get(&reg.lease)
+                        .is_none_or(|r| r.phase.is_terminal())
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in ended {
+            self.regs.remove(&name);
+            self.event(|| format!("plane: registration pass removed {name}, its lease ended"));
+        }
+    }
+
+    /// Whether a node has bound the lease.
+    pub fn bound(&self, id: &LeaseId) -> bool {
+        self.leases.get(id).is_some_and(|r| r.bound)
     }
 
     /// Removes a registration as the plane does, telling whether GitHub

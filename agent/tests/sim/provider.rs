@@ -110,7 +110,23 @@ impl Provider for SimProvider {
         }
         // Completes in one poll: nothing in the fake waits unless blocked.
         let result = self.fake.create_then_start(spec, created, start).await;
-        if !existed && self.fake.instance(&name).is_some() {
+        // A create whose start was withheld (issue #14: its launch's bind
+        // was refused, or its record not written) never ran its runner:
+        // the instance stays `created`, and its config is not consumed.
+        // A config counts as used once an instance created with it has
+        // run: a create that made nothing, or whose instance never left
+        // `created`, consumed nothing, and a launch redelivered after a
+        // crash may hand the plane-minted config to a create again.
+        let withheld = matches!(result, Err(ProviderError::StartWithheld { .. }));
+        let ran = !existed
+            && self
+                .fake
+                .instance(&name)
+                .is_some_and(|i| i.state != billet_agent::provider::InstanceState::Created);
+        if ran {
+            self.shared.lock().configs_run.push(config.clone());
+        }
+        if !existed && !withheld && self.fake.instance(&name).is_some() {
             let mut c = self.shared.lock();
             c.created_since_check = true;
             // Its runner connects with the config it was given and waits

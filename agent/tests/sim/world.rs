@@ -465,7 +465,7 @@ impl World {
 
     // ----- the plane -----
 
-    fn on_launch_result(&mut self, lease: &LeaseId, r: &Result<(), RunnerError>) {
+    fn on_launch_result(&mut self, lease: &LeaseId, r: &Result<(), RunnerError>, minted: bool) {
         let mut c = self.shared.lock();
         match r {
             Ok(()) => {}
@@ -473,11 +473,71 @@ impl World {
             Err(_) => {
                 let epoch = c.plane.get(lease).map(|p| p.epoch);
                 c.plane_release(lease, epoch, Phase::Failed, "plane after a failed launch");
+                if minted {
+                    c.plane_remove_registration(lease);
+                }
             }
         }
     }
 
+    /// The plane stops waiting for a launch's result. One whose
+    /// registration it minted before dispatch (issue #14) is the plane's
+    /// to end while no node has bound it (the stub's `release_unbound`):
+    /// the node starts nothing before its bind holds. Any other is the
+    /// node's from now on.
+    fn give_up_on_launch(&mut self, lease: &LeaseId, minted: bool) {
+        let mut c = self.shared.lock();
+        if minted && !c.bound(lease) {
+            let epoch = c.plane.get(lease).map(|p| p.epoch);
+            c.plane_release(
+                lease,
+                epoch,
+                Phase::Failed,
+                "plane after a lost, unbound launch",
+            );
+            c.plane_remove_registration(lease);
+        } else {
+            c.unmanage(lease);
+        }
+    }
+
     async fn launch(&mut self, lease: LeaseId, what: &'static str) {
+        // Half the launches carry the registration the plane minted before
+        // dispatching them (issue #14), as the stub plane sends to a node
+        // that takes one; the rest are minted by the node, as for an older
+        // plane.
+        let registration = if self.rng.chance(50) {
+            let minted = {
+                let mut c = self.shared.lock();
+                let epoch = c.plane[&lease].epoch;
+                c.mint_ahead(&lease, epoch)
+            };
+            match minted {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    self.note(
+                        format!("{what} {lease}: the plane cannot mint"),
+                        Some(e.to_string()),
+                    );
+                    let mut c = self.shared.lock();
+                    let epoch = c.plane.get(&lease).map(|p| p.epoch);
+                    c.plane_release(&lease, epoch, Phase::Failed, "plane after a failed mint");
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        self.send_launch(lease, what, registration).await;
+    }
+
+    async fn send_launch(
+        &mut self,
+        lease: LeaseId,
+        what: &'static str,
+        registration: Option<billet_agent::node::plane::Registration>,
+    ) {
+        let minted = registration.is_some();
         let (request, epoch) = {
             let c = self.shared.lock();
             let p = &c.plane[&lease];
@@ -499,7 +559,12 @@ impl World {
             ..GithubJob::default()
         };
         let runner = Arc::clone(&self.runner);
-        let Some(r) = guarded(&self.shared, runner.launch(command, tier(), job)).await else {
+        let Some(r) = guarded(
+            &self.shared,
+            runner.launch_with(command, tier(), job, registration.clone()),
+        )
+        .await
+        else {
             self.count("crash mid-launch");
             self.note(
                 format!("{what} {lease} (request {request}): node crashed mid-launch"),
@@ -510,10 +575,10 @@ impl World {
                 // The plane was still waiting: it redelivers the command to
                 // the new process, which has no record of it.
                 self.count("launch redelivered after a restart");
-                Box::pin(self.launch(lease, "redelivered launch")).await;
+                Box::pin(self.send_launch(lease, "redelivered launch", registration)).await;
             } else {
-                self.shared.lock().unmanage(&lease);
-                self.note(format!("plane gives up on {lease}: node-held"), None);
+                self.give_up_on_launch(&lease, minted);
+                self.note(format!("plane gives up on {lease}"), None);
             }
             return;
         };
@@ -547,12 +612,12 @@ impl World {
             if self.rng.chance(50) {
                 // Redelivered on the next session, answered from the slot's
                 // record: the plane learns the real result.
-                self.on_launch_result(&lease, &r);
+                self.on_launch_result(&lease, &r, minted);
                 self.note(format!("{lease}: result replayed to the plane"), None);
             } else {
-                self.shared.lock().unmanage(&lease);
+                self.give_up_on_launch(&lease, minted);
                 self.note(
-                    format!("{lease}: result lost; plane treats it as node-held"),
+                    format!("{lease}: result lost; the plane gives up on it"),
                     None,
                 );
             }
@@ -569,7 +634,7 @@ impl World {
                 }
             }
         } else {
-            self.on_launch_result(&lease, &r);
+            self.on_launch_result(&lease, &r, minted);
         }
     }
 
@@ -1530,8 +1595,13 @@ impl World {
                 .leases
                 .get(&reg.lease)
                 .is_none_or(|r| r.phase.is_terminal());
+            // A registration the plane minted before dispatch is also
+            // the plane's: its registration pass removes that of an ended
+            // lease (the stub's `registrations_once`), whatever the node
+            // forgot (a launch whose journal failed before it recorded it).
             if ended
                 && !reg.job
+                && !c.minted_ahead.contains(&reg.lease)
                 && !held.contains(&reg.lease)
                 && !remembered.contains(reg.lease.as_str())
                 && self.fake.instance(name).is_none()
@@ -1579,16 +1649,16 @@ impl World {
     }
 
     fn jit_configs_unique(&self) {
-        let used = self.fake.jit_configs_used();
+        let used = self.shared.lock().configs_run.clone();
         let mut seen = std::collections::BTreeSet::new();
         for config in &used {
-            if !seen.insert(config.expose()) {
+            if !seen.insert(config.as_str()) {
                 let lease = self
                     .shared
                     .lock()
                     .regs
                     .values()
-                    .find(|r| r.config == config.expose())
+                    .find(|r| r.config == *config)
                     .map(|r| r.lease.to_string())
                     .unwrap_or_default();
                 self.fail(&format!(
@@ -1628,6 +1698,7 @@ impl World {
             self.strays_exit(true);
             self.github_notices();
             self.backend_catches_up();
+            self.shared.lock().plane_registration_pass();
             let pending: Vec<_> = self.shared.lock().completions.iter().cloned().collect();
             for (lease, result) in pending {
                 self.deliver(lease, result, false).await;
