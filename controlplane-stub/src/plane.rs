@@ -124,6 +124,9 @@ pub enum PlaneEvent {
         lease: String,
         /// The node.
         node: String,
+        /// The plane minted its registration before dispatching the
+        /// launch (issue #14), rather than the node through `MintJit`.
+        minted_ahead: bool,
     },
     /// The launch failed; the outcome says how.
     LaunchFailed {
@@ -279,6 +282,12 @@ struct Cover {
     lost: HashMap<String, Vec<LostLaunch>>,
     /// The last time "no node has room" was logged.
     no_room_logged: Option<Instant>,
+    /// Nodes whose last answered launch ran the tier's image: only their
+    /// launches carry a registration minted before dispatch (issue #14),
+    /// so a node without the image is asked to check it before anything
+    /// is minted (issue #11 item 2), and one that lost it is asked again
+    /// the same way after its `IMAGE_UNAVAILABLE`.
+    image_ran: HashSet<String>,
 }
 
 impl Cover {
@@ -299,6 +308,7 @@ impl Cover {
             avoid: HashMap::new(),
             lost: HashMap::new(),
             no_room_logged: None,
+            image_ran: HashSet::new(),
         }
     }
 
@@ -990,7 +1000,13 @@ impl Plane {
                 .status()
                 .borrow()
                 .as_ref()
-                .is_some_and(|s| s.hello.launches_with_registration);
+                .is_some_and(|s| s.hello.launches_with_registration)
+            && self
+                .cover
+                .lock()
+                .expect("cover")
+                .image_ran
+                .contains(node.name());
         let registration = if ahead {
             match self.mint_ahead(&lease).await {
                 Ok(minted) => Some(minted),
@@ -1130,14 +1146,15 @@ impl Plane {
             .remove(&lease.id);
         if outcome.is_ok() {
             info!("launched");
-            self.cover
-                .lock()
-                .expect("cover")
-                .launched
-                .insert(lease.id.clone());
+            {
+                let mut cover = self.cover.lock().expect("cover");
+                cover.launched.insert(lease.id.clone());
+                cover.image_ran.insert(node.name().to_owned());
+            }
             self.emit(PlaneEvent::Launched {
                 lease: lease.id.clone(),
                 node: node.name().to_owned(),
+                minted_ahead: registration.is_some(),
             });
             self.wake.notify_one();
             return;
@@ -1231,6 +1248,11 @@ impl Plane {
             );
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
+            self.cover
+                .lock()
+                .expect("cover")
+                .image_ran
+                .remove(node.name());
         }
         let delay = {
             let mut cover = self.cover.lock().expect("cover");

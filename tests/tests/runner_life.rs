@@ -364,6 +364,131 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     cluster.shutdown().await
 }
 
+/// Issue #14: once a node has run the tier's image, the plane mints each
+/// launch's registration before dispatching it (the node then creates
+/// beside its bind and asks no `MintJit`); the first launch on a node is
+/// checked before anything is minted (issue #11 item 2). When the image is
+/// removed from the node afterwards, the next launch, minted ahead, is
+/// refused `IMAGE_UNAVAILABLE` with nothing started and the plane removes
+/// the registration it minted; the launch after that is checked before any
+/// mint again. Every job that could run ran once, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plane_mints_ahead_for_a_node_that_ran_the_image_and_removes_what_it_minted_when_the_image_is_gone()
+-> Result<()> {
+    let docker = billet_tests::image::connect_docker().await?;
+    let standin = billet_tests::cluster::standin_image(&docker).await?;
+    let tag = format!("ahead-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let image = format!("billet-standin-runner:{tag}");
+    docker
+        .tag_image(
+            &standin,
+            Some(
+                bollard::query_parameters::TagImageOptionsBuilder::default()
+                    .repo("billet-standin-runner")
+                    .tag(&tag)
+                    .build(),
+            ),
+        )
+        .await
+        .with_context(|| format!("tag {standin} as {image}"))?;
+    let cluster = Cluster::start(ClusterOptions {
+        tier_image: image.clone(),
+        // The registration pass, the backstop for a registration nothing
+        // else removed, waits longer than this test.
+        registration_grace: Duration::from_secs(300),
+        ..options(300)
+    })
+    .await?;
+    let mut events = cluster.plane.subscribe();
+    let mut launched = Vec::new();
+    for _ in 0..3 {
+        let jobs = cluster.queue_jobs(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match tokio::time::timeout_at(deadline, events.recv())
+                .await
+                .context("a launch")??
+            {
+                PlaneEvent::Launched { minted_ahead, .. } => {
+                    launched.push(minted_ahead);
+                    break;
+                }
+                PlaneEvent::LaunchFailed { reason, .. } => bail!("a launch failed: {reason}"),
+                _ => {}
+            }
+        }
+        cluster
+            .wait_jobs_completed(&jobs, Duration::from_secs(60))
+            .await?;
+    }
+    assert_eq!(
+        launched,
+        [false, true, true],
+        "the first launch is checked before its mint, the next ones are minted ahead"
+    );
+    let mints_before = cluster
+        .emulator
+        .requests_to(Endpoint::GenerateJitConfig)
+        .len();
+    assert_eq!(mints_before, 3, "one registration per launch");
+    // No container refers to the tag any more, so removing it only untags.
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    docker
+        .remove_image(
+            &image,
+            None::<bollard::query_parameters::RemoveImageOptions>,
+            None,
+        )
+        .await
+        .with_context(|| format!("remove {image}"))?;
+    let jobs = cluster.queue_jobs(1);
+    let mut refusals = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while refusals.len() < 2 {
+        let event = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .context("two refused launches")??;
+        match event {
+            PlaneEvent::LaunchFailed {
+                reason,
+                custody,
+                code,
+                ..
+            } => {
+                assert_eq!(
+                    code,
+                    Some(pb::ErrorCode::ImageUnavailable),
+                    "a launch failed otherwise: {reason}"
+                );
+                assert!(!custody, "the node holds a refused launch: {reason}");
+                refusals.push(reason);
+            }
+            PlaneEvent::Launched { lease, .. } => bail!("lease {lease} launched without its image"),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        cluster
+            .emulator
+            .requests_to(Endpoint::GenerateJitConfig)
+            .len(),
+        mints_before + 1,
+        "only the refused launch minted ahead registered a runner; the next was checked first"
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "the plane to remove the registration it minted",
+        || cluster.emulator.state().runners.is_empty(),
+    )
+    .await
+    .with_context(|| format!("registrations: {:?}", cluster.emulator.state().runners))?;
+    ends_clean(&cluster).await?;
+    github_gives_up_on(&cluster, &jobs);
+    wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
 /// Issue #11 item 3: a runner whose container starts but which never
 /// connects to GitHub is freed after the start deadline (5 s here): its
 /// registration removed, its container destroyed, its lease released

@@ -621,9 +621,18 @@ fn describe(
                 "job {request_id}  lease {lease}  reserved in the ledger{retry}"
             ))
         }
-        PlaneEvent::Launched { lease, node } => Some(format!(
-            "{}  lease {lease}  launched on {node}: container billet-{lease} started",
-            job_of_lease(lease, lease_job)
+        PlaneEvent::Launched {
+            lease,
+            node,
+            minted_ahead,
+        } => Some(format!(
+            "{}  lease {lease}  launched on {node}: container billet-{lease} started{}",
+            job_of_lease(lease, lease_job),
+            if *minted_ahead {
+                " (its registration minted by the plane before dispatch)"
+            } else {
+                ""
+            }
         )),
         PlaneEvent::LaunchFailed {
             lease,
