@@ -226,6 +226,61 @@ pub async fn an_instance_removed_out_of_band_is_absent(driver: &dyn Driver) {
     );
 }
 
+/// A create whose start is withheld (issue #14: a launch that created
+/// beside its bind, whose bind was then refused) tells the caller the
+/// instance exists, waits for the gate, then answers
+/// [`ProviderError::StartWithheld`] and leaves the instance `created`,
+/// never started, until destroyed; a create whose gate opens runs it.
+///
+/// # Panics
+///
+/// When the provider breaks the contract.
+pub async fn a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
+    driver: &dyn Driver,
+) {
+    let provider = driver.provider();
+    let spec = driver.spec("withheld", Behaviour::Work);
+    let name = spec.name.clone();
+    let (created, exists) = tokio::sync::oneshot::channel();
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let create = provider.create_then_start(spec, created, gate);
+    let decide = async {
+        exists.await.expect("the provider said the instance exists");
+        let found = provider.find(&name).await.expect("find").expect("created");
+        assert_eq!(found.state, InstanceState::Created, "{found:?}");
+        let _ = open.send(false);
+    };
+    let (created, ()) = tokio::join!(create, decide);
+    assert!(
+        matches!(created, Err(ProviderError::StartWithheld { .. })),
+        "a withheld start answered {created:?}"
+    );
+    let left = provider
+        .find(&name)
+        .await
+        .expect("find")
+        .expect("still there");
+    assert_eq!(left.state, InstanceState::Created, "{left:?}");
+    assert!(!left.may_run(), "{left:?}");
+    assert_eq!(
+        provider.destroy(&name).await.expect("destroy"),
+        Teardown::Stopped
+    );
+    assert_eq!(provider.find(&name).await.expect("find"), None);
+
+    let spec = driver.spec("opened", Behaviour::Work);
+    let name = spec.name.clone();
+    let (created, _) = tokio::sync::oneshot::channel();
+    let (open, gate) = tokio::sync::oneshot::channel();
+    let _ = open.send(true);
+    let started = provider
+        .create_then_start(spec, created, gate)
+        .await
+        .expect("a create whose gate opened");
+    assert_eq!(started.state, InstanceState::Running, "{started:?}");
+    provider.destroy(&name).await.expect("destroy");
+}
+
 /// A missing image is [`ProviderError::ImageUnavailable`] before and at
 /// create, and nothing is created.
 ///

@@ -2120,6 +2120,14 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn docker_leaves_a_created_container_unstarted_when_its_start_is_withheld() {
+        contract::a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
+            &DockerDriver::new().await,
+        )
+        .await;
+    }
+
+    #[tokio::test]
     async fn docker_refuses_a_missing_image_before_and_at_create() {
         contract::a_missing_image_is_unavailable_and_creates_nothing(&DockerDriver::new().await)
             .await;
