@@ -691,6 +691,10 @@ impl Provider for WatchedProvider {
         created: tokio::sync::oneshot::Sender<()>,
         start: crate::provider::StartGate,
     ) -> Result<Instance, ProviderError> {
+        // The bound includes the wait for `start`: a launch opens it once
+        // its bind (a plane call bounded by `plane::CALL_TIMEOUT`, 30 s)
+        // and its launch record have passed, well inside the create's 180 s,
+        // so a slow plane is not read as a stuck engine.
         let operation = format!("create {}", spec.name);
         self.bounded(
             operation,
