@@ -71,8 +71,14 @@ pub struct PlaneConfig {
     pub launch_timeout: Duration,
     /// Mint a launch's runner registration before dispatching it, and send
     /// it in `Launch.registration`, to a node whose `Hello` said it takes
-    /// one (issue #14: the node then creates beside its bind). Off, or for
-    /// an older node, the node mints through `MintJit`.
+    /// one, that the plane does not see degraded, and whose last answered
+    /// launch ran the tier's image (issue #14: the node then creates
+    /// beside its bind). The cost: a node that refuses the launch anyway
+    /// (it became degraded, or lost the image, before the plane heard)
+    /// finds a registration minted, which the plane then removes; issues
+    /// #11 and #13 ask that nothing be minted for a refused launch, so
+    /// `billet-plane` leaves this off unless asked. Off, or for an older
+    /// node, the node mints through `MintJit` after its own checks.
     pub mint_before_dispatch: bool,
     /// How long a destroy may take.
     pub destroy_timeout: Duration,
@@ -282,11 +288,11 @@ struct Cover {
     lost: HashMap<String, Vec<LostLaunch>>,
     /// The last time "no node has room" was logged.
     no_room_logged: Option<Instant>,
-    /// Nodes whose last answered launch ran the tier's image: only their
-    /// launches carry a registration minted before dispatch (issue #14),
-    /// so a node without the image is asked to check it before anything
-    /// is minted (issue #11 item 2), and one that lost it is asked again
-    /// the same way after its `IMAGE_UNAVAILABLE`.
+    /// Nodes whose last launch the plane heard of ran the tier's image:
+    /// only their launches carry a registration minted before dispatch
+    /// (issue #14), so a node without the image is asked to check it
+    /// before anything is minted (issue #11 item 2), and so is a node whose
+    /// launch failed in any way, until one runs again.
     image_ran: HashSet<String>,
 }
 
@@ -1000,7 +1006,7 @@ impl Plane {
                 .status()
                 .borrow()
                 .as_ref()
-                .is_some_and(|s| s.hello.launches_with_registration)
+                .is_some_and(|s| s.hello.launches_with_registration && !s.degraded())
             && self
                 .cover
                 .lock()
@@ -1246,13 +1252,15 @@ impl Plane {
                 code,
                 Some(pb::ErrorCode::ResourceExhausted | pb::ErrorCode::ImageUnavailable)
             );
+        // Whatever the node said, its next launch is checked by the node
+        // before anything is minted.
+        self.cover
+            .lock()
+            .expect("cover")
+            .image_ran
+            .remove(node.name());
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
-            self.cover
-                .lock()
-                .expect("cover")
-                .image_ran
-                .remove(node.name());
         }
         let delay = {
             let mut cover = self.cover.lock().expect("cover");

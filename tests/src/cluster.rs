@@ -40,8 +40,8 @@ pub struct ClusterOptions {
     /// Launch timeout at the plane.
     pub launch_timeout: Duration,
     /// The plane mints each launch's registration before dispatching it
-    /// (issue #14; [`PlaneConfig::mint_before_dispatch`]). On by default,
-    /// as in `billet-plane`; off, the node mints through `MintJit`.
+    /// (issue #14; [`PlaneConfig::mint_before_dispatch`]). Off by default,
+    /// as in `billet-plane`: the node mints through `MintJit`.
     pub mint_before_dispatch: bool,
     /// Extra environment for node processes.
     pub node_env: Vec<(String, String)>,
@@ -139,7 +139,7 @@ impl Default for ClusterOptions {
             node_log: "info".into(),
             lease_ttl: Duration::from_secs(15),
             launch_timeout: Duration::from_secs(120),
-            mint_before_dispatch: true,
+            mint_before_dispatch: false,
             node_env: Vec::new(),
             docker_socket: PathBuf::from("/var/run/docker.sock"),
             maintenance_interval: Duration::from_secs(2),

@@ -364,10 +364,11 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     cluster.shutdown().await
 }
 
-/// Issue #14: once a node has run the tier's image, the plane mints each
-/// launch's registration before dispatching it (the node then creates
-/// beside its bind and asks no `MintJit`); the first launch on a node is
-/// checked before anything is minted (issue #11 item 2). When the image is
+/// Issue #14, with `--mint-before-dispatch`: once a node has run the tier's
+/// image, the plane mints each launch's registration before dispatching it
+/// (the node then creates beside its bind and asks no `MintJit`); the
+/// first launch on a node is checked before anything is minted (issue #11
+/// item 2). When the image is
 /// removed from the node afterwards, the next launch, minted ahead, is
 /// refused `IMAGE_UNAVAILABLE` with nothing started and the plane removes
 /// the registration it minted; the launch after that is checked before any
@@ -393,6 +394,7 @@ async fn the_plane_mints_ahead_for_a_node_that_ran_the_image_and_removes_what_it
         .with_context(|| format!("tag {standin} as {image}"))?;
     let cluster = Cluster::start(ClusterOptions {
         tier_image: image.clone(),
+        mint_before_dispatch: true,
         // The registration pass, the backstop for a registration nothing
         // else removed, waits longer than this test.
         registration_grace: Duration::from_secs(300),

@@ -135,6 +135,15 @@ struct Args {
     /// Most runners at once.
     #[arg(long, default_value_t = 10)]
     max_runners: u32,
+    /// Mint each launch's runner registration before dispatching it, for a
+    /// node that takes one and whose last launch ran the tier's image, so
+    /// the node creates the container beside its bind (issue #14: about
+    /// 2 ms off each launch). Off by default: a node that refuses the
+    /// launch (degraded, its image gone) then finds a registration already
+    /// minted, which the plane removes at once, where without it nothing is
+    /// minted for a refused launch (issues #11 and #13).
+    #[arg(long)]
+    mint_before_dispatch: bool,
     /// Seconds between the HTTP/2 PINGs the plane sends each node, from 1
     /// to 3600. A node that goes silent (a partition, a host lost, nothing
     /// refused) is noticed only when a PING goes unanswered: its session is
@@ -489,7 +498,7 @@ async fn main() -> ExitCode {
             docker_image_store: false,
         },
         launch_timeout: Duration::from_secs(300),
-        mint_before_dispatch: true,
+        mint_before_dispatch: args.mint_before_dispatch,
         destroy_timeout: Duration::from_secs(120),
         reap_interval: Duration::from_secs(5),
         max_runners: args.max_runners,
