@@ -787,6 +787,60 @@ pub(crate) mod tests {
         assert_eq!(cmd, full_launch_expected());
     }
 
+    /// Issue #14: a registration the plane minted arrives as the node's
+    /// own, and one that cannot be the lease's runner is refused by field,
+    /// so nothing is created from it.
+    #[test]
+    fn a_launchs_registration_must_name_the_leases_runner_with_an_id_and_a_config() {
+        let with = |registration: pb::JitConfig| {
+            let mut c = launch();
+            if let Some(pb::command::Kind::Launch(l)) = c.kind.as_mut() {
+                l.registration = Some(registration);
+            }
+            command(c).command
+        };
+        let good = pb::JitConfig {
+            encoded_jit_config: "cfg".into(),
+            runner_id: 9,
+            runner_name: "billet-l1".into(),
+        };
+        let Ok((_, NodeCommand::Launch { registration, .. })) = with(good.clone()) else {
+            panic!("a well-formed registration was refused");
+        };
+        let registration = registration.expect("carried");
+        assert_eq!(
+            (registration.runner_id, registration.runner_name.as_str()),
+            (9, "billet-l1")
+        );
+        assert_eq!(registration.config.expose(), "cfg");
+        for (bad, field) in [
+            (
+                pb::JitConfig {
+                    runner_id: 0,
+                    ..good.clone()
+                },
+                "launch.registration.runner_id",
+            ),
+            (
+                pb::JitConfig {
+                    runner_name: "billet-other".into(),
+                    ..good.clone()
+                },
+                "launch.registration.runner_name",
+            ),
+            (
+                pb::JitConfig {
+                    encoded_jit_config: String::new(),
+                    ..good.clone()
+                },
+                "launch.registration.encoded_jit_config",
+            ),
+        ] {
+            let refused = with(bad).expect_err("refused");
+            assert_eq!(refused.field, field, "{refused:?}");
+        }
+    }
+
     #[test]
     fn a_launch_sent_over_the_wire_arrives_with_every_field_it_was_sent_with() {
         use prost::Message as _;
