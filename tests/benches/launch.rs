@@ -165,6 +165,8 @@ struct Bench {
 #[derive(Debug, Default)]
 struct Measured {
     launch: Samples,
+    /// Of `launch`, the plane's mint and its record before the dispatch (`BILLET_BENCH_MINT=plane`).
+    plane_mint: Samples,
     baseline: Samples,
     baseline_mint: Samples,
     baseline_create: Samples,
@@ -236,6 +238,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
     };
     let Measured {
         launch,
+        plane_mint,
         baseline,
         baseline_mint,
         baseline_create,
@@ -318,6 +321,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
     print_breakdown(
         &node,
         iterations,
+        plane_mints.then_some(&plane_mint),
         &baseline_mint,
         &baseline_create,
         &baseline_created,
@@ -335,6 +339,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
 fn print_breakdown(
     node: &MetricsReading,
     iterations: usize,
+    plane_mint: Option<&Samples>,
     mint: &Samples,
     create: &Samples,
     created: &Samples,
@@ -383,13 +388,20 @@ fn print_breakdown(
         ("image check (one Docker inspect)", check, None),
         ("BindAdvance: plane round trip + ledger commit", bind, None),
         ("launch record, synced (per launch)", Some(journal[0]), None),
+        match plane_mint {
+            Some(ahead) => (
+                "JIT mint at the plane, before dispatch: GitHub + ledger record",
+                Some(mean(ahead)),
+                Some(mean(mint)),
+            ),
+            None => (
+                "JIT mint: plane round trip + GitHub + ledger commit",
+                minted,
+                Some(mean(mint)),
+            ),
+        },
         (
-            "JIT mint: plane round trip + GitHub + ledger commit",
-            minted,
-            Some(mean(mint)),
-        ),
-        (
-            "launch record amended twice, committed (the first beside the create)",
+            "launch record amended, committed (registration, then created)",
             Some(journal[1]),
             None,
         ),
@@ -445,7 +457,7 @@ impl Bench {
             if i == warmup {
                 before = MetricsReading::read(self.metrics).await?;
             }
-            let (a, (mint, created, create)) = if i % 2 == 0 {
+            let ((a, ahead), (mint, created, create)) = if i % 2 == 0 {
                 let a = self.launch_once().await.context("(a) launch")?;
                 (a, self.baseline_once().await.context("(b) baseline")?)
             } else {
@@ -454,6 +466,7 @@ impl Bench {
             };
             if i >= warmup {
                 measured.launch.0.push(a);
+                measured.plane_mint.0.push(ahead);
                 measured.baseline.0.push(mint + create);
                 measured.baseline_mint.0.push(mint);
                 measured.baseline_create.0.push(create);
@@ -465,8 +478,9 @@ impl Bench {
     }
 
     /// Reserves a lease, times its Launch, then destroys it, releases it and removes its runner
-    /// registration (untimed).
-    async fn launch_once(&mut self) -> Result<Duration> {
+    /// registration (untimed). Returns the launch's time and, of it, the plane's mint before dispatch
+    /// (zero when the node mints).
+    async fn launch_once(&mut self) -> Result<(Duration, Duration)> {
         let request_id = self.take_request_id();
         let id = short_id();
         let ledger = self.cluster.plane.ledger();
@@ -492,6 +506,7 @@ impl Bench {
         } else {
             None
         };
+        let minted_ahead = started.elapsed();
         let command = launch_command(&lease, registration);
         let outcome = node.dispatch(command, COMMAND_TIMEOUT).await;
         let elapsed = started.elapsed();
@@ -513,7 +528,7 @@ impl Bench {
             "{name} is not running after a successful launch"
         );
         self.tear_down(&lease).await?;
-        Ok(elapsed)
+        Ok((elapsed, minted_ahead))
     }
 
     /// Mints the lease's registration and records it in the ledger, as the stub plane's launch
