@@ -313,6 +313,36 @@ enum Unready {
     Bound(String),
 }
 
+/// The instance a launch of `lease` on `tier` creates, named `name`, at
+/// the size the provider runs it, with the registration's config and the
+/// tier's plain environment; no binds, no cache session (a launch with
+/// disks sets those).
+fn instance_spec(
+    lease: &Lease,
+    tier: &TierSpec,
+    name: &InstanceName,
+    (vcpu, memory): (u32, ByteSize),
+    jit_config: crate::edge::model::JitConfig,
+) -> InstanceSpec {
+    InstanceSpec {
+        name: name.clone(),
+        lease: lease.id.clone(),
+        epoch: lease.epoch,
+        request_id: lease.request_id,
+        image: tier.image.clone(),
+        command: tier.command.clone(),
+        vcpu,
+        memory,
+        shm: tier.shm,
+        network: tier.network.clone(),
+        env: tier.env.clone(),
+        jit_config,
+        binds: Vec::new(),
+        cache_token: None,
+        actions_proxy: None,
+    }
+}
+
 /// Whether a launch of `tier` mounts nothing and opens no cache session
 /// (no sticky disk, no Docker image store, no Actions cache): only such a
 /// launch is created beside its bind, since a mount is taken under the
@@ -1011,21 +1041,11 @@ impl Runner {
             .mount_disks(&lease.id, lease.epoch, tier, &mut env)
             .await;
         let spec = InstanceSpec {
-            name: name.clone(),
-            lease: lease.id.clone(),
-            epoch: lease.epoch,
-            request_id: lease.request_id,
-            image: tier.image.clone(),
-            command: tier.command.clone(),
-            vcpu,
-            memory,
-            shm: tier.shm,
-            network: tier.network.clone(),
             env,
-            jit_config: registration.config,
             binds,
             cache_token,
             actions_proxy,
+            ..instance_spec(lease, tier, name, (vcpu, memory), registration.config)
         };
         // The registration is journaled while the instance is created: the
         // create needs only the JIT config, and a record that lost this
@@ -1123,23 +1143,7 @@ impl Runner {
                     lease.id
                 ))
             })?;
-        let spec = InstanceSpec {
-            name: name.clone(),
-            lease: lease.id.clone(),
-            epoch: lease.epoch,
-            request_id: lease.request_id,
-            image: tier.image.clone(),
-            command: tier.command.clone(),
-            vcpu,
-            memory,
-            shm: tier.shm,
-            network: tier.network.clone(),
-            env: tier.env.clone(),
-            jit_config: registration.config,
-            binds: Vec::new(),
-            cache_token: None,
-            actions_proxy: None,
-        };
+        let spec = instance_spec(lease, tier, name, (vcpu, memory), registration.config);
         let (open, gate) = tokio::sync::oneshot::channel();
         let (created, _) = tokio::sync::oneshot::channel();
         let written = record.clone();

@@ -1124,6 +1124,11 @@ mod scenarios {
 
     fn push_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {
         let (id, command) = launch(id);
+        push(slot, session, id, command);
+    }
+
+    /// Queues `command` as `id` on `slot`, due in a minute.
+    fn push(slot: &CommandSlot, session: &Arc<SessionLink>, id: CommandId, command: NodeCommand) {
         let admission = slot.push(Queued {
             id,
             deadline: tokio::time::Instant::now() + Duration::from_secs(60),
@@ -1147,13 +1152,7 @@ mod scenarios {
         let (id, command) = wire::command(command)
             .command
             .expect("a well-formed launch");
-        let admission = slot.push(Queued {
-            id,
-            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
-            command,
-            session: Arc::clone(session),
-        });
-        assert!(matches!(admission, Admission::Queued), "{admission:?}");
+        push(slot, session, id, command);
     }
 
     fn executor(recovery: Arc<Recovery>) -> Executor {
@@ -1377,13 +1376,7 @@ mod scenarios {
         let (id, command) = wire::command(command)
             .command
             .expect("a well-formed launch");
-        let admission = slot.push(Queued {
-            id,
-            deadline: tokio::time::Instant::now() + Duration::from_secs(60),
-            command,
-            session: Arc::clone(session),
-        });
-        assert!(matches!(admission, Admission::Queued), "{admission:?}");
+        push(slot, session, id, command);
     }
 
     /// Issue #14: a launch carrying the registration the plane minted asks

@@ -623,6 +623,18 @@ impl Core {
                 "lease {id} already had a JIT config minted; a registration is never minted twice"
             )));
         }
+        let registration = self.register(id, runner_name);
+        self.event(|| {
+            format!(
+                "github: minted {runner_name} (runner {})",
+                registration.runner_id
+            )
+        });
+        Ok(registration)
+    }
+
+    /// GitHub registers `runner_name` for lease `id`, recorded against it.
+    fn register(&mut self, id: &LeaseId, runner_name: &str) -> Registration {
         self.next_runner_id += 1;
         let runner_id = self.next_runner_id;
         let config = format!("jit-{id}-{runner_id}");
@@ -639,12 +651,11 @@ impl Core {
             },
         );
         *self.mints.entry(id.clone()).or_default() += 1;
-        self.event(|| format!("github: minted {runner_name} (runner {runner_id})"));
-        Ok(Registration {
+        Registration {
             config: JitConfig::new(config),
             runner_id,
             runner_name: runner_name.to_owned(),
-        })
+        }
     }
 
     /// The plane mints the registration of an open lease before it
@@ -659,30 +670,15 @@ impl Core {
             )));
         }
         *self.mint_attempts.entry(id.clone()).or_default() += 1;
-        let runner_name = name_of(id);
-        self.next_runner_id += 1;
-        let runner_id = self.next_runner_id;
-        let config = format!("jit-{id}-{runner_id}");
-        self.row(id).runner = Some((runner_id, runner_name.clone()));
-        self.regs.insert(
-            runner_name.clone(),
-            Reg {
-                id: runner_id,
-                lease: id.clone(),
-                config: config.clone(),
-                connected: false,
-                job: false,
-                busy: false,
-            },
-        );
-        *self.mints.entry(id.clone()).or_default() += 1;
+        let registration = self.register(id, &name_of(id));
         self.minted_ahead.insert(id.clone());
-        self.event(|| format!("plane: minted {runner_name} (runner {runner_id}) before dispatch"));
-        Ok(Registration {
-            config: JitConfig::new(config),
-            runner_id,
-            runner_name,
-        })
+        self.event(|| {
+            format!(
+                "plane: minted {} (runner {}) before dispatch",
+                registration.runner_name, registration.runner_id
+            )
+        });
+        Ok(registration)
     }
 
     /// The plane removes the registration it minted before dispatching a

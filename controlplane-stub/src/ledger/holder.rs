@@ -25,6 +25,15 @@ use super::{
 /// Longest lease id accepted, in bytes.
 const MAX_LEASE_ID_LEN: usize = 128;
 
+/// What keeps a lease open in [`Ledger::release_unless`].
+#[derive(Clone, Copy)]
+enum Unless {
+    /// A runner registration is recorded for it.
+    Minted,
+    /// A node has bound it.
+    Bound,
+}
+
 impl Ledger {
     /// Opens a lease for a job GitHub assigned: phase `assigned`, epoch 1,
     /// unbound and aimed at no node, expiring `now_ms + ttl`. Charges no
@@ -343,33 +352,7 @@ impl Ledger {
         epoch: u64,
         now_ms: i64,
     ) -> Result<Option<Lease>> {
-        let mut tx = self.begin_write().await?;
-        let lease = load_fenced(&mut tx, self.backend, id, epoch).await?;
-        if lease.phase.is_terminal() {
-            return if lease.phase == Phase::Failed {
-                Ok(Some(lease))
-            } else {
-                Err(LedgerError::Conflict(format!(
-                    "lease {id} already ended as {}; it cannot also end as failed",
-                    lease.phase
-                )))
-            };
-        }
-        if lease.runner_id.is_some() {
-            return Ok(None);
-        }
-        let done = sqlx::query(
-            "UPDATE leases SET phase = $1, ended_at_ms = $2 \
-             WHERE id = $3 AND epoch = $4 AND runner_id IS NULL",
-        )
-        .bind(Phase::Failed.as_str())
-        .bind(now_ms)
-        .bind(id)
-        .bind(db_epoch(epoch))
-        .execute(&mut *tx)
-        .await?;
-        expect_one_row(done.rows_affected(), id)?;
-        finish(tx, id).await.map(Some)
+        self.release_unless(id, epoch, now_ms, Unless::Minted).await
     }
 
     /// Ends the lease `failed` unless a node has bound it, deciding and writing in one transaction under the
@@ -394,6 +377,18 @@ impl Ledger {
         epoch: u64,
         now_ms: i64,
     ) -> Result<Option<Lease>> {
+        self.release_unless(id, epoch, now_ms, Unless::Bound).await
+    }
+
+    /// [`Ledger::release_unminted`] and [`Ledger::release_unbound`]: ends
+    /// the lease `failed` in one transaction unless `unless` holds.
+    async fn release_unless(
+        &self,
+        id: &str,
+        epoch: u64,
+        now_ms: i64,
+        unless: Unless,
+    ) -> Result<Option<Lease>> {
         let mut tx = self.begin_write().await?;
         let lease = load_fenced(&mut tx, self.backend, id, epoch).await?;
         if lease.phase.is_terminal() {
@@ -406,19 +401,28 @@ impl Ledger {
                 )))
             };
         }
-        if lease.node.is_some() {
+        let (kept, update) = match unless {
+            Unless::Minted => (
+                lease.runner_id.is_some(),
+                "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+                 WHERE id = $3 AND epoch = $4 AND runner_id IS NULL",
+            ),
+            Unless::Bound => (
+                lease.node.is_some(),
+                "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+                 WHERE id = $3 AND epoch = $4 AND node IS NULL",
+            ),
+        };
+        if kept {
             return Ok(None);
         }
-        let done = sqlx::query(
-            "UPDATE leases SET phase = $1, ended_at_ms = $2 \
-             WHERE id = $3 AND epoch = $4 AND node IS NULL",
-        )
-        .bind(Phase::Failed.as_str())
-        .bind(now_ms)
-        .bind(id)
-        .bind(db_epoch(epoch))
-        .execute(&mut *tx)
-        .await?;
+        let done = sqlx::query(update)
+            .bind(Phase::Failed.as_str())
+            .bind(now_ms)
+            .bind(id)
+            .bind(db_epoch(epoch))
+            .execute(&mut *tx)
+            .await?;
         expect_one_row(done.rows_affected(), id)?;
         finish(tx, id).await.map(Some)
     }
