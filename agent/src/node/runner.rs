@@ -954,25 +954,43 @@ impl Runner {
     /// Before the mint: a refusal leaves nothing minted, and the lease is
     /// released.
     async fn resize_to_shape(&self, lease: &Lease) -> Result<(u32, ByteSize), RunnerError> {
-        let (vcpu, memory) = self
-            .provider
+        let (vcpu, memory) = self.shape(lease).await?;
+        self.resize_to(lease, vcpu, memory).await?;
+        Ok((vcpu, memory))
+    }
+
+    /// The size the provider runs `lease` at ([`Provider::shape`]); asked
+    /// before anything is minted or started.
+    async fn shape(&self, lease: &Lease) -> Result<(u32, ByteSize), RunnerError> {
+        self.provider
             .shape(lease.vcpu, lease.memory)
             .await
             .map_err(|e| {
                 RunnerError::Failed(format!(
-                    "ask the provider what lease {} would run at, so nothing was minted: {e}",
+                    "ask the provider what lease {} would run at, so nothing was minted or started: {e}",
                     lease.id
                 ))
-            })?;
+            })
+    }
+
+    /// After the bind: the lease resized to `vcpu` and `memory` when the
+    /// provider runs it at another size than it asks (fenced; the plane
+    /// checks the node's room), before anything starts.
+    async fn resize_to(
+        &self,
+        lease: &Lease,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), RunnerError> {
         if (vcpu, memory) == (lease.vcpu, lease.memory) {
-            return Ok((vcpu, memory));
+            return Ok(());
         }
         self.ledger
             .resize(&lease.id, lease.epoch, vcpu, memory)
             .await
             .map_err(|e| {
                 RunnerError::Failed(format!(
-                    "lease {} asks for {} vCPU and {} MiB, this node's {} provider runs it at {vcpu} vCPU and {} MiB, and the plane would not resize it, so nothing was minted: {e}",
+                    "lease {} asks for {} vCPU and {} MiB, this node's {} provider runs it at {vcpu} vCPU and {} MiB, and the plane would not resize it, so nothing was started: {e}",
                     lease.id,
                     lease.vcpu,
                     lease.memory.0 >> 20,
@@ -985,7 +1003,7 @@ impl Runner {
         self.state()
             .sizes
             .insert(lease.id.clone(), (vcpu, memory.0));
-        Ok((vcpu, memory))
+        Ok(())
     }
 
     async fn launch_bound(
@@ -1133,16 +1151,7 @@ impl Runner {
         record: &mut LaunchRecord,
         registration: Registration,
     ) -> Result<(), RunnerError> {
-        let (vcpu, memory) = self
-            .provider
-            .shape(lease.vcpu, lease.memory)
-            .await
-            .map_err(|e| {
-                RunnerError::Failed(format!(
-                    "ask the provider what lease {} would run at, so nothing was started: {e}",
-                    lease.id
-                ))
-            })?;
+        let (vcpu, memory) = self.shape(lease).await?;
         let spec = instance_spec(lease, tier, name, (vcpu, memory), registration.config);
         let (open, gate) = tokio::sync::oneshot::channel();
         let (created, _) = tokio::sync::oneshot::channel();
@@ -1208,20 +1217,6 @@ impl Runner {
                 Err(refused)
             }
         }
-    }
-
-    /// After the bind: the lease resized to `vcpu` and `memory` when the
-    /// provider runs it at another size than it asks ([`Runner::resize_to_shape`]).
-    async fn resize_to(
-        &self,
-        lease: &Lease,
-        vcpu: u32,
-        memory: ByteSize,
-    ) -> Result<(), RunnerError> {
-        if (vcpu, memory) == (lease.vcpu, lease.memory) {
-            return Ok(());
-        }
-        self.resize_to_shape(lease).await.map(|_| ())
     }
 
     /// spec/node.md §2.2 step 14: routing first, then compute, and hold
