@@ -92,6 +92,13 @@ pub enum RunnerError {
     /// was released `failed`): retry later.
     #[error("{0}")]
     ProviderUnavailable(String),
+    /// A launch whose record this node's journal could not write (its disk
+    /// filled, or it cannot be written, before the health probe said so):
+    /// nothing was started, anything created was removed, and the lease may
+    /// be released (wire: `OUTCOME_REFUSED`, `ERROR_CODE_UNAVAILABLE`, as a
+    /// node degraded by an unwritable journal refuses).
+    #[error("{0}")]
+    JournalUnwritable(String),
     /// A launch whose mint the plane answered `SCALE_SET_NOT_FOUND`: no
     /// registration was made and nothing was created; the lease may be
     /// released (wire code `ERROR_CODE_SCALE_SET_NOT_FOUND`).
@@ -308,9 +315,12 @@ enum Unready {
     /// Nothing of this launch holds the lease: the check or the bind
     /// refused it (a lease the bind took is released already).
     Refused(RunnerError),
-    /// The lease is bound here and the launch cannot go on (its record
-    /// could not be journaled, or the plane would not resize it).
+    /// The lease is bound here and the launch cannot go on: the plane
+    /// would not resize it.
     Bound(String),
+    /// The lease is bound here and the launch's record could not be
+    /// journaled.
+    Unjournaled(String),
 }
 
 /// The instance a launch of `lease` on `tier` creates, named `name`, at
@@ -824,7 +834,9 @@ impl Runner {
             self.state().launching.remove(&lease.id);
             if matches!(
                 result,
-                Err(RunnerError::Failed(_) | RunnerError::Refused(_))
+                Err(RunnerError::Failed(_)
+                    | RunnerError::Refused(_)
+                    | RunnerError::JournalUnwritable(_))
             ) {
                 self.forget(&lease.id).await;
             }
@@ -859,7 +871,7 @@ impl Runner {
             return Err(refused);
         }
         let result = match journaled {
-            Err(e) => Err(RunnerError::Failed(format!(
+            Err(e) => Err(RunnerError::JournalUnwritable(format!(
                 "cannot journal the launch of {}, so nothing was started: {e}",
                 lease.id
             ))),
@@ -871,7 +883,9 @@ impl Runner {
         self.state().launching.remove(&lease.id);
         if matches!(
             result,
-            Err(RunnerError::Failed(_) | RunnerError::Refused(_))
+            Err(RunnerError::Failed(_)
+                | RunnerError::Refused(_)
+                | RunnerError::JournalUnwritable(_))
         ) {
             // Nothing started, or everything started is proven gone.
             self.forget(&lease.id).await;
@@ -1163,7 +1177,7 @@ impl Runner {
             );
             let ready = match (journaled, prepared) {
                 (_, Err(refused)) => Err(Unready::Refused(refused)),
-                (Err(e), Ok(())) => Err(Unready::Bound(format!(
+                (Err(e), Ok(())) => Err(Unready::Unjournaled(format!(
                     "cannot journal the launch of {}, so nothing was started: {e}",
                     lease.id
                 ))),
@@ -1199,6 +1213,13 @@ impl Runner {
             (Err(Unready::Bound(cause)), _) => {
                 warn!(lease = %lease.id, %cause, "the launch cannot go on; removing the registration and the created instance");
                 self.fail_launch(lease, name, registered, &cause).await
+            }
+            (Err(Unready::Unjournaled(cause)), _) => {
+                warn!(lease = %lease.id, %cause, "the launch cannot go on; removing the registration and the created instance");
+                match self.fail_launch(lease, name, registered, &cause).await {
+                    Err(RunnerError::Failed(cause)) => Err(RunnerError::JournalUnwritable(cause)),
+                    other => other,
+                }
             }
             // Not bound here (or released by the refused check): nothing
             // started, and the plane removes the registration it minted.

@@ -752,7 +752,7 @@ async fn execute(
                 RunnerError::ImageUnavailable { .. } => {
                     (pb::Outcome::Refused, pb::ErrorCode::ImageUnavailable)
                 }
-                RunnerError::ProviderUnavailable(_) => {
+                RunnerError::ProviderUnavailable(_) | RunnerError::JournalUnwritable(_) => {
                     (pb::Outcome::Refused, pb::ErrorCode::Unavailable)
                 }
                 RunnerError::ScaleSetNotFound(_) => {

@@ -224,7 +224,8 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
         Err(
             RunnerError::Refused(_)
             | RunnerError::ImageUnavailable { .. }
-            | RunnerError::ProviderUnavailable(_),
+            | RunnerError::ProviderUnavailable(_)
+            | RunnerError::JournalUnwritable(_),
         ) => "refused",
         Err(RunnerError::Busy { held: true, .. }) => "busy (held)",
         Err(RunnerError::Busy { held: false, .. }) => "busy",

@@ -499,6 +499,8 @@ async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are
 struct GatedJournal {
     inner: Arc<MemoryJournal>,
     open: tokio::sync::watch::Receiver<bool>,
+    /// Every launch record's write fails, as on a full disk.
+    refuse_launches: bool,
 }
 
 impl GatedJournal {
@@ -511,6 +513,11 @@ impl GatedJournal {
 #[async_trait::async_trait]
 impl Journal for GatedJournal {
     async fn put_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
+        if self.refuse_launches {
+            return Err(JournalError::Io(
+                "database or disk is full (injected)".into(),
+            ));
+        }
         self.inner.put_launch(l).await
     }
     async fn amend_launch(&self, l: &LaunchRecord) -> Result<(), JournalError> {
@@ -561,6 +568,7 @@ async fn a_launch_is_answered_beside_its_committed_result_not_after_it() {
         Arc::new(GatedJournal {
             inner: journal.clone(),
             open: gate,
+            refuse_launches: false,
         }),
     );
     let (mut plane, _) = open(&node.link, 1);
@@ -601,4 +609,35 @@ async fn a_launch_is_answered_beside_its_committed_result_not_after_it() {
         .map(|(id, _)| id)
         .collect();
     assert_eq!(results, ["launch-1"]);
+}
+
+/// A launch whose record the journal cannot write (its disk filled before
+/// the health probe said so; tester-14 saw it answered with no code) is
+/// refused `UNAVAILABLE`, as a node degraded by an unwritable journal
+/// refuses, so the plane backs off from this node; nothing is started or
+/// held.
+#[tokio::test]
+async fn a_launch_whose_record_cannot_be_journaled_is_refused_unavailable() {
+    let journal = Arc::new(MemoryJournal::default());
+    let (_open, gate) = tokio::sync::watch::channel(true);
+    let node = Node::start_with(
+        journal.clone(),
+        Arc::new(GatedJournal {
+            inner: journal.clone(),
+            open: gate,
+            refuse_launches: true,
+        }),
+    );
+    let (mut plane, _) = open(&node.link, 1);
+    node.send_launch(&plane.session, "launch-1").await;
+    let refused = plane.result().await;
+    assert_eq!(refused.outcome, pb::Outcome::Refused as i32, "{refused:?}");
+    assert_eq!(
+        refused.error.as_ref().map(|e| e.code),
+        Some(pb::ErrorCode::Unavailable as i32),
+        "{refused:?}"
+    );
+    assert!(!refused.custody, "{refused:?}");
+    assert!(node.provider.instances().is_empty());
+    assert!(!node.runner.holding());
 }
