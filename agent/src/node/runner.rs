@@ -727,7 +727,7 @@ impl Runner {
     /// when it sent one. With a registration the node asks no mint; for a
     /// tier that asks nothing of the cache (whose mounts need the bind) it
     /// also creates the instance beside the bind and starts it only once
-    /// the bind holds ([`Runner::launch_beside_bind`]), so the create no
+    /// the bind holds (`Runner::launch_beside_bind`), so the create no
     /// longer waits for a plane round trip. A registration whose launch is
     /// answered neither OK nor with custody is the plane's to remove.
     ///
