@@ -1058,7 +1058,12 @@ impl Plane {
     /// mint the ledger will not record is removed at once. Returns the
     /// failed command result the launch ends with when it cannot be minted
     /// (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or the ledger's code).
-    async fn mint_ahead(
+    /// Public so the launch bench times the plane's own mint.
+    ///
+    /// # Errors
+    ///
+    /// The failed [`pb::CommandResult`] above.
+    pub async fn mint_ahead(
         &self,
         lease: &crate::ledger::Lease,
     ) -> Result<pb::JitConfig, pb::CommandResult> {

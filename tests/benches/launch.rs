@@ -531,31 +531,20 @@ impl Bench {
         Ok((elapsed, minted_ahead))
     }
 
-    /// Mints the lease's registration and records it in the ledger, as the stub plane's launch
-    /// does before it dispatches (`Plane::mint_ahead`).
+    /// Mints the lease's registration and records it in the ledger with the stub plane's own
+    /// step before a dispatch ([`Plane::mint_ahead`](billet_controlplane_stub::plane::Plane)).
     async fn mint_ahead(&self, lease: &Lease) -> Result<pb::JitConfig> {
-        let name = format!("billet-{}", lease.id);
-        let minted = self
-            .github
-            .mint(TIER, &name)
-            .await
-            .with_context(|| format!("mint a JIT config for {name}"))?;
         self.cluster
             .plane
-            .ledger()
-            .set_runner(
-                &lease.id,
-                lease.epoch,
-                minted.runner_id,
-                &minted.runner_name,
-            )
+            .mint_ahead(lease)
             .await
-            .with_context(|| format!("record the registration of lease {}", lease.id))?;
-        Ok(pb::JitConfig {
-            encoded_jit_config: minted.config,
-            runner_id: minted.runner_id,
-            runner_name: minted.runner_name,
-        })
+            .map_err(|failed| {
+                anyhow::anyhow!(
+                    "the plane could not mint for lease {}: {:?}",
+                    lease.id,
+                    failed.error
+                )
+            })
     }
 
     /// Destroys the lease's instance through the node, releases the lease and removes its runner

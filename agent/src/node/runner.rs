@@ -831,16 +831,7 @@ impl Runner {
                     registration.clone(),
                 )
                 .await;
-            self.state().launching.remove(&lease.id);
-            if matches!(
-                result,
-                Err(RunnerError::Failed(_)
-                    | RunnerError::Refused(_)
-                    | RunnerError::JournalUnwritable(_))
-            ) {
-                self.forget(&lease.id).await;
-            }
-            return result;
+            return self.launch_over(&lease.id, result).await;
         }
         let (journaled, prepared) = if pending_removal {
             let prepared = self.check_and_bind(&lease, &tier).await;
@@ -880,15 +871,25 @@ impl Runner {
                     .await
             }
         };
-        self.state().launching.remove(&lease.id);
+        self.launch_over(&lease.id, result).await
+    }
+
+    /// A launch of `lease` has its answer: the lease is no longer
+    /// launching here, and a launch that started nothing, or proved
+    /// everything it started gone, forgets it.
+    async fn launch_over(
+        &self,
+        lease: &LeaseId,
+        result: Result<(), RunnerError>,
+    ) -> Result<(), RunnerError> {
+        self.state().launching.remove(lease);
         if matches!(
             result,
             Err(RunnerError::Failed(_)
                 | RunnerError::Refused(_)
                 | RunnerError::JournalUnwritable(_))
         ) {
-            // Nothing started, or everything started is proven gone.
-            self.forget(&lease.id).await;
+            self.forget(lease).await;
         }
         result
     }
