@@ -34,6 +34,57 @@ fn error(code: pb::ErrorCode, message: impl Into<String>) -> pb::Error {
     }
 }
 
+/// Mints the runner registration `billet-<lease id>` for `lease` at
+/// GitHub and records it against the lease in `ledger`: what a node's
+/// `MintJit` asks for once its checks pass, and what the plane does before
+/// it dispatches a launch (issue #14, `Plane::mint_ahead`). A registration
+/// the ledger will not record is removed at once (one this removal misses
+/// is found by its name by the plane's registration pass), so no
+/// registration is ever handed out that the ledger cannot name.
+///
+/// # Errors
+///
+/// `SCALE_SET_NOT_FOUND` when GitHub has no such set, `UNAVAILABLE` for any
+/// other GitHub failure, and the ledger's code when it will not record it.
+pub async fn mint_and_record(
+    github: &Github,
+    ledger: &crate::ledger::Ledger,
+    lease: &crate::ledger::Lease,
+) -> Result<pb::JitConfig, pb::Error> {
+    let runner_name = format!("billet-{}", lease.id);
+    let minted = github.mint(&lease.tier, &runner_name).await.map_err(|e| {
+        let code = if e.is_scale_set_not_found() {
+            pb::ErrorCode::ScaleSetNotFound
+        } else {
+            pb::ErrorCode::Unavailable
+        };
+        error(code, e.to_string())
+    })?;
+    if let Err(e) = ledger
+        .set_runner(
+            &lease.id,
+            lease.epoch,
+            minted.runner_id,
+            &minted.runner_name,
+        )
+        .await
+    {
+        if let Err(removal) = github
+            .remove_runner(minted.runner_id, &minted.runner_name)
+            .await
+        {
+            tracing::warn!(lease = %lease.id, runner = %minted.runner_name, error = %removal,
+                "a registration the ledger refused to record could not be removed; the registration pass removes it by name");
+        }
+        return Err(ledger_error(&e));
+    }
+    Ok(pb::JitConfig {
+        encoded_jit_config: minted.config,
+        runner_id: minted.runner_id,
+        runner_name: minted.runner_name,
+    })
+}
+
 fn ledger_error(e: &LedgerError) -> pb::Error {
     let code = match e {
         LedgerError::Fenced { .. } => pb::ErrorCode::Fenced,
@@ -402,40 +453,9 @@ impl CallHandler {
                         ),
                     ));
                 }
-                let minted = self
-                    .github
-                    .mint(&lease.tier, &runner_name)
+                mint_and_record(&self.github, l, &lease)
                     .await
-                    .map_err(|e| {
-                        let code = if e.is_scale_set_not_found() {
-                            pb::ErrorCode::ScaleSetNotFound
-                        } else {
-                            pb::ErrorCode::Unavailable
-                        };
-                        error(code, e.to_string())
-                    })?;
-                if let Err(e) = l
-                    .set_runner(&lease_id, epoch, minted.runner_id, &minted.runner_name)
-                    .await
-                {
-                    // Never hand out a registration the ledger cannot name.
-                    // One this removal misses is found by its name by the
-                    // plane's registration pass once the lease has ended.
-                    if let Err(removal) = self
-                        .github
-                        .remove_runner(minted.runner_id, &minted.runner_name)
-                        .await
-                    {
-                        tracing::warn!(lease = %lease_id, runner = %minted.runner_name, error = %removal,
-                            "a registration the ledger refused to record could not be removed; the registration pass removes it by name");
-                    }
-                    return Err(ledger_error(&e));
-                }
-                Ok(Some(pb::plane_reply::Result::Jit(pb::JitConfig {
-                    encoded_jit_config: minted.config,
-                    runner_id: minted.runner_id,
-                    runner_name: minted.runner_name,
-                })))
+                    .map(|jit| Some(pb::plane_reply::Result::Jit(jit)))
             }
             Call::RenewCertificate(pb::RenewCertificate { csr_pem }) => {
                 let ca = self.ca.as_ref().ok_or_else(|| {

@@ -1052,12 +1052,12 @@ impl Plane {
         self.launch_ended(lease, node, outcome, registration).await;
     }
 
-    /// Mints the registration of `lease` for its launch (issue #14), as a
-    /// node's `MintJit` would and with the same record: the runner named
-    /// `billet-<lease>`, recorded against the lease before it is sent. A
-    /// mint the ledger will not record is removed at once. Returns the
-    /// failed command result the launch ends with when it cannot be minted
-    /// (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or the ledger's code).
+    /// Mints the registration of `lease` for its launch (issue #14) with
+    /// the code a node's `MintJit` runs ([`crate::calls::mint_and_record`]):
+    /// the runner named `billet-<lease>`, recorded against the lease before
+    /// it is sent. Returns the failed command result the launch ends with
+    /// when it cannot be minted (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or
+    /// the ledger's code).
     /// Public so the launch bench times the plane's own mint.
     ///
     /// # Errors
@@ -1067,53 +1067,13 @@ impl Plane {
         &self,
         lease: &crate::ledger::Lease,
     ) -> Result<pb::JitConfig, pb::CommandResult> {
-        let failed = |code: pb::ErrorCode, message: String| pb::CommandResult {
-            outcome: pb::Outcome::Failed as i32,
-            error: Some(pb::Error {
-                code: code as i32,
-                message,
-            }),
-            ..Default::default()
-        };
-        let name = format!("billet-{}", lease.id);
-        let minted = self.github.mint(&lease.tier, &name).await.map_err(|e| {
-            let code = if e.is_scale_set_not_found() {
-                pb::ErrorCode::ScaleSetNotFound
-            } else {
-                pb::ErrorCode::Unavailable
-            };
-            failed(code, format!("mint a JIT config for {name}: {e}"))
-        })?;
-        if let Err(e) = self
-            .ledger
-            .set_runner(
-                &lease.id,
-                lease.epoch,
-                minted.runner_id,
-                &minted.runner_name,
-            )
+        crate::calls::mint_and_record(&self.github, &self.ledger, lease)
             .await
-        {
-            // Never send a registration the ledger cannot name; one this
-            // removal misses is found by its name by the registration pass.
-            if let Err(removal) = self
-                .github
-                .remove_runner(minted.runner_id, &minted.runner_name)
-                .await
-            {
-                warn!(runner = %minted.runner_name, error = %removal,
-                      "a registration the ledger refused to record could not be removed; the registration pass removes it by name");
-            }
-            return Err(failed(
-                pb::ErrorCode::Internal,
-                format!("record the registration of lease {}: {e}", lease.id),
-            ));
-        }
-        Ok(pb::JitConfig {
-            encoded_jit_config: minted.config,
-            runner_id: minted.runner_id,
-            runner_name: minted.runner_name,
-        })
+            .map_err(|error| pb::CommandResult {
+                outcome: pb::Outcome::Failed as i32,
+                error: Some(error),
+                ..Default::default()
+            })
     }
 
     /// Removes the registration this plane minted for a launch that ended
