@@ -517,8 +517,13 @@ async fn connect(path: &Path, read_only: bool) -> Result<SqlitePool, JournalErro
         .create_if_missing(false)
         .read_only(read_only)
         .busy_timeout(std::time::Duration::from_secs(5));
+    // No ping before each use: the database is a local file with no peer
+    // to lose, and a ping is one more trip to sqlx's worker thread in
+    // series before every write (issue #14). A connection that breaks is
+    // found by the write itself (see `SqliteJournal::connection`).
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
+        .test_before_acquire(false)
         .connect_with(options)
         .await
         .map_err(|e| fail(format!("cannot open: {e}; {DAMAGED}")))?;
