@@ -1361,4 +1361,37 @@ impl Starts {
             .cloned()
             .unwrap_or_default()
     }
+
+    /// Asserts that each of `jobs` ended `succeeded` in the emulator and was
+    /// started by exactly one runner.
+    ///
+    /// # Errors
+    ///
+    /// A job the emulator does not have.
+    ///
+    /// # Panics
+    ///
+    /// A job that did not succeed or was not started exactly once.
+    pub fn assert_each_succeeded_once(
+        &self,
+        cluster: &Cluster,
+        jobs: &[scaleset::JobRequestId],
+    ) -> anyhow::Result<()> {
+        let state = cluster.emulator.state();
+        for id in jobs {
+            let job = state
+                .jobs
+                .iter()
+                .find(|j| j.id == *id)
+                .with_context(|| format!("job {id} is not in the emulator"))?;
+            assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
+            assert_eq!(
+                self.of(*id).len(),
+                1,
+                "job {id} was not started exactly once: {:?}",
+                self.of(*id)
+            );
+        }
+        Ok(())
+    }
 }

@@ -66,17 +66,8 @@ async fn all_done_once(
 ) -> Result<()> {
     cluster.wait_jobs_completed(jobs, timeout).await?;
     cluster.wait_clean(Duration::from_secs(60)).await?;
+    starts.assert_each_succeeded_once(cluster, jobs)?;
     let state = cluster.emulator.state();
-    for id in jobs {
-        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
-        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
-        assert_eq!(
-            starts.of(*id).len(),
-            1,
-            "job {id} was not started exactly once: {:?}",
-            starts.of(*id)
-        );
-    }
     assert!(
         state.runners.is_empty(),
         "registrations left: {:?}",

@@ -117,17 +117,7 @@ async fn ends_clean_once(
             launches.report()
         )
     })?;
-    let state = cluster.emulator.state();
-    for id in jobs {
-        let job = state.jobs.iter().find(|j| j.id == *id).context("job")?;
-        assert_eq!(job.result.as_deref(), Some("succeeded"), "{job:?}");
-        assert_eq!(
-            starts.of(*id).len(),
-            1,
-            "job {id} was not started exactly once: {:?}",
-            starts.of(*id)
-        );
-    }
+    starts.assert_each_succeeded_once(cluster, jobs)?;
     let leases = cluster.plane.ledger().leases().await?;
     let open: Vec<_> = leases.iter().filter(|l| !l.phase.is_terminal()).collect();
     assert!(open.is_empty(), "leases still open: {open:?}");
