@@ -23,11 +23,13 @@
 //! emulator; for (b): `docker rm -f` and removing the minted registration). Nothing is left
 //! behind: no container, no open lease, no registration. Printed: median, p90, min and max of
 //! each, the ratio of the medians, and the min, median and max of the per-iteration ratios
-//! (a)/(b).
+//! (a)/(b), with the 95% interval of that median (distribution-free, from the order
+//! statistics), which says whether a run has enough iterations to tell the goal's 1.02 from
+//! its neighbours.
 //!
 //! ```text
 //! cargo bench -p billet-tests --bench launch
-//! BILLET_BENCH_ITERATIONS=50 BILLET_BENCH_WARMUP=5 cargo bench -p billet-tests --bench launch
+//! BILLET_BENCH_ITERATIONS=1000 BILLET_BENCH_WARMUP=10 cargo bench -p billet-tests --bench launch
 //! BILLET_BENCH_MINT=node cargo bench -p billet-tests --bench launch
 //! ```
 //!
@@ -61,7 +63,7 @@ use bollard::query_parameters::{
 /// The one node.
 const NODE: &str = "node-1";
 /// Measured iterations, unless `BILLET_BENCH_ITERATIONS` says otherwise.
-const DEFAULT_ITERATIONS: usize = 20;
+const DEFAULT_ITERATIONS: usize = 300;
 /// Unmeasured iterations first, unless `BILLET_BENCH_WARMUP` says otherwise.
 const DEFAULT_WARMUP: usize = 3;
 /// The bound of each command sent to the node.
@@ -301,7 +303,7 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
     let (a, b) = (launch.median_ms(), baseline.median_ms());
     println!();
     println!(
-        "  ratio (a)/(b) of medians: {:.2}  (billet adds {:.1} ms per launch at the median)",
+        "  ratio (a)/(b) of medians: {:.3}  (billet adds {:.1} ms per launch at the median)",
         a / b,
         a - b
     );
@@ -312,11 +314,15 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
         .collect();
     ratios.sort_by(f64::total_cmp);
+    let (low, high) = median_interval(&ratios);
     println!(
-        "  per-iteration ratio (a)/(b): min {:.2}, median {:.2}, max {:.2}  (goal: median <= 1.02)",
+        "  per-iteration ratio (a)/(b): min {:.2}, median {:.3}, max {:.2}  (goal: median <= 1.02)",
         ratios[0],
         billet_tests::bench::median(&ratios),
         ratios[ratios.len() - 1]
+    );
+    println!(
+        "    95% interval of that median: {low:.3} to {high:.3}  (ranks n/2 -/+ 0.98 sqrt(n) of the sorted ratios; it narrows as BILLET_BENCH_ITERATIONS grows)"
     );
     print_breakdown(
         &node,
@@ -336,6 +342,26 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
 
 /// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,
 /// beside the baseline's two parts. Means, since the node exports histograms (sum and count).
+/// The distribution-free 95% confidence interval of the median of `sorted`
+/// (ascending): the values at ranks `n/2 - 0.98 sqrt(n)` and `n/2 + 0.98 sqrt(n)`
+/// (the normal approximation to the binomial order statistics), clamped to
+/// the samples. With one sample, that sample twice.
+fn median_interval(sorted: &[f64]) -> (f64, f64) {
+    let n = sorted.len();
+    #[allow(clippy::cast_precision_loss)]
+    let half_width = 0.98 * (n as f64).sqrt();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let (low, high) = (
+        ((n as f64 / 2.0 - half_width).floor().max(0.0) as usize).min(n - 1),
+        ((n as f64 / 2.0 + half_width).ceil() as usize).min(n - 1),
+    );
+    (sorted[low], sorted[high])
+}
+
 fn print_breakdown(
     node: &MetricsReading,
     iterations: usize,
