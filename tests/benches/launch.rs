@@ -340,8 +340,6 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
     Ok(())
 }
 
-/// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,
-/// beside the baseline's two parts. Means, since the node exports histograms (sum and count).
 /// The distribution-free 95% confidence interval of the median of `sorted`
 /// (ascending): the values at ranks `n/2 - 0.98 sqrt(n)` and `n/2 + 0.98 sqrt(n)`
 /// (the normal approximation to the binomial order statistics), clamped to
@@ -362,6 +360,8 @@ fn median_interval(sorted: &[f64]) -> (f64, f64) {
     (sorted[low], sorted[high])
 }
 
+/// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,
+/// beside the baseline's two parts. Means, since the node exports histograms (sum and count).
 fn print_breakdown(
     node: &MetricsReading,
     iterations: usize,
