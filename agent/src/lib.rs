@@ -1,26 +1,33 @@
 //! The billet node agent as a library: `billet` is a thin `main` over this.
-//! The folders are the subsystems; ARCHITECTURE.md's codemap has a
-//! paragraph and the invariants for each.
+//! The modules stand on floors: each imports only from the floors below it
+//! (`scripts/floors` checks this in the test command). ARCHITECTURE.md's
+//! codemap has a paragraph and the invariants for each.
 //!
-//! - [`node`]: the node's core: the runner and custody, the plane session
-//!   and its single command slot, the plane link, the journal, the local
-//!   socket, and the server that wires them together.
-//! - [`provider`]: what actually runs a runner (Docker, and the fake).
-//! - [`upgrade`]: replacing this host's `billet`: the dispatch of
-//!   `StartUpgrade`, the updater, releases and version stamping.
-//! - [`edge`]: where the outside world's shapes become the node's own: the
-//!   node's types, the proto conversions, and mTLS.
-//! - [`cache`]: the node-local cache: sticky disks, their generations,
-//!   mounts, commits and eviction.
-//! - [`claim`]: exclusive claims on host files (the updater's host claim,
-//!   the cache store's lock), patient with a forked child's inherited lock.
-//! - [`cli`]: the command line, the configuration layering and the exit
-//!   codes of the `billet` binary.
+//! - floor 0: [`model`] (the node's own value types), [`clock`] (the
+//!   plane's time), [`claim`] (exclusive claims on host files), [`listen`]
+//!   (connection caps shared by every listener), [`local`] (the local
+//!   socket's path and its client).
+//! - floor 1: [`tls`] (mTLS material, the acceptor, enrolment requests),
+//!   [`journal`] (the node's memory in SQLite).
+//! - floor 2: [`cache`] (sticky disks and the Actions cache).
+//! - floor 3: [`provider`] (what runs a runner: Docker, and the fake).
+//! - floor 4: [`node`] (the core: runner, custody, health, metrics, the
+//!   plane ports), [`upgrade`] (replacing this host's `billet`).
+//! - floor 5: [`edge`] (the gRPC face: wire conversions, the session and
+//!   its command slot, the plane link, the local socket's service, the
+//!   server that wires everything).
+//! - floor 6: [`cli`] (the command line and its exit codes).
 
 pub mod cache;
 pub mod claim;
 pub mod cli;
+pub mod clock;
 pub mod edge;
+pub mod journal;
+pub mod listen;
+pub mod local;
+pub mod model;
 pub mod node;
 pub mod provider;
+pub mod tls;
 pub mod upgrade;

@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use billet_agent::cli::{self, Cli, Command, NodeArgs, exit, host_upgrade};
-use billet_agent::node::server;
+use billet_agent::edge::server;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 

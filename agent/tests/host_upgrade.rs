@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use billet_agent::edge::wire::UpgradeSpec;
+use billet_agent::model::UpgradeSpec;
 use billet_agent::upgrade::dispatch::{ExecUpgrader, Refusal, UpgradeError, Upgrader};
 use billet_agent::upgrade::release;
 use billet_agent::upgrade::updater::{DIR, JOURNAL_FILE, LOCK_FILE, Record, Step};
@@ -626,7 +626,7 @@ async fn a_settle_waits_for_a_draining_node_to_exit_before_starting_it() {
     // The updater died while the node drained for it: the stop it began
     // goes on without it.
     host.journal(&host.interrupted_at(Step::Accepted));
-    let socket = billet_agent::node::local::socket_path(&host.state);
+    let socket = billet_agent::local::socket_path(&host.state);
     let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
     let (health, health_service) = tonic_health::server::health_reporter();
     health

@@ -16,15 +16,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use billet_agent::edge::model::{
+use billet_agent::journal::{Journal, LaunchRecord, MemoryJournal};
+use billet_agent::model::Registration;
+use billet_agent::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
 use billet_agent::node::ending::{EndReason, SpotAction};
-use billet_agent::node::journal::{Journal, LaunchRecord, MemoryJournal};
-use billet_agent::node::plane::{
-    JitSource, LaunchedSet, LeaseStore, PlaneError, Registration, Retired,
-};
+use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::node::runner::{
     HeldState, POST_JOB_GRACE, Runner, RunnerError, RunnerOptions, STRAY_GRACE,
 };
@@ -95,12 +94,12 @@ impl CountingJournal {
     fn fail_custody_writes(&self, times: u32) {
         *self.custody_failures.lock().unwrap() += times;
     }
-    fn custody_write(&self) -> Result<(), billet_agent::node::journal::JournalError> {
+    fn custody_write(&self) -> Result<(), billet_agent::journal::JournalError> {
         self.wrote();
         let mut failures = self.custody_failures.lock().unwrap();
         if *failures > 0 {
             *failures -= 1;
-            return Err(billet_agent::node::journal::JournalError::Io(
+            return Err(billet_agent::journal::JournalError::Io(
                 "injected: disk I/O error".into(),
             ));
         }
@@ -113,63 +112,51 @@ impl Journal for CountingJournal {
     async fn put_launch(
         &self,
         launch: &LaunchRecord,
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+    ) -> Result<(), billet_agent::journal::JournalError> {
         self.wrote();
         self.inner.put_launch(launch).await
     }
-    async fn forget_launch(
-        &self,
-        lease: &str,
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+    async fn forget_launch(&self, lease: &str) -> Result<(), billet_agent::journal::JournalError> {
         self.wrote();
         self.inner.forget_launch(lease).await
     }
-    async fn launches(
-        &self,
-    ) -> Result<Vec<LaunchRecord>, billet_agent::node::journal::JournalError> {
+    async fn launches(&self) -> Result<Vec<LaunchRecord>, billet_agent::journal::JournalError> {
         self.inner.launches().await
     }
     async fn put_custody(
         &self,
-        entry: &billet_agent::node::journal::CustodyRecord,
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+        entry: &billet_agent::journal::CustodyRecord,
+    ) -> Result<(), billet_agent::journal::JournalError> {
         self.custody_write()?;
         self.inner.put_custody(entry).await
     }
     async fn put_custody_all(
         &self,
-        entries: &[billet_agent::node::journal::CustodyRecord],
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+        entries: &[billet_agent::journal::CustodyRecord],
+    ) -> Result<(), billet_agent::journal::JournalError> {
         self.custody_write()?;
         self.inner.put_custody_all(entries).await
     }
-    async fn forget_custody(
-        &self,
-        lease: &str,
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+    async fn forget_custody(&self, lease: &str) -> Result<(), billet_agent::journal::JournalError> {
         self.wrote();
         self.inner.forget_custody(lease).await
     }
     async fn custody(
         &self,
-    ) -> Result<
-        Vec<billet_agent::node::journal::CustodyRecord>,
-        billet_agent::node::journal::JournalError,
-    > {
+    ) -> Result<Vec<billet_agent::journal::CustodyRecord>, billet_agent::journal::JournalError>
+    {
         self.inner.custody().await
     }
     async fn put_result(
         &self,
         command: &str,
         encoded: &[u8],
-        durability: billet_agent::node::journal::Durability,
-    ) -> Result<(), billet_agent::node::journal::JournalError> {
+        durability: billet_agent::journal::Durability,
+    ) -> Result<(), billet_agent::journal::JournalError> {
         self.wrote();
         self.inner.put_result(command, encoded, durability).await
     }
-    async fn results(
-        &self,
-    ) -> Result<Vec<(String, Vec<u8>)>, billet_agent::node::journal::JournalError> {
+    async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, billet_agent::journal::JournalError> {
         self.inner.results().await
     }
 }

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use billet_agent::edge::tls::{NodeTls, ReloadPolicy, TlsPaths};
-use billet_agent::node::journal::MemoryJournal;
-use billet_agent::node::server::{self, NodeConfig, Prepared};
+use billet_agent::edge::server::{self, NodeConfig, Prepared};
+use billet_agent::journal::MemoryJournal;
 use billet_agent::provider::fake::{FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceState};
+use billet_agent::tls::{NodeTls, ReloadPolicy, TlsPaths};
 use billet_proto::v1 as pb;
 use rcgen::{
     BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -423,7 +423,7 @@ impl Node {
             min_free_disk_bytes: 0,
             spot_imds: None,
             registry_mirrors: Vec::new(),
-            actions_proxy: billet_agent::node::server::ActionsProxyConfig::default(),
+            actions_proxy: billet_agent::edge::server::ActionsProxyConfig::default(),
         };
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         let run = tokio::spawn(server::run(
@@ -459,7 +459,7 @@ impl Node {
         tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 if let Ok(seen) =
-                    billet_agent::node::local::check(&self.state_dir, Duration::from_secs(2)).await
+                    billet_agent::local::check(&self.state_dir, Duration::from_secs(2)).await
                     && seen.status.draining
                 {
                     return;
@@ -543,14 +543,14 @@ async fn health_turns_not_serving_as_soon_as_a_drain_begins() {
     let plane = node.attach().await;
     plane.renewed(HELD, 1).await;
     let state_dir = node._scratch.0.join("state");
-    let before = billet_agent::node::local::check(&state_dir, Duration::from_secs(5))
+    let before = billet_agent::local::check(&state_dir, Duration::from_secs(5))
         .await
         .expect("the node answers");
     assert!(before.serving, "{before:?}");
     node.drain.cancel();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let now = billet_agent::node::local::check(&state_dir, Duration::from_secs(5))
+        let now = billet_agent::local::check(&state_dir, Duration::from_secs(5))
             .await
             .expect("a draining node still answers");
         if !now.serving {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use billet_agent::edge::wire::UpgradeSpec;
+use billet_agent::model::UpgradeSpec;
 use billet_agent::upgrade::dispatch::{
     ACK_REFUSED, AckWriter, Dispatch, ExecUpgrader, NO_RELEASE_SOURCE, Refusal, SYSTEMD_RUN,
     UPDATER_ENVIRONMENT, UpgradeError, Upgrader,

@@ -55,7 +55,7 @@ use billet_agent::cache::actions::ca::InterceptionCa;
 use billet_agent::cache::actions::proxy::{ActionsProxy, Upstream};
 use billet_agent::cache::actions::{CacheScope, FakeAnswer, FakePolicy, RESULTS_HOST};
 use billet_agent::cache::session::CacheToken;
-use billet_agent::node::journal::MemoryJournal;
+use billet_agent::journal::MemoryJournal;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const UA: &str = "@actions/cache-4.0.3";

@@ -45,8 +45,8 @@ use std::time::Instant;
 use anyhow::{Context as _, Result, ensure};
 use billet_agent::cache::clone::ReflinkSupport;
 use billet_agent::cache::{Committed, DiskKey, Policy, Store};
-use billet_agent::edge::model::LeaseId;
-use billet_agent::node::journal::SqliteJournal;
+use billet_agent::journal::SqliteJournal;
+use billet_agent::model::LeaseId;
 use billet_tests::bench::Samples;
 use billet_tests::scratchfs::ScratchFs;
 

@@ -236,10 +236,10 @@ async fn seed(cache: &Path, deployment: &str, keys: &[(&str, &[u8])]) -> Result<
     let store = Store::open(
         cache,
         deployment,
-        std::sync::Arc::new(billet_agent::node::journal::MemoryJournal::default()),
+        std::sync::Arc::new(billet_agent::journal::MemoryJournal::default()),
     )
     .await?;
-    let lease = billet_agent::edge::model::LeaseId::parse("seed", "seed")?;
+    let lease = billet_agent::model::LeaseId::parse("seed", "seed")?;
     let mut dirs = Vec::new();
     for (key, n) in keys {
         let key = DiskKey::parse(key)?;
@@ -839,14 +839,14 @@ async fn on_xfs_with_reflinks_a_mount_shares_the_generations_extents_and_writes_
     let store = Store::open(
         &cache,
         "dev",
-        std::sync::Arc::new(billet_agent::node::journal::MemoryJournal::default()),
+        std::sync::Arc::new(billet_agent::journal::MemoryJournal::default()),
     )
     .await?;
     assert_eq!(
         (store.filesystem().kind.as_str(), store.filesystem().reflink),
         ("xfs", true)
     );
-    let lease = billet_agent::edge::model::LeaseId::parse("lease", "l1")?;
+    let lease = billet_agent::model::LeaseId::parse("lease", "l1")?;
     let key = DiskKey::parse(KEY)?;
     let mount = store.mount(&lease, &key, Policy::Cas).await?;
     assert_eq!(

@@ -465,8 +465,7 @@ async fn idle_connections_on_the_metrics_port_of_a_node_at_1024_files_do_not_sto
         .wait_jobs_completed(&jobs, Duration::from_secs(60))
         .await;
     let observed =
-        billet_agent::node::local::check(&cluster.dir.join("state-node-1"), Duration::from_secs(5))
-            .await;
+        billet_agent::local::check(&cluster.dir.join("state-node-1"), Duration::from_secs(5)).await;
     // A scrape dialed into the flood is answered (the oldest idle
     // connection makes room for it).
     let mut scraped = false;
@@ -589,15 +588,13 @@ async fn slow_plane_session(
     node: SocketAddr,
     delay: Duration,
 ) -> Result<Duration, String> {
-    let certs =
-        |p: &std::path::Path| billet_agent::edge::tls::load_certs(p).map_err(|e| e.to_string());
+    let certs = |p: &std::path::Path| billet_agent::tls::load_certs(p).map_err(|e| e.to_string());
     let mut roots = rustls::RootCertStore::empty();
     for c in certs(&cluster.certs.ca.cert)? {
         roots.add(c).map_err(|e| e.to_string())?;
     }
     let chain = certs(&cluster.certs.plane.cert)?;
-    let key =
-        billet_agent::edge::tls::load_key(&cluster.certs.plane.key).map_err(|e| e.to_string())?;
+    let key = billet_agent::tls::load_key(&cluster.certs.plane.key).map_err(|e| e.to_string())?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use billet_agent::node::local;
-use billet_agent::node::session::NodeService;
+use billet_agent::edge::session::NodeService;
+use billet_agent::local;
 use billet_controlplane_stub::node_link::{NodeTarget, PlaneTls, dial};
 use billet_controlplane_stub::plane::PlaneEvent;
 use billet_proto::v1 as pb;
@@ -706,9 +706,7 @@ async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_wh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_journal_whose_writes_failed_on_a_full_disk_takes_writes_again_once_space_is_freed()
 -> Result<()> {
-    use billet_agent::node::journal::{
-        CustodyRecord, Durability, Journal, LaunchRecord, SqliteJournal,
-    };
+    use billet_agent::journal::{CustodyRecord, Durability, Journal, LaunchRecord, SqliteJournal};
     let small = billet_tests::scratchfs::ScratchFs::tmpfs(16)?;
     let dir = small.path.join("state");
     std::fs::create_dir(&dir)?;

@@ -74,7 +74,7 @@ async fn systemd_hears_ready_once_both_listeners_are_up_and_stopping_when_a_drai
     );
     // Ready means both listeners answer.
     std::net::TcpStream::connect(node.listen).context("the network listener at READY=1")?;
-    let seen = billet_agent::node::local::check(&state, Duration::from_secs(5))
+    let seen = billet_agent::local::check(&state, Duration::from_secs(5))
         .await
         .map_err(anyhow::Error::msg)?;
     assert!(seen.serving, "health says serving at READY=1");
@@ -110,7 +110,7 @@ async fn systemd_hears_ready_once_both_listeners_are_up_and_stopping_when_a_drai
     };
     assert_eq!(status.code(), Some(0));
     assert!(
-        !billet_agent::node::local::socket_path(&state).exists(),
+        !billet_agent::local::socket_path(&state).exists(),
         "the local socket is removed on a clean stop"
     );
     Ok(())
@@ -122,7 +122,7 @@ async fn a_second_node_on_a_state_directory_in_use_is_refused_with_exit_6() -> R
     let state = dir.join("state");
     let first = start(&dir, &state, None)?;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while billet_agent::node::local::check(&state, Duration::from_secs(2))
+    while billet_agent::local::check(&state, Duration::from_secs(2))
         .await
         .is_err()
     {
@@ -143,7 +143,7 @@ async fn a_second_node_on_a_state_directory_in_use_is_refused_with_exit_6() -> R
         stderr.contains("another billet node is running on this state directory"),
         "{stderr}"
     );
-    let seen = billet_agent::node::local::check(&state, Duration::from_secs(5))
+    let seen = billet_agent::local::check(&state, Duration::from_secs(5))
         .await
         .map_err(anyhow::Error::msg)?;
     assert_eq!(

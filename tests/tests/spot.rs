@@ -9,9 +9,9 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use billet_agent::local;
 use billet_agent::node::ending::SpotAction;
 use billet_agent::node::interruption::{Imds, InterruptionSource, Notice};
-use billet_agent::node::local;
 use billet_controlplane_stub::ledger::Phase;
 use billet_proto::v1 as pb;
 use billet_tests::cluster::{Cluster, ClusterOptions, wait_until};

@@ -77,8 +77,8 @@ use tracing::{info, warn};
 
 use super::lifecycle::Listed;
 use super::store::{CacheError, Committed, Mount, Store};
-use crate::edge::model::LeaseId;
-use crate::node::journal::{MountJournal, SessionRecord};
+use crate::journal::{MountJournal, SessionRecord};
+use crate::model::LeaseId;
 
 /// The variable that holds the session's token in the guest.
 pub const TOKEN_ENV: &str = "BILLET_CACHE_TOKEN";
@@ -86,7 +86,7 @@ pub const TOKEN_ENV: &str = "BILLET_CACHE_TOKEN";
 /// `unix:<GUEST_DIR>/<SOCKET_NAME>`.
 pub const ENDPOINT_ENV: &str = "BILLET_CACHE_ENDPOINT";
 /// Where the guest sees its session's directory.
-pub const GUEST_DIR: &str = "/run/billet-cache";
+pub use crate::model::disk::GUEST_DIR;
 /// The socket's name in that directory.
 pub const SOCKET_NAME: &str = "cache.sock";
 
@@ -584,7 +584,7 @@ impl Drop for Sessions {
 }
 
 /// Most connections one cache session's socket holds open at once; past it
-/// a new one is closed at once ([`crate::edge::listen::ConnectionCap`]). The
+/// a new one is closed at once ([`crate::listen::ConnectionCap`]). The
 /// session answers one request at a time, so a well guest needs one or two;
 /// the cap keeps a guest from taking the node's file descriptors.
 pub const MAX_SESSION_CONNECTIONS: usize = 8;
@@ -594,7 +594,7 @@ pub const MAX_SESSION_CONNECTIONS: usize = 8;
 /// descriptors) backs off and is logged at a bounded rate, and the socket
 /// goes on serving (it used to end the guest's cache API for good).
 async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: CancellationToken) {
-    use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
+    use crate::listen::{AcceptErrors, AtCap, ConnectionCap};
     let cap = ConnectionCap::new("cache_session", MAX_SESSION_CONNECTIONS, AtCap::Refuse);
     let mut errors = AcceptErrors::new("cache_session");
     loop {
@@ -1009,7 +1009,7 @@ async fn settle(
 mod tests {
     use super::*;
     use crate::cache::{DiskKey, Policy};
-    use crate::node::journal::MemoryJournal;
+    use crate::journal::MemoryJournal;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     fn scratch() -> crate::cache::Scratch {

@@ -67,8 +67,8 @@ use super::clone::{
 };
 use super::lifecycle::{Evicted, Listed};
 use super::{DiskKey, Policy};
-use crate::edge::model::LeaseId;
-use crate::node::journal::{JournalError, MountJournal, MountRecord};
+use crate::journal::{JournalError, MountJournal, MountRecord};
+use crate::model::LeaseId;
 
 /// The lock file in the cache directory.
 pub const STORE_LOCK: &str = "lock";
@@ -1358,7 +1358,7 @@ fn commit_blocking(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::journal::{MemoryJournal, SqliteJournal};
+    use crate::journal::{MemoryJournal, SqliteJournal};
 
     fn dir() -> crate::cache::Scratch {
         crate::cache::Scratch::new("billet-cache")

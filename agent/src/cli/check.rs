@@ -14,8 +14,8 @@ use std::time::SystemTime;
 use tracing::error;
 
 use super::{NodeArgs, exit};
-use crate::node::journal::SqliteJournal;
-use crate::node::server::{self, NodeConfig, NodeError};
+use crate::edge::server::{self, NodeConfig, NodeError};
+use crate::journal::SqliteJournal;
 use crate::provider::Owner;
 use crate::provider::docker::DockerProvider;
 
@@ -92,7 +92,7 @@ pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
                 "absent; the node creates it"
             }
         ));
-        let socket = crate::node::local::socket_path(&config.state_dir);
+        let socket = crate::local::socket_path(&config.state_dir);
         if tokio::net::UnixStream::connect(&socket).await.is_ok() {
             lines.push(format!(
                 "note: a node is running on this state directory ({}); a second one would be refused (exit {})",

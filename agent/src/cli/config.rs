@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::NodeArgs;
-use crate::edge::tls::TlsPaths;
-use crate::node::server::NodeConfig;
+use crate::edge::server::NodeConfig;
+use crate::tls::TlsPaths;
 use crate::upgrade::dispatch::{self, ExecUpgrader};
 
 /// The longest `--cache-retention-hours` and
@@ -152,7 +152,7 @@ impl NodeArgs {
                 isolated_containers: args.isolated_containers,
                 ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
-                tls_reload: crate::edge::tls::ReloadPolicy {
+                tls_reload: crate::tls::ReloadPolicy {
                     interval: Duration::from_secs(args.tls_reload_secs.max(1)),
                     expiry_warning: Duration::from_secs(args.cert_expiry_warning_days * 86_400),
                 },
@@ -161,11 +161,11 @@ impl NodeArgs {
                 min_free_disk_bytes: args.min_free_disk_bytes,
                 spot_imds: args.spot_imds,
                 registry_mirrors: args.registry_mirror,
-                actions_proxy: crate::node::server::ActionsProxyConfig {
+                actions_proxy: crate::edge::server::ActionsProxyConfig {
                     listen: match args.cache_proxy_listen.as_deref() {
-                        None => crate::node::server::ProxyListen::BridgeGateway,
-                        Some("off") => crate::node::server::ProxyListen::Off,
-                        Some(a) => crate::node::server::ProxyListen::At(a.parse().map_err(|_| {
+                        None => crate::edge::server::ProxyListen::BridgeGateway,
+                        Some("off") => crate::edge::server::ProxyListen::Off,
+                        Some(a) => crate::edge::server::ProxyListen::At(a.parse().map_err(|_| {
                             format!("--cache-proxy-listen {a:?} is neither ADDRESS:PORT (172.17.0.1:7718) nor off")
                         })?),
                     },
@@ -186,7 +186,7 @@ mod tests {
 
     /// `billet node`'s configuration from `extra` flags beside the
     /// required ones.
-    fn config(extra: &[&str]) -> Result<crate::node::server::NodeConfig, String> {
+    fn config(extra: &[&str]) -> Result<crate::edge::server::NodeConfig, String> {
         let args = [
             "billet",
             "node",

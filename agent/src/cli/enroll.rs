@@ -1,7 +1,7 @@
 //! `billet node enroll`: hands a join token to the node running on this
 //! host, through its local socket, so a node whose certificate expired gets
 //! a new one from the plane's enrolment endpoint without a restart and
-//! without touching what it runs ([`crate::node::identity`]).
+//! without touching what it runs ([`crate::edge::identity`]).
 //!
 //! The token is a credential: give it with `--token-file` or
 //! `BILLET_JOIN_TOKEN` rather than `--token` where other users can read the
@@ -12,8 +12,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use super::exit;
-use crate::edge::enroll::JoinToken;
-use crate::node::local::EnrollFailure;
+use crate::local::EnrollFailure;
+use crate::tls::enroll::JoinToken;
 
 /// `billet node enroll`'s flags.
 #[derive(Debug, clap::Parser)]
@@ -96,7 +96,7 @@ pub fn enroll(args: EnrollArgs) -> ExitCode {
             return ExitCode::from(exit::SERVE);
         }
     };
-    let enrolled = runtime.block_on(crate::node::local::enroll(
+    let enrolled = runtime.block_on(crate::local::enroll(
         &state_dir,
         &token,
         &args.plane,

@@ -1,7 +1,7 @@
 //! The `billet` binary's exit codes: one table (README "Exit codes"), and
 //! the one function from the node's start-up errors to it.
 
-use crate::node::server::NodeError;
+use crate::edge::server::NodeError;
 
 pub const CONFIG: u8 = 2;
 pub const TLS: u8 = 3;
@@ -15,8 +15,8 @@ pub const UPGRADE_FAILED: u8 = 9;
 pub const NOT_RUNNING: u8 = 10;
 pub const SERVE: u8 = 1;
 
-/// The exit code for an error of [`crate::node::server::prepare`] or
-/// [`crate::node::server::run`].
+/// The exit code for an error of [`crate::edge::server::prepare`] or
+/// [`crate::edge::server::run`].
 pub fn for_node_error(e: &NodeError) -> u8 {
     match e {
         NodeError::Tls(_) => TLS,

@@ -5,7 +5,7 @@
 //! ([`exit`]), and `billet host-upgrade`'s driver ([`host_upgrade`]).
 //!
 //! May not touch: lease state or the provider; it only builds what
-//! [`crate::node::server`] and [`crate::upgrade`] take as arguments.
+//! [`crate::edge::server`] and [`crate::upgrade`] take as arguments.
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -205,11 +205,11 @@ pub struct NodeArgs {
     pub isolated_containers: bool,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
-    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::node::session::ACK_TIMEOUT.as_secs())]
+    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs())]
     pub ack_timeout_secs: u64,
     /// Seconds a drain (SIGTERM) waits for running jobs before the node
     /// exits anyway, destroying nothing.
-    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = crate::node::server::DEFAULT_DRAIN_TIMEOUT.as_secs())]
+    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = crate::edge::server::DEFAULT_DRAIN_TIMEOUT.as_secs())]
     pub drain_timeout_secs: u64,
     /// Seconds between checks of the certificate, key and CA files for a
     /// replacement (SIGHUP checks at once).

@@ -1,5 +1,5 @@
 //! `billet node status`: asks a running node on its local socket
-//! (`<state_dir>/node.sock`, [`crate::node::local`]) what it is doing, and
+//! (`<state_dir>/node.sock`, [`crate::local`]) what it is doing, and
 //! prints it as a table, or as JSON with `--json`. It reads; it changes
 //! nothing, and needs no certificate: whoever can enter the 0700 state
 //! directory may ask.
@@ -103,7 +103,7 @@ pub fn status(args: StatusArgs) -> ExitCode {
             return ExitCode::from(exit::SERVE);
         }
     };
-    let observed = runtime.block_on(crate::node::local::check(
+    let observed = runtime.block_on(crate::local::check(
         &state_dir,
         Duration::from_secs(args.timeout_secs.max(1)),
     ));

@@ -1,21 +1,23 @@
-//! The edge: where the outside world's shapes become the node's own.
+//! The gRPC face: where the plane's session and the local socket meet the
+//! node's core.
 //!
-//! Owns: the node's own types for what travels on the wire ([`model`]: ids
-//! as newtypes, phases, tiers, the JIT config as a credential), the
-//! conversion from and to generated proto types with every field checked
-//! ([`wire`]), and mTLS material ([`tls`]) and the
-//! listener's accept loop with its limits ([`accept`]), the plane's clock
-//! as this node reads it, for certificate dates ([`clock`]), the secondary
-//! listeners' connection caps and accept backoff ([`listen`]), and the one call
-//! the node dials, re-enrolment at the plane's endpoint ([`enroll`]).
+//! Owns: the conversion from and to generated proto types with every field
+//! checked ([`wire`]), the `Attach` service and its executor ([`session`]),
+//! the single command slot ([`slot`]), the calls up the session ([`link`]:
+//! the plane ports of [`crate::node::plane`] served over the session), the
+//! local socket's service ([`local`]), the certificate's renewal and
+//! re-enrolment ([`identity`]), and the wiring and serving of all of it
+//! ([`server`]).
 //!
-//! May not touch: lease state, the provider or the journal. Nothing past
-//! this folder and [`crate::node::session`] sees a generated proto type.
+//! May not touch: lease state except through [`crate::node::runner::Runner`],
+//! the Docker engine except through [`crate::provider::Provider`]. Nothing
+//! below this floor sees a generated proto type, but for
+//! [`crate::local`]'s client of the local socket.
 
-pub mod accept;
-pub mod clock;
-pub mod enroll;
-pub mod listen;
-pub mod model;
-pub mod tls;
+pub mod identity;
+pub mod link;
+pub mod local;
+pub mod server;
+pub mod session;
+pub mod slot;
 pub mod wire;

@@ -7,103 +7,15 @@ use billet_proto::v1 as pb;
 
 use crate::cache::{Policy, StickyDisk};
 
-use crate::edge::model::{
-    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, RequestId,
-    TierSpec, Trust, parse_phase,
+use crate::model::{
+    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, NodeCommand,
+    RequestId, TierSpec, Trust, UpgradeSpec, parse_phase,
 };
 
 /// Largest memory a lease may ask for (16 TiB): anything above is a typo.
 const MAX_MEMORY_BYTES: u64 = 16 << 40;
 /// Most vCPUs a lease may ask for.
 const MAX_VCPU: u32 = 1024;
-
-/// What the node was asked to do, checked.
-// One command exists at a time per slot entry; boxing the launch buys nothing.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeCommand {
-    /// Start compute for a lease.
-    Launch {
-        /// The lease, at the epoch the plane holds.
-        lease: Lease,
-        /// How to run it.
-        tier: TierSpec,
-        /// The job behind it.
-        job: Job,
-        /// The runner registration the plane minted before dispatching
-        /// (`Launch.registration`); `None` when the node mints.
-        registration: Option<crate::node::plane::Registration>,
-    },
-    /// Tear down whatever was started for a request.
-    Destroy {
-        /// The request.
-        request_id: RequestId,
-        /// A completion's result, force and reason.
-        order: DestroyOrder,
-    },
-    /// Take responsibility for a launch whose result the plane missed.
-    AssumeCustody {
-        /// The lease.
-        lease: Lease,
-        /// The request it was launched for.
-        request_id: RequestId,
-    },
-    /// Hand the node to its updater.
-    StartUpgrade(UpgradeSpec),
-    /// Report what the provider runs.
-    Instances,
-    /// Destroy what no open lease accounts for.
-    Sweep,
-    /// Advance everything in custody by one step.
-    Tend,
-    /// Another process took this node's name.
-    Superseded,
-}
-
-impl NodeCommand {
-    /// The lease the command names, for the log lines it causes (a
-    /// destroy names its request instead).
-    pub fn lease_id(&self) -> Option<&crate::edge::model::LeaseId> {
-        match self {
-            NodeCommand::Launch { lease, .. } | NodeCommand::AssumeCustody { lease, .. } => {
-                Some(&lease.id)
-            }
-            NodeCommand::Destroy { .. }
-            | NodeCommand::StartUpgrade(_)
-            | NodeCommand::Instances
-            | NodeCommand::Sweep
-            | NodeCommand::Tend
-            | NodeCommand::Superseded => None,
-        }
-    }
-
-    /// A short name for logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            NodeCommand::Launch { .. } => "launch",
-            NodeCommand::Destroy { .. } => "destroy",
-            NodeCommand::AssumeCustody { .. } => "assume_custody",
-            NodeCommand::StartUpgrade(_) => "start_upgrade",
-            NodeCommand::Instances => "instances",
-            NodeCommand::Sweep => "sweep",
-            NodeCommand::Tend => "tend",
-            NodeCommand::Superseded => "superseded",
-        }
-    }
-}
-
-/// The release an upgrade names, and its fences.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UpgradeSpec {
-    /// An exact release.
-    pub version: String,
-    /// The pinned manifest digest, if any.
-    pub manifest_sha256: Option<String>,
-    /// The rollout, if any.
-    pub rollout_id: Option<String>,
-    /// The rollout generation; zero when absent.
-    pub generation: u64,
-}
 
 /// A command off the wire: its id, its deadline, and the checked command or
 /// the reason it is malformed.
@@ -198,14 +110,14 @@ pub fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
 fn registration(
     r: pb::JitConfig,
     lease: &LeaseId,
-) -> Result<crate::node::plane::Registration, InvalidField> {
+) -> Result<crate::model::Registration, InvalidField> {
     if r.runner_id <= 0 {
         return Err(InvalidField::new(
             "launch.registration.runner_id",
             "must be the positive id GitHub gave the registration",
         ));
     }
-    let expected = crate::edge::model::InstanceName::for_lease(lease);
+    let expected = crate::model::InstanceName::for_lease(lease);
     if r.runner_name != expected.as_str() {
         return Err(InvalidField::new(
             "launch.registration.runner_name",
@@ -218,8 +130,8 @@ fn registration(
             "must not be empty",
         ));
     }
-    Ok(crate::node::plane::Registration {
-        config: crate::edge::model::JitConfig::new(r.encoded_jit_config),
+    Ok(crate::model::Registration {
+        config: crate::model::JitConfig::new(r.encoded_jit_config),
         runner_id: r.runner_id,
         runner_name: r.runner_name,
     })
@@ -316,7 +228,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
                     "must name an exact release",
                 ));
             }
-            crate::edge::model::check_id("start_upgrade.version", &version)?;
+            crate::model::check_id("start_upgrade.version", &version)?;
             let manifest_sha256 = (!manifest_sha256.is_empty()).then_some(manifest_sha256);
             if let Some(d) = &manifest_sha256
                 && (d.len() != 64 || !d.chars().all(|c| c.is_ascii_hexdigit()))
@@ -328,7 +240,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             }
             let rollout_id = (!rollout_id.is_empty()).then_some(rollout_id);
             if let Some(r) = &rollout_id {
-                crate::edge::model::check_id("start_upgrade.rollout_id", r)?;
+                crate::model::check_id("start_upgrade.rollout_id", r)?;
             }
             NodeCommand::StartUpgrade(UpgradeSpec {
                 version,
@@ -390,7 +302,7 @@ pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
         return Err(InvalidField::new(f("request_id"), "must not be negative"));
     }
     for p in &providers {
-        crate::edge::model::check_id(&f("providers"), p)?;
+        crate::model::check_id(&f("providers"), p)?;
     }
     Ok(Lease {
         id,
@@ -447,7 +359,7 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
     }
     let network = (!network.is_empty()).then_some(network);
     if let Some(n) = &network {
-        crate::edge::model::check_id("launch.tier.network", n)?;
+        crate::model::check_id("launch.tier.network", n)?;
     }
     let env = env
         .into_iter()
@@ -616,7 +528,7 @@ fn job(job: pb::Job) -> Job {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::edge::model::Phase;
+    use crate::model::Phase;
 
     /// A well-formed launch command (lease `l1`, request 7), for tests here
     /// and in the session.

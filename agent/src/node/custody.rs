@@ -22,11 +22,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use super::ending::EndReason;
-use super::journal::{BootStamp, CustodyRecord, LaunchRecord};
 use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, RunnerError, Running, now_plus};
 use crate::cache::{Inventory, Listed};
-use crate::edge::model::{
+use crate::journal::{BootStamp, CustodyRecord, LaunchRecord};
+use crate::model::{
     DestroyOrder, Epoch, InstanceName, Lease, LeaseId, Phase, RequestId, parse_phase,
 };
 use crate::provider::{Instance, InstanceState, ProviderError, Teardown};

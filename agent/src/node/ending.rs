@@ -26,7 +26,7 @@ use std::time::Duration;
 use backon::{BackoffBuilder as _, ExponentialBuilder};
 use tokio::time::Instant;
 
-use crate::edge::model::{Epoch, LeaseId};
+use crate::model::{Epoch, LeaseId};
 use crate::provider::{Exit, Instance, InstanceState};
 
 /// Why compute ended before its job did.

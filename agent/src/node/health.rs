@@ -27,10 +27,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::edge::clock::PlaneClock;
-use crate::edge::model::{ByteSize, InstanceName};
-use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
-use crate::node::slot::CommandSlot;
+use crate::clock::PlaneClock;
+use crate::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
+use crate::model::{ByteSize, InstanceName};
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
 /// How long a reason's cause must have been absent before the reason clears.
@@ -52,6 +51,13 @@ pub const CREATE_TIMEOUT: Duration = Duration::from_secs(180);
 /// clears below half of it. Deadlines do not depend on it (they are judged
 /// on the monotonic clock); certificate validity and operators' logs do.
 pub const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
+/// What health needs of the command slot: how long the command in it has
+/// run. The slot itself lives in the gRPC face (`edge::slot`).
+pub trait SlotProgress: Send + Sync + std::fmt::Debug {
+    /// How long the command now in the slot has run; `None` when idle.
+    fn busy_for(&self) -> Option<Duration>;
+}
+
 /// A command that has held the command slot longer than this makes the node
 /// degraded ([`Reason::SlotStuck`]) until the slot moves again: everything
 /// queued behind it waits, so a launch placed here would too. Longer than
@@ -210,7 +216,7 @@ pub struct Health {
     inner: Mutex<Inner>,
     published: watch::Sender<Snapshot>,
     probe: Mutex<Option<Arc<dyn Provider>>>,
-    slot: Mutex<Option<Arc<CommandSlot>>>,
+    slot: Mutex<Option<Arc<dyn SlotProgress>>>,
     journal_probe_log: LogLimit,
     journal_probing: std::sync::atomic::AtomicBool,
     /// The plane's clock through the offset last recorded: certificate
@@ -245,7 +251,7 @@ impl Health {
     }
 
     /// Sets the command slot whose progress [`Health::watch`] watches.
-    pub fn watch_slot(&self, slot: Arc<CommandSlot>) {
+    pub fn watch_slot(&self, slot: Arc<dyn SlotProgress>) {
         *self.slot.lock().expect("health slot") = Some(slot);
     }
 

@@ -37,8 +37,8 @@ use tracing::{info, warn};
 
 use crate::node::ending::{EndReason, SpotAction};
 use crate::node::health::{Health, Reason};
+use crate::node::recovery::Recovery;
 use crate::node::runner::Runner;
-use crate::node::session::Recovery;
 
 /// How often the notice is asked for. EC2 gives two minutes.
 pub const POLL_INTERVAL: Duration = Duration::from_secs(5);

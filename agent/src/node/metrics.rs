@@ -33,9 +33,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::edge::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
-use crate::node::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
-use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Registration};
+use crate::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
+use crate::model::Registration;
+use crate::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
+use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError};
 use crate::node::runner::HeldLease;
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
@@ -408,7 +409,7 @@ impl Metrics {
         self.set_leases(&counts, custody, oldest);
     }
 
-    /// A command finished: `kind` as [`crate::edge::wire::NodeCommand::kind`]
+    /// A command finished: `kind` as [`crate::model::NodeCommand::kind`]
     /// names it, its outcome and error code as the wire spells them (the
     /// proto enum names, lower case, without their prefix).
     pub fn command_done(&self, kind: &'static str, outcome: &str, reason: &str, took: Duration) {
@@ -468,7 +469,7 @@ impl Metrics {
 
     /// When the certificate in force expires.
     /// Also sets the time it has left from `now`, the plane's clock as this
-    /// node reads it ([`crate::edge::clock::PlaneClock::now`]: the plane
+    /// node reads it ([`crate::clock::PlaneClock::now`]: the plane
     /// dates the certificate and judges it).
     pub fn set_certificate_expiry(&self, not_after: SystemTime, now: SystemTime) {
         self.certificate_expiry.set(unix_seconds(not_after));
@@ -539,7 +540,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
 /// When the first certificate in the PEM file at `path` expires; `None`
 /// when it cannot be read or parsed (the TLS watcher reports that).
 pub fn certificate_expiry(path: &std::path::Path) -> Option<SystemTime> {
-    let certs = crate::edge::tls::load_certs(path).ok()?;
+    let certs = crate::tls::load_certs(path).ok()?;
     let (_, cert) = x509_parser::parse_x509_certificate(certs.first()?.as_ref()).ok()?;
     let secs = u64::try_from(cert.validity().not_after.timestamp()).ok()?;
     Some(UNIX_EPOCH + Duration::from_secs(secs))
@@ -549,7 +550,7 @@ pub fn certificate_expiry(path: &std::path::Path) -> Option<SystemTime> {
 pub type Scrape = Arc<dyn Fn(&Metrics) + Send + Sync>;
 
 /// Most connections the metrics listener holds open at once
-/// ([`crate::edge::listen::ConnectionCap`]); past it the oldest is dropped.
+/// ([`crate::listen::ConnectionCap`]); past it the oldest is dropped.
 /// A scraper needs one, and a scrape takes milliseconds, so one dialed into
 /// a flood of idle connections is served long before it is the oldest.
 pub const MAX_METRICS_CONNECTIONS: usize = 64;
@@ -558,7 +559,7 @@ pub const MAX_METRICS_CONNECTIONS: usize = 64;
 /// `registry` is encoded. Any other path is 404. HTTP/1 only, one task per
 /// connection, at most [`MAX_METRICS_CONNECTIONS`] open (the oldest dropped
 /// for a newcomer); a failed accept backs off and is logged at a bounded
-/// rate ([`crate::edge::listen::AcceptErrors`]).
+/// rate ([`crate::listen::AcceptErrors`]).
 pub async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
@@ -566,7 +567,7 @@ pub async fn serve(
     scrape: Scrape,
     shutdown: CancellationToken,
 ) {
-    use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
+    use crate::listen::{AcceptErrors, AtCap, ConnectionCap};
     use http_body_util::Full;
     use hyper::body::Bytes;
     use hyper::{Request, Response, StatusCode};
@@ -1121,7 +1122,7 @@ mod tests {
     /// own series, so the series add up to what the node holds.
     #[test]
     fn every_held_state_is_counted_under_its_own_name() {
-        use crate::edge::model::{Epoch, InstanceName, LeaseId};
+        use crate::model::{Epoch, InstanceName, LeaseId};
         use crate::node::runner::{HeldLease, HeldState};
         let states = [
             HeldState::Launching,

@@ -25,10 +25,11 @@ use tracing::{info, warn};
 
 use super::custody::CustodyEntry;
 use super::ending::{EndReason, Removals};
-use super::journal::{Journal, LaunchRecord, MemoryJournal};
-use super::plane::{JitSource, LeaseStore, PlaneError, Registration};
+use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
-use crate::edge::model::{
+use crate::journal::{Journal, LaunchRecord, MemoryJournal};
+use crate::model::Registration;
+use crate::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
@@ -301,7 +302,7 @@ pub struct Runner {
     pub(super) journal_log: crate::node::health::LogLimit,
     pub(super) state: Mutex<State>,
     /// The sticky-disk store; `None`: tiers' sticky disks are not mounted.
-    pub(super) cache: Option<Arc<Store>>,
+    pub(crate) cache: Option<Arc<Store>>,
     /// The guests' cache sessions (`cache/session.rs`); `None` without a
     /// cache.
     pub(super) sessions: Option<Arc<crate::cache::session::Sessions>>,
@@ -332,7 +333,7 @@ fn instance_spec(
     tier: &TierSpec,
     name: &InstanceName,
     (vcpu, memory): (u32, ByteSize),
-    jit_config: crate::edge::model::JitConfig,
+    jit_config: crate::model::JitConfig,
 ) -> InstanceSpec {
     InstanceSpec {
         name: name.clone(),
@@ -439,7 +440,7 @@ impl Runner {
         // Only a trusted tier is intercepted (spec/cache.md §5.1): an
         // untrusted one's opt-in gets no proxy, so its traffic is GitHub's.
         let intercept = match (&tier.actions_cache, &self.actions) {
-            (Some(scope), Some(proxy)) if tier.trust == crate::edge::model::Trust::Trusted => {
+            (Some(scope), Some(proxy)) if tier.trust == crate::model::Trust::Trusted => {
                 Some((scope.clone(), proxy.clone()))
             }
             (Some(_), None) => {

@@ -27,7 +27,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use super::{Exit, Instance, InstanceSpec, InstanceState, Provider, ProviderError, Teardown};
-use crate::edge::model::{InstanceName, LeaseId};
+use crate::model::{InstanceName, LeaseId};
 
 /// How long a check waits for an instance to reach a state.
 pub const SETTLE_BOUND: Duration = Duration::from_secs(60);

@@ -57,7 +57,7 @@ use tokio::sync::OnceCell;
 use super::{
     Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
 };
-use crate::edge::model::{ByteSize, InstanceName};
+use crate::model::{ByteSize, InstanceName};
 
 /// The environment variable through which the runner receives its JIT
 /// config (the only way it reaches the instance).
@@ -1089,7 +1089,7 @@ mod tests {
     use futures::TryStreamExt as _;
 
     use super::*;
-    use crate::edge::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
+    use crate::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
     use crate::provider::contract;
 
     const SOCKET: &str = "/var/run/docker.sock";

@@ -30,7 +30,7 @@ use tokio::sync::watch;
 use super::{
     Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
 };
-use crate::edge::model::{ByteSize, InstanceName, JitConfig, NodeName};
+use crate::model::{ByteSize, InstanceName, JitConfig, NodeName};
 
 /// A provider operation, for injecting failures and holding calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -607,7 +607,7 @@ mod tests {
     use futures::FutureExt as _;
 
     use super::*;
-    use crate::edge::model::{ByteSize, Epoch, LeaseId, RequestId};
+    use crate::model::{ByteSize, Epoch, LeaseId, RequestId};
     use crate::provider::contract;
 
     fn spec(lease: &str, jit: &str) -> InstanceSpec {

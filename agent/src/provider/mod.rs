@@ -27,7 +27,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use thiserror::Error;
 
-use crate::edge::model::{ByteSize, Epoch, InstanceName, JitConfig, LeaseId, NodeName, RequestId};
+use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, LeaseId, NodeName, RequestId};
 
 /// Label keys every billet instance carries.
 pub mod labels {

@@ -56,7 +56,7 @@ use tokio::net::UnixListener;
 use tokio::time::{Instant, timeout_at};
 use tracing::{Instrument, Span, debug, info, info_span, warn};
 
-use crate::edge::wire::UpgradeSpec;
+use crate::model::UpgradeSpec;
 
 /// What an updater writes once it has taken responsibility for the upgrade.
 pub const ACK_ACCEPTED: &str = "accepted";
@@ -1462,13 +1462,14 @@ mod tests {
 
     #[tokio::test]
     async fn the_node_answers_at_the_updaters_first_line_and_its_slot_is_free_right_after() {
-        use crate::edge::model::CommandId;
-        use crate::edge::wire::NodeCommand;
-        use crate::node::journal::MemoryJournal;
-        use crate::node::plane::{PlaneLink, SessionLink};
+        use crate::edge::link::{PlaneLink, SessionLink};
+        use crate::edge::session::{Executor, execute_commands};
+        use crate::edge::slot::{Admission, CommandSlot, Queued};
+        use crate::journal::MemoryJournal;
+        use crate::model::CommandId;
+        use crate::model::NodeCommand;
+        use crate::node::recovery::Recovery;
         use crate::node::runner::{Runner, RunnerOptions};
-        use crate::node::session::{Executor, Recovery, execute_commands};
-        use crate::node::slot::{Admission, CommandSlot, Queued};
         use crate::provider::fake::FakeProvider;
         use tokio_util::sync::CancellationToken;
 
@@ -1554,13 +1555,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_reaches_the_plane_as_refused_with_its_sentence() {
-        use crate::edge::model::CommandId;
-        use crate::edge::wire::NodeCommand;
-        use crate::node::journal::MemoryJournal;
-        use crate::node::plane::{PlaneLink, SessionLink};
+        use crate::edge::link::{PlaneLink, SessionLink};
+        use crate::edge::session::{Executor, execute_commands};
+        use crate::edge::slot::{CommandSlot, Queued};
+        use crate::journal::MemoryJournal;
+        use crate::model::CommandId;
+        use crate::model::NodeCommand;
+        use crate::node::recovery::Recovery;
         use crate::node::runner::{Runner, RunnerOptions};
-        use crate::node::session::{Executor, Recovery, execute_commands};
-        use crate::node::slot::{CommandSlot, Queued};
         use crate::provider::fake::FakeProvider;
         use tokio_util::sync::CancellationToken;
 
@@ -2159,7 +2161,7 @@ mv updater.args.part updater.args"#;
             "billet-host-upgrade-a\\x2fb\\x20c\\x5c\\xc3\\xa9-g1"
         );
         assert!(
-            name(Some(&"r".repeat(crate::edge::model::MAX_ID_LEN)), u64::MAX).is_ok(),
+            name(Some(&"r".repeat(crate::model::MAX_ID_LEN)), u64::MAX).is_ok(),
             "the longest rollout id the wire allows names a unit"
         );
         assert!(matches!(

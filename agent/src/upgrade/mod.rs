@@ -10,7 +10,7 @@
 //! May not touch: lease state or the provider. The node's core reaches this
 //! folder only through [`dispatch::Upgrader`]; the updater reaches the node
 //! only through its service manager and its local socket
-//! ([`crate::node::local`]).
+//! ([`crate::local`]).
 
 pub mod dispatch;
 pub mod release;

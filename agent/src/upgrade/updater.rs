@@ -624,7 +624,7 @@ impl Service {
 async fn wait_healthy(state_dir: &Path, version: &str, timeout: Duration) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let last = match crate::node::local::check(state_dir, Duration::from_secs(5)).await {
+        let last = match crate::local::check(state_dir, Duration::from_secs(5)).await {
             Ok(seen) if seen.healthy_at(version) => return Ok(()),
             Ok(seen) => {
                 format!(
@@ -1204,7 +1204,7 @@ async fn settle(
 async fn ensure_running(config: &UpgradeConfig, service: &Service) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + SETTLE_DRAIN_WAIT;
     loop {
-        match crate::node::local::check(&config.state_dir, Duration::from_secs(2)).await {
+        match crate::local::check(&config.state_dir, Duration::from_secs(2)).await {
             Ok(seen) if !seen.status.draining => return Ok(()),
             Ok(_) if tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1298,7 +1298,7 @@ pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     let Some(mut record) = files.read()?.filter(|r| !r.step.is_final()) else {
         return Ok(Settled::Nothing);
     };
-    if std::os::unix::net::UnixStream::connect(crate::node::local::socket_path(state_dir)).is_ok() {
+    if std::os::unix::net::UnixStream::connect(crate::local::socket_path(state_dir)).is_ok() {
         // A node already serves this state directory (the new release an
         // updater started before it died): this start is a second process,
         // which will refuse to bind. Undoing the swap under the running
@@ -1585,8 +1585,7 @@ mod tests {
     fn a_second_node_start_leaves_a_swap_alone_while_a_node_serves_the_state_directory() {
         let (dir, files, install) = host(Step::Started, "2.0.0");
         let listener =
-            std::os::unix::net::UnixListener::bind(crate::node::local::socket_path(&dir))
-                .expect("bind");
+            std::os::unix::net::UnixListener::bind(crate::local::socket_path(&dir)).expect("bind");
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
         assert_eq!(
             version_of(&install),

@@ -15,10 +15,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use billet_agent::cache::Observation;
-use billet_agent::edge::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
-use billet_agent::node::plane::{
-    JitSource, LaunchedSet, LeaseStore, PlaneError, Registration, Retired,
-};
+use billet_agent::model::Registration;
+use billet_agent::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
+use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::provider::Instance;
 use billet_agent::provider::fake::FakeProvider;
 use tokio::sync::Notify;
@@ -476,7 +475,7 @@ impl Core {
             tier: "sim".into(),
             phase: row.phase,
             vcpu: 2,
-            memory: billet_agent::edge::model::ByteSize(1 << 30),
+            memory: billet_agent::model::ByteSize(1 << 30),
             request_id: row.request,
             providers: Vec::new(),
             failure_reason: row.failure_reason.clone(),

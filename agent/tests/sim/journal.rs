@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
-use billet_agent::node::journal::{
+use billet_agent::journal::{
     CustodyRecord, Durability, Journal, JournalError, LaunchRecord, MemoryJournal,
 };
 

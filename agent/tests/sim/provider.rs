@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use billet_agent::edge::model::{ByteSize, InstanceName};
+use billet_agent::model::{ByteSize, InstanceName};
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 

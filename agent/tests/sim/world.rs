@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use billet_agent::edge::model::{
+use billet_agent::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase,
     RequestId, TierSpec, Trust,
 };
@@ -536,7 +536,7 @@ impl World {
         &mut self,
         lease: LeaseId,
         what: &'static str,
-        registration: Option<billet_agent::node::plane::Registration>,
+        registration: Option<billet_agent::model::Registration>,
     ) {
         let minted = registration.is_some();
         let (request, epoch) = {

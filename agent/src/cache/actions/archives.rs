@@ -58,7 +58,7 @@ use tracing::{info, warn};
 
 use super::{ActionsPolicy, CacheScope, RESULTS_HOST};
 use crate::cache::session::CacheToken;
-use crate::node::journal::MountJournal;
+use crate::journal::MountJournal;
 
 /// Largest archive, in bytes (spec/cache.md §1.3: 10 GiB).
 pub const MAX_ARCHIVE_BYTES: u64 = 10 << 30;
@@ -97,7 +97,7 @@ pub enum ArchiveError {
     },
     /// The journal refused the session's record.
     #[error("cannot journal the Actions cache session: {0}")]
-    Journal(#[from] crate::node::journal::JournalError),
+    Journal(#[from] crate::journal::JournalError),
     /// A request field is not acceptable.
     #[error("{0}")]
     Invalid(String),

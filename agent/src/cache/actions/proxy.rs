@@ -73,7 +73,7 @@ pub const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
 pub const PROXY_USER: &str = "billet";
 /// Most connections the proxy holds open at once, tunnels included (each
 /// may hold a second descriptor, its splice to the upstream); past it a new
-/// connection is closed at once ([`crate::edge::listen::ConnectionCap`]),
+/// connection is closed at once ([`crate::listen::ConnectionCap`]),
 /// which a guest's cache client takes for a miss. Refused rather than the
 /// oldest dropped, because the oldest is a download in progress. Room for
 /// a few concurrent transfers of every guest, without letting the guests
@@ -258,13 +258,13 @@ impl ActionsProxy {
     /// Serves `listener` until `stop`; each connection in a task of its
     /// own, cut when `stop` fires, at most [`MAX_PROXY_CONNECTIONS`] open
     /// (a tunnel counts until it ends); a failed accept backs off and is
-    /// logged at a bounded rate ([`crate::edge::listen::AcceptErrors`]).
+    /// logged at a bounded rate ([`crate::listen::AcceptErrors`]).
     pub async fn serve(
         self: Arc<Self>,
         listener: tokio::net::TcpListener,
         stop: CancellationToken,
     ) {
-        use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
+        use crate::listen::{AcceptErrors, AtCap, ConnectionCap};
         let cap = ConnectionCap::new("actions_proxy", MAX_PROXY_CONNECTIONS, AtCap::Refuse);
         let mut errors = AcceptErrors::new("actions_proxy");
         loop {
@@ -333,7 +333,7 @@ impl ActionsProxy {
         self: &Arc<Self>,
         req: Request<hyper::body::Incoming>,
         stop: CancellationToken,
-        admitted: Arc<crate::edge::listen::Admitted>,
+        admitted: Arc<crate::listen::Admitted>,
     ) -> Response<Empty<Bytes>> {
         if req.method() != Method::CONNECT {
             return status(StatusCode::METHOD_NOT_ALLOWED);

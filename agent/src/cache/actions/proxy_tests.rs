@@ -14,7 +14,7 @@ use super::ca::InterceptionCa;
 use super::proxy::{ActionsProxy, MAX_HEAD_BYTES, Upstream, targets_results_host};
 use super::{CacheScope, FakeAnswer, FakePolicy, RESULTS_HOST};
 use crate::cache::session::CacheToken;
-use crate::node::journal::{MemoryJournal, MountJournal};
+use crate::journal::{MemoryJournal, MountJournal};
 
 const REF: &str = "octo/app/.github/workflows/ci.yml@refs/heads/main";
 const UA: &str = "@actions/cache-4.0.3";
@@ -1244,7 +1244,7 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
     // the generation.
     let m = store
         .mount(
-            &crate::edge::model::LeaseId::parse("lease", "l1").unwrap(),
+            &crate::model::LeaseId::parse("lease", "l1").unwrap(),
             &crate::cache::DiskKey::parse("npm").unwrap(),
             Policy::Cas,
         )

@@ -1,7 +1,10 @@
 //! mTLS material for the node's listener: certificate loading, the node's
 //! name taken from its own certificate, and the watch that swaps the
 //! material without a restart. The accept loop that runs every handshake
-//! through it is [`crate::edge::accept`].
+//! through it is [`crate::tls::accept`].
+
+pub mod accept;
+pub mod enroll;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -17,8 +20,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::edge::clock::PlaneClock;
-use crate::edge::model::NodeName;
+use crate::clock::PlaneClock;
+use crate::model::NodeName;
 
 /// A certificate or key that cannot be used.
 #[derive(Debug, Error)]
@@ -188,7 +191,7 @@ impl NodeTls {
     }
 
     /// As [`NodeTls::load`], valid at `at` rather than now: the plane's
-    /// time ([`crate::edge::clock::PlaneClock::now`]), which the reload of
+    /// time ([`crate::clock::PlaneClock::now`]), which the reload of
     /// replaced files judges by.
     ///
     /// # Errors
@@ -231,7 +234,7 @@ impl NodeTls {
     /// Checks a certificate chain and key that are not on disk yet (a
     /// renewal's, an enrolment's) as [`NodeTls::load`] checks files: against
     /// the CA at `paths.ca`, the key matching, but valid at `at`, the time
-    /// the plane's clock reads ([`crate::edge::clock::PlaneClock::now`]):
+    /// the plane's clock reads ([`crate::clock::PlaneClock::now`]):
     /// the plane dates what it signs by its own clock and judges the
     /// certificate by it, so a node whose clock is behind must not refuse
     /// a fresh certificate as not valid yet. Errors name `paths`' files,

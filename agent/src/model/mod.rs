@@ -5,9 +5,15 @@
 //! Proto messages are converted into these at the edge (`wire.rs`); nothing
 //! past the gRPC layer sees a generated type.
 
+mod command;
+pub mod disk;
+pub mod scope;
+
 use std::fmt;
 
 use thiserror::Error;
+
+pub use command::{NodeCommand, UpgradeSpec};
 
 /// Longest id accepted for a lease, a command or a runner name, in bytes.
 pub const MAX_ID_LEN: usize = 128;
@@ -260,14 +266,14 @@ pub struct TierSpec {
     pub network: Option<String>,
     /// Plain environment (`KEY`, `value`); never a credential.
     pub env: Vec<(String, String)>,
-    /// Sticky disks, checked ([`crate::cache::check_disks`]).
-    pub sticky_disks: Vec<crate::cache::StickyDisk>,
+    /// Sticky disks, checked ([`disk::check_disks`]).
+    pub sticky_disks: Vec<disk::StickyDisk>,
     /// The transparent Actions cache's scope when the tier opts in
     /// (`actions_cache` and a checked `cache_scope`); `None`: the guest
     /// gets no proxy. Only a trusted tier's jobs are intercepted.
-    pub actions_cache: Option<crate::cache::actions::CacheScope>,
+    pub actions_cache: Option<scope::CacheScope>,
     /// The Docker image store: the guest's `/var/lib/docker` is the cache
-    /// disk `docker-images/<arch>` in slot 0 (`crate::cache::docker`).
+    /// disk `docker-images/<arch>` in slot 0 (the cache's Docker image store).
     pub docker_image_store: bool,
 }
 
@@ -323,6 +329,17 @@ impl DestroyOrder {
             ..Self::default()
         }
     }
+}
+
+/// A minted runner registration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The encoded config, a credential.
+    pub config: JitConfig,
+    /// GitHub's runner id.
+    pub runner_id: i64,
+    /// The name GitHub registered (use it for removal).
+    pub runner_name: String,
 }
 
 #[cfg(test)]

@@ -16,16 +16,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::edge::tls::{NodeTls, TlsError, TlsPaths};
+use crate::edge::link::PlaneLink;
+use crate::edge::session::{Executor, Identity, NodeService, execute_commands};
+use crate::edge::slot::CommandSlot;
+use crate::journal::{Journal, SqliteJournal};
 use crate::node::health::{Health, WatchedJournal, WatchedProvider};
-use crate::node::journal::{Journal, SqliteJournal};
 use crate::node::metrics::{MeteredJournal, MeteredPlane, MeteredProvider, Metrics};
-use crate::node::plane::PlaneLink;
+use crate::node::recovery::Recovery;
 use crate::node::runner::{Runner, RunnerOptions};
-use crate::node::session::{Executor, Identity, NodeService, Recovery, execute_commands};
-use crate::node::slot::CommandSlot;
 use crate::provider::docker::DockerProvider;
 use crate::provider::{Owner, Provider};
+use crate::tls::{NodeTls, TlsError, TlsPaths};
 use crate::upgrade::dispatch::{ExecUpgrader, Upgrader};
 
 /// Most concurrent gRPC streams one connection may open.
@@ -87,7 +88,7 @@ pub struct NodeConfig {
     /// before the node exits anyway, destroying nothing.
     pub drain_timeout: Duration,
     /// How the TLS files are watched for rotation.
-    pub tls_reload: crate::edge::tls::ReloadPolicy,
+    pub tls_reload: crate::tls::ReloadPolicy,
     /// The updater `StartUpgrade` execs. `None` (the default) refuses
     /// upgrades with a sentence saying to upgrade the node out of band.
     pub upgrader: Option<ExecUpgrader>,
@@ -163,7 +164,7 @@ pub enum NodeError {
     Provider(#[from] crate::provider::ProviderError),
     /// The node journal cannot be used.
     #[error(transparent)]
-    Journal(#[from] crate::node::journal::JournalError),
+    Journal(#[from] crate::journal::JournalError),
     /// The Actions cache proxy cannot be set up (its CA, its upstream's
     /// roots, its address).
     #[error("the Actions cache proxy: {0}")]
@@ -173,7 +174,7 @@ pub enum NodeError {
     Cache(#[from] crate::cache::CacheError),
     /// The local socket cannot be bound.
     #[error(transparent)]
-    Local(#[from] crate::node::local::BindError),
+    Local(#[from] crate::edge::local::BindError),
     /// The spot interruption notice cannot be watched as configured.
     #[error("spot interruptions: {0}")]
     Interruptions(String),
@@ -265,7 +266,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     prepare_state_dir(&config.state_dir)?;
     // First in the state directory: a second node on it is refused before
     // it opens the first one's journal.
-    let local = crate::node::local::bind(&config.state_dir).await?;
+    let local = crate::edge::local::bind(&config.state_dir).await?;
     let journal = Arc::new(SqliteJournal::open(&config.state_dir).await?);
     crate::cache::session::check_socket_room(&config.cache_dir)?;
     let cache = Arc::new(
@@ -595,7 +596,7 @@ pub async fn run(
                 .with_cache(cache.clone(), sessions);
             if let Some(parts) = actions {
                 // The plane answers the kill switch (NodeCall 26).
-                let policy = Arc::new(crate::node::plane::PlanePolicy::new(plane.clone()));
+                let policy = Arc::new(crate::edge::link::PlanePolicy::new(plane.clone()));
                 let archives = crate::cache::actions::archives::Archives::open(
                     cache.dir(),
                     cache.journal(),
@@ -636,7 +637,7 @@ pub async fn run(
             .await?
             .into_iter()
             .filter_map(|(id, bytes)| {
-                let id = crate::edge::model::CommandId::parse("journal.result", &id).ok()?;
+                let id = crate::model::CommandId::parse("journal.result", &id).ok()?;
                 let result =
                     <pb::CommandResult as prost::Message>::decode(bytes.as_slice()).ok()?;
                 Some((id, result))
@@ -653,7 +654,7 @@ pub async fn run(
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
           addr = ?listener.local_addr().ok(), "billet node serving");
     let recovery = Arc::new(Recovery::default());
-    let (tls_config, identity_files) = crate::edge::tls::watch_files(
+    let (tls_config, identity_files) = crate::tls::watch_files(
         config.tls.clone(),
         &tls,
         config.tls_reload,
@@ -664,7 +665,7 @@ pub async fn run(
     // Renewed over the session at two thirds of its lifetime; re-enrolled
     // through the local socket once expired (`identity.rs`).
     let keeper = Arc::new(
-        crate::node::identity::IdentityKeeper::new(
+        crate::edge::identity::IdentityKeeper::new(
             identity_files,
             identity.node_name.clone(),
             config.plane_name.clone(),
@@ -679,7 +680,7 @@ pub async fn run(
             .keep(shutdown.clone())
             .instrument(info_span!("identity")),
     );
-    let local_service = crate::node::local::LocalService::new(
+    let local_service = crate::edge::local::LocalService::new(
         identity.version.clone(),
         identity.incarnation.clone(),
         recovery.clone(),
@@ -913,7 +914,7 @@ pub async fn run(
             }
         });
     }
-    let incoming = crate::edge::accept::accept(
+    let incoming = crate::tls::accept::accept(
         listener,
         tls_config,
         validity.clone(),
@@ -936,7 +937,7 @@ pub async fn run(
                 .serve_with_incoming_shutdown(
                     // tonic retries a failed accept at once, which spins
                     // while the node is out of descriptors.
-                    crate::edge::listen::unix_incoming(local, "local"),
+                    crate::listen::unix_incoming(local, "local"),
                     shutdown.cancelled_owned(),
                 ),
         )
@@ -963,7 +964,7 @@ pub async fn run(
         )
         .serve_with_incoming_shutdown(
             tokio_stream::StreamExt::map(ReceiverStream::new(incoming), |a| {
-                a.map(crate::edge::accept::Accepted::into_connection)
+                a.map(crate::tls::accept::Accepted::into_connection)
             }),
             shutdown.cancelled(),
         );
@@ -989,7 +990,7 @@ pub async fn run(
             local_served.abort();
         }
     }
-    let _ = std::fs::remove_file(crate::node::local::socket_path(&config.state_dir));
+    let _ = std::fs::remove_file(crate::local::socket_path(&config.state_dir));
     info!("billet node stopped");
     served.map_err(NodeError::from)
 }

@@ -4,10 +4,10 @@
 //! with a one-time join token ([`IdentityKeeper::enroll`]).
 //!
 //! Either way the node makes a fresh key and a certificate request naming
-//! itself ([`crate::edge::enroll::request`]); the key never leaves the node
+//! itself ([`crate::tls::enroll::request`]); the key never leaves the node
 //! and the node never holds the CA key. What the plane sends back is checked
 //! as the files would be (chains to the CA, valid now by the plane's clock
-//! ([`crate::edge::clock::PlaneClock`]), names this node, matches the key),
+//! ([`crate::clock::PlaneClock`]), names this node, matches the key),
 //! written over the identity files and put in force through the reload
 //! path ([`IdentityFiles::replace`]): no restart, no session dropped,
 //! nothing the node runs touched. Sessions opened after it (the recycled
@@ -32,12 +32,13 @@ use thiserror::Error;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::edge::clock::PlaneClock;
-use crate::edge::enroll::{EnrollError, JoinToken};
-use crate::edge::model::NodeName;
-use crate::edge::tls::{IdentityFiles, NodeTls, TlsError};
+use crate::clock::PlaneClock;
+use crate::edge::link::PlaneLink;
+use crate::model::NodeName;
 use crate::node::metrics::Metrics;
-use crate::node::plane::{PlaneError, PlaneLink};
+use crate::node::plane::PlaneError;
+use crate::tls::enroll::{EnrollError, JoinToken};
+use crate::tls::{IdentityFiles, NodeTls, TlsError};
 
 /// The first wait after a failed renewal.
 pub const RENEWAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
@@ -185,7 +186,7 @@ impl IdentityKeeper {
     pub async fn renew_once(&self) -> Result<SystemTime, IdentityError> {
         let _one = self.one_at_a_time.lock().await;
         let request =
-            crate::edge::enroll::request(&self.node_name).map_err(IdentityError::Request)?;
+            crate::tls::enroll::request(&self.node_name).map_err(IdentityError::Request)?;
         let chain = match self.link.renew_certificate(&request.csr_pem).await {
             Ok(chain) => chain,
             Err(PlaneError::Unavailable(e)) => {
@@ -222,14 +223,14 @@ impl IdentityKeeper {
     ) -> Result<SystemTime, IdentityError> {
         let _one = self.one_at_a_time.lock().await;
         let request =
-            crate::edge::enroll::request(&self.node_name).map_err(IdentityError::Request)?;
+            crate::tls::enroll::request(&self.node_name).map_err(IdentityError::Request)?;
         let ca = std::fs::read(&self.files.paths().ca).map_err(|source| {
             IdentityError::Install(TlsError::Read {
                 path: self.files.paths().ca.clone(),
                 source,
             })
         })?;
-        let chain = match crate::edge::enroll::enroll(
+        let chain = match crate::tls::enroll::enroll(
             plane_address,
             &ca,
             &self.plane_name,

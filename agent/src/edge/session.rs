@@ -6,24 +6,26 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use billet_proto::v1 as pb;
 use futures::Stream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::edge::model::{NodeName, RequestId};
-use crate::edge::wire::{self, NodeCommand};
+use crate::edge::link::{PlaneLink, SessionLink};
+use crate::edge::slot::{Admission, CommandSlot, Queued};
+use crate::edge::wire;
+use crate::journal::{Durability, Journal};
+use crate::model::NodeCommand;
+use crate::model::{NodeName, RequestId};
 use crate::node::health::{Health, Reason};
-use crate::node::journal::{Durability, Journal};
-use crate::node::plane::{PlaneLink, SessionLink};
+use crate::node::recovery::Recovery;
 use crate::node::runner::{Runner, RunnerError};
-use crate::node::slot::{Admission, CommandSlot, Queued};
 use crate::upgrade::dispatch::{self, UpgradeError, Upgrader};
 
 /// How long the plane has to send `Open` after the stream starts.
@@ -56,73 +58,6 @@ pub struct Identity {
     pub memory_bytes: u64,
     /// The billet release.
     pub version: String,
-}
-
-/// Start-up recovery: run once, on the first session (it needs the plane),
-/// before the executor takes the first command.
-#[derive(Debug)]
-pub struct Recovery {
-    done: watch::Sender<bool>,
-    running: AtomicBool,
-}
-
-impl Default for Recovery {
-    fn default() -> Self {
-        Self {
-            done: watch::Sender::new(false),
-            running: AtomicBool::new(false),
-        }
-    }
-}
-
-impl Recovery {
-    /// Resolves once recovery has succeeded.
-    pub async fn wait(&self) {
-        let mut done = self.done.subscribe();
-        let _ = done.wait_for(|d| *d).await;
-    }
-
-    /// A recovery that has already succeeded, for tests that drive the
-    /// executor without a plane.
-    #[cfg(test)]
-    pub(crate) fn done() -> Self {
-        let recovery = Self::default();
-        recovery.done.send_replace(true);
-        recovery
-    }
-
-    /// Whether recovery has succeeded.
-    pub fn is_done(&self) -> bool {
-        *self.done.borrow()
-    }
-
-    /// Runs recovery unless it is done or already running, retrying every
-    /// two seconds through whichever session is current (the plane link
-    /// follows the newest one) until it succeeds. Not tied to the session
-    /// that started it: a reconnect mid-recovery must not strand it.
-    fn start(self: &Arc<Self>, runner: Arc<Runner>) {
-        if self.is_done() || self.running.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let this = Arc::clone(self);
-        tokio::spawn(
-            async move {
-                loop {
-                    match runner.recover().await {
-                        Ok(()) => {
-                            info!("recovered; taking commands");
-                            this.done.send_replace(true);
-                            break;
-                        }
-                        Err(e) => warn!(error = %e, "recovery failed; retrying"),
-                    }
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                }
-                this.running.store(false, Ordering::SeqCst);
-            }
-            .instrument(info_span!("recover")),
-        );
-    }
 }
 
 /// The `Node` service.
@@ -296,7 +231,7 @@ impl pb::node_server::Node for NodeService {
     ) -> Result<Response<Self::AttachStream>, Status> {
         let connection = request
             .extensions()
-            .get::<crate::edge::accept::ConnectionInfo>()
+            .get::<crate::tls::accept::ConnectionInfo>()
             .cloned();
         let peer = connection
             .as_ref()
@@ -725,8 +660,8 @@ fn result_durability(command: &NodeCommand) -> Option<Durability> {
 /// A successful launch, for custody if its result goes unacknowledged.
 #[derive(Debug)]
 struct Launched {
-    lease: crate::edge::model::LeaseId,
-    epoch: crate::edge::model::Epoch,
+    lease: crate::model::LeaseId,
+    epoch: crate::model::Epoch,
     request_id: RequestId,
 }
 
@@ -990,8 +925,8 @@ mod properties {
 #[cfg(test)]
 mod scenarios {
     use super::*;
-    use crate::edge::model::CommandId;
-    use crate::node::journal::MemoryJournal;
+    use crate::journal::MemoryJournal;
+    use crate::model::CommandId;
     use crate::provider::fake::FakeProvider;
     use std::sync::Mutex;
 
@@ -1310,7 +1245,7 @@ mod scenarios {
         );
         assert_eq!(slot.len(), 1, "the launch left the slot before recovery");
 
-        recovery.done.send_replace(true);
+        recovery.mark_done();
         let result = plane.result().await;
         assert_eq!(result.id, "c1");
         assert_eq!(result.outcome, pb::Outcome::Ok as i32, "{result:?}");
@@ -1564,13 +1499,13 @@ mod scenarios {
             pb::node_call::Call::BindAdvance(_) => Err(pb::ErrorCode::InvalidArgument),
             other => default_answer(other),
         });
-        let lease = crate::edge::model::LeaseId::parse("lease", "l1").expect("id");
-        let epoch = crate::edge::model::Epoch(1);
-        link.bind_advance(&lease, epoch, crate::edge::model::Phase::Launching)
+        let lease = crate::model::LeaseId::parse("lease", "l1").expect("id");
+        let epoch = crate::model::Epoch(1);
+        link.bind_advance(&lease, epoch, crate::model::Phase::Launching)
             .await
             .expect("bound and launching");
         assert_eq!(plane.calls(), ["bind_advance", "bind", "advance"]);
-        link.bind_advance(&lease, epoch, crate::edge::model::Phase::Launching)
+        link.bind_advance(&lease, epoch, crate::model::Phase::Launching)
             .await
             .expect("bound and launching, again");
         assert_eq!(

@@ -1,5 +1,5 @@
 //! What the node's listeners share besides the plane's own accept loop
-//! ([`super::accept`]): a cap on the connections a secondary listener holds
+//! (in `tls::accept`): a cap on the connections a secondary listener holds
 //! open, and accept errors that back off and are logged at a bounded rate.
 //!
 //! - [`ConnectionCap`]: at most `max` connections open on one listener.

@@ -215,7 +215,7 @@ pub trait Journal: Send + Sync + std::fmt::Debug {
     async fn results(&self) -> Result<Vec<(String, Vec<u8>)>, JournalError>;
 }
 
-/// One sticky-disk mount as journaled (`crate::cache`): recorded before
+/// One sticky-disk mount as journaled (by the cache): recorded before
 /// the clone is made, so a node killed while cloning finds it again, and
 /// kept until the mount is committed or discarded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -262,7 +262,7 @@ pub trait MountJournal: Send + Sync + std::fmt::Debug {
     /// Every recorded session, by lease.
     async fn sessions(&self) -> Result<Vec<SessionRecord>, JournalError>;
     /// Records (or replaces) a lease's Actions cache session, synced: its
-    /// record is `crate::cache::actions::archives`' JSON (the token's
+    /// record is the Actions cache archives' JSON (the token's
     /// SHA-256, the scope, the archives it holds), never the token.
     async fn put_actions_session(&self, lease: &str, record: &str) -> Result<(), JournalError>;
     /// Forgets a lease's Actions cache session, synced.
@@ -271,7 +271,7 @@ pub trait MountJournal: Send + Sync + std::fmt::Debug {
     async fn actions_sessions(&self) -> Result<Vec<(String, String)>, JournalError>;
 }
 
-/// A guest's cache session as journaled (`crate::cache::session`):
+/// A guest's cache session as journaled (by the cache's guest sessions):
 /// recorded before its compute starts, kept until its compute is proven
 /// gone, so a restarted node still serves what its guest mounted. Holds
 /// the SHA-256 of the session's token, never the token.
@@ -281,7 +281,7 @@ pub struct SessionRecord {
     pub lease: String,
     /// Lowercase hex SHA-256 of the token's text.
     pub token_sha256: String,
-    /// The session's slots, JSON (`crate::cache::session`'s `Slot`s).
+    /// The session's slots, JSON (the cache session's slots).
     pub slots: String,
     /// When the session was prepared, unix milliseconds.
     pub since_unix_ms: i64,
@@ -1090,7 +1090,7 @@ impl MountJournal for SqliteJournal {
 }
 
 /// A journal in memory: the seam's fake, and what a runner without a state
-/// directory uses. Survives a [`crate::node::runner::Runner`] being rebuilt over
+/// directory uses. Survives a runner being rebuilt over
 /// it, which is how tests model a restart.
 #[derive(Debug, Default)]
 pub struct MemoryJournal {

@@ -53,9 +53,9 @@ use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::edge::clock::PlaneClock;
-use crate::edge::listen::AcceptErrors;
-use crate::edge::tls::{Validity, dns_names};
+use crate::clock::PlaneClock;
+use crate::listen::AcceptErrors;
+use crate::tls::{Validity, dns_names};
 
 /// How long a peer may take to finish the TLS handshake. Short: an mTLS
 /// handshake takes a few round trips, and a slot held longer is one a
@@ -815,9 +815,7 @@ async fn handshake(
         .peer_certificates()
         .and_then(|c| c.first())
         .cloned();
-    let plane_expires = leaf
-        .as_ref()
-        .and_then(|cert| crate::edge::tls::validity(cert).1);
+    let plane_expires = leaf.as_ref().and_then(|cert| crate::tls::validity(cert).1);
     if let Some(expected) = plane_name {
         match leaf.as_ref().map(dns_names) {
             Some(Ok(names)) if names.iter().any(|n| n == expected) => {}

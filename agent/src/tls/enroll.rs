@@ -16,7 +16,7 @@ use billet_proto::v1 as pb;
 use thiserror::Error;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
-use crate::edge::model::NodeName;
+use crate::model::NodeName;
 
 /// How long the enrolment call may take, connection included.
 pub const ENROLL_TIMEOUT: Duration = Duration::from_secs(30);

@@ -6,8 +6,8 @@
 use std::sync::Mutex;
 
 use super::*;
-use crate::edge::model::{Epoch, LeaseId};
-use crate::node::journal::{CustodyRecord, JournalError, LaunchRecord, MemoryJournal};
+use crate::journal::{CustodyRecord, JournalError, LaunchRecord, MemoryJournal};
+use crate::model::{Epoch, LeaseId};
 use crate::provider::fake::{FakeProvider, Operation};
 
 const LEASE: &str = "l1";
@@ -430,7 +430,7 @@ async fn a_completion_and_a_tend_take_turns_and_destroy_the_instance_once() {
 /// redelivered copy within the process is still answered from memory.
 #[tokio::test]
 async fn only_results_whose_loss_could_repeat_work_are_journaled_before_they_are_answered() {
-    use crate::node::journal::Journal as _;
+    use crate::journal::Journal as _;
     let node = Node::start();
     let (mut plane, _) = open(&node.link, 1);
     async fn journaled(journal: &MemoryJournal) -> Vec<String> {

@@ -2,37 +2,26 @@
 //! `billet.node.v1.Local/Status` over a unix socket, without TLS, for the
 //! updater on the same host, and `billet.node.v1.Local/Enroll`, the one
 //! thing it can be asked to do: re-enrol with a join token
-//! ([`crate::node::identity`]). Whoever can enter the 0700 state directory
+//! ([`crate::edge::identity`]). Whoever can enter the 0700 state directory
 //! can already read the node's journal; the socket tells them nothing more,
 //! and enrolment needs a token only the plane issues.
-//!
-//! The updater's health check ([`check`]) is: health `SERVING` for the
-//! `Node` service, the expected version, and start-up recovery done (which
-//! needs the plane to have attached and received this process's `Hello`).
+//! Its client is [`crate::local`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use billet_proto::v1 as pb;
 use thiserror::Error;
 use tokio::net::{UnixListener, UnixStream};
 use tonic::{Request, Response, Status};
 
+use crate::edge::identity::{IdentityError, IdentityKeeper};
+use crate::edge::slot::CommandSlot;
+use crate::local::socket_path;
 use crate::node::health::Health;
-use crate::node::identity::{IdentityError, IdentityKeeper};
 use crate::node::metrics::Metrics;
+use crate::node::recovery::Recovery;
 use crate::node::runner::Runner;
-use crate::node::session::Recovery;
-use crate::node::slot::CommandSlot;
-
-/// The socket's file name inside the state directory.
-pub const SOCKET_FILE: &str = "node.sock";
-
-/// The socket's path for a state directory.
-pub fn socket_path(state_dir: &Path) -> PathBuf {
-    state_dir.join(SOCKET_FILE)
-}
 
 /// Why the local socket cannot be bound.
 #[derive(Debug, Error)]
@@ -240,7 +229,7 @@ impl pb::local_server::Local for LocalService {
         let identity = self.identity.as_ref().ok_or_else(|| {
             Status::failed_precondition("this node cannot enrol: it keeps no identity files")
         })?;
-        let token = crate::edge::enroll::JoinToken::parse(&token)
+        let token = crate::tls::enroll::JoinToken::parse(&token)
             .map_err(|e| Status::invalid_argument(format!("token: {e}")))?;
         if plane_address.trim().is_empty() {
             return Err(Status::invalid_argument(
@@ -256,134 +245,4 @@ impl pb::local_server::Local for LocalService {
             Err(e) => Err(Status::failed_precondition(e.to_string())),
         }
     }
-}
-
-/// What a node answered on its local socket.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Observed {
-    /// Whether `grpc.health.v1` says the `Node` service is serving.
-    pub serving: bool,
-    /// Its status.
-    pub status: pb::LocalStatus,
-}
-
-impl Observed {
-    /// Healthy at `version`: serving, recovered, not draining, that version.
-    pub fn healthy_at(&self, version: &str) -> bool {
-        self.serving
-            && self.status.recovered
-            && !self.status.draining
-            && self.status.version == version
-    }
-}
-
-/// Asks the node whose state directory is `state_dir` for its health and
-/// status, giving up after `timeout`.
-///
-/// # Errors
-///
-/// A message saying what failed (no socket, no answer, an RPC error).
-pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, String> {
-    tokio::time::timeout(timeout, ask(socket_path(state_dir)))
-        .await
-        .map_err(|_| {
-            format!(
-                "no answer on {} within {timeout:?}",
-                socket_path(state_dir).display()
-            )
-        })?
-}
-
-/// Why [`enroll`] did not put a new certificate in force.
-#[derive(Debug, Error)]
-pub enum EnrollFailure {
-    /// No node answers on the socket.
-    #[error("{0}")]
-    NotRunning(String),
-    /// The plane refused the token or the request (unknown, used, expired,
-    /// another node's).
-    #[error("{0}")]
-    Refused(String),
-    /// Anything else: the plane unreachable, the certificate not
-    /// installable; the message says which.
-    #[error("{0}")]
-    Failed(String),
-}
-
-/// Asks the node whose state directory is `state_dir` to re-enrol with
-/// `token` at the plane's enrolment endpoint `plane_address`, giving up
-/// after `timeout`; answers when the new certificate expires (unix ms).
-///
-/// # Errors
-///
-/// [`EnrollFailure`].
-pub async fn enroll(
-    state_dir: &Path,
-    token: &crate::edge::enroll::JoinToken,
-    plane_address: &str,
-    timeout: Duration,
-) -> Result<i64, EnrollFailure> {
-    let path = socket_path(state_dir);
-    let shown = path.display().to_string();
-    let asked = async {
-        let channel = connect(path).await.map_err(EnrollFailure::NotRunning)?;
-        pb::local_client::LocalClient::new(channel)
-            .enroll(pb::EnrollRequest {
-                token: token.expose().to_owned(),
-                plane_address: plane_address.to_owned(),
-            })
-            .await
-            .map(|r| r.into_inner().certificate_not_after_unix_ms)
-            .map_err(|s| match s.code() {
-                tonic::Code::PermissionDenied => EnrollFailure::Refused(s.message().to_owned()),
-                _ => EnrollFailure::Failed(s.message().to_owned()),
-            })
-    };
-    tokio::time::timeout(timeout, asked)
-        .await
-        .map_err(|_| EnrollFailure::Failed(format!("no answer on {shown} within {timeout:?}")))?
-}
-
-async fn connect(path: PathBuf) -> Result<tonic::transport::Channel, String> {
-    let shown = path.display().to_string();
-    if !path.exists() {
-        return Err(format!(
-            "{shown} does not exist: no node is running on this state directory"
-        ));
-    }
-    // The URI is required by the API and unused: the connector dials the
-    // socket.
-    tonic::transport::Endpoint::from_static("http://node.local")
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                UnixStream::connect(path)
-                    .await
-                    .map(hyper_util::rt::TokioIo::new)
-            }
-        }))
-        .await
-        .map_err(|e| format!("{shown}: cannot connect: {e}"))
-}
-
-async fn ask(path: PathBuf) -> Result<Observed, String> {
-    let shown = path.display().to_string();
-    let channel = connect(path).await?;
-    let health = tonic_health::pb::health_client::HealthClient::new(channel.clone())
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: <pb::node_server::NodeServer<crate::node::session::NodeService> as tonic::server::NamedService>::NAME.to_owned(),
-        })
-        .await
-        .map_err(|e| format!("{shown}: health check: {}", e.message()))?
-        .into_inner();
-    let status = pb::local_client::LocalClient::new(channel)
-        .status(pb::StatusRequest {})
-        .await
-        .map_err(|e| format!("{shown}: status: {}", e.message()))?
-        .into_inner();
-    Ok(Observed {
-        serving: health.status
-            == tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
-        status,
-    })
 }

@@ -24,10 +24,10 @@ use std::sync::{Arc, Mutex};
 use billet_proto::v1 as pb;
 use tokio::sync::Notify;
 
-use crate::edge::model::CommandId;
-use crate::edge::wire::NodeCommand;
+use crate::edge::link::SessionLink;
+use crate::model::CommandId;
+use crate::model::NodeCommand;
 use crate::node::metrics::Metrics;
-use crate::node::plane::SessionLink;
 
 /// Most commands waiting at once.
 pub const MAX_QUEUED: usize = 1024;
@@ -342,6 +342,12 @@ impl CommandSlot {
     /// Whether nothing waits.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl crate::node::health::SlotProgress for CommandSlot {
+    fn busy_for(&self) -> Option<std::time::Duration> {
+        CommandSlot::busy_for(self)
     }
 }
 

@@ -1,0 +1,92 @@
+//! The closed set of commands the node's core accepts, checked: what the
+//! gRPC face hands the executor through the command slot.
+
+use super::{DestroyOrder, Job, Lease, LeaseId, Registration, RequestId, TierSpec};
+
+/// What the node was asked to do, checked.
+// One command exists at a time per slot entry; boxing the launch buys nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeCommand {
+    /// Start compute for a lease.
+    Launch {
+        /// The lease, at the epoch the plane holds.
+        lease: Lease,
+        /// How to run it.
+        tier: TierSpec,
+        /// The job behind it.
+        job: Job,
+        /// The runner registration the plane minted before dispatching
+        /// (`Launch.registration`); `None` when the node mints.
+        registration: Option<Registration>,
+    },
+    /// Tear down whatever was started for a request.
+    Destroy {
+        /// The request.
+        request_id: RequestId,
+        /// A completion's result, force and reason.
+        order: DestroyOrder,
+    },
+    /// Take responsibility for a launch whose result the plane missed.
+    AssumeCustody {
+        /// The lease.
+        lease: Lease,
+        /// The request it was launched for.
+        request_id: RequestId,
+    },
+    /// Hand the node to its updater.
+    StartUpgrade(UpgradeSpec),
+    /// Report what the provider runs.
+    Instances,
+    /// Destroy what no open lease accounts for.
+    Sweep,
+    /// Advance everything in custody by one step.
+    Tend,
+    /// Another process took this node's name.
+    Superseded,
+}
+
+impl NodeCommand {
+    /// The lease the command names, for the log lines it causes (a
+    /// destroy names its request instead).
+    pub fn lease_id(&self) -> Option<&LeaseId> {
+        match self {
+            NodeCommand::Launch { lease, .. } | NodeCommand::AssumeCustody { lease, .. } => {
+                Some(&lease.id)
+            }
+            NodeCommand::Destroy { .. }
+            | NodeCommand::StartUpgrade(_)
+            | NodeCommand::Instances
+            | NodeCommand::Sweep
+            | NodeCommand::Tend
+            | NodeCommand::Superseded => None,
+        }
+    }
+
+    /// A short name for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NodeCommand::Launch { .. } => "launch",
+            NodeCommand::Destroy { .. } => "destroy",
+            NodeCommand::AssumeCustody { .. } => "assume_custody",
+            NodeCommand::StartUpgrade(_) => "start_upgrade",
+            NodeCommand::Instances => "instances",
+            NodeCommand::Sweep => "sweep",
+            NodeCommand::Tend => "tend",
+            NodeCommand::Superseded => "superseded",
+        }
+    }
+}
+
+/// The release an upgrade names, and its fences.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpgradeSpec {
+    /// An exact release.
+    pub version: String,
+    /// The pinned manifest digest, if any.
+    pub manifest_sha256: Option<String>,
+    /// The rollout, if any.
+    pub rollout_id: Option<String>,
+    /// The rollout generation; zero when absent.
+    pub generation: u64,
+}
