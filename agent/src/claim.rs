@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// How long a busy claim is tried again before it is reported held: long
 /// enough for a forked child that inherited the lock to reach its `exec`.
-pub const PATIENCE: Duration = Duration::from_millis(250);
+pub(crate) const PATIENCE: Duration = Duration::from_millis(250);
 
 /// How long [`take`] waits between two tries.
 const RETRY: Duration = Duration::from_millis(10);
@@ -30,7 +30,7 @@ const RETRY: Duration = Duration::from_millis(10);
 /// `Ok(false)` while another open file holds the lock after `patience`;
 /// `Err` when the lock cannot be asked for at all (an unsupported
 /// filesystem, a bad descriptor).
-pub fn take(file: &File, patience: Duration) -> std::io::Result<bool> {
+pub(crate) fn take(file: &File, patience: Duration) -> std::io::Result<bool> {
     let deadline = Instant::now() + patience;
     loop {
         match file.try_lock() {

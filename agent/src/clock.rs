@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime};
 /// This node's clock corrected by the measured offset to the plane's.
 /// Shared behind an `Arc`; reads and writes are lock-free.
 #[derive(Debug, Default)]
-pub struct PlaneClock {
+pub(crate) struct PlaneClock {
     /// This node's clock minus the plane's, in milliseconds.
     offset_ms: AtomicI64,
 }
@@ -26,17 +26,17 @@ pub struct PlaneClock {
 impl PlaneClock {
     /// Records a measured offset: this node's clock minus the plane's, in
     /// milliseconds (positive: this node is ahead).
-    pub fn set_offset_ms(&self, offset_ms: i64) {
+    pub(crate) fn set_offset_ms(&self, offset_ms: i64) {
         self.offset_ms.store(offset_ms, Ordering::Relaxed);
     }
 
     /// The offset last recorded, in milliseconds; 0 until one is.
-    pub fn offset_ms(&self) -> i64 {
+    pub(crate) fn offset_ms(&self) -> i64 {
         self.offset_ms.load(Ordering::Relaxed)
     }
 
     /// What the plane's wall clock reads now.
-    pub fn now(&self) -> SystemTime {
+    pub(crate) fn now(&self) -> SystemTime {
         let now = SystemTime::now();
         let offset = self.offset_ms();
         let by = Duration::from_millis(offset.unsigned_abs());
@@ -48,7 +48,7 @@ impl PlaneClock {
     }
 
     /// How long until the plane's clock reads `at`; zero once it has.
-    pub fn until(&self, at: SystemTime) -> Duration {
+    pub(crate) fn until(&self, at: SystemTime) -> Duration {
         at.duration_since(self.now()).unwrap_or_default()
     }
 }

@@ -21,9 +21,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePo
 use thiserror::Error;
 
 /// Journal file name inside the state directory.
-pub const JOURNAL_FILE: &str = "journal.db";
+pub(crate) const JOURNAL_FILE: &str = "journal.db";
 /// How many command results are kept.
-pub const RESULTS_KEPT: i64 = 4096;
+pub(crate) const RESULTS_KEPT: i64 = 4096;
 
 /// How far a journal write has reached when it returns (ARCHITECTURE.md,
 /// "What each journal write survives").
@@ -122,7 +122,7 @@ pub struct BootStamp {
 
 impl BootStamp {
     /// Now, or `None` where the boot id cannot be read (no `/proc`).
-    pub fn now() -> Option<Self> {
+    pub(crate) fn now() -> Option<Self> {
         static BOOT_ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let boot_id = BOOT_ID
             .get_or_init(|| {
@@ -140,7 +140,7 @@ impl BootStamp {
     }
 
     /// This stamp `d` earlier.
-    pub fn before(self, d: std::time::Duration) -> Self {
+    pub(crate) fn before(self, d: std::time::Duration) -> Self {
         Self {
             ms: self.ms - i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
             ..self
@@ -149,7 +149,7 @@ impl BootStamp {
 
     /// How long ago `then` was, by this stamp; `None` when the two are of
     /// different boots.
-    pub fn since(&self, then: &BootStamp) -> Option<std::time::Duration> {
+    pub(crate) fn since(&self, then: &BootStamp) -> Option<std::time::Duration> {
         (self.boot_id == then.boot_id).then(|| {
             std::time::Duration::from_millis(u64::try_from(self.ms - then.ms).unwrap_or(0))
         })
@@ -341,12 +341,12 @@ const ADDED_TABLES: &[&str] = &[
 
 /// `PRAGMA application_id` of a billet node journal ("bltj"): a SQLite
 /// file without it is some other program's, or no journal at all.
-pub const APPLICATION_ID: i64 = 0x626c_746a;
+pub(crate) const APPLICATION_ID: i64 = 0x626c_746a;
 /// `PRAGMA user_version`: the journal's schema version. It changes only
 /// with a change an older release cannot read (a column changed or
 /// removed), which makes that release refuse the journal; an added table
 /// (`ADDED_TABLES`) is not one.
-pub const SCHEMA_VERSION: i64 = 1;
+pub(crate) const SCHEMA_VERSION: i64 = 1;
 
 /// Stamps a database as a journal of this schema. Both values are this
 /// module's integer constants.
@@ -1105,7 +1105,8 @@ pub struct MemoryJournal {
 
 impl MemoryJournal {
     /// The durability `command`'s result was last written at, if it was.
-    pub fn result_durability(&self, command: &str) -> Option<Durability> {
+    #[cfg(test)]
+    pub(crate) fn result_durability(&self, command: &str) -> Option<Durability> {
         self.result_durability
             .lock()
             .expect("journal")

@@ -18,13 +18,15 @@
 //!   server that wires everything).
 //! - floor 6: [`cli`] (the command line and its exit codes).
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod cache;
-pub mod claim;
+mod claim;
 pub mod cli;
-pub mod clock;
+mod clock;
 pub mod edge;
 pub mod journal;
-pub mod listen;
+mod listen;
 pub mod local;
 pub mod model;
 pub mod node;

@@ -33,14 +33,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 /// The first wait after a failed accept.
-pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+pub(crate) const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 
 /// The longest wait after failed accepts in a row.
-pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+pub(crate) const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 /// At most one line per this about a listener's failed accepts, and one
 /// about the connections its cap closed.
-pub const ACCEPT_ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const ACCEPT_ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// A line's rate limit: the first occurrence is logged, then at most one
 /// per [`ACCEPT_ERROR_LOG_EVERY`]; the ones in between are counted and the
@@ -70,7 +70,7 @@ impl Limited {
 /// One listener's failed accepts: the backoff before the next accept and
 /// the rate limit of the line about them. See the module doc.
 #[derive(Debug)]
-pub struct AcceptErrors {
+pub(crate) struct AcceptErrors {
     listener: &'static str,
     backoff: Duration,
     log: Limited,
@@ -79,7 +79,7 @@ pub struct AcceptErrors {
 impl AcceptErrors {
     /// For the listener named `listener` in the log (`metrics`, ...).
     #[must_use]
-    pub fn new(listener: &'static str) -> Self {
+    pub(crate) fn new(listener: &'static str) -> Self {
         Self {
             listener,
             backoff: ACCEPT_BACKOFF_MIN,
@@ -88,14 +88,14 @@ impl AcceptErrors {
     }
 
     /// An accept succeeded: the next failure waits the minimum again.
-    pub fn accepted(&mut self) {
+    pub(crate) fn accepted(&mut self) {
         self.backoff = ACCEPT_BACKOFF_MIN;
     }
 
     /// Records a failed accept, logs it unless a line was logged within
     /// [`ACCEPT_ERROR_LOG_EVERY`], and returns how long to wait before
     /// accepting again.
-    pub fn failed(&mut self, error: &io::Error) -> Duration {
+    pub(crate) fn failed(&mut self, error: &io::Error) -> Duration {
         let wait = self.backoff;
         self.backoff = (self.backoff * 2).min(ACCEPT_BACKOFF_MAX);
         if let Some(suppressed) = self.log.admit(Instant::now()) {
@@ -110,7 +110,7 @@ impl AcceptErrors {
     }
 
     /// [`Self::failed`], then waits.
-    pub async fn back_off(&mut self, error: &io::Error) {
+    pub(crate) async fn back_off(&mut self, error: &io::Error) {
         let wait = self.failed(error);
         tokio::time::sleep(wait).await;
     }
@@ -122,7 +122,7 @@ impl AcceptErrors {
 /// never yielded, since tonic would retry it at once and spin while the
 /// node is out of descriptors. `listener` names it in the log. Uncapped:
 /// for the local socket, which only the node's own operators can reach.
-pub fn unix_incoming(
+pub(crate) fn unix_incoming(
     listener: UnixListener,
     name: &'static str,
 ) -> impl futures::Stream<Item = io::Result<UnixStream>> {
@@ -144,7 +144,7 @@ pub fn unix_incoming(
 
 /// What a [`ConnectionCap`] does with a connection past its cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AtCap {
+pub(crate) enum AtCap {
     /// Close the newcomer at once; the open ones go on.
     Refuse,
     /// Drop the oldest open connection and keep the newcomer.
@@ -169,7 +169,7 @@ struct Open {
 /// At most `max` connections open at once on one listener; see the module
 /// doc. Cheap to clone (shared).
 #[derive(Debug, Clone)]
-pub struct ConnectionCap {
+pub(crate) struct ConnectionCap {
     listener: &'static str,
     max: usize,
     at_cap: AtCap,
@@ -180,7 +180,7 @@ pub struct ConnectionCap {
 /// long as the connection is open, freed on drop. Serve the connection only
 /// until [`Self::dropped`] fires.
 #[derive(Debug)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     seq: u64,
     dropped: CancellationToken,
     busy: Arc<AtomicUsize>,
@@ -189,14 +189,14 @@ pub struct Admitted {
 
 impl Admitted {
     /// Fires when the cap drops this connection for a newer one.
-    pub async fn dropped(&self) {
+    pub(crate) async fn dropped(&self) {
         self.dropped.cancelled().await;
     }
 
     /// Marks the connection as answering a request until the guard drops:
     /// [`AtCap::DropOldest`] passes it over while an idle one is open.
     #[must_use]
-    pub fn busy(&self) -> Busy {
+    pub(crate) fn busy(&self) -> Busy {
         self.busy.fetch_add(1, Ordering::AcqRel);
         Busy(Arc::clone(&self.busy))
     }
@@ -205,7 +205,7 @@ impl Admitted {
 /// A request in progress on an [`Admitted`] connection; see
 /// [`Admitted::busy`].
 #[derive(Debug)]
-pub struct Busy(Arc<AtomicUsize>);
+pub(crate) struct Busy(Arc<AtomicUsize>);
 
 impl Drop for Busy {
     fn drop(&mut self) {
@@ -223,7 +223,7 @@ impl ConnectionCap {
     /// A cap of `max` (at least 1) open connections on the listener named
     /// `listener` in the log.
     #[must_use]
-    pub fn new(listener: &'static str, max: usize, at_cap: AtCap) -> Self {
+    pub(crate) fn new(listener: &'static str, max: usize, at_cap: AtCap) -> Self {
         Self {
             listener,
             max: max.max(1),
@@ -232,15 +232,10 @@ impl ConnectionCap {
         }
     }
 
-    /// The cap.
-    #[must_use]
-    pub fn max(&self) -> usize {
-        self.max
-    }
-
     /// How many connections are open under it.
     #[must_use]
-    pub fn open(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn open(&self) -> usize {
         self.open.lock().expect("open").by_age.len()
     }
 
@@ -252,7 +247,7 @@ impl ConnectionCap {
     /// Either is logged at most once per [`ACCEPT_ERROR_LOG_EVERY`], with
     /// the count since the last line.
     #[must_use]
-    pub fn admit(&self) -> Option<Admitted> {
+    pub(crate) fn admit(&self) -> Option<Admitted> {
         let mut open = self.open.lock().expect("open");
         if open.by_age.len() >= self.max {
             let logged = open.log.admit(Instant::now());

@@ -15,7 +15,7 @@ use thiserror::Error;
 use tokio::net::UnixStream;
 
 /// The socket's file name inside the state directory.
-pub const SOCKET_FILE: &str = "node.sock";
+pub(crate) const SOCKET_FILE: &str = "node.sock";
 
 /// The socket's path for a state directory.
 pub fn socket_path(state_dir: &Path) -> PathBuf {
@@ -33,7 +33,7 @@ pub struct Observed {
 
 impl Observed {
     /// Healthy at `version`: serving, recovered, not draining, that version.
-    pub fn healthy_at(&self, version: &str) -> bool {
+    pub(crate) fn healthy_at(&self, version: &str) -> bool {
         self.serving
             && self.status.recovered
             && !self.status.draining
@@ -60,7 +60,7 @@ pub async fn check(state_dir: &Path, timeout: Duration) -> Result<Observed, Stri
 
 /// Why [`enroll`] did not put a new certificate in force.
 #[derive(Debug, Error)]
-pub enum EnrollFailure {
+pub(crate) enum EnrollFailure {
     /// No node answers on the socket.
     #[error("{0}")]
     NotRunning(String),
@@ -81,7 +81,7 @@ pub enum EnrollFailure {
 /// # Errors
 ///
 /// [`EnrollFailure`].
-pub async fn enroll(
+pub(crate) async fn enroll(
     state_dir: &Path,
     token: &crate::tls::enroll::JoinToken,
     plane_address: &str,

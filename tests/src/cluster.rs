@@ -214,6 +214,10 @@ fn unit_word(word: &str, command: bool) -> String {
 impl Installed {
     /// Writes the binary, the scripts and the configuration for a node run
     /// with `args` and `env`, logging to `log`.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "each is one file of the installation, named at the call"
+    )]
     fn write(
         dir: &Path,
         name: &str,
@@ -805,7 +809,7 @@ pub fn node_args(
 /// When they cannot be made or written.
 pub fn cluster_certs(dir: &Path, options: &ClusterOptions) -> Result<billet_certs_dev::DevCerts> {
     let names: Vec<&str> = options.nodes.iter().map(String::as_str).collect();
-    Ok(billet_certs_dev::generate_with_nodes(
+    billet_certs_dev::generate_with_nodes(
         &dir.join("certs"),
         "plane",
         &names,
@@ -822,7 +826,7 @@ pub fn cluster_certs(dir: &Path, options: &ClusterOptions) -> Result<billet_cert
                 .collect(),
             ..Default::default()
         },
-    )?)
+    )
 }
 
 impl Cluster {

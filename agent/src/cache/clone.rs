@@ -42,7 +42,7 @@ const NO: u8 = 2;
 impl ReflinkSupport {
     /// `Some(true)` once a reflink worked, `Some(false)` once the
     /// filesystem refused one, `None` before either.
-    pub fn known(&self) -> Option<bool> {
+    pub(crate) fn known(&self) -> Option<bool> {
         match self.0.load(Ordering::Relaxed) {
             YES => Some(true),
             NO => Some(false),
@@ -112,7 +112,7 @@ pub fn filesystem_kind(path: &Path) -> io::Result<String> {
 /// # Errors
 ///
 /// `dir` cannot be written (the files cannot be made).
-pub fn probe(dir: &Path, support: &ReflinkSupport) -> io::Result<Filesystem> {
+pub(crate) fn probe(dir: &Path, support: &ReflinkSupport) -> io::Result<Filesystem> {
     let kind = filesystem_kind(dir)?;
     let stem = format!(".reflink-probe-{}", std::process::id());
     let (a, b) = (dir.join(format!("{stem}-a")), dir.join(format!("{stem}-b")));
@@ -406,7 +406,7 @@ fn clone_file(
 /// # Errors
 ///
 /// The first read, seek or write that fails.
-pub fn sparse_copy(source: &File, target: &File, len: u64) -> io::Result<()> {
+pub(crate) fn sparse_copy(source: &File, target: &File, len: u64) -> io::Result<()> {
     let mut at = 0u64;
     while at < len {
         let data = match rustix::fs::seek(source, SeekFrom::Data(at)) {
@@ -458,7 +458,7 @@ fn keep_owner(path: &Path, meta: &fs::Metadata) {
 /// # Errors
 ///
 /// The first directory or file that cannot be read.
-pub fn tree_bytes(path: &Path) -> io::Result<u64> {
+pub(crate) fn tree_bytes(path: &Path) -> io::Result<u64> {
     let mut total = 0;
     walk(path, |step| {
         total += match step {
@@ -480,7 +480,7 @@ pub fn tree_bytes(path: &Path) -> io::Result<u64> {
 /// # Errors
 ///
 /// The first directory or file that cannot be read.
-pub fn apparent_bytes(path: &Path) -> io::Result<u64> {
+pub(crate) fn apparent_bytes(path: &Path) -> io::Result<u64> {
     let mut total = 0;
     walk(path, |step| {
         if let Step::File { meta, .. } = step {

@@ -76,7 +76,7 @@ pub struct Listed {
 impl Listed {
     /// The leases of the instances a successful listing `listed`, and
     /// those the runner `held` when it was read.
-    pub fn new(
+    pub(crate) fn new(
         listed: impl IntoIterator<Item = String>,
         held: impl IntoIterator<Item = String>,
     ) -> Self {
@@ -88,7 +88,7 @@ impl Listed {
     /// Whether `lease` may still have compute: a mount of a lease for which
     /// this is false is discarded.
     #[must_use]
-    pub fn may_run(&self, lease: &str) -> bool {
+    pub(crate) fn may_run(&self, lease: &str) -> bool {
         self.leases.contains(lease)
     }
 }
@@ -186,7 +186,7 @@ impl Held {
 /// [`CacheError`] when the store cannot be read or a generation removed;
 /// what was removed before stays removed. An archive that cannot be
 /// listed or removed is logged and the pass goes on.
-pub async fn evict(
+pub(crate) async fn evict(
     store: &Store,
     archives: Option<&Arc<Archives>>,
     rules: Eviction,
@@ -284,7 +284,7 @@ pub(crate) async fn evict_walking(
 /// restarting in a loop does not walk its whole cache each time) until
 /// `stop`. Each pass is logged; one that fails is logged and the next one
 /// tries again.
-pub async fn keep_evicting(
+pub(crate) async fn keep_evicting(
     store: Arc<Store>,
     archives: Option<Arc<Archives>>,
     rules: Eviction,

@@ -23,7 +23,7 @@ pub mod actions;
 pub mod clone;
 pub mod lifecycle;
 pub mod session;
-pub mod store;
+pub(crate) mod store;
 
 /// A scratch directory for tests, removed when it is dropped: the cache's
 /// tests write up to a gigabyte each, and left behind they filled the

@@ -88,11 +88,11 @@ pub const ENDPOINT_ENV: &str = "BILLET_CACHE_ENDPOINT";
 /// Where the guest sees its session's directory.
 pub use crate::model::disk::GUEST_DIR;
 /// The socket's name in that directory.
-pub const SOCKET_NAME: &str = "cache.sock";
+pub(crate) const SOCKET_NAME: &str = "cache.sock";
 
 /// The longest a Unix socket's path may be on Linux (`sun_path` less its
 /// terminating NUL), in bytes.
-pub const SOCKET_PATH_MAX: usize = 107;
+pub(crate) const SOCKET_PATH_MAX: usize = 107;
 
 /// Checks that the guests' sockets under `cache_dir`
 /// (`<cache_dir>/guests/<8 hex>/cache.sock`) fit a socket's path, so a
@@ -103,7 +103,7 @@ pub const SOCKET_PATH_MAX: usize = 107;
 /// # Errors
 ///
 /// [`CacheError::Open`] naming the directory, the length and the limit.
-pub fn check_socket_room(cache_dir: &Path) -> Result<(), CacheError> {
+pub(crate) fn check_socket_room(cache_dir: &Path) -> Result<(), CacheError> {
     let socket = cache_dir.join("guests").join("00000000").join(SOCKET_NAME);
     let length = socket.as_os_str().len();
     if length > SOCKET_PATH_MAX {
@@ -119,15 +119,15 @@ pub fn check_socket_room(cache_dir: &Path) -> Result<(), CacheError> {
     Ok(())
 }
 /// The most bytes of a request body.
-pub const MAX_BODY: usize = 8 * 1024;
+pub(crate) const MAX_BODY: usize = 8 * 1024;
 
 /// How long a request's body may take to arrive once its head has: 10 s,
 /// then 408. A guest's bodies are at most [`MAX_BODY`] and sent at once.
-pub const BODY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+pub(crate) const BODY_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The value of [`ENDPOINT_ENV`].
 #[must_use]
-pub fn guest_endpoint() -> String {
+pub(crate) fn guest_endpoint() -> String {
     format!("unix:{GUEST_DIR}/{SOCKET_NAME}")
 }
 
@@ -187,7 +187,7 @@ fn unhex(text: &str) -> Option<[u8; 32]> {
 
 /// What a guest was told about one of its disks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Told {
+pub(crate) struct Told {
     /// `committed`, `conflict`, `skipped`, `fallback`, `unavailable` or
     /// `discarded`.
     pub outcome: String,
@@ -222,7 +222,7 @@ impl Told {
 
 /// One of a session's disks, as journaled (JSON in the session's row).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Slot {
+pub(crate) struct Slot {
     /// The store's mount id.
     pub mount: String,
     /// The disk's key.
@@ -252,7 +252,7 @@ pub struct Slot {
 /// The Docker image store's slot: its architecture and its settlement
 /// (spec/cache.md §3.3), journaled with the session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DockerStore {
+pub(crate) struct DockerStore {
     /// What it is keyed by (`docker-images/<architecture>`).
     pub architecture: String,
     /// The node opened settlement ([`Sessions::open_settlement`]): the tier
@@ -271,7 +271,7 @@ pub struct DockerStore {
 /// result are).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Proof {
+pub(crate) struct Proof {
     /// The filesystem's type, e.g. `ext4`, or `dir` for a directory.
     #[serde(rename = "type")]
     pub kind: String,
@@ -284,7 +284,7 @@ pub struct Proof {
 impl Proof {
     /// Non-blank type and uuid, and clean.
     #[must_use]
-    pub fn valid(&self) -> bool {
+    pub(crate) fn valid(&self) -> bool {
         !self.kind.trim().is_empty() && !self.uuid.trim().is_empty() && self.clean
     }
 }
@@ -292,7 +292,7 @@ impl Proof {
 impl Slot {
     /// The slot of a disk mounted at `path`.
     #[must_use]
-    pub fn of(mount: &Mount, key: &str, path: &str, policy: &str) -> Self {
+    pub(crate) fn of(mount: &Mount, key: &str, path: &str, policy: &str) -> Self {
         Self {
             mount: mount.id.clone(),
             key: key.to_owned(),
@@ -411,7 +411,11 @@ impl Sessions {
     /// [`CacheError`] when the token, the directory, the socket or the
     /// journal fails: the job then goes without the API (its disks are
     /// still settled at its end).
-    pub async fn prepare(&self, lease: &LeaseId, slots: Vec<Slot>) -> Result<Prepared, CacheError> {
+    pub(crate) async fn prepare(
+        &self,
+        lease: &LeaseId,
+        slots: Vec<Slot>,
+    ) -> Result<Prepared, CacheError> {
         let token = CacheToken::mint()?;
         let session = Arc::new(Session {
             lease: lease.as_str().to_owned(),
@@ -481,7 +485,7 @@ impl Sessions {
     /// Closes `lease`'s session once its compute is proven gone: the
     /// socket goes, every connection is cut, the journal forgets it, and
     /// its token is never accepted again.
-    pub async fn close(&self, lease: &LeaseId) {
+    pub(crate) async fn close(&self, lease: &LeaseId) {
         let live = self.live.lock().expect("sessions").remove(lease.as_str());
         let Some(live) = live else {
             return;
@@ -506,7 +510,7 @@ impl Sessions {
     /// Returns whether settlement is open: false without a session, without
     /// an image store, for an untrusted tier, or for a store its guest
     /// discarded.
-    pub async fn open_settlement(&self, lease: &LeaseId) -> bool {
+    pub(crate) async fn open_settlement(&self, lease: &LeaseId) -> bool {
         let session = self
             .live
             .lock()
@@ -538,7 +542,7 @@ impl Sessions {
     /// what a restarted node's journal names for compute it no longer has
     /// (spec/cache.md §3.2 `ReconcileInventory`; only a successful
     /// inventory makes a [`Listed`]).
-    pub async fn reconcile(&self, listed: &Listed) {
+    pub(crate) async fn reconcile(&self, listed: &Listed) {
         let stale: Vec<String> = self
             .live
             .lock()
@@ -556,7 +560,8 @@ impl Sessions {
 
     /// The leases with an open session.
     #[must_use]
-    pub fn open_leases(&self) -> Vec<String> {
+    #[cfg(test)]
+    pub(crate) fn open_leases(&self) -> Vec<String> {
         let mut leases: Vec<String> = self
             .live
             .lock()
@@ -566,12 +571,6 @@ impl Sessions {
             .collect();
         leases.sort();
         leases
-    }
-
-    /// The host directory of `lease`'s session, whether or not it is open.
-    #[must_use]
-    pub fn dir(&self, lease: &str) -> PathBuf {
-        self.dir_of(lease)
     }
 }
 
@@ -587,7 +586,7 @@ impl Drop for Sessions {
 /// a new one is closed at once ([`crate::listen::ConnectionCap`]). The
 /// session answers one request at a time, so a well guest needs one or two;
 /// the cap keeps a guest from taking the node's file descriptors.
-pub const MAX_SESSION_CONNECTIONS: usize = 8;
+pub(crate) const MAX_SESSION_CONNECTIONS: usize = 8;
 
 /// Serves the session's socket until `stop`, at most
 /// [`MAX_SESSION_CONNECTIONS`] connections open; a failed accept (out of

@@ -184,9 +184,9 @@ pub struct Eviction {
 }
 
 /// The default [`Eviction::retention`]: 168 hours.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(168 * 3600);
+pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(168 * 3600);
 /// The default [`Eviction::image_store_retention`]: 192 hours (8 days).
-pub const DEFAULT_IMAGE_STORE_RETENTION: Duration = Duration::from_secs(192 * 3600);
+pub(crate) const DEFAULT_IMAGE_STORE_RETENTION: Duration = Duration::from_secs(192 * 3600);
 
 impl Default for Eviction {
     fn default() -> Self {
@@ -203,7 +203,7 @@ impl Eviction {
     /// [`Eviction::image_store_retention`] for a Docker image store,
     /// [`Eviction::retention`] for every other key.
     #[must_use]
-    pub fn retention_of(&self, key: &str) -> Duration {
+    pub(crate) fn retention_of(&self, key: &str) -> Duration {
         if key.starts_with(super::RESERVED_PREFIX) {
             self.image_store_retention
         } else {
@@ -239,7 +239,7 @@ pub struct EvictReport {
 /// One generation as an eviction pass's walk found it, read without the
 /// store's lock (`Store::survey`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GenerationUse {
+pub(crate) struct GenerationUse {
     /// Its key.
     pub key: String,
     /// The generation.
@@ -512,7 +512,8 @@ impl Store {
 
     /// Whether this store's filesystem shares extents: found out when it
     /// opened, and learnt again should a clone be refused later.
-    pub fn reflinks(&self) -> Option<bool> {
+    #[cfg(test)]
+    pub(crate) fn reflinks(&self) -> Option<bool> {
         self.reflink.known()
     }
 
@@ -527,7 +528,7 @@ impl Store {
     /// What eviction has removed since the store opened, for the node's
     /// metrics.
     #[must_use]
-    pub fn evicted(&self) -> Evicted {
+    pub(crate) fn evicted(&self) -> Evicted {
         *self.evicted.lock().expect("cache evictions")
     }
 
@@ -693,7 +694,7 @@ impl Store {
     /// # Errors
     ///
     /// [`CacheError::Journal`]: the mark is then kept in memory only.
-    pub async fn mark_succeeded(&self, lease: &LeaseId) -> Result<(), CacheError> {
+    pub(crate) async fn mark_succeeded(&self, lease: &LeaseId) -> Result<(), CacheError> {
         let mut mounts = self.mounts.lock().await;
         let image_store = |r: &MountRecord| r.key.starts_with(super::RESERVED_PREFIX);
         for record in mounts
@@ -716,7 +717,7 @@ impl Store {
     /// # Errors
     ///
     /// [`CacheError::UnknownMount`]; [`CacheError::Journal`]: not marked.
-    pub async fn mark_mount_succeeded(&self, mount: &str) -> Result<(), CacheError> {
+    pub(crate) async fn mark_mount_succeeded(&self, mount: &str) -> Result<(), CacheError> {
         let mut mounts = self.mounts.lock().await;
         let record = mounts
             .get_mut(mount)
@@ -737,7 +738,10 @@ impl Store {
     /// Settles every mount of `lease`, whose compute is proven gone:
     /// commits the mounts of a job marked succeeded
     /// ([`Store::mark_succeeded`]) and discards the others.
-    pub async fn settle(&self, lease: &LeaseId) -> Vec<(String, Result<Settled, CacheError>)> {
+    pub(crate) async fn settle(
+        &self,
+        lease: &LeaseId,
+    ) -> Vec<(String, Result<Settled, CacheError>)> {
         let ids: Vec<(String, bool)> = self
             .mounts
             .lock()
@@ -851,7 +855,7 @@ impl Store {
     /// What the cache did for `lease`'s job so far, forgotten here: called
     /// once its disks are settled ([`Store::settle`]). `None` when it
     /// mounted nothing since the store opened.
-    pub fn take_observation(&self, lease: &LeaseId) -> Option<Observation> {
+    pub(crate) fn take_observation(&self, lease: &LeaseId) -> Option<Observation> {
         self.observed
             .lock()
             .expect("cache observations")
@@ -862,7 +866,7 @@ impl Store {
     /// The sum of every job's [`Observation`] since the store opened, for
     /// the node's metrics.
     #[must_use]
-    pub fn totals(&self) -> Observation {
+    pub(crate) fn totals(&self) -> Observation {
         self.observed.lock().expect("cache observations").totals
     }
 
@@ -874,12 +878,13 @@ impl Store {
 
     /// The journal the store writes its mounts to.
     #[must_use]
-    pub fn journal(&self) -> Arc<dyn MountJournal> {
+    pub(crate) fn journal(&self) -> Arc<dyn MountJournal> {
         self.journal.clone()
     }
 
     /// The journaled record of an open mount.
-    pub async fn record(&self, mount: &str) -> Option<MountRecord> {
+    #[cfg(test)]
+    pub(crate) async fn record(&self, mount: &str) -> Option<MountRecord> {
         self.mounts.lock().await.get(mount).cloned()
     }
 
@@ -1005,7 +1010,7 @@ impl Store {
     ///
     /// [`CacheError::UnknownMount`]; [`CacheError::Journal`]: withdrawn in
     /// memory only.
-    pub async fn withdraw(&self, mount: &str) -> Result<(), CacheError> {
+    pub(crate) async fn withdraw(&self, mount: &str) -> Result<(), CacheError> {
         let mut mounts = self.mounts.lock().await;
         let record = mounts
             .get_mut(mount)
@@ -1044,7 +1049,7 @@ impl Store {
     /// tried again at each inventory until it goes). Only a successful
     /// inventory makes a [`Listed`]; see [`super::lifecycle::Inventory`].
     /// Returns how many mounts were discarded.
-    pub async fn reconcile(&self, listed: &Listed) -> usize {
+    pub(crate) async fn reconcile(&self, listed: &Listed) -> usize {
         let stale: Vec<String> = self
             .mounts
             .lock()

@@ -63,7 +63,7 @@ pub fn check(args: NodeArgs) -> ExitCode {
 /// # Errors
 ///
 /// The [`NodeError`] `billet node` would stop with.
-pub async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
+pub(crate) async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeError> {
     let mut lines = Vec::new();
     let tls = server::load_tls(config)?;
     let expiry = if tls.expired {

@@ -13,14 +13,14 @@ use clap::Command;
 use thiserror::Error;
 
 /// The flag and variable that name the file.
-pub const FLAG: &str = "--config";
+pub(crate) const FLAG: &str = "--config";
 /// The environment variable that names the file.
-pub const ENV: &str = "BILLET_CONFIG";
+pub(crate) const ENV: &str = "BILLET_CONFIG";
 
 /// A configuration file that cannot be used.
 #[derive(Debug, Error)]
 #[error("configuration file {path}: {problem}")]
-pub struct ConfigFileError {
+pub(crate) struct ConfigFileError {
     /// The file.
     pub path: PathBuf,
     /// What is wrong, naming the key.
@@ -29,7 +29,7 @@ pub struct ConfigFileError {
 
 /// The file named by `--config FILE`, `--config=FILE` or `BILLET_CONFIG`,
 /// if any.
-pub fn named(args: &[OsString], env: Option<OsString>) -> Option<PathBuf> {
+pub(crate) fn named(args: &[OsString], env: Option<OsString>) -> Option<PathBuf> {
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         let text = arg.to_string_lossy();
@@ -49,7 +49,11 @@ pub fn named(args: &[OsString], env: Option<OsString>) -> Option<PathBuf> {
 ///
 /// [`ConfigFileError`] when the file cannot be read, is not TOML, names a key
 /// that is not a flag, or holds a value the flag's parser refuses.
-pub fn apply(command: Command, subcommand: &str, path: &Path) -> Result<Command, ConfigFileError> {
+pub(crate) fn apply(
+    command: Command,
+    subcommand: &str,
+    path: &Path,
+) -> Result<Command, ConfigFileError> {
     let fail = |problem: String| ConfigFileError {
         path: path.to_owned(),
         problem,

@@ -34,7 +34,7 @@ pub fn man() -> ExitCode {
 /// # Errors
 ///
 /// Writing to the buffer failed.
-pub fn render(command: &clap::Command) -> std::io::Result<Vec<u8>> {
+pub(crate) fn render(command: &clap::Command) -> std::io::Result<Vec<u8>> {
     let mut page = Vec::new();
     clap_mangen::Man::new(command.clone()).render(&mut page)?;
     for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {

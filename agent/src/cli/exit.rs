@@ -3,16 +3,19 @@
 
 use crate::edge::server::NodeError;
 
+/// A configuration value is invalid.
 pub const CONFIG: u8 = 2;
-pub const TLS: u8 = 3;
+pub(crate) const TLS: u8 = 3;
+/// The listen address cannot be bound.
 pub const BIND: u8 = 4;
-pub const PROVIDER: u8 = 5;
-pub const STATE: u8 = 6;
-pub const JOURNAL: u8 = 7;
-pub const UPGRADE_REFUSED: u8 = 8;
-pub const UPGRADE_FAILED: u8 = 9;
+pub(crate) const PROVIDER: u8 = 5;
+pub(crate) const STATE: u8 = 6;
+pub(crate) const JOURNAL: u8 = 7;
+pub(crate) const UPGRADE_REFUSED: u8 = 8;
+pub(crate) const UPGRADE_FAILED: u8 = 9;
 /// `billet node status`: no node answers on the state directory's socket.
-pub const NOT_RUNNING: u8 = 10;
+pub(crate) const NOT_RUNNING: u8 = 10;
+/// The gRPC server failed while serving.
 pub const SERVE: u8 = 1;
 
 /// The exit code for an error of [`crate::edge::server::prepare`] or

@@ -15,8 +15,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 pub mod check;
-pub mod config;
-pub mod config_file;
+pub(crate) mod config;
+pub(crate) mod config_file;
 pub mod docs;
 pub mod enroll;
 pub mod exit;
@@ -27,13 +27,17 @@ pub mod status;
 #[command(
     name = "billet",
     version,
-    about = "billet: GitHub Actions jobs on hardware you control"
+    about = "billet: GitHub Actions jobs on hardware you control",
+    long_about = None
 )]
+/// The `billet` command line.
 pub struct Cli {
+    /// What to do.
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the node agent: serve the control plane over mTLS gRPC.
@@ -66,6 +70,7 @@ pub enum Command {
     HostUpgrade(HostUpgradeArgs),
 }
 
+/// `billet host-upgrade`'s flags.
 #[derive(Debug, clap::Args)]
 pub struct HostUpgradeArgs {
     /// The exact release to install.
@@ -96,6 +101,7 @@ pub struct HostUpgradeArgs {
     pub ack_path: Option<PathBuf>,
 }
 
+/// `billet node`'s (and `billet check`'s) flags.
 #[derive(Debug, clap::Args)]
 pub struct NodeArgs {
     /// A TOML file whose keys are these flags' names in snake_case; its
@@ -386,7 +392,7 @@ pub fn report_config_error(e: &str, file: Option<&std::path::Path>) {
 /// # Errors
 ///
 /// A sentence naming the variable and what is wrong with it.
-pub fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
+pub(crate) fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, String> {
     let text = value
         .map(str::trim)
         .filter(|v| !v.is_empty())
@@ -413,7 +419,7 @@ pub fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, 
 /// `billet host-upgrade`'s logger: text, `BILLET_LOG` when valid, else
 /// `info` with the reason on stderr (the updater must still answer the
 /// node that started it, so a bad filter does not stop it).
-pub fn init_tracing_lenient() {
+pub(crate) fn init_tracing_lenient() {
     let filter = log_filter(std::env::var("BILLET_LOG").ok().as_deref()).unwrap_or_else(|e| {
         eprintln!("warning: {e}; logging at info");
         tracing_subscriber::EnvFilter::new("info")

@@ -173,7 +173,7 @@ fn human_ms(ms: u64) -> String {
 
 /// The JSON form: the status's own field names, ages and times in
 /// milliseconds and seconds as named.
-pub fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::Value {
+pub(crate) fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde_json::Value {
     let pb::LocalStatus {
         version,
         pid,
@@ -291,7 +291,7 @@ fn identity(s: &pb::LocalStatus, now: SystemTime) -> String {
 }
 
 /// The table form: the node, then one row per lease.
-pub fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
+pub(crate) fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> String {
     use std::fmt::Write;
     let yes = |b: bool| if b { "yes" } else { "no" };
     let mut out = String::new();

@@ -41,9 +41,9 @@ use crate::tls::enroll::{EnrollError, JoinToken};
 use crate::tls::{IdentityFiles, NodeTls, TlsError};
 
 /// The first wait after a failed renewal.
-pub const RENEWAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
+pub(crate) const RENEWAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
 /// The longest wait between two tries of a renewal.
-pub const RENEWAL_BACKOFF_MAX: Duration = Duration::from_secs(60);
+pub(crate) const RENEWAL_BACKOFF_MAX: Duration = Duration::from_secs(60);
 /// How often a renewal not yet due is looked at again: its time is read on
 /// the plane's clock, whose offset may be measured or move meanwhile.
 const RENEWAL_RECHECK: Duration = Duration::from_secs(15);
@@ -51,7 +51,7 @@ const RENEWAL_RECHECK: Duration = Duration::from_secs(15);
 /// When a certificate valid from `not_before` to `not_after` is renewed:
 /// two thirds into its lifetime. `None` when either end is unknown or the
 /// window is empty.
-pub fn renew_at(
+pub(crate) fn renew_at(
     not_before: Option<SystemTime>,
     not_after: Option<SystemTime>,
 ) -> Option<SystemTime> {
@@ -62,7 +62,7 @@ pub fn renew_at(
 
 /// Why a renewal or an enrolment did not put a new certificate in force.
 #[derive(Debug, Error)]
-pub enum IdentityError {
+pub(crate) enum IdentityError {
     /// No key or request could be made.
     #[error("{0}")]
     Request(String),
@@ -93,7 +93,7 @@ pub enum IdentityError {
 /// Keeps the node's certificate valid while attached, and re-enrols it when
 /// it expired anyway. One renewal or enrolment at a time.
 #[derive(Debug)]
-pub struct IdentityKeeper {
+pub(crate) struct IdentityKeeper {
     files: IdentityFiles,
     node_name: NodeName,
     plane_name: String,
@@ -108,7 +108,7 @@ pub struct IdentityKeeper {
 impl IdentityKeeper {
     /// A keeper of `node_name`'s identity `files`, renewing over `link`'s
     /// current session; an enrolment verifies the plane by `plane_name`.
-    pub fn new(
+    pub(crate) fn new(
         files: IdentityFiles,
         node_name: NodeName,
         plane_name: String,
@@ -127,7 +127,7 @@ impl IdentityKeeper {
 
     /// Counts renewals and enrolments in `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -135,14 +135,14 @@ impl IdentityKeeper {
     /// Reads certificate dates on `clock` (the health subsystem's, corrected
     /// by the offset each session measures).
     #[must_use]
-    pub fn with_plane_clock(mut self, clock: Arc<PlaneClock>) -> Self {
+    pub(crate) fn with_plane_clock(mut self, clock: Arc<PlaneClock>) -> Self {
         self.plane_clock = clock;
         self
     }
 
     /// When the certificate in force is renewed ([`renew_at`]), as the
     /// plane's clock reads it.
-    pub fn renew_at(&self) -> Option<SystemTime> {
+    pub(crate) fn renew_at(&self) -> Option<SystemTime> {
         let (not_before, not_after) = self.files.validity();
         renew_at(not_before, not_after)
     }
@@ -183,7 +183,7 @@ impl IdentityKeeper {
     /// # Errors
     ///
     /// [`IdentityError`]; [`IdentityError::Unavailable`] with no session.
-    pub async fn renew_once(&self) -> Result<SystemTime, IdentityError> {
+    pub(crate) async fn renew_once(&self) -> Result<SystemTime, IdentityError> {
         let _one = self.one_at_a_time.lock().await;
         let request =
             crate::tls::enroll::request(&self.node_name).map_err(IdentityError::Request)?;
@@ -216,7 +216,7 @@ impl IdentityKeeper {
     /// [`IdentityError::Refused`] for a token the plane will not take
     /// (unknown, used, expired, another node's); [`IdentityError::Unavailable`]
     /// when the endpoint cannot be reached.
-    pub async fn enroll(
+    pub(crate) async fn enroll(
         &self,
         token: &JoinToken,
         plane_address: &str,
@@ -264,7 +264,7 @@ impl IdentityKeeper {
     /// Renews the certificate in force at [`renew_at`] until `cancel`,
     /// retrying a failed renewal with backoff until one succeeds or the
     /// certificate in force changes (files replaced by hand, an enrolment).
-    pub async fn keep(self: Arc<Self>, cancel: CancellationToken) {
+    pub(crate) async fn keep(self: Arc<Self>, cancel: CancellationToken) {
         let mut validity = self.files.watch_validity();
         loop {
             let due = self.renew_at();

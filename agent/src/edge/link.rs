@@ -18,7 +18,7 @@ use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Pha
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 
 /// Converts a wire error into the plane port's typed refusal.
-pub fn plane_error(error: pb::Error) -> PlaneError {
+pub(crate) fn plane_error(error: pb::Error) -> PlaneError {
     let m = error.message;
     match pb::ErrorCode::try_from(error.code).unwrap_or(pb::ErrorCode::Unspecified) {
         pb::ErrorCode::Fenced => PlaneError::Fenced(m),
@@ -43,15 +43,15 @@ pub fn plane_error(error: pb::Error) -> PlaneError {
 
 /// How long a message may wait for room in a session's outbound buffer
 /// before the session is closed as unresponsive.
-pub const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long a node call waits for its reply.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The plane side of one open session, as the node uses it: where to send
 /// messages, and who waits for which reply or acknowledgement.
 #[derive(Debug)]
-pub struct SessionLink {
+pub(crate) struct SessionLink {
     /// Distinguishes sessions within this process.
     pub id: u64,
     out: mpsc::Sender<Result<pb::NodeMessage, tonic::Status>>,
@@ -69,7 +69,7 @@ pub struct SessionLink {
 
 impl SessionLink {
     /// A session that sends through `out`.
-    pub fn new(id: u64, out: mpsc::Sender<Result<pb::NodeMessage, tonic::Status>>) -> Self {
+    pub(crate) fn new(id: u64, out: mpsc::Sender<Result<pb::NodeMessage, tonic::Status>>) -> Self {
         Self {
             id,
             out,
@@ -83,7 +83,7 @@ impl SessionLink {
 
     /// Marks the session as recycled: the plane is asked to attach anew,
     /// and the session that replaces it takes over its answers.
-    pub fn recycle(&self) {
+    pub(crate) fn recycle(&self) {
         self.recycling.cancel();
     }
 
@@ -91,7 +91,7 @@ impl SessionLink {
     /// this one once nothing it sent awaits an answer (no node call
     /// waiting for its reply, no result for its acknowledgement), or after
     /// `bound`.
-    pub async fn hand_over(self: Arc<Self>, newer: Arc<SessionLink>, bound: Duration) {
+    pub(crate) async fn hand_over(self: Arc<Self>, newer: Arc<SessionLink>, bound: Duration) {
         *self.successor.lock().expect("successor") = Some(newer);
         let deadline = tokio::time::Instant::now() + bound;
         let mut check = tokio::time::interval(Duration::from_millis(50));
@@ -111,7 +111,7 @@ impl SessionLink {
 
     /// Where an answer for a command that came on this session goes: this
     /// session while it is open, else the one a recycle handed it to.
-    pub fn live(self: &Arc<Self>) -> Arc<SessionLink> {
+    pub(crate) fn live(self: &Arc<Self>) -> Arc<SessionLink> {
         let mut at = Arc::clone(self);
         while at.closed.is_cancelled() {
             let next = at.successor.lock().expect("successor").clone();
@@ -128,7 +128,7 @@ impl SessionLink {
     /// # Errors
     ///
     /// [`PlaneError::Unavailable`] when the session is closed.
-    pub async fn send(&self, body: pb::node_message::Body) -> Result<(), PlaneError> {
+    pub(crate) async fn send(&self, body: pb::node_message::Body) -> Result<(), PlaneError> {
         if self.closed.is_cancelled() {
             return Err(PlaneError::Unavailable("the session has ended".into()));
         }
@@ -151,7 +151,7 @@ impl SessionLink {
 
     /// Registers interest in the acknowledgement of result `id`. The
     /// receiver errs if the session ends first.
-    pub fn expect_ack(&self, id: &str) -> oneshot::Receiver<pb::AckVerdict> {
+    pub(crate) fn expect_ack(&self, id: &str) -> oneshot::Receiver<pb::AckVerdict> {
         let (tx, rx) = oneshot::channel();
         self.acks.lock().expect("acks").insert(id.to_owned(), tx);
         rx
@@ -159,12 +159,12 @@ impl SessionLink {
 
     /// How many results sent on this session the plane has not yet
     /// acknowledged.
-    pub fn awaiting_acks(&self) -> usize {
+    pub(crate) fn awaiting_acks(&self) -> usize {
         self.acks.lock().expect("acks").len()
     }
 
     /// Delivers an acknowledgement from the plane.
-    pub fn on_ack(&self, ack: pb::ResultAck) {
+    pub(crate) fn on_ack(&self, ack: pb::ResultAck) {
         let verdict = pb::AckVerdict::try_from(ack.verdict).unwrap_or(pb::AckVerdict::Unspecified);
         if let Some(tx) = self.acks.lock().expect("acks").remove(&ack.id) {
             let _ = tx.send(verdict);
@@ -172,14 +172,14 @@ impl SessionLink {
     }
 
     /// Delivers a reply from the plane.
-    pub fn on_reply(&self, reply: pb::PlaneReply) {
+    pub(crate) fn on_reply(&self, reply: pb::PlaneReply) {
         if let Some(tx) = self.calls.lock().expect("calls").remove(&reply.call_id) {
             let _ = tx.send(reply);
         }
     }
 
     /// Ends the session: every waiter sees it closed.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed.cancel();
         self.calls.lock().expect("calls").clear();
         self.acks.lock().expect("acks").clear();
@@ -188,7 +188,7 @@ impl SessionLink {
 
 /// [`LeaseStore`] and [`JitSource`] over whichever session is current.
 #[derive(Debug)]
-pub struct PlaneLink {
+pub(crate) struct PlaneLink {
     current: Mutex<Option<Arc<SessionLink>>>,
     ttl: watch::Sender<Duration>,
     next_call: AtomicU64,
@@ -207,7 +207,7 @@ impl Default for PlaneLink {
 
 impl PlaneLink {
     /// A link with no session yet.
-    pub fn new(call_timeout: Duration) -> Self {
+    pub(crate) fn new(call_timeout: Duration) -> Self {
         Self {
             current: Mutex::new(None),
             ttl: watch::Sender::new(Duration::ZERO),
@@ -219,7 +219,7 @@ impl PlaneLink {
 
     /// Makes `session` current and records the TTL it opened with; returns
     /// the session it replaces, which the caller closes.
-    pub fn install(
+    pub(crate) fn install(
         &self,
         session: Arc<SessionLink>,
         lease_ttl: Duration,
@@ -230,7 +230,7 @@ impl PlaneLink {
     }
 
     /// Forgets `session` if it is still current.
-    pub fn remove(&self, session: &SessionLink) {
+    pub(crate) fn remove(&self, session: &SessionLink) {
         let mut current = self.current.lock().expect("current");
         if current.as_ref().is_some_and(|s| s.id == session.id) {
             *current = None;
@@ -238,12 +238,13 @@ impl PlaneLink {
     }
 
     /// The current session, if any.
-    pub fn current(&self) -> Option<Arc<SessionLink>> {
+    pub(crate) fn current(&self) -> Option<Arc<SessionLink>> {
         self.current.lock().expect("current").clone()
     }
 
     /// Watches the lease TTL.
-    pub fn ttl_watch(&self) -> watch::Receiver<Duration> {
+    #[cfg(test)]
+    pub(crate) fn ttl_watch(&self) -> watch::Receiver<Duration> {
         self.ttl.subscribe()
     }
 
@@ -545,7 +546,7 @@ impl PlaneLink {
     /// [`PlaneError::IdentityRefused`] when the plane will not sign it;
     /// [`PlaneError::Unavailable`] with no session or no answer; any other
     /// refusal as the plane typed it.
-    pub async fn renew_certificate(&self, csr_pem: &str) -> Result<String, PlaneError> {
+    pub(crate) async fn renew_certificate(&self, csr_pem: &str) -> Result<String, PlaneError> {
         match self
             .call(pb::node_call::Call::RenewCertificate(
                 pb::RenewCertificate {
@@ -570,14 +571,14 @@ impl PlaneLink {
 /// are [`crate::cache::actions::PolicyError`]s: the proxy reads them as a
 /// denial.
 #[derive(Debug, Clone)]
-pub struct PlanePolicy {
+pub(crate) struct PlanePolicy {
     ledger: Arc<dyn LeaseStore>,
 }
 
 impl PlanePolicy {
     /// The policy `ledger`'s plane answers.
     #[must_use]
-    pub fn new(ledger: Arc<dyn LeaseStore>) -> Self {
+    pub(crate) fn new(ledger: Arc<dyn LeaseStore>) -> Self {
         Self { ledger }
     }
 }

@@ -47,7 +47,7 @@ pub enum BindError {
 /// # Errors
 ///
 /// [`BindError`] naming the socket.
-pub async fn bind(state_dir: &Path) -> Result<UnixListener, BindError> {
+pub(crate) async fn bind(state_dir: &Path) -> Result<UnixListener, BindError> {
     let path = socket_path(state_dir);
     if UnixStream::connect(&path).await.is_ok() {
         return Err(BindError::InUse(path));
@@ -66,7 +66,7 @@ pub async fn bind(state_dir: &Path) -> Result<UnixListener, BindError> {
 
 /// The `Local` service.
 #[derive(Debug, Clone)]
-pub struct LocalService {
+pub(crate) struct LocalService {
     version: String,
     incarnation: String,
     recovery: Arc<Recovery>,
@@ -81,7 +81,7 @@ pub struct LocalService {
 impl LocalService {
     /// Reports `version` and `incarnation`, and reads recovery and drain
     /// state live.
-    pub fn new(
+    pub(crate) fn new(
         version: String,
         incarnation: String,
         recovery: Arc<Recovery>,
@@ -102,7 +102,7 @@ impl LocalService {
     /// Also reports the plane's last contact (from `metrics`) and the expiry
     /// of the certificate at `cert`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>, cert: PathBuf) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>, cert: PathBuf) -> Self {
         self.observed = Some((metrics, cert));
         self
     }
@@ -111,14 +111,14 @@ impl LocalService {
     /// plane's last message, an expired identity) instead of a private,
     /// always healthy one.
     #[must_use]
-    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+    pub(crate) fn with_health(mut self, health: Arc<Health>) -> Self {
         self.health = health;
         self
     }
 
     /// Reports how long the command running in `slot` has run.
     #[must_use]
-    pub fn with_slot(mut self, slot: Arc<CommandSlot>) -> Self {
+    pub(crate) fn with_slot(mut self, slot: Arc<CommandSlot>) -> Self {
         self.slot = Some(slot);
         self
     }
@@ -126,7 +126,7 @@ impl LocalService {
     /// Reports when the certificate is renewed and serves `Enroll` through
     /// `identity`; without it `Enroll` is refused.
     #[must_use]
-    pub fn with_identity(mut self, identity: Arc<IdentityKeeper>) -> Self {
+    pub(crate) fn with_identity(mut self, identity: Arc<IdentityKeeper>) -> Self {
         self.identity = Some(identity);
         self
     }

@@ -14,10 +14,10 @@
 //! below this floor sees a generated proto type, but for
 //! [`crate::local`]'s client of the local socket.
 
-pub mod identity;
-pub mod link;
-pub mod local;
+pub(crate) mod identity;
+pub(crate) mod link;
+pub(crate) mod local;
 pub mod server;
 pub mod session;
-pub mod slot;
-pub mod wire;
+pub(crate) mod slot;
+pub(crate) mod wire;

@@ -30,19 +30,19 @@ use crate::tls::{NodeTls, TlsError, TlsPaths};
 use crate::upgrade::dispatch::{ExecUpgrader, Upgrader};
 
 /// Most concurrent gRPC streams one connection may open.
-pub const MAX_STREAMS_PER_CONNECTION: u32 = 8;
+pub(crate) const MAX_STREAMS_PER_CONNECTION: u32 = 8;
 /// Largest message the node accepts or sends, in bytes.
-pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// How long a drain waits for running jobs by default before the node exits
 /// anyway, destroying nothing: six hours, GitHub's longest job. The systemd
 /// unit's stop timeout is longer (`deploy/billet-node.service`).
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+pub(crate) const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
 /// How long a stopping node waits for connected clients to hang up before
 /// closing their connections itself.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// How long a drain that holds nothing more still waits for commands in
 /// flight to finish and their results to be acknowledged before exiting.
-pub const DRAIN_SETTLE: Duration = Duration::from_secs(10);
+pub(crate) const DRAIN_SETTLE: Duration = Duration::from_secs(10);
 
 /// Everything `billet node` needs, checked.
 #[derive(Debug, Clone)]
@@ -225,7 +225,7 @@ fn warn_if_key_is_readable(key: &std::path::Path) {
 /// # Errors
 ///
 /// [`NodeError::Tls`] naming the file.
-pub fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
+pub(crate) fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
     let tls = NodeTls::load_at_start(&config.tls)?;
     if tls.node_name.as_str() == config.plane_name {
         return Err(NodeError::Tls(TlsError::Content {
@@ -401,7 +401,7 @@ async fn prepare_actions(
 /// What a sticky-disk mount costs on `filesystem`, in one sentence for the
 /// log and `billet check`.
 #[must_use]
-pub fn cache_cost(filesystem: &crate::cache::clone::Filesystem) -> String {
+pub(crate) fn cache_cost(filesystem: &crate::cache::clone::Filesystem) -> String {
     if filesystem.reflink {
         format!(
             "{}, reflinks: a mount clones each file's extents, O(files) whatever their size",

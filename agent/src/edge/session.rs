@@ -29,13 +29,13 @@ use crate::node::runner::{Runner, RunnerError};
 use crate::upgrade::dispatch::{self, UpgradeError, Upgrader};
 
 /// How long the plane has to send `Open` after the stream starts.
-pub const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a result waits for its acknowledgement before the node assumes
 /// the plane missed it.
-pub const ACK_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const ACK_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a recycled session stays open, after the plane attached anew,
 /// for the answers it still awaits.
-pub const RECYCLE_DRAIN: Duration = Duration::from_secs(30);
+pub(crate) const RECYCLE_DRAIN: Duration = Duration::from_secs(30);
 /// Messages buffered toward the plane per session.
 const OUTBOUND_BUFFER: usize = 256;
 
@@ -45,7 +45,7 @@ const HELLO_INVENTORY_BOUND: Duration = Duration::from_secs(5);
 
 /// What the node says about itself in `Hello`.
 #[derive(Debug, Clone)]
-pub struct Identity {
+pub(crate) struct Identity {
     /// From the node's certificate.
     pub node_name: NodeName,
     /// The deployment this node belongs to.
@@ -75,7 +75,7 @@ pub struct NodeService {
 impl NodeService {
     /// A service over a runner, the plane link it calls through, and the slot
     /// its commands queue in.
-    pub fn new(
+    pub(crate) fn new(
         identity: Identity,
         runner: Arc<Runner>,
         link: Arc<PlaneLink>,
@@ -95,7 +95,7 @@ impl NodeService {
 
     /// Reports and feeds `health` (the node's degraded state, its clock
     /// offset and last contact) instead of a private one.
-    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+    pub(crate) fn with_health(mut self, health: Arc<Health>) -> Self {
         self.health = health;
         self
     }
@@ -469,7 +469,7 @@ fn now_unix_ms() -> i64 {
 
 /// What the executor needs besides the runner and the slot.
 #[derive(Debug, Clone)]
-pub struct Executor {
+pub(crate) struct Executor {
     /// Gates the first command.
     pub recovery: Arc<Recovery>,
     /// Where results are remembered across restarts.
@@ -488,7 +488,7 @@ pub struct Executor {
 
 /// Runs commands off the slot one at a time until `cancel`, once start-up
 /// recovery has succeeded.
-pub async fn execute_commands(
+pub(crate) async fn execute_commands(
     runner: Arc<Runner>,
     slot: Arc<CommandSlot>,
     executor: Executor,

@@ -30,18 +30,18 @@ use crate::model::NodeCommand;
 use crate::node::metrics::Metrics;
 
 /// Most commands waiting at once.
-pub const MAX_QUEUED: usize = 1024;
+pub(crate) const MAX_QUEUED: usize = 1024;
 /// How much memory remembered results may take, in bytes (see
 /// [`remembered_bytes`]). 1 MiB holds about 6,000 results of a no-op
 /// command, several times the queue bound, so a plane redelivering what
 /// was in flight when its session broke finds every answer.
-pub const RESULT_MEMORY_BYTES: usize = 1 << 20;
+pub(crate) const RESULT_MEMORY_BYTES: usize = 1 << 20;
 
 /// What remembering `result` under `id` costs, in bytes: its encoded size
 /// (a fair measure of what its strings and lists hold on the heap), the
 /// result's own struct, and the id twice (the map's key and the order's
 /// entry) with their `String` headers.
-pub fn remembered_bytes(id: &CommandId, result: &pb::CommandResult) -> usize {
+pub(crate) fn remembered_bytes(id: &CommandId, result: &pb::CommandResult) -> usize {
     prost::Message::encoded_len(result)
         + std::mem::size_of::<pb::CommandResult>()
         + 2 * (std::mem::size_of::<CommandId>() + id.as_str().len())
@@ -51,7 +51,7 @@ pub fn remembered_bytes(id: &CommandId, result: &pb::CommandResult) -> usize {
 
 /// A command waiting for the slot, with the session it came on.
 #[derive(Debug)]
-pub struct Queued {
+pub(crate) struct Queued {
     /// Its id.
     pub id: CommandId,
     /// When it expires, on this node's monotonic clock (fixed on receipt
@@ -100,7 +100,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
 
 /// What happened to a pushed command.
 #[derive(Debug)]
-pub enum Admission {
+pub(crate) enum Admission {
     /// Queued; it will be answered when it runs.
     Queued,
     /// Already queued or running; the first copy will answer.
@@ -132,7 +132,7 @@ struct Pending {
 
 /// The single-item operation queue. Cheap to share behind an `Arc`.
 #[derive(Debug, Default)]
-pub struct CommandSlot {
+pub(crate) struct CommandSlot {
     inner: Mutex<Inner>,
     ready: Notify,
     metrics: Option<Arc<Metrics>>,
@@ -140,20 +140,20 @@ pub struct CommandSlot {
 
 impl CommandSlot {
     /// An empty slot.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Reports queue depth and waits, and each command's outcome and
     /// duration, to `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
 
     /// Offers a command; see [`Admission`].
-    pub fn push(&self, queued: Queued) -> Admission {
+    pub(crate) fn push(&self, queued: Queued) -> Admission {
         if let Some(m) = &self.metrics {
             // Every command comes from the plane.
             m.plane_contact();
@@ -194,7 +194,7 @@ impl CommandSlot {
     /// run is treated as by [`CommandSlot::push`]; otherwise `result` is
     /// recorded for redelivery and handed back as [`Admission::Replay`], to
     /// be sent.
-    pub fn answer_now(&self, queued: Queued, result: pb::CommandResult) -> Admission {
+    pub(crate) fn answer_now(&self, queued: Queued, result: pb::CommandResult) -> Admission {
         let mut inner = self.inner.lock().expect("slot");
         if let Some(recorded) = inner.results.get(&queued.id) {
             return Admission::Replay(recorded.clone());
@@ -218,7 +218,7 @@ impl CommandSlot {
     /// the queue, in arrival order, for the caller to answer: a degraded
     /// node refuses them rather than let them wait behind a stuck command.
     /// Each must be answered with [`CommandSlot::record`].
-    pub fn take_waiting_launches(&self) -> Vec<Queued> {
+    pub(crate) fn take_waiting_launches(&self) -> Vec<Queued> {
         let mut inner = self.inner.lock().expect("slot");
         let (launches, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut inner.queue)
             .into_iter()
@@ -238,7 +238,7 @@ impl CommandSlot {
 
     /// How long the command running now has run; `None` while the slot is
     /// idle.
-    pub fn busy_for(&self) -> Option<std::time::Duration> {
+    pub(crate) fn busy_for(&self) -> Option<std::time::Duration> {
         self.inner
             .lock()
             .expect("slot")
@@ -259,7 +259,7 @@ impl CommandSlot {
     }
 
     /// Waits for the next command in arrival order.
-    pub async fn next(&self) -> Queued {
+    pub(crate) async fn next(&self) -> Queued {
         loop {
             let notified = self.ready.notified();
             if let Some(q) = self.take() {
@@ -286,7 +286,7 @@ impl CommandSlot {
     }
 
     /// Records the result of a command that has run, for redelivery.
-    pub fn record(&self, id: &CommandId, result: &pb::CommandResult) {
+    pub(crate) fn record(&self, id: &CommandId, result: &pb::CommandResult) {
         let mut inner = self.inner.lock().expect("slot");
         if let Some(Pending {
             running: Some((kind, started)),
@@ -316,31 +316,37 @@ impl CommandSlot {
 
     /// How many results are remembered, and what they cost by
     /// [`remembered_bytes`].
-    pub fn remembered(&self) -> (usize, usize) {
+    #[cfg(test)]
+    pub(crate) fn remembered(&self) -> (usize, usize) {
         let inner = self.inner.lock().expect("slot");
         (inner.order.len(), inner.remembered_bytes)
     }
 
     /// Remembers results recorded by an earlier process (oldest first), so
     /// a command redelivered across a restart is answered, not run again.
-    pub fn preload(&self, results: impl IntoIterator<Item = (CommandId, pb::CommandResult)>) {
+    pub(crate) fn preload(
+        &self,
+        results: impl IntoIterator<Item = (CommandId, pb::CommandResult)>,
+    ) {
         for (id, result) in results {
             self.record(&id, &result);
         }
     }
 
     /// How many commands are queued or running (not yet recorded).
-    pub fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.inner.lock().expect("slot").pending.len()
     }
 
     /// How many commands wait.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.inner.lock().expect("slot").queue.len()
     }
 
     /// Whether nothing waits.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

@@ -20,7 +20,7 @@ const MAX_VCPU: u32 = 1024;
 /// A command off the wire: its id, its deadline, and the checked command or
 /// the reason it is malformed.
 #[derive(Debug, Clone)]
-pub struct Incoming {
+pub(crate) struct Incoming {
     /// The command id, as sent (echoed in the result even when invalid).
     pub id: String,
     /// When the command expires, in unix milliseconds on the plane's clock.
@@ -34,7 +34,7 @@ pub struct Incoming {
 }
 
 /// Checks a command from the wire.
-pub fn command(cmd: pb::Command) -> Incoming {
+pub(crate) fn command(cmd: pb::Command) -> Incoming {
     let pb::Command {
         id,
         deadline_unix_ms,
@@ -69,7 +69,7 @@ pub fn command(cmd: pb::Command) -> Incoming {
 }
 
 /// A degraded reason as the wire spells it.
-pub fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReason {
+pub(crate) fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReason {
     use crate::node::health::Reason;
     match reason {
         Reason::ProviderUnreachable => pb::DegradedReason::ProviderUnreachable,
@@ -85,7 +85,7 @@ pub fn degraded_reason(reason: crate::node::health::Reason) -> pb::DegradedReaso
 }
 
 /// The reasons of a health snapshot, as wire enum values.
-pub fn degraded_reasons(snapshot: &crate::node::health::Snapshot) -> Vec<i32> {
+pub(crate) fn degraded_reasons(snapshot: &crate::node::health::Snapshot) -> Vec<i32> {
     snapshot
         .reasons
         .iter()
@@ -94,7 +94,7 @@ pub fn degraded_reasons(snapshot: &crate::node::health::Snapshot) -> Vec<i32> {
 }
 
 /// A health snapshot as the session's `NodeStatus`.
-pub fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
+pub(crate) fn node_status(snapshot: &crate::node::health::Snapshot) -> pb::NodeStatus {
     pb::NodeStatus {
         degraded: snapshot.degraded(),
         reasons: degraded_reasons(snapshot),
@@ -261,7 +261,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
 /// # Errors
 ///
 /// [`InvalidField`] naming the field at fault.
-pub fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
+pub(crate) fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField> {
     let pb::Lease {
         id,
         epoch,

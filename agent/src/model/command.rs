@@ -49,7 +49,7 @@ pub enum NodeCommand {
 impl NodeCommand {
     /// The lease the command names, for the log lines it causes (a
     /// destroy names its request instead).
-    pub fn lease_id(&self) -> Option<&LeaseId> {
+    pub(crate) fn lease_id(&self) -> Option<&LeaseId> {
         match self {
             NodeCommand::Launch { lease, .. } | NodeCommand::AssumeCustody { lease, .. } => {
                 Some(&lease.id)
@@ -64,7 +64,7 @@ impl NodeCommand {
     }
 
     /// A short name for logs.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             NodeCommand::Launch { .. } => "launch",
             NodeCommand::Destroy { .. } => "destroy",

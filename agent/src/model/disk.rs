@@ -105,18 +105,18 @@ impl DiskKey {
     /// the one key under [`RESERVED_PREFIX`]; `None` for an architecture
     /// [`valid_architecture`] refuses.
     #[must_use]
-    pub fn docker_images(arch: &str) -> Option<Self> {
+    pub(crate) fn docker_images(arch: &str) -> Option<Self> {
         valid_architecture(arch).then(|| Self(format!("{RESERVED_PREFIX}{arch}")))
     }
 
     /// Whether this is a Docker image store's key.
     #[must_use]
-    pub fn is_docker_images(&self) -> bool {
+    pub(crate) fn is_docker_images(&self) -> bool {
         self.0.starts_with(RESERVED_PREFIX)
     }
 
     /// The key.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
 }
@@ -292,7 +292,7 @@ pub enum Policy {
 
 impl Policy {
     /// Its name in the journal and in logs: `cas`, `last-writer-wins`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Policy::Cas => "cas",
             Policy::LastWriterWins => "last-writer-wins",
@@ -300,7 +300,7 @@ impl Policy {
     }
 
     /// The policy named `name` ([`Policy::as_str`]).
-    pub fn parse(name: &str) -> Option<Self> {
+    pub(crate) fn parse(name: &str) -> Option<Self> {
         match name {
             "cas" => Some(Policy::Cas),
             "last-writer-wins" => Some(Policy::LastWriterWins),

@@ -6,8 +6,8 @@
 //! past the gRPC layer sees a generated type.
 
 mod command;
-pub mod disk;
-pub mod scope;
+pub(crate) mod disk;
+pub(crate) mod scope;
 
 use std::fmt;
 
@@ -16,7 +16,7 @@ use thiserror::Error;
 pub use command::{NodeCommand, UpgradeSpec};
 
 /// Longest id accepted for a lease, a command or a runner name, in bytes.
-pub const MAX_ID_LEN: usize = 128;
+pub(crate) const MAX_ID_LEN: usize = 128;
 
 /// A malformed value, naming the field that carried it.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -30,7 +30,7 @@ pub struct InvalidField {
 
 impl InvalidField {
     /// An error for `field`.
-    pub fn new(field: impl Into<String>, problem: impl Into<String>) -> Self {
+    pub(crate) fn new(field: impl Into<String>, problem: impl Into<String>) -> Self {
         Self {
             field: field.into(),
             problem: problem.into(),
@@ -44,7 +44,7 @@ impl InvalidField {
 /// # Errors
 ///
 /// [`InvalidField`] naming `field` when the id breaks a rule.
-pub fn check_id(field: &str, value: &str) -> Result<(), InvalidField> {
+pub(crate) fn check_id(field: &str, value: &str) -> Result<(), InvalidField> {
     if value.is_empty() {
         return Err(InvalidField::new(field, "must not be empty"));
     }
@@ -138,7 +138,7 @@ impl fmt::Display for RequestId {
 }
 
 /// Prefix of every instance billet names.
-pub const INSTANCE_PREFIX: &str = "billet-";
+pub(crate) const INSTANCE_PREFIX: &str = "billet-";
 
 /// The name of a lease's instance and of its runner: `billet-<lease id>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -212,7 +212,7 @@ pub use billet_proto::phase::Phase;
 ///
 /// [`InvalidField`] naming `field` for anything but a phase's exact
 /// lowercase name.
-pub fn parse_phase(field: &str, value: &str) -> Result<Phase, InvalidField> {
+pub(crate) fn parse_phase(field: &str, value: &str) -> Result<Phase, InvalidField> {
     Phase::parse(value)
         .ok_or_else(|| InvalidField::new(field, format!("{value:?} is not a lease phase")))
 }

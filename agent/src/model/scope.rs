@@ -101,7 +101,7 @@ impl CacheScope {
     /// The part of a scope an error is about: `owner`, `repository` or
     /// `workflow_ref`.
     #[must_use]
-    pub fn field_of(error: &ActionsError) -> &'static str {
+    pub(crate) fn field_of(error: &ActionsError) -> &'static str {
         match error {
             ActionsError::BlankScope(f)
             | ActionsError::ScopeCharacters(f)
@@ -113,19 +113,19 @@ impl CacheScope {
 
     /// The repository's owner (the kill switch's first key).
     #[must_use]
-    pub fn owner(&self) -> &str {
+    pub(crate) fn owner(&self) -> &str {
         &self.owner
     }
 
     /// The repository's own name (the kill switch's second key).
     #[must_use]
-    pub fn repository(&self) -> &str {
+    pub(crate) fn repository(&self) -> &str {
         &self.repository
     }
 
     /// `<workflow path>@<ref>`.
     #[must_use]
-    pub fn workflow_ref(&self) -> &str {
+    pub(crate) fn workflow_ref(&self) -> &str {
         &self.workflow_ref
     }
 }

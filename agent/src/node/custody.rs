@@ -74,10 +74,10 @@ pub struct Interrupted {
 }
 
 /// After this long in custody every tend warns, naming the lease.
-pub const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
+pub(crate) const CUSTODY_WARN_AFTER: Duration = Duration::from_secs(3600);
 
 /// How often KeepAlive wakes to see whether renewal is due.
-pub const KEEPALIVE_WAKE: Duration = Duration::from_millis(500);
+pub(crate) const KEEPALIVE_WAKE: Duration = Duration::from_millis(500);
 
 /// Compute the node holds on its own clock until it is proven gone
 /// (spec/node.md §2.1).
@@ -476,7 +476,7 @@ impl Runner {
     /// # Errors
     ///
     /// [`ProviderError`] when the provider cannot be listed.
-    pub async fn instances(&self) -> Result<Vec<LeaseId>, ProviderError> {
+    pub(crate) async fn instances(&self) -> Result<Vec<LeaseId>, ProviderError> {
         Ok(self
             .provider
             .list()

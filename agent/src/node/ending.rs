@@ -72,7 +72,7 @@ pub enum SpotAction {
 impl SpotAction {
     /// Reads the notice's `action` (`terminate`, `stop`, `hibernate`);
     /// `None` for anything else.
-    pub fn parse(action: &str) -> Option<Self> {
+    pub(crate) fn parse(action: &str) -> Option<Self> {
         match action {
             "terminate" => Some(SpotAction::Terminate),
             "stop" => Some(SpotAction::Stop),
@@ -82,7 +82,7 @@ impl SpotAction {
     }
 
     /// The action as EC2 spells it.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SpotAction::Terminate => "terminate",
             SpotAction::Stop => "stop",
@@ -99,7 +99,7 @@ impl EndReason {
     /// the job's failure to report, not the runner's (the runner that
     /// exited 0 went on). Any other exit of an OOM-marked container is
     /// [`EndReason::Oom`].
-    pub fn from_exit(exit: Exit) -> Option<Self> {
+    pub(crate) fn from_exit(exit: Exit) -> Option<Self> {
         match exit {
             Exit { code: 0, .. } => None,
             Exit {
@@ -113,7 +113,7 @@ impl EndReason {
     /// The reason an instance in `state` has ended compute, for an instance
     /// that no longer runs: its exit, or [`EndReason::Killed`] for one being
     /// removed. `None` for exit 0, and for a state that may run.
-    pub fn from_state(state: InstanceState) -> Option<Self> {
+    pub(crate) fn from_state(state: InstanceState) -> Option<Self> {
         match state {
             InstanceState::Exited(exit) => Self::from_exit(exit),
             InstanceState::Removing => Some(EndReason::Killed),
@@ -128,7 +128,7 @@ impl EndReason {
     /// runs, [`EndReason::Removed`] for one missing when `absent_is_proof`
     /// (this host's provider saw it exist). `None` while it may run, after
     /// an exit 0, or for an absence that proves nothing.
-    pub fn of_instance(found: Option<&Instance>, absent_is_proof: bool) -> Option<Self> {
+    pub(crate) fn of_instance(found: Option<&Instance>, absent_is_proof: bool) -> Option<Self> {
         match found {
             None => absent_is_proof.then_some(EndReason::Removed),
             Some(i) if !i.may_run() => Self::from_state(i.state),
@@ -156,16 +156,16 @@ impl fmt::Display for EndReason {
 }
 
 /// The first wait before a registration removal is tried again.
-pub const REMOVAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
+pub(crate) const REMOVAL_BACKOFF_MIN: Duration = Duration::from_secs(1);
 
 /// The longest wait between two tries of a registration removal.
-pub const REMOVAL_BACKOFF_MAX: Duration = Duration::from_secs(300);
+pub(crate) const REMOVAL_BACKOFF_MAX: Duration = Duration::from_secs(300);
 
 /// How long to wait before try `attempt + 1` of a removal (`attempt` 0 is
 /// the wait after the first failure): exponential from
 /// [`REMOVAL_BACKOFF_MIN`], doubling, capped at [`REMOVAL_BACKOFF_MAX`],
 /// with jitter so removals that failed together do not retry together.
-pub fn removal_delay(attempt: u32) -> Duration {
+pub(crate) fn removal_delay(attempt: u32) -> Duration {
     ExponentialBuilder::default()
         .with_min_delay(REMOVAL_BACKOFF_MIN)
         .with_max_delay(REMOVAL_BACKOFF_MAX)
@@ -179,7 +179,7 @@ pub fn removal_delay(attempt: u32) -> Duration {
 
 /// One registration still to be removed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Removal {
+pub(crate) struct Removal {
     /// The lease's epoch when its compute ended.
     pub epoch: Epoch,
     /// (GitHub runner id, name); `(0, "")` for "the one the plane recorded
@@ -193,14 +193,14 @@ pub struct Removal {
 
 /// Registrations to remove, by lease, each on its own backoff.
 #[derive(Debug, Default)]
-pub struct Removals {
+pub(crate) struct Removals {
     pending: HashMap<LeaseId, Removal>,
 }
 
 impl Removals {
     /// Records a failed try for `lease`: the next waits [`removal_delay`]
     /// of the failures so far. Returns the wait.
-    pub fn failed(
+    pub(crate) fn failed(
         &mut self,
         lease: &LeaseId,
         epoch: Epoch,
@@ -222,7 +222,12 @@ impl Removals {
 
     /// Records a removal to try at once (found pending after a restart);
     /// a failure then backs off as usual.
-    pub fn pending_now(&mut self, lease: &LeaseId, epoch: Epoch, registration: (i64, String)) {
+    pub(crate) fn pending_now(
+        &mut self,
+        lease: &LeaseId,
+        epoch: Epoch,
+        registration: (i64, String),
+    ) {
         self.pending.entry(lease.clone()).or_insert(Removal {
             epoch,
             registration,
@@ -233,7 +238,7 @@ impl Removals {
 
     /// The removals due now, left in place until [`Removals::done`] or
     /// [`Removals::failed`].
-    pub fn due(&self) -> Vec<(LeaseId, Removal)> {
+    pub(crate) fn due(&self) -> Vec<(LeaseId, Removal)> {
         let now = Instant::now();
         let mut due: Vec<_> = self
             .pending
@@ -246,7 +251,7 @@ impl Removals {
     }
 
     /// The removal for `lease` succeeded (or was answered "already gone").
-    pub fn done(&mut self, lease: &LeaseId) {
+    pub(crate) fn done(&mut self, lease: &LeaseId) {
         self.pending.remove(lease);
     }
 
@@ -257,7 +262,7 @@ impl Removals {
     /// lease that ended since would have refused the bind). Drops that
     /// removal, which would otherwise take the new runner's registration;
     /// one at another epoch stays. Returns whether one was dropped.
-    pub fn superseded(&mut self, lease: &LeaseId, epoch: Epoch) -> bool {
+    pub(crate) fn superseded(&mut self, lease: &LeaseId, epoch: Epoch) -> bool {
         let same = self.pending.get(lease).is_some_and(|r| r.epoch == epoch);
         if same {
             self.pending.remove(lease);
@@ -266,17 +271,13 @@ impl Removals {
     }
 
     /// Whether a removal for `lease` is pending.
-    pub fn contains(&self, lease: &LeaseId) -> bool {
+    pub(crate) fn contains(&self, lease: &LeaseId) -> bool {
         self.pending.contains_key(lease)
     }
 
-    /// How many removals are pending.
-    pub fn len(&self) -> usize {
-        self.pending.len()
-    }
-
     /// Whether none is pending.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.pending.is_empty()
     }
 }

@@ -33,27 +33,27 @@ use crate::model::{ByteSize, InstanceName};
 use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
 
 /// How long a reason's cause must have been absent before the reason clears.
-pub const HEAL_AFTER: Duration = Duration::from_secs(10);
+pub(crate) const HEAL_AFTER: Duration = Duration::from_secs(10);
 /// How often the provider is probed and the disk and certificate looked at.
-pub const PROBE_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long the provider probe (a list) may take before the provider counts
 /// as stuck.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a launch's own provider calls before the mint (its image
 /// check, which is also its fresh probe of the engine, and its shape) may
 /// take.
-pub const LAUNCH_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const LAUNCH_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Watchdog bound on a provider `list`, `find` or `destroy`.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Watchdog bound on a provider `create` (it may unpack an image).
-pub const CREATE_TIMEOUT: Duration = Duration::from_secs(180);
+pub(crate) const CREATE_TIMEOUT: Duration = Duration::from_secs(180);
 /// A clock further than this from the plane's makes the node degraded; it
 /// clears below half of it. Deadlines do not depend on it (they are judged
 /// on the monotonic clock); certificate validity and operators' logs do.
-pub const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
+pub(crate) const CLOCK_OFFSET_LIMIT: Duration = Duration::from_secs(10 * 60);
 /// What health needs of the command slot: how long the command in it has
 /// run. The slot itself lives in the gRPC face (`edge::slot`).
-pub trait SlotProgress: Send + Sync + std::fmt::Debug {
+pub(crate) trait SlotProgress: Send + Sync + std::fmt::Debug {
     /// How long the command now in the slot has run; `None` when idle.
     fn busy_for(&self) -> Option<Duration>;
 }
@@ -66,16 +66,16 @@ pub trait SlotProgress: Send + Sync + std::fmt::Debug {
 /// [`CALL_TIMEOUT`], so a call that hangs shows here before it is cut, and
 /// a wait the provider watchdog does not bound (a plane call, a journal
 /// write) shows at all.
-pub const SLOT_STUCK_AFTER: Duration = Duration::from_secs(30);
+pub(crate) const SLOT_STUCK_AFTER: Duration = Duration::from_secs(30);
 /// How often at most a repeated failure (a journal write, the journal
 /// probe) is logged on its own line; the lines in between are counted and
 /// the next line says how many were suppressed.
-pub const REPEATED_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+pub(crate) const REPEATED_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
 /// The file the journal probe writes, syncs and removes in the state
 /// directory on every health tick.
-pub const JOURNAL_PROBE_FILE: &str = ".journal-probe";
+pub(crate) const JOURNAL_PROBE_FILE: &str = ".journal-probe";
 /// Default free-space watermark of the state directory's file system.
-pub const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
+pub(crate) const DEFAULT_MIN_FREE_DISK_BYTES: u64 = 64 << 20;
 
 /// Why a node says it cannot take work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -118,7 +118,7 @@ impl Reason {
     ];
 
     /// A snake_case label (the `reason` of `billet_degraded`).
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Reason::ProviderUnreachable => "provider_unreachable",
             Reason::ProviderStuck => "provider_stuck",
@@ -133,7 +133,7 @@ impl Reason {
     }
 
     /// Lowercase words for logs.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Reason::ProviderUnreachable => "provider unreachable",
             Reason::ProviderStuck => "provider stuck",
@@ -150,7 +150,7 @@ impl Reason {
 
 /// What the node says about its health at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     /// Active reasons, in order; empty when healthy.
     pub reasons: Vec<Reason>,
     /// This node's wall clock minus the plane's, in milliseconds, as last
@@ -162,12 +162,12 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Whether the node takes no launches.
-    pub fn degraded(&self) -> bool {
+    pub(crate) fn degraded(&self) -> bool {
         !self.reasons.is_empty()
     }
 
     /// The certificate's end as unix milliseconds; 0 when unknown.
-    pub fn certificate_not_after_unix_ms(&self) -> i64 {
+    pub(crate) fn certificate_not_after_unix_ms(&self) -> i64 {
         self.certificate_not_after
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
@@ -176,7 +176,7 @@ impl Snapshot {
 
 /// Why a launch is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
+pub(crate) struct Refusal {
     /// A resource is exhausted (disk): `RESOURCE_EXHAUSTED`; else
     /// `UNAVAILABLE`.
     pub exhausted: bool,
@@ -212,7 +212,7 @@ struct Inner {
 /// The degraded state. Cheap to share behind an `Arc`; every observation
 /// republishes the [`Snapshot`] when it changed.
 #[derive(Debug)]
-pub struct Health {
+pub(crate) struct Health {
     inner: Mutex<Inner>,
     published: watch::Sender<Snapshot>,
     probe: Mutex<Option<Arc<dyn Provider>>>,
@@ -240,24 +240,24 @@ impl Default for Health {
 
 impl Health {
     /// A healthy node with nothing measured yet.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// The provider [`Health::watch`] probes.
-    pub fn with_probe(self, provider: Arc<dyn Provider>) -> Self {
+    pub(crate) fn with_probe(self, provider: Arc<dyn Provider>) -> Self {
         *self.probe.lock().expect("health probe") = Some(provider);
         self
     }
 
     /// Sets the command slot whose progress [`Health::watch`] watches.
-    pub fn watch_slot(&self, slot: Arc<dyn SlotProgress>) {
+    pub(crate) fn watch_slot(&self, slot: Arc<dyn SlotProgress>) {
         *self.slot.lock().expect("health slot") = Some(slot);
     }
 
     /// Records how long the command running in the slot has run (`None`:
     /// idle): past [`SLOT_STUCK_AFTER`] raises [`Reason::SlotStuck`].
-    pub fn slot_progress(&self, busy: Option<Duration>) {
+    pub(crate) fn slot_progress(&self, busy: Option<Duration>) {
         let stuck = busy.is_some_and(|b| b > SLOT_STUCK_AFTER);
         if stuck && !self.snapshot().reasons.contains(&Reason::SlotStuck) {
             warn!(
@@ -275,7 +275,7 @@ impl Health {
     /// by a failed journal write. A probe still running from an earlier
     /// tick counts as a failure and starts no other. Failures are logged
     /// with their error, at most once per [`REPEATED_FAILURE_LOG_EVERY`].
-    pub async fn probe_journal(&self, dir: &std::path::Path) {
+    pub(crate) async fn probe_journal(&self, dir: &std::path::Path) {
         use std::sync::atomic::Ordering;
         let outcome = if self.journal_probing.swap(true, Ordering::SeqCst) {
             Err("the previous probe has not returned".to_owned())
@@ -306,7 +306,7 @@ impl Health {
 
     /// Records one observation of `reason`'s cause: `bad` raises it at once;
     /// a good one clears it once the cause has been absent [`HEAL_AFTER`].
-    pub fn observe(&self, reason: Reason, bad: bool) {
+    pub(crate) fn observe(&self, reason: Reason, bad: bool) {
         let mut inner = self.inner.lock().expect("health");
         let cause = inner.causes.entry(reason).or_default();
         if bad {
@@ -322,7 +322,7 @@ impl Health {
     }
 
     /// Clears reasons whose cause has been absent long enough.
-    pub fn tick(&self) {
+    pub(crate) fn tick(&self) {
         let mut inner = self.inner.lock().expect("health");
         self.publish(&mut inner);
     }
@@ -356,12 +356,12 @@ impl Health {
     /// The plane's clock as this node reads it, corrected by every offset
     /// [`Health::clock_offset`] records: what certificate dates are judged
     /// on (the identity's renewal, the sessions' end, this health).
-    pub fn plane_clock(&self) -> Arc<PlaneClock> {
+    pub(crate) fn plane_clock(&self) -> Arc<PlaneClock> {
         Arc::clone(&self.plane_clock)
     }
 
     /// Records a measured clock offset (this node minus the plane), in ms.
-    pub fn clock_offset(&self, offset_ms: i64) {
+    pub(crate) fn clock_offset(&self, offset_ms: i64) {
         self.plane_clock.set_offset_ms(offset_ms);
         let limit = i64::try_from(CLOCK_OFFSET_LIMIT.as_millis()).unwrap_or(i64::MAX);
         {
@@ -381,7 +381,11 @@ impl Health {
     /// Records the certificate the node serves now (`not_before`,
     /// `not_after`), judged against the plane's clock ([`Health::plane_clock`]:
     /// the plane is who refuses an expired one).
-    pub fn certificate(&self, not_before: Option<SystemTime>, not_after: Option<SystemTime>) {
+    pub(crate) fn certificate(
+        &self,
+        not_before: Option<SystemTime>,
+        not_after: Option<SystemTime>,
+    ) {
         {
             let mut inner = self.inner.lock().expect("health");
             inner.certificate_not_after = not_after;
@@ -402,12 +406,12 @@ impl Health {
     }
 
     /// Records that a message from the plane arrived now.
-    pub fn contact(&self) {
+    pub(crate) fn contact(&self) {
         self.inner.lock().expect("health").last_contact = Some(Instant::now());
     }
 
     /// How long ago the plane last spoke; `None` if it never has.
-    pub fn contact_age(&self) -> Option<Duration> {
+    pub(crate) fn contact_age(&self) -> Option<Duration> {
         self.inner
             .lock()
             .expect("health")
@@ -416,12 +420,12 @@ impl Health {
     }
 
     /// The current state.
-    pub fn snapshot(&self) -> Snapshot {
+    pub(crate) fn snapshot(&self) -> Snapshot {
         self.published.borrow().clone()
     }
 
     /// Watches the state.
-    pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Snapshot> {
         self.published.subscribe()
     }
 
@@ -431,7 +435,7 @@ impl Health {
     /// that check, which feeds this state through [`WatchedProvider`], is
     /// the launch's fresh probe of the engine, so a launch arriving in the
     /// first moments of an outage mints nothing without a list of its own).
-    pub fn refusal(&self) -> Option<Refusal> {
+    pub(crate) fn refusal(&self) -> Option<Refusal> {
         let snapshot = self.snapshot();
         snapshot.degraded().then(|| Refusal {
             exhausted: snapshot.reasons.contains(&Reason::DiskLow),
@@ -459,7 +463,7 @@ impl Health {
     /// [`Reason::ProviderStuck`], an unreachable engine
     /// [`Reason::ProviderUnreachable`]; any answer (an error the engine
     /// gave included) is evidence against both.
-    pub fn provider_outcome<T>(&self, outcome: &Result<T, ProviderError>) {
+    pub(crate) fn provider_outcome<T>(&self, outcome: &Result<T, ProviderError>) {
         match (answered(outcome), outcome) {
             (Some(()), _) => {
                 self.observe(Reason::ProviderStuck, false);
@@ -477,7 +481,7 @@ impl Health {
     /// certificate in force (`certificate`, its validity window) and, every
     /// second, the command slot's progress and whether the journal's
     /// directory can be written ([`Health::probe_journal`]).
-    pub fn watch(
+    pub(crate) fn watch(
         self: &Arc<Self>,
         state_dir: PathBuf,
         min_free_disk_bytes: u64,
@@ -542,7 +546,7 @@ fn answered<T>(outcome: &Result<T, ProviderError>) -> Option<()> {
 /// # Errors
 ///
 /// The `statvfs` failure.
-pub fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
+pub(crate) fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
     let stat = nix::sys::statvfs::statvfs(dir).map_err(std::io::Error::from)?;
     #[allow(
         clippy::useless_conversion,
@@ -556,14 +560,14 @@ pub fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
 /// most one per `every`; those in between are counted, and the next line
 /// logged carries how many were suppressed.
 #[derive(Debug)]
-pub struct LogLimit {
+pub(crate) struct LogLimit {
     every: Duration,
     state: Mutex<(Option<Instant>, u64)>,
 }
 
 impl LogLimit {
     /// At most one line per `every`.
-    pub fn new(every: Duration) -> Self {
+    pub(crate) fn new(every: Duration) -> Self {
         Self {
             every,
             state: Mutex::new((None, 0)),
@@ -573,7 +577,7 @@ impl LogLimit {
     /// `Some(suppressed)` when this occurrence is to be logged (with the
     /// count suppressed since the last line logged), `None` when it is
     /// counted instead.
-    pub fn admit(&self) -> Option<u64> {
+    pub(crate) fn admit(&self) -> Option<u64> {
         let mut state = self.state.lock().expect("log limit");
         let (last, suppressed) = &mut *state;
         if last.is_some_and(|t| t.elapsed() < self.every) {
@@ -599,7 +603,7 @@ impl Default for LogLimit {
 /// # Errors
 ///
 /// The failed step's I/O error.
-pub fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
+pub(crate) fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
     use std::io::Write as _;
     let path = dir.join(JOURNAL_PROBE_FILE);
     let written = (|| {
@@ -620,7 +624,7 @@ pub fn probe_writable(dir: &std::path::Path) -> std::io::Result<()> {
 /// then looks for a stray instance); a successful call is evidence the
 /// engine answers.
 #[derive(Debug)]
-pub struct WatchedProvider {
+pub(crate) struct WatchedProvider {
     inner: Arc<dyn Provider>,
     health: Arc<Health>,
     call_timeout: Duration,
@@ -629,7 +633,7 @@ pub struct WatchedProvider {
 
 impl WatchedProvider {
     /// Wraps `inner` with the default bounds.
-    pub fn new(inner: Arc<dyn Provider>, health: Arc<Health>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Provider>, health: Arc<Health>) -> Self {
         Self {
             inner,
             health,
@@ -639,7 +643,8 @@ impl WatchedProvider {
     }
 
     /// Other bounds, for tests.
-    pub fn with_timeouts(mut self, call: Duration, create: Duration) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_timeouts(mut self, call: Duration, create: Duration) -> Self {
         self.call_timeout = call;
         self.create_timeout = create;
         self
@@ -746,14 +751,14 @@ impl Provider for WatchedProvider {
 /// A journal whose write failures raise [`Reason::JournalUnwritable`] and
 /// whose successful writes are evidence it heals.
 #[derive(Debug)]
-pub struct WatchedJournal {
+pub(crate) struct WatchedJournal {
     inner: Arc<dyn Journal>,
     health: Arc<Health>,
 }
 
 impl WatchedJournal {
     /// Wraps `inner`.
-    pub fn new(inner: Arc<dyn Journal>, health: Arc<Health>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Journal>, health: Arc<Health>) -> Self {
         Self { inner, health }
     }
 

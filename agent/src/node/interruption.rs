@@ -41,12 +41,12 @@ use crate::node::recovery::Recovery;
 use crate::node::runner::Runner;
 
 /// How often the notice is asked for. EC2 gives two minutes.
-pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const POLL_INTERVAL: Duration = Duration::from_secs(5);
 /// How long one instance-metadata request may take.
-pub const IMDS_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const IMDS_TIMEOUT: Duration = Duration::from_secs(2);
 /// The lifetime asked for an IMDSv2 session token, in seconds (six hours,
 /// the most EC2 grants).
-pub const TOKEN_TTL_SECS: u64 = 21_600;
+pub(crate) const TOKEN_TTL_SECS: u64 = 21_600;
 /// A token is asked for again this long before its lifetime ends.
 const TOKEN_RENEW_MARGIN: Duration = Duration::from_secs(60);
 
@@ -265,7 +265,7 @@ impl InterruptionSource for Imds {
 /// has run, has [`Runner::interrupt`] fail what the node holds; no notice
 /// clears the reason (with the health's hysteresis). An unreadable source
 /// changes nothing and is logged once per distinct error.
-pub async fn watch(
+pub(crate) async fn watch(
     source: Arc<dyn InterruptionSource>,
     runner: Arc<Runner>,
     health: Arc<Health>,

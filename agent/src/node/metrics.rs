@@ -16,7 +16,6 @@
 //! labels are command kinds, outcomes, error codes, call names, and reasons
 //! from a closed vocabulary.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -42,7 +41,7 @@ use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown}
 
 /// The content type of the exposition (OpenMetrics text 1.0, which
 /// Prometheus scrapes natively).
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -72,7 +71,7 @@ struct CacheEventLabel {
 }
 
 /// The events [`Metrics::set_cache_totals`] reports, always all of them.
-pub const CACHE_EVENTS: [&str; 4] = ["hit", "miss", "conflict", "fallback"];
+pub(crate) const CACHE_EVENTS: [&str; 4] = ["hit", "miss", "conflict", "fallback"];
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabel {
@@ -114,7 +113,7 @@ struct BuildLabels {
 /// The node's metric families. Cheap to share behind an `Arc`; every method
 /// takes `&self`.
 #[derive(Debug)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     leases_held: Family<StateLabel, Gauge>,
     custody_entries: Gauge,
     custody_oldest_age: FloatGauge,
@@ -154,7 +153,7 @@ fn raise_to(counter: &Counter, to: u64) {
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
 /// state with no lease reads 0, not absent).
-pub const LEASE_STATES: [&str; 6] = [
+pub(crate) const LEASE_STATES: [&str; 6] = [
     "launching",
     "running",
     "custody",
@@ -166,7 +165,7 @@ pub const LEASE_STATES: [&str; 6] = [
 impl Metrics {
     /// Registers every family in `registry` (names prefixed `billet_`),
     /// with the build's version and commit as `billet_build_info`.
-    pub fn new(registry: &mut Registry, version: &str, commit: &str) -> Self {
+    pub(crate) fn new(registry: &mut Registry, version: &str, commit: &str) -> Self {
         let m = Self {
             leases_held: Family::default(),
             custody_entries: Gauge::default(),
@@ -349,7 +348,7 @@ impl Metrics {
     /// since it opened ([`crate::cache::Store::totals`], read at each
     /// scrape). The store's sums only grow, so each counter gains the
     /// difference; a smaller reading is ignored.
-    pub fn set_cache_totals(&self, totals: &crate::cache::Observation) {
+    pub(crate) fn set_cache_totals(&self, totals: &crate::cache::Observation) {
         let raise = raise_to;
         for (event, n) in [
             ("hit", totals.hits),
@@ -369,7 +368,7 @@ impl Metrics {
     /// Brings the eviction counters up to `evicted`, the store's sums since
     /// it opened ([`crate::cache::Store::evicted`], read at each scrape);
     /// like [`Metrics::set_cache_totals`], a smaller reading is ignored.
-    pub fn set_cache_evicted(&self, evicted: &crate::cache::Evicted) {
+    pub(crate) fn set_cache_evicted(&self, evicted: &crate::cache::Evicted) {
         raise_to(&self.cache_evicted_generations, evicted.generations);
         raise_to(&self.cache_evicted_archives, evicted.archives);
         raise_to(&self.cache_evicted_bytes, evicted.bytes);
@@ -378,7 +377,12 @@ impl Metrics {
     /// Sets the held-lease gauges from one reading of the runner's state:
     /// the count per state (states absent from `counts` read 0), and the
     /// custody entries and the oldest one's age.
-    pub fn set_leases(&self, counts: &[(&'static str, i64)], custody: i64, oldest: Duration) {
+    pub(crate) fn set_leases(
+        &self,
+        counts: &[(&'static str, i64)],
+        custody: i64,
+        oldest: Duration,
+    ) {
         for state in LEASE_STATES {
             let n = counts
                 .iter()
@@ -392,7 +396,7 @@ impl Metrics {
     }
 
     /// Sets the held-lease gauges from [`crate::node::runner::Runner::held`].
-    pub fn observe_runner(&self, held: &[HeldLease]) {
+    pub(crate) fn observe_runner(&self, held: &[HeldLease]) {
         let mut counts: Vec<(&'static str, i64)> = Vec::new();
         let (mut custody, mut oldest) = (0, Duration::ZERO);
         for h in held {
@@ -412,7 +416,13 @@ impl Metrics {
     /// A command finished: `kind` as [`crate::model::NodeCommand::kind`]
     /// names it, its outcome and error code as the wire spells them (the
     /// proto enum names, lower case, without their prefix).
-    pub fn command_done(&self, kind: &'static str, outcome: &str, reason: &str, took: Duration) {
+    pub(crate) fn command_done(
+        &self,
+        kind: &'static str,
+        outcome: &str,
+        reason: &str,
+        took: Duration,
+    ) {
         self.commands
             .get_or_create(&CommandLabels {
                 kind,
@@ -427,7 +437,7 @@ impl Metrics {
 
     /// A command of `kind` left the queue for the slot after waiting
     /// `waited`; `depth` still wait behind it.
-    pub fn command_started(&self, kind: &'static str, waited: Duration, depth: usize) {
+    pub(crate) fn command_started(&self, kind: &'static str, waited: Duration, depth: usize) {
         self.queue_wait
             .get_or_create(&KindLabel { kind })
             .observe(waited.as_secs_f64());
@@ -435,18 +445,18 @@ impl Metrics {
     }
 
     /// How many commands wait for the slot.
-    pub fn set_queue_depth(&self, depth: usize) {
+    pub(crate) fn set_queue_depth(&self, depth: usize) {
         self.queue_depth
             .set(i64::try_from(depth).unwrap_or(i64::MAX));
     }
 
     /// The plane was heard from now.
-    pub fn plane_contact(&self) {
+    pub(crate) fn plane_contact(&self) {
         self.plane_last_contact.set(unix_seconds(SystemTime::now()));
     }
 
     /// When the plane was last heard from, if ever.
-    pub fn plane_contact_at(&self) -> Option<SystemTime> {
+    pub(crate) fn plane_contact_at(&self) -> Option<SystemTime> {
         let secs = self.plane_last_contact.get();
         (secs > 0.0).then(|| UNIX_EPOCH + Duration::from_secs_f64(secs))
     }
@@ -454,7 +464,7 @@ impl Metrics {
     /// Sets or clears one reason the node is degraded (`billet_degraded
     /// {reason}` 1 or 0). The health subsystem calls this; reasons are a
     /// closed vocabulary of its own.
-    pub fn set_degraded(&self, reason: &str, degraded: bool) {
+    pub(crate) fn set_degraded(&self, reason: &str, degraded: bool) {
         self.degraded
             .get_or_create(&ReasonLabel {
                 reason: reason.to_owned(),
@@ -463,7 +473,7 @@ impl Metrics {
     }
 
     /// This host's clock minus the plane's, in seconds.
-    pub fn set_clock_offset_seconds(&self, offset: f64) {
+    pub(crate) fn set_clock_offset_seconds(&self, offset: f64) {
         self.clock_offset.set(offset);
     }
 
@@ -471,7 +481,7 @@ impl Metrics {
     /// Also sets the time it has left from `now`, the plane's clock as this
     /// node reads it ([`crate::clock::PlaneClock::now`]: the plane
     /// dates the certificate and judges it).
-    pub fn set_certificate_expiry(&self, not_after: SystemTime, now: SystemTime) {
+    pub(crate) fn set_certificate_expiry(&self, not_after: SystemTime, now: SystemTime) {
         self.certificate_expiry.set(unix_seconds(not_after));
         let left = match not_after.duration_since(now) {
             Ok(d) => d.as_secs_f64(),
@@ -483,7 +493,7 @@ impl Metrics {
     /// A renewal or enrolment ended: `outcome` is one of `renewed`,
     /// `enrolled`, `refused` (the plane will not sign) or `failed` (no
     /// answer, or a certificate that did not verify).
-    pub fn certificate_renewal(&self, outcome: &'static str) {
+    pub(crate) fn certificate_renewal(&self, outcome: &'static str) {
         self.certificate_renewals
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
@@ -547,20 +557,20 @@ pub fn certificate_expiry(path: &std::path::Path) -> Option<SystemTime> {
 }
 
 /// Reads the state the gauges show, just before each scrape is encoded.
-pub type Scrape = Arc<dyn Fn(&Metrics) + Send + Sync>;
+pub(crate) type Scrape = Arc<dyn Fn(&Metrics) + Send + Sync>;
 
 /// Most connections the metrics listener holds open at once
 /// ([`crate::listen::ConnectionCap`]); past it the oldest is dropped.
 /// A scraper needs one, and a scrape takes milliseconds, so one dialed into
 /// a flood of idle connections is served long before it is the oldest.
-pub const MAX_METRICS_CONNECTIONS: usize = 64;
+pub(crate) const MAX_METRICS_CONNECTIONS: usize = 64;
 
 /// Serves `GET /metrics` on `listener` until `shutdown`: `scrape` runs, then
 /// `registry` is encoded. Any other path is 404. HTTP/1 only, one task per
 /// connection, at most [`MAX_METRICS_CONNECTIONS`] open (the oldest dropped
 /// for a newcomer); a failed accept backs off and is logged at a bounded
 /// rate ([`crate::listen::AcceptErrors`]).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
     metrics: Arc<Metrics>,
@@ -633,29 +643,20 @@ pub async fn serve(
     }
 }
 
-/// Binds the metrics listener.
-///
-/// # Errors
-///
-/// The address cannot be bound.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
-}
-
 fn timed<T, E>(start: Instant, result: &Result<T, E>) -> (Duration, bool) {
     (start.elapsed(), result.is_ok())
 }
 
 /// A [`Provider`] that times every call and counts its errors.
 #[derive(Debug)]
-pub struct MeteredProvider {
+pub(crate) struct MeteredProvider {
     inner: Arc<dyn Provider>,
     metrics: Arc<Metrics>,
 }
 
 impl MeteredProvider {
     /// Wraps `inner`.
-    pub fn new(inner: Arc<dyn Provider>, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Provider>, metrics: Arc<Metrics>) -> Self {
         Self { inner, metrics }
     }
 
@@ -770,14 +771,14 @@ impl Provider for MeteredProvider {
 /// last contact. Bind, Advance(launching), BindAdvance(launching) and mint
 /// also count as launch steps.
 #[derive(Debug)]
-pub struct MeteredPlane<P> {
+pub(crate) struct MeteredPlane<P> {
     inner: Arc<P>,
     metrics: Arc<Metrics>,
 }
 
 impl<P> MeteredPlane<P> {
     /// Wraps `inner`.
-    pub fn new(inner: Arc<P>, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(inner: Arc<P>, metrics: Arc<Metrics>) -> Self {
         Self { inner, metrics }
     }
 
@@ -979,14 +980,14 @@ impl<P: JitSource + 'static> JitSource for MeteredPlane<P> {
 /// A [`Journal`] whose writes are timed (reads are not: they happen once,
 /// at start-up).
 #[derive(Debug)]
-pub struct MeteredJournal {
+pub(crate) struct MeteredJournal {
     inner: Arc<dyn Journal>,
     metrics: Arc<Metrics>,
 }
 
 impl MeteredJournal {
     /// Wraps `inner`.
-    pub fn new(inner: Arc<dyn Journal>, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Journal>, metrics: Arc<Metrics>) -> Self {
         Self { inner, metrics }
     }
 

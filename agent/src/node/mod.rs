@@ -13,11 +13,11 @@
 //! through [`crate::journal`], and the installed binary (that is the
 //! updater's, `upgrade`).
 
-pub mod custody;
+pub(crate) mod custody;
 pub mod ending;
 pub mod health;
 pub mod interruption;
 pub mod metrics;
 pub mod plane;
-pub mod recovery;
+pub(crate) mod recovery;
 pub mod runner;

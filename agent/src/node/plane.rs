@@ -60,7 +60,7 @@ pub enum PlaneError {
 
 impl PlaneError {
     /// Fenced or not found: the lease is no longer ours at this epoch.
-    pub fn is_gone(&self) -> bool {
+    pub(crate) fn is_gone(&self) -> bool {
         matches!(self, Self::Fenced(_) | Self::NotFound(_))
     }
 }
@@ -80,7 +80,7 @@ pub struct LaunchedSet {
 
 impl LaunchedSet {
     /// The lease `id` as sent with the set, if it was.
-    pub fn lease(&self, id: &LeaseId) -> Option<&Lease> {
+    pub(crate) fn lease(&self, id: &LeaseId) -> Option<&Lease> {
         self.leases.iter().find(|l| l.id == *id)
     }
 }

@@ -13,7 +13,7 @@ use crate::node::runner::Runner;
 /// Start-up recovery: run once, on the first session (it needs the plane),
 /// before the executor takes the first command.
 #[derive(Debug)]
-pub struct Recovery {
+pub(crate) struct Recovery {
     done: watch::Sender<bool>,
     running: AtomicBool,
 }
@@ -29,7 +29,7 @@ impl Default for Recovery {
 
 impl Recovery {
     /// Resolves once recovery has succeeded.
-    pub async fn wait(&self) {
+    pub(crate) async fn wait(&self) {
         let mut done = self.done.subscribe();
         let _ = done.wait_for(|d| *d).await;
     }
@@ -51,7 +51,7 @@ impl Recovery {
     }
 
     /// Whether recovery has succeeded.
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         *self.done.borrow()
     }
 
@@ -59,7 +59,7 @@ impl Recovery {
     /// two seconds through whichever session is current (the plane link
     /// follows the newest one) until it succeeds. Not tied to the session
     /// that started it: a reconnect mid-recovery must not strand it.
-    pub fn start(self: &Arc<Self>, runner: Arc<Runner>) {
+    pub(crate) fn start(self: &Arc<Self>, runner: Arc<Runner>) {
         if self.is_done() || self.running.swap(true, Ordering::SeqCst) {
             return;
         }

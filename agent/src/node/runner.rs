@@ -44,25 +44,25 @@ pub const STRAY_GRACE: Duration = Duration::from_secs(300);
 /// ([`RunnerOptions::start_deadline`]). A runner pulls nothing and connects
 /// within seconds; five minutes covers a slow host without holding a slot
 /// for long for a runner that will never connect.
-pub const START_DEADLINE: Duration = Duration::from_secs(300);
+pub(crate) const START_DEADLINE: Duration = Duration::from_secs(300);
 
 /// How often a long-lived lease is warned about: once per whole hour of its
 /// life ([`RunnerOptions::max_lease_life`]).
-pub const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
+pub(crate) const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
 /// How long an ephemeral runner still working when its job's completion
 /// arrives is left to exit on its own before the node stops it (issue #11:
 /// 2 minutes by default; `--post-job-grace-secs`).
 pub const POST_JOB_GRACE: Duration = Duration::from_secs(120);
 
 /// How long a stopped runner gets between SIGTERM and SIGKILL.
-pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a Destroy carrying a completion waits for a runner still
 /// running to exit, before it leaves it the post-job grace in custody.
-pub const COMPLETION_SETTLE: Duration = Duration::from_secs(2);
+pub(crate) const COMPLETION_SETTLE: Duration = Duration::from_secs(2);
 
 /// How often that wait reads the instance.
-pub const COMPLETION_POLL: Duration = Duration::from_millis(200);
+pub(crate) const COMPLETION_POLL: Duration = Duration::from_millis(200);
 
 /// Why a runner operation did not succeed.
 #[derive(Debug, Error)]
@@ -194,7 +194,7 @@ pub enum HeldState {
 
 impl HeldState {
     /// Its name in status and metrics.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             HeldState::Launching => "launching",
             HeldState::Running => "running",
@@ -206,7 +206,7 @@ impl HeldState {
     }
 
     /// Whether the node holds the lease on its own authority.
-    pub fn in_custody(self) -> bool {
+    pub(crate) fn in_custody(self) -> bool {
         matches!(
             self,
             HeldState::Custody | HeldState::Quarantine | HeldState::Discard | HeldState::Ending
@@ -391,7 +391,10 @@ impl Runner {
     /// Hands the guests of trusted tiers that opt in (`actions_cache`) a
     /// session on `proxy`.
     #[must_use]
-    pub fn with_actions(mut self, proxy: Arc<crate::cache::actions::proxy::ActionsProxy>) -> Self {
+    pub(crate) fn with_actions(
+        mut self,
+        proxy: Arc<crate::cache::actions::proxy::ActionsProxy>,
+    ) -> Self {
         self.actions = Some(proxy);
         self
     }
@@ -622,7 +625,7 @@ impl Runner {
     }
 
     /// The provider kind this runner launches on.
-    pub fn provider_kind(&self) -> &'static str {
+    pub(crate) fn provider_kind(&self) -> &'static str {
         self.provider.kind()
     }
 
@@ -632,7 +635,7 @@ impl Runner {
     }
 
     /// Whether a drain has started.
-    pub fn is_draining(&self) -> bool {
+    pub(crate) fn is_draining(&self) -> bool {
         self.state().draining
     }
 

@@ -30,11 +30,11 @@ use super::{Exit, Instance, InstanceSpec, InstanceState, Provider, ProviderError
 use crate::model::{InstanceName, LeaseId};
 
 /// How long a check waits for an instance to reach a state.
-pub const SETTLE_BOUND: Duration = Duration::from_secs(60);
+pub(crate) const SETTLE_BOUND: Duration = Duration::from_secs(60);
 
 /// What the runner inside an instance does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Behaviour {
+pub(crate) enum Behaviour {
     /// Works until it is stopped.
     Work,
     /// Exits on its own with this code.
@@ -45,7 +45,7 @@ pub enum Behaviour {
 
 /// Plays, for one provider, what the checks need.
 #[async_trait]
-pub trait Driver: Send + Sync {
+pub(crate) trait Driver: Send + Sync {
     /// The provider under test.
     fn provider(&self) -> &dyn Provider;
     /// A spec for a new lease named from `tag` whose runner does
@@ -131,7 +131,9 @@ async fn exited_until_destroyed(provider: &dyn Provider, name: &InstanceName, ex
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn an_exited_instance_is_present_with_its_code_until_destroyed(driver: &dyn Driver) {
+pub(crate) async fn an_exited_instance_is_present_with_its_code_until_destroyed(
+    driver: &dyn Driver,
+) {
     let provider = driver.provider();
     let spec = driver.spec("exit", Behaviour::Exit(3));
     let name = spec.name.clone();
@@ -156,7 +158,7 @@ pub async fn an_exited_instance_is_present_with_its_code_until_destroyed(driver:
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn an_oom_killed_instance_says_so(driver: &dyn Driver) {
+pub(crate) async fn an_oom_killed_instance_says_so(driver: &dyn Driver) {
     let provider = driver.provider();
     let spec = driver.spec("oom", Behaviour::Allocate);
     assert_eq!(spec.memory.0, 128 << 20, "the check runs under 128 MiB");
@@ -181,7 +183,7 @@ pub async fn an_oom_killed_instance_says_so(driver: &dyn Driver) {
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn a_killed_instance_is_exited_137_without_the_oom_flag(driver: &dyn Driver) {
+pub(crate) async fn a_killed_instance_is_exited_137_without_the_oom_flag(driver: &dyn Driver) {
     let provider = driver.provider();
     let spec = driver.spec("kill", Behaviour::Work);
     let name = spec.name.clone();
@@ -207,7 +209,7 @@ pub async fn a_killed_instance_is_exited_137_without_the_oom_flag(driver: &dyn D
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn an_instance_removed_out_of_band_is_absent(driver: &dyn Driver) {
+pub(crate) async fn an_instance_removed_out_of_band_is_absent(driver: &dyn Driver) {
     let provider = driver.provider();
     let spec = driver.spec("removed", Behaviour::Work);
     let name = spec.name.clone();
@@ -235,7 +237,7 @@ pub async fn an_instance_removed_out_of_band_is_absent(driver: &dyn Driver) {
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
+pub(crate) async fn a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
     driver: &dyn Driver,
 ) {
     let provider = driver.provider();
@@ -287,7 +289,7 @@ pub async fn a_create_whose_start_is_withheld_leaves_the_instance_created_until_
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn a_missing_image_is_unavailable_and_creates_nothing(driver: &dyn Driver) {
+pub(crate) async fn a_missing_image_is_unavailable_and_creates_nothing(driver: &dyn Driver) {
     let provider = driver.provider();
     let image = driver.missing_image();
     match provider.check_image(&image).await {
@@ -349,7 +351,7 @@ async fn every_call_fails(
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn an_unreachable_engine_fails_every_call_typed(driver: &dyn Driver) {
+pub(crate) async fn an_unreachable_engine_fails_every_call_typed(driver: &dyn Driver) {
     let provider = driver.unreachable().await;
     every_call_fails(driver, provider.as_ref(), Duration::from_secs(5), |e| {
         matches!(e, ProviderError::Unreachable { .. })
@@ -363,7 +365,7 @@ pub async fn an_unreachable_engine_fails_every_call_typed(driver: &dyn Driver) {
 /// # Panics
 ///
 /// When the provider breaks the contract.
-pub async fn a_hanging_engine_fails_every_call_typed_within_its_bound(driver: &dyn Driver) {
+pub(crate) async fn a_hanging_engine_fails_every_call_typed_within_its_bound(driver: &dyn Driver) {
     let bound = Duration::from_secs(1);
     let provider = driver.hanging(bound).await;
     every_call_fails(driver, provider.as_ref(), bound, |e| {

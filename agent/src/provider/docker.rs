@@ -61,10 +61,10 @@ use crate::model::{ByteSize, InstanceName};
 
 /// The environment variable through which the runner receives its JIT
 /// config (the only way it reaches the instance).
-pub const JIT_CONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
+pub(crate) const JIT_CONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
 
 /// The oldest engine API this provider speaks: Docker 20.10.
-pub const MIN_API_VERSION: ClientVersion = ClientVersion {
+pub(crate) const MIN_API_VERSION: ClientVersion = ClientVersion {
     major_version: 1,
     minor_version: 41,
 };
@@ -72,10 +72,10 @@ pub const MIN_API_VERSION: ClientVersion = ClientVersion {
 /// The default bound on one provider call, every engine request it makes
 /// included. `docker rm -f` of a running container is the slowest call made
 /// and takes well under this.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long an idle connection to the engine is kept for the next call.
-pub const POOL_IDLE: Duration = Duration::from_secs(30);
+pub(crate) const POOL_IDLE: Duration = Duration::from_secs(30);
 
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
@@ -116,7 +116,7 @@ fn pooled(socket: &str, timeout_s: u64, version: &ClientVersion) -> Result<Docke
 /// [`Provider::list`], [`Provider::find`] and [`Provider::destroy`] never see
 /// or touch any other container, whatever its name.
 #[derive(Debug)]
-pub struct DockerProvider {
+pub(crate) struct DockerProvider {
     socket: PathBuf,
     owner: Owner,
     /// The client at the negotiated API version; set by the first call that
@@ -143,7 +143,7 @@ impl DockerProvider {
     ///
     /// [`ProviderError::Refused`] when `socket` is not valid UTF-8 (the
     /// client takes the path as text).
-    pub fn connect(socket: &Path, owner: Owner) -> Result<Self, ProviderError> {
+    pub(crate) fn connect(socket: &Path, owner: Owner) -> Result<Self, ProviderError> {
         if socket.to_str().is_none() {
             return Err(ProviderError::Refused(format!(
                 "the Docker socket path {} is not valid UTF-8",
@@ -166,7 +166,7 @@ impl DockerProvider {
     /// [`super::mirrors::MIRRORS_ENV`] in the environment (replacing a
     /// tier's own). No mirrors: neither.
     #[must_use]
-    pub fn with_registry_mirrors(mut self, mirrors: super::mirrors::GuestMirrors) -> Self {
+    pub(crate) fn with_registry_mirrors(mut self, mirrors: super::mirrors::GuestMirrors) -> Self {
         self.mirrors = mirrors;
         self
     }
@@ -175,7 +175,8 @@ impl DockerProvider {
     /// ([`DEFAULT_TIMEOUT`] otherwise); a call that takes longer fails with
     /// [`ProviderError::Timeout`].
     #[must_use]
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
@@ -201,13 +202,9 @@ impl DockerProvider {
         self.timeout.as_secs().max(1)
     }
 
-    /// The socket this provider talks to.
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     /// The owner whose containers this provider sees.
-    pub fn owner(&self) -> &Owner {
+    #[cfg(test)]
+    pub(crate) fn owner(&self) -> &Owner {
         &self.owner
     }
 
@@ -219,7 +216,7 @@ impl DockerProvider {
     /// [`ProviderError::Engine`] saying the daemon at the socket cannot be
     /// reached, why, and what to check; [`ProviderError::Refused`] when its
     /// API is older than [`MIN_API_VERSION`].
-    pub async fn ping(&self) -> Result<(), ProviderError> {
+    pub(crate) async fn ping(&self) -> Result<(), ProviderError> {
         let operation = "ping Docker";
         self.bounded(operation, async {
             let docker = self.client(operation).await?;
@@ -240,7 +237,7 @@ impl DockerProvider {
     ///
     /// [`ProviderError::Engine`] when the engine cannot be asked;
     /// [`ProviderError::Refused`] when the network has no IPv4 gateway.
-    pub async fn bridge_gateway(&self) -> Result<std::net::IpAddr, ProviderError> {
+    pub(crate) async fn bridge_gateway(&self) -> Result<std::net::IpAddr, ProviderError> {
         let operation = "inspect Docker's bridge network";
         self.bounded(operation, async {
             let docker = self.client(operation).await?;
@@ -267,7 +264,8 @@ impl DockerProvider {
     }
 
     /// The engine API version in use, once a call has negotiated one.
-    pub fn api_version(&self) -> Option<ClientVersion> {
+    #[cfg(test)]
+    pub(crate) fn api_version(&self) -> Option<ClientVersion> {
         self.client.get().map(Docker::client_version)
     }
 

@@ -72,7 +72,7 @@ pub enum Engine {
 
 /// How long a call to a [`Engine::Hanging`] fake waits before it fails, by
 /// default.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One recorded call, in the order calls arrived.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,7 +94,7 @@ pub enum Call {
 
 impl Call {
     /// The operation called.
-    pub fn operation(&self) -> Operation {
+    pub(crate) fn operation(&self) -> Operation {
         match self {
             Call::Create(_) => Operation::Create,
             Call::Destroy(_) => Operation::Destroy,
@@ -179,7 +179,8 @@ impl FakeProvider {
 
     /// The same fake with `timeout` as the bound a call to a hanging engine
     /// waits ([`DEFAULT_TIMEOUT`] otherwise).
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
@@ -204,25 +205,16 @@ impl FakeProvider {
     /// Runs every instance at no more than `cpus` vCPUs, as the Docker
     /// provider does on a host with that many CPUs ([`Provider::shape`]).
     /// Unlimited until set.
-    pub fn set_cpus(&self, cpus: u32) {
+    #[cfg(test)]
+    pub(crate) fn set_cpus(&self, cpus: u32) {
         self.state().cpus = Some(cpus);
     }
 
     /// The same fake reporting `kind` from [`Provider::kind`].
-    pub fn with_kind(mut self, kind: &'static str) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_kind(mut self, kind: &'static str) -> Self {
         self.kind = kind;
         self
-    }
-
-    /// The same fake labelling its instances with `owner`.
-    pub fn with_owner(mut self, owner: Owner) -> Self {
-        self.owner = owner;
-        self
-    }
-
-    /// The owner its instances are labelled with.
-    pub fn owner(&self) -> &Owner {
-        &self.owner
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -322,11 +314,6 @@ impl FakeProvider {
     /// Every call so far, in order.
     pub fn calls(&self) -> Vec<Call> {
         self.state().calls.clone()
-    }
-
-    /// Every call so far, in order, forgetting them.
-    pub fn take_calls(&self) -> Vec<Call> {
-        std::mem::take(&mut self.state().calls)
     }
 
     /// How many calls of `operation` arrived so far.

@@ -17,12 +17,12 @@
 use std::path::{Path, PathBuf};
 
 /// The environment variable a guest finds the mirrors in, comma-separated.
-pub const MIRRORS_ENV: &str = "BILLET_REGISTRY_MIRRORS";
+pub(crate) const MIRRORS_ENV: &str = "BILLET_REGISTRY_MIRRORS";
 /// Where a guest finds the Docker daemon configuration naming the mirrors.
-pub const GUEST_DAEMON_JSON: &str = "/etc/docker/daemon.json";
+pub(crate) const GUEST_DAEMON_JSON: &str = "/etc/docker/daemon.json";
 /// The file under the state directory the node writes that configuration
 /// to, bound into every guest.
-pub const DAEMON_JSON_FILE: &str = "guest-docker-daemon.json";
+pub(crate) const DAEMON_JSON_FILE: &str = "guest-docker-daemon.json";
 
 /// Checks one `--registry-mirror` value: an `http://` or `https://` URL
 /// with a host, no credentials (they would reach every guest's environment),
@@ -32,7 +32,7 @@ pub const DAEMON_JSON_FILE: &str = "guest-docker-daemon.json";
 ///
 /// A sentence saying what is wrong and what is expected (clap names the
 /// flag beside it).
-pub fn parse_mirror(value: &str) -> Result<String, String> {
+pub(crate) fn parse_mirror(value: &str) -> Result<String, String> {
     let value = value.trim();
     let url = reqwest::Url::parse(value)
         .map_err(|e| format!("{value:?} is not a URL ({e}); give a registry mirror such as https://mirror.example:5000"))?;
@@ -58,7 +58,7 @@ pub fn parse_mirror(value: &str) -> Result<String, String> {
 /// The mirrors every guest is given, with the daemon configuration file
 /// written for them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GuestMirrors {
+pub(crate) struct GuestMirrors {
     urls: Vec<String>,
     daemon_json: Option<PathBuf>,
 }
@@ -73,7 +73,7 @@ impl GuestMirrors {
     /// # Errors
     ///
     /// The file cannot be written or removed.
-    pub fn prepare(state_dir: &Path, urls: Vec<String>) -> std::io::Result<Self> {
+    pub(crate) fn prepare(state_dir: &Path, urls: Vec<String>) -> std::io::Result<Self> {
         let path = state_dir.join(DAEMON_JSON_FILE);
         if urls.is_empty() {
             match std::fs::remove_file(&path) {
@@ -102,24 +102,19 @@ impl GuestMirrors {
         })
     }
 
-    /// The mirrors, in the configured order.
-    pub fn urls(&self) -> &[String] {
-        &self.urls
-    }
-
     /// The daemon configuration file on this host, when there are mirrors.
-    pub fn daemon_json(&self) -> Option<&Path> {
+    pub(crate) fn daemon_json(&self) -> Option<&Path> {
         self.daemon_json.as_deref()
     }
 
     /// The value of [`MIRRORS_ENV`], when there are mirrors.
-    pub fn env_value(&self) -> Option<String> {
+    pub(crate) fn env_value(&self) -> Option<String> {
         (!self.urls.is_empty()).then(|| self.urls.join(","))
     }
 }
 
 /// A Docker daemon configuration naming `urls` as its registry mirrors.
-pub fn daemon_json(urls: &[String]) -> String {
+pub(crate) fn daemon_json(urls: &[String]) -> String {
     let mut text = serde_json::to_string_pretty(&serde_json::json!({ "registry-mirrors": urls }))
         .unwrap_or_default();
     text.push('\n');

@@ -16,10 +16,12 @@
 //! may be doing work. Every call is bounded by a timeout and fails typed
 //! ([`ProviderError::Unreachable`], [`ProviderError::Timeout`]), never hangs.
 
-pub mod contract;
-pub mod docker;
+#[cfg(test)]
+mod contract;
+pub(crate) mod docker;
+#[cfg(any(test, feature = "testing"))]
 pub mod fake;
-pub mod mirrors;
+pub(crate) mod mirrors;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -30,17 +32,17 @@ use thiserror::Error;
 use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, LeaseId, NodeName, RequestId};
 
 /// Label keys every billet instance carries.
-pub mod labels {
+pub(crate) mod labels {
     /// The deployment the instance belongs to.
-    pub const DEPLOYMENT: &str = "sh.billet.deployment";
+    pub(crate) const DEPLOYMENT: &str = "sh.billet.deployment";
     /// The node that created it.
-    pub const NODE: &str = "sh.billet.node";
+    pub(crate) const NODE: &str = "sh.billet.node";
     /// Its lease id.
-    pub const LEASE: &str = "sh.billet.lease";
+    pub(crate) const LEASE: &str = "sh.billet.lease";
     /// The lease epoch at creation.
-    pub const EPOCH: &str = "sh.billet.epoch";
+    pub(crate) const EPOCH: &str = "sh.billet.epoch";
     /// The request id it was launched for.
-    pub const REQUEST: &str = "sh.billet.request";
+    pub(crate) const REQUEST: &str = "sh.billet.request";
 }
 
 /// Everything a provider needs to create one instance.
@@ -125,12 +127,13 @@ pub enum InstanceState {
 impl InstanceState {
     /// Whether a runner may be working in it: [`InstanceState::Running`] or
     /// [`InstanceState::Unknown`].
-    pub fn may_run(self) -> bool {
+    pub(crate) fn may_run(self) -> bool {
         matches!(self, InstanceState::Running | InstanceState::Unknown)
     }
 
     /// How it ended, when it exited.
-    pub fn exit(self) -> Option<Exit> {
+    #[cfg(test)]
+    pub(crate) fn exit(self) -> Option<Exit> {
         match self {
             InstanceState::Exited(exit) => Some(exit),
             _ => None,
@@ -229,7 +232,7 @@ pub enum ProviderError {
 pub type StartGate = tokio::sync::oneshot::Receiver<bool>;
 
 /// A [`StartGate`] already open: the instance starts as soon as it exists.
-pub fn start_now() -> StartGate {
+pub(crate) fn start_now() -> StartGate {
     let (open, gate) = tokio::sync::oneshot::channel();
     let _ = open.send(true);
     gate
@@ -241,7 +244,7 @@ pub fn start_now() -> StartGate {
 /// # Errors
 ///
 /// [`ProviderError::StartWithheld`].
-pub async fn await_start(gate: StartGate, operation: &str) -> Result<(), ProviderError> {
+pub(crate) async fn await_start(gate: StartGate, operation: &str) -> Result<(), ProviderError> {
     match gate.await {
         Ok(true) => Ok(()),
         Ok(false) | Err(_) => Err(ProviderError::StartWithheld {
@@ -356,7 +359,7 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
 /// Who owns an instance: used to label and to filter.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Owner {
+pub(crate) struct Owner {
     /// The deployment id.
     pub deployment: String,
     /// This node's name.

@@ -60,15 +60,15 @@ use crate::tls::{Validity, dns_names};
 /// How long a peer may take to finish the TLS handshake. Short: an mTLS
 /// handshake takes a few round trips, and a slot held longer is one a
 /// plane cannot use.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Most unfinished handshakes at once (connections that have sent a byte);
 /// past it the oldest is dropped.
-pub const MAX_PENDING_HANDSHAKES: usize = 64;
+pub(crate) const MAX_PENDING_HANDSHAKES: usize = 64;
 
 /// Most unfinished handshakes from one peer address; past it that peer's
 /// oldest is dropped, so one address cannot take every slot.
-pub const MAX_PENDING_PER_PEER: usize = 8;
+pub(crate) const MAX_PENDING_PER_PEER: usize = 8;
 
 /// Most connections from one peer address that have sent no byte yet; past
 /// it that peer's oldest such is dropped. Apart from the handshakes and
@@ -76,27 +76,25 @@ pub const MAX_PENDING_PER_PEER: usize = 8;
 /// and nothing else, and because the more of them are held the slower an
 /// idle flood that redials at once churns: a plane whose ClientHello is a
 /// moment behind its connect is not dropped before it speaks.
-pub const MAX_SILENT_PER_PEER: usize = 128;
+pub(crate) const MAX_SILENT_PER_PEER: usize = 128;
 
 /// Most connections that have sent no byte yet, from anyone; past it the
 /// oldest such is dropped.
-pub const MAX_SILENT: usize = 256;
+pub(crate) const MAX_SILENT: usize = 256;
 
 /// The window of the refusal log's rate limit.
-pub const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
+pub(crate) const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
 
 /// Refusal lines logged per [`REFUSAL_LOG_WINDOW`]; the rest are counted.
-pub const REFUSAL_LOG_BURST: u32 = 10;
+pub(crate) const REFUSAL_LOG_BURST: u32 = 10;
 
 /// A finished mTLS session from the plane.
 #[derive(Debug)]
-pub struct Accepted {
+pub(crate) struct Accepted {
     /// The session.
     pub stream: TlsStream<Counted>,
     /// Who dialed.
     pub peer: SocketAddr,
-    /// The address it reached.
-    pub local: Option<SocketAddr>,
     /// When the first of the node's certificate in force at the handshake
     /// and the plane's certificate expires, on this node's monotonic clock;
     /// `None` when neither could be read.
@@ -113,28 +111,24 @@ const CUT_SHARE: (u32, u32) = (9, 10);
 /// What the node knows of a connection; in the extensions of every request
 /// that arrives on it.
 #[derive(Debug, Clone)]
-pub struct ConnectionInfo {
+pub(crate) struct ConnectionInfo {
     /// Who dialed.
     pub peer: SocketAddr,
     /// When the sessions on it are asked to attach anew on a new connection
     /// (three quarters of the certificates' remaining lifetime at the
     /// handshake); `None` when no expiry could be read.
     pub recycle_at: Option<Instant>,
-    /// When it is cut regardless (nine tenths of that lifetime): a
-    /// connection never outlives the certificates it was opened with.
-    pub cut_at: Option<Instant>,
 }
 
 impl Accepted {
     /// The connection as the server serves it, aged from now.
-    pub fn into_connection(self) -> Connection {
+    pub(crate) fn into_connection(self) -> Connection {
         let (recycle_at, cut_at) = ages(Instant::now(), self.certificates_expire);
         Connection {
             stream: self.stream,
             info: ConnectionInfo {
                 peer: self.peer,
                 recycle_at,
-                cut_at,
             },
             cut: cut_at.map(|at| Box::pin(tokio::time::sleep_until(at))),
         }
@@ -150,9 +144,11 @@ fn ages(now: Instant, expires: Option<Instant>) -> (Option<Instant>, Option<Inst
 }
 
 /// An accepted mTLS connection that fails every read and write once its
-/// [`ConnectionInfo::cut_at`] passes.
+/// cut passes (nine tenths of its certificates' remaining lifetime at the
+/// handshake): a connection never outlives the certificates it was opened
+/// with.
 #[derive(Debug)]
-pub struct Connection {
+pub(crate) struct Connection {
     stream: TlsStream<Counted>,
     info: ConnectionInfo,
     cut: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
@@ -506,7 +502,7 @@ impl Pending {
 /// certificates, read on `clock` (the plane dates both).
 ///
 /// The returned channel closes when `cancel` fires.
-pub fn accept(
+pub(crate) fn accept(
     listener: TcpListener,
     config: watch::Receiver<Arc<rustls::ServerConfig>>,
     validity: watch::Receiver<Validity>,
@@ -579,7 +575,6 @@ pub fn accept(
                 let (tx, plane_name, clock) = (tx.clone(), plane_name.clone(), clock.clone());
                 let (pending, log) = (Arc::clone(&pending), Arc::clone(&log));
                 tokio::spawn(async move {
-                    let local = tcp.local_addr().ok();
                     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
                     let spoken = async {
                         if !spoke {
@@ -626,7 +621,6 @@ pub fn accept(
                                 .send(Ok(Accepted {
                                     stream,
                                     peer,
-                                    local,
                                     certificates_expire,
                                 }))
                                 .await;
@@ -741,7 +735,7 @@ async fn first_bytes(tcp: &TcpStream) -> Look {
 /// unfinished handshakes can tell one several round trips along (a plane's)
 /// from one that sent a byte or a fragment and stalled or ended.
 #[derive(Debug)]
-pub struct Counted {
+pub(crate) struct Counted {
     inner: TcpStream,
     received: Arc<AtomicU64>,
 }

@@ -19,13 +19,13 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 use crate::model::NodeName;
 
 /// How long the enrolment call may take, connection included.
-pub const ENROLL_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const ENROLL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A one-time join token the plane issued, as an operator hands it to the
 /// node. A credential: `Debug` prints `<redacted>`, and only
 /// [`JoinToken::expose`] reads it, to send it to the plane.
 #[derive(Clone, PartialEq, Eq)]
-pub struct JoinToken(String);
+pub(crate) struct JoinToken(String);
 
 impl JoinToken {
     /// Wraps a token, trimmed of surrounding whitespace (a file's newline).
@@ -33,7 +33,7 @@ impl JoinToken {
     /// # Errors
     ///
     /// A sentence when it is empty or holds whitespace or control characters.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub(crate) fn parse(text: &str) -> Result<Self, String> {
         let token = text.trim();
         if token.is_empty() {
             return Err("the join token is empty".into());
@@ -45,7 +45,7 @@ impl JoinToken {
     }
 
     /// The token, for the enrolment call and nothing else.
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }
@@ -57,7 +57,7 @@ impl fmt::Debug for JoinToken {
 }
 
 /// A fresh private key and a certificate request for it.
-pub struct Request {
+pub(crate) struct Request {
     /// The certificate request, PKCS#10 PEM: what goes to the plane.
     pub csr_pem: String,
     /// The private key, PKCS#8 PEM: a credential that stays on the node.
@@ -76,7 +76,7 @@ impl fmt::Debug for Request {
 /// # Errors
 ///
 /// rcgen's reason, as text.
-pub fn request(node: &NodeName) -> Result<Request, String> {
+pub(crate) fn request(node: &NodeName) -> Result<Request, String> {
     let key = rcgen::KeyPair::generate().map_err(|e| format!("cannot generate a key: {e}"))?;
     let mut params = rcgen::CertificateParams::new(vec![node.as_str().to_owned()])
         .map_err(|e| format!("{node} cannot be a certificate's DNS name: {e}"))?;
@@ -95,7 +95,7 @@ pub fn request(node: &NodeName) -> Result<Request, String> {
 
 /// Why an enrolment call did not yield a certificate.
 #[derive(Debug, Error)]
-pub enum EnrollError {
+pub(crate) enum EnrollError {
     /// The address or the CA cannot be used.
     #[error("{0}")]
     Config(String),
@@ -121,7 +121,7 @@ pub enum EnrollError {
 ///
 /// [`EnrollError`]: a refusal is final for this token; unavailability is
 /// worth retrying.
-pub async fn enroll(
+pub(crate) async fn enroll(
     address: &str,
     ca_pem: &[u8],
     plane_name: &str,

@@ -3,8 +3,8 @@
 //! material without a restart. The accept loop that runs every handshake
 //! through it is [`crate::tls::accept`].
 
-pub mod accept;
-pub mod enroll;
+pub(crate) mod accept;
+pub(crate) mod enroll;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -72,7 +72,7 @@ pub struct NodeTls {
 
 /// A certificate's validity window: `(not_before, not_after)`, each `None`
 /// when unreadable.
-pub type Validity = (Option<SystemTime>, Option<SystemTime>);
+pub(crate) type Validity = (Option<SystemTime>, Option<SystemTime>);
 
 /// Where the node's TLS material lives.
 #[derive(Debug, Clone)]
@@ -106,7 +106,10 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 /// # Errors
 ///
 /// [`TlsError::Content`] when `bytes` hold no certificate.
-pub fn parse_certs(bytes: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn parse_certs(
+    bytes: &[u8],
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let certs = rustls_pemfile::certs(&mut &bytes[..])
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| TlsError::Content {
@@ -138,7 +141,7 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 ///
 /// [`TlsError::Content`] when `bytes` hold no key; the key's bytes never
 /// appear in an error.
-pub fn parse_key(bytes: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+pub(crate) fn parse_key(bytes: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     rustls_pemfile::private_key(&mut &bytes[..])
         .map_err(|_| TlsError::Content {
             path: path.to_owned(),
@@ -155,7 +158,7 @@ pub fn parse_key(bytes: &[u8], path: &Path) -> Result<PrivateKeyDer<'static>, Tl
 /// # Errors
 ///
 /// A description of why the certificate cannot be parsed.
-pub fn dns_names(cert: &CertificateDer<'_>) -> Result<Vec<String>, String> {
+pub(crate) fn dns_names(cert: &CertificateDer<'_>) -> Result<Vec<String>, String> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| format!("not an X.509 certificate: {e}"))?;
     let mut names = Vec::new();
@@ -197,7 +200,7 @@ impl NodeTls {
     /// # Errors
     ///
     /// As [`NodeTls::load`].
-    pub fn load_at(paths: &TlsPaths, at: SystemTime) -> Result<Self, TlsError> {
+    pub(crate) fn load_at(paths: &TlsPaths, at: SystemTime) -> Result<Self, TlsError> {
         Self::from_parts_at(
             paths,
             load_certs(&paths.cert)?,
@@ -222,7 +225,7 @@ impl NodeTls {
     /// # Errors
     ///
     /// As [`NodeTls::load`], expiry excepted.
-    pub fn load_at_start(paths: &TlsPaths) -> Result<Self, TlsError> {
+    pub(crate) fn load_at_start(paths: &TlsPaths) -> Result<Self, TlsError> {
         Self::from_parts(
             paths,
             load_certs(&paths.cert)?,
@@ -243,7 +246,7 @@ impl NodeTls {
     /// # Errors
     ///
     /// As [`NodeTls::load`].
-    pub fn from_pem_at(
+    pub(crate) fn from_pem_at(
         paths: &TlsPaths,
         cert_pem: &[u8],
         key_pem: &[u8],
@@ -420,7 +423,7 @@ enum Lapsed {
 /// clock offset a node may have and stay healthy (`CLOCK_OFFSET_LIMIT` in
 /// `node/health.rs`, 10 minutes). A certificate the plane dated a moment
 /// ago starts up to that far ahead of a node that is behind.
-pub const START_CLOCK_SKEW: Duration = Duration::from_secs(10 * 60);
+pub(crate) const START_CLOCK_SKEW: Duration = Duration::from_secs(10 * 60);
 
 /// Whether rustls refused a certificate only for not being valid yet.
 fn is_not_yet_valid(e: &rustls::Error) -> bool {
@@ -510,7 +513,7 @@ fn warn_if_expiring(
 /// certificate, and the writer wakes the watcher at once instead of waiting
 /// for its next check.
 #[derive(Debug, Clone)]
-pub struct IdentityFiles {
+pub(crate) struct IdentityFiles {
     paths: TlsPaths,
     turn: Arc<tokio::sync::Mutex<()>>,
     check_now: Arc<tokio::sync::Notify>,
@@ -527,17 +530,17 @@ const SWAP_WAIT: Duration = Duration::from_secs(10);
 
 impl IdentityFiles {
     /// Where the files are.
-    pub fn paths(&self) -> &TlsPaths {
+    pub(crate) fn paths(&self) -> &TlsPaths {
         &self.paths
     }
 
     /// The validity window of the certificate in force.
-    pub fn validity(&self) -> Validity {
+    pub(crate) fn validity(&self) -> Validity {
         *self.validity.borrow()
     }
 
     /// Watches the validity window of the certificate in force.
-    pub fn watch_validity(&self) -> watch::Receiver<Validity> {
+    pub(crate) fn watch_validity(&self) -> watch::Receiver<Validity> {
         self.validity.clone()
     }
 
@@ -553,7 +556,7 @@ impl IdentityFiles {
     /// [`TlsError::Read`] naming the file that could not be written (its
     /// directory must be writable by the node); [`TlsError::Content`] when
     /// the watcher did not put the new certificate in force within 10 s.
-    pub async fn replace(
+    pub(crate) async fn replace(
         &self,
         cert_pem: &[u8],
         key_pem: &[u8],
@@ -637,7 +640,7 @@ fn rename(from: &Path, to: &Path) -> Result<(), TlsError> {
 /// valid yet). Returns the configuration in force and the handle on the
 /// files, which also watches the validity window of the certificate in
 /// force.
-pub fn watch_files(
+pub(crate) fn watch_files(
     paths: TlsPaths,
     initial: &NodeTls,
     policy: ReloadPolicy,

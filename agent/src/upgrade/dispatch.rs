@@ -59,24 +59,24 @@ use tracing::{Instrument, Span, debug, info, info_span, warn};
 use crate::model::UpgradeSpec;
 
 /// What an updater writes once it has taken responsibility for the upgrade.
-pub const ACK_ACCEPTED: &str = "accepted";
+pub(crate) const ACK_ACCEPTED: &str = "accepted";
 /// What prefixes the reason when it has not.
 pub const ACK_REFUSED: &str = "refused: ";
 /// The most either end writes or reads, newline excluded. An answer is one
 /// short line; more than this without a newline is not an answer.
-pub const MAX_ACK_BYTES: usize = 4 << 10;
+pub(crate) const MAX_ACK_BYTES: usize = 4 << 10;
 /// The child's descriptor the answer travels on under
 /// [`Dispatch::Detached`]: the first after the standard three.
-pub const ACK_FD: i32 = 3;
+pub(crate) const ACK_FD: i32 = 3;
 /// How long the node waits for the answer by default (the reference's
 /// `ackWait`).
-pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(90);
+pub(crate) const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(90);
 /// What `billet host-upgrade` answers when it was given no configuration
 /// (`--config`), so it has no release source to install from.
 pub const NO_RELEASE_SOURCE: &str = "this updater was given no --config, so it has no release source; set the node's --upgrade-config (BILLET_UPGRADE_CONFIG, see deploy/upgrade.toml.example) or upgrade this node out of band";
 /// What an [`AckWriter`] dropped without answering says on the updater's
 /// behalf (a panic, an early return).
-pub const STOPPED_WITHOUT_ANSWER: &str =
+pub(crate) const STOPPED_WITHOUT_ANSWER: &str =
     "this updater stopped without saying why; look at its log on that machine";
 
 /// The `systemd-run` a node under systemd starts its updater through, found
@@ -85,12 +85,12 @@ pub const SYSTEMD_RUN: &str = "systemd-run";
 /// The updater's transient unit is named `<this><rollout>-g<generation>`,
 /// with `manual` for no rollout (the reference's naming), e.g.
 /// `billet-host-upgrade-rollout-7-g4.service`.
-pub const UPDATER_UNIT_PREFIX: &str = "billet-host-upgrade-";
+pub(crate) const UPDATER_UNIT_PREFIX: &str = "billet-host-upgrade-";
 /// How long systemd lets the updater's unit run before it stops it (its
 /// `TimeoutStartSec`), and how long it lets it settle once stopped (its
 /// `TimeoutStopSec`): 24.5 hours, the reference's value. The updater may
 /// wait for this node's drain, which waits for running jobs.
-pub const UPDATER_UNIT_TIMEOUT: Duration = Duration::from_secs(88_200);
+pub(crate) const UPDATER_UNIT_TIMEOUT: Duration = Duration::from_secs(88_200);
 /// The environment variables a [`Dispatch::SystemdRun`] updater is given,
 /// those of them this node has. A transient unit starts with the service
 /// manager's environment, not the node's, so these are passed on, and only
@@ -120,14 +120,14 @@ pub const UPDATER_ENVIRONMENT: &[&str] = &[
 /// The longest path a unix socket can be made at: `sun_path` less its
 /// terminating NUL (108 bytes on Linux, 104 elsewhere).
 #[cfg(target_os = "linux")]
-pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+pub(crate) const MAX_SOCKET_PATH_BYTES: usize = 107;
 /// The longest path a unix socket can be made at: `sun_path` less its
 /// terminating NUL (108 bytes on Linux, 104 elsewhere).
 #[cfg(not(target_os = "linux"))]
 pub const MAX_SOCKET_PATH_BYTES: usize = 103;
 /// What the answer socket's name in the state directory starts with; 32
 /// random hex digits follow.
-pub const ACK_SOCKET_PREFIX: &str = "upgrade-ack-";
+pub(crate) const ACK_SOCKET_PREFIX: &str = "upgrade-ack-";
 
 /// Why an upgrade was not started.
 #[derive(Debug, Error)]
@@ -265,7 +265,7 @@ pub trait Upgrader: Send + Sync + fmt::Debug {
 ///
 /// [`UpgradeError::NoUpgrader`] without an updater; otherwise whatever the
 /// updater's [`Upgrader::start_upgrade`] returns.
-pub async fn start(
+pub(crate) async fn start(
     upgrader: Option<&dyn Upgrader>,
     spec: &UpgradeSpec,
 ) -> Result<(), UpgradeError> {
@@ -332,7 +332,7 @@ impl Dispatch {
 
     /// [`Dispatch::SystemdRun`] through [`SYSTEMD_RUN`] on `PATH`, with the
     /// answer socket in `state_dir`.
-    pub fn systemd_run(state_dir: impl Into<PathBuf>) -> Self {
+    pub(crate) fn systemd_run(state_dir: impl Into<PathBuf>) -> Self {
         Self::SystemdRun {
             systemd_run: SYSTEMD_RUN.into(),
             state_dir: state_dir.into(),
@@ -407,7 +407,7 @@ impl ExecUpgrader {
     ///
     /// [`UpgradeError::Spec`] when a value is empty where required or would
     /// read as a flag.
-    pub fn argv(&self, spec: &UpgradeSpec) -> Result<Vec<OsString>, UpgradeError> {
+    pub(crate) fn argv(&self, spec: &UpgradeSpec) -> Result<Vec<OsString>, UpgradeError> {
         let mut argv = self.instruction(spec)?;
         argv.extend(["--ack-fd".into(), ACK_FD.to_string().into()]);
         Ok(argv)
@@ -872,7 +872,7 @@ pub struct AckWriter {
 
 impl AckWriter {
     /// A writer with no channel: every answer is dropped.
-    pub fn none() -> Self {
+    pub(crate) fn none() -> Self {
         Self { out: None }
     }
 
@@ -889,7 +889,7 @@ impl AckWriter {
     ///
     /// The reopen's error when `fd` is not open for writing (in which case
     /// nothing is closed).
-    pub fn take_fd(fd: i32) -> io::Result<Self> {
+    pub(crate) fn take_fd(fd: i32) -> io::Result<Self> {
         if fd <= 2 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -938,7 +938,7 @@ impl AckWriter {
     }
 
     /// Whether an answer can still be sent.
-    pub fn is_open(&self) -> bool {
+    pub(crate) fn is_open(&self) -> bool {
         self.out.is_some()
     }
 
@@ -949,7 +949,7 @@ impl AckWriter {
     }
 
     /// Says the updater refuses, and why; nothing was changed.
-    pub fn refuse(&mut self, reason: &str) {
+    pub(crate) fn refuse(&mut self, reason: &str) {
         let reason = reason.replace(['\n', '\r'], " ");
         self.answer(&format!("{ACK_REFUSED}{reason}"));
     }

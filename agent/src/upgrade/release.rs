@@ -25,9 +25,9 @@ use thiserror::Error;
 /// The manifest's file name inside a release directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The largest manifest read, in bytes.
-pub const MAX_MANIFEST_BYTES: u64 = 64 << 10;
+pub(crate) const MAX_MANIFEST_BYTES: u64 = 64 << 10;
 /// The largest binary fetched, in bytes.
-pub const MAX_BINARY_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_BINARY_BYTES: u64 = 1 << 30;
 
 /// A release manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,13 +154,13 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// Whether `digest` is 64 lower- or upper-case hex digits.
-pub fn is_sha256(digest: &str) -> bool {
+pub(crate) fn is_sha256(digest: &str) -> bool {
     digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Where releases come from.
 #[derive(Debug, Clone)]
-pub enum Source {
+pub(crate) enum Source {
     /// A directory holding `<version>/manifest.json` and the binaries.
     Dir(PathBuf),
     /// An `https://` base URL, read the same way.
@@ -181,7 +181,7 @@ impl Source {
     ///
     /// [`ReleaseError::Source`] for anything else, including `http://`;
     /// [`ReleaseError::Fetch`] when `extra_ca` cannot be read.
-    pub fn parse(source: &str, extra_ca: Option<&Path>) -> Result<Self, ReleaseError> {
+    pub(crate) fn parse(source: &str, extra_ca: Option<&Path>) -> Result<Self, ReleaseError> {
         if source.starts_with('/') {
             return Ok(Self::Dir(PathBuf::from(source)));
         }
@@ -245,7 +245,7 @@ impl Source {
     /// # Errors
     ///
     /// [`ReleaseError::Fetch`] when it cannot be read or is too large.
-    pub async fn manifest(&self, version: &str) -> Result<(Vec<u8>, String), ReleaseError> {
+    pub(crate) async fn manifest(&self, version: &str) -> Result<(Vec<u8>, String), ReleaseError> {
         let what = self.locate(version, MANIFEST_FILE);
         let mut bytes = Vec::new();
         self.fetch(version, MANIFEST_FILE, MAX_MANIFEST_BYTES, &mut bytes)
@@ -260,7 +260,7 @@ impl Source {
     ///
     /// [`ReleaseError::Fetch`], [`ReleaseError::Io`], or
     /// [`ReleaseError::Digest`] when the bytes are not the manifest's.
-    pub async fn artifact(
+    pub(crate) async fn artifact(
         &self,
         version: &str,
         artifact: &Artifact,
@@ -405,7 +405,7 @@ impl<W: Write> Write for Hashing<W> {
 /// [`ReleaseError::Manifest`] naming the mismatch: another digest, not
 /// JSON of this shape, another version, or an artifact path that is not a
 /// plain file name or a digest that is not SHA-256.
-pub fn check_manifest(
+pub(crate) fn check_manifest(
     bytes: &[u8],
     what: &str,
     pinned: Option<&str>,
@@ -463,7 +463,7 @@ pub fn check_manifest(
 /// # Errors
 ///
 /// [`ReleaseError::Platform`] when there is none.
-pub fn for_this_host(manifest: &Manifest) -> Result<&Artifact, ReleaseError> {
+pub(crate) fn for_this_host(manifest: &Manifest) -> Result<&Artifact, ReleaseError> {
     let (os, arch) = (std::env::consts::OS, std::env::consts::ARCH);
     manifest
         .artifacts

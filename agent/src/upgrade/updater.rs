@@ -57,10 +57,10 @@ pub const JOURNAL_FILE: &str = "journal.json";
 pub const LOCK_FILE: &str = "lock";
 
 /// One line per step of every upgrade, inside [`DIR`].
-pub const HISTORY_FILE: &str = "history.log";
+pub(crate) const HISTORY_FILE: &str = "history.log";
 
 /// How long a started node gets to report healthy by default, in seconds.
-pub const DEFAULT_HEALTH_TIMEOUT_SECS: u64 = 300;
+pub(crate) const DEFAULT_HEALTH_TIMEOUT_SECS: u64 = 300;
 
 /// The updater's configuration, read from the TOML file the node passes as
 /// `--config` (`--upgrade-config` on `billet node`;
@@ -110,7 +110,7 @@ fn default_health_timeout_secs() -> u64 {
 
 /// How the node's service is stopped and started.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Service {
+pub(crate) enum Service {
     /// `systemctl stop|start <unit>`.
     Systemd(String),
     /// Operator-given commands.
@@ -201,7 +201,7 @@ impl UpgradeConfig {
     /// # Errors
     ///
     /// A sentence naming both values.
-    pub fn check_for_node(&self, node_state_dir: &Path) -> Result<(), String> {
+    pub(crate) fn check_for_node(&self, node_state_dir: &Path) -> Result<(), String> {
         if self.state_dir != node_state_dir {
             return Err(format!(
                 "state_dir is {} but the node's --state-dir is {}; they must be the same directory",
@@ -217,7 +217,7 @@ impl UpgradeConfig {
     /// # Errors
     ///
     /// When neither or both of `systemd_unit` and the command pair are set.
-    pub fn service(&self) -> Result<Service, String> {
+    pub(crate) fn service(&self) -> Result<Service, String> {
         match (&self.systemd_unit, &self.stop_command, &self.start_command) {
             (Some(unit), None, None) if !unit.is_empty() => Ok(Service::Systemd(unit.clone())),
             (None, Some(stop), Some(start)) if !stop.is_empty() && !start.is_empty() => {
@@ -237,7 +237,7 @@ impl UpgradeConfig {
 
 /// One instruction: what `StartUpgrade` carried.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request {
+pub(crate) struct Request {
     /// The exact release.
     pub version: String,
     /// The manifest's pinned SHA-256, when the rollout pinned one.
@@ -334,7 +334,7 @@ pub struct Record {
 
 /// Why `host-upgrade` did not complete.
 #[derive(Debug, Error)]
-pub enum UpgradeFailure {
+pub(crate) enum UpgradeFailure {
     /// Refused before anything was touched (the node heard why).
     #[error("refused: {0}")]
     Refused(String),
@@ -498,7 +498,7 @@ pub fn binary_version(binary: &Path) -> Result<String, String> {
 /// The version in `billet --version`'s line, `billet <version>` with an
 /// optional ` (commit <sha>)` after it: the first word after `billet `.
 /// Versions have no spaces ([`crate::upgrade::version::check`]).
-pub fn parse_version_line(text: &str) -> Option<&str> {
+pub(crate) fn parse_version_line(text: &str) -> Option<&str> {
     text.trim()
         .strip_prefix("billet ")?
         .split_whitespace()
@@ -506,7 +506,7 @@ pub fn parse_version_line(text: &str) -> Option<&str> {
 }
 
 /// How long a binary gets to answer `--version`.
-pub const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const VERSION_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Swaps `staged` in at `install`, keeping the current binary at
 /// `previous`. Each change of `install` is a rename, so at every instant it
@@ -737,7 +737,7 @@ fn fence(fence: &Fence, r: &Request) -> Result<(), String> {
 /// [`UpgradeFailure::Refused`] when it refused (nothing touched, except
 /// settling an earlier interrupted upgrade); [`UpgradeFailure::Failed`] when
 /// it accepted and could not finish (the journal says what was restored).
-pub async fn run(
+pub(crate) async fn run(
     config: &UpgradeConfig,
     request: &Request,
     ack: &mut AckWriter,
@@ -1286,7 +1286,7 @@ pub enum Settled {
 ///
 /// A sentence naming the file when the journal cannot be read or written,
 /// or the previous binary cannot be restored.
-pub fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
+pub(crate) fn settle_at_node_start(state_dir: &Path) -> Result<Settled, String> {
     let files = Files::new(state_dir);
     if files.read()?.is_none_or(|r| r.step.is_final()) {
         return Ok(Settled::Nothing);

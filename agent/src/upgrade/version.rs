@@ -12,10 +12,10 @@
 
 /// The bytes that precede the version slot. They occur exactly once in a
 /// `billet` binary: [`stamp`] refuses a binary where they do not.
-pub const STAMP_MARKER: &[u8; 24] = b"\0billet.version.stamp.v1";
+pub(crate) const STAMP_MARKER: &[u8; 24] = b"\0billet.version.stamp.v1";
 
 /// The size of the version slot, in bytes: the longest stampable version.
-pub const STAMP_SLOT_BYTES: usize = 64;
+pub(crate) const STAMP_SLOT_BYTES: usize = 64;
 
 const STAMP_BYTES: usize = STAMP_MARKER.len() + STAMP_SLOT_BYTES;
 
@@ -32,7 +32,7 @@ static STAMP: [u8; STAMP_BYTES] = {
 
 /// The commit this binary was built from (`git rev-parse --short=12`), or
 /// `unknown` (agent/build.rs).
-pub const COMMIT: &str = env!("BILLET_COMMIT");
+pub(crate) const COMMIT: &str = env!("BILLET_COMMIT");
 
 /// This binary's version: the stamped one, or the crate version when the
 /// binary was never stamped.
@@ -94,7 +94,7 @@ pub fn check(version: &str) -> Result<(), StampError> {
 ///
 /// [`StampError::Version`] for a version [`check`] refuses;
 /// [`StampError::Slots`] when the binary holds no slot or several.
-pub fn stamp(binary: &mut [u8], version: &str) -> Result<(), StampError> {
+pub(crate) fn stamp(binary: &mut [u8], version: &str) -> Result<(), StampError> {
     check(version)?;
     let at: Vec<usize> = binary
         .windows(STAMP_MARKER.len())
@@ -113,7 +113,8 @@ pub fn stamp(binary: &mut [u8], version: &str) -> Result<(), StampError> {
 
 /// The version stamped in `binary`, the crate version when its slot is
 /// empty, or `None` when it holds no single slot.
-pub fn stamped(binary: &[u8]) -> Option<String> {
+#[cfg(test)]
+pub(crate) fn stamped(binary: &[u8]) -> Option<String> {
     let mut at = binary
         .windows(STAMP_MARKER.len())
         .enumerate()

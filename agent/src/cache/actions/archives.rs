@@ -61,26 +61,26 @@ use crate::cache::session::CacheToken;
 use crate::journal::MountJournal;
 
 /// Largest archive, in bytes (spec/cache.md §1.3: 10 GiB).
-pub const MAX_ARCHIVE_BYTES: u64 = 10 << 30;
+pub(crate) const MAX_ARCHIVE_BYTES: u64 = 10 << 30;
 /// Most uploads, downloads and receipts one session holds at once.
-pub const MAX_ARCHIVES_PER_SESSION: usize = 32;
+pub(crate) const MAX_ARCHIVES_PER_SESSION: usize = 32;
 /// Longest key, version or restore key, in bytes.
-pub const MAX_FIELD_BYTES: usize = 512;
+pub(crate) const MAX_FIELD_BYTES: usize = 512;
 /// Most restore keys of one lookup.
-pub const MAX_RESTORE_KEYS: usize = 9;
+pub(crate) const MAX_RESTORE_KEYS: usize = 9;
 /// Longest Azure block id, in bytes.
-pub const MAX_BLOCK_ID_BYTES: usize = 1024;
+pub(crate) const MAX_BLOCK_ID_BYTES: usize = 1024;
 /// Longest block list, in bytes.
-pub const MAX_BLOCK_LIST_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_BLOCK_LIST_BYTES: usize = 64 * 1024;
 /// Most blocks in a block list.
-pub const MAX_BLOCKS: usize = 10_000;
+pub(crate) const MAX_BLOCKS: usize = 10_000;
 /// The path prefix of the signed upload and download URLs.
-pub const BLOB_PREFIX: &str = "/_billet/actions-cache/";
+pub(crate) const BLOB_PREFIX: &str = "/_billet/actions-cache/";
 /// The header every locally answered response carries.
-pub const LOCAL_HEADER: &str = "x-billet-actions-cache";
+pub(crate) const LOCAL_HEADER: &str = "x-billet-actions-cache";
 
 /// The body of a locally answered blob response.
-pub type Body = BoxBody<Bytes, std::io::Error>;
+pub(crate) type Body = BoxBody<Bytes, std::io::Error>;
 
 /// Why an Actions cache operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +186,7 @@ struct Record {
 /// One guest's intercepting session: the scope of its tier and what it
 /// holds. Exists only for a trusted tier that opted in.
 #[derive(Debug)]
-pub struct ActionsSession {
+pub(crate) struct ActionsSession {
     lease: String,
     digest: [u8; 32],
     scope: CacheScope,
@@ -194,19 +194,7 @@ pub struct ActionsSession {
     held: tokio::sync::Mutex<Held>,
 }
 
-impl ActionsSession {
-    /// The lease whose guest holds the session.
-    #[must_use]
-    pub fn lease(&self) -> &str {
-        &self.lease
-    }
-
-    /// The tier's scope.
-    #[must_use]
-    pub fn scope(&self) -> &CacheScope {
-        &self.scope
-    }
-}
+impl ActionsSession {}
 
 /// A published archive's use, for eviction ([`Archives::entries`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -238,7 +226,7 @@ struct EntryMeta {
 
 /// A Twirp method the node answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Twirp {
+pub(crate) enum Twirp {
     /// `CreateCacheEntry`: reserve a key+version, answer a signed upload URL.
     Create,
     /// `FinalizeCacheEntryUpload`: publish the uploaded archive.
@@ -250,7 +238,7 @@ pub enum Twirp {
 impl Twirp {
     /// The method whose exact path is `path`.
     #[must_use]
-    pub fn of_path(path: &str) -> Option<Self> {
+    pub(crate) fn of_path(path: &str) -> Option<Self> {
         let method = path.strip_prefix("/twirp/github.actions.results.api.v1.CacheService/")?;
         match method {
             "CreateCacheEntry" => Some(Self::Create),
@@ -263,7 +251,7 @@ impl Twirp {
 
 /// What became of a Twirp request.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Answer {
+pub(crate) enum Answer {
     /// Answered here: HTTP 200 with this JSON.
     Local(serde_json::Value),
     /// Not handled: splice it to GitHub (a miss at worst).
@@ -531,7 +519,7 @@ impl Archives {
     /// Closes the session of every lease `listed` proves has no compute
     /// (only a successful inventory makes a [`Listed`](crate::cache::Listed): spec/cache.md
     /// §3.4).
-    pub async fn reconcile(&self, listed: &crate::cache::Listed) {
+    pub(crate) async fn reconcile(&self, listed: &crate::cache::Listed) {
         let stale: Vec<String> = self
             .sessions
             .lock()
@@ -549,7 +537,7 @@ impl Archives {
     /// which the guest fetches directly from the proxy's listener rather
     /// than in a TLS tunnel to the results host; called once, by the proxy
     /// that listens there. Later calls change nothing.
-    pub fn serve_downloads_at(&self, addr: std::net::SocketAddr) {
+    pub(crate) fn serve_downloads_at(&self, addr: std::net::SocketAddr) {
         let _ = self.direct.set(addr);
     }
 
@@ -564,7 +552,7 @@ impl Archives {
 
     /// The session whose token is `token`, compared in constant time.
     #[must_use]
-    pub fn authenticate(&self, token: &[u8]) -> Option<Arc<ActionsSession>> {
+    pub(crate) fn authenticate(&self, token: &[u8]) -> Option<Arc<ActionsSession>> {
         let digest: [u8; 32] = Sha256::digest(token).into();
         let sessions = self.sessions.lock().expect("sessions");
         let mut found = None;
@@ -618,7 +606,7 @@ impl Archives {
     /// # Errors
     ///
     /// [`ArchiveError::Io`] when it cannot be moved or removed.
-    pub async fn evict_entry(&self, seen: &EntryUse) -> Result<bool, ArchiveError> {
+    pub(crate) async fn evict_entry(&self, seen: &EntryUse) -> Result<bool, ArchiveError> {
         let trash = self
             .root
             .join("trash")
@@ -681,7 +669,12 @@ impl Archives {
     /// spec/cache.md §2.5's fallback rules say: the policy is asked before
     /// anything is allocated; a finalize with a receipt is answered
     /// whatever the policy says.
-    pub async fn twirp(&self, session: &ActionsSession, method: Twirp, body: &[u8]) -> Answer {
+    pub(crate) async fn twirp(
+        &self,
+        session: &ActionsSession,
+        method: Twirp,
+        body: &[u8],
+    ) -> Answer {
         let result = match method {
             Twirp::Create => self.create(session, body).await,
             Twirp::Finalize => return self.finalize(session, body).await,
@@ -1000,7 +993,11 @@ impl Archives {
     /// `?comp=block&blockid=`, `?comp=blocklist`) or a download (`GET`,
     /// `HEAD`, one byte range from `Range` or `x-ms-range`). Always local:
     /// a signed URL GitHub never issued cannot go to GitHub.
-    pub async fn blob(&self, session: &ActionsSession, req: Request<Incoming>) -> Response<Body> {
+    pub(crate) async fn blob(
+        &self,
+        session: &ActionsSession,
+        req: Request<Incoming>,
+    ) -> Response<Body> {
         let (id, query, sig) = signed_target(req.uri());
         let signed = |s: &str| bool::from(s.as_bytes().ct_eq(sig.as_bytes()));
         let (upload, download) = {
@@ -1040,7 +1037,7 @@ impl Archives {
     /// while the session that matched it lives and the plane allows it
     /// (else 502, as in a tunnel). An upload's URL is not served here
     /// (403): uploads stay in the tunnel.
-    pub async fn direct_download(&self, req: Request<Incoming>) -> Response<Body> {
+    pub(crate) async fn direct_download(&self, req: Request<Incoming>) -> Response<Body> {
         if !matches!(*req.method(), Method::GET | Method::HEAD) {
             return plain(
                 StatusCode::METHOD_NOT_ALLOWED,

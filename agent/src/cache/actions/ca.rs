@@ -15,7 +15,7 @@ use rcgen::{
 use super::RESULTS_HOST;
 
 /// The directory under the state directory that holds the CA.
-pub const CA_DIR: &str = "actions-interception";
+pub(crate) const CA_DIR: &str = "actions-interception";
 
 /// Why the CA cannot be made or read.
 #[derive(Debug, thiserror::Error)]
@@ -170,7 +170,7 @@ impl InterceptionCa {
 
     /// The results host's TLS configuration (TLS 1.3 only, the node's leaf).
     #[must_use]
-    pub fn server_config(&self) -> Arc<rustls::ServerConfig> {
+    pub(crate) fn server_config(&self) -> Arc<rustls::ServerConfig> {
         self.server.clone()
     }
 }

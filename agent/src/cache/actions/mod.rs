@@ -26,19 +26,19 @@ use thiserror::Error;
 /// The variable that holds the guest's proxy URL,
 /// `http://billet:<token>@<address>`: a credential, passed apart from the
 /// plain environment like `BILLET_CACHE_TOKEN`.
-pub const PROXY_ENV: &str = "BILLET_ACTIONS_PROXY";
+pub(crate) const PROXY_ENV: &str = "BILLET_ACTIONS_PROXY";
 /// The variable that names the interception CA's PEM file in the guest.
-pub const CA_FILE_ENV: &str = "BILLET_ACTIONS_CA_FILE";
+pub(crate) const CA_FILE_ENV: &str = "BILLET_ACTIONS_CA_FILE";
 /// The CA's file name in the session's directory
 /// (`/run/billet-cache/actions-ca.pem` in the guest).
-pub const CA_FILE: &str = "actions-ca.pem";
+pub(crate) const CA_FILE: &str = "actions-ca.pem";
 
 /// The results service's host, the only authority the proxy tunnels to.
 pub const RESULTS_HOST: &str = "results-receiver.actions.githubusercontent.com";
 
 /// How long the policy may take to answer before the operation is treated
 /// as denied (spec/cache.md §5.2: 2 s).
-pub const POLICY_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const POLICY_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub use crate::model::scope::{ActionsError, CacheScope, MAX_NAME_BYTES, MAX_WORKFLOW_REF_BYTES};
 
@@ -83,7 +83,10 @@ pub trait ActionsPolicy: Send + Sync + std::fmt::Debug {
 ///
 /// [`PolicyError::Timeout`] after [`POLICY_TIMEOUT`], or the policy's own
 /// error.
-pub async fn ask(policy: &dyn ActionsPolicy, scope: &CacheScope) -> Result<bool, PolicyError> {
+pub(crate) async fn ask(
+    policy: &dyn ActionsPolicy,
+    scope: &CacheScope,
+) -> Result<bool, PolicyError> {
     tokio::time::timeout(
         POLICY_TIMEOUT,
         policy.allowed(scope.owner(), scope.repository()),
@@ -95,8 +98,10 @@ pub async fn ask(policy: &dyn ActionsPolicy, scope: &CacheScope) -> Result<bool,
 /// The policy a node has until the plane answers the question (NodeCall
 /// 26): every operation denied, so every request goes to GitHub.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct DenyAll;
+#[cfg(test)]
+pub(crate) struct DenyAll;
 
+#[cfg(test)]
 #[async_trait::async_trait]
 impl ActionsPolicy for DenyAll {
     async fn allowed(&self, _owner: &str, _repository: &str) -> Result<bool, PolicyError> {
@@ -136,13 +141,15 @@ impl FakePolicy {
     }
 
     /// Answers `answer` from now on (an operator flipping the switch).
-    pub fn set(&self, answer: FakeAnswer) {
+    #[cfg(test)]
+    pub(crate) fn set(&self, answer: FakeAnswer) {
         *self.answer.lock().expect("policy") = answer;
     }
 
     /// Every question so far, in order.
     #[must_use]
-    pub fn asked(&self) -> Vec<(String, String)> {
+    #[cfg(test)]
+    pub(crate) fn asked(&self) -> Vec<(String, String)> {
         self.asked.lock().expect("policy").clone()
     }
 }

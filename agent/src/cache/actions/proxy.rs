@@ -58,19 +58,19 @@ use crate::cache::session::CacheToken;
 
 /// The proxy's port when `--cache-proxy-listen` names none: the same after
 /// a restart, so a running job's proxy URL stays good.
-pub const DEFAULT_PORT: u16 = 7718;
+pub(crate) const DEFAULT_PORT: u16 = 7718;
 /// Longest head of an inner request, terminator included.
-pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Longest Twirp body the node reads to decide.
-pub const MAX_TWIRP_BODY_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_TWIRP_BODY_BYTES: usize = 64 * 1024;
 /// How long a tunnel's TLS handshake and first request head may take.
-pub const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const FIRST_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most TLS bytes a blob tunnel holds encrypted and unsent (rustls'
 /// default is 64 KiB): a whole download frame, so each is encrypted and
 /// written in one go.
-pub const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
+pub(crate) const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
 /// The user a proxy credential names.
-pub const PROXY_USER: &str = "billet";
+pub(crate) const PROXY_USER: &str = "billet";
 /// Most connections the proxy holds open at once, tunnels included (each
 /// may hold a second descriptor, its splice to the upstream); past it a new
 /// connection is closed at once ([`crate::listen::ConnectionCap`]),
@@ -78,7 +78,7 @@ pub const PROXY_USER: &str = "billet";
 /// oldest dropped, because the oldest is a download in progress. Room for
 /// a few concurrent transfers of every guest, without letting the guests
 /// take the descriptors the plane's session, the journal and Docker need.
-pub const MAX_PROXY_CONNECTIONS: usize = 128;
+pub(crate) const MAX_PROXY_CONNECTIONS: usize = 128;
 
 /// Why the proxy cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -176,7 +176,7 @@ pub struct ProxyUrl(String);
 impl ProxyUrl {
     /// The URL's text, for the guest's environment and nothing else.
     #[must_use]
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         &self.0
     }
 }
@@ -241,13 +241,13 @@ impl ActionsProxy {
 
     /// The CA a guest trusts, PEM.
     #[must_use]
-    pub fn ca_pem(&self) -> &str {
+    pub(crate) fn ca_pem(&self) -> &str {
         self.ca.ca_pem()
     }
 
     /// The proxy URL of the session whose token is `token`.
     #[must_use]
-    pub fn guest_url(&self, token: &CacheToken) -> ProxyUrl {
+    pub(crate) fn guest_url(&self, token: &CacheToken) -> ProxyUrl {
         ProxyUrl(format!(
             "http://{PROXY_USER}:{}@{}",
             token.expose(),
@@ -534,7 +534,7 @@ impl ActionsProxy {
 /// The inner request is origin-form and its `Host` is the results host
 /// (any case, `:443` allowed).
 #[must_use]
-pub fn targets_results_host(target: &str, host: Option<&str>) -> bool {
+pub(crate) fn targets_results_host(target: &str, host: Option<&str>) -> bool {
     if !target.starts_with('/') || target.starts_with("//") {
         return false;
     }
