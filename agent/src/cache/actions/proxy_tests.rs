@@ -1178,11 +1178,11 @@ fn now_unix_ms() -> i64 {
     .unwrap()
 }
 
-/// Issue #16: Actions cache archives are evicted by the sticky disks'
-/// pass (`cache::lifecycle::evict`): past the retention, then least
-/// recently used first across archives and generations while over the
-/// byte budget, and never one a live session reads (a lookup matched it:
-/// its download link exists, also across a restart, which reads the link
+/// Actions cache archives are evicted by the sticky disks' pass
+/// (`cache::lifecycle::evict`): past the retention, then least recently
+/// used first across archives and generations while over the byte
+/// budget, and never one a live session reads (a lookup matched it: its
+/// download link exists, also across a restart, which reads the link
 /// back from the journal); once that session closes, it goes too. An
 /// evicted archive is a miss for the next lookup.
 #[tokio::test]
@@ -1304,7 +1304,7 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
 
 /// Idle connections cannot take more than the proxy's cap of descriptors:
 /// the one past it is closed at once, those under it go on, and a place
-/// freed is used again (issue #13's flood, on the proxy's port).
+/// freed is used again.
 #[tokio::test]
 async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_again() {
     const CAP: usize = super::proxy::MAX_PROXY_CONNECTIONS;
@@ -1336,7 +1336,7 @@ async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_a
 }
 
 // ---------------------------------------------------------------------------
-// The direct download path, as an independent tester attacked it (session 14).
+// The direct download path, as a hostile guest would attack it.
 // ---------------------------------------------------------------------------
 
 fn t_addr(node: &Node) -> String {
@@ -1777,8 +1777,8 @@ async fn stopping_the_proxy_cuts_a_direct_download_in_progress_within_a_bound() 
 
 #[tokio::test]
 async fn a_direct_download_waits_on_no_other_sessions_lock() {
-    // Found by the tester: direct_download took each live session's `held` lock in turn, and a
-    // finalize holds its session's lock across the plane's policy question (up to 2 s).
+    // direct_download takes no live session's `held` lock: a finalize holds its session's lock
+    // across the plane's policy question (up to 2 s).
     let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = Arc::new(node((up, &up_ca), Arc::default(), scratch()).await);
     save(&node, "k", b"0123456789").await;
