@@ -1078,9 +1078,9 @@ impl Plane {
 
     /// Removes the registration this plane minted for a launch that ended
     /// with nothing started (the plane's obligation once it mints before
-    /// dispatch). GitHub no longer having it is success; a
-    /// removal that fails is left to the registration pass, which removes
-    /// the registrations of ended leases.
+    /// dispatch). GitHub no longer having it is success; a removal that
+    /// fails is left to the registration pass, which removes the
+    /// registrations of ended leases.
     async fn remove_minted(&self, lease: &str, registration: &pb::JitConfig) {
         match self
             .github

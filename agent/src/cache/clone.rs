@@ -538,9 +538,9 @@ mod tests {
     /// A guest may swap a directory of its mount for a symbolic link to a
     /// host directory while a commit clones it (`renameat2(RENAME_EXCHANGE)`,
     /// one way, over and over) to have the node, as root, publish the host's
-    /// files in the generation. Whatever the
-    /// swaps, no clone may hold a byte of what the link points to: the
-    /// clone is refused, or holds the guest's files, or the link itself.
+    /// files in the generation. Whatever the swaps, no clone may hold a byte
+    /// of what the link points to: the clone is refused, or holds the guest's
+    /// files, or the link itself.
     #[test]
     fn a_directory_swapped_for_a_link_to_outside_while_it_is_cloned_is_never_followed() {
         use std::sync::Arc;

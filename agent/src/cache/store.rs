@@ -901,8 +901,8 @@ impl Store {
         // committable. The clone, O(bytes) without reflinks, then runs
         // without the lock (under it, a 4 GiB commit would hold every other
         // mount, so every launch, and the node's command slot behind it, for
-        // 13 s); only the check of the head and the publication
-        // (a rename) take it again.
+        // 13 s); only the check of the head and the publication (a rename)
+        // take it again.
         let (record, policy) = {
             let mut mounts = self.mounts.lock().await;
             let entry = mounts
@@ -1392,8 +1392,8 @@ mod tests {
     /// A guest's commit of a large disk must not hold the store's lock
     /// while its tree is cloned, or another job's mount (its launch, and
     /// the node's command slot behind it) waits for the whole copy. Another
-    /// key's mount asked while a commit clones 20,000 files
-    /// must not wait for it, and the commit still publishes.
+    /// key's mount asked while a commit clones 20,000 files must not wait
+    /// for it, and the commit still publishes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_guests_commit_does_not_hold_another_jobs_mount_while_it_clones() {
         let d = dir();

@@ -980,10 +980,10 @@ impl Runner {
     /// runner at its post-job work, its completion not yet delivered,
     /// which must not be killed and recorded `failed` `start_deadline`),
     /// but a registration removed out of band looks the same (and such a
-    /// never-connecting runner must not be held for ever). Either
-    /// way it can take no job: it is held as *ending*, left the post-job
-    /// grace to exit on its own (`done`), and stopped past it, released
-    /// `failed` with reason `start_deadline`.
+    /// never-connecting runner must not be held for ever). Either way it
+    /// can take no job: it is held as *ending*, left the post-job grace to
+    /// exit on its own (`done`), and stopped past it, released `failed`
+    /// with reason `start_deadline`.
     async fn leave_to_exit(&self, request_id: RequestId, r: &Running) {
         if !self.take_running(request_id, &r.lease) {
             return;
@@ -1481,11 +1481,11 @@ impl Runner {
     /// adopted after a restart, or held when the plane assumed custody), so
     /// a runner is never cut sooner than it would have been had it kept
     /// running here, and an adopted runner that never connects is not held,
-    /// its job waiting, for ever. As in
-    /// [`Runner::judge_running`], the node asks GitHub by removing the
-    /// registration: a refusal means it holds a job (online, never asked
-    /// again); an outage leaves it to the next tend. An ending runner (its
-    /// job complete) is the post-job grace's to judge.
+    /// its job waiting, for ever. As in [`Runner::judge_running`], the node
+    /// asks GitHub by removing the registration: a refusal means it holds a
+    /// job (online, never asked again); an outage leaves it to the next
+    /// tend. An ending runner (its job complete) is the post-job grace's to
+    /// judge.
     async fn past_start_deadline(&self, lease: &LeaseId, entry: &mut CustodyEntry) -> bool {
         let Some(deadline) = self.options.start_deadline.filter(|d| !d.is_zero()) else {
             return false;

@@ -405,9 +405,9 @@ impl SqliteJournal {
     /// that refuses the pragma is closed, never reused, and the write
     /// goes to a fresh one (else a node whose jobs ended while its state
     /// disk was full would journal nothing more until a restart, "Safety
-    /// level may not be changed inside a transaction").
-    /// A write on a stuck connection fails here, before it writes, so none
-    /// is lost in a transaction that would never commit.
+    /// level may not be changed inside a transaction"). A write on a stuck
+    /// connection fails here, before it writes, so none is lost in a
+    /// transaction that would never commit.
     async fn connection(
         &self,
         durability: Durability,

@@ -49,8 +49,8 @@ pub const START_DEADLINE: Duration = Duration::from_secs(300);
 /// life ([`RunnerOptions::max_lease_life`]).
 pub const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
 /// How long an ephemeral runner still working when its job's completion
-/// arrives is left to exit on its own before the node stops it (2
-/// minutes by default; `--post-job-grace-secs`).
+/// arrives is left to exit on its own before the node stops it
+/// (2 minutes by default; `--post-job-grace-secs`).
 pub const POST_JOB_GRACE: Duration = Duration::from_secs(120);
 
 /// How long a stopped runner gets between SIGTERM and SIGKILL.
@@ -896,13 +896,13 @@ impl Runner {
 
     /// What can be checked before a registration exists is checked beside
     /// the bind (neither needs the other, and only the mint waits for
-    /// both): the provider answers and has the image, while the
-    /// lease is bound and advanced to launching in one round trip (one
-    /// ledger transaction). A refused check answers its refusal with
-    /// nothing minted, and a lease the bind took meanwhile is released
-    /// `failed` here ([`Runner::release_refused`]); a refused bind with the
-    /// image present fails the launch with nothing to release. Once both
-    /// pass, the lease counts as launching here.
+    /// both): the provider answers and has the image, while the lease is
+    /// bound and advanced to launching in one round trip (one ledger
+    /// transaction). A refused check answers its refusal with nothing
+    /// minted, and a lease the bind took meanwhile is released `failed`
+    /// here ([`Runner::release_refused`]); a refused bind with the image
+    /// present fails the launch with nothing to release. Once both pass,
+    /// the lease counts as launching here.
     async fn check_and_bind(&self, lease: &Lease, tier: &TierSpec) -> Result<(), RunnerError> {
         let (checked, bound) = tokio::join!(
             self.provider.check_image(&tier.image),
