@@ -33,8 +33,8 @@ use billet_controlplane_stub::plane::PlaneEvent;
 use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until};
 use scaleset::testing::{Endpoint, Fault, JobState};
 
-/// Operations when `BILLET_E2E_OPS` is not set: about the issue's "40 in
-/// CI".
+/// Operations when `BILLET_E2E_OPS` is not set: about 40, a run sized
+/// for CI.
 const DEFAULT_OPS: usize = 40;
 /// A quiescent point at least every this many operations.
 const QUIESCE_EVERY: usize = 10;

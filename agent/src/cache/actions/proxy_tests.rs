@@ -476,8 +476,8 @@ async fn a_saved_archive_is_restored_locally_with_a_byte_range() {
 
 #[tokio::test]
 async fn a_download_url_is_on_the_proxys_listener_and_fetched_there_without_a_tunnel() {
-    // Past the reference: a restore is not decrypted by the guest (the
-    // issue's restore figure; ARCHITECTURE.md "Downloads are fetched
+    // Past the reference: a restore is not decrypted by the guest (for
+    // the restore figure; ARCHITECTURE.md "Downloads are fetched
     // directly").
     let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = node((up, &up_ca), Arc::default(), scratch()).await;
