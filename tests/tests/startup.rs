@@ -130,9 +130,9 @@ fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
 /// A certificate the plane dated a moment ago, on a node whose clock is two
 /// minutes behind, starts two minutes in the node's future: start-up serves
 /// it (the plane judges it by its own clock and will accept it), with a
-/// warning, and goes on to the missing engine (exit 5). Before, such a node
-/// refused to start (exit 3) until its own clock caught up, so a node behind
-/// the plane could not restart soon after a renewal.
+/// warning, and goes on to the missing engine (exit 5). Refusing to start
+/// (exit 3) until its own clock caught up would keep a node behind the plane
+/// from restarting soon after a renewal.
 #[test]
 fn a_certificate_starting_minutes_ahead_of_a_node_behind_the_plane_starts_with_a_warning()
 -> Result<()> {

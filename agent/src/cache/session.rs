@@ -592,7 +592,8 @@ pub const MAX_SESSION_CONNECTIONS: usize = 8;
 /// Serves the session's socket until `stop`, at most
 /// [`MAX_SESSION_CONNECTIONS`] connections open; a failed accept (out of
 /// descriptors) backs off and is logged at a bounded rate, and the socket
-/// goes on serving (it used to end the guest's cache API for good).
+/// goes on serving (a socket that stopped would end the guest's cache API
+/// for good).
 async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: CancellationToken) {
     use crate::edge::listen::{AcceptErrors, AtCap, ConnectionCap};
     let cap = ConnectionCap::new("cache_session", MAX_SESSION_CONNECTIONS, AtCap::Refuse);

@@ -393,7 +393,7 @@ pub fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvFilter, 
         .unwrap_or("info");
     // A directive is `level`, `target=level` or `target[span]=level`. A
     // bare word is read by tracing as a target at TRACE, which is how
-    // `inf` or `json` used to hide everything but that target: refuse it.
+    // `inf` or `json` would hide everything but that target: refuse it.
     for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let level = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
         if level

@@ -1708,12 +1708,11 @@ async fn t_stalled(url: &str, first: usize) -> tokio::net::TcpStream {
 
 #[tokio::test]
 async fn stopping_the_proxy_cuts_a_direct_download_in_progress() {
-    // Bounded as a whole: the fresh-clone suite once saw this test wait for
-    // over an hour under load, in its 64 MiB upload, whose last TLS records
-    // the client's rustls held unsent while it read for the answer (`send`
-    // now flushes; about one run in fifteen of this module, four at a time
-    // beside a release build, hung before). Any step that never finishes
-    // fails it, naming the test, rather than holding the suite.
+    // Bounded as a whole: under load a 64 MiB upload whose last TLS records
+    // the client's rustls holds unsent while it reads for the answer can
+    // hang this test for over an hour (hence `send` flushes). Any step that
+    // never finishes fails it, naming the test, rather than holding the
+    // suite.
     tokio::time::timeout(
         std::time::Duration::from_secs(60),
         stopping_the_proxy_cuts_a_direct_download_in_progress_within_a_bound(),
