@@ -3,9 +3,9 @@
 //! A certificate's dates are the plane's: its CA signs with the plane's
 //! clock, and the plane judges the node's certificate by it. A node whose
 //! own clock is off must therefore judge a certificate's validity, and time
-//! its renewal and its sessions' end, on the plane's clock (issue #13: a
-//! node minutes off behaves exactly like one in sync; tester-6 found a node
-//! 120 s behind refusing every renewed certificate as "not valid yet",
+//! its renewal and its sessions' end, on the plane's clock: a node minutes
+//! off behaves exactly like one in sync (a node 120 s behind judging by its
+//! own clock would refuse every renewed certificate as "not valid yet",
 //! since the plane backdates what it signs by only 60 s).
 //!
 //! The offset is the one the session measures (this node minus the plane,

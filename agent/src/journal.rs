@@ -403,11 +403,11 @@ impl SqliteJournal {
     /// whose own rollback then fails, goes on counting it open, so its next
     /// transaction is a savepoint that is never committed. A connection
     /// that refuses the pragma is closed, never reused, and the write
-    /// goes to a fresh one (session 13's tester: a node whose jobs ended
-    /// while its state disk was full journaled nothing more until a
-    /// restart, "Safety level may not be changed inside a transaction").
-    /// A write on a stuck connection fails here, before it writes, so none
-    /// is lost in a transaction that would never commit.
+    /// goes to a fresh one (else a node whose jobs ended while its state
+    /// disk was full would journal nothing more until a restart, "Safety
+    /// level may not be changed inside a transaction"). A write on a stuck
+    /// connection fails here, before it writes, so none is lost in a
+    /// transaction that would never commit.
     async fn connection(
         &self,
         durability: Durability,
@@ -519,8 +519,8 @@ async fn connect(path: &Path, read_only: bool) -> Result<SqlitePool, JournalErro
         .busy_timeout(std::time::Duration::from_secs(5));
     // No ping before each use: the database is a local file with no peer
     // to lose, and a ping is one more trip to sqlx's worker thread in
-    // series before every write (issue #14). A connection that breaks is
-    // found by the write itself (see `SqliteJournal::connection`).
+    // series before every write. A connection that breaks is found by
+    // the write itself (see `SqliteJournal::connection`).
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
         .test_before_acquire(false)

@@ -13,7 +13,7 @@
 //!   Nothing is ever queued. Why:
 //!   every open connection is a file descriptor, and the node's plane
 //!   session, journal and Docker connections need theirs; a secondary port
-//!   must not be able to take them all (issue #13's metrics flood).
+//!   must not be able to take them all (a flood on the metrics port, say).
 //! - [`AcceptErrors`]: a failed accept (out of descriptors, `EMFILE` or
 //!   `ENFILE`, most likely) waits before the next, from
 //!   [`ACCEPT_BACKOFF_MIN`] doubling to [`ACCEPT_BACKOFF_MAX`] and back to

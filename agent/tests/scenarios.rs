@@ -828,12 +828,12 @@ async fn after_a_restart_a_failed_launchs_registration_goes_before_its_compute_a
     assert!(!r.holding());
 }
 
-/// Issue #14: the launch record says created once the instance exists,
-/// while it starts. A process killed between the two leaves a record saying
-/// created and an instance that never ran (`created`): it is an unconfirmed
-/// launch like one killed mid-create, asked about at GitHub and, idle,
-/// torn down and released `failed`, not adopted as a job (adopted, it would
-/// have ended `done` with no job run).
+/// The launch record says created once the instance exists, while it
+/// starts. A process killed between the two leaves a record saying created
+/// and an instance that never ran (`created`): it is an unconfirmed launch
+/// like one killed mid-create, asked about at GitHub and, idle, torn down
+/// and released `failed`, not adopted as a job (adopted, it would have
+/// ended `done` with no job run).
 #[tokio::test]
 async fn after_a_restart_an_instance_journaled_created_that_never_started_is_torn_down_failed() {
     let w = World::new();
@@ -868,10 +868,10 @@ async fn after_a_restart_an_instance_journaled_created_that_never_started_is_tor
     assert!(!r.holding());
 }
 
-/// Issue #14: a launch carrying its registration creates its instance
-/// beside the launch record's sync and its bind, and starts it only once
-/// both hold. A process killed in between leaves an instance that never
-/// started, bound here, with no launch record: it is torn down and its
+/// A launch carrying its registration creates its instance beside the
+/// launch record's sync and its bind, and starts it only once both hold.
+/// A process killed in between leaves an instance that never started,
+/// bound here, with no launch record: it is torn down and its
 /// registration removed, never adopted as a job (a `created` instance
 /// runs nothing and billet never starts it later).
 #[tokio::test]
@@ -1300,7 +1300,7 @@ async fn a_custody_side_failure_does_not_turn_the_running_halfs_success_into_an_
     assert!(!r.holding());
 }
 
-// ----- issue #11 item 4: a Destroy never kills a busy runner without authority -----
+// ----- a Destroy never kills a busy runner without authority -----
 
 #[tokio::test(start_paused = true)]
 async fn a_scale_down_of_a_runner_that_has_just_taken_its_job_answers_busy_and_destroys_nothing() {
@@ -1593,9 +1593,9 @@ async fn recover_adopts_a_job_that_is_still_running() {
     assert_eq!(w.phase(&lease.id), Phase::Custody);
 }
 
-/// Issue #12: compute adopted at start-up is charged like launched
-/// compute, so the node's `held` (Hello, Instances, Sweep) covers it and
-/// the plane places nothing on its capacity.
+/// Compute adopted at start-up is charged like launched compute, so the
+/// node's `held` (Hello, Instances, Sweep) covers it and the plane
+/// places nothing on its capacity.
 #[tokio::test]
 async fn a_lease_adopted_by_recovery_counts_in_what_the_node_holds() {
     let w = World::new();
@@ -1608,7 +1608,7 @@ async fn a_lease_adopted_by_recovery_counts_in_what_the_node_holds() {
     assert_eq!(r.held_charge(), (lease.vcpu, lease.memory.0));
 }
 
-/// Issue #12: so is quarantined compute a sweep adopts.
+/// So is quarantined compute a sweep adopts.
 #[tokio::test(start_paused = true)]
 async fn a_lease_adopted_by_a_sweep_counts_in_what_the_node_holds() {
     let w = World::new();
@@ -1904,9 +1904,8 @@ async fn assume_custody_trusts_a_host_launch_before_its_first_absence() {
     r.tend().await.unwrap();
     // Released at the first miss; a held job whose compute was removed
     // behind the node's back did not finish: `failed`, reason `removed`, as
-    // for a running one (the reference releases `done`; tester-4 found an
-    // adopted runner so removed released `done` while GitHub still held
-    // its job).
+    // for a running one (the reference releases `done`, though GitHub may
+    // still hold the job of an adopted runner so removed).
     assert_eq!(w.phase(&lease.id), Phase::Failed);
     assert_eq!(reason(&w, &lease.id).as_deref(), Some("removed"));
     assert!(!r.holding());
@@ -2117,13 +2116,12 @@ async fn a_vanished_adopted_container_is_released_without_waiting() {
     assert!(!r.holding());
 }
 
-/// Issue #14: the launch record is synced while the lease is bound, so a
-/// node can die with the record written and the lease never bound. The
-/// restarted node starts nothing for it and holds a removal by lease for
-/// it; the plane's redelivered launch of the same lease binds, which drops
-/// that removal, so the new runner keeps its registration (the simulation's
-/// seed 4347 found it removed at the next tend, the lease launching for
-/// ever).
+/// The launch record is synced while the lease is bound, so a node can die
+/// with the record written and the lease never bound. The restarted node
+/// starts nothing for it and holds a removal by lease for it; the plane's
+/// redelivered launch of the same lease binds, which drops that removal, so
+/// the new runner keeps its registration (else, as in the simulation's seed
+/// 4347, it is removed at the next tend and the lease launches for ever).
 #[tokio::test]
 async fn a_launch_record_whose_lease_was_never_bound_does_not_unregister_the_relaunched_runner() {
     let w = World::new();
@@ -2414,11 +2412,11 @@ async fn a_draining_node_refuses_a_launch_and_still_serves_a_destroy() {
     assert!(!r.holding());
 }
 
-/// Issue #11 item 2: an image that is not on the node is found before a
-/// registration exists; the refusal names it and nothing is minted or
-/// created. The image is checked beside the bind (issue #14), so the lease
-/// the bind took meanwhile is released `failed` by the node: never left
-/// bound, charging nothing. The same image, once present, launches.
+/// An image that is not on the node is found before a registration
+/// exists; the refusal names it and nothing is minted or created. The
+/// image is checked beside the bind, so the lease the bind took
+/// meanwhile is released `failed` by the node: never left bound,
+/// charging nothing. The same image, once present, launches.
 #[tokio::test]
 async fn a_launch_whose_image_is_missing_mints_and_creates_nothing_releases_its_lease_and_names_the_image()
  {
@@ -2450,8 +2448,8 @@ async fn a_launch_whose_image_is_missing_mints_and_creates_nothing_releases_its_
     assert_eq!(w.plane.count("mint "), 0, "{:?}", w.plane.log());
     assert_eq!(w.fake.count(Operation::Create), 0);
     assert!(!r.holding());
-    // The launch record is written while the image is checked (issue #14):
-    // a refusal clears it, so a restart finds nothing to clean up.
+    // The launch record is written while the image is checked: a
+    // refusal clears it, so a restart finds nothing to clean up.
     assert_eq!(w.journal.launches().await.unwrap(), Vec::new());
     // The image is built while the job waits: the plane's next lease runs.
     w.fake.restore_image("runner:tier-image");
@@ -2460,9 +2458,9 @@ async fn a_launch_whose_image_is_missing_mints_and_creates_nothing_releases_its_
     assert!(w.exists(&next.id));
 }
 
-/// Issue #11 item 2: a provider that cannot be asked refuses the launch as
-/// unavailable, before anything is minted; the lease bound beside the
-/// check is released `failed`.
+/// A provider that cannot be asked refuses the launch as unavailable,
+/// before anything is minted; the lease bound beside the check is
+/// released `failed`.
 #[tokio::test]
 async fn a_launch_whose_provider_does_not_answer_is_refused_before_anything_is_minted() {
     let w = World::new();
@@ -2500,7 +2498,7 @@ async fn recover_renews_the_lease_it_adopts() {
     );
 }
 
-// ======================= issue #11: a runner's life =======================
+// ======================= A runner's life =======================
 
 /// The ledger's failure reason for a lease, as the node marked it.
 fn reason(w: &World, lease: &LeaseId) -> Option<String> {
@@ -2613,11 +2611,11 @@ async fn a_registration_removal_that_fails_after_the_runner_died_is_retried_with
     assert_eq!(removals(), 3, "a removal that succeeded is not tried again");
 }
 
-// ======================= issue #11: start deadline, lease life =======================
+// ======================= Start deadline, lease life =======================
 
-/// Issue #11 item 3: a runner that never came online is torn down once the
-/// deadline passes: its registration removed before its instance, its
-/// lease released `failed` with reason `start_deadline`.
+/// A runner that never came online is torn down once the deadline
+/// passes: its registration removed before its instance, its lease
+/// released `failed` with reason `start_deadline`.
 #[tokio::test(start_paused = true)]
 async fn a_runner_not_online_by_the_start_deadline_is_deregistered_destroyed_and_released_failed() {
     let w = World::new();
@@ -2649,9 +2647,9 @@ async fn a_runner_not_online_by_the_start_deadline_is_deregistered_destroyed_and
     );
 }
 
-/// Issue #11 item 3: GitHub refusing to remove the registration (the
-/// runner holds a job) says the runner is online: it is left running and
-/// never asked about again.
+/// GitHub refusing to remove the registration (the runner holds a job)
+/// says the runner is online: it is left running and never asked about
+/// again.
 #[tokio::test(start_paused = true)]
 async fn a_runner_busy_at_github_at_the_start_deadline_is_online_and_left_running() {
     let w = World::new();
@@ -2684,12 +2682,12 @@ async fn a_runner_busy_at_github_at_the_start_deadline_is_online_and_left_runnin
     assert!(!r.holding());
 }
 
-/// Issue #11 item 3: with the deadline off (0), a runner that never
-/// connects is not torn down on a timer.
-/// The start deadline holds in custody too (tester-3 found a runner
-/// adopted after a restart, never connected, held for ever while its job
-/// waited): counted from custody's start, it ends a held runner GitHub says
-/// took nothing; a runner seen online before custody is not asked again.
+/// With the deadline off (0), a runner that never connects is not torn
+/// down on a timer.
+/// The start deadline holds in custody too (else a runner adopted after
+/// a restart, never connected, is held for ever while its job waits):
+/// counted from custody's start, it ends a held runner GitHub says took
+/// nothing; a runner seen online before custody is not asked again.
 #[tokio::test(start_paused = true)]
 async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_from_custody() {
     let w = World::new();
@@ -2738,7 +2736,7 @@ async fn a_held_runner_that_took_nothing_is_ended_by_the_start_deadline_counted_
 /// A runner whose short job ended before the deadline was first judged,
 /// still at its post-job work, its completion not yet delivered: GitHub
 /// has already let its ephemeral registration go, so at the deadline the
-/// removal finds nothing. Tester-4 found such a runner torn down and its
+/// removal finds nothing. Such a runner must not be torn down and its
 /// lease released `failed` `start_deadline` for a job that succeeded. It
 /// can take no job: it is left the post-job grace to exit, and its exit 0
 /// ends the lease `done`.
@@ -2769,9 +2767,9 @@ async fn a_runner_whose_job_ended_before_the_start_deadline_is_left_its_grace_to
 }
 
 /// A runner that never connected, its registration removed out of band
-/// before the deadline: the removal finds nothing there too. Tester-5
-/// found it then held for ever, its job waiting. It is left the same grace
-/// and, still running past it, stopped and released `failed`
+/// before the deadline: the removal finds nothing there too, and it
+/// must not be held for ever, its job waiting. It is left the same
+/// grace and, still running past it, stopped and released `failed`
 /// `start_deadline`, held or running.
 #[tokio::test(start_paused = true)]
 async fn a_never_connected_runner_whose_registration_vanished_is_stopped_after_the_grace() {
@@ -2832,8 +2830,7 @@ async fn a_zero_start_deadline_is_off() {
     assert!(w.registered(&lease.id));
 }
 
-/// Issue #11 item 7: off by default, a lease lives as long as its job, a
-/// week included.
+/// Off by default, a lease lives as long as its job, a week included.
 #[tokio::test(start_paused = true)]
 async fn no_lease_life_bound_by_default_a_week_old_running_lease_keeps_running() {
     let w = World::new();
@@ -2850,9 +2847,9 @@ async fn no_lease_life_bound_by_default_a_week_old_running_lease_keeps_running()
     assert_ne!(w.phase(&lease.id), Phase::Failed);
 }
 
-/// Issue #11 item 7: past the operator's bound a running lease is
-/// destroyed on that authority, though GitHub says its runner is busy, and
-/// released `failed` with reason `max_lease_life`.
+/// Past the operator's bound a running lease is destroyed on that
+/// authority, though GitHub says its runner is busy, and released `failed`
+/// with reason `max_lease_life`.
 #[tokio::test(start_paused = true)]
 async fn a_running_lease_past_max_lease_life_is_destroyed_busy_or_not_and_released_failed() {
     let w = World::new();
@@ -2874,7 +2871,7 @@ async fn a_running_lease_past_max_lease_life_is_destroyed_busy_or_not_and_releas
     assert!(!r.holding());
 }
 
-/// Issue #11 item 7: the bound holds in custody too.
+/// The bound holds in custody too.
 #[tokio::test(start_paused = true)]
 async fn a_lease_in_custody_past_max_lease_life_is_destroyed_and_released_failed() {
     let w = World::new();
@@ -2897,7 +2894,7 @@ async fn a_lease_in_custody_past_max_lease_life_is_destroyed_and_released_failed
     assert_eq!(reason(&w, &lease.id).as_deref(), Some("max_lease_life"));
 }
 
-/// Issue #11 item 7: a zero bound is off, not an instant kill.
+/// A zero bound is off, not an instant kill.
 #[tokio::test(start_paused = true)]
 async fn a_zero_lease_life_bound_is_off() {
     let w = World::new();
@@ -2912,11 +2909,11 @@ async fn a_zero_lease_life_bound_is_off() {
     assert!(w.exists(&lease.id));
 }
 
-/// Issue #14: recovery with N surviving instances asks the plane for the
-/// launched set once (the set carries the leases) and journals the N
-/// adoptions in one write; each tend then renews every held lease in one
-/// heartbeat, lists the provider once, reports each phase once, and writes
-/// nothing to the journal while nothing changes.
+/// Recovery with N surviving instances asks the plane for the launched set
+/// once (the set carries the leases) and journals the N adoptions in one
+/// write; each tend then renews every held lease in one heartbeat, lists
+/// the provider once, reports each phase once, and writes nothing to the
+/// journal while nothing changes.
 #[tokio::test]
 async fn recovery_and_tend_cost_the_same_number_of_calls_whatever_is_held() {
     let w = World::new();
@@ -2980,8 +2977,8 @@ async fn recovery_and_tend_cost_the_same_number_of_calls_whatever_is_held() {
     }
 }
 
-/// Issue #14: a Tend with nothing running and nothing held asks nothing of
-/// the provider or the plane.
+/// A Tend with nothing running and nothing held asks nothing of the
+/// provider or the plane.
 #[tokio::test]
 async fn a_tend_with_nothing_held_touches_nothing() {
     let w = World::new();
@@ -2993,7 +2990,7 @@ async fn a_tend_with_nothing_held_touches_nothing() {
     assert_eq!(w.plane.heartbeats(), heartbeats);
 }
 
-// ----- spec/node.md §7.D: interruptions (issue #17 item 3) -----
+// ----- spec/node.md §7.D: interruptions -----
 
 const SPOT: EndReason = EndReason::SpotInterruption(SpotAction::Terminate);
 
@@ -3093,10 +3090,10 @@ async fn journaled_custody(journal: &CountingJournal) -> BTreeSet<String> {
         .collect()
 }
 
-/// Issue #14: a custody entry whose journal write failed (a full disk, an
-/// I/O error) is written again by the next tend, though nothing in it
-/// changed since: a restart must not forget compute this node holds. Once
-/// written, a tend that changes nothing writes nothing.
+/// A custody entry whose journal write failed (a full disk, an I/O error)
+/// is written again by the next tend, though nothing in it changed since:
+/// a restart must not forget compute this node holds. Once written, a
+/// tend that changes nothing writes nothing.
 #[tokio::test]
 async fn a_custody_entry_whose_journal_write_failed_is_written_at_the_next_tend() {
     let w = World::new();
@@ -3127,8 +3124,8 @@ async fn a_custody_entry_whose_journal_write_failed_is_written_at_the_next_tend(
     );
 }
 
-/// Issue #14: recovery's adoptions, journaled in one transaction that
-/// failed, are written at the next tend (in one transaction again).
+/// Recovery's adoptions, journaled in one transaction that failed, are
+/// written at the next tend (in one transaction again).
 #[tokio::test]
 async fn adoptions_whose_journal_write_failed_are_written_at_the_next_tend() {
     let w = World::new();
@@ -3151,7 +3148,7 @@ async fn adoptions_whose_journal_write_failed_are_written_at_the_next_tend() {
     assert_eq!(journal.writes(), writes + 1, "written one by one");
 }
 
-// ======================= Sticky disks (issue #16) =======================
+// ======================= Sticky disks =======================
 
 #[tokio::test]
 async fn a_sticky_disk_is_bound_at_launch_committed_after_a_succeeded_job_and_discarded_otherwise()
@@ -3255,10 +3252,10 @@ async fn until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
-/// Issue #16 item 7: settling a job's sticky disks records what the cache
-/// did against its lease, once, at the epoch the lease held when the disks
-/// were mounted (fenced: a lease reclaimed meanwhile records nothing, and
-/// the teardown goes on); a lease without sticky disks sends nothing.
+/// Settling a job's sticky disks records what the cache did against its
+/// lease, once, at the epoch the lease held when the disks were mounted
+/// (fenced: a lease reclaimed meanwhile records nothing, and the teardown
+/// goes on); a lease without sticky disks sends nothing.
 #[tokio::test]
 async fn settling_a_jobs_sticky_disks_records_its_cache_observation_once_epoch_fenced() {
     use billet_agent::cache::{Observation, Policy, StickyDisk, Store};
@@ -3466,11 +3463,11 @@ async fn an_untrusted_job_reads_the_trusted_generation_and_its_writes_are_discar
     );
 }
 
-/// Issue #16 item 6 (spec/cache.md §3.2, §3.4): a sticky disk whose
-/// settling failed when its job ended is tried again at the next sweep
-/// whose provider listing succeeded, and goes (`RetryClosed`); a sweep
-/// whose listing failed discards nothing, because a failed listing is not
-/// an empty one (`ReconcileInventory` only from a successful inventory).
+/// A sticky disk whose settling failed when its job ended (spec/cache.md
+/// §3.2, §3.4) is tried again at the next sweep whose provider listing
+/// succeeded, and goes (`RetryClosed`); a sweep whose listing failed
+/// discards nothing, because a failed listing is not an empty one
+/// (`ReconcileInventory` only from a successful inventory).
 #[tokio::test]
 async fn a_sticky_disk_left_by_a_failed_settle_goes_at_the_next_listed_sweep_never_at_a_failed_one()
 {

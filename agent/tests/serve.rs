@@ -535,8 +535,8 @@ async fn the_janitor_keeps_renewing_for_the_whole_drain() {
 }
 
 /// Health reads NOT_SERVING from the moment a drain begins, while the
-/// node still holds compute and still answers (issue #15): a probe or load
-/// balancer sends it nothing new.
+/// node still holds compute and still answers: a probe or load balancer
+/// sends it nothing new.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_turns_not_serving_as_soon_as_a_drain_begins() {
     let node = Node::start().await;
@@ -644,9 +644,9 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
                 request_id: HELD_REQUEST,
                 job_result: Some("succeeded".into()),
                 // The held runner still runs in the fake: without force a
-                // completion waits for it to exit (answered BUSY, issue
-                // #11 item 4). What this test asks is only that a destroy
-                // still runs during the drain.
+                // completion waits for it to exit (answered BUSY). What
+                // this test asks is only that a destroy still runs during
+                // the drain.
                 force: true,
                 reason: "drain test".into(),
             }),

@@ -416,10 +416,10 @@ fn run_captured(seed: u64, gates: &Gates) -> Result<world::Outcome, String> {
 /// so after such a change these may no longer reach the path they found;
 /// they stay cheap checks either way.
 const FOUND_BY_LONG_RUNS: &[(u64, &str)] = &[
-    // Session 6's million-seed run on b755561: invariant (2), a
-    // registration left after recovery forgot a pending removal by lease (a
-    // crash between the mint and its journal write), or destroyed an orphan
-    // without removing its registration. Every seed it found, in order.
+    // A million-seed run: invariant (2), a registration left after recovery
+    // forgot a pending removal by lease (a crash between the mint and its
+    // journal write), or destroyed an orphan without removing its
+    // registration. Every seed it found, in order.
     (19094, "million-seed run"),
     (30706, "million-seed run"),
     (39820, "million-seed run"),

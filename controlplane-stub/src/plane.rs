@@ -72,13 +72,13 @@ pub struct PlaneConfig {
     /// Mint a launch's runner registration before dispatching it, and send
     /// it in `Launch.registration`, to a node whose `Hello` said it takes
     /// one, that the plane does not see degraded, and whose last answered
-    /// launch ran the tier's image (issue #14: the node then creates
-    /// beside its bind). The cost: a node that refuses the launch anyway
-    /// (it became degraded, or lost the image, before the plane heard)
-    /// finds a registration minted, which the plane then removes; issues
-    /// #11 and #13 ask that nothing be minted for a refused launch, so
-    /// `billet-plane` leaves this off unless asked. Off, or for an older
-    /// node, the node mints through `MintJit` after its own checks.
+    /// launch ran the tier's image (the node then creates beside its bind).
+    /// The cost: a node that refuses the launch anyway (it became degraded,
+    /// or lost the image, before the plane heard) finds a registration
+    /// minted, which the plane then removes; nothing should be minted for a
+    /// refused launch, so `billet-plane` leaves this off unless asked. Off,
+    /// or for an older node, the node mints through `MintJit` after its own
+    /// checks.
     pub mint_before_dispatch: bool,
     /// How long a destroy may take.
     pub destroy_timeout: Duration,
@@ -131,7 +131,7 @@ pub enum PlaneEvent {
         /// The node.
         node: String,
         /// The plane minted its registration before dispatching the
-        /// launch (issue #14), rather than the node through `MintJit`.
+        /// launch, rather than the node through `MintJit`.
         minted_ahead: bool,
     },
     /// The launch failed; the outcome says how.
@@ -289,10 +289,10 @@ struct Cover {
     /// The last time "no node has room" was logged.
     no_room_logged: Option<Instant>,
     /// Nodes whose last launch the plane heard of ran the tier's image:
-    /// only their launches carry a registration minted before dispatch
-    /// (issue #14), so a node without the image is asked to check it
-    /// before anything is minted (issue #11 item 2), and so is a node whose
-    /// launch failed in any way, until one runs again.
+    /// only their launches carry a registration minted before dispatch,
+    /// so a node without the image is asked to check it before anything
+    /// is minted, and so is a node whose launch failed in any way,
+    /// until one runs again.
     image_ran: HashSet<String>,
 }
 
@@ -338,8 +338,8 @@ impl Cover {
     /// A runner took a job: launches work, and the next failure waits the
     /// shortest time again. Not on a launch's answer: a runner that starts
     /// and then ends without taking a job (a broken image or configuration:
-    /// it exits at once) has its launch answered every time, and was
-    /// replaced every 2 s for as long as the job waited (tester-9).
+    /// it exits at once) has its launch answered every time, and would be
+    /// replaced every 2 s for as long as the job waited.
     fn succeeded(&mut self) {
         self.backoff = None;
         self.retry_at = None;
@@ -889,8 +889,8 @@ impl Plane {
     /// Why no runner of the tier can ever be placed, when that is so: it
     /// asks for more than every attached node has in all, empty, so its
     /// jobs would wait for ever behind a warning that read like a node
-    /// briefly full (session 13's tester). `None` when some attached node
-    /// could run it once it has room, or no node is attached.
+    /// briefly full. `None` when some attached node could run it once it
+    /// has room, or no node is attached.
     fn too_large_for_every_node(&self) -> Option<String> {
         let tier = &self.config.tier;
         let largest = self
@@ -960,8 +960,8 @@ impl Plane {
     /// plane did not end itself (`not_covering`: a scale-down, a refused
     /// or failed launch) is a launch that did not end with a runner
     /// serving a job, so the next launch waits, longer each time in a row
-    /// (issue #12 item 1; tester-9: a runner image that exits at once was
-    /// replaced every 2 s). Returns whether a wait began.
+    /// (else a runner image that exits at once is replaced every 2 s).
+    /// Returns whether a wait began.
     async fn note_runners_ended_idle(
         &self,
         open: &[crate::ledger::Lease],
@@ -1052,12 +1052,12 @@ impl Plane {
         self.launch_ended(lease, node, outcome, registration).await;
     }
 
-    /// Mints the registration of `lease` for its launch (issue #14) with
-    /// the code a node's `MintJit` runs ([`crate::calls::mint_and_record`]):
-    /// the runner named `billet-<lease>`, recorded against the lease before
-    /// it is sent. Returns the failed command result the launch ends with
-    /// when it cannot be minted (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or
-    /// the ledger's code).
+    /// Mints the registration of `lease` for its launch with the code a
+    /// node's `MintJit` runs ([`crate::calls::mint_and_record`]): the runner
+    /// named `billet-<lease>`, recorded against the lease before it is sent.
+    /// Returns the failed command result the launch ends with when it cannot
+    /// be minted (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or the ledger's
+    /// code).
     /// Public so the launch bench times the plane's own mint.
     ///
     /// # Errors
@@ -1077,10 +1077,10 @@ impl Plane {
     }
 
     /// Removes the registration this plane minted for a launch that ended
-    /// with nothing started (issue #14: the plane's obligation once it
-    /// mints before dispatch). GitHub no longer having it is success; a
-    /// removal that fails is left to the registration pass, which removes
-    /// the registrations of ended leases.
+    /// with nothing started (the plane's obligation once it mints before
+    /// dispatch). GitHub no longer having it is success; a removal that
+    /// fails is left to the registration pass, which removes the
+    /// registrations of ended leases.
     async fn remove_minted(&self, lease: &str, registration: &pb::JitConfig) {
         match self
             .github
@@ -1156,7 +1156,7 @@ impl Plane {
         //
         // A registration this plane minted before dispatching is recorded
         // from the start, so there the question is the bind instead: the
-        // node starts nothing before its bind holds (issue #14).
+        // node starts nothing before its bind holds.
         let minted = match &outcome {
             CommandOutcome::Lost(_) => {
                 let judged = if registration.is_some() {
@@ -1642,9 +1642,9 @@ enum ReconcileError {
 
 impl Plane {
     /// Compares GitHub's registrations with the ledger's open leases every
-    /// [`PlaneConfig::registration_interval`] (issue #11, item 6). The plane
-    /// mints every registration of this deployment, named `billet-<lease>`
-    /// and recorded against its lease, so the ledger names every candidate.
+    /// [`PlaneConfig::registration_interval`]. The plane mints every
+    /// registration of this deployment, named `billet-<lease>` and recorded
+    /// against its lease, so the ledger names every candidate.
     async fn reconcile_registrations(self: Arc<Self>, shutdown: CancellationToken) {
         let mut tick = tokio::time::interval(self.config.registration_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -2183,9 +2183,9 @@ mod tests {
         assert!(saw_release, "no Released event for the completed lease");
     }
 
-    /// Issue #11, item 6: a registration whose lease ended more than the
-    /// grace ago is removed at GitHub; one GitHub no longer has is
-    /// remembered as gone and not asked about again.
+    /// A registration whose lease ended more than the grace ago is
+    /// removed at GitHub; one GitHub no longer has is remembered as
+    /// gone and not asked about again.
     #[tokio::test]
     async fn a_registration_that_outlived_its_lease_is_removed_once() {
         let (plane, emulator) = plane(&["node-a"]).await;
@@ -2359,12 +2359,12 @@ mod tests {
         assert_eq!(plane.ledger.charged().await.expect("charged").leases, 10);
     }
 
-    /// Issue #12: a degraded node is never picked, and a node is never
-    /// given more than its capacity less what it says it holds, even when
-    /// the ledger charges it nothing (compute it adopted).
-    /// Session 13's tester: a tier larger than every node waited for ever
-    /// behind "no attached node has room", which reads like a node briefly
-    /// full. The plane says the tier fits no node, and which is largest.
+    /// A degraded node is never picked, and a node is never given more
+    /// than its capacity less what it says it holds, even when the ledger
+    /// charges it nothing (compute it adopted). A tier larger than every
+    /// node must not wait for ever behind "no attached node has room",
+    /// which reads like a node briefly full: the plane says the tier fits
+    /// no node, and which is largest.
     #[tokio::test]
     async fn a_tier_larger_than_every_node_is_named_as_such_not_as_a_full_node() {
         let (large, _emulator) = plane_configured(&["node-a", "node-b"], |c| {
@@ -2424,8 +2424,8 @@ mod tests {
         assert_eq!(picked(&full), None);
     }
 
-    /// Issue #12: what a node reports in `Instances` or `Sweep` replaces
-    /// what it said in `Hello`.
+    /// What a node reports in `Instances` or `Sweep` replaces what it
+    /// said in `Hello`.
     #[tokio::test]
     async fn a_sweep_report_updates_what_the_plane_believes_the_node_holds() {
         let (plane, _emulator) = plane(&["node-a"]).await;
@@ -2501,11 +2501,10 @@ mod tests {
         std::env::temp_dir().join(format!("billet-plane-test-{}.db", uuid::Uuid::new_v4()))
     }
 
-    /// The tester's restart (session 14), at the plane: jobs assigned and
-    /// acknowledged by one plane, which no runner took, are wanted by the
-    /// plane started after it on the same ledger, and a job GitHub then
-    /// cancels is wanted no more, by either the set in memory or the
-    /// ledger.
+    /// A plane's restart, at the plane: jobs assigned and acknowledged by
+    /// one plane, which no runner took, are wanted by the plane started
+    /// after it on the same ledger, and a job GitHub then cancels is
+    /// wanted no more, by either the set in memory or the ledger.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_plane_started_again_wants_the_jobs_its_predecessor_acknowledged() {
         let emulator = scaleset::testing::Emulator::builder()

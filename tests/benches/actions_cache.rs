@@ -22,7 +22,7 @@
 //! and its pages dropped from the page cache (`posix_fadvise(DONTNEED)`
 //! on that file alone), and `fincore` (util-linux, which asks `mincore`)
 //! must then find at most 1% of it resident, else the bench fails; this is
-//! the figure, both sides reading the same bytes from the same
+//! the headline figure, both sides reading the same bytes from the same
 //! disk. Then each reads **warm** (`fincore` must find at least 99% of it
 //! cached):
 //! the proxy's raw cost (TLS, HTTP, copies) over the cheapest read there

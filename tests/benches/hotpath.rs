@@ -1,5 +1,5 @@
 //! Hot paths: what the node itself costs next to the work it manages, and how that cost grows
-//! as the host fills (issue #14).
+//! as the host fills.
 //!
 //! One `billet node` process (release build) on real Docker, attached over real mTLS to the stub
 //! plane in this process; every figure is printed beside a baseline this run measures itself:

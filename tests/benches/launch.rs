@@ -3,9 +3,9 @@
 //! Measures, interleaved in one run against the same engine and image:
 //!
 //! - **(a) Launch**: the plane's launch of a lease on a real `billet node` process over mTLS, from
-//!   the plane's first step to receiving the node's result. By default (`BILLET_BENCH_MINT=plane`,
-//!   issue #14) the plane mints the JIT config from the scale-set emulator and records it in its
-//!   SQLite ledger first, as `billet-plane` does for a node that takes a registration, then
+//!   the plane's first step to receiving the node's result. By default (`BILLET_BENCH_MINT=plane`)
+//!   the plane mints the JIT config from the scale-set emulator and records it in its SQLite
+//!   ledger first, as `billet-plane` does for a node that takes a registration, then
 //!   [`NodeLink::dispatch`]es the `Launch` carrying it; the node creates the container beside
 //!   `BindAdvance` (Bind and Advance(launching) in one node call and one ledger transaction) and
 //!   starts it once the bind holds. With `BILLET_BENCH_MINT=node` the `Launch` carries no
@@ -404,7 +404,7 @@ fn print_breakdown(
     );
     let journal = ["put_launch", "amend_launch"]
         .map(|w| per_launch_ms("billet_journal_write_duration_seconds", &[("call", w)]));
-    // A launch's result is committed (issue #14); a destroy's is synced.
+    // A launch's result is committed; a destroy's is synced.
     let result = mean_ms(
         "billet_journal_write_duration_seconds",
         &[("call", "put_result_committed")],

@@ -1,5 +1,5 @@
-//! Sticky disks (issue #16 item 2): what a mount and a commit cost on the
-//! file system the cache is on, against baselines measured in the same run.
+//! Sticky disks: what a mount and a commit cost on the file system the
+//! cache is on, against baselines measured in the same run.
 //!
 //! The node's own store (`billet_agent::cache::Store`, its mounts journaled
 //! in a real SQLite node journal on the host's disk) on two file systems:

@@ -40,8 +40,8 @@ pub struct ClusterOptions {
     /// Launch timeout at the plane.
     pub launch_timeout: Duration,
     /// The plane mints each launch's registration before dispatching it
-    /// (issue #14; [`PlaneConfig::mint_before_dispatch`]). Off by default,
-    /// as in `billet-plane`: the node mints through `MintJit`.
+    /// ([`PlaneConfig::mint_before_dispatch`]). Off by default, as in
+    /// `billet-plane`: the node mints through `MintJit`.
     pub mint_before_dispatch: bool,
     /// Extra environment for node processes.
     pub node_env: Vec<(String, String)>,
@@ -521,8 +521,8 @@ impl NodeProcess {
             .open(&self.log)
             .with_context(|| format!("open {}", self.log.display()))?;
         // `BILLET_TEST_NODE_BINARY` runs another build of `billet` as the
-        // node (an older release against this plane, or main's node to see
-        // a test fail before a fix).
+        // node (an older release against this plane, or a build without a
+        // fix to see a test fail).
         let binary = match std::env::var_os("BILLET_TEST_NODE_BINARY") {
             Some(path) => PathBuf::from(path),
             None => binary_path("billet")?,

@@ -1,6 +1,6 @@
 //! A fake of the EC2 instance-metadata service's spot notice, on loopback,
-//! for the node's spot-interruption watcher (`agent/src/node/interruption.rs`,
-//! issue #17 item 3). It speaks IMDSv2 as EC2 does:
+//! for the node's spot-interruption watcher
+//! (`agent/src/node/interruption.rs`). It speaks IMDSv2 as EC2 does:
 //!
 //! - `PUT /latest/api/token` with `X-aws-ec2-metadata-token-ttl-seconds`
 //!   between 1 and 21600 answers a fresh session token (400 without it);

@@ -1,9 +1,9 @@
-//! Planes as processes on one PostgreSQL ledger (issue #17 item 1): real
-//! `billet-plane` processes, each with a scale set (tier) and nodes of its
-//! own, all sharing one ledger database made for the test
-//! ([`ScratchPostgres`], dropped afterwards) and one GitHub (the scale-set
-//! emulator, in this process). Each node is a host on a fleet
-//! [`Network`] (`fleet.rs`), dialed by its plane at its own address.
+//! Planes as processes on one PostgreSQL ledger: real `billet-plane`
+//! processes, each with a scale set (tier) and nodes of its own, all
+//! sharing one ledger database made for the test ([`ScratchPostgres`],
+//! dropped afterwards) and one GitHub (the scale-set emulator, in this
+//! process). Each node is a host on a fleet [`Network`] (`fleet.rs`),
+//! dialed by its plane at its own address.
 //!
 //! A plane is a child process: [`PlaneProcess::kill`] is SIGKILL, a crash
 //! with nothing written on the way out (no ledger write, no GitHub session

@@ -1,10 +1,9 @@
-//! The transparent Actions cache end to end (issue #16 item 4): a real
-//! `billet node` with its proxy on loopback, the stub plane, the emulator
-//! as GitHub, a fake results service behind the proxy
-//! (`billet_tests::results`) and the stand-in runner in real Docker
-//! containers, using the cache through the proxy as `@actions/cache` does
-//! (`BILLET_STANDIN_ACTIONS_CACHE`) and reporting what it got to the
-//! test's sink (`GuestReports`).
+//! The transparent Actions cache end to end: a real `billet node` with
+//! its proxy on loopback, the stub plane, the emulator as GitHub, a fake
+//! results service behind the proxy (`billet_tests::results`) and the
+//! stand-in runner in real Docker containers, using the cache through the
+//! proxy as `@actions/cache` does (`BILLET_STANDIN_ACTIONS_CACHE`) and
+//! reporting what it got to the test's sink (`GuestReports`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -223,15 +222,14 @@ async fn a_tier_that_does_not_opt_in_gets_no_proxy() -> Result<()> {
     Ok(())
 }
 
-/// Issue #16 "Tests and figures": the kill switch turned off mid-run
-/// (spec/cache.md §5.2; §7.2 13 end to end). A job saves through the proxy
-/// (answered locally) and holds a signed download URL and a signed upload
-/// URL; the operator then disables the cache for its repository with the
-/// real `billet-plane cache disable`, and from then on that job's calls are
-/// not answered locally: the held URLs get a local 502 (GitHub never issued
-/// them) and write nothing, a fresh lookup reaches GitHub unchanged. Enabled
-/// again, the same URLs and lookups are served locally, and the job
-/// succeeds.
+/// The kill switch turned off mid-run (spec/cache.md §5.2; §7.2 13 end to
+/// end). A job saves through the proxy (answered locally) and holds a signed
+/// download URL and a signed upload URL; the operator then disables the
+/// cache for its repository with the real `billet-plane cache disable`, and
+/// from then on that job's calls are not answered locally: the held URLs get
+/// a local 502 (GitHub never issued them) and write nothing, a fresh lookup
+/// reaches GitHub unchanged. Enabled again, the same URLs and lookups are
+/// served locally, and the job succeeds.
 #[tokio::test]
 async fn the_kill_switch_turned_off_mid_run_sends_the_jobs_cache_calls_to_github_and_on_again_serves_them_locally()
 -> Result<()> {
@@ -363,15 +361,15 @@ fn published(s: &Setup) -> Vec<PathBuf> {
     found
 }
 
-/// Issue #16: Actions cache archives are evicted by the cache's pass
-/// under pressure (`--cache-max-bytes` of 1 byte, a pass every second),
-/// never one a running job reads: a job saves an archive and holds a
-/// download of it; the node is restarted with the pressure on (its
-/// proxy on a fixed port, so the job's proxy URL stays good) and passes
-/// keep the archive, because the session's download link came back from
-/// the journal; the job's held download is still served locally. Once the
-/// job has ended (its session closed) the archive goes, and the next job's
-/// lookup misses and saves it again.
+/// Actions cache archives are evicted by the cache's pass under pressure
+/// (`--cache-max-bytes` of 1 byte, a pass every second), never one a
+/// running job reads: a job saves an archive and holds a download of it;
+/// the node is restarted with the pressure on (its proxy on a fixed port,
+/// so the job's proxy URL stays good) and passes keep the archive, because
+/// the session's download link came back from the journal; the job's held
+/// download is still served locally. Once the job has ended (its session
+/// closed) the archive goes, and the next job's lookup misses and saves it
+/// again.
 #[tokio::test]
 async fn under_pressure_an_archive_a_running_job_reads_stays_across_a_restart_and_goes_once_the_job_ends()
 -> Result<()> {

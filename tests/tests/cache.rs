@@ -1,6 +1,6 @@
-//! Sticky disks end to end (issue #16): real `billet node` processes, the
-//! stub plane, the emulator as GitHub and the stand-in runner in real
-//! Docker containers. The tier asks for one sticky disk; each stand-in
+//! Sticky disks end to end: real `billet node` processes, the stub plane,
+//! the emulator as GitHub and the stand-in runner in real Docker
+//! containers. The tier asks for one sticky disk; each stand-in
 //! (`BILLET_STANDIN_STICKY`) reads a counter file on it and writes it back
 //! incremented, so what a job found is what the next generation holds.
 //! What was published is read off the node's cache directory, as the
@@ -328,8 +328,7 @@ async fn a_second_job_finds_what_the_first_committed() -> Result<()> {
             "hits=1 misses=0 bytes_restored=2 bytes_committed=2 conflicts=0 fallbacks=0",
         ]
     );
-    // Issue #16 item 7: the same, recorded against each lease in the
-    // plane's ledger.
+    // The same, recorded against each lease in the plane's ledger.
     use billet_controlplane_stub::ledger::CacheObservation;
     assert_eq!(
         ledger_observations(cluster, 2).await?,
@@ -592,11 +591,11 @@ async fn a_wrong_missing_or_destroyed_instances_credential_is_refused_and_change
     guests.cluster.shutdown().await.context("shutdown")
 }
 
-/// Issue #16 item 6: eviction under pressure (`--cache-max-bytes` of 1
-/// byte) removes an older generation no job has mounted and never the one
-/// a running job mounted, although it is the least recently used: the job
-/// commits what it cloned from it. Main's node has no eviction pass: it
-/// never removes anything ("an eviction pass" times out).
+/// Eviction under pressure (`--cache-max-bytes` of 1 byte) removes an
+/// older generation no job has mounted and never the one a running job
+/// mounted, although it is the least recently used: the job commits what
+/// it cloned from it. A node without an eviction pass never removes
+/// anything ("an eviction pass" times out).
 #[tokio::test]
 async fn eviction_under_pressure_removes_unmounted_generations_and_never_a_mounted_one()
 -> Result<()> {
@@ -664,10 +663,10 @@ async fn eviction_under_pressure_removes_unmounted_generations_and_never_a_mount
     Ok(())
 }
 
-/// Issue #16 item 2: a mount that fails (the generation's tree is lost
-/// under the store, so the clone fails) gives the job an empty directory
-/// that is never committed, and the job runs and succeeds: its guest is
-/// told the disk was a fallback, and the key keeps its head.
+/// A mount that fails (the generation's tree is lost under the store, so
+/// the clone fails) gives the job an empty directory that is never
+/// committed, and the job runs and succeeds: its guest is told the disk
+/// was a fallback, and the key keeps its head.
 #[tokio::test]
 async fn a_failed_mount_gives_the_job_an_empty_uncommittable_directory_and_the_job_succeeds()
 -> Result<()> {
@@ -730,11 +729,11 @@ async fn a_failed_mount_gives_the_job_an_empty_uncommittable_directory_and_the_j
     Ok(())
 }
 
-/// Issue #16 item 2: a commit on a full file system (the cache directory
-/// a 48 MiB tmpfs, which the job fills through its disk) fails: the guest
-/// is told the cache was unavailable, the key's head stays at the previous
-/// generation, whole, and what the commit had made and the job's disk are
-/// collected, so the space is free again.
+/// A commit on a full file system (the cache directory a 48 MiB tmpfs,
+/// which the job fills through its disk) fails: the guest is told the
+/// cache was unavailable, the key's head stays at the previous generation,
+/// whole, and what the commit had made and the job's disk are collected,
+/// so the space is free again.
 #[tokio::test]
 async fn a_commit_on_a_full_cache_disk_leaves_the_head_at_the_previous_generation_and_frees_the_space()
 -> Result<()> {
@@ -786,9 +785,9 @@ async fn a_commit_on_a_full_cache_disk_leaves_the_head_at_the_previous_generatio
     guests.cluster.shutdown().await.context("shutdown")
 }
 
-/// Issue #16 item 6: a node killed and started again while a job has its
-/// disk mounted still owns the mount: the job's guest commits through the
-/// restarted node's API and the commit is published.
+/// A node killed and started again while a job has its disk mounted still
+/// owns the mount: the job's guest commits through the restarted node's
+/// API and the commit is published.
 #[tokio::test]
 async fn a_node_restarted_while_a_job_has_its_disk_mounted_still_commits_it() -> Result<()> {
     let mut guests = Guests::start(pb::StickyPublication::Cas, 12_000, &[]).await?;
@@ -822,10 +821,10 @@ async fn a_node_restarted_while_a_job_has_its_disk_mounted_still_commits_it() ->
     guests.cluster.shutdown().await.context("shutdown")
 }
 
-/// Issue #16 item 2: on an XFS made with `reflink=1` (loop-mounted here;
-/// this machine's own disks are ext4) the store says so when it opens, a
-/// mount is a reflink of every file, and what the job writes reaches its
-/// clone only: the generation it was cloned from stays as it was.
+/// On an XFS made with `reflink=1` (loop-mounted here; this machine's
+/// own disks are ext4) the store says so when it opens, a mount is a
+/// reflink of every file, and what the job writes reaches its clone
+/// only: the generation it was cloned from stays as it was.
 #[tokio::test]
 async fn on_xfs_with_reflinks_a_mount_shares_the_generations_extents_and_writes_reach_the_clone_only()
 -> Result<()> {

@@ -213,10 +213,10 @@ fn relative_paths_in_a_configuration_file_resolve_against_its_directory() -> Res
     Ok(())
 }
 
-/// Issue #16 item 2: `billet check` says which file system the cache
-/// directory is on and what a sticky-disk mount costs there: reflinks on an
-/// XFS made with `reflink=1`, a copy (and how to do better) elsewhere; and
-/// the eviction flags are checked, each error naming its flag.
+/// `billet check` says which file system the cache directory is on and what
+/// a sticky-disk mount costs there: reflinks on an XFS made with
+/// `reflink=1`, a copy (and how to do better) elsewhere; and the eviction
+/// flags are checked, each error naming its flag.
 #[test]
 fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_flags() -> Result<()>
 {
@@ -282,10 +282,10 @@ fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_f
     Ok(())
 }
 
-/// Found by session 13's tester: `billet check` said ok for a state
-/// directory on a read-only file system (a hardened unit without its
-/// `ReadWritePaths=`), absent or present, where `billet node` then exits 6.
-/// Both now exit 6 naming the directory, and nothing is written.
+/// `billet check` must not say ok for a state directory on a read-only
+/// file system (a hardened unit without its `ReadWritePaths=`), absent or
+/// present, where `billet node` then exits 6. Both exit 6 naming the
+/// directory, and nothing is written.
 #[test]
 fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Result<()> {
     let s = setup()?;
@@ -314,11 +314,11 @@ fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Res
     Ok(())
 }
 
-/// Found by session 13's second tester: a `--cache-dir` too long for the
-/// guests' cache sockets (`<dir>/guests/<8 hex>/cache.sock`, at most 107
-/// bytes) was accepted by `billet check` and by the node, which then gave
-/// every job no cache API. Both now refuse it, exit 6, saying how long it
-/// may be; one just short enough is accepted.
+/// A `--cache-dir` too long for the guests' cache sockets
+/// (`<dir>/guests/<8 hex>/cache.sock`, at most 107 bytes), with which the
+/// node would give every job no cache API, is refused by `billet check`
+/// and by the node, exit 6, saying how long it may be; one just short
+/// enough is accepted.
 #[test]
 fn check_and_the_node_refuse_a_cache_directory_too_long_for_the_guests_sockets() -> Result<()> {
     let s = setup()?;

@@ -689,14 +689,13 @@ fn container_exists(cluster: &Cluster, name: &str) -> bool {
         .unwrap_or(true)
 }
 
-/// Issue #11 item 6, as the issue's test list has it: six idle runners
-/// whose registrations are deleted at GitHub, GitHub answering 503 for the
-/// first part of the run. Nothing is reaped during the 503s (unknown is
-/// not gone); then all six are destroyed with reason `registration_lost`,
-/// a few per pass; once the jobs are cancelled nothing is left. The
-/// runners never connect, so they stay idle and cannot notice their
-/// registration go (the start deadline, 120 s here, is well past the
-/// reaping).
+/// Six idle runners whose registrations are deleted at GitHub, GitHub
+/// answering 503 for the first part of the run. Nothing is reaped during
+/// the 503s (unknown is not gone); then all six are destroyed with reason
+/// `registration_lost`, a few per pass; once the jobs are cancelled
+/// nothing is left. The runners never connect, so they stay idle and
+/// cannot notice their registration go (the start deadline, 120 s here, is
+/// well past the reaping).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn six_idle_runners_whose_registrations_github_deleted_are_reaped_only_after_its_503s()
 -> Result<()> {
@@ -825,10 +824,9 @@ async fn six_idle_runners_whose_registrations_github_deleted_are_reaped_only_aft
 /// A tier the engine refuses after the mint (memory under Docker's 6 MB
 /// minimum): every launch fails at the create, its registration is removed
 /// before the next is minted, and each failed lease says why in the ledger.
-/// Seen by session 12's independent tester: the leases ended `failed` with
-/// no reason, so an operator reading the ledger could not tell what the job
-/// was waiting on. The job stays covered (a fresh lease after each backoff)
-/// and, cancelled at GitHub, leaves nothing behind.
+/// Without a reason, an operator reading the ledger could not tell what the
+/// job was waiting on. The job stays covered (a fresh lease after each
+/// backoff) and, cancelled at GitHub, leaves nothing behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_the_engine_refuses_ends_its_lease_failed_saying_why_and_leaks_nothing()
 -> Result<()> {
@@ -890,11 +888,11 @@ async fn a_launch_the_engine_refuses_ends_its_lease_failed_saying_why_and_leaks_
     cluster.shutdown().await
 }
 
-/// The tester's restart (session 14): jobs GitHub assigned while the only
-/// node had no room, whose `JobAssigned` messages the old plane already
-/// acknowledged, are still covered by the plane that replaces it. The
-/// emulator (GitHub) keeps its state across the restart, as GitHub does;
-/// the new plane learns those jobs only from the ledger.
+/// A plane's restart: jobs GitHub assigned while the only node had no
+/// room, whose `JobAssigned` messages the old plane already acknowledged,
+/// are still covered by the plane that replaces it. The emulator (GitHub)
+/// keeps its state across the restart, as GitHub does; the new plane learns
+/// those jobs only from the ledger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_waiting_for_room_when_the_plane_restarts_are_covered_by_the_new_plane() -> Result<()>
 {

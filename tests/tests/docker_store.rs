@@ -1,6 +1,6 @@
-//! The Docker image store and trust classes end to end (issue #16 items 3
-//! and 5): real `billet node` processes, the stub plane, the emulator as
-//! GitHub and the stand-in runner in real Docker containers.
+//! The Docker image store and trust classes end to end: real `billet node`
+//! processes, the stub plane, the emulator as GitHub and the stand-in
+//! runner in real Docker containers.
 //!
 //! The tier opts into the image store (`TierSpec.docker_image_store`) and
 //! names one sticky disk. Each stand-in plays the guest agent
@@ -248,10 +248,10 @@ async fn a_guest_that_never_says_ready_publishes_no_image_store() -> Result<()> 
     cluster.shutdown().await.context("shutdown")
 }
 
-/// Issue #16 item 5: an untrusted job (on a node whose operator vouches
-/// for its containers' isolation) reads what trusted jobs published and
-/// publishes nothing, neither its sticky disk nor its image store; the next
-/// trusted job finds the old heads.
+/// An untrusted job (on a node whose operator vouches for its containers'
+/// isolation) reads what trusted jobs published and publishes nothing,
+/// neither its sticky disk nor its image store; the next trusted job finds
+/// the old heads.
 #[tokio::test]
 async fn an_untrusted_job_publishes_nothing_and_the_next_trusted_job_finds_the_old_heads()
 -> Result<()> {

@@ -1,5 +1,5 @@
-//! Nodes as hosts (issue #17 item 2): the plane and three real `billet
-//! node`s, each in a network namespace of its own on a private bridge
+//! Nodes as hosts: the plane and three real `billet node`s, each in a
+//! network namespace of its own on a private bridge
 //! (`billet_tests::fleet`), over real mTLS, running the stand-in runner in
 //! real Docker, with jobs from the scale-set emulator. A node partitioned
 //! (its traffic dropped) and healed, a host lost for good, the plane
@@ -373,9 +373,9 @@ async fn the_plane_restarted_under_a_busy_fleet_loses_no_job_and_leaks_nothing()
     Ok(())
 }
 
-/// The whole fleet upgraded one node at a time while jobs run (issue #17
-/// item 2, through the same `StartUpgrade` and `billet host-upgrade` path
-/// as `upgrade.rs`, each node installed as an operator installs it): each
+/// The whole fleet upgraded one node at a time while jobs run (through
+/// the same `StartUpgrade` and `billet host-upgrade` path as
+/// `upgrade.rs`, each node installed as an operator installs it): each
 /// node comes back on the new release before the next is asked, every job
 /// (those running across each node's restart and those queued during the
 /// rollout) completes once and succeeded, no node is booked beyond its
@@ -447,15 +447,15 @@ async fn a_rolling_upgrade_of_the_fleet_kills_no_job_and_double_books_nothing() 
     Ok(())
 }
 
-/// Two `billet-plane` processes share one PostgreSQL ledger (issue #17 item
-/// 1), each with a scale set and two nodes of its own, both reapers running
-/// over the whole ledger. Plane A is killed (SIGKILL, nothing written on
-/// the way out) while its nodes run jobs: plane B's reaper quarantines each
-/// of A's leases once (its epoch moves by one, and B's log names it once)
-/// and reaps none of its own; B's jobs, those queued after the kill
-/// included, run on; A's runners finish their jobs at GitHub. Once GitHub
-/// has timed A's session out, A is started again: it attaches its nodes,
-/// runs the jobs queued on its set while it was dead, and the quarantine is
+/// Two `billet-plane` processes share one PostgreSQL ledger, each with a
+/// scale set and two nodes of its own, both reapers running over the whole
+/// ledger. Plane A is killed (SIGKILL, nothing written on the way out)
+/// while its nodes run jobs: plane B's reaper quarantines each of A's
+/// leases once (its epoch moves by one, and B's log names it once) and
+/// reaps none of its own; B's jobs, those queued after the kill included,
+/// run on; A's runners finish their jobs at GitHub. Once GitHub has timed
+/// A's session out, A is started again: it attaches its nodes, runs the
+/// jobs queued on its set while it was dead, and the quarantine is
 /// resolved. Every job completed once, succeeded, on a node of its own
 /// plane; no node was charged beyond its capacity; nothing is left: no
 /// container, no charge, no registration.

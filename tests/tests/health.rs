@@ -1,7 +1,7 @@
-//! A node that cannot do its job says so, stops taking work, and heals
-//! (issue #13): clock offsets, a hung or refusing engine, a full state
-//! disk, and start-up logging. End to end: real `billet node` processes,
-//! real mTLS, real Docker.
+//! A node that cannot do its job says so, stops taking work, and heals:
+//! clock offsets, a hung or refusing engine, a full state disk, and
+//! start-up logging. End to end: real `billet node` processes, real
+//! mTLS, real Docker.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -142,8 +142,8 @@ fn an_invalid_billet_log_stops_start_up_with_exit_2_naming_the_variable() -> Res
         .context("the error")?;
     let json: serde_json::Value = serde_json::from_str(line).context("a JSON line")?;
     assert_eq!(json["level"], "ERROR", "{line}");
-    // Logging turned off does not silence why the node stops (seen by
-    // session 12's tester: exit 3 and not a word).
+    // Logging turned off does not silence why the node stops (exit 3
+    // and not a word would leave the operator guessing).
     let (code, stderr) = start_without_certificates("off", &[])?;
     assert_eq!(code, Some(3), "{stderr}");
     assert!(
@@ -239,14 +239,14 @@ fn has(reasons: &[i32], reason: pb::DegradedReason) -> bool {
     reasons.contains(&(reason as i32))
 }
 
-/// Issue #13: the Docker socket accepts connections and never answers while
-/// jobs run. Within 30 s the node says it is degraded (provider stuck) on
-/// the port, the local socket and the session, and the plane stops placing
-/// work there; a launch that was already queued behind the stuck call, and
-/// one placed anyway, are refused at once, typed UNAVAILABLE, with nothing
-/// minted and nothing handed to custody; a command busy past the slot's
-/// bound adds `slot stuck`. The running jobs are left alone. When the socket
-/// answers again the node heals by itself and every job runs once.
+/// The Docker socket accepts connections and never answers while jobs run.
+/// Within 30 s the node says it is degraded (provider stuck) on the port,
+/// the local socket and the session, and the plane stops placing work there;
+/// a launch that was already queued behind the stuck call, and one placed
+/// anyway, are refused at once, typed UNAVAILABLE, with nothing minted and
+/// nothing handed to custody; a command busy past the slot's bound adds
+/// `slot stuck`. The running jobs are left alone. When the socket answers
+/// again the node heals by itself and every job runs once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when_it_answers()
 -> Result<()> {
@@ -424,15 +424,14 @@ async fn a_hung_engine_degrades_the_node_refuses_launches_at_once_and_heals_when
     cluster.shutdown().await
 }
 
-/// Issue #13, seen by session 12's independent tester: a node restarted
-/// (a crash, systemd's restart) while the Docker socket accepts connections
-/// and never answers, with a job running. It used to say nothing and serve
-/// nothing for 60 s, its start-up ping waiting, then exit 5, and again at
-/// every restart. It now comes up: within 45 s of the restart its local
-/// socket, its port and the plane's session all say it is degraded
-/// (provider stuck), nothing is minted for a job queued meanwhile, and once
-/// the engine answers it recovers the running job, which completes once,
-/// runs the queued one, and leaves nothing behind.
+/// A node restarted (a crash, systemd's restart) while the Docker socket
+/// accepts connections and never answers, with a job running, comes up
+/// rather than saying nothing and serving nothing for 60 s, its start-up
+/// ping waiting, then exiting 5, again at every restart: within 45 s of the
+/// restart its local socket, its port and the plane's session all say it is
+/// degraded (provider stuck), nothing is minted for a job queued meanwhile,
+/// and once the engine answers it recovers the running job, which completes
+/// once, runs the queued one, and leaves nothing behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_restarted_while_the_engine_hangs_comes_up_degraded_and_recovers_when_it_answers()
 -> Result<()> {
@@ -546,13 +545,12 @@ async fn a_node_restarted_while_the_engine_hangs_comes_up_degraded_and_recovers_
     cluster.shutdown().await
 }
 
-/// Issue #13: the node's state directory on a small file system that
-/// fills up. The node says it is degraded (state disk low, journal not
-/// writable, the latter found by its own probe, not by a failed custody
-/// write), the plane withdraws its capacity, and a launch placed anyway is
-/// refused typed RESOURCE_EXHAUSTED before anything is minted; once the
-/// filler is deleted the node heals by itself, is placed on again, and a
-/// job runs.
+/// The node's state directory on a small file system that fills up. The
+/// node says it is degraded (state disk low, journal not writable, the
+/// latter found by its own probe, not by a failed custody write), the
+/// plane withdraws its capacity, and a launch placed anyway is refused
+/// typed RESOURCE_EXHAUSTED before anything is minted; once the filler is
+/// deleted the node heals by itself, is placed on again, and a job runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_when_space_is_freed()
 -> Result<()> {
@@ -695,14 +693,14 @@ async fn a_full_state_disk_degrades_the_node_refuses_launches_typed_and_heals_wh
     cluster.shutdown().await
 }
 
-/// Found by session 13's independent tester: jobs completing while the
-/// node's state disk was full left its journal refusing every write once
-/// space was freed (`Safety level may not be changed inside a
-/// transaction`): a transaction that failed for want of space left the
-/// journal's one connection inside a transaction SQLite had already rolled
-/// back, so every later launch answered "cannot journal the launch" and
-/// the node stayed healthy-looking until a restart. No node or engine is
-/// needed: the journal alone, on a small tmpfs filled to the last byte.
+/// Jobs completing while the node's state disk is full must not leave its
+/// journal refusing every write once space is freed (`Safety level may not
+/// be changed inside a transaction`): a transaction that failed for want
+/// of space can leave the journal's one connection inside a transaction
+/// SQLite had already rolled back, and then every later launch answers
+/// "cannot journal the launch" while the node looks healthy until a
+/// restart. No node or engine is needed: the journal alone, on a small
+/// tmpfs filled to the last byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_journal_whose_writes_failed_on_a_full_disk_takes_writes_again_once_space_is_freed()
 -> Result<()> {

@@ -57,10 +57,9 @@ async fn five_jobs_queued_at_once_all_run_and_all_clean_up() -> Result<()> {
     cluster.shutdown().await
 }
 
-/// Issue #17 item 5: a tier asking for more vCPUs than the engine's host
-/// has. The engine refuses such a container (`Range of CPUs is from 0.01
-/// to N`), so on main every such launch failed and the job never ran; now
-/// the node resizes the lease to the host's CPUs before the mint, the job
+/// A tier asking for more vCPUs than the engine's host has. The engine
+/// refuses such a container (`Range of CPUs is from 0.01 to N`), so the
+/// node resizes the lease to the host's CPUs before the mint, the job
 /// runs, and the ledger charged what ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tier_asking_for_more_cpus_than_the_host_has_runs_charged_what_it_got() -> Result<()> {

@@ -1,7 +1,6 @@
-//! Issue #14: launches carrying a registration the plane minted before
-//! dispatch (`mint_before_dispatch: true`), with the node killed between
-//! its create and its start. Real Docker, real `billet node`, the stub
-//! plane. Written by session 19's independent tester (tester-14).
+//! Launches carrying a registration the plane minted before dispatch
+//! (`mint_before_dispatch: true`), with the node killed between its create
+//! and its start. Real Docker, real `billet node`, the stub plane.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,6 +1,6 @@
-//! Registry mirrors for guests (issue #17 item 4): the mirrors a node is
-//! configured with (`--registry-mirror`, `BILLET_REGISTRY_MIRRORS`) reach
-//! every runner it starts, exactly, as its Docker daemon configuration
+//! Registry mirrors for guests: the mirrors a node is configured with
+//! (`--registry-mirror`, `BILLET_REGISTRY_MIRRORS`) reach every runner it
+//! starts, exactly, as its Docker daemon configuration
 //! (`/etc/docker/daemon.json`, bound read-only) and in
 //! `BILLET_REGISTRY_MIRRORS`; a node configured with none hands none. The
 //! stand-in runner says at start what it sees.

@@ -1,10 +1,10 @@
-//! A seeded, randomized end-to-end run of the plane's obligations (issue
-//! #12, its last test): real `billet node` processes over real mTLS, real
-//! Docker, the stub plane and the scale-set emulator, driven through a
-//! schedule of random operations: jobs queued, a node SIGKILLed (at once or
-//! mid-launch) and restarted, launch results dropped on the plane's side
-//! of the link, GitHub answering 5xx and 409, containers removed out of
-//! band (`docker rm -f`), time passing.
+//! A seeded, randomized end-to-end run of the plane's obligations: real
+//! `billet node` processes over real mTLS, real Docker, the stub plane and
+//! the scale-set emulator, driven through a schedule of random operations:
+//! jobs queued, a node SIGKILLed (at once or mid-launch) and restarted,
+//! launch results dropped on the plane's side of the link, GitHub answering
+//! 5xx and 409, containers removed out of band (`docker rm -f`), time
+//! passing.
 //!
 //! At every quiescent point (the schedule stops; a bounded wait until no
 //! lease is reserved, launching or tearing down, no job waits assigned and
@@ -33,8 +33,8 @@ use billet_controlplane_stub::plane::PlaneEvent;
 use billet_tests::cluster::{Cluster, ClusterOptions, Starts, wait_until};
 use scaleset::testing::{Endpoint, Fault, JobState};
 
-/// Operations when `BILLET_E2E_OPS` is not set: about the issue's "40 in
-/// CI".
+/// Operations when `BILLET_E2E_OPS` is not set: about 40, a run sized
+/// for CI.
 const DEFAULT_OPS: usize = 40;
 /// A quiescent point at least every this many operations.
 const QUIESCE_EVERY: usize = 10;

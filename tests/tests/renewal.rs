@@ -1,8 +1,8 @@
-//! Identity that never lapses while attached (issue #13 item 3): a node
-//! renews its certificate through the plane over the session, with jobs
-//! flowing, without a restart; and a node whose certificate expired anyway
-//! keeps its compute, says `identity expired`, and comes back with a
-//! one-time join token through `billet node enroll`.
+//! Identity that never lapses while attached: a node renews its
+//! certificate through the plane over the session, with jobs flowing,
+//! without a restart; and a node whose certificate expired anyway keeps
+//! its compute, says `identity expired`, and comes back with a one-time
+//! join token through `billet node enroll`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -66,8 +66,9 @@ fn not_after_ms(cert: &Path) -> Result<i64> {
 /// node keeps its pid and incarnation, the renewed certificate (an hour
 /// long) is on disk and in force, and jobs still launch after the original
 /// certificate's end, so the sessions opened after the renewal (the
-/// recycled one included) run on the new one. On main the node never asks,
-/// its certificate expires under it and the plane cannot attach again.
+/// recycled one included) run on the new one. A node that never asked
+/// would have its certificate expire under it, and the plane could not
+/// attach again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_lived_certificate_is_renewed_through_the_plane_while_jobs_run_without_a_restart()
 -> Result<()> {
@@ -187,8 +188,7 @@ async fn a_short_lived_certificate_is_renewed_through_the_plane_while_jobs_run_w
 /// its local socket; the node gets a fresh certificate from the enrolment
 /// endpoint without a restart, the plane attaches again, the container has
 /// not been touched, and the same token is refused a second time (as is a
-/// token issued for another node). On main there is no `billet node
-/// enroll`.
+/// token issued for another node).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_certificate_expired_keeps_its_compute_and_re_enrols_with_a_one_time_token()
 -> Result<()> {
@@ -375,13 +375,13 @@ async fn a_node_whose_certificate_expired_keeps_its_compute_and_re_enrols_with_a
     cluster.shutdown().await
 }
 
-/// A node whose certificate expired while it was down starts on it (issue
-/// #13: on main it exits 3): it leaves the container a previous
-/// incarnation left running untouched, serves its local socket saying
-/// `identity expired` (not serving, degraded for that reason), and stays
-/// up, although no plane can attach. `billet node enroll` with a join token
-/// brings it back without a restart: the plane attaches, recovery adopts
-/// the container and its lease, and a new job launches and runs.
+/// A node whose certificate expired while it was down starts on it (rather
+/// than exiting 3): it leaves the container a previous incarnation left
+/// running untouched, serves its local socket saying `identity expired`
+/// (not serving, degraded for that reason), and stays up, although no plane
+/// can attach. `billet node enroll` with a join token brings it back
+/// without a restart: the plane attaches, recovery adopts the container and
+/// its lease, and a new job launches and runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_started_on_an_expired_certificate_keeps_its_compute_and_re_enrols_without_a_restart()
 -> Result<()> {
@@ -611,14 +611,14 @@ async fn a_node_started_on_an_expired_certificate_keeps_its_compute_and_re_enrol
 
 /// A node whose wall clock is stepped 120 s back just after it attached,
 /// with a 90 s certificate the plane renews for an hour: "minutes off" and
-/// "a certificate of a few minutes", the two things issue #13 asks a node
-/// to survive, at once (tester-6). The plane backdates what it signs by 60
-/// s, so on the node's own clock every renewed certificate was "not valid
-/// yet" and refused, and the renewal itself came 120 s late; only a
-/// session opened before the original certificate's end kept the plane
-/// attached. Certificate dates are now read on the plane's clock (the
-/// offset the session measures): the renewal is installed, on time, and a
-/// job queued 40 s after the original certificate's end runs.
+/// "a certificate of a few minutes", the two things a node must survive,
+/// at once. The plane backdates what it signs by 60 s, so on the node's
+/// own clock every renewed certificate would be "not valid yet" and
+/// refused, and the renewal itself would come 120 s late; only a session
+/// opened before the original certificate's end would keep the plane
+/// attached. Certificate dates are read on the plane's clock (the offset
+/// the session measures): the renewal is installed, on time, and a job
+/// queued 40 s after the original certificate's end runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_120_s_behind_the_plane_renews_its_short_lived_certificate_on_the_planes_clock()
 -> Result<()> {

@@ -1,8 +1,8 @@
-//! A runner's life is what the provider sees (issue #11), end to end with
-//! real Docker, the real `billet node`, the stub plane and the scaleset
-//! emulator. Each scenario ends with no billet container, no runner
-//! registration and no charged capacity, the lease terminal with the right
-//! outcome and failure reason.
+//! A runner's life is what the provider sees, end to end with real Docker,
+//! the real `billet node`, the stub plane and the scaleset emulator. Each
+//! scenario ends with no billet container, no runner registration and no
+//! charged capacity, the lease terminal with the right outcome and failure
+//! reason.
 
 use std::time::Duration;
 
@@ -164,10 +164,10 @@ async fn a_runner_oom_killed_under_128_mib_frees_its_lease_failed_oom() -> Resul
 
 /// A step of the job, not the runner, is OOM-killed: Docker marks the
 /// container OOM-killed, but the runner goes on, completes its job
-/// `succeeded` and exits 0. Seen by the independent tester of session 12:
-/// when the runner's exit reached the node before GitHub's completion
-/// reached the plane (delayed here), the lease was released `failed`,
-/// reason `oom`, for a job that succeeded.
+/// `succeeded` and exits 0. When the runner's exit reaches the node
+/// before GitHub's completion reaches the plane (delayed here), the
+/// lease must not be released `failed`, reason `oom`, for a job that
+/// succeeded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_whose_step_is_oom_killed_and_that_completes_its_job_ends_done() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions {
@@ -285,12 +285,11 @@ async fn a_node_killed_with_three_running_containers_that_are_then_removed_frees
     cluster.shutdown().await
 }
 
-/// Issue #11 item 2: a launch whose image does not exist on the node is
-/// refused before anything is registered: typed `IMAGE_UNAVAILABLE`
-/// naming the image, no JIT config minted at GitHub, no container, and no
-/// lease left bound or charged (issue #14: the image is checked beside the
-/// bind, and the node releases the lease it bound `failed`); the job stays
-/// covered and waits.
+/// A launch whose image does not exist on the node is refused before
+/// anything is registered: typed `IMAGE_UNAVAILABLE` naming the image, no
+/// JIT config minted at GitHub, no container, and no lease left bound or
+/// charged (the image is checked beside the bind, and the node releases
+/// the lease it bound `failed`); the job stays covered and waits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_unavailable()
 -> Result<()> {
@@ -364,12 +363,11 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     cluster.shutdown().await
 }
 
-/// Issue #14, with `--mint-before-dispatch`: once a node has run the tier's
-/// image, the plane mints each launch's registration before dispatching it
-/// (the node then creates beside its bind and asks no `MintJit`); the
-/// first launch on a node is checked before anything is minted (issue #11
-/// item 2). When the image is
-/// removed from the node afterwards, the next launch, minted ahead, is
+/// With `--mint-before-dispatch`: once a node has run the tier's image,
+/// the plane mints each launch's registration before dispatching it (the
+/// node then creates beside its bind and asks no `MintJit`); the first
+/// launch on a node is checked before anything is minted. When the image
+/// is removed from the node afterwards, the next launch, minted ahead, is
 /// refused `IMAGE_UNAVAILABLE` with nothing started and the plane removes
 /// the registration it minted; the launch after that is checked before any
 /// mint again. Every job that could run ran once, and nothing is left.
@@ -491,11 +489,11 @@ async fn the_plane_mints_ahead_for_a_node_that_ran_the_image_and_removes_what_it
     cluster.shutdown().await
 }
 
-/// Issue #11 item 3: a runner whose container starts but which never
-/// connects to GitHub is freed after the start deadline (5 s here): its
-/// registration removed, its container destroyed, its lease released
-/// `failed` with reason `start_deadline`; the plane keeps the job covered
-/// meanwhile, and once the job is cancelled nothing is left.
+/// A runner whose container starts but which never connects to GitHub is
+/// freed after the start deadline (5 s here): its registration removed,
+/// its container destroyed, its lease released `failed` with reason
+/// `start_deadline`; the plane keeps the job covered meanwhile, and once
+/// the job is cancelled nothing is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_that_never_connects_is_freed_after_the_start_deadline() -> Result<()> {
     const DEADLINE: Duration = Duration::from_secs(5);
@@ -780,9 +778,9 @@ async fn tend_until_ended(cluster: &Cluster, lease: &str) -> Result<Lease> {
 }
 
 /// The scale-down of a runner killed mid-job, reaching the node before any
-/// tend saw the kill: a tester found the lease recorded `done`. The runner's
-/// compute ended before its job did, so the lease ends `failed` with reason
-/// `killed`, as a tend would have released it, and nothing is left.
+/// tend saw the kill. The runner's compute ended before its job did, so
+/// the lease ends `failed` with reason `killed`, not `done`, as a tend
+/// would have released it, and nothing is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scale_down_of_a_runner_killed_mid_job_releases_its_lease_failed_killed_not_done()
 -> Result<()> {
@@ -839,10 +837,10 @@ async fn kill_9_and_restart(cluster: &mut Cluster, env: Vec<(String, String)>) -
 }
 
 /// A node killed -9 while its runner works inside the post-job grace,
-/// restarted with its wall clock stepped 5 minutes ahead: a tester found the
-/// runner killed at once, released `post_job_timeout`, the step counted as
-/// grace spent. Across a restart the grace counts on the boot clock, which
-/// a step does not move: the runner exits on its own and the lease is
+/// restarted with its wall clock stepped 5 minutes ahead. Counting the step
+/// as grace spent would kill the runner at once, released
+/// `post_job_timeout`; across a restart the grace counts on the boot clock,
+/// which a step does not move: the runner exits on its own and the lease is
 /// `done`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ending_runner_survives_a_kill_9_restart_whose_wall_clock_jumped_5_minutes_ahead()
@@ -884,11 +882,11 @@ async fn an_ending_runner_survives_a_kill_9_restart_whose_wall_clock_jumped_5_mi
 }
 
 /// A runner that never connects, its node killed -9 before the start
-/// deadline and restarted: a tester found the adopted runner exempt from
-/// the deadline, held for ever while its job waited. Adopted compute not
-/// known online is bound by the deadline from its adoption: its
-/// registration removed, it is torn down and its lease released `failed`
-/// with reason `start_deadline`.
+/// deadline and restarted, is not exempt from the deadline (held for
+/// ever while its job waits). Adopted compute not known online is bound
+/// by the deadline from its adoption: its registration removed, it is
+/// torn down and its lease released `failed` with reason
+/// `start_deadline`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_never_connecting_runner_adopted_after_a_kill_9_is_still_freed_by_the_start_deadline()
 -> Result<()> {
@@ -1012,10 +1010,10 @@ async fn adopted_after_a_kill_9(cluster: &mut Cluster) -> Result<()> {
 }
 
 /// A runner adopted after a kill -9 that never took a job, killed by
-/// `docker kill`, then scaled down before any tend saw the kill: tester-4
-/// found the lease released `done` (the held path asked GitHub, which let
-/// the idle registration go, and tore it down as a scale-down). Ended
-/// compute is torn down with its reason: `failed`, `killed`.
+/// `docker kill`, then scaled down before any tend saw the kill. The held
+/// path asks GitHub, which has let the idle registration go, so a teardown
+/// as a scale-down would release the lease `done`; ended compute is torn
+/// down with its reason: `failed`, `killed`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scale_down_of_an_adopted_runner_killed_before_it_releases_its_lease_failed_killed()
 -> Result<()> {
@@ -1051,9 +1049,9 @@ async fn a_scale_down_of_an_adopted_runner_killed_before_it_releases_its_lease_f
 }
 
 /// A runner adopted after a kill -9 while its job ran, its container then
-/// removed out of band: tester-4 found the lease released `done` while
-/// GitHub still held the job on the dead runner. As for a runner this
-/// process launched, it ends `failed`, `removed`.
+/// removed out of band while GitHub still holds the job on the dead
+/// runner. As for a runner this process launched, it ends `failed`,
+/// `removed`, not `done`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adopted_runner_removed_out_of_band_mid_job_releases_its_lease_failed_removed()
 -> Result<()> {
@@ -1077,11 +1075,11 @@ async fn an_adopted_runner_removed_out_of_band_mid_job_releases_its_lease_failed
 
 /// A runner whose short job completed before the start deadline was first
 /// judged, still at 40 s of post-job work, its completion reaching the
-/// plane late (GitHub's messages delayed 45 s): tester-4 found it stopped
-/// at the deadline and its lease released `failed` `start_deadline` for a
-/// job that succeeded, with and without a kill -9 restart mid-job. GitHub
-/// had already let its ephemeral registration go, which says it took a
-/// job: it is left to exit on its own, and the lease ends `done`.
+/// plane late (GitHub's messages delayed 45 s), with and without a kill -9
+/// restart mid-job, must not be stopped at the deadline and its lease
+/// released `failed` `start_deadline` for a job that succeeded. GitHub has
+/// already let its ephemeral registration go, which says it took a job: it
+/// is left to exit on its own, and the lease ends `done`.
 async fn a_runner_whose_job_completed_before_the_start_deadline(
     restart_mid_job: bool,
 ) -> Result<()> {
@@ -1137,10 +1135,10 @@ async fn an_adopted_runner_at_its_post_job_work_when_the_start_deadline_passes_i
 
 /// A never-connecting runner adopted after a kill -9, its registration
 /// removed out of band before the start deadline, the plane's own
-/// registration check held off: tester-5 found it held for ever, its job
-/// waiting, since a registration already gone read as "took a job". It can
-/// take no job: it gets the post-job grace to exit, then is stopped and
-/// its lease released `failed` `start_deadline`.
+/// registration check held off, must not be held for ever, its job waiting,
+/// as though a registration already gone meant "took a job". It can take no
+/// job: it gets the post-job grace to exit, then is stopped and its lease
+/// released `failed` `start_deadline`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adopted_never_connecting_runner_whose_registration_vanished_is_still_freed()
 -> Result<()> {
@@ -1186,12 +1184,11 @@ async fn an_adopted_never_connecting_runner_whose_registration_vanished_is_still
     cluster.shutdown().await
 }
 
-/// Found by an independent tester (tester-9): a runner that takes its job
-/// and exits 0 without completing it (a crash whose exit code says
-/// nothing) was released `done`, though GitHub still ran the job on it and
-/// refused the registration's removal as busy (JobStillRunning). Issue
-/// #11: a job whose runner died is never recorded `done`. Its lease is
-/// released `failed`, `exit 0`, and nothing leaks once GitHub gives up.
+/// A runner that takes its job and exits 0 without completing it (a crash
+/// whose exit code says nothing), while GitHub still runs the job on it
+/// and refuses the registration's removal as busy (JobStillRunning): a job
+/// whose runner died is never recorded `done`. Its lease is released
+/// `failed`, `exit 0`, and nothing leaks once GitHub gives up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_exiting_0_mid_job_is_released_failed_exit_0_not_done() -> Result<()> {
     let mut opts = options(1500);
@@ -1225,15 +1222,15 @@ async fn a_runner_exiting_0_mid_job_is_released_failed_exit_0_not_done() -> Resu
     cluster.shutdown().await
 }
 
-/// Found by an independent tester (tester-9): a runner that ends at start
-/// without taking a job (an image or configuration the operator got
-/// wrong; here the stand-in exits 2 on an unknown mode) was replaced about
-/// every 2 s for as long as its job waited, each replacement minting a JIT
-/// config and registering a runner: the stub reset its backoff whenever a
-/// launch was answered. A launch that does not end with a runner serving a
-/// job is replaced after exponential backoff (500 ms doubling to 15 s,
-/// ARCHITECTURE "The plane's obligations"): about 7 launches in 30 s, where
-/// there were 15.
+/// A runner that ends at start without taking a job (an image or
+/// configuration the operator got wrong; here the stand-in exits 2 on an
+/// unknown mode) must not be replaced about every 2 s for as long as its
+/// job waits, each replacement minting a JIT config and registering a
+/// runner, as it would be were the backoff reset whenever a launch is
+/// answered. A launch that does not end with a runner serving a job is
+/// replaced after exponential backoff (500 ms doubling to 15 s,
+/// ARCHITECTURE "The plane's obligations"): about 7 launches in 30 s,
+/// not 15.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_that_ends_at_start_is_replaced_with_backoff_not_every_2_s() -> Result<()> {
     let mut opts = options(1500);

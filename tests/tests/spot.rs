@@ -1,10 +1,9 @@
-//! Spot interruptions (issue #17 item 3): the node watches the EC2
-//! instance-metadata spot notice through IMDSv2 tokens, served here by a
-//! fake of that endpoint on loopback (`billet_tests::imds`). A notice fails
-//! the lease running on the host with `ec2 spot interruption: <action>`,
-//! recorded before its runner is destroyed, and the node takes no more work
-//! until the notice is withdrawn. End to end: a real `billet node`, real
-//! mTLS, real Docker.
+//! Spot interruptions: the node watches the EC2 instance-metadata spot
+//! notice through IMDSv2 tokens, served here by a fake of that endpoint on
+//! loopback (`billet_tests::imds`). A notice fails the lease running on the
+//! host with `ec2 spot interruption: <action>`, recorded before its runner
+//! is destroyed, and the node takes no more work until the notice is
+//! withdrawn. End to end: a real `billet node`, real mTLS, real Docker.
 
 use std::time::Duration;
 

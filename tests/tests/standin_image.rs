@@ -394,8 +394,8 @@ async fn logs(docker: &Docker, name: &str) -> String {
 
 /// Rebuilding the stand-in's tag from another binary (another checkout's build) leaves alone the
 /// image a running test still names by its content pin (`billet-standin-runner:c-<id>`): the
-/// cluster's runners are started from that pin, and a rebuild that removed it by id left every
-/// later launch of that test refused `IMAGE_UNAVAILABLE` (found by `random_e2e` seeds 3 and 8).
+/// cluster's runners are started from that pin, and a rebuild that removed it by id would leave
+/// every later launch of that test refused `IMAGE_UNAVAILABLE` (`random_e2e` seeds 3 and 8).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebuilding_the_tag_keeps_the_image_another_tag_still_names() -> anyhow::Result<()> {
     let docker = connect_docker().await?;

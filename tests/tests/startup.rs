@@ -109,9 +109,9 @@ fn node_with_dates(
 }
 
 /// A certificate of this deployment's CA that has expired does not stop
-/// start-up (issue #13): the node keeps what it holds and waits to be
-/// re-enrolled, with a warning saying so. Here start-up goes on past the TLS
-/// material and stops at the missing engine (exit 5).
+/// start-up: the node keeps what it holds and waits to be re-enrolled, with
+/// a warning saying so. Here start-up goes on past the TLS material and
+/// stops at the missing engine (exit 5).
 #[test]
 fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
     let (certs, state) = setup()?;
@@ -130,9 +130,9 @@ fn an_expired_node_certificate_of_the_ca_starts_with_a_warning() -> Result<()> {
 /// A certificate the plane dated a moment ago, on a node whose clock is two
 /// minutes behind, starts two minutes in the node's future: start-up serves
 /// it (the plane judges it by its own clock and will accept it), with a
-/// warning, and goes on to the missing engine (exit 5). Before, such a node
-/// refused to start (exit 3) until its own clock caught up, so a node behind
-/// the plane could not restart soon after a renewal.
+/// warning, and goes on to the missing engine (exit 5). Refusing to start
+/// (exit 3) until its own clock caught up would keep a node behind the plane
+/// from restarting soon after a renewal.
 #[test]
 fn a_certificate_starting_minutes_ahead_of_a_node_behind_the_plane_starts_with_a_warning()
 -> Result<()> {
@@ -327,9 +327,10 @@ fn an_updater_without_its_configuration_exits_2_naming_both_flags() -> Result<()
 }
 
 /// A node started with systemd's default soft limit of 1,024 open files
-/// (and a higher hard one) runs with the hard one, and says so once (issue
-/// #13's metrics flood ran a node at 1,024 out of descriptors).
-/// `BILLET_TEST_NODE_BINARY` runs another build (main's, to see it fail).
+/// (and a higher hard one) runs with the hard one, and says so once (a
+/// flood of idle connections can run a node at 1,024 out of descriptors).
+/// `BILLET_TEST_NODE_BINARY` runs another build (one that does not raise
+/// it, to see it fail).
 #[test]
 fn the_node_raises_its_soft_open_files_limit_to_the_hard_one_and_logs_it() -> Result<()> {
     build_process_binaries()?;

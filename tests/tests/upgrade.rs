@@ -1,8 +1,8 @@
-//! StartUpgrade end to end (issue #5): real `billet` binaries installed the
-//! way an operator installs them, a release source on disk, the stub plane
-//! sending `StartUpgrade`, real Docker running the job the upgrade must not
-//! kill. The "second build" is the same build stamped with another version
-//! by the release tool (`agent/src/version.rs` says why).
+//! StartUpgrade end to end: real `billet` binaries installed the way an
+//! operator installs them, a release source on disk, the stub plane sending
+//! `StartUpgrade`, real Docker running the job the upgrade must not kill.
+//! The "second build" is the same build stamped with another version by the
+//! release tool (`agent/src/version.rs` says why).
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -535,12 +535,12 @@ mod tests {
         assert!(clone_tree(&src, &dst, &ReflinkSupport::default()).is_err());
     }
 
-    /// Session 13's tester: a guest that swapped a directory of its mount
-    /// for a symbolic link to a host directory while a commit cloned it
-    /// (`renameat2(RENAME_EXCHANGE)`, one way, over and over) had the node,
-    /// as root, publish the host's files in the generation. Whatever the
-    /// swaps, no clone may hold a byte of what the link points to: the
-    /// clone is refused, or holds the guest's files, or the link itself.
+    /// A guest may swap a directory of its mount for a symbolic link to a
+    /// host directory while a commit clones it (`renameat2(RENAME_EXCHANGE)`,
+    /// one way, over and over) to have the node, as root, publish the host's
+    /// files in the generation. Whatever the swaps, no clone may hold a byte
+    /// of what the link points to: the clone is refused, or holds the guest's
+    /// files, or the link itself.
     #[test]
     fn a_directory_swapped_for_a_link_to_outside_while_it_is_cloned_is_never_followed() {
         use std::sync::Arc;
@@ -601,8 +601,8 @@ mod tests {
         );
     }
 
-    /// Session 13's tester: a guest nesting directories as deep as a path
-    /// allows overflowed the debug build's stack in the recursive walk.
+    /// A guest nesting directories as deep as a path allows would
+    /// overflow the debug build's stack in a recursive walk.
     #[test]
     fn a_tree_nested_as_deep_as_a_path_allows_is_cloned_and_measured_without_recursion() {
         let d = dir();

@@ -1,6 +1,5 @@
-//! The sticky-disk store's life beside its jobs (issue #16 item 6,
-//! spec/cache.md §3.2, §3.4, §4.2): what proves a mount's compute is gone,
-//! and the periodic eviction.
+//! The sticky-disk store's life beside its jobs (spec/cache.md §3.2, §3.4,
+//! §4.2): what proves a mount's compute is gone, and the periodic eviction.
 //!
 //! - **Only a successful inventory is evidence** (§3.4). A mount is
 //!   discarded behind its job's back only on a [`Listed`]: a provider

@@ -1,5 +1,5 @@
-//! The node-local cache (issue #16): sticky disks (spec/cache.md §1.1,
-//! §2.4, §4) and the Docker image store, a disk keyed `docker-images/<arch>`
+//! The node-local cache: sticky disks (spec/cache.md §1.1, §2.4, §4) and
+//! the Docker image store, a disk keyed `docker-images/<arch>`
 //! bound at [`DOCKER_STORE_PATH`] (§1.2, §3.3). A sticky disk is a directory a job asks for by key and
 //! path; the node binds a copy-on-write clone of the key's current
 //! generation at that path before the job's compute starts, and at the end

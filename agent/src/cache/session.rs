@@ -1,6 +1,6 @@
 //! The cache service's guest side: per-instance sessions and the
-//! sticky-disk API a guest speaks over them (issue #16 items 1 and 2;
-//! spec/cache.md §2.2 to §2.4, §2.6).
+//! sticky-disk API a guest speaks over them (spec/cache.md §2.2 to §2.4,
+//! §2.6).
 //!
 //! **The listener is a Unix socket per instance**, `cache.sock` in a
 //! directory of its own under `<cache dir>/guests/`, which the Docker
@@ -96,9 +96,9 @@ pub(crate) const SOCKET_PATH_MAX: usize = 107;
 
 /// Checks that the guests' sockets under `cache_dir`
 /// (`<cache_dir>/guests/<8 hex>/cache.sock`) fit a socket's path, so a
-/// node does not start and then give every job no cache API (session 13's
-/// tester: a long `--cache-dir` was accepted by `billet check` and by the
-/// node, and every launch then logged that its session could not listen).
+/// node does not start and then give every job no cache API (a
+/// `--cache-dir` too long would pass `billet check` and start the node,
+/// and every launch would then log that its session could not listen).
 ///
 /// # Errors
 ///
@@ -591,7 +591,8 @@ pub(crate) const MAX_SESSION_CONNECTIONS: usize = 8;
 /// Serves the session's socket until `stop`, at most
 /// [`MAX_SESSION_CONNECTIONS`] connections open; a failed accept (out of
 /// descriptors) backs off and is logged at a bounded rate, and the socket
-/// goes on serving (it used to end the guest's cache API for good).
+/// goes on serving (a socket that stopped would end the guest's cache API
+/// for good).
 async fn serve(listener: tokio::net::UnixListener, session: Arc<Session>, stop: CancellationToken) {
     use crate::listen::{AcceptErrors, AtCap, ConnectionCap};
     let cap = ConnectionCap::new("cache_session", MAX_SESSION_CONNECTIONS, AtCap::Refuse);
@@ -686,9 +687,8 @@ async fn handle(owned: Arc<Session>, req: Request<Incoming>) -> Response<Full<By
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     // The body before the session is taken, bounded in size and in time:
-    // a request whose body stalls (session 16's tester: a Content-Length
-    // never sent) holds its own connection, not the guest's other
-    // requests.
+    // a request whose body stalls (a Content-Length never sent) holds
+    // its own connection, not the guest's other requests.
     let body = match tokio::time::timeout(
         BODY_PATIENCE,
         Limited::new(req.into_body(), MAX_BODY).collect(),
@@ -1056,16 +1056,16 @@ mod tests {
         (p, m)
     }
 
-    /// Found by an independent tester: a guest whose HTTP client gives up on a slow commit (a
-    /// client timeout shorter than the clone, O(bytes) on ext4) and hangs
-    /// up. Expected: the commit the node accepted either completes or is
+    /// A guest whose HTTP client gives up on a slow commit (a client
+    /// timeout shorter than the clone, O(bytes) on ext4) and hangs up.
+    /// Expected: the commit the node accepted either completes or is
     /// undone, and nothing is left on the cache disk; a retried commit is
-    /// told the truth. On main hyper drops the handler with the connection:
-    /// the mount was already withdrawn, the clone runs on in its blocking
-    /// task and leaves `mounts/<id>.commit` (the disk's size) until the
-    /// node restarts, nothing is published, and the retry is told
-    /// `fallback`, which says the disk was an empty fallback after a failed
-    /// clone.
+    /// told the truth. Were the handler dropped with the connection, as
+    /// hyper does, the mount would already be withdrawn, the clone would
+    /// run on in its blocking task and leave `mounts/<id>.commit` (the
+    /// disk's size) until the node restarts, nothing would be published,
+    /// and the retry would be told `fallback`, which says the disk was an
+    /// empty fallback after a failed clone.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_guest_that_hangs_up_mid_commit_leaks_no_staging_and_is_not_told_fallback() {
         let root = scratch();
@@ -1128,15 +1128,14 @@ mod tests {
         assert!(wrong.is_empty(), "{wrong:#?}");
     }
 
-    /// Found by an independent tester: the node's own path into a session (`open_settlement`,
-    /// which a Destroy with `job_result` succeeded calls for every lease
-    /// with a session, from the single command slot) must not wait for a
-    /// guest's clone. On main `settle` holds the session's `slots` mutex
-    /// across `commit_now`'s whole clone (O(bytes) on ext4), so a guest
-    /// committing a large disk in the background as its job completes
-    /// holds the Destroy, and every command queued behind it, for the
-    /// clone's length: the store lock session 13's tester had released,
-    /// taken again one level up.
+    /// The node's own path into a session (`open_settlement`, which a Destroy
+    /// with `job_result` succeeded calls for every lease with a session, from
+    /// the single command slot) must not wait for a guest's clone. Were
+    /// `settle` to hold the session's `slots` mutex across `commit_now`'s
+    /// whole clone (O(bytes) on ext4), a guest committing a large disk in the
+    /// background as its job completes would hold the Destroy, and every
+    /// command queued behind it, for the clone's length: the store's lock,
+    /// which a clone does not hold, taken again one level up.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn open_settlement_does_not_wait_for_a_guests_clone() {
         let root = scratch();
@@ -1369,13 +1368,12 @@ mod tests {
         (store, sessions)
     }
 
-    /// Session 16's tester (tester-8): the node killed with -9 during a
-    /// guest's commit, after the commit published and before the guest
-    /// was told. The guest's client saw its connection cut and asked
-    /// again of the restarted node, which told it `fallback`, a disk that
-    /// was never cloned, for a disk that was a hit and whose commit had
-    /// published. It is told what its commit did: `committed`, with the
-    /// generation.
+    /// The node killed with -9 during a guest's commit, after the commit
+    /// published and before the guest was told. The guest's client sees
+    /// its connection cut and asks again of the restarted node, which must
+    /// not tell it `fallback`, a disk that was never cloned, for a disk
+    /// that was a hit and whose commit had published. It is told what its
+    /// commit did: `committed`, with the generation.
     #[tokio::test]
     async fn a_commit_cut_off_by_a_node_kill_after_it_published_is_told_committed_on_retry() {
         let root = scratch();
@@ -1457,11 +1455,10 @@ mod tests {
         sessions.close(&lease("l1")).await;
     }
 
-    /// Session 16's tester (tester-8): a request whose body never came
-    /// (a Content-Length the client did not send) held the session's one
-    /// request at a time, so every other request of the guest was told 429
-    /// until that connection closed. The body is read before the session
-    /// is taken.
+    /// A request whose body never comes (a Content-Length the client did
+    /// not send) must not hold the session's one request at a time, or
+    /// every other request of the guest is told 429 until that connection
+    /// closes. The body is read before the session is taken.
     #[tokio::test]
     async fn a_request_whose_body_stalls_does_not_hold_the_session() {
         let root = scratch();

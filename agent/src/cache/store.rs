@@ -280,11 +280,11 @@ struct KeyState {
     generations: BTreeMap<u64, GenerationMeta>,
 }
 
-/// What the cache did for one lease's job (issue #16 item 7), as the store
-/// counts it: each disk mounted is a hit, a miss or a fallback; each commit
-/// that published adds its bytes, each CAS commit refused is a conflict.
-/// Sizes are apparent sizes of regular files (holes count), in bytes.
-/// Counted in memory only: a node restarted mid-job counts from then on.
+/// What the cache did for one lease's job, as the store counts it: each
+/// disk mounted is a hit, a miss or a fallback; each commit that published
+/// adds its bytes, each CAS commit refused is a conflict. Sizes are
+/// apparent sizes of regular files (holes count), in bytes. Counted in
+/// memory only: a node restarted mid-job counts from then on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Observation {
     /// Disks mounted from a published generation of their key.
@@ -904,10 +904,10 @@ impl Store {
         // Withdrawn first, under the store's lock, so this is the mount's
         // one commit: a second request, or the job's end, finds it not
         // committable. The clone, O(bytes) without reflinks, then runs
-        // without the lock (session 13's tester: a 4 GiB commit held every
-        // other mount, so every launch, and the node's command slot behind
-        // it, for 13 s); only the check of the head and the publication
-        // (a rename) take it again.
+        // without the lock (under it, a 4 GiB commit would hold every other
+        // mount, so every launch, and the node's command slot behind it, for
+        // 13 s); only the check of the head and the publication (a rename)
+        // take it again.
         let (record, policy) = {
             let mut mounts = self.mounts.lock().await;
             let entry = mounts
@@ -1394,11 +1394,11 @@ mod tests {
         )
     }
 
-    /// Session 13's tester: a guest's commit of a large disk held the
-    /// store's lock while its tree was cloned, so another job's mount (its
-    /// launch, and the node's command slot behind it) waited for the whole
-    /// copy. Another key's mount asked while a commit clones 20,000 files
-    /// must not wait for it, and the commit still publishes.
+    /// A guest's commit of a large disk must not hold the store's lock
+    /// while its tree is cloned, or another job's mount (its launch, and
+    /// the node's command slot behind it) waits for the whole copy. Another
+    /// key's mount asked while a commit clones 20,000 files must not wait
+    /// for it, and the commit still publishes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_guests_commit_does_not_hold_another_jobs_mount_while_it_clones() {
         let d = dir();
@@ -1434,10 +1434,9 @@ mod tests {
         );
     }
 
-    /// Session 16's tester (tester-8): a mount whose clone failed (its
-    /// disk ran out of space) fell back to an empty directory, yet still
-    /// named the generation it could not clone as its parent, so the
-    /// guest's `GET /v1/volumes` reported `generation: 1` beside
+    /// A mount whose clone failed (its disk ran out of space) falls back
+    /// to an empty directory, which names no generation as its parent, so
+    /// the guest's `GET /v1/volumes` never reports `generation: 1` beside
     /// `fallback: true`. A fallback was cloned from nothing.
     #[tokio::test]
     async fn a_mount_whose_clone_fails_names_no_parent_generation() {
@@ -2002,9 +2001,9 @@ mod tests {
         assert!(report.freed_bytes > 0);
     }
 
-    /// Issue #16 item 3, spec/cache.md §1.2, §4.2: a Docker image store's
-    /// generation is kept for its own retention (192 h by default) after
-    /// its last use, whatever the general retention is, longer or shorter.
+    /// A Docker image store's generation is kept for its own retention
+    /// (192 h by default) after its last use, whatever the general
+    /// retention is, longer or shorter (spec/cache.md §1.2, §4.2).
     #[tokio::test]
     async fn the_docker_image_store_keeps_its_own_retention_whatever_the_general_one() {
         let root = dir();
@@ -2095,11 +2094,11 @@ mod tests {
         (seam, walking, go, stuck)
     }
 
-    /// Issue #16 item 4: an eviction pass walks every generation without
-    /// the store's lock. While a pass is paused in its walk (a seam), a
-    /// mount of another key and a commit complete; the walk is let go only
-    /// after them. Held under the lock, the walk would wait out its seam's
-    /// bound first and the mount would complete after it.
+    /// An eviction pass walks every generation without the store's lock.
+    /// While a pass is paused in its walk (a seam), a mount of another key
+    /// and a commit complete; the walk is let go only after them. Held
+    /// under the lock, the walk would wait out its seam's bound first and
+    /// the mount would complete after it.
     #[tokio::test]
     async fn a_mount_and_a_commit_complete_while_an_eviction_pass_walks() {
         let root = dir();
@@ -2150,9 +2149,9 @@ mod tests {
         assert_eq!(s.head(&key("b")).await.unwrap(), Some(Generation(2)));
     }
 
-    /// Issue #16 item 4: a generation the walk chose (least recently used,
-    /// over the budget) that a job mounts while the walk goes on is looked
-    /// at again under the lock and kept; its mount clones it whole.
+    /// A generation the walk chose (least recently used, over the budget)
+    /// that a job mounts while the walk goes on is looked at again under
+    /// the lock and kept; its mount clones it whole.
     #[tokio::test]
     async fn a_victim_mounted_while_the_pass_walks_is_kept_when_its_removal_looks_again() {
         let root = dir();

@@ -211,8 +211,7 @@ mod tests {
         node.into_config().map(|(c, _)| c)
     }
 
-    /// Issue #16 item 6: the cache's eviction flags, checked, each error
-    /// naming its flag.
+    /// The cache's eviction flags, checked, each error naming its flag.
     #[test]
     fn the_cache_eviction_flags_are_checked_and_each_error_names_its_flag() {
         let c = config(&[]).unwrap();

@@ -263,11 +263,11 @@ pub struct NodeArgs {
         value_parser = crate::provider::mirrors::parse_mirror
     )]
     pub registry_mirror: Vec<String>,
-    /// Where the Actions cache proxy listens (issue #16 item 4): an
-    /// ADDRESS:PORT the guests reach and hand their proxy URL, or `off`.
-    /// By default the Docker bridge's gateway on port 7718 (a node without
-    /// a bridge serves none). The address is no authority: every tunnel
-    /// needs a session's token.
+    /// Where the Actions cache proxy listens: an ADDRESS:PORT the guests
+    /// reach and hand their proxy URL, or `off`. By default the Docker
+    /// bridge's gateway on port 7718 (a node without a bridge serves
+    /// none). The address is no authority: every tunnel needs a session's
+    /// token.
     #[arg(long, env = "BILLET_CACHE_PROXY_LISTEN")]
     pub cache_proxy_listen: Option<String>,
     /// Where the Actions cache proxy sends what it does not answer, as
@@ -399,7 +399,7 @@ pub(crate) fn log_filter(value: Option<&str>) -> Result<tracing_subscriber::EnvF
         .unwrap_or("info");
     // A directive is `level`, `target=level` or `target[span]=level`. A
     // bare word is read by tracing as a target at TRACE, which is how
-    // `inf` or `json` used to hide everything but that target: refuse it.
+    // `inf` or `json` would hide everything but that target: refuse it.
     for directive in text.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         let level = directive.rsplit_once('=').map_or(directive, |(_, l)| l);
         if level
@@ -491,9 +491,9 @@ mod tests {
         }
     }
 
-    /// Issue #16 item 5: untrusted tiers run on Docker only where the
-    /// operator says the containers are isolated by other means; off
-    /// unless said, by flag or by the configuration file.
+    /// Untrusted tiers run on Docker only where the operator says the
+    /// containers are isolated by other means; off unless said, by flag
+    /// or by the configuration file.
     #[test]
     fn isolated_containers_is_off_unless_the_operator_says_so() {
         assert!(!node(&[]).unwrap().isolated_containers);

@@ -421,11 +421,11 @@ mod tests {
         UNIX_EPOCH + Duration::from_millis(1_000_000_000_000)
     }
 
-    /// Issue #13 item 3: an expired identity says so, with what to do; a
-    /// live one says when it is renewed.
+    /// An expired identity says so, with what to do; a live one says
+    /// when it is renewed.
     #[test]
     fn a_duration_is_shown_to_the_nearest_unit() {
-        // Session 17's tester: a clock 1,199.6 s behind read "19m behind".
+        // Rounded, not cut: a clock 1,199.6 s behind is "20m", not "19m".
         assert_eq!(human(1199), "20m");
         assert_eq!(human(1169), "19m");
         assert_eq!(human(119), "119s");
@@ -433,7 +433,7 @@ mod tests {
         assert_eq!(human(9000), "3h");
         assert_eq!(human(8999), "2h");
         assert_eq!(human(216_000), "3d");
-        // Session 18's tester: the unit is chosen after rounding.
+        // The unit is chosen after rounding.
         assert_eq!(human(7170), "2h", "not 120m");
         assert_eq!(human(172_000), "2d", "not 48h");
         assert_eq!(human(7140), "119m");
@@ -486,8 +486,8 @@ mod tests {
         );
     }
 
-    /// Issue #13: the reasons a node is degraded, and how long the slot's
-    /// command has run, are on the status.
+    /// The reasons a node is degraded, and how long the slot's command
+    /// has run, are on the status.
     #[test]
     fn the_status_says_why_the_node_is_degraded_and_how_long_the_slot_is_busy() {
         let text = table(true, &status(), now());
@@ -515,8 +515,8 @@ mod tests {
         assert_eq!(j["slot_busy_ms"], 42_000);
     }
 
-    /// Issue #16: the status says which file system the sticky disks are
-    /// on and whether a mount reflinks or copies.
+    /// The status says which file system the sticky disks are on and
+    /// whether a mount reflinks or copies.
     #[test]
     fn the_status_says_how_the_cache_mounts_sticky_disks() {
         let text = table(true, &status(), now());
@@ -576,15 +576,15 @@ mod tests {
         );
         let in_sync = table(true, &status(), now());
         assert!(!in_sync.contains("clock"), "{in_sync}");
-        // Session 17's tester: 1,199.6 s behind read "19m behind".
+        // Rounded, not cut: 1,199.6 s behind is "20m behind", not "19m".
         let twenty = pb::LocalStatus {
             clock_offset_ms: -1_199_600,
             ..status()
         };
         let text = table(true, &twenty, now());
         assert!(text.contains("clock is 20m behind"), "{text}");
-        // Session 18's tester: ages round too, and a certificate expired
-        // 400 ms ago is expired, not "expires in 0s".
+        // Ages round too, and a certificate expired 400 ms ago is expired,
+        // not "expires in 0s".
         let now_ms = i64::try_from(
             now()
                 .duration_since(UNIX_EPOCH)
@@ -605,8 +605,8 @@ mod tests {
         assert!(text.contains("last heard 90s ago"), "{text}");
         assert!(text.contains("EXPIRED under 1s ago"), "{text}");
         assert!(text.contains("clock is 2d ahead of"), "{text}");
-        // Session 18's second tester: under a second is not "0s", and a
-        // contact dated ahead of this clock is not "5s ago".
+        // Under a second is not "0s", and a contact dated ahead of this
+        // clock is not "5s ago".
         let text = table(
             true,
             &pb::LocalStatus {

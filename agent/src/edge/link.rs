@@ -563,7 +563,7 @@ impl PlaneLink {
     }
 }
 
-/// The Actions cache's kill switch asked of the plane (issue #16 item 4):
+/// The Actions cache's kill switch asked of the plane:
 /// [`crate::cache::actions::ActionsPolicy`] over any [`LeaseStore`] (in a
 /// node, the [`PlaneLink`] of its sessions), each question bounded to
 /// [`crate::cache::actions::POLICY_TIMEOUT`] (2 s) here too, so no caller
@@ -829,10 +829,9 @@ mod tests {
         assert_eq!(link.current().map(|s| s.id), Some(2));
     }
 
-    /// Issue #16 item 4: the kill switch's question crosses the wire as
-    /// `ActionsPolicyQuery` and its answer comes back; a refusal (an old
-    /// plane, a malformed name) and no session are errors the caller reads
-    /// as a denial.
+    /// The kill switch's question crosses the wire as `ActionsPolicyQuery`
+    /// and its answer comes back; a refusal (an old plane, a malformed
+    /// name) and no session are errors the caller reads as a denial.
     #[tokio::test]
     async fn the_actions_cache_policy_is_asked_and_answered_over_the_session() {
         let allows = answering(|call_id| pb::PlaneReply {
@@ -876,10 +875,9 @@ mod tests {
         ));
     }
 
-    /// Issue #16 item 4: the proxy's policy over the plane answers what
-    /// the plane answers; a refusal is an error (a denial), and a plane
-    /// that does not answer is a timeout after 2 s, whatever the session's
-    /// own call timeout.
+    /// The proxy's policy over the plane answers what the plane answers; a
+    /// refusal is an error (a denial), and a plane that does not answer is
+    /// a timeout after 2 s, whatever the session's own call timeout.
     #[tokio::test(start_paused = true)]
     async fn the_plane_policy_answers_the_planes_answer_and_gives_up_after_two_seconds() {
         use crate::cache::actions::{ActionsPolicy as _, POLICY_TIMEOUT, PolicyError};

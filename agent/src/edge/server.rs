@@ -294,10 +294,10 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
     let engine_answered = match tokio::time::timeout(START_PING_BOUND, docker.ping()).await {
         Ok(Ok(())) => true,
         // Connected, and no answer: a hung engine. The node starts without
-        // it (issue #13): it attaches, says it is degraded (its health probe
-        // finds the engine stuck), takes no launch, and recovers and heals
-        // once the engine answers. An engine that cannot be reached at all
-        // is still exit 5: a wrong socket is fixed by the operator.
+        // it: it attaches, says it is degraded (its health probe finds the
+        // engine stuck), takes no launch, and recovers and heals once the
+        // engine answers. An engine that cannot be reached at all is still
+        // exit 5: a wrong socket is fixed by the operator.
         Ok(Err(crate::provider::ProviderError::Timeout { .. })) | Err(_) => {
             warn!(socket = %config.docker_socket.display(), bound_s = START_PING_BOUND.as_secs(),
                   "the Docker engine accepts connections but does not answer; starting without it: \
@@ -468,7 +468,7 @@ pub struct OpenFiles {
 /// at start since Go 1.19: the soft limit of 1,024 that systemd and most
 /// shells hand out exists for programs that use `select(2)`, which the
 /// node does not (tokio polls with epoll), and a node at 1,024 can be run
-/// out of descriptors by connections to its ports (issue #13). Children
+/// out of descriptors by connections to its ports. Children
 /// (`billet host-upgrade`, `docker` helpers) inherit the raised limit.
 ///
 /// # Errors

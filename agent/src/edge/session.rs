@@ -571,10 +571,10 @@ pub(crate) async fn execute_commands(
         );
         // A synced result is journaled before it is answered: nothing else
         // keeps a redelivery after a restart from running it again. A
-        // launch's (committed) result is written beside the answer (issue
-        // #14): its synced launch record already keeps a redelivery from
-        // minting or creating again. It is written before the next command
-        // starts (ARCHITECTURE.md, "What each journal write survives").
+        // launch's (committed) result is written beside the answer: its
+        // synced launch record already keeps a redelivery from minting or
+        // creating again. It is written before the next command starts
+        // (ARCHITECTURE.md, "What each journal write survives").
         if durability == Some(Durability::Synced) {
             journaled.await;
             answered.instrument(span).await;
@@ -1101,12 +1101,12 @@ mod scenarios {
         }
     }
 
-    /// Issue #13, a hung engine: a launch queued behind a command the
-    /// engine never answers is refused, typed UNAVAILABLE, as soon as the
-    /// node is degraded, not after the stuck command (the plane would have
-    /// timed it out and taken the lease for held by the node); one arriving
-    /// while degraded is refused at once and never queued; the slot's
-    /// watchdog sees the stuck command. Nothing is bound or minted.
+    /// A hung engine: a launch queued behind a command the engine never
+    /// answers is refused, typed UNAVAILABLE, as soon as the node is
+    /// degraded, not after the stuck command (the plane would have timed it
+    /// out and taken the lease for held by the node); one arriving while
+    /// degraded is refused at once and never queued; the slot's watchdog
+    /// sees the stuck command. Nothing is bound or minted.
     #[tokio::test(start_paused = true)]
     async fn a_launch_behind_a_stuck_command_is_refused_once_degraded_and_a_new_one_at_once() {
         use crate::node::health::{Reason, SLOT_STUCK_AFTER};
@@ -1259,8 +1259,8 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// Issue #14: a launch binds its lease and advances it to launching in
-    /// one plane round trip (`BindAdvance`), so the plane is asked twice
+    /// A launch binds its lease and advances it to launching in one
+    /// plane round trip (`BindAdvance`), so the plane is asked twice
     /// before the create, where it was asked three times (`Bind`,
     /// `Advance`, then the mint).
     #[tokio::test]
@@ -1290,7 +1290,7 @@ mod scenarios {
     }
 
     /// A launch as [`launch`] makes, carrying the registration the plane
-    /// minted before dispatching it (issue #14).
+    /// minted before dispatching it.
     fn push_registered_launch(slot: &CommandSlot, session: &Arc<SessionLink>, id: &str) {
         let mut command = crate::edge::wire::tests::launch();
         command.id = id.into();
@@ -1314,9 +1314,9 @@ mod scenarios {
         push(slot, session, id, command);
     }
 
-    /// Issue #14: a launch carrying the registration the plane minted asks
-    /// the plane once (`BindAdvance`) and never to mint, and its instance
-    /// runs with that registration's config.
+    /// A launch carrying the registration the plane minted asks the plane
+    /// once (`BindAdvance`) and never to mint, and its instance runs with
+    /// that registration's config.
     #[tokio::test]
     async fn a_launch_carrying_its_registration_asks_the_plane_once_and_mints_nothing() {
         let provider = Arc::new(FakeProvider::new());
@@ -1353,9 +1353,9 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// Issue #14: the instance of a launch carrying its registration is
-    /// created before the bind is answered, and started only once it is:
-    /// a refused bind leaves nothing running and nothing behind (the
+    /// The instance of a launch carrying its registration is created
+    /// before the bind is answered, and started only once it is: a
+    /// refused bind leaves nothing running and nothing behind (the
     /// created instance removed unstarted), asks the plane to remove
     /// nothing (the registration is the plane's), and holds nothing.
     #[tokio::test]
@@ -1403,11 +1403,10 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// Issue #17 item 5: a lease asking for more vCPUs than the provider
-    /// runs (the Docker engine refuses a limit above its host's CPUs) is
-    /// resized in the ledger to what runs, after the bind and before the
-    /// mint, and created at that size; where main created it as asked, and
-    /// the engine refused every such launch.
+    /// A lease asking for more vCPUs than the provider runs (the Docker
+    /// engine refuses a limit above its host's CPUs) is resized in the
+    /// ledger to what runs, after the bind and before the mint, and
+    /// created at that size.
     #[tokio::test]
     async fn a_lease_larger_than_the_provider_runs_is_resized_before_the_mint() {
         let provider = Arc::new(FakeProvider::new());
@@ -1487,10 +1486,9 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// Issue #14: a plane that predates `BindAdvance` answers it
-    /// `INVALID_ARGUMENT` (the call is missing); the node then binds and
-    /// advances in two calls, and on that session asks `BindAdvance` no
-    /// more.
+    /// A plane that predates `BindAdvance` answers it `INVALID_ARGUMENT`
+    /// (the call is missing); the node then binds and advances in two
+    /// calls, and on that session asks `BindAdvance` no more.
     #[tokio::test]
     async fn a_plane_that_predates_bind_advance_is_asked_bind_then_advance() {
         use crate::node::plane::LeaseStore as _;
@@ -1603,11 +1601,9 @@ mod scenarios {
         );
     }
 
-    /// Issue #11 item 2: the refusal is typed, names the image, and
-    /// nothing is minted or created. Issue #14: the image is checked beside
-    /// the bind, so the lease bound meanwhile is released `failed` by the
-    /// node, never left bound (main checked first and bound nothing; this
-    /// asserts the release, which main never sent).
+    /// The refusal is typed, names the image, and nothing is minted or
+    /// created. The image is checked beside the bind, so the lease bound
+    /// meanwhile is released `failed` by the node, never left bound.
     #[tokio::test]
     async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_and_its_bound_lease_released()
      {
@@ -1641,10 +1637,9 @@ mod scenarios {
         assert!(!runner.holding());
     }
 
-    /// Issue #14: the image check and the bind do not wait for each other:
-    /// the plane is asked to bind while the provider has not yet answered
-    /// about the image (main asked the provider first, and bound only
-    /// after its answer).
+    /// The image check and the bind do not wait for each other: the plane
+    /// is asked to bind while the provider has not yet answered about the
+    /// image.
     #[tokio::test]
     async fn the_lease_is_bound_while_the_image_is_checked() {
         let provider = Arc::new(FakeProvider::new());
@@ -1685,10 +1680,10 @@ mod scenarios {
         task.await.expect("executor");
     }
 
-    /// Issue #14: a launch lists nothing before it binds; its image check
-    /// is its fresh look at the engine, so the provider is asked once
-    /// before the create (main's admission probed with a whole list first,
-    /// a Docker call in series with everything after it).
+    /// A launch lists nothing before it binds; its image check is its
+    /// fresh look at the engine, so the provider is asked once before the
+    /// create (a whole list first would be a Docker call in series with
+    /// everything after it).
     #[tokio::test]
     async fn a_launch_asks_the_provider_once_before_it_creates() {
         let provider = Arc::new(FakeProvider::new());
@@ -1798,8 +1793,8 @@ mod scenarios {
         assert!(launched.is_none());
     }
 
-    /// Issue #12, capacity that means something: every `Instances` report
-    /// carries the node's capacity and what the leases it holds charge; a
+    /// Capacity that means something: every `Instances` report carries
+    /// the node's capacity and what the leases it holds charge; a
     /// launched lease is held, and one whose launch failed is not.
     #[tokio::test]
     async fn an_instances_report_says_the_capacity_and_what_the_held_leases_charge() {
@@ -1837,9 +1832,9 @@ mod scenarios {
         assert_eq!(after.lease_ids.len(), 1);
     }
 
-    /// Issue #12: a mint the plane answers `SCALE_SET_NOT_FOUND` fails the
-    /// launch with that code, not an untyped failure: nothing was created,
-    /// the lease may be released, and the plane reads the code.
+    /// A mint the plane answers `SCALE_SET_NOT_FOUND` fails the launch
+    /// with that code, not an untyped failure: nothing was created, the
+    /// lease may be released, and the plane reads the code.
     #[tokio::test]
     async fn a_mint_for_a_missing_scale_set_fails_the_launch_with_its_code() {
         let provider = Arc::new(FakeProvider::new());
@@ -1860,8 +1855,8 @@ mod scenarios {
         assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
     }
 
-    /// Issue #12: every `Sweep` report carries the capacity and what the
-    /// held leases charge, like `Instances`, with the inventory it read.
+    /// Every `Sweep` report carries the capacity and what the held
+    /// leases charge, like `Instances`, with the inventory it read.
     #[tokio::test]
     async fn a_sweep_report_says_the_capacity_and_what_the_held_leases_charge() {
         let provider = Arc::new(FakeProvider::new());

@@ -699,9 +699,9 @@ pub(crate) mod tests {
         assert_eq!(cmd, full_launch_expected());
     }
 
-    /// Issue #14: a registration the plane minted arrives as the node's
-    /// own, and one that cannot be the lease's runner is refused by field,
-    /// so nothing is created from it.
+    /// A registration the plane minted arrives as the node's own, and one
+    /// that cannot be the lease's runner is refused by field, so nothing
+    /// is created from it.
     #[test]
     fn a_launchs_registration_must_name_the_leases_runner_with_an_id_and_a_config() {
         let with = |registration: pb::JitConfig| {
@@ -901,8 +901,8 @@ pub(crate) mod tests {
         assert_eq!(e.field, "launch.tier.sticky_disks[0].publication");
     }
 
-    /// Issue #16 item 3: the Docker image store takes slot 0, so a tier
-    /// with it names at most 4 sticky disks, none hiding /var/lib/docker.
+    /// The Docker image store takes slot 0, so a tier with it names at
+    /// most 4 sticky disks, none hiding /var/lib/docker.
     #[test]
     fn beside_the_docker_image_store_a_tier_names_four_disks_none_at_var_lib_docker() {
         let with = |store: bool, disks: Vec<pb::StickyDisk>| {
@@ -939,14 +939,14 @@ pub(crate) mod tests {
         );
     }
 
-    /// Found by an independent tester: a disk path the engine refuses is refused at the edge,
-    /// naming the disk, not by `docker create`/`start` at every launch of
-    /// the tier. On main each of these passes the edge, and the engine then
-    /// refuses the container (checked by hand against Docker 20.10:
-    /// "Duplicate mount point: /c//npm" for the first three; runc's "error
-    /// mounting ... to rootfs at /proc" and the like at start for the rest),
-    /// so every launch of the tier fails at the create or the start and the
-    /// job is retried for ever.
+    /// A disk path the engine refuses is refused at the edge, naming the
+    /// disk, not by `docker create`/`start` at every launch of the tier.
+    /// Past the edge, the engine would refuse each of these containers
+    /// (checked by hand against Docker 20.10: "Duplicate mount point:
+    /// /c//npm" for the first three; runc's "error mounting ... to rootfs
+    /// at /proc" and the like at start for the rest), so every launch of
+    /// the tier would fail at the create or the start and its job be
+    /// retried for ever.
     #[test]
     fn a_disk_path_the_engine_would_refuse_is_refused_at_the_edge() {
         let with = |store: bool, disks: Vec<pb::StickyDisk>| {

@@ -238,9 +238,9 @@ fn journaled_changed(old: &CustodyEntry, new: &CustodyEntry) -> bool {
 
 /// How long ago the custody a journaled record describes began: by the
 /// boot clock when the record was written in this boot (a wall-clock step
-/// while the node was down does not count; tester-3 found a runner inside
-/// its post-job grace killed after a restart whose clock had jumped 5
-/// minutes ahead), else by the wall clock (after a reboot, or a record of a
+/// while the node was down does not count: a clock that jumped 5 minutes
+/// ahead across a restart must not kill a runner inside its post-job
+/// grace), else by the wall clock (after a reboot, or a record of a
 /// release that did not keep the boot clock).
 fn custody_age(r: &CustodyRecord) -> Duration {
     if let (Some(then), Some(now)) = (&r.since_boot, BootStamp::now())
@@ -977,13 +977,13 @@ impl Runner {
 
     /// A running request past the start deadline whose registration GitHub
     /// no longer had: an ephemeral runner's goes with its completed job (a
-    /// runner at its post-job work, its completion not yet delivered;
-    /// tester-4 found one killed and recorded `failed` `start_deadline`),
-    /// but a registration removed out of band looks the same (tester-5
-    /// found such a never-connecting runner then held for ever). Either
-    /// way it can take no job: it is held as *ending*, left the post-job
-    /// grace to exit on its own (`done`), and stopped past it, released
-    /// `failed` with reason `start_deadline`.
+    /// runner at its post-job work, its completion not yet delivered,
+    /// which must not be killed and recorded `failed` `start_deadline`),
+    /// but a registration removed out of band looks the same (and such a
+    /// never-connecting runner must not be held for ever). Either way it
+    /// can take no job: it is held as *ending*, left the post-job grace to
+    /// exit on its own (`done`), and stopped past it, released `failed`
+    /// with reason `start_deadline`.
     async fn leave_to_exit(&self, request_id: RequestId, r: &Running) {
         if !self.take_running(request_id, &r.lease) {
             return;
@@ -1087,10 +1087,10 @@ impl Runner {
                         }
                         let record = requests.get(lease.as_str());
                         // An instance still `created` never ran, whatever
-                        // its record says (issue #14): the earlier process
-                        // died before its start answered, or before the
-                        // record of a launch that created beside its bind
-                        // was synced, so there may be no record at all.
+                        // its record says: the earlier process died
+                        // before its start answered, or before the record
+                        // of a launch that created beside its bind was
+                        // synced, so there may be no record at all.
                         let unconfirmed = instance.state == InstanceState::Created
                             || record.is_some_and(|r| !r.created);
                         if unconfirmed
@@ -1450,7 +1450,7 @@ impl Runner {
                     // A runner that exited 0 on its own, while GitHub still
                     // runs a job on it (JobStillRunning): it did not finish
                     // that job, so its lease is not released `done`
-                    // (tester-9: a runner crashing with exit 0 mid-job).
+                    // (a runner can crash with exit 0 mid-job).
                     warn!(%lease, instance = %entry.instance, "the runner exited 0 while GitHub still runs its job; releasing its lease as failed, exit 0");
                     entry.reason = Some(EndReason::Exit(0));
                     entry.outcome = Phase::Failed;
@@ -1480,12 +1480,12 @@ impl Runner {
     /// `start_deadline`. The deadline counts from custody's start (compute
     /// adopted after a restart, or held when the plane assumed custody), so
     /// a runner is never cut sooner than it would have been had it kept
-    /// running here; tester-3 found an adopted runner that never connected
-    /// held, and its job waiting, for ever. As in
-    /// [`Runner::judge_running`], the node asks GitHub by removing the
-    /// registration: a refusal means it holds a job (online, never asked
-    /// again); an outage leaves it to the next tend. An ending runner (its
-    /// job complete) is the post-job grace's to judge.
+    /// running here, and an adopted runner that never connects is not held,
+    /// its job waiting, for ever. As in [`Runner::judge_running`], the node
+    /// asks GitHub by removing the registration: a refusal means it holds a
+    /// job (online, never asked again); an outage leaves it to the next
+    /// tend. An ending runner (its job complete) is the post-job grace's to
+    /// judge.
     async fn past_start_deadline(&self, lease: &LeaseId, entry: &mut CustodyEntry) -> bool {
         let Some(deadline) = self.options.start_deadline.filter(|d| !d.is_zero()) else {
             return false;
@@ -1635,7 +1635,7 @@ impl Runner {
             // A scale-down of a held job whose compute already ended other
             // than by exiting 0 (a kill no tend has seen yet): torn down
             // with its reason, as a tend would have, never a `done`
-            // (tester-4, for a runner adopted after a restart).
+            // (a runner adopted after a restart included).
             warn!(%lease, instance = %entry.instance, reason = %died,
                   "scale-down of a held runner whose compute already ended; tearing it down and releasing the lease as failed");
             entry.reason = Some(died);
@@ -1687,8 +1687,8 @@ impl Runner {
 
     /// Why a held entry's compute, as `found` by the provider, ended
     /// before its job did ([`EndReason::of_instance`]); an absence is proof
-    /// for an instance this host's provider saw (tester-4 found an adopted
-    /// runner removed behind the node's back released `done`).
+    /// for an instance this host's provider saw (so an adopted runner
+    /// removed behind the node's back is not released `done`).
     fn end_reason(&self, entry: &CustodyEntry, found: Option<&Instance>) -> Option<EndReason> {
         EndReason::of_instance(found, entry.observed && self.provider.runs_on_host())
     }

@@ -3,9 +3,9 @@
 //! runner registration it leaves behind.
 //!
 //! [`EndReason`] is what the ledger records as the lease's failure reason
-//! (through `MarkFailure`, before the release), spelled as issue #11 names
-//! them: `oom`, `exit <code>`, `killed`, `removed`, `start_deadline`,
-//! `post_job_timeout`, `registration_lost`, `max_lease_life`, and
+//! (through `MarkFailure`, before the release), spelled `oom`,
+//! `exit <code>`, `killed`, `removed`, `start_deadline`, `post_job_timeout`,
+//! `registration_lost`, `max_lease_life`, and
 //! `ec2 spot interruption: <action>` (the reference's spelling, spec/node.md
 //! §2.11).
 //!

@@ -431,10 +431,10 @@ impl Health {
 
     /// Why a launch would be refused now, judged on what is known without
     /// probing anything; `None` while healthy. A launch that passes asks
-    /// the provider about its image before anything is minted (issue #14:
-    /// that check, which feeds this state through [`WatchedProvider`], is
-    /// the launch's fresh probe of the engine, so a launch arriving in the
-    /// first moments of an outage mints nothing without a list of its own).
+    /// the provider about its image before anything is minted (that check,
+    /// which feeds this state through [`WatchedProvider`], is the launch's
+    /// fresh probe of the engine, so a launch arriving in the first moments
+    /// of an outage mints nothing without a list of its own).
     pub(crate) fn refusal(&self) -> Option<Refusal> {
         let snapshot = self.snapshot();
         snapshot.degraded().then(|| Refusal {

@@ -1,6 +1,6 @@
 //! Spot interruptions: the cloud taking the host's capacity back with two
-//! minutes' notice (issue #17 item 3; the reference's `WatchInterruptions`,
-//! spec/node.md §2.11).
+//! minutes' notice (the reference's `WatchInterruptions`, spec/node.md
+//! §2.11).
 //!
 //! An [`InterruptionSource`] says whether a notice stands. The one source
 //! there is, [`Imds`], reads the EC2 instance-metadata spot notice,

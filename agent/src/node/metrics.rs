@@ -305,7 +305,7 @@ impl Metrics {
         );
         r.register(
             "cache_events",
-            "What the node-local cache did (issue #16 item 7): sticky disks mounted from a generation (hit), cold (miss) or as a fallback, and commits refused as a CAS conflict",
+            "What the node-local cache did: sticky disks mounted from a generation (hit), cold (miss) or as a fallback, and commits refused as a CAS conflict",
             m.cache_events.clone(),
         );
         r.register(
@@ -1118,9 +1118,9 @@ mod tests {
         assert!(encoded(&registry).contains("billet_leases_held{state=\"running\"} 0"));
     }
 
-    /// A tester found an ending lease (its runner within the post-job
-    /// grace) counted nowhere: every state a held lease can be in has its
-    /// own series, so the series add up to what the node holds.
+    /// An ending lease (its runner within the post-job grace) is
+    /// counted too: every state a held lease can be in has its own
+    /// series, so the series add up to what the node holds.
     #[test]
     fn every_held_state_is_counted_under_its_own_name() {
         use crate::model::{Epoch, InstanceName, LeaseId};
@@ -1279,8 +1279,8 @@ mod tests {
         );
     }
 
-    /// Issue #13's metrics flood: idle connections cannot hold more than
-    /// the cap, and a scrape dialed into them is still answered.
+    /// A flood on the metrics port: idle connections cannot hold more
+    /// than the cap, and a scrape dialed into them is still answered.
     #[tokio::test]
     async fn idle_connections_past_the_cap_drop_the_oldest_and_a_scrape_is_still_answered() {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

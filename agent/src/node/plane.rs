@@ -132,8 +132,8 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
             memory.0 >> 20
         )))
     }
-    /// Records what the cache did for the lease's job (issue #16 item 7,
-    /// the plane's `RecordCacheObservation`, the reference's
+    /// Records what the cache did for the lease's job (the plane's
+    /// `RecordCacheObservation`, the reference's
     /// `LeaseStore.RecordCacheObservation`), after its disks are settled,
     /// which is after the release: the lease may be terminal. Fenced by
     /// epoch; the ledger keeps the first observation of a lease, and this
@@ -151,7 +151,7 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         observation: &Observation,
     ) -> Result<Observation, PlaneError>;
     /// Whether this node may serve `owner/repository`'s Actions cache from
-    /// its local storage (issue #16 item 4, the kill switch: the plane's
+    /// its local storage (the kill switch: the plane's
     /// `ActionsPolicyQuery`, the reference's
     /// `ActionsPolicy.ActionsCacheAllowed`, spec/cache.md §5.2). The names
     /// are the tier's static cache scope. Not about a lease: any node may

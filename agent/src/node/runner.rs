@@ -50,8 +50,8 @@ pub(crate) const START_DEADLINE: Duration = Duration::from_secs(300);
 /// life ([`RunnerOptions::max_lease_life`]).
 pub(crate) const LEASE_LIFE_WARN_EVERY: Duration = Duration::from_secs(3600);
 /// How long an ephemeral runner still working when its job's completion
-/// arrives is left to exit on its own before the node stops it (issue #11:
-/// 2 minutes by default; `--post-job-grace-secs`).
+/// arrives is left to exit on its own before the node stops it
+/// (2 minutes by default; `--post-job-grace-secs`).
 pub const POST_JOB_GRACE: Duration = Duration::from_secs(120);
 
 /// How long a stopped runner gets between SIGTERM and SIGKILL.
@@ -169,8 +169,8 @@ pub(super) struct State {
     /// bytes), for [`Runner::held_charge`].
     pub(super) sizes: HashMap<LeaseId, (u32, u64)>,
     /// The epoch each lease held when this process mounted its sticky
-    /// disks, for the cache observation recorded when they are settled
-    /// (issue #16 item 7). In memory: a restarted node records none.
+    /// disks, for the cache observation recorded when they are settled.
+    /// In memory: a restarted node records none.
     pub(super) disk_epochs: HashMap<LeaseId, Epoch>,
 }
 
@@ -727,12 +727,12 @@ impl Runner {
     }
 
     /// [`Runner::launch`], with the runner registration the plane minted
-    /// before it dispatched the launch (`Launch.registration`, issue #14)
-    /// when it sent one. With a registration the node asks no mint; for a
-    /// tier that asks nothing of the cache (whose mounts need the bind) it
-    /// also creates the instance beside the bind and starts it only once
-    /// the bind holds (`Runner::launch_beside_bind`), so the create no
-    /// longer waits for a plane round trip. A registration whose launch is
+    /// before it dispatched the launch (`Launch.registration`) when it
+    /// sent one. With a registration the node asks no mint; for a tier
+    /// that asks nothing of the cache (whose mounts need the bind) it also
+    /// creates the instance beside the bind and starts it only once the
+    /// bind holds (`Runner::launch_beside_bind`), so the create no longer
+    /// waits for a plane round trip. A registration whose launch is
     /// answered neither OK nor with custody is the plane's to remove.
     ///
     /// # Errors
@@ -899,14 +899,14 @@ impl Runner {
     }
 
     /// What can be checked before a registration exists is checked beside
-    /// the bind (issue #14: neither needs the other, and only the mint
-    /// waits for both): the provider answers and has the image, while the
-    /// lease is bound and advanced to launching in one round trip (one
-    /// ledger transaction). A refused check answers its refusal with
-    /// nothing minted, and a lease the bind took meanwhile is released
-    /// `failed` here ([`Runner::release_refused`]); a refused bind with the
-    /// image present fails the launch with nothing to release. Once both
-    /// pass, the lease counts as launching here.
+    /// the bind (neither needs the other, and only the mint waits for
+    /// both): the provider answers and has the image, while the lease is
+    /// bound and advanced to launching in one round trip (one ledger
+    /// transaction). A refused check answers its refusal with nothing
+    /// minted, and a lease the bind took meanwhile is released `failed`
+    /// here ([`Runner::release_refused`]); a refused bind with the image
+    /// present fails the launch with nothing to release. Once both pass,
+    /// the lease counts as launching here.
     async fn check_and_bind(&self, lease: &Lease, tier: &TierSpec) -> Result<(), RunnerError> {
         let (checked, bound) = tokio::join!(
             self.provider.check_image(&tier.image),
@@ -1141,9 +1141,9 @@ impl Runner {
         // Only once the start has answered: a record saying created
         // is adopted as a job by recovery without asking GitHub, so
         // it must not name an instance whose start may have failed
-        // (issue #14 tried writing it beside the start; the
-        // simulation's seed 9344, a create that fails after
-        // starting and a crash, adopted a runner with no job).
+        // (a record written beside the start adopted a runner with no
+        // job in the simulation's seed 9344: a create that fails after
+        // starting, and a crash).
         record.created = true;
         if let Err(e) = self.journal.amend_launch(record).await {
             warn!(error = %e, "cannot journal a created instance; a restart adopts it from the ledger");
@@ -1151,16 +1151,16 @@ impl Runner {
     }
 
     /// A launch carrying its registration, of a tier that asks nothing of
-    /// the cache (issue #14): the instance is created beside the launch
-    /// record's sync, the image check and `BindAdvance`, and started only
-    /// once all three have passed (and the lease is resized, when the
-    /// provider runs it at another size), so the create, about ten times
-    /// the bind, hides the bind. Nothing runs before the lease is bound
-    /// here and the launch is journaled: a refusal or a failed journal
-    /// write withholds the start and removes the created instance; a
-    /// restart that finds the instance still `created` tears it down
-    /// without adopting it, record or no record. The registration is
-    /// already in the record, so no amendment waits beside the create.
+    /// the cache: the instance is created beside the launch record's
+    /// sync, the image check and `BindAdvance`, and started only once all
+    /// three have passed (and the lease is resized, when the provider
+    /// runs it at another size), so the create, about ten times the bind,
+    /// hides the bind. Nothing runs before the lease is bound here and
+    /// the launch is journaled: a refusal or a failed journal write
+    /// withholds the start and removes the created instance; a restart
+    /// that finds the instance still `created` tears it down without
+    /// adopting it, record or no record. The registration is already in
+    /// the record, so no amendment waits beside the create.
     async fn launch_beside_bind(
         &self,
         lease: &Lease,
@@ -1327,9 +1327,9 @@ impl Runner {
         false
     }
 
-    /// Ends whatever was started for a request, as `order` allows
-    /// (issue #11 item 4). Idempotent: a request nothing was started for,
-    /// or whose compute is proven gone, is success.
+    /// Ends whatever was started for a request, as `order` allows.
+    /// Idempotent: a request nothing was started for, or whose compute is
+    /// proven gone, is success.
     ///
     /// - A scale-down (no completion, no force) of compute that already
     ///   ended other than by exiting 0 (killed, OOM, a crash, removed) holds

@@ -228,9 +228,9 @@ pub(crate) async fn an_instance_removed_out_of_band_is_absent(driver: &dyn Drive
     );
 }
 
-/// A create whose start is withheld (issue #14: a launch that created
-/// beside its bind, whose bind was then refused) tells the caller the
-/// instance exists, waits for the gate, then answers
+/// A create whose start is withheld (a launch that created beside its
+/// bind, whose bind was then refused) tells the caller the instance
+/// exists, waits for the gate, then answers
 /// [`ProviderError::StartWithheld`] and leaves the instance `created`,
 /// never started, until destroyed; a create whose gate opens runs it.
 ///

@@ -1,5 +1,5 @@
-//! Registry mirrors for guests (issue #17 item 4): the pull-through mirrors
-//! the node's configuration names (`--registry-mirror URL`, repeatable;
+//! Registry mirrors for guests: the pull-through mirrors the node's
+//! configuration names (`--registry-mirror URL`, repeatable;
 //! `BILLET_REGISTRY_MIRRORS`, comma-separated; `registry_mirror` in the
 //! configuration file), handed to every guest the node starts. A guest that
 //! runs Docker reads them from its daemon configuration: the node writes

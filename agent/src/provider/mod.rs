@@ -299,15 +299,14 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Creates an instance, sends on `created` as soon as it exists, then
     /// waits for `start` and starts it only when that says `true`. The
-    /// caller learns when to record the instance while it starts (issue
-    /// #14: the launch journals the created instance beside Docker's
-    /// start) and may create before it knows the instance may run (a
-    /// launch carrying its registration creates beside its bind and opens
-    /// the gate once the bind holds). A provider that cannot tell create
-    /// from start sends once both are done. `created` is dropped unsent
-    /// when nothing was created. Required, with no default, so that a
-    /// wrapper cannot forget to pass `created` and `start` to the provider
-    /// it wraps.
+    /// caller learns when to record the instance while it starts (the
+    /// launch journals the created instance beside Docker's start) and may
+    /// create before it knows the instance may run (a launch carrying its
+    /// registration creates beside its bind and opens the gate once the
+    /// bind holds). A provider that cannot tell create from start sends
+    /// once both are done. `created` is dropped unsent when nothing was
+    /// created. Required, with no default, so that a wrapper cannot forget
+    /// to pass `created` and `start` to the provider it wraps.
     ///
     /// # Errors
     ///

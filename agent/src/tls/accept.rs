@@ -16,16 +16,15 @@
 //!   the most of the class; never the newcomer. Fewest bytes first, so that
 //!   connections sending a byte or a ClientHello fragment and then stalling
 //!   or closing, even from the plane's own address, go before a plane's
-//!   handshake several round trips along (session 18's third tester). The
-//!   classes are apart so that an idle flood, however fast it redials,
-//!   never drops a handshake: a plane's ClientHello follows its connect at
-//!   once, and once it has arrived only other handshakes compete with it
-//!   (session 17's tester locked a plane out with 12,000 idle dials a
-//!   second from the plane's own address when one limit held both). The
+//!   handshake several round trips along. The classes are apart so that an
+//!   idle flood, however fast it redials, never drops a handshake: a plane's
+//!   ClientHello follows its connect at once, and once it has arrived only
+//!   other handshakes compete with it (with one limit for both, 12,000 idle
+//!   dials a second from the plane's own address lock a plane out). The
 //!   heaviest peer pays at a total limit so that a flood from many
 //!   addresses drops its own connections before a plane's one, however far
-//!   away the plane is (session 18's tester: a plane 10 ms away was always
-//!   the oldest of all in a storm of stalled handshakes from 9 addresses).
+//!   away the plane is (by age alone, a plane 10 ms away is always the
+//!   oldest of all in a storm of stalled handshakes from 9 addresses).
 //! - Refusals are logged at a bounded rate ([`REFUSAL_LOG_BURST`] lines per
 //!   [`REFUSAL_LOG_WINDOW`], and the first of each reason in the window);
 //!   past that they are counted, and the count is logged once per window
@@ -889,8 +888,9 @@ mod tests {
 
     #[test]
     fn an_idle_flood_from_a_peers_own_address_never_drops_its_handshake() {
-        // Session 17's tester: a flood of idle dials from the plane's own
-        // address evicted the plane's handshake when one limit held both.
+        // A flood of idle dials from the plane's own address must not
+        // evict the plane's handshake, as it would if one limit held
+        // both.
         let mut pending = Pending::default();
         let (plane_seq, plane) = pending.admit(ip(1), false);
         let mut idle = Vec::new();
@@ -959,8 +959,8 @@ mod tests {
 
     #[test]
     fn at_a_total_limit_the_peer_holding_most_loses_its_oldest_not_a_lone_older_one() {
-        // Session 18's tester: 9 addresses of stalled handshakes, each
-        // within its 8, dropped a plane 10 ms away as the oldest of all.
+        // Nine addresses of stalled handshakes, each within its 8, must
+        // not drop a plane 10 ms away as the oldest of all.
         for spoke in [true, false] {
             let (per_peer, total) = Pending::caps(spoke);
             let mut pending = Pending::default();
@@ -988,8 +988,8 @@ mod tests {
 
     #[test]
     fn at_a_peers_limit_the_handshake_that_has_read_least_goes_first() {
-        // Session 18's third tester: one byte and a close, from the
-        // plane's own address, dropped the plane's handshake as the oldest.
+        // One byte and a close, from the plane's own address, must not
+        // drop the plane's handshake as the oldest.
         let mut pending = Pending::default();
         let (plane_seq, plane) = pending.admit(ip(1), true);
         pending.received(plane_seq).store(517, Ordering::Relaxed);

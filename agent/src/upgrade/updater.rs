@@ -1506,9 +1506,9 @@ mod tests {
         assert_eq!(settle_at_node_start(&dir), Ok(Settled::Nothing));
         assert_eq!(version_of(&install), "2.0.0");
         // The updater dies. A sibling test's thread that forked meanwhile
-        // holds the dropped descriptor until its child execs (CI saw the
-        // start below find the claim busy), so the death is complete once
-        // the claim can be taken.
+        // holds the dropped descriptor until its child execs (and the start
+        // below would find the claim busy), so the death is complete once the
+        // claim can be taken.
         drop(held);
         drop(
             files

@@ -45,7 +45,7 @@ pub const STRAY_GRACE: Duration = secs(300);
 pub const PLANE_TICK: Duration = secs(30);
 
 /// How long after an early completion a runner still working may be left
-/// to exit on its own before the node may stop it (issue #11: a post-job
+/// to exit on its own before the node may stop it (a post-job
 /// grace, 2 min by default).
 pub const POST_JOB_GRACE: Duration = secs(120);
 
@@ -241,8 +241,8 @@ pub struct Core {
     /// config was never consumed), in order: invariant (5) reads it.
     pub configs_run: Vec<String>,
     /// Leases whose registration the plane minted before dispatching the
-    /// launch (issue #14): the plane's registration pass removes such a
-    /// registration once its lease has ended, as the stub's does.
+    /// launch: the plane's registration pass removes such a registration
+    /// once its lease has ended, as the stub's does.
     pub minted_ahead: BTreeSet<LeaseId>,
     pub mints: BTreeMap<LeaseId, u32>,
     pub mint_attempts: BTreeMap<LeaseId, u32>,
@@ -658,9 +658,9 @@ impl Core {
     }
 
     /// The plane mints the registration of an open lease before it
-    /// dispatches its launch (issue #14), recorded against the lease. The
-    /// node must then never mint for it: this counts as the one mint, so a
-    /// node that asks again breaks invariant (5).
+    /// dispatches its launch, recorded against the lease. The node must
+    /// then never mint for it: this counts as the one mint, so a node that
+    /// asks again breaks invariant (5).
     pub fn mint_ahead(&mut self, id: &LeaseId, epoch: Epoch) -> Result<Registration, PlaneError> {
         let row = self.open(id, epoch)?;
         if row.runner.is_some() {
@@ -681,7 +681,7 @@ impl Core {
     }
 
     /// The plane removes the registration it minted before dispatching a
-    /// launch that started nothing (issue #14).
+    /// launch that started nothing.
     pub fn plane_remove_registration(&mut self, id: &LeaseId) {
         let Some((_, name)) = self.leases.get(id).and_then(|r| r.runner.clone()) else {
             return;

@@ -110,10 +110,10 @@ impl Provider for SimProvider {
         }
         // Completes in one poll: nothing in the fake waits unless blocked.
         let result = self.fake.create_then_start(spec, created, start).await;
-        // A create whose start was withheld (issue #14: its launch's bind
-        // was refused, or its record not written) never ran its runner:
-        // the instance stays `created`, and its config is not consumed.
-        // A config counts as used once an instance created with it has
+        // A create whose start was withheld (its launch's bind was
+        // refused, or its record not written) never ran its runner: the
+        // instance stays `created`, and its config is not consumed. A
+        // config counts as used once an instance created with it has
         // run: a create that made nothing, or whose instance never left
         // `created`, consumed nothing, and a launch redelivered after a
         // crash may hand the plane-minted config to a create again.

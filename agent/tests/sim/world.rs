@@ -482,9 +482,9 @@ impl World {
     }
 
     /// The plane stops waiting for a launch's result. One whose
-    /// registration it minted before dispatch (issue #14) is the plane's
-    /// to end while no node has bound it (the stub's `release_unbound`):
-    /// the node starts nothing before its bind holds. Any other is the
+    /// registration it minted before dispatch is the plane's to end
+    /// while no node has bound it (the stub's `release_unbound`): the
+    /// node starts nothing before its bind holds. Any other is the
     /// node's from now on.
     fn give_up_on_launch(&mut self, lease: &LeaseId, minted: bool) {
         let mut c = self.shared.lock();
@@ -504,9 +504,8 @@ impl World {
 
     async fn launch(&mut self, lease: LeaseId, what: &'static str) {
         // Half the launches carry the registration the plane minted before
-        // dispatching them (issue #14), as the stub plane sends to a node
-        // that takes one; the rest are minted by the node, as for an older
-        // plane.
+        // dispatching them, as the stub plane sends to a node that takes
+        // one; the rest are minted by the node, as for an older plane.
         let registration = if self.rng.chance(50) {
             let minted = {
                 let mut c = self.shared.lock();

@@ -357,10 +357,10 @@ impl Ledger {
 
     /// Ends the lease `failed` unless a node has bound it, deciding and writing in one transaction under the
     /// lease's row lock: [`Ledger::release_unminted`] for a launch whose
-    /// registration the plane minted before dispatching it (issue #14), so
-    /// that a registration is recorded from the start and cannot tell a
-    /// launch that did nothing from one that did. A node starts an instance
-    /// only once its bind holds, so either the release comes first and the
+    /// registration the plane minted before dispatching it, so that a
+    /// registration is recorded from the start and cannot tell a launch
+    /// that did nothing from one that did. A node starts an instance only
+    /// once its bind holds, so either the release comes first and the
     /// node's bind is refused (it removes what it created, unstarted), or
     /// the bind comes first and nothing is released.
     ///
@@ -983,9 +983,9 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #17 item 5 (the reference's `Resize`): a launching lease's
-        /// charge follows what its node launched, fenced, bound, and within
-        /// the node's room with its old size handed back.
+        /// The reference's `Resize`: a launching lease's charge follows
+        /// what its node launched, fenced, bound, and within the node's
+        /// room with its old size handed back.
         async fn resize_changes_what_a_launching_lease_charges_within_the_nodes_room(db) {
             let l = db.ledger().await;
             l.reserve_on(new_lease("a"), "n1", ROOM, 0).await.unwrap();
@@ -1042,8 +1042,8 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #14: one transaction renews the batch; each lease's refusal
-        /// is its own, in its place, and does not stop the others.
+        /// One transaction renews the batch; each lease's refusal is
+        /// its own, in its place, and does not stop the others.
         async fn a_batched_heartbeat_renews_each_lease_it_may_and_refuses_the_others_in_place(db) {
             let l = db.ledger().await;
             lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
@@ -1096,7 +1096,7 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #14: a launch whose registration the plane minted before
+        /// A launch whose registration the plane minted before
         /// dispatching it, and whose result was lost, ends `failed` only
         /// while no node has bound it; a registration recorded does not
         /// keep it open, a bind does.
@@ -1165,7 +1165,7 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #14: the launch path's Bind and Advance(launching) in one
+        /// The launch path's Bind and Advance(launching) in one
         /// transaction leave the lease as the two calls would, repeat
         /// without effect, refuse with the same codes, and on a refused
         /// advance leave the bind undone.

@@ -1,8 +1,8 @@
-//! The transparent GitHub Actions cache (issue #16 item 4; spec/cache.md
-//! §1.3, §2.5, §5.2): on a trusted tier that opts in, the node is an
-//! authenticated CONNECT proxy for the results service, answers the three
-//! `CacheService` Twirp methods from archives on its own disk, and splices
-//! everything else to GitHub unchanged.
+//! The transparent GitHub Actions cache (spec/cache.md §1.3, §2.5, §5.2):
+//! on a trusted tier that opts in, the node is an authenticated CONNECT
+//! proxy for the results service, answers the three `CacheService` Twirp
+//! methods from archives on its own disk, and splices everything else to
+//! GitHub unchanged.
 //!
 //! - this file: the vocabulary. [`CacheScope`] (the tier's static scope,
 //!   checked as the reference's `validateActionsScope`), [`ActionsPolicy`]

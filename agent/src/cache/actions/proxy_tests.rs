@@ -476,8 +476,8 @@ async fn a_saved_archive_is_restored_locally_with_a_byte_range() {
 
 #[tokio::test]
 async fn a_download_url_is_on_the_proxys_listener_and_fetched_there_without_a_tunnel() {
-    // Past the reference: a restore is not decrypted by the guest (the
-    // issue's restore figure; ARCHITECTURE.md "Downloads are fetched
+    // Past the reference: a restore is not decrypted by the guest (for
+    // the restore figure; ARCHITECTURE.md "Downloads are fetched
     // directly").
     let (up, up_ca, seen) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = node((up, &up_ca), Arc::default(), scratch()).await;
@@ -1178,11 +1178,11 @@ fn now_unix_ms() -> i64 {
     .unwrap()
 }
 
-/// Issue #16: Actions cache archives are evicted by the sticky disks'
-/// pass (`cache::lifecycle::evict`): past the retention, then least
-/// recently used first across archives and generations while over the
-/// byte budget, and never one a live session reads (a lookup matched it:
-/// its download link exists, also across a restart, which reads the link
+/// Actions cache archives are evicted by the sticky disks' pass
+/// (`cache::lifecycle::evict`): past the retention, then least recently
+/// used first across archives and generations while over the byte
+/// budget, and never one a live session reads (a lookup matched it: its
+/// download link exists, also across a restart, which reads the link
 /// back from the journal); once that session closes, it goes too. An
 /// evicted archive is a miss for the next lookup.
 #[tokio::test]
@@ -1304,7 +1304,7 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
 
 /// Idle connections cannot take more than the proxy's cap of descriptors:
 /// the one past it is closed at once, those under it go on, and a place
-/// freed is used again (issue #13's flood, on the proxy's port).
+/// freed is used again.
 #[tokio::test]
 async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_again() {
     const CAP: usize = super::proxy::MAX_PROXY_CONNECTIONS;
@@ -1336,7 +1336,7 @@ async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_a
 }
 
 // ---------------------------------------------------------------------------
-// The direct download path, as an independent tester attacked it (session 14).
+// The direct download path, as a hostile guest would attack it.
 // ---------------------------------------------------------------------------
 
 fn t_addr(node: &Node) -> String {
@@ -1708,12 +1708,11 @@ async fn t_stalled(url: &str, first: usize) -> tokio::net::TcpStream {
 
 #[tokio::test]
 async fn stopping_the_proxy_cuts_a_direct_download_in_progress() {
-    // Bounded as a whole: the fresh-clone suite once saw this test wait for
-    // over an hour under load, in its 64 MiB upload, whose last TLS records
-    // the client's rustls held unsent while it read for the answer (`send`
-    // now flushes; about one run in fifteen of this module, four at a time
-    // beside a release build, hung before). Any step that never finishes
-    // fails it, naming the test, rather than holding the suite.
+    // Bounded as a whole: under load a 64 MiB upload whose last TLS records
+    // the client's rustls holds unsent while it reads for the answer can
+    // hang this test for over an hour (hence `send` flushes). Any step that
+    // never finishes fails it, naming the test, rather than holding the
+    // suite.
     tokio::time::timeout(
         std::time::Duration::from_secs(60),
         stopping_the_proxy_cuts_a_direct_download_in_progress_within_a_bound(),
@@ -1777,8 +1776,8 @@ async fn stopping_the_proxy_cuts_a_direct_download_in_progress_within_a_bound() 
 
 #[tokio::test]
 async fn a_direct_download_waits_on_no_other_sessions_lock() {
-    // Found by the tester: direct_download took each live session's `held` lock in turn, and a
-    // finalize holds its session's lock across the plane's policy question (up to 2 s).
+    // direct_download takes no live session's `held` lock: a finalize holds its session's lock
+    // across the plane's policy question (up to 2 s).
     let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = Arc::new(node((up, &up_ca), Arc::default(), scratch()).await);
     save(&node, "k", b"0123456789").await;

@@ -554,11 +554,11 @@ impl Journal for GatedJournal {
     }
 }
 
-/// Issue #14: a launch is answered without waiting for its committed
-/// result (its synced launch record already keeps a redelivery from
-/// minting again), which is written before the next command runs; its
-/// record already says created when it is answered (recovery adopts such
-/// a runner without asking GitHub).
+/// A launch is answered without waiting for its committed result (its
+/// synced launch record already keeps a redelivery from minting again),
+/// which is written before the next command runs; its record already
+/// says created when it is answered (recovery adopts such a runner
+/// without asking GitHub).
 #[tokio::test]
 async fn a_launch_is_answered_beside_its_committed_result_not_after_it() {
     let journal = Arc::new(MemoryJournal::default());
@@ -612,10 +612,9 @@ async fn a_launch_is_answered_beside_its_committed_result_not_after_it() {
 }
 
 /// A launch whose record the journal cannot write (its disk filled before
-/// the health probe said so; tester-14 saw it answered with no code) is
-/// refused `UNAVAILABLE`, as a node degraded by an unwritable journal
-/// refuses, so the plane backs off from this node; nothing is started or
-/// held.
+/// the health probe said so) is refused `UNAVAILABLE`, as a node degraded
+/// by an unwritable journal refuses, so the plane backs off from this
+/// node; nothing is started or held.
 #[tokio::test]
 async fn a_launch_whose_record_cannot_be_journaled_is_refused_unavailable() {
     let journal = Arc::new(MemoryJournal::default());
