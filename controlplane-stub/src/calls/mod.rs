@@ -20,15 +20,17 @@ use crate::ledger::{CacheObservation, Lease, Ledger, LedgerError, NodeCapacity, 
 
 use wire::{error, ledger_error};
 
-pub use wire::{lease_to_wire, sign_error};
+pub use wire::lease_to_wire;
+pub(crate) use wire::sign_error;
 
 /// How long a quarantined lease must stay absent from a node's inventory
-/// before the ledger frees it.
+/// before the ledger frees it (§1.8, `quarantineGrace`): a listing taken
+/// earlier might miss a container that is still being created.
 pub const QUARANTINE_GRACE: Duration = Duration::from_secs(300);
 
 /// The plane's answers to node calls.
 #[derive(Debug)]
-pub struct CallHandler {
+pub(crate) struct CallHandler {
     ledger: Arc<Ledger>,
     github: Arc<Github>,
     quarantine_grace: Duration,
@@ -47,7 +49,7 @@ pub struct CallHandler {
 ///
 /// `SCALE_SET_NOT_FOUND` when GitHub has no such set, `UNAVAILABLE` for any
 /// other GitHub failure, and the ledger's code when it will not record it.
-pub async fn mint_and_record(
+pub(crate) async fn mint_and_record(
     github: &Github,
     ledger: &crate::ledger::Ledger,
     lease: &crate::ledger::Lease,
@@ -90,7 +92,11 @@ type Answer = Result<Option<pb::plane_reply::Result>, pb::Error>;
 
 impl CallHandler {
     /// A handler over the ledger and GitHub.
-    pub fn new(ledger: Arc<Ledger>, github: Arc<Github>, quarantine_grace: Duration) -> Self {
+    pub(crate) fn new(
+        ledger: Arc<Ledger>,
+        github: Arc<Github>,
+        quarantine_grace: Duration,
+    ) -> Self {
         Self {
             ledger,
             github,
@@ -102,20 +108,21 @@ impl CallHandler {
     /// Signs nodes' certificate requests (`RenewCertificate`) with `ca`;
     /// without it they are refused, `ERROR_CODE_UNAVAILABLE`.
     #[must_use]
-    pub fn with_ca(mut self, ca: Option<Arc<NodeCa>>) -> Self {
+    pub(crate) fn with_ca(mut self, ca: Option<Arc<NodeCa>>) -> Self {
         self.ca = ca;
         self
     }
 
     /// Answers one call from `node`, whose capacity the plane does not
     /// know (a `Resize` is refused `UNAVAILABLE`).
-    pub async fn handle(&self, node: &str, call: pb::NodeCall) -> pb::PlaneReply {
+    #[cfg(test)]
+    pub(crate) async fn handle(&self, node: &str, call: pb::NodeCall) -> pb::PlaneReply {
         self.handle_from(node, None, call).await
     }
 
     /// Answers one call from `node`, which said (`Hello`, then its
     /// reports) it may run `capacity` at once: what a `Resize` must fit in.
-    pub async fn handle_from(
+    pub(crate) async fn handle_from(
         &self,
         node: &str,
         capacity: Option<pb::Capacity>,

@@ -26,7 +26,7 @@ pub(super) fn ledger_error(e: &LedgerError) -> pb::Error {
 
 /// A refusal to sign, as the wire carries it: `ERROR_CODE_IDENTITY_REFUSED`,
 /// or `ERROR_CODE_INTERNAL` when the CA itself failed.
-pub fn sign_error(e: &SignError) -> pb::Error {
+pub(crate) fn sign_error(e: &SignError) -> pb::Error {
     let code = match e {
         SignError::Malformed(_) | SignError::WrongName { .. } => pb::ErrorCode::IdentityRefused,
         SignError::Signing(_) => pb::ErrorCode::Internal,

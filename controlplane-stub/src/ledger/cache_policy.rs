@@ -18,7 +18,7 @@ use sqlx::Row as _;
 use super::{Ledger, LedgerError, Result};
 
 /// The longest owner or repository name, in characters (GitHub's limit).
-pub const MAX_NAME_CHARS: usize = 100;
+pub(crate) const MAX_NAME_CHARS: usize = 100;
 
 /// What an operator blocks from the node-local Actions cache.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -40,7 +40,7 @@ pub enum CacheBlock {
 /// # Errors
 ///
 /// [`LedgerError::Invalid`], saying what to fix.
-pub fn cache_name(what: &str, name: &str) -> Result<String> {
+pub(crate) fn cache_name(what: &str, name: &str) -> Result<String> {
     let chars = name.chars().count();
     if chars == 0 || chars > MAX_NAME_CHARS {
         return Err(LedgerError::Invalid(format!(

@@ -184,7 +184,7 @@ impl Ledger {
     ///
     /// As [`Ledger::bind`], then as [`Ledger::advance`], checked in that
     /// order on the same row.
-    pub async fn bind_advance(
+    pub(crate) async fn bind_advance(
         &self,
         id: &str,
         epoch: u64,
@@ -346,7 +346,7 @@ impl Ledger {
     /// # Errors
     ///
     /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
-    pub async fn release_unminted(
+    pub(crate) async fn release_unminted(
         &self,
         id: &str,
         epoch: u64,
@@ -371,7 +371,7 @@ impl Ledger {
     /// # Errors
     ///
     /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
-    pub async fn release_unbound(
+    pub(crate) async fn release_unbound(
         &self,
         id: &str,
         epoch: u64,
@@ -434,7 +434,7 @@ impl Ledger {
     ///
     /// `Invalid` for a blank reason or the reserved [`INVENTORY_ABSENCE`];
     /// `NotFound`, `Fenced`; `Conflict` when another reason is recorded.
-    pub async fn mark_failure(
+    pub(crate) async fn mark_failure(
         &self,
         id: &str,
         epoch: u64,
@@ -481,7 +481,7 @@ impl Ledger {
     ///
     /// `NotFound`, `Fenced`; `Conflict` for a second, different name;
     /// `Invalid` for an empty name.
-    pub async fn set_runner(
+    pub(crate) async fn set_runner(
         &self,
         id: &str,
         epoch: u64,
@@ -577,7 +577,7 @@ impl Ledger {
     /// `Invalid` for a zero size; `NotFound`, `Fenced`, `WrongNode` (not
     /// bound to `node`); `Conflict` when the lease is not launching;
     /// `NoCapacity` when the new size does not fit (nothing is written).
-    pub async fn resize(
+    pub(crate) async fn resize(
         &self,
         id: &str,
         epoch: u64,

@@ -43,7 +43,7 @@ impl Ledger {
     ///
     /// `NotFound` for an unknown lease, `Fenced` when `epoch` is not the
     /// lease's, `Invalid` for a count beyond `i64`.
-    pub async fn record_cache_observation(
+    pub(crate) async fn record_cache_observation(
         &self,
         id: &str,
         epoch: u64,

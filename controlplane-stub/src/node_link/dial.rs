@@ -6,9 +6,9 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 use super::LinkError;
 
 /// The plane's default HTTP/2 PING interval to a node ([`Keepalive`]).
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(20);
 /// The plane's default time for a node to answer a PING ([`Keepalive`]).
-pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How the plane's HTTP/2 connection to a node notices silence: a PING
 /// every `interval` while the session's stream is open, and the connection
@@ -29,7 +29,7 @@ pub struct Keepalive {
 }
 
 impl Default for Keepalive {
-    /// [`KEEPALIVE_INTERVAL`] and [`KEEPALIVE_TIMEOUT`]: 20 s and 20 s.
+    /// `KEEPALIVE_INTERVAL` and `KEEPALIVE_TIMEOUT`: 20 s and 20 s.
     fn default() -> Self {
         Self {
             interval: KEEPALIVE_INTERVAL,
@@ -83,7 +83,7 @@ pub async fn dial(
 /// # Errors
 ///
 /// [`LinkError`] naming the node and what went wrong.
-pub async fn dial_with(
+pub(crate) async fn dial_with(
     target: &NodeTarget,
     tls: &PlaneTls,
     keepalive: Keepalive,

@@ -29,9 +29,9 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::calls::CallHandler;
 
-pub use dial::{
-    KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, Keepalive, NodeTarget, PlaneTls, dial, dial_with,
-};
+use dial::dial_with;
+
+pub use dial::{Keepalive, NodeTarget, PlaneTls, dial};
 pub use faults::LinkFaults;
 
 /// The session id of commands handed over by a recycled session before
@@ -140,7 +140,7 @@ pub struct NodeStatus {
     pub capacity: pb::Capacity,
     /// What the leases it holds charge, as it last said (same sources): its
     /// launches, custody and adopted compute.
-    pub held: pb::Capacity,
+    pub(crate) held: pb::Capacity,
 }
 
 impl NodeStatus {
@@ -168,12 +168,13 @@ pub struct NodeLink {
 
 impl NodeLink {
     /// A link for `target`; nothing is dialed until [`NodeLink::run`].
-    pub fn new(target: NodeTarget) -> Arc<Self> {
+    #[cfg(test)]
+    pub(crate) fn new(target: NodeTarget) -> Arc<Self> {
         Self::with_keepalive(target, Keepalive::default())
     }
 
     /// A link to `target` whose connections PING as `keepalive` says.
-    pub fn with_keepalive(target: NodeTarget, keepalive: Keepalive) -> Arc<Self> {
+    pub(crate) fn with_keepalive(target: NodeTarget, keepalive: Keepalive) -> Arc<Self> {
         Arc::new(Self {
             keepalive,
             target,
@@ -187,7 +188,7 @@ impl NodeLink {
 
     /// How long the plane has had no session with this node; `None` while
     /// one is open.
-    pub fn detached_for(&self) -> Option<Duration> {
+    pub(crate) fn detached_for(&self) -> Option<Duration> {
         self.detached_since
             .lock()
             .expect("link")
@@ -214,7 +215,7 @@ impl NodeLink {
 
     /// Dials and re-dials the node until `shutdown`, answering its calls with
     /// `calls`.
-    pub async fn run(
+    pub(crate) async fn run(
         self: Arc<Self>,
         tls: PlaneTls,
         open: pb::Open,

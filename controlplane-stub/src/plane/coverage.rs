@@ -15,10 +15,10 @@ use super::launches::LostLaunch;
 /// The first wait after a launch that did not end with a runner; it grows
 /// exponentially, with jitter, to [`RELAUNCH_MAX_DELAY`], with no limit on
 /// the number of tries.
-pub const RELAUNCH_MIN_DELAY: Duration = Duration::from_millis(500);
+pub(crate) const RELAUNCH_MIN_DELAY: Duration = Duration::from_millis(500);
 
 /// The longest wait between two launches for the same uncovered jobs.
-pub const RELAUNCH_MAX_DELAY: Duration = Duration::from_secs(15);
+pub(crate) const RELAUNCH_MAX_DELAY: Duration = Duration::from_secs(15);
 
 /// How often the plane looks at coverage without being woken.
 const COVER_TICK: Duration = Duration::from_millis(500);

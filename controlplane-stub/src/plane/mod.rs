@@ -31,7 +31,6 @@ use crate::node_link::{NodeLink, NodeTarget, PlaneTls};
 
 use coverage::Cover;
 
-pub use coverage::{RELAUNCH_MAX_DELAY, RELAUNCH_MIN_DELAY};
 pub use registrations::REGISTRATION_LOST;
 pub use teardown::ScaleDown;
 
