@@ -136,13 +136,12 @@ struct Args {
     /// Most runners at once.
     #[arg(long, default_value_t = 10)]
     max_runners: u32,
-    /// Mint each launch's runner registration before dispatching it, for a
-    /// node that takes one and whose last launch ran the tier's image, so
-    /// the node creates the container beside its bind (issue #14: about
-    /// 2 ms off each launch). Off by default: a node that refuses the
-    /// launch (degraded, its image gone) then finds a registration already
-    /// minted, which the plane removes at once, where without it nothing is
-    /// minted for a refused launch (issues #11 and #13).
+    /// Mint each launch's runner registration before dispatching it, for a node
+    /// that takes one and whose last launch ran the tier's image, so the node
+    /// creates the container beside its bind (about 2 ms off each launch). Off
+    /// by default: a node that refuses the launch (degraded, its image gone)
+    /// then finds a registration already minted, which the plane removes at
+    /// once, where without it nothing is minted for a refused launch.
     #[arg(long)]
     mint_before_dispatch: bool,
     /// Seconds between the HTTP/2 PINGs the plane sends each node, from 1

@@ -3,6 +3,9 @@
 //! which is the node the plane dialed): a node may touch only leases bound to
 //! it, and may mint only for a lease it holds at `launching`; the plane's
 //! CA signs a certificate request only for that name.
+//!
+//! `wire.rs` holds what the answers carry: leases ([`lease_to_wire`]) and
+//! refusals as typed `pb::Error`s.
 
 #[cfg(test)]
 mod tests;
@@ -37,13 +40,13 @@ pub(crate) struct CallHandler {
     ca: Option<Arc<NodeCa>>,
 }
 
-/// Mints the runner registration `billet-<lease id>` for `lease` at
-/// GitHub and records it against the lease in `ledger`: what a node's
-/// `MintJit` asks for once its checks pass, and what the plane does before
-/// it dispatches a launch (issue #14, `Plane::mint_ahead`). A registration
-/// the ledger will not record is removed at once (one this removal misses
-/// is found by its name by the plane's registration pass), so no
-/// registration is ever handed out that the ledger cannot name.
+/// Mints the runner registration `billet-<lease id>` for `lease` at GitHub and
+/// records it against the lease in `ledger`: what a node's `MintJit` asks for
+/// once its checks pass, and what the plane does before it dispatches a launch
+/// (`Plane::mint_ahead`). A registration the ledger will not record is removed
+/// at once (one this removal misses is found by its name by the plane's
+/// registration pass), so no registration is ever handed out that the ledger
+/// cannot name.
 ///
 /// # Errors
 ///

@@ -69,9 +69,9 @@ fn renewal(name: &str) -> pb::NodeCall {
     ))
 }
 
-/// Issue #13 item 3: the plane's CA signs a certificate request only
-/// for the node the session authenticated; one naming another node is
-/// refused with a typed code, and a plane without a CA key says so.
+/// The plane's CA signs a certificate request only for the node the session
+/// authenticated; one naming another node is refused with a typed code, and a
+/// plane without a CA key says so.
 #[tokio::test]
 async fn a_renewal_is_signed_only_for_the_sessions_own_node() {
     let (handler, _ledger, _emulator) = handler().await;
@@ -115,10 +115,9 @@ async fn a_renewal_is_signed_only_for_the_sessions_own_node() {
     );
 }
 
-/// Issue #16 item 4, the kill switch: `ActionsPolicyQuery` answers
-/// from the ledger's blocks, for any repository, without case; a
-/// malformed name is `INVALID_ARGUMENT` and a ledger that cannot be read
-/// `UNAVAILABLE` (both a denial to the node).
+/// The kill switch: `ActionsPolicyQuery` answers from the ledger's blocks, for
+/// any repository, without case; a malformed name is `INVALID_ARGUMENT` and a
+/// ledger that cannot be read `UNAVAILABLE` (both a denial to the node).
 #[tokio::test]
 async fn actions_policy_answers_from_the_ledgers_blocks() {
     use crate::ledger::CacheBlock;
@@ -169,10 +168,10 @@ async fn actions_policy_answers_from_the_ledgers_blocks() {
     );
 }
 
-/// Issue #16 item 7: `RecordCacheObservation` records what a node's
-/// cache did against the lease at its epoch, after the release too,
-/// answered with the observation the ledger keeps (the first);
-/// a stale epoch is `FENCED`, an unknown lease `NOT_FOUND`.
+/// `RecordCacheObservation` records what a node's cache did against the lease
+/// at its epoch, after the release too, answered with the observation the
+/// ledger keeps (the first); a stale epoch is `FENCED`, an unknown lease
+/// `NOT_FOUND`.
 #[tokio::test]
 async fn record_cache_observation_keeps_the_first_fenced_by_epoch() {
     let (handler, ledger, _emulator) = handler().await;
@@ -251,11 +250,10 @@ async fn record_cache_observation_keeps_the_first_fenced_by_epoch() {
     );
 }
 
-/// Issue #17 item 5: `Resize` changes what a launching lease charges to
-/// what its node runs, fenced and checked against the capacity the
-/// session's node reported; a plane that does not know it yet answers
-/// `UNAVAILABLE`, and a size beyond the room is `REFUSED` with nothing
-/// written.
+/// `Resize` changes what a launching lease charges to what its node runs,
+/// fenced and checked against the capacity the session's node reported; a plane
+/// that does not know it yet answers `UNAVAILABLE`, and a size beyond the room
+/// is `REFUSED` with nothing written.
 #[tokio::test]
 async fn resize_charges_what_the_node_runs_within_the_room_it_reported() {
     let (handler, ledger, _emulator) = handler().await;
@@ -330,10 +328,10 @@ async fn resize_charges_what_the_node_runs_within_the_room_it_reported() {
     assert_eq!(ledger.get("l1").await.unwrap().unwrap().vcpu, 2);
 }
 
-/// Issue #14: `BindAdvance` binds the lease to the session's node and
-/// moves it to the phase asked in one call, answered with the lease as
-/// the ledger then holds it; refusals carry the codes Bind and Advance
-/// carry, and a phase that is not one is an invalid argument.
+/// `BindAdvance` binds the lease to the session's node and moves it to the
+/// phase asked in one call, answered with the lease as the ledger then holds
+/// it; refusals carry the codes Bind and Advance carry, and a phase that is not
+/// one is an invalid argument.
 #[tokio::test]
 async fn bind_advance_answers_the_lease_bound_and_launching() {
     let (handler, ledger, _emulator) = handler().await;

@@ -1,3 +1,6 @@
+//! What the wire carries back to a node: a lease ([`lease_to_wire`]), and a
+//! ledger refusal or a signing refusal as a typed `pb::Error`.
+
 use billet_proto::v1 as pb;
 
 use crate::identity::SignError;

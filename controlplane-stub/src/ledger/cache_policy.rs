@@ -1,7 +1,7 @@
-//! The Actions cache kill switch (issue #16 item 4; spec/cache.md §5.2,
-//! the reference's `cache_interception_blocks`): an operator blocks an
-//! organisation or one repository, and a node asks, before it serves a
-//! repository's Actions cache from its local storage, whether it may.
+//! The Actions cache kill switch (spec/cache.md §5.2, the reference's
+//! `cache_interception_blocks`): an operator blocks an organisation or one
+//! repository, and a node asks, before it serves a repository's Actions cache
+//! from its local storage, whether it may.
 //!
 //! One row per block in `cache_blocks` (migration 5 on both backends):
 //! `(scope, owner, repository)`, `repository` empty for an organisation's

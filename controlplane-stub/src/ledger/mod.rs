@@ -593,10 +593,10 @@ mod tests {
     };
 
     on_both_backends! {
-        /// Issue #17: two ledger handles (two pools, as two plane processes
-        /// would hold) race 32 reservations for room for 4 on one node:
-        /// exactly 4 are booked, the rest are refused `no_capacity`, and a
-        /// lease id both race for is reserved once.
+        /// Two ledger handles (two pools, as two plane processes would hold)
+        /// race 32 reservations for room for 4 on one node: exactly 4 are
+        /// booked, the rest are refused `no_capacity`, and a lease id both race
+        /// for is reserved once.
         async fn two_planes_racing_for_one_nodes_room_never_book_beyond_it(db) {
             // Both connect at once: the schema is migrated once, not twice.
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
@@ -645,11 +645,11 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #17: reservations racing two planes' reapers on one node.
-        /// Expired escrow aimed at the node is failed by exactly one reaper
-        /// while new reservations take the room it frees; a reader watching
-        /// throughout never sees the node charged beyond its capacity, and
-        /// at the end what is charged is exactly what was booked.
+        /// Reservations racing two planes' reapers on one node. Expired escrow
+        /// aimed at the node is failed by exactly one reaper while new
+        /// reservations take the room it frees; a reader watching throughout
+        /// never sees the node charged beyond its capacity, and at the end what
+        /// is charged is exactly what was booked.
         async fn reservations_racing_two_reapers_never_overbook_a_node(db) {
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
             let planes = [Arc::new(a), Arc::new(b)];
@@ -723,10 +723,10 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Issue #17: two planes' reapers and the node's heartbeats race over
-        /// forty expired leases. Each lease is reclaimed at most once (its
-        /// epoch moves once, one reaper reports it); a heartbeat that
-        /// succeeded kept its lease, and one refused `fenced` lost it.
+        /// Two planes' reapers and the node's heartbeats race over forty
+        /// expired leases. Each lease is reclaimed at most once (its epoch
+        /// moves once, one reaper reports it); a heartbeat that succeeded kept
+        /// its lease, and one refused `fenced` lost it.
         async fn two_reapers_and_heartbeats_racing_reclaim_each_lease_once(db) {
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
             let planes = [Arc::new(a), Arc::new(b)];

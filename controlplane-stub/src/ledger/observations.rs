@@ -1,6 +1,6 @@
-//! What the node-local cache did for each lease's job (issue #16 item 7,
-//! the reference's `LeaseStore.RecordCacheObservation`): one row per lease
-//! in `cache_observations`, the first one recorded kept.
+//! What the node-local cache did for each lease's job (the reference's
+//! `LeaseStore.RecordCacheObservation`): one row per lease in
+//! `cache_observations`, the first one recorded kept.
 //!
 //! The write is fenced by the lease's epoch like the holder writes, but the
 //! lease may already be terminal: a node settles a job's sticky disks after
@@ -143,9 +143,9 @@ mod tests {
     };
 
     on_both_backends! {
-        /// Issue #16 item 7: an observation is recorded against the lease
-        /// at its epoch, and the first one is kept: a second, different one
-        /// is answered with the first.
+        /// An observation is recorded against the lease at its epoch, and the
+        /// first one is kept: a second, different one is answered with the
+        /// first.
         async fn the_first_cache_observation_of_a_lease_is_kept(db) {
             let l = db.ledger().await;
             lease_in(&l, "a", "n1", &[Phase::Launching, Phase::Online], 0).await;

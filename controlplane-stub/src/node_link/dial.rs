@@ -1,3 +1,7 @@
+//! Dialing a node: where it listens ([`NodeTarget`]), the plane's mTLS
+//! material ([`PlaneTls`]), how the connection notices a silent node
+//! ([`Keepalive`]), and [`dial`] itself.
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

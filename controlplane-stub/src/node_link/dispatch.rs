@@ -1,3 +1,7 @@
+//! Sending a command to the node and waiting for its result: the deadline
+//! is fixed at queue time, a caller that stops waiting leaves nothing in
+//! flight, and a launch given up on is tombstoned.
+
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 

@@ -1,3 +1,6 @@
+//! Fault injection for tests ([`LinkFaults`]): results dropped, sessions
+//! cut, dials held, partitions.
+
 use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use tokio::sync::watch;

@@ -8,6 +8,16 @@
 //! times out, or whose session breaks, is answered `Custody` to the caller
 //! and tombstoned, so a late success is acknowledged `custody` and the node
 //! takes the lease.
+//!
+//! # Layout
+//!
+//! - `mod.rs` (here): [`NodeLink`], its session (dial loop, `Hello`, the
+//!   inbound messages, results and their acknowledgements), [`NodeStatus`]
+//!   and [`CommandOutcome`].
+//! - `dial.rs`: [`NodeTarget`], [`PlaneTls`], [`Keepalive`] and [`dial`].
+//! - `dispatch.rs`: [`NodeLink::dispatch`], a command out and its result
+//!   back.
+//! - `faults.rs`: [`LinkFaults`], for tests.
 
 mod dial;
 mod dispatch;

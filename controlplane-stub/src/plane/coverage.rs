@@ -1,3 +1,8 @@
+//! Coverage: as many runners starting or idle as there are assigned jobs no
+//! runner has taken ([`Cover`], in memory; the wanted jobs themselves are in
+//! the ledger), bounded by the set's maximum and the nodes' free capacity,
+//! with a backoff after launches that did not end with a runner.
+
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -64,11 +69,10 @@ pub(super) struct Cover {
     pub(super) lost: HashMap<String, Vec<LostLaunch>>,
     /// The last time "no node has room" was logged.
     pub(super) no_room_logged: Option<Instant>,
-    /// Nodes whose last launch the plane heard of ran the tier's image:
-    /// only their launches carry a registration minted before dispatch
-    /// (issue #14), so a node without the image is asked to check it
-    /// before anything is minted (issue #11 item 2), and so is a node whose
-    /// launch failed in any way, until one runs again.
+    /// Nodes whose last launch the plane heard of ran the tier's image: only
+    /// their launches carry a registration minted before dispatch, so a node
+    /// without the image is asked to check it before anything is minted, and so
+    /// is a node whose launch failed in any way, until one runs again.
     pub(super) image_ran: HashSet<String>,
 }
 
@@ -112,10 +116,10 @@ impl Cover {
     }
 
     /// A runner took a job: launches work, and the next failure waits the
-    /// shortest time again. Not on a launch's answer: a runner that starts
-    /// and then ends without taking a job (a broken image or configuration:
-    /// it exits at once) has its launch answered every time, and was
-    /// replaced every 2 s for as long as the job waited (tester-9).
+    /// shortest time again. Not on a launch's answer: a runner that starts and
+    /// then ends without taking a job (a broken image or configuration: it
+    /// exits at once) has its launch answered every time, and would be replaced
+    /// every 2 s for as long as the job waited.
     pub(super) fn succeeded(&mut self) {
         self.backoff = None;
         self.retry_at = None;
@@ -351,19 +355,11 @@ impl Plane {
         Ok(())
     }
 
-    /// The attached node with the most free capacity that fits one more
-    /// runner of the tier, never one that refused a launch within its
-    /// backoff nor one that says it is degraded. Free is what the node said
-    /// it may run less the larger of what the ledger charges on it and what
-    /// the node said it holds (`Hello`, then every `Instances` and `Sweep`
-    /// report): compute the node adopted counts even before the ledger
-    /// charges it there, and a lease placed and not yet bound counts even
-    /// before the node reports it.
-    /// Why no runner of the tier can ever be placed, when that is so: it
-    /// asks for more than every attached node has in all, empty, so its
-    /// jobs would wait for ever behind a warning that read like a node
-    /// briefly full (session 13's tester). `None` when some attached node
-    /// could run it once it has room, or no node is attached.
+    /// Why no runner of the tier can ever be placed, when that is so: it asks
+    /// for more than every attached node has in all, empty, so its jobs would
+    /// wait for ever behind a warning that reads like a node briefly full.
+    /// `None` when some attached node could run it once it has room, or no node
+    /// is attached.
     pub(super) fn too_large_for_every_node(&self) -> Option<String> {
         let tier = &self.config.tier;
         let largest = self
@@ -396,6 +392,14 @@ impl Plane {
         ))
     }
 
+    /// The attached node with the most free capacity that fits one more
+    /// runner of the tier, never one that refused a launch within its
+    /// backoff nor one that says it is degraded. Free is what the node said
+    /// it may run less the larger of what the ledger charges on it and what
+    /// the node said it holds (`Hello`, then every `Instances` and `Sweep`
+    /// report): compute the node adopted counts even before the ledger
+    /// charges it there, and a lease placed and not yet bound counts even
+    /// before the node reports it.
     pub(super) fn pick_node(
         &self,
         charged: &HashMap<String, (u64, u64)>,
@@ -433,8 +437,8 @@ impl Plane {
     /// plane did not end itself (`not_covering`: a scale-down, a refused
     /// or failed launch) is a launch that did not end with a runner
     /// serving a job, so the next launch waits, longer each time in a row
-    /// (issue #12 item 1; tester-9: a runner image that exits at once was
-    /// replaced every 2 s). Returns whether a wait began.
+    /// (a runner image that exits at once would otherwise be replaced every
+    /// 2 s). Returns whether a wait began.
     async fn note_runners_ended_idle(
         &self,
         open: &[crate::ledger::Lease],

@@ -1,3 +1,8 @@
+//! Launches: reserving a lease for a job, minting its registration ahead
+//! when the node takes one, dispatching `Launch`, and what the plane does
+//! with the outcome; a launch whose result was lost is handed to its node
+//! with `AssumeCustody` ([`LostLaunch`]).
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -76,13 +81,12 @@ impl Plane {
         self.launch_ended(lease, node, outcome, registration).await;
     }
 
-    /// Mints the registration of `lease` for its launch (issue #14) with
-    /// the code a node's `MintJit` runs ([`crate::calls::mint_and_record`]):
-    /// the runner named `billet-<lease>`, recorded against the lease before
-    /// it is sent. Returns the failed command result the launch ends with
-    /// when it cannot be minted (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or
-    /// the ledger's code).
-    /// Public so the launch bench times the plane's own mint.
+    /// Mints the registration of `lease` for its launch with the code a node's
+    /// `MintJit` runs ([`crate::calls::mint_and_record`]): the runner named
+    /// `billet-<lease>`, recorded against the lease before it is sent. Returns
+    /// the failed command result the launch ends with when it cannot be minted
+    /// (`SCALE_SET_NOT_FOUND`, `UNAVAILABLE`, or the ledger's code). Public so
+    /// the launch bench times the plane's own mint.
     ///
     /// # Errors
     ///
@@ -100,11 +104,10 @@ impl Plane {
             })
     }
 
-    /// Removes the registration this plane minted for a launch that ended
-    /// with nothing started (issue #14: the plane's obligation once it
-    /// mints before dispatch). GitHub no longer having it is success; a
-    /// removal that fails is left to the registration pass, which removes
-    /// the registrations of ended leases.
+    /// Removes the registration this plane minted for a launch that ended with
+    /// nothing started (the plane's obligation once it mints before dispatch).
+    /// GitHub no longer having it is success; a removal that fails is left to
+    /// the registration pass, which removes the registrations of ended leases.
     async fn remove_minted(&self, lease: &str, registration: &pb::JitConfig) {
         match self
             .github
@@ -180,7 +183,7 @@ impl Plane {
         //
         // A registration this plane minted before dispatching is recorded
         // from the start, so there the question is the bind instead: the
-        // node starts nothing before its bind holds (issue #14).
+        // node starts nothing before its bind holds.
         let minted = match &outcome {
             CommandOutcome::Lost(_) => {
                 let judged = if registration.is_some() {
@@ -366,10 +369,9 @@ impl Plane {
         }
     }
 
-    /// Reserves a lease for a job request and starts renewing it.
     /// Reserves a lease for `request_id` aimed at `node`, whose capacity is
-    /// `capacity`: the ledger refuses it (`NoCapacity`) when the node's open
-    /// leases leave no room, whoever booked them.
+    /// `capacity`, and starts renewing it: the ledger refuses it (`NoCapacity`)
+    /// when the node's open leases leave no room, whoever booked them.
     pub(super) async fn reserve(
         &self,
         request_id: i64,

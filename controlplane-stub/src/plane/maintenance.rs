@@ -1,3 +1,7 @@
+//! Upkeep: `Tend`, then `Sweep`, to every attached node on each tick;
+//! renewing the leases the plane manages while their node is reachable or
+//! within the renewal grace; and reaping expired leases.
+
 use std::sync::Arc;
 use std::time::Duration;
 

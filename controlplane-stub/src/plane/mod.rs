@@ -3,6 +3,22 @@
 //! node with the tier's spec, destroys it with the job's result when GitHub
 //! reports it complete, and releases the lease. Renews the leases it manages
 //! itself, reaps expired ones, and exposes a library API for tests.
+//!
+//! # Layout
+//!
+//! [`Plane`] is one type; its methods are split by subject:
+//!
+//! - `mod.rs` (here): [`PlaneConfig`], [`Tier`], [`PlaneEvent`], the
+//!   defaults, and [`Plane::start`] with the accessors tests use.
+//! - `scaler.rs`: the scale-set listener and the messages it turns into
+//!   wanted jobs.
+//! - `coverage.rs`: keeping every wanted job covered by a runner, and where
+//!   to place one.
+//! - `launches.rs`: reserving, launching, and handing lost launches over.
+//! - `teardown.rs`: the destroy after a completion, and scale-downs.
+//! - `maintenance.rs`: `Tend` and `Sweep`, lease renewal, the reaper.
+//! - `registrations.rs`: the pass that reconciles GitHub's registrations
+//!   with the ledger.
 
 mod coverage;
 mod launches;
@@ -81,15 +97,14 @@ pub struct PlaneConfig {
     pub tier: Tier,
     /// How long a launch may wait in a node's queue and run.
     pub launch_timeout: Duration,
-    /// Mint a launch's runner registration before dispatching it, and send
-    /// it in `Launch.registration`, to a node whose `Hello` said it takes
-    /// one, that the plane does not see degraded, and whose last answered
-    /// launch ran the tier's image (issue #14: the node then creates
-    /// beside its bind). The cost: a node that refuses the launch anyway
-    /// (it became degraded, or lost the image, before the plane heard)
-    /// finds a registration minted, which the plane then removes; issues
-    /// #11 and #13 ask that nothing be minted for a refused launch, so
-    /// `billet-plane` leaves this off unless asked. Off, or for an older
+    /// Mint a launch's runner registration before dispatching it, and send it
+    /// in `Launch.registration`, to a node whose `Hello` said it takes one,
+    /// that the plane does not see degraded, and whose last answered launch ran
+    /// the tier's image (the node then creates beside its bind). The cost: a
+    /// node that refuses the launch anyway (it became degraded, or lost the
+    /// image, before the plane heard) finds a registration minted, which the
+    /// plane then removes, where nothing should be minted for a refused launch;
+    /// so `billet-plane` leaves this off unless asked. Off, or for an older
     /// node, the node mints through `MintJit` after its own checks.
     pub mint_before_dispatch: bool,
     /// How long a destroy may take.
@@ -143,7 +158,7 @@ pub enum PlaneEvent {
         /// The node.
         node: String,
         /// The plane minted its registration before dispatching the
-        /// launch (issue #14), rather than the node through `MintJit`.
+        /// launch, rather than the node through `MintJit`.
         minted_ahead: bool,
     },
     /// The launch failed; the outcome says how.

@@ -1,3 +1,8 @@
+//! The registration pass: GitHub's runner registrations compared with the
+//! ledger's leases. A registration that outlived its lease is removed; an
+//! idle runner whose registration GitHub lost is destroyed
+//! ([`REGISTRATION_LOST`]).
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,9 +46,10 @@ pub(super) enum ReconcileError {
 
 impl Plane {
     /// Compares GitHub's registrations with the ledger's open leases every
-    /// [`PlaneConfig::registration_interval`] (issue #11, item 6). The plane
-    /// mints every registration of this deployment, named `billet-<lease>`
-    /// and recorded against its lease, so the ledger names every candidate.
+    /// [`PlaneConfig::registration_interval`](super::PlaneConfig::registration_interval).
+    /// The plane mints every registration of this deployment, named
+    /// `billet-<lease>` and recorded against its lease, so the ledger names
+    /// every candidate.
     pub(super) async fn reconcile_registrations(self: Arc<Self>, shutdown: CancellationToken) {
         let mut tick = tokio::time::interval(self.config.registration_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

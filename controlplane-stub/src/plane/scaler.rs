@@ -1,3 +1,8 @@
+//! The scale-set listener: its session with GitHub, restarted with backoff
+//! and moved to the set's new id when the set is made again, and the
+//! [`Scaler`] that turns its messages into wanted jobs, durable in the ledger
+//! before a message is acknowledged.
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -1,3 +1,7 @@
+//! Ending runners: the `Destroy` that follows a job's completion, and a
+//! scale-down of an idle runner ([`ScaleDown`]), each retried until the node
+//! answers, then the lease released.
+
 use billet_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};

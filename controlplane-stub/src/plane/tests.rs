@@ -188,9 +188,9 @@ async fn a_completion_is_sent_only_to_the_node_holding_the_job() {
     assert!(saw_release, "no Released event for the completed lease");
 }
 
-/// Issue #11, item 6: a registration whose lease ended more than the
-/// grace ago is removed at GitHub; one GitHub no longer has is
-/// remembered as gone and not asked about again.
+/// A registration whose lease ended more than the grace ago is removed at
+/// GitHub; one GitHub no longer has is remembered as gone and not asked about
+/// again.
 #[tokio::test]
 async fn a_registration_that_outlived_its_lease_is_removed_once() {
     let (plane, emulator) = plane(&["node-a"]).await;
@@ -364,12 +364,9 @@ async fn one_pass_covers_each_assigned_job_with_its_own_lease_up_to_the_sets_max
     assert_eq!(plane.ledger.charged().await.expect("charged").leases, 10);
 }
 
-/// Issue #12: a degraded node is never picked, and a node is never
-/// given more than its capacity less what it says it holds, even when
-/// the ledger charges it nothing (compute it adopted).
-/// Session 13's tester: a tier larger than every node waited for ever
-/// behind "no attached node has room", which reads like a node briefly
-/// full. The plane says the tier fits no node, and which is largest.
+/// A tier larger than every node is not left waiting behind "no attached
+/// node has room", which reads like a node briefly full: the plane says the
+/// tier fits no node, and which is largest.
 #[tokio::test]
 async fn a_tier_larger_than_every_node_is_named_as_such_not_as_a_full_node() {
     let (large, _emulator) = plane_configured(&["node-a", "node-b"], |c| {
@@ -393,6 +390,9 @@ async fn a_tier_larger_than_every_node_is_named_as_such_not_as_a_full_node() {
     assert_eq!(small.too_large_for_every_node(), None, "the tier fits");
 }
 
+/// A degraded node is never picked, and a node is never given more than its
+/// capacity less what it says it holds, even when the ledger charges it
+/// nothing (compute it adopted).
 #[tokio::test]
 async fn pick_node_skips_a_degraded_node_and_counts_what_the_node_says_it_holds() {
     let (plane, _emulator) = plane(&["node-a", "node-b"]).await;
@@ -429,8 +429,8 @@ async fn pick_node_skips_a_degraded_node_and_counts_what_the_node_says_it_holds(
     assert_eq!(picked(&full), None);
 }
 
-/// Issue #12: what a node reports in `Instances` or `Sweep` replaces
-/// what it said in `Hello`.
+/// What a node reports in `Instances` or `Sweep` replaces what it said in
+/// `Hello`.
 #[tokio::test]
 async fn a_sweep_report_updates_what_the_plane_believes_the_node_holds() {
     let (plane, _emulator) = plane(&["node-a"]).await;
@@ -506,11 +506,10 @@ fn ledger_file() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("billet-plane-test-{}.db", uuid::Uuid::new_v4()))
 }
 
-/// The tester's restart (session 14), at the plane: jobs assigned and
-/// acknowledged by one plane, which no runner took, are wanted by the
-/// plane started after it on the same ledger, and a job GitHub then
-/// cancels is wanted no more, by either the set in memory or the
-/// ledger.
+/// A restart, at the plane: jobs assigned and acknowledged by one plane, which
+/// no runner took, are wanted by the plane started after it on the same ledger,
+/// and a job GitHub then cancels is wanted no more, by either the set in memory
+/// or the ledger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plane_started_again_wants_the_jobs_its_predecessor_acknowledged() {
     let emulator = scaleset::testing::Emulator::builder()

@@ -1,3 +1,7 @@
+//! The guest side of the node's Actions cache proxy (`BILLET_STANDIN_ACTIONS_CACHE`,
+//! `BILLET_STANDIN_ACTIONS_ROUNDS`): restore or save a key as `@actions/cache` does, probe
+//! the calls the node must splice to GitHub, and report what each call got.
+
 use std::time::Duration;
 
 use base64::Engine as _;

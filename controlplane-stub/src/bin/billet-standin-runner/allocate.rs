@@ -1,3 +1,6 @@
+//! Modes `allocate` and `oom-step`: memory allocated in chunks with every page written, in
+//! the runner or in a step's child process.
+
 use std::process::ExitCode;
 
 use crate::run::Failure;

@@ -1,3 +1,6 @@
+//! The guest side of the node's cache API (`BILLET_CACHE_ENDPOINT`, `BILLET_CACHE_TOKEN`):
+//! the sticky disks mounted and committed, and the Docker image store's guest agent.
+
 use std::time::Duration;
 
 use crate::reports::Reporter;

@@ -1,3 +1,6 @@
+//! The command line: every option a flag or an environment variable (the binary's doc has
+//! the table), and the modes.
+
 use std::fmt;
 
 use clap::Parser;

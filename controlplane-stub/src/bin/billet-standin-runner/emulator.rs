@@ -1,3 +1,6 @@
+//! The emulator's control API as the runner uses it: wait for a job of its scale set, take
+//! it, work, and complete it.
+
 use std::time::Duration;
 
 use scaleset::JobRequestId;

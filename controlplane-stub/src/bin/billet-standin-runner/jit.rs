@@ -1,3 +1,5 @@
+//! The emulator's JIT config, decoded without ever echoing it.
+
 use base64::Engine as _;
 use scaleset::{RunnerId, ScaleSetId};
 use serde::Deserialize;

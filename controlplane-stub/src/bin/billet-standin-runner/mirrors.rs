@@ -1,3 +1,5 @@
+//! What registry mirrors the runner's node handed it, said once at start.
+
 /// Where a guest that runs Docker finds its daemon configuration.
 pub(crate) const DAEMON_JSON: &str = "/etc/docker/daemon.json";
 

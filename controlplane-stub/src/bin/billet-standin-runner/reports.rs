@@ -1,3 +1,7 @@
+//! A test's sink (`tests/src/reports.rs`): reports of what the node told the runner
+//! ([`Reporter`], `BILLET_STANDIN_REPORT`), and gates the runner waits at ([`Gates`],
+//! `BILLET_STANDIN_GATES`).
+
 use std::time::Duration;
 
 use crate::chain;

@@ -1,3 +1,5 @@
+//! What the runner does in its mode ([`run`]), and how a signal ends it ([`supervise`]).
+
 use std::future::Future;
 use std::pin::pin;
 

@@ -1,3 +1,5 @@
+//! A sticky disk's work: the counter incremented, and the disk filled when asked.
+
 /// Increments the decimal counter in `path` (a missing file counts 0), saying so on stderr; a
 /// file that cannot be read, parsed or written is said, and nothing else happens: a cache never
 /// fails a job.
