@@ -1,9 +1,9 @@
 //! The ledger's throughput on both backends, side by side: reservations per
 //! second (`reserve_on`, the capacity-checked path the plane takes) and
 //! heartbeats per second (single `heartbeat` calls, and leases renewed per
-//! second through batched `heartbeat_all` calls of 50), each one call at a
-//! time and with 16 in flight. PostgreSQL's figure is also given as a ratio
-//! against SQLite's, measured in the same run.
+//! second through batched `heartbeat_all` calls of 50), each one call at a time
+//! and with 16 in flight. PostgreSQL's figure is also given as a ratio against
+//! SQLite's, measured in the same run.
 //!
 //! SQLite is a file in the temp directory (WAL, `synchronous = FULL`: one
 //! fsync per commit); PostgreSQL is a scratch database on the server

@@ -22,7 +22,7 @@ use crate::node_link::{LinkError, PlaneTls};
 
 /// The `Enrollment` service.
 #[derive(Debug)]
-pub struct EnrollmentService {
+pub(crate) struct EnrollmentService {
     ledger: Arc<Ledger>,
     ca: Option<Arc<NodeCa>>,
 }
@@ -30,7 +30,7 @@ pub struct EnrollmentService {
 impl EnrollmentService {
     /// Checks tokens in `ledger` and signs with `ca` (without it every
     /// enrolment is answered unavailable).
-    pub fn new(ledger: Arc<Ledger>, ca: Option<Arc<NodeCa>>) -> Self {
+    pub(crate) fn new(ledger: Arc<Ledger>, ca: Option<Arc<NodeCa>>) -> Self {
         Self { ledger, ca }
     }
 
@@ -112,7 +112,7 @@ impl pb::enrollment_server::Enrollment for EnrollmentService {
 ///
 /// [`LinkError::Config`] for unusable TLS material; [`LinkError::Session`]
 /// when the server fails.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     tls: &PlaneTls,
     service: EnrollmentService,

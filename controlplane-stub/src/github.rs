@@ -45,12 +45,12 @@ pub enum GithubError {
 impl GithubError {
     /// GitHub refused because the runner is running a job (an answer, not
     /// an outage).
-    pub fn is_job_still_running(&self) -> bool {
+    pub(crate) fn is_job_still_running(&self) -> bool {
         matches!(self, GithubError::Call { source, .. } if source.is_job_still_running())
     }
 
     /// The scale set is missing.
-    pub fn is_scale_set_not_found(&self) -> bool {
+    pub(crate) fn is_scale_set_not_found(&self) -> bool {
         matches!(self, GithubError::ScaleSetNotFound { .. })
     }
 }
@@ -104,7 +104,7 @@ impl Github {
 
     /// Wraps a scaleset client; a missing set is asked about again after
     /// `retry`.
-    pub fn with_retry(client: Client, retry: Duration) -> Self {
+    pub(crate) fn with_retry(client: Client, retry: Duration) -> Self {
         Self {
             client,
             scale_sets: Mutex::new(HashMap::new()),
@@ -114,7 +114,7 @@ impl Github {
 
     /// Records that GitHub has no set named `label` (a mint or a listener
     /// poll answered 404). Logged once per retry interval.
-    pub fn mark_missing(&self, label: &str) {
+    pub(crate) fn mark_missing(&self, label: &str) {
         let mut sets = self.scale_sets.lock().expect("scale sets");
         if !matches!(sets.get(label), Some(SetState::Missing { .. })) {
             tracing::warn!(
@@ -138,7 +138,7 @@ impl Github {
     /// # Errors
     ///
     /// [`GithubError::ScaleSetNotFound`] while the set is believed missing.
-    pub fn cached_scale_set(&self, label: &str) -> Result<Option<ScaleSetId>, GithubError> {
+    pub(crate) fn cached_scale_set(&self, label: &str) -> Result<Option<ScaleSetId>, GithubError> {
         match self.scale_sets.lock().expect("scale sets").get(label) {
             Some(SetState::Found(id)) => Ok(Some(*id)),
             Some(SetState::Missing { since }) if since.elapsed() < self.retry => {
@@ -157,7 +157,7 @@ impl Github {
     ///
     /// [`GithubError::ScaleSetNotFound`] when GitHub has no such set (now
     /// cached), [`GithubError::Call`] when GitHub cannot be asked.
-    pub async fn scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
+    pub(crate) async fn scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
         if let Some(id) = self.cached_scale_set(label)? {
             return Ok(id);
         }
@@ -193,7 +193,7 @@ impl Github {
     }
 
     /// The underlying client (for the listener).
-    pub fn client(&self) -> &Client {
+    pub(crate) fn client(&self) -> &Client {
         &self.client
     }
 
@@ -203,7 +203,7 @@ impl Github {
     /// # Errors
     ///
     /// [`GithubError`] when GitHub cannot be asked.
-    pub async fn ensure_scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
+    pub(crate) async fn ensure_scale_set(&self, label: &str) -> Result<ScaleSetId, GithubError> {
         if let Some(SetState::Found(id)) = self.scale_sets.lock().expect("scale sets").get(label) {
             return Ok(*id);
         }
@@ -276,7 +276,7 @@ impl Github {
     ///
     /// [`GithubError::Call`] when GitHub cannot answer (5xx, timeouts):
     /// unknown, which is not the same as gone.
-    pub async fn runner_exists(&self, runner_id: i64) -> Result<bool, GithubError> {
+    pub(crate) async fn runner_exists(&self, runner_id: i64) -> Result<bool, GithubError> {
         match self.client.get_runner(RunnerId(runner_id)).await {
             Ok(_) => Ok(true),
             Err(e) if e.is_not_found() || e.is_runner_not_found() => Ok(false),
@@ -292,7 +292,10 @@ impl Github {
     /// # Errors
     ///
     /// [`GithubError::Call`] when GitHub cannot answer (5xx, timeouts).
-    pub async fn runner_by_name(&self, runner_name: &str) -> Result<Option<i64>, GithubError> {
+    pub(crate) async fn runner_by_name(
+        &self,
+        runner_name: &str,
+    ) -> Result<Option<i64>, GithubError> {
         match self.client.get_runner_by_name(runner_name).await {
             Ok(found) => Ok(found.map(|r| r.id.0)),
             Err(source) => Err(GithubError::Call {

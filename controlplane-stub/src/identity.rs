@@ -12,7 +12,7 @@
 //!
 //! A join token is `billet-join.<id>.<secret>`: the ledger keeps the id, the
 //! node it was issued for, when it expires, whether it was used, and only a
-//! SHA-256 of the secret, compared in constant time ([`JoinToken`],
+//! SHA-256 of the secret, compared in constant time (`JoinToken`,
 //! [`issue_join_token`]); the token itself is never logged or stored.
 
 use std::fmt;
@@ -33,9 +33,9 @@ pub const DEFAULT_NODE_CERT_LIFETIME: Duration = Duration::from_secs(30 * 24 * 3
 pub const DEFAULT_JOIN_TOKEN_TTL: Duration = Duration::from_secs(3600);
 /// How far before now a signed certificate's validity starts, so a node
 /// whose clock is a little behind the plane's accepts it at once.
-pub const BACKDATE: Duration = Duration::from_secs(60);
+pub(crate) const BACKDATE: Duration = Duration::from_secs(60);
 /// What every join token starts with.
-pub const TOKEN_PREFIX: &str = "billet-join";
+pub(crate) const TOKEN_PREFIX: &str = "billet-join";
 
 /// Why a CA could not be loaded.
 #[derive(Debug, Error)]
@@ -52,7 +52,7 @@ pub enum CaError {
 
 /// Why a certificate request is not signed.
 #[derive(Debug, Error, PartialEq, Eq)]
-pub enum SignError {
+pub(crate) enum SignError {
     /// Not a PKCS#10 request, its signature does not verify, or it asks
     /// for an extension this CA does not read.
     #[error("the certificate request is malformed: {0}")]
@@ -105,11 +105,6 @@ impl NodeCa {
         Ok(Self { issuer, lifetime })
     }
 
-    /// How long the certificates it signs last.
-    pub fn lifetime(&self) -> Duration {
-        self.lifetime
-    }
-
     /// Signs `csr_pem` for `node`, which must be its only name; answers the
     /// certificate, PEM: valid from [`BACKDATE`] ago for the CA's lifetime,
     /// serverAuth and clientAuth, `node` as common name and only DNS name.
@@ -117,7 +112,7 @@ impl NodeCa {
     /// # Errors
     ///
     /// [`SignError`]: a malformed request, or one for another name.
-    pub fn sign(&self, csr_pem: &str, node: &str) -> Result<String, SignError> {
+    pub(crate) fn sign(&self, csr_pem: &str, node: &str) -> Result<String, SignError> {
         let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)
             .map_err(|e| SignError::Malformed(e.to_string()))?;
         let asked: Vec<String> = csr
@@ -161,11 +156,11 @@ impl NodeCa {
 /// A join token, parsed: its id (what the ledger looks it up by) and the
 /// SHA-256 of its secret. The secret itself is not kept.
 #[derive(Clone, PartialEq, Eq)]
-pub struct JoinToken {
+pub(crate) struct JoinToken {
     /// The ledger's key for it.
-    pub id: String,
+    pub(crate) id: String,
     /// SHA-256 of the secret part.
-    pub secret_sha256: [u8; 32],
+    pub(crate) secret_sha256: [u8; 32],
 }
 
 impl fmt::Debug for JoinToken {
@@ -180,7 +175,7 @@ impl fmt::Debug for JoinToken {
 impl JoinToken {
     /// Makes a fresh token: answers the token to hand out, once, and what
     /// the ledger keeps of it.
-    pub fn generate() -> (String, JoinToken) {
+    pub(crate) fn generate() -> (String, JoinToken) {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let secret = format!(
             "{}{}",
@@ -197,7 +192,7 @@ impl JoinToken {
 
     /// Reads a token as [`JoinToken::generate`] printed it; `None` when it
     /// does not have that shape (refused like an unknown token).
-    pub fn parse(token: &str) -> Option<JoinToken> {
+    pub(crate) fn parse(token: &str) -> Option<JoinToken> {
         let mut parts = token.trim().split('.');
         let (prefix, id, secret) = (parts.next()?, parts.next()?, parts.next()?);
         if prefix != TOKEN_PREFIX || parts.next().is_some() || id.is_empty() || secret.is_empty() {

@@ -3,8 +3,10 @@
 //!
 //! It never depends on the agent crate: it speaks the wire like any plane.
 
+#![warn(unreachable_pub)]
+
 pub mod calls;
-pub mod enroll;
+pub(crate) mod enroll;
 pub mod github;
 pub mod identity;
 pub mod ledger;

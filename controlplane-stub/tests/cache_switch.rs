@@ -1,6 +1,6 @@
-//! `billet-plane cache disable|enable` (the Actions cache kill switch):
-//! the real binary writes the ledger a running plane reads, so an
-//! operator (or a test) flips it while jobs run.
+//! `billet-plane cache disable|enable` (the Actions cache kill switch): the
+//! real binary writes the ledger a running plane reads, so an operator (or a
+//! test) flips it while jobs run.
 
 use std::process::Command;
 use std::time::Duration;

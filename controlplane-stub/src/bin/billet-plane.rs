@@ -25,7 +25,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use billet_controlplane_stub::ledger::LedgerLocation;
+use billet_controlplane_stub::identity::{DEFAULT_JOIN_TOKEN_TTL, DEFAULT_NODE_CERT_LIFETIME};
+use billet_controlplane_stub::ledger::{DEFAULT_LEASE_TTL, LedgerLocation};
 use billet_controlplane_stub::node_link::{Keepalive, NodeTarget, PlaneTls};
 use billet_controlplane_stub::plane::{Plane, PlaneConfig, Tier};
 use clap::{Parser, Subcommand};
@@ -59,7 +60,7 @@ struct Args {
     #[arg(long, default_value = "dev")]
     deployment: String,
     /// Lease TTL in seconds.
-    #[arg(long, default_value_t = 90)]
+    #[arg(long, default_value_t = DEFAULT_LEASE_TTL.as_secs())]
     lease_ttl_secs: u64,
     /// Deployment CA (PEM).
     #[arg(long, required_unless_present_any = ["queue_job", "join_token"])]
@@ -69,7 +70,7 @@ struct Args {
     #[arg(long)]
     ca_key: Option<PathBuf>,
     /// Lifetime of the node certificates the plane signs, in seconds.
-    #[arg(long, default_value_t = 30 * 24 * 3600)]
+    #[arg(long, default_value_t = DEFAULT_NODE_CERT_LIFETIME.as_secs())]
     node_cert_lifetime_secs: u64,
     /// Serve the enrolment endpoint (TLS with the plane's certificate; a
     /// node presents a join token instead of a client certificate) on this
@@ -81,7 +82,7 @@ struct Args {
     #[arg(long, conflicts_with_all = ["emulator", "queue_job"])]
     join_token: Option<String>,
     /// How long a join token from --join-token is good for, in seconds.
-    #[arg(long, default_value_t = 3600)]
+    #[arg(long, default_value_t = DEFAULT_JOIN_TOKEN_TTL.as_secs())]
     join_token_ttl_secs: u64,
     /// The plane's certificate (PEM).
     #[arg(long, required_unless_present_any = ["queue_job", "join_token"])]
@@ -135,13 +136,12 @@ struct Args {
     /// Most runners at once.
     #[arg(long, default_value_t = 10)]
     max_runners: u32,
-    /// Mint each launch's runner registration before dispatching it, for a
-    /// node that takes one and whose last launch ran the tier's image, so
-    /// the node creates the container beside its bind (about 2 ms off each
-    /// launch). Off by default: a node that refuses the launch (degraded,
-    /// its image gone) then finds a registration already minted, which the
-    /// plane removes at once, where without it nothing is minted for a
-    /// refused launch.
+    /// Mint each launch's runner registration before dispatching it, for a node
+    /// that takes one and whose last launch ran the tier's image, so the node
+    /// creates the container beside its bind (about 2 ms off each launch). Off
+    /// by default: a node that refuses the launch (degraded, its image gone)
+    /// then finds a registration already minted, which the plane removes at
+    /// once, where without it nothing is minted for a refused launch.
     #[arg(long)]
     mint_before_dispatch: bool,
     /// Seconds between the HTTP/2 PINGs the plane sends each node, from 1

@@ -1,7 +1,7 @@
 //! The Actions cache kill switch (spec/cache.md §5.2, the reference's
-//! `cache_interception_blocks`): an operator blocks an organisation or
-//! one repository, and a node asks, before it serves a repository's
-//! Actions cache from its local storage, whether it may.
+//! `cache_interception_blocks`): an operator blocks an organisation or one
+//! repository, and a node asks, before it serves a repository's Actions cache
+//! from its local storage, whether it may.
 //!
 //! One row per block in `cache_blocks` (migration 5 on both backends):
 //! `(scope, owner, repository)`, `repository` empty for an organisation's
@@ -18,7 +18,7 @@ use sqlx::Row as _;
 use super::{Ledger, LedgerError, Result};
 
 /// The longest owner or repository name, in characters (GitHub's limit).
-pub const MAX_NAME_CHARS: usize = 100;
+pub(crate) const MAX_NAME_CHARS: usize = 100;
 
 /// What an operator blocks from the node-local Actions cache.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -40,7 +40,7 @@ pub enum CacheBlock {
 /// # Errors
 ///
 /// [`LedgerError::Invalid`], saying what to fix.
-pub fn cache_name(what: &str, name: &str) -> Result<String> {
+pub(crate) fn cache_name(what: &str, name: &str) -> Result<String> {
     let chars = name.chars().count();
     if chars == 0 || chars > MAX_NAME_CHARS {
         return Err(LedgerError::Invalid(format!(

@@ -184,7 +184,7 @@ impl Ledger {
     ///
     /// As [`Ledger::bind`], then as [`Ledger::advance`], checked in that
     /// order on the same row.
-    pub async fn bind_advance(
+    pub(crate) async fn bind_advance(
         &self,
         id: &str,
         epoch: u64,
@@ -346,7 +346,7 @@ impl Ledger {
     /// # Errors
     ///
     /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
-    pub async fn release_unminted(
+    pub(crate) async fn release_unminted(
         &self,
         id: &str,
         epoch: u64,
@@ -355,14 +355,14 @@ impl Ledger {
         self.release_unless(id, epoch, now_ms, Unless::Minted).await
     }
 
-    /// Ends the lease `failed` unless a node has bound it, deciding and writing in one transaction under the
-    /// lease's row lock: [`Ledger::release_unminted`] for a launch whose
-    /// registration the plane minted before dispatching it, so that a
-    /// registration is recorded from the start and cannot tell a launch
-    /// that did nothing from one that did. A node starts an instance only
-    /// once its bind holds, so either the release comes first and the
-    /// node's bind is refused (it removes what it created, unstarted), or
-    /// the bind comes first and nothing is released.
+    /// Ends the lease `failed` unless a node has bound it, deciding and writing
+    /// in one transaction under the lease's row lock:
+    /// [`Ledger::release_unminted`] for a launch whose registration the plane
+    /// minted before dispatching it, so that a registration is recorded from
+    /// the start and cannot tell a launch that did nothing from one that did. A
+    /// node starts an instance only once its bind holds, so either the release
+    /// comes first and the node's bind is refused (it removes what it created,
+    /// unstarted), or the bind comes first and nothing is released.
     ///
     /// Returns `Ok(Some(lease))` when the lease ended here or had already
     /// ended `failed`, `Ok(None)` when it was bound (the lease is left as
@@ -371,7 +371,7 @@ impl Ledger {
     /// # Errors
     ///
     /// `NotFound`, `Fenced`; `Conflict` when it already ended `done`.
-    pub async fn release_unbound(
+    pub(crate) async fn release_unbound(
         &self,
         id: &str,
         epoch: u64,
@@ -434,7 +434,7 @@ impl Ledger {
     ///
     /// `Invalid` for a blank reason or the reserved [`INVENTORY_ABSENCE`];
     /// `NotFound`, `Fenced`; `Conflict` when another reason is recorded.
-    pub async fn mark_failure(
+    pub(crate) async fn mark_failure(
         &self,
         id: &str,
         epoch: u64,
@@ -481,7 +481,7 @@ impl Ledger {
     ///
     /// `NotFound`, `Fenced`; `Conflict` for a second, different name;
     /// `Invalid` for an empty name.
-    pub async fn set_runner(
+    pub(crate) async fn set_runner(
         &self,
         id: &str,
         epoch: u64,
@@ -497,7 +497,7 @@ impl Ledger {
         // mint is on every launch's critical path, and a registration whose
         // record a power cut took is found by its name by the plane's
         // registration pass once the lease has ended (`UNRECORDED_LOOKBACK_MS`
-        // in plane.rs), as one the ledger refused to record is. A crash of
+        // in plane/registrations.rs), as one the ledger refused to record is. A crash of
         // the plane process loses nothing: the commit is in the database.
         let mut conn = self.writer.acquire().await?;
         if self.backend == Backend::Sqlite {
@@ -577,7 +577,7 @@ impl Ledger {
     /// `Invalid` for a zero size; `NotFound`, `Fenced`, `WrongNode` (not
     /// bound to `node`); `Conflict` when the lease is not launching;
     /// `NoCapacity` when the new size does not fit (nothing is written).
-    pub async fn resize(
+    pub(crate) async fn resize(
         &self,
         id: &str,
         epoch: u64,
@@ -983,9 +983,9 @@ mod tests {
     }
 
     on_both_backends! {
-        /// The reference's `Resize`: a launching lease's charge follows
-        /// what its node launched, fenced, bound, and within the node's
-        /// room with its old size handed back.
+        /// The reference's `Resize`: a launching lease's charge follows what
+        /// its node launched, fenced, bound, and within the node's room with
+        /// its old size handed back.
         async fn resize_changes_what_a_launching_lease_charges_within_the_nodes_room(db) {
             let l = db.ledger().await;
             l.reserve_on(new_lease("a"), "n1", ROOM, 0).await.unwrap();
@@ -1042,8 +1042,8 @@ mod tests {
     }
 
     on_both_backends! {
-        /// One transaction renews the batch; each lease's refusal is
-        /// its own, in its place, and does not stop the others.
+        /// One transaction renews the batch; each lease's refusal is its own,
+        /// in its place, and does not stop the others.
         async fn a_batched_heartbeat_renews_each_lease_it_may_and_refuses_the_others_in_place(db) {
             let l = db.ledger().await;
             lease_in(&l, "a", "n1", &[Phase::Launching], 0).await;
@@ -1096,10 +1096,10 @@ mod tests {
     }
 
     on_both_backends! {
-        /// A launch whose registration the plane minted before
-        /// dispatching it, and whose result was lost, ends `failed` only
-        /// while no node has bound it; a registration recorded does not
-        /// keep it open, a bind does.
+        /// A launch whose registration the plane minted before dispatching it,
+        /// and whose result was lost, ends `failed` only while no node has
+        /// bound it; a registration recorded does not keep it open, a bind
+        /// does.
         async fn a_lost_launch_ends_its_lease_only_while_it_is_unbound(db) {
             let l = db.ledger().await;
             l.reserve(new_lease("a"), 0).await.unwrap();
@@ -1165,10 +1165,10 @@ mod tests {
     }
 
     on_both_backends! {
-        /// The launch path's Bind and Advance(launching) in one
-        /// transaction leave the lease as the two calls would, repeat
-        /// without effect, refuse with the same codes, and on a refused
-        /// advance leave the bind undone.
+        /// The launch path's Bind and Advance(launching) in one transaction
+        /// leave the lease as the two calls would, repeat without effect,
+        /// refuse with the same codes, and on a refused advance leave the bind
+        /// undone.
         async fn bind_advance_is_a_bind_then_an_advance_in_one_transaction(db) {
             let l = db.ledger().await;
             l.reserve(new_lease("two"), 0).await.unwrap();

@@ -26,7 +26,7 @@ pub enum LedgerLocation {
 impl LedgerLocation {
     /// The location with any password replaced by `***`: what logs and
     /// error messages print.
-    pub fn redacted(&self) -> String {
+    pub(crate) fn redacted(&self) -> String {
         match self {
             LedgerLocation::Sqlite(path) => format!("sqlite:{}", path.display()),
             LedgerLocation::SqliteMemory => "sqlite::memory:".to_owned(),

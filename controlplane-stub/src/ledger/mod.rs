@@ -61,8 +61,8 @@
 //! [`Ledger`] is one type; its methods are split by what they may change:
 //!
 //! - `mod.rs` (here): the vocabulary (the constants, [`LedgerError`],
-//!   [`Lease`], [`NewLease`], [`NodeCapacity`], [`ReapReport`],
-//!   [`ForceReleaseOutcome`], [`Charge`]), the handle's `connect`/`close`,
+//!   [`Lease`], [`NewLease`], [`NodeCapacity`], `ReapReport`,
+//!   `ForceReleaseOutcome`, [`Charge`]), the handle's `connect`/`close`,
 //!   and the discipline every write shares: `begin_write` and
 //!   `expect_one_row`. Nothing here queries `leases` itself.
 //! - `location.rs`: [`LedgerLocation`], which backend and where, parsed from
@@ -103,39 +103,32 @@ mod test_support;
 mod tokens;
 mod wanted;
 
-use std::path::Path;
 use std::time::Duration;
 
 use sqlx::{Any, AnyPool, Transaction};
 use thiserror::Error;
 
-pub use cache_policy::{CacheBlock, MAX_NAME_CHARS, cache_name};
+pub use cache_policy::CacheBlock;
 pub use location::LedgerLocation;
 pub use observations::CacheObservation;
 pub use phase::Phase;
 use schema::{migrate, postgres_pools, sqlite_file_pools, sqlite_memory_pool};
-pub use tokens::TokenRefused;
-pub use wanted::WantedChange;
+pub(crate) use wanted::WantedChange;
 
 /// The TTL the reference ledger uses when none is configured (§1.7).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(90);
 
-/// How long a quarantined lease must have been expired before a node's
-/// inventory may free it (§1.8, `quarantineGrace`): a listing taken earlier
-/// might miss a container that is still being created.
-pub const DEFAULT_QUARANTINE_GRACE: Duration = Duration::from_secs(5 * 60);
-
 /// The failure reason `reconcile` records when it frees a quarantined lease
 /// only because a node's inventory no longer lists it. Reserved: a holder
 /// may not record it through [`Ledger::mark_failure`].
-pub const INVENTORY_ABSENCE: &str = "billet:provisional:inventory-absence";
+pub(crate) const INVENTORY_ABSENCE: &str = "billet:provisional:inventory-absence";
 
 /// At most this many leases are reaped per [`Ledger::reap`] call, so the
 /// single writer is never held for long; the next tick takes the rest.
-pub const REAP_BATCH: i64 = 256;
+pub(crate) const REAP_BATCH: i64 = 256;
 
-/// Why a ledger call was refused. [`LedgerError::code`] gives the stable
-/// machine-readable code the wire carries.
+/// Why a ledger call was refused; `crate::calls` maps it to the error code
+/// the wire carries.
 #[derive(Debug, Error)]
 pub enum LedgerError {
     /// The presented epoch is not the stored one: someone reclaimed the lease.
@@ -205,7 +198,8 @@ impl LedgerError {
     /// The machine-readable code: `fenced`, `not_found`, `bad_transition`,
     /// `wrong_node`, `conflict`, `no_capacity`, `force_release`, `invalid`
     /// or `unavailable`.
-    pub fn code(&self) -> &'static str {
+    #[cfg(test)]
+    pub(crate) fn code(&self) -> &'static str {
         match self {
             LedgerError::Fenced { .. } => "fenced",
             LedgerError::NotFound(_) => "not_found",
@@ -221,7 +215,7 @@ impl LedgerError {
 }
 
 /// Result of a ledger call.
-pub type Result<T, E = LedgerError> = std::result::Result<T, E>;
+pub(crate) type Result<T, E = LedgerError> = std::result::Result<T, E>;
 
 /// One row of the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -237,7 +231,7 @@ pub struct Lease {
     pub node: Option<String>,
     /// The node a reservation aimed it at ([`Ledger::reserve_on`]), if any:
     /// only that node may bind it, and it charges that node from the start.
-    pub target_node: Option<String>,
+    pub(crate) target_node: Option<String>,
     /// The GitHub job request that caused the reservation.
     pub request_id: i64,
     /// The runner registration name, once known.
@@ -251,14 +245,14 @@ pub struct Lease {
     /// The reaper takes the lease after this instant.
     pub expires_at_ms: i64,
     /// Last renewal (insert, phase change or heartbeat).
-    pub heartbeat_at_ms: i64,
+    pub(crate) heartbeat_at_ms: i64,
     /// When custody, teardown or quarantine began.
-    pub held_at_ms: Option<i64>,
+    pub(crate) held_at_ms: Option<i64>,
     /// A reason the job will fail, first one recorded.
     pub failure_reason: Option<String>,
     /// An operator asked the custody holder to let go.
-    pub force_release: bool,
-    pub created_at_ms: i64,
+    pub(crate) force_release: bool,
+    pub(crate) created_at_ms: i64,
     /// When the lease reached done or failed.
     pub ended_at_ms: Option<i64>,
 }
@@ -280,17 +274,17 @@ pub struct NewLease {
 
 /// What [`Ledger::reap`] reclaimed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ReapReport {
+pub(crate) struct ReapReport {
     /// Expired leases that may still have compute: now quarantined, still
     /// charged.
-    pub quarantined: Vec<String>,
+    pub(crate) quarantined: Vec<String>,
     /// Expired escrow nobody launched: now failed, capacity freed.
-    pub failed: Vec<String>,
+    pub(crate) failed: Vec<String>,
 }
 
 /// What [`Ledger::force_release`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ForceReleaseOutcome {
+pub(crate) enum ForceReleaseOutcome {
     /// The quarantined lease is now failed and its capacity freed.
     Freed,
     /// The custody or teardown holder was flagged; it sees
@@ -345,7 +339,7 @@ pub enum Backend {
 
 impl Backend {
     /// `sqlite` or `postgres`.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Backend::Sqlite => "sqlite",
             Backend::Postgres => "postgres",
@@ -414,22 +408,13 @@ impl Ledger {
         })
     }
 
-    /// Opens (creating if missing) the SQLite ledger file at `path`: as
-    /// [`Ledger::connect`] with [`LedgerLocation::Sqlite`].
-    ///
-    /// # Errors
-    ///
-    /// As [`Ledger::connect`].
-    pub async fn open(path: &Path, lease_ttl: Duration) -> Result<Ledger> {
-        Ledger::connect(&LedgerLocation::Sqlite(path.to_owned()), lease_ttl).await
-    }
-
     /// A private in-memory SQLite ledger, for tests and throwaway demos.
     ///
     /// # Errors
     ///
     /// As [`Ledger::connect`].
-    pub async fn open_in_memory(lease_ttl: Duration) -> Result<Ledger> {
+    #[cfg(test)]
+    pub(crate) async fn open_in_memory(lease_ttl: Duration) -> Result<Ledger> {
         Ledger::connect(&LedgerLocation::SqliteMemory, lease_ttl).await
     }
 
@@ -440,7 +425,8 @@ impl Ledger {
 
     /// The lease TTL: a lease not renewed within it is reaped. Holders renew
     /// at a third of it.
-    pub fn lease_ttl(&self) -> Duration {
+    #[cfg(test)]
+    pub(crate) fn lease_ttl(&self) -> Duration {
         self.lease_ttl
     }
 
@@ -607,10 +593,10 @@ mod tests {
     };
 
     on_both_backends! {
-        /// Two ledger handles (two pools, as two plane processes would
-        /// hold) race 32 reservations for room for 4 on one node: exactly
-        /// 4 are booked, the rest are refused `no_capacity`, and a lease
-        /// id both race for is reserved once.
+        /// Two ledger handles (two pools, as two plane processes would hold)
+        /// race 32 reservations for room for 4 on one node: exactly 4 are
+        /// booked, the rest are refused `no_capacity`, and a lease id both race
+        /// for is reserved once.
         async fn two_planes_racing_for_one_nodes_room_never_book_beyond_it(db) {
             // Both connect at once: the schema is migrated once, not twice.
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
@@ -659,11 +645,11 @@ mod tests {
     }
 
     on_both_backends! {
-        /// Reservations racing two planes' reapers on one node. Expired
-        /// escrow aimed at the node is failed by exactly one reaper while
-        /// new reservations take the room it frees; a reader watching
-        /// throughout never sees the node charged beyond its capacity, and
-        /// at the end what is charged is exactly what was booked.
+        /// Reservations racing two planes' reapers on one node. Expired escrow
+        /// aimed at the node is failed by exactly one reaper while new
+        /// reservations take the room it frees; a reader watching throughout
+        /// never sees the node charged beyond its capacity, and at the end what
+        /// is charged is exactly what was booked.
         async fn reservations_racing_two_reapers_never_overbook_a_node(db) {
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
             let planes = [Arc::new(a), Arc::new(b)];
@@ -739,8 +725,8 @@ mod tests {
     on_both_backends! {
         /// Two planes' reapers and the node's heartbeats race over forty
         /// expired leases. Each lease is reclaimed at most once (its epoch
-        /// moves once, one reaper reports it); a heartbeat that succeeded
-        /// kept its lease, and one refused `fenced` lost it.
+        /// moves once, one reaper reports it); a heartbeat that succeeded kept
+        /// its lease, and one refused `fenced` lost it.
         async fn two_reapers_and_heartbeats_racing_reclaim_each_lease_once(db) {
             let (a, b) = tokio::join!(db.ledger(), db.ledger());
             let planes = [Arc::new(a), Arc::new(b)];

@@ -43,7 +43,7 @@ impl Ledger {
     ///
     /// `NotFound` for an unknown lease, `Fenced` when `epoch` is not the
     /// lease's, `Invalid` for a count beyond `i64`.
-    pub async fn record_cache_observation(
+    pub(crate) async fn record_cache_observation(
         &self,
         id: &str,
         epoch: u64,
@@ -143,9 +143,9 @@ mod tests {
     };
 
     on_both_backends! {
-        /// An observation is recorded against the lease at its epoch, and
-        /// the first one is kept: a second, different one is answered with
-        /// the first.
+        /// An observation is recorded against the lease at its epoch, and the
+        /// first one is kept: a second, different one is answered with the
+        /// first.
         async fn the_first_cache_observation_of_a_lease_is_kept(db) {
             let l = db.ledger().await;
             lease_in(&l, "a", "n1", &[Phase::Launching, Phase::Online], 0).await;

@@ -11,7 +11,7 @@
 use sqlx::Row;
 
 use super::schema::{from_db, lease_from_row, load};
-use super::{Charge, Lease, Ledger, Phase, Result};
+use super::{Charge, Lease, Ledger, Result};
 
 impl Ledger {
     /// The lease as stored, whatever its phase. Unfenced: recovery code that
@@ -111,7 +111,8 @@ impl Ledger {
     /// # Errors
     ///
     /// `Storage`.
-    pub async fn launched(&self, node: &str) -> Result<(Vec<String>, Vec<String>)> {
+    #[cfg(test)]
+    pub(crate) async fn launched(&self, node: &str) -> Result<(Vec<String>, Vec<String>)> {
         let rows = sqlx::query(
             "SELECT id, phase FROM leases WHERE node = $1 AND phase IN
                 ('launching', 'online', 'busy', 'custody', 'teardown', 'quarantine')
@@ -125,7 +126,7 @@ impl Ledger {
         for row in rows {
             let id: String = row.try_get("id")?;
             let phase: String = row.try_get("phase")?;
-            if phase == Phase::Quarantine.as_str() {
+            if phase == super::Phase::Quarantine.as_str() {
                 quarantined.push(id);
             } else {
                 launched.push(id);
@@ -134,14 +135,14 @@ impl Ledger {
         Ok((launched, quarantined))
     }
 
-    /// The leases themselves that [`Ledger::launched`] names for `node`
-    /// (launching, online, busy, custody, teardown or quarantine), by id:
-    /// what a recovering node adopts from, read at once.
+    /// The leases bound to `node` that are launching, online, busy, in
+    /// custody, tearing down or quarantined, by id: what a recovering node
+    /// adopts from, read at once.
     ///
     /// # Errors
     ///
     /// `Storage`.
-    pub async fn launched_leases(&self, node: &str) -> Result<Vec<Lease>> {
+    pub(crate) async fn launched_leases(&self, node: &str) -> Result<Vec<Lease>> {
         sqlx::query(
             "SELECT * FROM leases WHERE node = $1 AND phase IN
                 ('launching', 'online', 'busy', 'custody', 'teardown', 'quarantine')
@@ -184,6 +185,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::ledger::Phase;
     use crate::ledger::test_support::{GIB, TTL_MS, lease_in, new_lease, on_both_backends};
 
     on_both_backends! {

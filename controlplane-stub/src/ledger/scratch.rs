@@ -16,17 +16,17 @@ use super::LedgerLocation;
 
 /// The environment variable naming the server's maintenance database, as a
 /// URL, when it is not the local default ([`DEFAULT_ADMIN_URL`]).
-pub const ADMIN_URL_VAR: &str = "BILLET_TEST_POSTGRES_URL";
+pub(crate) const ADMIN_URL_VAR: &str = "BILLET_TEST_POSTGRES_URL";
 
 /// Debian's `postgresql` on this host, through its socket directory; the
 /// OS user is added as `&user=` ([`default_admin_url`]).
-pub const DEFAULT_ADMIN_URL: &str = "postgres:///postgres?host=/var/run/postgresql";
+pub(crate) const DEFAULT_ADMIN_URL: &str = "postgres:///postgres?host=/var/run/postgresql";
 
 /// [`DEFAULT_ADMIN_URL`] as the OS user (`$USER`, `$LOGNAME`, or what
 /// `id -un` prints), whom peer authentication lets in once `scripts/test`
 /// made them a role. Neither libpq's nor sqlx's own guess is used: with no
 /// `$USER` set (as under CI) sqlx guesses a name no role has.
-pub fn default_admin_url() -> String {
+pub(crate) fn default_admin_url() -> String {
     let user = ["USER", "LOGNAME"]
         .iter()
         .find_map(|var| std::env::var(var).ok().filter(|u| !u.is_empty()))

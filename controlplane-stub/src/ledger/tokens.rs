@@ -16,7 +16,7 @@ use crate::identity::JoinToken;
 /// Why a join token is not accepted. The wire says only "refused"; the
 /// plane's log names which.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TokenRefused {
+pub(crate) enum TokenRefused {
     /// No token has this id, or its secret does not match.
     Unknown,
     /// It was used already.
@@ -41,7 +41,7 @@ impl Ledger {
     /// # Errors
     ///
     /// [`super::LedgerError::Storage`] when it cannot be written.
-    pub async fn issue_join_token(
+    pub(crate) async fn issue_join_token(
         &self,
         token: &JoinToken,
         node: &str,
@@ -70,7 +70,7 @@ impl Ledger {
     /// # Errors
     ///
     /// [`super::LedgerError::Storage`] when the ledger cannot be read.
-    pub async fn join_token_node(
+    pub(crate) async fn join_token_node(
         &self,
         token: &JoinToken,
         now_ms: i64,
@@ -91,7 +91,7 @@ impl Ledger {
     /// # Errors
     ///
     /// [`super::LedgerError::Storage`] when the ledger cannot be written.
-    pub async fn redeem_join_token(
+    pub(crate) async fn redeem_join_token(
         &self,
         token: &JoinToken,
         now_ms: i64,

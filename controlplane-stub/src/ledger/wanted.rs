@@ -18,7 +18,7 @@ use super::{Ledger, Result};
 
 /// One change to a scale set's wanted jobs, as a job message says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WantedChange {
+pub(crate) enum WantedChange {
     /// GitHub assigned the job (its runner request id) to the set: wanted
     /// until it is taken or ends. Recording it again changes nothing (a
     /// message delivered again), and keeps the first time.
@@ -38,7 +38,7 @@ impl Ledger {
     ///
     /// [`super::LedgerError::Storage`] or `Unavailable` when the ledger cannot
     /// be written; then nothing is changed.
-    pub async fn record_wanted(
+    pub(crate) async fn record_wanted(
         &self,
         tier: &str,
         scale_set: i64,
@@ -88,7 +88,7 @@ impl Ledger {
     ///
     /// [`super::LedgerError::Storage`] or `Unavailable` when the ledger cannot
     /// be read.
-    pub async fn wanted_jobs(&self, tier: &str, scale_set: i64) -> Result<Vec<i64>> {
+    pub(crate) async fn wanted_jobs(&self, tier: &str, scale_set: i64) -> Result<Vec<i64>> {
         Ok(sqlx::query_scalar(
             "SELECT request_id FROM wanted_jobs WHERE tier = $1 AND scale_set_id = $2
              ORDER BY assigned_at_ms, request_id",
@@ -107,7 +107,7 @@ impl Ledger {
     ///
     /// [`super::LedgerError::Storage`] or `Unavailable` when the ledger cannot
     /// be written.
-    pub async fn forget_other_scale_sets(&self, tier: &str, scale_set: i64) -> Result<u64> {
+    pub(crate) async fn forget_other_scale_sets(&self, tier: &str, scale_set: i64) -> Result<u64> {
         let mut tx = self.begin_write().await?;
         let gone = sqlx::query("DELETE FROM wanted_jobs WHERE tier = $1 AND scale_set_id <> $2")
             .bind(tier)
