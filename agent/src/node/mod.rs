@@ -16,8 +16,11 @@
 pub(crate) mod custody;
 pub mod ending;
 pub mod health;
+mod interrupt;
 pub mod interruption;
 pub mod metrics;
 pub mod plane;
+mod recover;
 pub(crate) mod recovery;
 pub mod runner;
+mod sweep;
