@@ -14,6 +14,7 @@
 //! below this floor sees a generated proto type, but for
 //! [`crate::local`]'s client of the local socket.
 
+pub(crate) mod executor;
 pub(crate) mod identity;
 pub(crate) mod link;
 pub(crate) mod local;

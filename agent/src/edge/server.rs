@@ -16,8 +16,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
+use crate::edge::executor::{Executor, execute_commands};
 use crate::edge::link::PlaneLink;
-use crate::edge::session::{Executor, Identity, NodeService, execute_commands};
+use crate::edge::session::{Identity, NodeService};
 use crate::edge::slot::CommandSlot;
 use crate::journal::{Journal, SqliteJournal};
 use crate::node::health::{Health, WatchedJournal, WatchedProvider};

@@ -1462,8 +1462,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_node_answers_at_the_updaters_first_line_and_its_slot_is_free_right_after() {
+        use crate::edge::executor::{Executor, execute_commands};
         use crate::edge::link::{PlaneLink, SessionLink};
-        use crate::edge::session::{Executor, execute_commands};
         use crate::edge::slot::{Admission, CommandSlot, Queued};
         use crate::journal::MemoryJournal;
         use crate::model::CommandId;
@@ -1555,8 +1555,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_refusal_reaches_the_plane_as_refused_with_its_sentence() {
+        use crate::edge::executor::{Executor, execute_commands};
         use crate::edge::link::{PlaneLink, SessionLink};
-        use crate::edge::session::{Executor, execute_commands};
         use crate::edge::slot::{CommandSlot, Queued};
         use crate::journal::MemoryJournal;
         use crate::model::CommandId;

@@ -6,7 +6,12 @@
 use std::sync::Mutex;
 
 use super::*;
+use tokio::sync::mpsc;
+
+use crate::edge::link::PlaneLink;
+use crate::edge::session::{Identity, NodeService, now_unix_ms};
 use crate::journal::{CustodyRecord, JournalError, LaunchRecord, MemoryJournal};
+use crate::model::NodeName;
 use crate::model::{Epoch, LeaseId};
 use crate::provider::fake::{FakeProvider, Operation};
 
