@@ -6,7 +6,7 @@
 //!
 //! The stand-in runner reports there when its tier's environment names the
 //! sink (`BILLET_STANDIN_REPORT=<url>`, [`GuestReports::env`]; see
-//! `controlplane-stub/src/bin/billet-standin-runner.rs`): one object per
+//! `controlplane-stub/src/bin/billet-standin-runner/`): one object per
 //! report, each with its `runner` (the runner's name) and `seq` (its place
 //! among that runner's reports, from 0), sent again until answered 2xx. The
 //! sink answers `204 No Content` once it has kept the object, and keeps a
