@@ -183,14 +183,12 @@ impl pb::local_server::Local for LocalService {
             certificate_renew_at_unix_ms,
             cache_filesystem: self
                 .runner
-                .cache
-                .as_ref()
+                .cache()
                 .map(|c| c.filesystem().kind.clone())
                 .unwrap_or_default(),
             cache_clone: self
                 .runner
-                .cache
-                .as_ref()
+                .cache()
                 .map(|c| c.filesystem().method().as_str().to_owned())
                 .unwrap_or_default(),
             version: self.version.clone(),

@@ -302,7 +302,7 @@ pub struct Runner {
     pub(super) journal_log: crate::node::health::LogLimit,
     pub(super) state: Mutex<State>,
     /// The sticky-disk store; `None`: tiers' sticky disks are not mounted.
-    pub(crate) cache: Option<Arc<Store>>,
+    pub(super) cache: Option<Arc<Store>>,
     /// The guests' cache sessions (`cache/session.rs`); `None` without a
     /// cache.
     pub(super) sessions: Option<Arc<crate::cache::session::Sessions>>,
@@ -410,6 +410,11 @@ impl Runner {
         self.cache = Some(cache);
         self.sessions = Some(sessions);
         self
+    }
+
+    /// The sticky disks' store, when this node has a cache.
+    pub(crate) fn cache(&self) -> Option<&Arc<Store>> {
+        self.cache.as_ref()
     }
 
     /// Mounts each sticky disk of `tier` for `lease`, before its compute
