@@ -1080,11 +1080,7 @@ fn redact(message: String, secret: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::process::Command;
     use std::time::Duration;
-
-    use bollard::query_parameters::CreateImageOptions;
-    use futures::TryStreamExt as _;
 
     use super::*;
     use crate::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
@@ -1482,7 +1478,7 @@ mod tests {
         );
     }
 
-    // ---- against the real engine -------------------------------------
+    // ---- without an engine ----------------------------------------------
 
     #[tokio::test]
     async fn ping_names_a_socket_that_cannot_be_reached() {
@@ -1502,645 +1498,674 @@ mod tests {
         assert!(err.contains("cannot be reached"), "{err}");
     }
 
-    /// Removes the named containers, whatever their labels, when dropped,
-    /// even when the test panicked.
-    struct Leftovers(Vec<String>);
+    /// The tests that need the Docker engine at [`SOCKET`]: the fast loop
+    /// (`scripts/fast`, the `fast` profile in `.config/nextest.toml`) leaves
+    /// out every test in a module named `needs_docker`, so a test that
+    /// talks to the engine belongs here and nowhere else.
+    mod needs_docker {
+        use std::process::Command;
 
-    impl Drop for Leftovers {
-        fn drop(&mut self) {
-            let names = std::mem::take(&mut self.0);
-            // Drop cannot await, and a runtime cannot start inside the
-            // test's own, so remove from a thread with a runtime of its own.
-            let cleanup = std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("a runtime for cleanup");
-                runtime.block_on(async {
-                    let provider =
-                        DockerProvider::connect(Path::new(SOCKET), owner("cleanup", "cleanup"))
-                            .unwrap();
-                    let Ok(docker) = provider.client("clean up").await else {
-                        return;
-                    };
-                    for name in names {
-                        let options = RemoveContainerOptions {
-                            force: true,
-                            v: true,
-                            ..Default::default()
+        use bollard::query_parameters::CreateImageOptions;
+        use futures::TryStreamExt as _;
+
+        use super::*;
+        use crate::provider::contract;
+
+        // ---- against the real engine ----------------------------------
+
+        /// Removes the named containers, whatever their labels, when dropped,
+        /// even when the test panicked.
+        struct Leftovers(Vec<String>);
+
+        impl Drop for Leftovers {
+            fn drop(&mut self) {
+                let names = std::mem::take(&mut self.0);
+                // Drop cannot await, and a runtime cannot start inside the
+                // test's own, so remove from a thread with a runtime of its own.
+                let cleanup = std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime for cleanup");
+                    runtime.block_on(async {
+                        let provider =
+                            DockerProvider::connect(Path::new(SOCKET), owner("cleanup", "cleanup"))
+                                .unwrap();
+                        let Ok(docker) = provider.client("clean up").await else {
+                            return;
                         };
-                        if let Err(err) = docker.remove_container(&name, Some(options)).await
-                            && !is_no_such_container(&err)
-                        {
-                            eprintln!("could not remove test container {name}: {err}");
+                        for name in names {
+                            let options = RemoveContainerOptions {
+                                force: true,
+                                v: true,
+                                ..Default::default()
+                            };
+                            if let Err(err) = docker.remove_container(&name, Some(options)).await
+                                && !is_no_such_container(&err)
+                            {
+                                eprintln!("could not remove test container {name}: {err}");
+                            }
                         }
+                    });
+                });
+                let _ = cleanup.join();
+            }
+        }
+
+        /// A provider on the real engine, with the test image present.
+        ///
+        /// Panics (failing the test) when the engine cannot be reached.
+        async fn provider(owner: Owner) -> DockerProvider {
+            let provider = DockerProvider::connect(Path::new(SOCKET), owner).unwrap();
+            if let Err(err) = provider.ping().await {
+                panic!(
+                    "these tests need the Docker engine at {SOCKET}, and it cannot be used: {err}"
+                );
+            }
+            ensure_test_image(provider.client("test").await.unwrap()).await;
+            provider
+        }
+
+        static TEST_IMAGE_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+        /// Imports `billet-test-shell:dev` (the host's `sleep` and `sh`, and the
+        /// shared libraries they need, nothing else) unless the engine has it:
+        /// no registry can be reached from here.
+        async fn ensure_test_image(docker: &Docker) {
+            TEST_IMAGE_READY
+                .get_or_init(|| async {
+                    if docker.inspect_image(TEST_IMAGE).await.is_ok() {
+                        return;
                     }
-                });
-            });
-            let _ = cleanup.join();
-        }
-    }
-
-    /// A provider on the real engine, with the test image present.
-    ///
-    /// Panics (failing the test) when the engine cannot be reached.
-    async fn provider(owner: Owner) -> DockerProvider {
-        let provider = DockerProvider::connect(Path::new(SOCKET), owner).unwrap();
-        if let Err(err) = provider.ping().await {
-            panic!("these tests need the Docker engine at {SOCKET}, and it cannot be used: {err}");
-        }
-        ensure_test_image(provider.client("test").await.unwrap()).await;
-        provider
-    }
-
-    static TEST_IMAGE_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-
-    /// Imports `billet-test-shell:dev` (the host's `sleep` and `sh`, and the
-    /// shared libraries they need, nothing else) unless the engine has it:
-    /// no registry can be reached from here.
-    async fn ensure_test_image(docker: &Docker) {
-        TEST_IMAGE_READY
-            .get_or_init(|| async {
-                if docker.inspect_image(TEST_IMAGE).await.is_ok() {
-                    return;
-                }
-                let tar = tokio::task::spawn_blocking(test_rootfs_tar).await.unwrap();
-                let options = CreateImageOptions {
-                    from_src: Some("-".to_owned()),
-                    repo: Some(TEST_IMAGE_REPO.to_owned()),
-                    tag: Some("dev".to_owned()),
-                    ..Default::default()
-                };
-                docker
-                    .create_image(Some(options), Some(bollard::body_full(tar.into())), None)
-                    .try_collect::<Vec<_>>()
-                    .await
-                    .unwrap_or_else(|err| panic!("importing {TEST_IMAGE} failed: {err}"));
-                docker
-                    .inspect_image(TEST_IMAGE)
-                    .await
-                    .unwrap_or_else(|err| panic!("{TEST_IMAGE} is missing after import: {err}"));
-            })
-            .await;
-    }
-
-    /// A tar of a root file system holding `/bin/sleep`, `/bin/sh` and the
-    /// libraries `ldd` says they load, at their host paths.
-    fn test_rootfs_tar() -> Vec<u8> {
-        let root = std::env::temp_dir().join(unique("billet-test-rootfs"));
-        let copy = |from: &Path, to: &Path| {
-            let target = root.join(to.strip_prefix("/").unwrap());
-            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-            std::fs::copy(from, &target).unwrap_or_else(|err| {
-                panic!("copying {} into the test image: {err}", from.display())
-            });
-        };
-        for tool in ["sleep", "sh"] {
-            let found = [format!("/bin/{tool}"), format!("/usr/bin/{tool}")]
-                .into_iter()
-                .map(PathBuf::from)
-                .find(|path| path.exists())
-                .unwrap_or_else(|| {
-                    panic!("building the test image needs {tool} at /bin or /usr/bin")
-                });
-            copy(&found, &Path::new("/bin").join(tool));
-            let ldd = Command::new("ldd")
-                .arg(&found)
-                .output()
-                .expect("building the test image needs ldd to find the tools' libraries");
-            // A static binary makes ldd fail with "not a dynamic executable";
-            // then there is nothing to copy.
-            for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-                if let Some(library) = line.split_whitespace().find(|word| word.starts_with('/')) {
-                    copy(Path::new(library), Path::new(library));
-                }
-            }
-        }
-        let tar = Command::new("tar")
-            .arg("-C")
-            .arg(&root)
-            .args(["-cf", "-", "."])
-            .output()
-            .expect("building the test image needs tar");
-        let _ = std::fs::remove_dir_all(&root);
-        assert!(
-            tar.status.success(),
-            "tar failed: {}",
-            String::from_utf8_lossy(&tar.stderr)
-        );
-        tar.stdout
-    }
-
-    async fn inspect(
-        provider: &DockerProvider,
-        name: &str,
-    ) -> bollard::models::ContainerInspectResponse {
-        provider
-            .client("inspect")
-            .await
-            .unwrap()
-            .inspect_container(name, None)
-            .await
-            .unwrap_or_else(|err| panic!("inspect {name}: {err}"))
-    }
-
-    /// A Unix socket in front of the engine's that counts the connections
-    /// made to it and forwards each to the engine.
-    async fn counting_proxy() -> (PathBuf, Arc<std::sync::atomic::AtomicUsize>) {
-        let dir = std::env::temp_dir().join(unique("billet-engine-count"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("docker.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = Arc::clone(&accepted);
-        tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut engine = tokio::net::UnixStream::connect(SOCKET)
+                    let tar = tokio::task::spawn_blocking(test_rootfs_tar).await.unwrap();
+                    let options = CreateImageOptions {
+                        from_src: Some("-".to_owned()),
+                        repo: Some(TEST_IMAGE_REPO.to_owned()),
+                        tag: Some("dev".to_owned()),
+                        ..Default::default()
+                    };
+                    docker
+                        .create_image(Some(options), Some(bollard::body_full(tar.into())), None)
+                        .try_collect::<Vec<_>>()
                         .await
-                        .unwrap_or_else(|e| {
-                            panic!("these tests need the Docker engine at {SOCKET}: {e}")
+                        .unwrap_or_else(|err| panic!("importing {TEST_IMAGE} failed: {err}"));
+                    docker
+                        .inspect_image(TEST_IMAGE)
+                        .await
+                        .unwrap_or_else(|err| {
+                            panic!("{TEST_IMAGE} is missing after import: {err}")
                         });
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut engine).await;
-                });
-            }
-        });
-        (path, accepted)
-    }
-
-    #[tokio::test]
-    async fn consecutive_calls_reuse_one_connection_to_the_engine() {
-        let (socket, accepted) = counting_proxy().await;
-        let provider = DockerProvider::connect(&socket, owner(&unique("dep"), "node-a")).unwrap();
-        provider
-            .ping()
-            .await
-            .expect("the engine answers through the proxy");
-        provider.list().await.expect("list");
-        let after_first = accepted.load(std::sync::atomic::Ordering::SeqCst);
-        for _ in 0..10 {
-            provider.list().await.expect("list");
-            provider.ping().await.expect("ping");
+                })
+                .await;
         }
-        let after = accepted.load(std::sync::atomic::Ordering::SeqCst);
-        assert_eq!(
-            after,
-            after_first,
-            "20 more calls opened {} more connections to the engine",
-            after - after_first
-        );
-    }
 
-    #[tokio::test]
-    async fn the_engine_here_is_reached_at_a_version_it_speaks() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let version = provider.api_version().expect("negotiated by ping");
-        assert!(version >= MIN_API_VERSION, "{version}");
-        assert!(version <= *API_DEFAULT_VERSION, "{version}");
-    }
+        /// A tar of a root file system holding `/bin/sleep`, `/bin/sh` and the
+        /// libraries `ldd` says they load, at their host paths.
+        fn test_rootfs_tar() -> Vec<u8> {
+            let root = std::env::temp_dir().join(unique("billet-test-rootfs"));
+            let copy = |from: &Path, to: &Path| {
+                let target = root.join(to.strip_prefix("/").unwrap());
+                std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+                std::fs::copy(from, &target).unwrap_or_else(|err| {
+                    panic!("copying {} into the test image: {err}", from.display())
+                });
+            };
+            for tool in ["sleep", "sh"] {
+                let found = [format!("/bin/{tool}"), format!("/usr/bin/{tool}")]
+                    .into_iter()
+                    .map(PathBuf::from)
+                    .find(|path| path.exists())
+                    .unwrap_or_else(|| {
+                        panic!("building the test image needs {tool} at /bin or /usr/bin")
+                    });
+                copy(&found, &Path::new("/bin").join(tool));
+                let ldd = Command::new("ldd")
+                    .arg(&found)
+                    .output()
+                    .expect("building the test image needs ldd to find the tools' libraries");
+                // A static binary makes ldd fail with "not a dynamic executable";
+                // then there is nothing to copy.
+                for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+                    if let Some(library) =
+                        line.split_whitespace().find(|word| word.starts_with('/'))
+                    {
+                        copy(Path::new(library), Path::new(library));
+                    }
+                }
+            }
+            let tar = Command::new("tar")
+                .arg("-C")
+                .arg(&root)
+                .args(["-cf", "-", "."])
+                .output()
+                .expect("building the test image needs tar");
+            let _ = std::fs::remove_dir_all(&root);
+            assert!(
+                tar.status.success(),
+                "tar failed: {}",
+                String::from_utf8_lossy(&tar.stderr)
+            );
+            tar.stdout
+        }
 
-    #[tokio::test]
-    async fn a_created_container_is_labelled_and_holds_the_jit_config_only_in_its_env() {
-        let deployment = unique("dep");
-        let provider = provider(owner(&deployment, "node-a")).await;
-        let lease = unique("t");
-        let jit = unique("jit-secret");
-        let spec = spec(&lease, &jit);
-        let name = spec.name.clone();
-        let _leftovers = Leftovers(vec![name.to_string()]);
+        async fn inspect(
+            provider: &DockerProvider,
+            name: &str,
+        ) -> bollard::models::ContainerInspectResponse {
+            provider
+                .client("inspect")
+                .await
+                .unwrap()
+                .inspect_container(name, None)
+                .await
+                .unwrap_or_else(|err| panic!("inspect {name}: {err}"))
+        }
 
-        let created = provider.create(spec).await.unwrap();
-        assert_eq!(created.name, name.as_str());
-        assert_eq!(created.state, InstanceState::Running);
-        assert!(!created.id.is_empty());
+        /// A Unix socket in front of the engine's that counts the connections
+        /// made to it and forwards each to the engine.
+        async fn counting_proxy() -> (PathBuf, Arc<std::sync::atomic::AtomicUsize>) {
+            let dir = std::env::temp_dir().join(unique("billet-engine-count"));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("docker.sock");
+            let listener = tokio::net::UnixListener::bind(&path).unwrap();
+            let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let counted = Arc::clone(&accepted);
+            tokio::spawn(async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::spawn(async move {
+                        let mut engine = tokio::net::UnixStream::connect(SOCKET)
+                            .await
+                            .unwrap_or_else(|e| {
+                                panic!("these tests need the Docker engine at {SOCKET}: {e}")
+                            });
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut engine).await;
+                    });
+                }
+            });
+            (path, accepted)
+        }
 
-        let listed = provider.list().await.unwrap();
-        assert_eq!(listed.len(), 1, "{listed:?}");
-        let instance = &listed[0];
-        assert_eq!(instance.id, created.id);
-        assert_eq!(instance.name, name.as_str());
-        assert_eq!(instance.state, InstanceState::Running);
-        assert_eq!(instance.lease().unwrap().as_str(), lease);
-        assert_eq!(
-            instance.labels,
-            BTreeMap::from([
-                (labels::DEPLOYMENT.to_owned(), deployment.clone()),
-                (labels::NODE.to_owned(), "node-a".to_owned()),
-                (labels::LEASE.to_owned(), lease.clone()),
-                (labels::EPOCH.to_owned(), "7".to_owned()),
-                (labels::REQUEST.to_owned(), "1234".to_owned()),
-            ])
-        );
-        assert_eq!(instance.labels, created.labels);
+        #[tokio::test]
+        async fn consecutive_calls_reuse_one_connection_to_the_engine() {
+            let (socket, accepted) = counting_proxy().await;
+            let provider =
+                DockerProvider::connect(&socket, owner(&unique("dep"), "node-a")).unwrap();
+            provider
+                .ping()
+                .await
+                .expect("the engine answers through the proxy");
+            provider.list().await.expect("list");
+            let after_first = accepted.load(std::sync::atomic::Ordering::SeqCst);
+            for _ in 0..10 {
+                provider.list().await.expect("list");
+                provider.ping().await.expect("ping");
+            }
+            let after = accepted.load(std::sync::atomic::Ordering::SeqCst);
+            assert_eq!(
+                after,
+                after_first,
+                "20 more calls opened {} more connections to the engine",
+                after - after_first
+            );
+        }
 
-        let inspected = inspect(&provider, name.as_str()).await;
-        let config = inspected.config.unwrap();
-        let env = config.env.unwrap();
-        assert!(env.contains(&format!("{JIT_CONFIG_ENV}={jit}")), "{env:?}");
-        assert!(env.contains(&"RUNNER_TIER=small".to_owned()), "{env:?}");
-        assert_eq!(config.entrypoint.unwrap(), ["/bin/sleep"]);
-        assert_eq!(config.cmd.unwrap(), ["300"]);
-        let host = inspected.host_config.unwrap();
-        assert_eq!(host.nano_cpus, Some(1_000_000_000));
-        assert_eq!(host.memory, Some(64 << 20));
-        assert_eq!(host.shm_size, Some(16 << 20));
-        assert_eq!(host.network_mode.as_deref(), Some("none"));
-    }
+        #[tokio::test]
+        async fn the_engine_here_is_reached_at_a_version_it_speaks() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let version = provider.api_version().expect("negotiated by ping");
+            assert!(version >= MIN_API_VERSION, "{version}");
+            assert!(version <= *API_DEFAULT_VERSION, "{version}");
+        }
 
-    #[tokio::test]
-    async fn find_matches_the_exact_name_and_not_a_prefix_of_another() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let lease = unique("t");
-        let longer = format!("{lease}-long");
-        let spec = spec(&longer, &unique("jit"));
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-        let created = provider.create(spec.clone()).await.unwrap();
+        #[tokio::test]
+        async fn a_created_container_is_labelled_and_holds_the_jit_config_only_in_its_env() {
+            let deployment = unique("dep");
+            let provider = provider(owner(&deployment, "node-a")).await;
+            let lease = unique("t");
+            let jit = unique("jit-secret");
+            let spec = spec(&lease, &jit);
+            let name = spec.name.clone();
+            let _leftovers = Leftovers(vec![name.to_string()]);
 
-        let found = provider
-            .find(&spec.name)
-            .await
-            .unwrap()
-            .expect("found by exact name");
-        assert_eq!(found.id, created.id);
-        let prefix = InstanceName::for_lease(&LeaseId::parse("l", &lease).unwrap());
-        assert_eq!(provider.find(&prefix).await.unwrap(), None);
-        // Destroying the prefix must not remove the longer name's container.
-        assert_eq!(provider.destroy(&prefix).await.unwrap(), Teardown::Stopped);
-        assert!(provider.find(&spec.name).await.unwrap().is_some());
-    }
+            let created = provider.create(spec).await.unwrap();
+            assert_eq!(created.name, name.as_str());
+            assert_eq!(created.state, InstanceState::Running);
+            assert!(!created.id.is_empty());
 
-    #[tokio::test]
-    async fn destroying_twice_answers_stopped_both_times_and_the_container_is_gone() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let spec = spec(&unique("t"), &unique("jit"));
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-        let created = provider.create(spec.clone()).await.unwrap();
+            let listed = provider.list().await.unwrap();
+            assert_eq!(listed.len(), 1, "{listed:?}");
+            let instance = &listed[0];
+            assert_eq!(instance.id, created.id);
+            assert_eq!(instance.name, name.as_str());
+            assert_eq!(instance.state, InstanceState::Running);
+            assert_eq!(instance.lease().unwrap().as_str(), lease);
+            assert_eq!(
+                instance.labels,
+                BTreeMap::from([
+                    (labels::DEPLOYMENT.to_owned(), deployment.clone()),
+                    (labels::NODE.to_owned(), "node-a".to_owned()),
+                    (labels::LEASE.to_owned(), lease.clone()),
+                    (labels::EPOCH.to_owned(), "7".to_owned()),
+                    (labels::REQUEST.to_owned(), "1234".to_owned()),
+                ])
+            );
+            assert_eq!(instance.labels, created.labels);
 
-        assert_eq!(
-            provider.destroy(&spec.name).await.unwrap(),
-            Teardown::Stopped
-        );
-        assert_eq!(
-            provider.destroy(&spec.name).await.unwrap(),
-            Teardown::Stopped
-        );
-        assert_eq!(provider.find(&spec.name).await.unwrap(), None);
-        assert!(provider.list().await.unwrap().is_empty());
-        let docker = provider.client("test").await.unwrap();
-        let err = docker
-            .inspect_container(&created.id, None)
-            .await
-            .unwrap_err();
-        assert!(is_no_such_container(&err), "{err}");
-    }
+            let inspected = inspect(&provider, name.as_str()).await;
+            let config = inspected.config.unwrap();
+            let env = config.env.unwrap();
+            assert!(env.contains(&format!("{JIT_CONFIG_ENV}={jit}")), "{env:?}");
+            assert!(env.contains(&"RUNNER_TIER=small".to_owned()), "{env:?}");
+            assert_eq!(config.entrypoint.unwrap(), ["/bin/sleep"]);
+            assert_eq!(config.cmd.unwrap(), ["300"]);
+            let host = inspected.host_config.unwrap();
+            assert_eq!(host.nano_cpus, Some(1_000_000_000));
+            assert_eq!(host.memory, Some(64 << 20));
+            assert_eq!(host.shm_size, Some(16 << 20));
+            assert_eq!(host.network_mode.as_deref(), Some("none"));
+        }
 
-    #[tokio::test]
-    async fn another_nodes_or_deployments_containers_are_never_seen_or_removed() {
-        let deployment = unique("dep");
-        let here = provider(owner(&deployment, "node-a")).await;
-        let other_node = provider(owner(&deployment, "node-b")).await;
-        let other_deployment = provider(owner(&unique("dep"), "node-a")).await;
-        let theirs = spec(&unique("t"), &unique("jit"));
-        let ours = spec(&unique("t"), &unique("jit"));
-        let _leftovers = Leftovers(vec![theirs.name.to_string(), ours.name.to_string()]);
-        other_node.create(theirs.clone()).await.unwrap();
-        here.create(ours.clone()).await.unwrap();
+        #[tokio::test]
+        async fn find_matches_the_exact_name_and_not_a_prefix_of_another() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let lease = unique("t");
+            let longer = format!("{lease}-long");
+            let spec = spec(&longer, &unique("jit"));
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+            let created = provider.create(spec.clone()).await.unwrap();
 
-        let names: Vec<_> = here
-            .list()
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|i| i.name)
-            .collect();
-        assert_eq!(names, [ours.name.to_string()]);
-        assert_eq!(here.find(&theirs.name).await.unwrap(), None);
-        assert!(other_deployment.list().await.unwrap().is_empty());
-        assert_eq!(other_deployment.find(&ours.name).await.unwrap(), None);
-
-        // Not ours reads as gone, and is left alone.
-        assert_eq!(here.destroy(&theirs.name).await.unwrap(), Teardown::Stopped);
-        assert!(other_node.find(&theirs.name).await.unwrap().is_some());
-    }
-
-    #[tokio::test]
-    async fn a_container_without_billet_labels_is_never_listed_found_or_removed() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let lease = LeaseId::parse("l", &unique("t")).unwrap();
-        let name = InstanceName::for_lease(&lease);
-        let _leftovers = Leftovers(vec![name.to_string()]);
-        let docker = provider.client("test").await.unwrap();
-        docker
-            .create_container(
-                Some(CreateContainerOptions {
-                    name: Some(name.to_string()),
-                    ..Default::default()
-                }),
-                ContainerCreateBody {
-                    image: Some(TEST_IMAGE.to_owned()),
-                    cmd: Some(vec!["/bin/sleep".to_owned(), "300".to_owned()]),
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap();
-
-        assert!(provider.list().await.unwrap().is_empty());
-        assert_eq!(provider.find(&name).await.unwrap(), None);
-        assert_eq!(provider.destroy(&name).await.unwrap(), Teardown::Stopped);
-        docker
-            .inspect_container(name.as_str(), None)
-            .await
-            .expect("the unlabelled container is still there");
-    }
-
-    #[tokio::test]
-    async fn a_start_failure_is_an_error_and_leaves_a_stopped_container_for_destroy() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let jit = unique("jit-secret");
-        let mut spec = spec(&unique("t"), &jit);
-        spec.command = vec!["/no/such/binary".to_owned()];
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-
-        let err = provider.create(spec.clone()).await.unwrap_err().to_string();
-        assert!(err.contains(&format!("start {}", spec.name)), "{err}");
-        assert!(!err.contains(&jit), "{err}");
-        let left = provider
-            .find(&spec.name)
-            .await
-            .unwrap()
-            .expect("created before start failed");
-        assert_eq!(left.state, InstanceState::Created, "{left:?}");
-        assert_eq!(
-            provider.destroy(&spec.name).await.unwrap(),
-            Teardown::Stopped
-        );
-        assert_eq!(provider.find(&spec.name).await.unwrap(), None);
-    }
-
-    #[tokio::test]
-    async fn a_name_in_use_or_a_missing_image_is_an_error_without_the_jit_config() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let jit = unique("jit-secret");
-        let spec = spec(&unique("t"), &jit);
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-        provider.create(spec.clone()).await.unwrap();
-        let err = provider.create(spec.clone()).await.unwrap_err().to_string();
-        assert!(err.contains("409"), "{err}");
-        assert!(!err.contains(&jit), "{err}");
-
-        let mut missing = spec_with_image(&unique("t"), &jit, "billet-test-no-such-image:none");
-        missing.env.clear();
-        let err = provider.create(missing).await.unwrap_err();
-        assert!(
-            matches!(&err, ProviderError::ImageUnavailable { image } if image == "billet-test-no-such-image:none"),
-            "{err}"
-        );
-        assert!(!err.to_string().contains(&jit), "{err}");
-    }
-
-    fn spec_with_image(lease: &str, jit: &str, image: &str) -> InstanceSpec {
-        let mut spec = spec(lease, jit);
-        spec.image = image.to_owned();
-        spec
-    }
-
-    #[tokio::test]
-    async fn an_exited_container_is_listed_exited_with_its_code_until_destroyed() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let mut spec = spec(&unique("t"), &unique("jit"));
-        spec.command = vec!["/bin/sleep".to_owned(), "0".to_owned()];
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-        provider.create(spec.clone()).await.unwrap();
-
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let instance = provider
+            let found = provider
                 .find(&spec.name)
                 .await
                 .unwrap()
-                .expect("still there");
-            if let Some(exit) = instance.state.exit() {
-                assert_eq!(
-                    exit,
-                    Exit {
-                        code: 0,
-                        oom_killed: false
-                    }
-                );
-                assert!(!instance.may_run());
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "`sleep 0` still reads as running after 30s: {instance:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+                .expect("found by exact name");
+            assert_eq!(found.id, created.id);
+            let prefix = InstanceName::for_lease(&LeaseId::parse("l", &lease).unwrap());
+            assert_eq!(provider.find(&prefix).await.unwrap(), None);
+            // Destroying the prefix must not remove the longer name's container.
+            assert_eq!(provider.destroy(&prefix).await.unwrap(), Teardown::Stopped);
+            assert!(provider.find(&spec.name).await.unwrap().is_some());
         }
-    }
 
-    #[tokio::test]
-    async fn a_bound_directory_is_what_the_container_reads_and_writes_at_its_path() {
-        let provider = provider(owner(&unique("dep"), "node-a")).await;
-        let host = std::env::temp_dir().join(unique("billet-bind"));
-        std::fs::create_dir_all(&host).unwrap();
-        std::fs::write(host.join("counter"), "41\n").unwrap();
-        let mut spec = spec(&unique("t"), &unique("jit"));
-        spec.command = vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            "read n < /cache/npm/counter && echo $((n + 1)) > /cache/npm/counter".into(),
-        ];
-        spec.binds = vec![crate::provider::Bind {
-            host: host.clone(),
-            guest: "/cache/npm".into(),
-        }];
-        let _leftovers = Leftovers(vec![spec.name.to_string()]);
-        provider.create(spec.clone()).await.unwrap();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let instance = provider.find(&spec.name).await.unwrap().expect("present");
-            if let Some(exit) = instance.state.exit() {
-                assert_eq!(exit.code, 0, "{instance:?}");
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "still running after 30s"
+        #[tokio::test]
+        async fn destroying_twice_answers_stopped_both_times_and_the_container_is_gone() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let spec = spec(&unique("t"), &unique("jit"));
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+            let created = provider.create(spec.clone()).await.unwrap();
+
+            assert_eq!(
+                provider.destroy(&spec.name).await.unwrap(),
+                Teardown::Stopped
             );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(
+                provider.destroy(&spec.name).await.unwrap(),
+                Teardown::Stopped
+            );
+            assert_eq!(provider.find(&spec.name).await.unwrap(), None);
+            assert!(provider.list().await.unwrap().is_empty());
+            let docker = provider.client("test").await.unwrap();
+            let err = docker
+                .inspect_container(&created.id, None)
+                .await
+                .unwrap_err();
+            assert!(is_no_such_container(&err), "{err}");
         }
-        assert_eq!(
-            std::fs::read_to_string(host.join("counter"))
+
+        #[tokio::test]
+        async fn another_nodes_or_deployments_containers_are_never_seen_or_removed() {
+            let deployment = unique("dep");
+            let here = provider(owner(&deployment, "node-a")).await;
+            let other_node = provider(owner(&deployment, "node-b")).await;
+            let other_deployment = provider(owner(&unique("dep"), "node-a")).await;
+            let theirs = spec(&unique("t"), &unique("jit"));
+            let ours = spec(&unique("t"), &unique("jit"));
+            let _leftovers = Leftovers(vec![theirs.name.to_string(), ours.name.to_string()]);
+            other_node.create(theirs.clone()).await.unwrap();
+            here.create(ours.clone()).await.unwrap();
+
+            let names: Vec<_> = here
+                .list()
+                .await
                 .unwrap()
-                .trim(),
-            "42"
-        );
-    }
+                .into_iter()
+                .map(|i| i.name)
+                .collect();
+            assert_eq!(names, [ours.name.to_string()]);
+            assert_eq!(here.find(&theirs.name).await.unwrap(), None);
+            assert!(other_deployment.list().await.unwrap().is_empty());
+            assert_eq!(other_deployment.find(&ours.name).await.unwrap(), None);
 
-    // ---- the provider contract (`contract.rs`) against the engine ------
-
-    /// The Docker side of the provider contract: runners are the test
-    /// image's `sh` and `sleep`, the faults are played through the engine.
-    struct DockerDriver {
-        provider: DockerProvider,
-        created: std::sync::Mutex<Vec<String>>,
-    }
-
-    impl DockerDriver {
-        async fn new() -> Self {
-            Self {
-                provider: provider(owner(&unique("dep"), "node-a")).await,
-                created: std::sync::Mutex::new(Vec::new()),
-            }
+            // Not ours reads as gone, and is left alone.
+            assert_eq!(here.destroy(&theirs.name).await.unwrap(), Teardown::Stopped);
+            assert!(other_node.find(&theirs.name).await.unwrap().is_some());
         }
 
-        async fn docker(&self) -> &Docker {
-            self.provider.client("test").await.unwrap()
-        }
-    }
+        #[tokio::test]
+        async fn a_container_without_billet_labels_is_never_listed_found_or_removed() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let lease = LeaseId::parse("l", &unique("t")).unwrap();
+            let name = InstanceName::for_lease(&lease);
+            let _leftovers = Leftovers(vec![name.to_string()]);
+            let docker = provider.client("test").await.unwrap();
+            docker
+                .create_container(
+                    Some(CreateContainerOptions {
+                        name: Some(name.to_string()),
+                        ..Default::default()
+                    }),
+                    ContainerCreateBody {
+                        image: Some(TEST_IMAGE.to_owned()),
+                        cmd: Some(vec!["/bin/sleep".to_owned(), "300".to_owned()]),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
 
-    impl Drop for DockerDriver {
-        fn drop(&mut self) {
-            drop(Leftovers(std::mem::take(
-                &mut *self.created.lock().unwrap(),
-            )));
-        }
-    }
-
-    #[async_trait]
-    impl contract::Driver for DockerDriver {
-        fn provider(&self) -> &dyn Provider {
-            &self.provider
+            assert!(provider.list().await.unwrap().is_empty());
+            assert_eq!(provider.find(&name).await.unwrap(), None);
+            assert_eq!(provider.destroy(&name).await.unwrap(), Teardown::Stopped);
+            docker
+                .inspect_container(name.as_str(), None)
+                .await
+                .expect("the unlabelled container is still there");
         }
 
-        fn spec(&self, tag: &str, behaviour: contract::Behaviour) -> InstanceSpec {
-            let mut spec = spec(&unique(tag), &unique("jit"));
-            spec.memory = ByteSize(128 << 20);
-            spec.command = match behaviour {
-                contract::Behaviour::Work => vec!["/bin/sleep".into(), "300".into()],
-                contract::Behaviour::Exit(code) => {
-                    vec!["/bin/sh".into(), "-c".into(), format!("exit {code}")]
-                }
-                // The string doubles until the limit's OOM killer ends it.
-                contract::Behaviour::Allocate => vec![
-                    "/bin/sh".into(),
-                    "-c".into(),
-                    "a=0123456789abcdef; while :; do a=$a$a; done".into(),
-                ],
-            };
-            self.created.lock().unwrap().push(spec.name.to_string());
+        #[tokio::test]
+        async fn a_start_failure_is_an_error_and_leaves_a_stopped_container_for_destroy() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let jit = unique("jit-secret");
+            let mut spec = spec(&unique("t"), &jit);
+            spec.command = vec!["/no/such/binary".to_owned()];
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+
+            let err = provider.create(spec.clone()).await.unwrap_err().to_string();
+            assert!(err.contains(&format!("start {}", spec.name)), "{err}");
+            assert!(!err.contains(&jit), "{err}");
+            let left = provider
+                .find(&spec.name)
+                .await
+                .unwrap()
+                .expect("created before start failed");
+            assert_eq!(left.state, InstanceState::Created, "{left:?}");
+            assert_eq!(
+                provider.destroy(&spec.name).await.unwrap(),
+                Teardown::Stopped
+            );
+            assert_eq!(provider.find(&spec.name).await.unwrap(), None);
+        }
+
+        #[tokio::test]
+        async fn a_name_in_use_or_a_missing_image_is_an_error_without_the_jit_config() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let jit = unique("jit-secret");
+            let spec = spec(&unique("t"), &jit);
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+            provider.create(spec.clone()).await.unwrap();
+            let err = provider.create(spec.clone()).await.unwrap_err().to_string();
+            assert!(err.contains("409"), "{err}");
+            assert!(!err.contains(&jit), "{err}");
+
+            let mut missing = spec_with_image(&unique("t"), &jit, "billet-test-no-such-image:none");
+            missing.env.clear();
+            let err = provider.create(missing).await.unwrap_err();
+            assert!(
+                matches!(&err, ProviderError::ImageUnavailable { image } if image == "billet-test-no-such-image:none"),
+                "{err}"
+            );
+            assert!(!err.to_string().contains(&jit), "{err}");
+        }
+
+        fn spec_with_image(lease: &str, jit: &str, image: &str) -> InstanceSpec {
+            let mut spec = spec(lease, jit);
+            spec.image = image.to_owned();
             spec
         }
 
-        async fn enact(&self, _name: &InstanceName, _behaviour: contract::Behaviour) {}
+        #[tokio::test]
+        async fn an_exited_container_is_listed_exited_with_its_code_until_destroyed() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let mut spec = spec(&unique("t"), &unique("jit"));
+            spec.command = vec!["/bin/sleep".to_owned(), "0".to_owned()];
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+            provider.create(spec.clone()).await.unwrap();
 
-        async fn kill(&self, name: &InstanceName) {
-            self.docker()
-                .await
-                .kill_container(
-                    name.as_str(),
-                    None::<bollard::query_parameters::KillContainerOptions>,
-                )
-                .await
-                .unwrap_or_else(|err| panic!("docker kill {name}: {err}"));
-        }
-
-        async fn remove_out_of_band(&self, name: &InstanceName) {
-            let options = RemoveContainerOptions {
-                force: true,
-                ..Default::default()
-            };
-            self.docker()
-                .await
-                .remove_container(name.as_str(), Some(options))
-                .await
-                .unwrap_or_else(|err| panic!("docker rm -f {name}: {err}"));
-        }
-
-        async fn unreachable(&self) -> Box<dyn Provider> {
-            // A socket file nobody listens on any more: connections are
-            // refused.
-            let path = std::env::temp_dir().join(unique("billet-dead-engine"));
-            drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
-            Box::new(
-                DockerProvider::connect(&path, self.provider.owner().clone())
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let instance = provider
+                    .find(&spec.name)
+                    .await
                     .unwrap()
-                    .with_timeout(Duration::from_secs(5)),
-            )
-        }
-
-        async fn hanging(&self, bound: Duration) -> Box<dyn Provider> {
-            // Accepts every connection and never reads or answers.
-            let path = std::env::temp_dir().join(unique("billet-hung-engine"));
-            let listener = tokio::net::UnixListener::bind(&path).unwrap();
-            tokio::spawn(async move {
-                let mut held = Vec::new();
-                while let Ok((stream, _)) = listener.accept().await {
-                    held.push(stream);
+                    .expect("still there");
+                if let Some(exit) = instance.state.exit() {
+                    assert_eq!(
+                        exit,
+                        Exit {
+                            code: 0,
+                            oom_killed: false
+                        }
+                    );
+                    assert!(!instance.may_run());
+                    break;
                 }
-            });
-            Box::new(
-                DockerProvider::connect(&path, self.provider.owner().clone())
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "`sleep 0` still reads as running after 30s: {instance:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+
+        #[tokio::test]
+        async fn a_bound_directory_is_what_the_container_reads_and_writes_at_its_path() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let host = std::env::temp_dir().join(unique("billet-bind"));
+            std::fs::create_dir_all(&host).unwrap();
+            std::fs::write(host.join("counter"), "41\n").unwrap();
+            let mut spec = spec(&unique("t"), &unique("jit"));
+            spec.command = vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "read n < /cache/npm/counter && echo $((n + 1)) > /cache/npm/counter".into(),
+            ];
+            spec.binds = vec![crate::provider::Bind {
+                host: host.clone(),
+                guest: "/cache/npm".into(),
+            }];
+            let _leftovers = Leftovers(vec![spec.name.to_string()]);
+            provider.create(spec.clone()).await.unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let instance = provider.find(&spec.name).await.unwrap().expect("present");
+                if let Some(exit) = instance.state.exit() {
+                    assert_eq!(exit.code, 0, "{instance:?}");
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "still running after 30s"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(
+                std::fs::read_to_string(host.join("counter"))
                     .unwrap()
-                    .with_timeout(bound),
+                    .trim(),
+                "42"
+            );
+        }
+
+        // ---- the provider contract (`contract.rs`) against the engine ------
+
+        /// The Docker side of the provider contract: runners are the test
+        /// image's `sh` and `sleep`, the faults are played through the engine.
+        struct DockerDriver {
+            provider: DockerProvider,
+            created: std::sync::Mutex<Vec<String>>,
+        }
+
+        impl DockerDriver {
+            async fn new() -> Self {
+                Self {
+                    provider: provider(owner(&unique("dep"), "node-a")).await,
+                    created: std::sync::Mutex::new(Vec::new()),
+                }
+            }
+
+            async fn docker(&self) -> &Docker {
+                self.provider.client("test").await.unwrap()
+            }
+        }
+
+        impl Drop for DockerDriver {
+            fn drop(&mut self) {
+                drop(Leftovers(std::mem::take(
+                    &mut *self.created.lock().unwrap(),
+                )));
+            }
+        }
+
+        #[async_trait]
+        impl contract::Driver for DockerDriver {
+            fn provider(&self) -> &dyn Provider {
+                &self.provider
+            }
+
+            fn spec(&self, tag: &str, behaviour: contract::Behaviour) -> InstanceSpec {
+                let mut spec = spec(&unique(tag), &unique("jit"));
+                spec.memory = ByteSize(128 << 20);
+                spec.command = match behaviour {
+                    contract::Behaviour::Work => vec!["/bin/sleep".into(), "300".into()],
+                    contract::Behaviour::Exit(code) => {
+                        vec!["/bin/sh".into(), "-c".into(), format!("exit {code}")]
+                    }
+                    // The string doubles until the limit's OOM killer ends it.
+                    contract::Behaviour::Allocate => vec![
+                        "/bin/sh".into(),
+                        "-c".into(),
+                        "a=0123456789abcdef; while :; do a=$a$a; done".into(),
+                    ],
+                };
+                self.created.lock().unwrap().push(spec.name.to_string());
+                spec
+            }
+
+            async fn enact(&self, _name: &InstanceName, _behaviour: contract::Behaviour) {}
+
+            async fn kill(&self, name: &InstanceName) {
+                self.docker()
+                    .await
+                    .kill_container(
+                        name.as_str(),
+                        None::<bollard::query_parameters::KillContainerOptions>,
+                    )
+                    .await
+                    .unwrap_or_else(|err| panic!("docker kill {name}: {err}"));
+            }
+
+            async fn remove_out_of_band(&self, name: &InstanceName) {
+                let options = RemoveContainerOptions {
+                    force: true,
+                    ..Default::default()
+                };
+                self.docker()
+                    .await
+                    .remove_container(name.as_str(), Some(options))
+                    .await
+                    .unwrap_or_else(|err| panic!("docker rm -f {name}: {err}"));
+            }
+
+            async fn unreachable(&self) -> Box<dyn Provider> {
+                // A socket file nobody listens on any more: connections are
+                // refused.
+                let path = std::env::temp_dir().join(unique("billet-dead-engine"));
+                drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+                Box::new(
+                    DockerProvider::connect(&path, self.provider.owner().clone())
+                        .unwrap()
+                        .with_timeout(Duration::from_secs(5)),
+                )
+            }
+
+            async fn hanging(&self, bound: Duration) -> Box<dyn Provider> {
+                // Accepts every connection and never reads or answers.
+                let path = std::env::temp_dir().join(unique("billet-hung-engine"));
+                let listener = tokio::net::UnixListener::bind(&path).unwrap();
+                tokio::spawn(async move {
+                    let mut held = Vec::new();
+                    while let Ok((stream, _)) = listener.accept().await {
+                        held.push(stream);
+                    }
+                });
+                Box::new(
+                    DockerProvider::connect(&path, self.provider.owner().clone())
+                        .unwrap()
+                        .with_timeout(bound),
+                )
+            }
+
+            fn missing_image(&self) -> String {
+                "billet-test-no-such-image:none".to_owned()
+            }
+        }
+
+        #[tokio::test]
+        async fn docker_keeps_an_exited_container_with_its_code_until_destroyed() {
+            contract::an_exited_instance_is_present_with_its_code_until_destroyed(
+                &DockerDriver::new().await,
             )
+            .await;
         }
 
-        fn missing_image(&self) -> String {
-            "billet-test-no-such-image:none".to_owned()
+        #[tokio::test]
+        async fn docker_reports_a_container_oom_killed_under_128_mib() {
+            contract::an_oom_killed_instance_says_so(&DockerDriver::new().await).await;
         }
-    }
 
-    #[tokio::test]
-    async fn docker_keeps_an_exited_container_with_its_code_until_destroyed() {
-        contract::an_exited_instance_is_present_with_its_code_until_destroyed(
-            &DockerDriver::new().await,
-        )
-        .await;
-    }
-
-    #[tokio::test]
-    async fn docker_reports_a_container_oom_killed_under_128_mib() {
-        contract::an_oom_killed_instance_says_so(&DockerDriver::new().await).await;
-    }
-
-    #[tokio::test]
-    async fn docker_reports_a_docker_kill_as_137_without_oom() {
-        contract::a_killed_instance_is_exited_137_without_the_oom_flag(&DockerDriver::new().await)
+        #[tokio::test]
+        async fn docker_reports_a_docker_kill_as_137_without_oom() {
+            contract::a_killed_instance_is_exited_137_without_the_oom_flag(
+                &DockerDriver::new().await,
+            )
             .await;
-    }
+        }
 
-    #[tokio::test]
-    async fn docker_forgets_a_container_removed_out_of_band() {
-        contract::an_instance_removed_out_of_band_is_absent(&DockerDriver::new().await).await;
-    }
+        #[tokio::test]
+        async fn docker_forgets_a_container_removed_out_of_band() {
+            contract::an_instance_removed_out_of_band_is_absent(&DockerDriver::new().await).await;
+        }
 
-    #[tokio::test]
-    async fn docker_leaves_a_created_container_unstarted_when_its_start_is_withheld() {
-        contract::a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
-            &DockerDriver::new().await,
-        )
-        .await;
-    }
-
-    #[tokio::test]
-    async fn docker_refuses_a_missing_image_before_and_at_create() {
-        contract::a_missing_image_is_unavailable_and_creates_nothing(&DockerDriver::new().await)
+        #[tokio::test]
+        async fn docker_leaves_a_created_container_unstarted_when_its_start_is_withheld() {
+            contract::a_create_whose_start_is_withheld_leaves_the_instance_created_until_destroyed(
+                &DockerDriver::new().await,
+            )
             .await;
-    }
+        }
 
-    #[tokio::test]
-    async fn docker_with_nothing_listening_fails_every_call_typed() {
-        contract::an_unreachable_engine_fails_every_call_typed(&DockerDriver::new().await).await;
-    }
+        #[tokio::test]
+        async fn docker_refuses_a_missing_image_before_and_at_create() {
+            contract::a_missing_image_is_unavailable_and_creates_nothing(
+                &DockerDriver::new().await,
+            )
+            .await;
+        }
 
-    #[tokio::test]
-    async fn docker_with_an_engine_that_never_answers_fails_every_call_typed_within_its_bound() {
-        contract::a_hanging_engine_fails_every_call_typed_within_its_bound(
-            &DockerDriver::new().await,
-        )
-        .await;
+        #[tokio::test]
+        async fn docker_with_nothing_listening_fails_every_call_typed() {
+            contract::an_unreachable_engine_fails_every_call_typed(&DockerDriver::new().await)
+                .await;
+        }
+
+        #[tokio::test]
+        async fn docker_with_an_engine_that_never_answers_fails_every_call_typed_within_its_bound()
+        {
+            contract::a_hanging_engine_fails_every_call_typed_within_its_bound(
+                &DockerDriver::new().await,
+            )
+            .await;
+        }
     }
 }
