@@ -1084,7 +1084,6 @@ mod tests {
 
     use super::*;
     use crate::model::{ByteSize, Epoch, JitConfig, LeaseId, NodeName, RequestId};
-    use crate::provider::contract;
 
     const SOCKET: &str = "/var/run/docker.sock";
     const TEST_IMAGE_REPO: &str = "billet-test-shell";
