@@ -1170,6 +1170,38 @@ async fn a_second_destroy_for_held_compute_still_reports_custody() {
     assert!(!r.holding());
 }
 
+/// A lease taken into custody while its runner runs (a launch whose
+/// result the plane never acknowledged) is one row of what the node holds,
+/// in custody, for status and metrics alike; and still one once its job's
+/// completion leaves the runner ending.
+#[tokio::test]
+async fn a_running_lease_taken_into_custody_is_held_once_in_custody() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    assert_eq!(r.held().len(), 1);
+    assert_eq!(r.held()[0].state, HeldState::Running);
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    let held = r.held();
+    assert_eq!(held.len(), 1, "one row per lease: {held:?}");
+    assert_eq!(held[0].lease, lease.id);
+    assert_eq!(held[0].state, HeldState::Custody, "{held:?}");
+    assert!(
+        held[0].runner.is_some(),
+        "the runner's name is kept: {held:?}"
+    );
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap_err();
+    assert!(err.is_custody(), "{err}");
+    let held = r.held();
+    assert_eq!(held.len(), 1, "one row per lease: {held:?}");
+    assert_eq!(held[0].state, HeldState::Ending, "{held:?}");
+}
+
 #[tokio::test]
 async fn a_request_with_both_custody_and_a_running_instance_still_stops_the_running_one() {
     let w = World::new();

@@ -646,47 +646,71 @@ impl Runner {
     }
 
     /// Every lease this node holds, for status and metrics, ordered by lease
-    /// id.
+    /// id: one row per lease, whatever its state.
+    ///
+    /// The state keeps a lease in more than one place for a while (a running
+    /// request is also held in custody once the plane did not acknowledge
+    /// its launch, or its job's completion left its runner ending; a launch
+    /// is running before it stops counting as launching), so the rows are
+    /// gathered by lease, and each lease is told by the strongest claim the
+    /// node has on it: custody (the node's own authority, which outlives the
+    /// request), then running, then launching. The runner's name comes from
+    /// whichever place knows it.
     pub fn held(&self) -> Vec<HeldLease> {
         let s = self.state();
-        let mut held: Vec<HeldLease> = s
-            .launching
+        let mut held: std::collections::BTreeMap<String, HeldLease> = s
+            .custody
             .iter()
-            .map(|(lease, epoch)| HeldLease {
-                lease: lease.clone(),
-                epoch: *epoch,
-                state: HeldState::Launching,
-                instance: InstanceName::for_lease(lease),
-                runner: None,
-                age: None,
+            .map(|(lease, e)| {
+                let row = HeldLease {
+                    lease: lease.clone(),
+                    epoch: e.epoch,
+                    state: if e.discard {
+                        HeldState::Discard
+                    } else if e.ending {
+                        HeldState::Ending
+                    } else if e.phase.is_none() {
+                        HeldState::Quarantine
+                    } else {
+                        HeldState::Custody
+                    },
+                    instance: e.instance.clone(),
+                    runner: e.registration.as_ref().map(|(_, name)| name.clone()),
+                    age: Some(e.since.elapsed()),
+                };
+                (lease.as_str().to_owned(), row)
             })
-            .chain(s.running.values().map(|r| HeldLease {
-                lease: r.lease.clone(),
-                epoch: r.epoch,
-                state: HeldState::Running,
-                instance: r.instance.clone(),
-                runner: Some(r.registration.1.clone()),
-                age: Some(r.since.elapsed()),
-            }))
-            .chain(s.custody.iter().map(|(lease, e)| HeldLease {
-                lease: lease.clone(),
-                epoch: e.epoch,
-                state: if e.discard {
-                    HeldState::Discard
-                } else if e.ending {
-                    HeldState::Ending
-                } else if e.phase.is_none() {
-                    HeldState::Quarantine
-                } else {
-                    HeldState::Custody
-                },
-                instance: e.instance.clone(),
-                runner: e.registration.as_ref().map(|(_, name)| name.clone()),
-                age: Some(e.since.elapsed()),
-            }))
             .collect();
-        held.sort_by(|a, b| a.lease.as_str().cmp(b.lease.as_str()));
-        held
+        for r in s.running.values() {
+            match held.entry(r.lease.as_str().to_owned()) {
+                std::collections::btree_map::Entry::Occupied(mut held) => {
+                    let row = held.get_mut();
+                    row.runner.get_or_insert_with(|| r.registration.1.clone());
+                }
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    slot.insert(HeldLease {
+                        lease: r.lease.clone(),
+                        epoch: r.epoch,
+                        state: HeldState::Running,
+                        instance: r.instance.clone(),
+                        runner: Some(r.registration.1.clone()),
+                        age: Some(r.since.elapsed()),
+                    });
+                }
+            }
+        }
+        for (lease, epoch) in &s.launching {
+            held.entry(lease.as_str().to_owned())
+                .or_insert_with(|| HeldLease {
+                    lease: lease.clone(),
+                    epoch: *epoch,
+                    state: HeldState::Launching,
+                    instance: InstanceName::for_lease(lease),
+                    runner: None,
+                    age: None,
+                });
+        }
+        held.into_values().collect()
     }
 
     /// What the leases this node holds (launching, running, in custody)
