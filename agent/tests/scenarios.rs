@@ -1202,6 +1202,57 @@ async fn a_running_lease_taken_into_custody_is_held_once_in_custody() {
     assert_eq!(held[0].state, HeldState::Ending, "{held:?}");
 }
 
+/// A Launch of a lease whose runner already works here, at another epoch
+/// than the one it holds, is not what the node holds: it is answered BUSY
+/// (the plane keeps the lease), and nothing is minted, created or
+/// destroyed; the same epoch again is still answered OK. The same holds
+/// once the lease is in custody.
+#[tokio::test]
+async fn a_launch_at_another_epoch_of_a_lease_whose_runner_works_is_answered_busy_and_starts_nothing()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let creates = || {
+        w.fake
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Create(_)))
+            .count()
+    };
+    let (mints, created) = (w.plane.count("mint "), creates());
+    for held in [false, true] {
+        if held {
+            r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+                .await
+                .unwrap();
+        }
+        let mut higher = lease.clone();
+        higher.epoch = Epoch(lease.epoch.0 + 1);
+        let err = r
+            .launch(higher, tier(Trust::Trusted), job(1, "push"))
+            .await
+            .expect_err("another epoch is not what the node holds");
+        assert!(
+            matches!(err, RunnerError::Busy { held: false, .. }),
+            "custody {held}: {err}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains("epoch 1") && message.contains("epoch 2"),
+            "both epochs named: {message}"
+        );
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .expect("the same epoch again is what the node holds");
+    }
+    assert_eq!(w.plane.count("mint "), mints, "{:?}", w.plane.log());
+    assert_eq!(creates(), created);
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert_eq!(r.held().len(), 1);
+}
+
 #[tokio::test]
 async fn a_request_with_both_custody_and_a_running_instance_still_stops_the_running_one() {
     let w = World::new();

@@ -644,6 +644,73 @@ async fn a_scale_down_while_the_runner_holds_a_job_is_answered_busy_and_the_job_
     cluster.shutdown().await
 }
 
+/// While the job runs, the plane dispatches `Launch` for its lease at the
+/// lease's epoch + 1. The node holds that lease's runner at the lease's
+/// epoch, so the launch is not what it holds: it answers `BUSY` with the
+/// typed code, names both epochs, logs them at warn, and starts nothing;
+/// the job runs to its end and the lease ends `done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_at_a_higher_epoch_for_a_working_runner_is_answered_busy_naming_both_epochs()
+-> Result<()> {
+    let cluster = Cluster::start(options(10_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let mut wire = billet_controlplane_stub::calls::lease_to_wire(&lease);
+    wire.epoch = lease.epoch + 1;
+    let node = cluster.plane.node("node-1").context("node-1")?;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Launch(pb::Launch {
+                lease: Some(wire),
+                tier: Some(pb::TierSpec {
+                    label: billet_tests::cluster::TIER.into(),
+                    image: billet_tests::cluster::STANDIN_IMAGE.into(),
+                    command: vec!["/billet-standin-runner".into()],
+                    trust: "trusted".into(),
+                    network: "host".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: lease.request_id,
+                    ..Default::default()
+                }),
+                registration: None,
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    let billet_controlplane_stub::node_link::CommandOutcome::Answered(result) = &outcome else {
+        bail!("the launch was not answered: {}", outcome.describe());
+    };
+    assert_eq!(result.outcome, pb::Outcome::Busy as i32, "{result:?}");
+    assert!(!result.custody, "{result:?}");
+    let error = result.error.as_ref().context("an error")?;
+    assert_eq!(error.code, pb::ErrorCode::Busy as i32, "{result:?}");
+    let (held, sent) = (lease.epoch, lease.epoch + 1);
+    assert!(
+        error.message.contains(&format!("epoch {held}"))
+            && error.message.contains(&format!("epoch {sent}")),
+        "{result:?}"
+    );
+    let log = cluster.nodes["node-1"].log_text();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains(&format!("held_epoch={held}"))
+            && l.contains(&format!("launch_epoch={sent}"))),
+        "no warning naming both epochs:\n{log}"
+    );
+    // Nothing else started; the job runs to its end.
+    assert_eq!(cluster.containers().await?.len(), 1);
+    wait_jobs_completed(&cluster, &jobs, Duration::from_secs(60)).await?;
+    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_while_the_runner_still_works_for_30_s_does_not_kill_it() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions {

@@ -107,7 +107,9 @@ pub enum RunnerError {
     ScaleSetNotFound(String),
     /// The runner is working, so nothing was destroyed and its instance runs
     /// on: GitHub refused to remove its registration (JobStillRunning) under
-    /// a scale-down, or it is still working after its job's completion.
+    /// a scale-down, or it is still working after its job's completion; or a
+    /// launch named a lease whose runner this node holds at another epoch,
+    /// and nothing was started.
     #[error("busy: {message}")]
     Busy {
         /// What GitHub and the provider said.
@@ -794,12 +796,16 @@ impl Runner {
             }
             // The same lease again (a launch redelivered after a restart or a
             // lost reply): whatever it started is here already. Never mint
-            // or create twice; report what this node holds.
-            if s.running
+            // or create twice; report what this node holds, and only if it
+            // is what the launch names: at another epoch the plane believes
+            // something false about this lease, and an OK would confirm it.
+            let working = s
+                .running
                 .get(&lease.request_id)
-                .is_some_and(|r| r.lease == lease.id)
-            {
-                return Ok(());
+                .filter(|r| r.lease == lease.id)
+                .map(|r| r.epoch);
+            if let Some(held) = working {
+                return Self::launched_already(&lease, held);
             }
             if let Some(held) = s.custody.get(&lease.id) {
                 return if held.discard {
@@ -808,7 +814,7 @@ impl Runner {
                         lease.id
                     )))
                 } else {
-                    Ok(())
+                    Self::launched_already(&lease, held.epoch)
                 };
             }
             // Another lease for a request that already has compute here: the
@@ -900,6 +906,25 @@ impl Runner {
             }
         };
         self.launch_over(&lease.id, result).await
+    }
+
+    /// The answer to a launch of `lease`, whose runner this node already
+    /// holds at `held`: OK at that epoch (a redelivery), else BUSY, with
+    /// nothing started and the plane keeping the lease, both epochs logged
+    /// and named.
+    fn launched_already(lease: &Lease, held: Epoch) -> Result<(), RunnerError> {
+        if held == lease.epoch {
+            return Ok(());
+        }
+        warn!(lease = %lease.id, held_epoch = %held, launch_epoch = %lease.epoch,
+              "a launch of a lease whose runner this node holds at another epoch: answered BUSY, nothing started");
+        Err(RunnerError::Busy {
+            message: format!(
+                "lease {} has a runner on this node at epoch {held}, and this launch is at epoch {}: nothing was started, and the runner runs on",
+                lease.id, lease.epoch
+            ),
+            held: false,
+        })
     }
 
     /// A launch of `lease` has its answer: the lease is no longer

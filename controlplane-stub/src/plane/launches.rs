@@ -126,10 +126,12 @@ impl Plane {
 
     /// What the plane does with a launch's outcome: a launched lease is
     /// covered; a lost one is the node's if it may have started a runner;
-    /// any other is failed, released and backed off. `registration` is the
+    /// one answered `BUSY` (a runner of the lease already works on the node)
+    /// is left open and covered; any other is failed, released and backed
+    /// off. `registration` is the
     /// one this plane minted before dispatching, removed here whenever the
     /// lease ends with nothing started.
-    async fn launch_ended(
+    pub(super) async fn launch_ended(
         self: Arc<Self>,
         lease: crate::ledger::Lease,
         node: Arc<NodeLink>,
@@ -166,6 +168,30 @@ impl Plane {
                 .and_then(|e| pb::ErrorCode::try_from(e.code).ok()),
             _ => None,
         };
+        if code == Some(pb::ErrorCode::Busy) {
+            // The node already holds a runner of this lease, at another
+            // epoch: the launch started nothing, and ending the lease now
+            // would free capacity a working runner uses and cover its job
+            // twice. The lease stays open, renewed and covered by that
+            // runner; its completion ends it as any other. A registration
+            // minted ahead for this launch carries the runner's own name
+            // (`billet-<lease>`), so it is not removed here, where the
+            // removal could take the working runner's: the registration
+            // pass removes what the lease's end leaves behind.
+            warn!(%reason, node = node.name(), "the node answered the launch BUSY: a runner of this lease already works there; the lease is left open");
+            self.cover
+                .lock()
+                .expect("cover")
+                .launched
+                .insert(lease.id.clone());
+            self.emit(PlaneEvent::LaunchBusy {
+                lease: lease.id.clone(),
+                node: node.name().to_owned(),
+                reason,
+            });
+            self.wake.notify_one();
+            return;
+        }
         self.emit(PlaneEvent::LaunchFailed {
             lease: lease.id.clone(),
             reason: reason.clone(),

@@ -636,3 +636,66 @@ async fn a_recovered_job_github_no_longer_counts_is_dropped_after_quiet_polls() 
         let _ = std::fs::remove_file(path);
     }
 }
+
+/// A launch the node answers `BUSY` names a lease whose runner already
+/// works there (at another epoch): nothing was started, and nothing may be
+/// ended. The plane reads the code: the lease stays open, charged and
+/// covered by that runner, with no failure recorded; it is not a failed
+/// launch to release and replace.
+#[tokio::test]
+async fn a_launch_answered_busy_leaves_the_lease_open_and_covered() {
+    let (plane, _emulator) = plane(&["node-a"]).await;
+    let (_tx, _rx) = plane.nodes[0].attach_for_test(1, 16);
+    let lease = launched_on(&plane, 7, "node-a").await;
+    let mut events = plane.subscribe();
+    let busy = pb::CommandResult {
+        id: "c1".into(),
+        outcome: pb::Outcome::Busy.into(),
+        custody: false,
+        error: Some(pb::Error {
+            code: pb::ErrorCode::Busy.into(),
+            message: format!(
+                "lease {} has a runner on this node at epoch 1, and this launch is at epoch 2",
+                lease.id
+            ),
+        }),
+        instances: None,
+    };
+    Arc::clone(&plane)
+        .launch_ended(
+            lease.clone(),
+            Arc::clone(&plane.nodes[0]),
+            crate::node_link::CommandOutcome::Answered(busy),
+            None,
+        )
+        .await;
+    let after = plane
+        .ledger
+        .get(&lease.id)
+        .await
+        .expect("read")
+        .expect("lease");
+    assert_eq!(after.phase, Phase::Launching, "{after:?}");
+    assert_eq!(after.failure_reason, None, "{after:?}");
+    assert!(
+        plane
+            .cover
+            .lock()
+            .expect("cover")
+            .launched
+            .contains(&lease.id),
+        "the working runner covers the lease's job"
+    );
+    let mut saw = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        saw.push(event);
+    }
+    assert!(
+        saw.iter()
+            .any(|e| matches!(e, PlaneEvent::LaunchBusy { lease: l, .. } if *l == lease.id))
+            && !saw
+                .iter()
+                .any(|e| matches!(e, PlaneEvent::LaunchFailed { .. })),
+        "{saw:?}"
+    );
+}
