@@ -32,6 +32,8 @@ pub(crate) fn plane_error(error: pb::Error) -> PlaneError {
         // A scale set GitHub no longer has: nothing this node can retry;
         // the plane decides when to launch again.
         pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
+        // A name another scale set holds: an answer, not an outage.
+        pb::ErrorCode::RunnerNameTaken => PlaneError::RunnerNameTaken(m),
         pb::ErrorCode::IdentityRefused => PlaneError::IdentityRefused(m),
         pb::ErrorCode::Unspecified
         | pb::ErrorCode::InvalidArgument
@@ -695,6 +697,7 @@ mod tests {
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
             pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
             pb::ErrorCode::Busy => PlaneError::Busy(m),
+            pb::ErrorCode::RunnerNameTaken => PlaneError::RunnerNameTaken(m),
             pb::ErrorCode::IdentityRefused => PlaneError::IdentityRefused(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
@@ -704,7 +707,7 @@ mod tests {
         }
     }
 
-    const ALL: [pb::ErrorCode; 15] = [
+    const ALL: [pb::ErrorCode; 16] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -720,6 +723,7 @@ mod tests {
         pb::ErrorCode::ResourceExhausted,
         pb::ErrorCode::Busy,
         pb::ErrorCode::IdentityRefused,
+        pb::ErrorCode::RunnerNameTaken,
     ];
 
     /// 7.O.6

@@ -542,6 +542,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
         PlaneError::ForceRelease(_) => "force_release",
         PlaneError::Refused(_) => "refused",
         PlaneError::ScaleSetNotFound(_) => "scale_set_not_found",
+        PlaneError::RunnerNameTaken(_) => "runner_name_taken",
         PlaneError::Busy(_) => "busy",
         PlaneError::IdentityRefused(_) => "identity_refused",
     }

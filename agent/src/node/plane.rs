@@ -47,6 +47,12 @@ pub enum PlaneError {
     /// for the set again.
     #[error("scale set not found: {0}")]
     ScaleSetNotFound(String),
+    /// GitHub already has a runner of the name the mint asked for, in
+    /// another scale set (409 AgentExists): the name cannot be minted, and
+    /// asking again will not change that; the plane gives the job a fresh
+    /// lease with a fresh name.
+    #[error("runner name taken: {0}")]
+    RunnerNameTaken(String),
     /// GitHub says the runner is running a job (a registration removal
     /// answered JobStillRunning): an answer, not an outage.
     #[error("busy: {0}")]

@@ -105,6 +105,12 @@ pub enum RunnerError {
     /// released (wire code `ERROR_CODE_SCALE_SET_NOT_FOUND`).
     #[error("{0}")]
     ScaleSetNotFound(String),
+    /// A launch whose mint the plane answered `RUNNER_NAME_TAKEN` (GitHub
+    /// has a runner of that name in another scale set): no registration
+    /// was made and nothing was created; the lease may be released (wire
+    /// code `ERROR_CODE_RUNNER_NAME_TAKEN`).
+    #[error("{0}")]
+    RunnerNameTaken(String),
     /// The runner is working, so nothing was destroyed and its instance runs
     /// on: GitHub refused to remove its registration (JobStillRunning) under
     /// a scale-down, or it is still working after its job's completion; or a
@@ -1116,6 +1122,7 @@ impl Runner {
                 let message = format!("mint a JIT config for {name}: {mint_error}");
                 return Err(match mint_error {
                     PlaneError::ScaleSetNotFound(_) => RunnerError::ScaleSetNotFound(message),
+                    PlaneError::RunnerNameTaken(_) => RunnerError::RunnerNameTaken(message),
                     _ => RunnerError::Failed(message),
                 });
             }

@@ -280,16 +280,30 @@ impl Plane {
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
         }
+        // Another scale set holds a runner of the lease's name: neither the
+        // node nor GitHub is failing, so the launch is not backed off as an
+        // outage, and the node is not avoided. The name is the lease's, so
+        // the job's fresh lease mints a fresh one at once. An operator
+        // should know that another set names its runners as this plane
+        // does.
+        let name_taken = code == Some(pb::ErrorCode::RunnerNameTaken);
+        if name_taken {
+            tracing::error!(%reason, "another scale set holds a runner of this lease's name; the job gets a fresh lease (and name) now, without backoff");
+        }
         let delay = {
             let mut cover = self.cover.lock().expect("cover");
             cover.not_covering.insert(lease.id.clone());
-            let delay = cover.failed();
-            if refused {
-                cover
-                    .avoid
-                    .insert(node.name().to_owned(), Instant::now() + delay);
+            if name_taken {
+                std::time::Duration::ZERO
+            } else {
+                let delay = cover.failed();
+                if refused {
+                    cover
+                        .avoid
+                        .insert(node.name().to_owned(), Instant::now() + delay);
+                }
+                delay
             }
-            delay
         };
         warn!(%reason, custody, retry_in = ?delay, "the launch did not end with a runner; the job gets a fresh lease");
         if !matches!(outcome, CommandOutcome::Lost(_)) {
