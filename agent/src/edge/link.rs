@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::Observation;
 use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, Registration};
+use crate::node::ending::Ending;
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 
 /// Converts a wire error into the plane port's typed refusal.
@@ -469,13 +470,24 @@ impl LeaseStore for PlaneLink {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &Ending,
     ) -> Result<(), PlaneError> {
+        if let Some(reason) = ending.reason() {
+            match self.mark_failure(lease, epoch, &reason.to_string()).await {
+                Ok(()) => {}
+                Err(e @ PlaneError::Unavailable(_)) => return Err(e),
+                // Another reason recorded first, or the lease is not ours
+                // at this epoch any more: the release decides.
+                Err(e) => {
+                    tracing::debug!(%lease, %reason, error = %e, "the failure reason was not recorded")
+                }
+            }
+        }
         let (lease_id, epoch) = lease_epoch(lease, epoch);
         self.call(pb::node_call::Call::Release(pb::Release {
             lease_id,
             epoch,
-            outcome: outcome.as_str().into(),
+            outcome: ending.phase().as_str().into(),
         }))
         .await
         .map(drop)

@@ -5,7 +5,7 @@
 use tracing::{error, info, warn};
 
 use super::custody::{CustodyEntry, custody_record};
-use super::ending::EndReason;
+use super::ending::{EndReason, Ending, FailureReason};
 use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, Running};
 use crate::model::{Epoch, LeaseId, Phase, RequestId};
@@ -69,10 +69,9 @@ impl Runner {
             if !still {
                 continue;
             }
-            let outcome = if reason.is_some() {
-                Phase::Failed
-            } else {
-                Phase::Done
+            let outcome = match reason {
+                Some(reason) => Ending::Failed(FailureReason::Compute(reason)),
+                None => Ending::Done,
             };
             match reason {
                 Some(reason) => {
@@ -85,7 +84,6 @@ impl Runner {
             self.hold(
                 r.lease.clone(),
                 CustodyEntry {
-                    reason,
                     registration: Some(r.registration.clone()),
                     ..CustodyEntry::teardown(
                         r.epoch,
@@ -234,8 +232,7 @@ impl Runner {
                 }
                 e.discard = true;
                 e.ending = false;
-                e.outcome = Phase::Failed;
-                e.reason = Some(reason);
+                e.outcome = Ending::Failed(FailureReason::Compute(reason));
                 if e.phase.is_some() {
                     e.phase = Some(Phase::Teardown);
                 }
@@ -294,13 +291,12 @@ impl Runner {
         self.hold(
             r.lease.clone(),
             CustodyEntry {
-                reason: Some(reason),
                 registration,
                 ..CustodyEntry::teardown(
                     r.epoch,
                     r.instance.clone(),
                     request_id,
-                    Phase::Failed,
+                    Ending::Failed(FailureReason::Compute(reason)),
                     true,
                 )
             },

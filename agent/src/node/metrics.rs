@@ -884,10 +884,10 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &crate::node::ending::Ending,
     ) -> Result<(), PlaneError> {
         let start = Instant::now();
-        let r = self.inner.release(lease, epoch, outcome).await;
+        let r = self.inner.release(lease, epoch, ending).await;
         self.observe("release", start, &r);
         r
     }

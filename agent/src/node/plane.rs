@@ -179,12 +179,21 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         &self,
         leases: &[(LeaseId, Epoch)],
     ) -> Result<Vec<Result<(), PlaneError>>, PlaneError>;
-    /// Ends the lease with `done` or `failed`.
+    /// Ends the lease `done`, or `failed` with its reason: the reason is
+    /// recorded first (the ledger keeps the first one), then the lease is
+    /// released. A reason the ledger refuses because it already holds one,
+    /// or because the lease is not ours at this epoch, does not stop the
+    /// release, which decides.
+    ///
+    /// # Errors
+    ///
+    /// The release's refusal, or `Unavailable` when either call had no
+    /// answer.
     async fn release(
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &super::ending::Ending,
     ) -> Result<(), PlaneError>;
     /// Records why the lease's job will fail (`oom`, `exit 3`, ...), before
     /// it is released `failed`. The ledger keeps the first reason.

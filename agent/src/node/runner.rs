@@ -24,7 +24,7 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use super::custody::CustodyEntry;
-use super::ending::{EndReason, Removals};
+use super::ending::{EndReason, Ending, FailureReason, Removals};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
 use crate::journal::{Journal, LaunchRecord, MemoryJournal};
@@ -996,21 +996,27 @@ impl Runner {
             ))),
             (Some(refusal), Err(_)) => Err(refusal),
             (Some(refusal), Ok(())) => {
-                self.release_refused(lease).await;
+                let why = match &refusal {
+                    RunnerError::ImageUnavailable { image } => {
+                        FailureReason::ImageUnavailable(image.clone())
+                    }
+                    _ => FailureReason::ProviderUnavailable,
+                };
+                self.release_refused(lease, why).await;
                 Err(refusal)
             }
         }
     }
 
     /// Ends a lease this launch bound beside an image check that refused
-    /// it: released `failed` (nothing was minted or started), so it is
+    /// it: released `failed` with `why` (nothing was minted or started), so it is
     /// never left bound to this node. A release that fails is logged: the
     /// plane ends the lease itself on the refusal (the stub's ledger
     /// answers a release of a lease already `failed` as done).
-    async fn release_refused(&self, lease: &Lease) {
+    async fn release_refused(&self, lease: &Lease, why: FailureReason) {
         match self
             .ledger
-            .release(&lease.id, lease.epoch, Phase::Failed)
+            .release(&lease.id, lease.epoch, &Ending::Failed(why))
             .await
         {
             Ok(()) => {
@@ -1109,7 +1115,7 @@ impl Runner {
                                 lease.epoch,
                                 name.clone(),
                                 lease.request_id,
-                                Phase::Failed,
+                                Ending::Failed(FailureReason::LaunchFailed),
                                 false,
                             )
                         },
@@ -1318,7 +1324,7 @@ impl Runner {
                 lease.epoch,
                 name.clone(),
                 lease.request_id,
-                Phase::Failed,
+                Ending::Failed(FailureReason::LaunchFailed),
                 false,
             )
         };
@@ -1640,22 +1646,19 @@ impl Runner {
                       result = order.job_result.as_deref().unwrap_or("-"), force = order.force, %reason, ?teardown, "destroyed");
                 if teardown == Teardown::Requested {
                     let outcome = if order.force && runs {
-                        Phase::Failed
+                        Ending::Failed(FailureReason::forced(order.reason.as_deref()))
                     } else {
-                        Phase::Done
+                        Ending::Done
                     };
                     self.hold(
                         running.lease.clone(),
-                        CustodyEntry {
-                            forced: order.force.then(|| order.reason.clone()).flatten(),
-                            ..CustodyEntry::teardown(
-                                running.epoch,
-                                running.instance.clone(),
-                                request_id,
-                                outcome,
-                                self.provider.runs_on_host(),
-                            )
-                        },
+                        CustodyEntry::teardown(
+                            running.epoch,
+                            running.instance.clone(),
+                            request_id,
+                            outcome,
+                            self.provider.runs_on_host(),
+                        ),
                     )
                     .await;
                     return Err(RunnerError::Custody(format!(

@@ -711,8 +711,8 @@ async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_and_its_bo
     assert!(error.message.contains(&image), "{error:?}");
     assert_eq!(
         plane.calls(),
-        ["bind_advance", "release"],
-        "the bound lease is released, and nothing is minted"
+        ["bind_advance", "mark_failure", "release"],
+        "the bound lease is released failed saying why, and nothing is minted"
     );
     assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
     assert!(!runner.holding());
