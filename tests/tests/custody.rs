@@ -314,6 +314,16 @@ async fn a_node_killed_mid_launch_leaks_nothing_and_starts_no_container_after_re
                 Phase::Failed,
                 "a launch that never finished must end failed"
             );
+            // Said by whichever ended it: the plane, which lost the
+            // launch's result with nothing minted, or the restarted node,
+            // which found the launch it was cut short in.
+            assert!(
+                matches!(
+                    l.failure_reason.as_deref(),
+                    Some("launch_lost" | "launch_interrupted")
+                ),
+                "and say why: {l:?}"
+            );
             break;
         }
         if tokio::time::Instant::now() > deadline {

@@ -358,7 +358,18 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     );
     // The job is cancelled: coverage ends, and nothing is left.
     github_gives_up_on(&cluster, &jobs);
-    wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    // Each refused lease ended `failed` saying why: its image.
+    for lease in ended.iter().filter(|l| l.node.is_some()) {
+        assert_eq!(lease.phase, Phase::Failed, "{lease:?}");
+        assert!(
+            lease
+                .failure_reason
+                .as_deref()
+                .is_some_and(|r| r.contains("image_unavailable") && r.contains(&image)),
+            "a refused lease ended without its reason: {lease:?}"
+        );
+    }
     ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
