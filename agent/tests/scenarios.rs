@@ -2706,6 +2706,33 @@ async fn a_running_runner_killed_is_released_failed_killed_within_one_tend() {
     ends_in_one_tend(137, false, Phase::Failed, Some("killed")).await;
 }
 
+/// An operator's forced Destroy of a runner mid-job: its registration is
+/// asked to go first (GitHub refuses while the job is assigned: that goes
+/// to the removal backoff), its container goes, and the lease is released
+/// `failed` with the operator's reason as soon as its compute is proven
+/// gone, freeing its capacity; not left open until GitHub lets the job go,
+/// and never `done`.
+#[tokio::test]
+async fn a_forced_destroy_of_a_runner_mid_job_releases_its_lease_failed_with_the_operators_reason()
+{
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    r.destroy(RequestId(1), &DestroyOrder::forced("operator_x"))
+        .await
+        .expect("forced");
+    assert!(!w.exists(&lease.id), "the container is gone");
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("operator_x"));
+    assert_eq!(r.held_charge(), (0, 0), "its capacity is free");
+    assert!(
+        r.held().is_empty(),
+        "nothing is held for it: {:?}",
+        r.held()
+    );
+}
+
 /// GitHub recorded the runner's job succeeded (and removed its ephemeral
 /// registration); the runner, at its post-job work, is then killed. Its
 /// job ended before its compute did: the lease is released `done`, with no

@@ -722,6 +722,58 @@ async fn a_launch_at_a_higher_epoch_for_a_working_runner_is_answered_busy_naming
     cluster.shutdown().await
 }
 
+/// An operator forces a runner out mid-job (`Destroy { force, reason:
+/// "operator_x" }`): the container goes at once, and so does the lease's
+/// charge: it is released `failed` with the operator's reason as soon as
+/// the compute is proven gone, not held until GitHub lets the job go, and
+/// never `done`. GitHub then fails the job, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_destroy_of_a_runner_mid_job_frees_its_capacity_and_ends_it_failed_with_the_reason()
+-> Result<()> {
+    let cluster = Cluster::start(options(60_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let node = cluster.plane.node("node-1").context("node-1")?;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Destroy(pb::Destroy {
+                request_id: lease.request_id,
+                job_result: None,
+                force: true,
+                reason: "operator_x".into(),
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(
+        !matches!(
+            outcome,
+            billet_controlplane_stub::node_link::CommandOutcome::Lost(_)
+        ),
+        "{}",
+        outcome.describe()
+    );
+    let ended = tend_until_ended(&cluster, &lease.id).await?;
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("operator_x"),
+        "{ended:?}"
+    );
+    let charged = cluster.charged().await?;
+    assert_eq!(
+        (charged.vcpu, charged.memory_bytes),
+        (0, 0),
+        "the forced-out lease is still charged: {charged:?}"
+    );
+    assert!(!runs(&cluster, &format!("billet-{}", lease.id)).await?);
+    // GitHub fails the job of the runner that went; nothing is left.
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_while_the_runner_still_works_for_30_s_does_not_kill_it() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions {

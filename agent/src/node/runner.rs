@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::custody::CustodyEntry;
+use super::custody::{CustodyEntry, Seen};
 use super::ending::{EndReason, Ending, FailureReason, Removals};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
@@ -1644,7 +1644,15 @@ impl Runner {
                 self.state().running.remove(&request_id);
                 info!(lease = %running.lease, request = %request_id, instance = %running.instance,
                       result = order.job_result.as_deref().unwrap_or("-"), force = order.force, %reason, ?teardown, "destroyed");
-                if teardown == Teardown::Requested {
+                // A runner forced out mid-work is the node's to end: its
+                // lease is released `failed` with the operator's reason once
+                // its compute is proven gone (now, or when a requested stop
+                // has taken), freeing its capacity, rather than left open
+                // until GitHub gives its job up. A custody half of the same
+                // lease was already given the reason by its own step.
+                let forced =
+                    order.force && runs && !self.state().custody.contains_key(&running.lease);
+                if teardown == Teardown::Requested || forced {
                     let outcome = if order.force && runs {
                         Ending::Failed(FailureReason::forced(order.reason.as_deref()))
                     } else {
@@ -1661,10 +1669,23 @@ impl Runner {
                         ),
                     )
                     .await;
-                    return Err(RunnerError::Custody(format!(
-                        "{} was asked to stop and is not yet gone",
-                        running.instance
-                    )));
+                    if teardown == Teardown::Requested {
+                        return Err(RunnerError::Custody(format!(
+                            "{} was asked to stop and is not yet gone",
+                            running.instance
+                        )));
+                    }
+                    if let Err(e) = self.tend_one(&running.lease, Seen::Ask).await {
+                        warn!(lease = %running.lease, error = %e, "the forced-out runner's lease is not released yet; the next tend tries again");
+                    }
+                    return if self.state().custody.contains_key(&running.lease) {
+                        Err(RunnerError::Custody(format!(
+                            "{} is gone; this node releases lease {} failed once the plane takes the release",
+                            running.instance, running.lease
+                        )))
+                    } else {
+                        Ok(())
+                    };
                 }
                 let (held, pending) = {
                     let s = self.state();
