@@ -2733,6 +2733,36 @@ async fn a_forced_destroy_of_a_runner_mid_job_releases_its_lease_failed_with_the
     );
 }
 
+/// A drain ends what cannot finish: a runner that has taken no job is
+/// retired, its registration removed first and then its compute, and its
+/// lease released `failed` `drained`; a runner GitHub says holds a job is
+/// kept to finish it. The node then holds only the working job.
+#[tokio::test]
+async fn a_drain_retires_runners_that_took_no_job_and_keeps_the_working_one() {
+    let w = World::new();
+    let r = w.runner();
+    let idle = w.launched(&r, 1).await;
+    let busy = w.launched(&r, 2).await;
+    w.core().job_starts(&name(&busy.id));
+    r.start_draining();
+    r.retire_idle_runners().await;
+    assert!(!w.registered(&idle.id), "the idle runner is still routable");
+    assert!(!w.exists(&idle.id), "the idle runner was kept");
+    assert_eq!(w.phase(&idle.id), Phase::Failed);
+    assert_eq!(reason(&w, &idle.id).as_deref(), Some("drained"));
+    assert!(
+        w.exists(&busy.id) && w.registered(&busy.id),
+        "the working job was touched"
+    );
+    assert_eq!(w.destroys_of(&busy.id), 0);
+    let held: Vec<LeaseId> = r.held().into_iter().map(|h| h.lease).collect();
+    assert_eq!(held, vec![busy.id.clone()]);
+    // Asked again, the working runner is not asked about again.
+    let removals = w.plane.count("remove ");
+    r.retire_idle_runners().await;
+    assert_eq!(w.plane.count("remove "), removals, "{:?}", w.plane.log());
+}
+
 /// GitHub recorded the runner's job succeeded (and removed its ephemeral
 /// registration); the runner, at its post-job work, is then killed. Its
 /// job ended before its compute did: the lease is released `done`, with no

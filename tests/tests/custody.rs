@@ -625,3 +625,84 @@ async fn a_second_sigterm_ends_the_drain_at_once_and_destroys_nothing() -> Resul
     );
     cluster.shutdown().await
 }
+
+/// A drain ends what cannot finish. One runner registered and never given
+/// a job, one drain of up to 60 s, SIGTERM: the idle runner is retired
+/// (its registration removed, then its container destroyed, its lease
+/// released `failed` `drained`, nothing left charged), and the node exits
+/// cleanly long before its drain timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_its_timeout()
+-> Result<()> {
+    let mut opts = options(60_000);
+    opts.node_env
+        .push(("BILLET_DRAIN_TIMEOUT_SECS".into(), "60".into()));
+    let mut cluster = Cluster::start(opts).await?;
+    let ledger = cluster.plane.ledger();
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "idle1".into(),
+                tier: TIER.into(),
+                request_id: 5252,
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                runner_name: Some("billet-idle1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    // No job is queued: the runner registers and waits, idle.
+    let node = cluster.plane.node("node-1").context("node")?;
+    let launched = node
+        .dispatch(
+            pb::command::Kind::Launch(pb::Launch {
+                registration: None,
+                lease: Some(billet_controlplane_stub::calls::lease_to_wire(&lease)),
+                tier: Some(pb::TierSpec {
+                    label: TIER.into(),
+                    image: billet_tests::cluster::STANDIN_IMAGE.into(),
+                    command: vec!["/billet-standin-runner".into()],
+                    trust: "trusted".into(),
+                    network: "host".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: lease.request_id,
+                    ..Default::default()
+                }),
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(launched.is_ok(), "{}", launched.describe());
+    assert_eq!(cluster.emulator.state().runners.len(), 1);
+    let stopping = tokio::time::Instant::now();
+    let process = cluster.nodes.get_mut("node-1").context("node")?;
+    process.terminate()?;
+    let status = process.wait(Duration::from_secs(30)).await?;
+    assert!(status.success(), "the node exited with {status}");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(30),
+        "the drain waited {:?} for a runner that had no job",
+        stopping.elapsed()
+    );
+    let ended = ledger.get("idle1").await?.context("the lease")?;
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("drained"),
+        "{ended:?}"
+    );
+    assert!(
+        container_id(&cluster, "billet-idle1").await.is_none(),
+        "the idle runner's container was left"
+    );
+    assert!(
+        cluster.emulator.state().runners.is_empty(),
+        "the idle runner's registration was left"
+    );
+    let charged = cluster.charged().await?;
+    assert_eq!((charged.vcpu, charged.memory_bytes), (0, 0), "{charged:?}");
+    cluster.shutdown().await
+}

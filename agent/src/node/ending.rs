@@ -59,6 +59,10 @@ pub enum EndReason {
     RegistrationLost,
     /// The lease outlived the operator's bound on a lease's life.
     MaxLeaseLife,
+    /// The node was draining and the runner had taken no job: it was
+    /// retired (registration first, then compute), since it could only
+    /// hold the drain to its timeout.
+    Drained,
     /// The cloud is taking the host's spot capacity back
     /// ([`crate::node::interruption`]).
     SpotInterruption(SpotAction),
@@ -155,6 +159,7 @@ impl fmt::Display for EndReason {
             EndReason::PostJobTimeout => f.write_str("post_job_timeout"),
             EndReason::RegistrationLost => f.write_str("registration_lost"),
             EndReason::MaxLeaseLife => f.write_str("max_lease_life"),
+            EndReason::Drained => f.write_str("drained"),
             EndReason::SpotInterruption(action) => {
                 write!(f, "ec2 spot interruption: {}", action.as_str())
             }

@@ -4,7 +4,7 @@
 
 use tracing::{error, info, warn};
 
-use super::custody::{CustodyEntry, custody_record};
+use super::custody::{CustodyEntry, Seen, custody_record};
 use super::ending::{EndReason, Ending, FailureReason};
 use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, Running};
@@ -176,6 +176,54 @@ impl Runner {
                 }
             }
         }
+    }
+
+    /// While the node drains: retires each running runner that has not
+    /// taken a job, so the drain ends when the working jobs do rather than
+    /// at its timeout. Routing first, asked through the removal itself: a
+    /// removal GitHub refuses holds a job (online for good, never asked
+    /// again); one that succeeds leaves a runner that took nothing and can
+    /// take nothing, torn down with reason `drained` and its lease released
+    /// `failed` once its compute is proven gone; GitHub no longer having
+    /// the registration is a job it ended, the runner left to exit on its
+    /// own; an outage leaves it to the next call. Runners held in custody
+    /// are custody's to judge. Returns how many it retired.
+    pub async fn retire_idle_runners(&self) -> usize {
+        let mut retired = 0;
+        for (request_id, r) in self.running_snapshot() {
+            if r.online || self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            let (id, name) = &r.registration;
+            match self.jit.retire_runner(&r.lease, r.epoch, *id, name).await {
+                Ok(Retired::AlreadyGone) if !r.retire_tried => {
+                    self.leave_to_exit(request_id, &r).await;
+                }
+                Ok(_) => {
+                    info!(lease = %r.lease, instance = %r.instance,
+                          "draining: the runner has taken no job and its registration is removed; retiring it");
+                    self.end_running(request_id, &r, EndReason::Drained, None)
+                        .await;
+                    if let Err(e) = self.tend_one(&r.lease, Seen::Ask).await {
+                        warn!(lease = %r.lease, error = %e, "the retired runner is not gone yet; the next tend goes on");
+                    }
+                    retired += 1;
+                }
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    warn!(lease = %r.lease, error = %e, "draining: cannot ask whether the runner has a job; asking again later");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.retire_tried = true;
+                    }
+                }
+                Err(e) => {
+                    info!(lease = %r.lease, answer = %e, "draining: the runner holds a job; it finishes it");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.online = true;
+                    }
+                }
+            }
+        }
+        retired
     }
 
     /// Acts on a notice that the host's capacity is being taken back (a spot
