@@ -30,7 +30,10 @@ fn main() -> ExitCode {
         Ok(Cli {
             command: Command::Node(args),
         }) => match cli::init_tracing(args.log_format) {
-            Ok(()) => node(args),
+            Ok(()) => {
+                cli::stop_on_panic();
+                node(args)
+            }
             Err(code) => code,
         },
         Ok(Cli {

@@ -22,7 +22,7 @@ use billet_agent::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
-use billet_agent::node::ending::{EndReason, SpotAction};
+use billet_agent::node::ending::{EndReason, Ending, SpotAction};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::node::runner::{
     HeldState, POST_JOB_GRACE, Runner, RunnerError, RunnerOptions, STRAY_GRACE,
@@ -182,10 +182,17 @@ impl LeaseStore for Plane {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &Ending,
     ) -> Result<(), PlaneError> {
-        self.note(format!("release {lease} {outcome}"));
-        self.inner.release(lease, epoch, outcome).await
+        if let Some(reason) = ending.reason() {
+            self.reasons
+                .lock()
+                .unwrap()
+                .entry(lease.clone())
+                .or_insert_with(|| reason.to_string());
+        }
+        self.note(format!("release {lease} {}", ending.phase()));
+        self.inner.release(lease, epoch, ending).await
     }
     async fn mark_failure(
         &self,
@@ -945,6 +952,86 @@ async fn after_a_restart_an_unconfirmed_launch_keeps_a_runner_github_calls_busy_
     assert!(!w.registered(&idle.id), "the idle runner is still routable");
     assert!(!w.exists(&idle.id), "the idle runner was kept");
     assert_eq!(w.phase(&idle.id), Phase::Failed);
+    assert_eq!(
+        reason(&w, &idle.id).as_deref(),
+        Some("launch_interrupted"),
+        "the idle runner of an interrupted launch ends saying so"
+    );
+}
+
+/// The node was killed before it recorded that its runner started; while
+/// it was down the runner took its job, finished it (GitHub removed the
+/// ephemeral registration) and exited 0. Its job's end is its lease's:
+/// released `done`, not failed as an idle runner.
+#[tokio::test]
+async fn after_a_restart_an_unconfirmed_launch_whose_runner_finished_its_job_ends_done() {
+    let w = World::new();
+    let lease = w.launching_lease(25);
+    let runner_name = name(&lease.id);
+    let registration = w
+        .core()
+        .mint(&lease.id, Epoch(1), &runner_name)
+        .expect("minted");
+    w.journal
+        .put_launch(&LaunchRecord {
+            lease: lease.id.as_str().to_owned(),
+            epoch: 1,
+            request_id: 25,
+            instance: runner_name.clone(),
+            runner_id: registration.runner_id,
+            runner_name: registration.runner_name,
+            created: false,
+        })
+        .await
+        .unwrap();
+    w.put_instance(&runner_name, false);
+    w.core().job_starts(&runner_name);
+    w.core()
+        .job_ends(&runner_name, fakes::Job::Completed, "succeeded");
+
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+
+    assert!(!w.exists(&lease.id));
+    assert_eq!(
+        w.phase(&lease.id),
+        Phase::Done,
+        "{:?}",
+        reason(&w, &lease.id)
+    );
+    assert_eq!(reason(&w, &lease.id), None);
+    assert!(!r.holding());
+}
+
+/// The node was killed mid-start: its launch is journaled, its lease
+/// launching, and no instance exists. The next process holds the lease
+/// until the registration is removed and the stray grace has passed, and
+/// ends it `failed` saying why: `launch_interrupted`.
+#[tokio::test(start_paused = true)]
+async fn a_launch_interrupted_before_its_instance_existed_ends_failed_launch_interrupted() {
+    let w = World::new();
+    let lease = w.launching_lease(26);
+    let runner_name = name(&lease.id);
+    w.journal
+        .put_launch(&LaunchRecord {
+            lease: lease.id.as_str().to_owned(),
+            epoch: 1,
+            request_id: 26,
+            instance: runner_name.clone(),
+            runner_id: 0,
+            runner_name: String::new(),
+            created: false,
+        })
+        .await
+        .unwrap();
+    let r = w.runner();
+    r.recover().await.unwrap();
+    sleep(STRAY_GRACE + Duration::from_secs(1)).await;
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("launch_interrupted"));
+    assert!(!r.holding());
 }
 
 #[tokio::test]
@@ -1168,6 +1255,89 @@ async fn a_second_destroy_for_held_compute_still_reports_custody() {
         .unwrap();
     assert_eq!(w.phase(&lease.id), Phase::Done);
     assert!(!r.holding());
+}
+
+/// A lease taken into custody while its runner runs (a launch whose
+/// result the plane never acknowledged) is one row of what the node holds,
+/// in custody, for status and metrics alike; and still one once its job's
+/// completion leaves the runner ending.
+#[tokio::test]
+async fn a_running_lease_taken_into_custody_is_held_once_in_custody() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    assert_eq!(r.held().len(), 1);
+    assert_eq!(r.held()[0].state, HeldState::Running);
+    r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+        .await
+        .unwrap();
+    let held = r.held();
+    assert_eq!(held.len(), 1, "one row per lease: {held:?}");
+    assert_eq!(held[0].lease, lease.id);
+    assert_eq!(held[0].state, HeldState::Custody, "{held:?}");
+    assert!(
+        held[0].runner.is_some(),
+        "the runner's name is kept: {held:?}"
+    );
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap_err();
+    assert!(err.is_custody(), "{err}");
+    let held = r.held();
+    assert_eq!(held.len(), 1, "one row per lease: {held:?}");
+    assert_eq!(held[0].state, HeldState::Ending, "{held:?}");
+}
+
+/// A Launch of a lease whose runner already works here, at another epoch
+/// than the one it holds, is not what the node holds: it is answered BUSY
+/// (the plane keeps the lease), and nothing is minted, created or
+/// destroyed; the same epoch again is still answered OK. The same holds
+/// once the lease is in custody.
+#[tokio::test]
+async fn a_launch_at_another_epoch_of_a_lease_whose_runner_works_is_answered_busy_and_starts_nothing()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let creates = || {
+        w.fake
+            .calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Create(_)))
+            .count()
+    };
+    let (mints, created) = (w.plane.count("mint "), creates());
+    for held in [false, true] {
+        if held {
+            r.assume_custody(&lease.id, lease.epoch, RequestId(1))
+                .await
+                .unwrap();
+        }
+        let mut higher = lease.clone();
+        higher.epoch = Epoch(lease.epoch.0 + 1);
+        let err = r
+            .launch(higher, tier(Trust::Trusted), job(1, "push"))
+            .await
+            .expect_err("another epoch is not what the node holds");
+        assert!(
+            matches!(err, RunnerError::Busy { held: false, .. }),
+            "custody {held}: {err}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains("epoch 1") && message.contains("epoch 2"),
+            "both epochs named: {message}"
+        );
+        r.launch(lease.clone(), tier(Trust::Trusted), job(1, "push"))
+            .await
+            .expect("the same epoch again is what the node holds");
+    }
+    assert_eq!(w.plane.count("mint "), mints, "{:?}", w.plane.log());
+    assert_eq!(creates(), created);
+    assert!(w.exists(&lease.id));
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert_eq!(r.held().len(), 1);
 }
 
 #[tokio::test]
@@ -2444,6 +2614,11 @@ async fn a_launch_whose_image_is_missing_mints_and_creates_nothing_releases_its_
         "{:?}",
         w.plane.log()
     );
+    assert_eq!(
+        reason(&w, &lease.id).as_deref(),
+        Some("image_unavailable runner:tier-image"),
+        "a lease refused for its image ends saying so"
+    );
     assert!(!w.registered(&lease.id), "a registration was minted");
     assert_eq!(w.plane.count("mint "), 0, "{:?}", w.plane.log());
     assert_eq!(w.fake.count(Operation::Create), 0);
@@ -2477,6 +2652,10 @@ async fn a_launch_whose_provider_does_not_answer_is_refused_before_anything_is_m
         "{err:?}"
     );
     assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(
+        reason(&w, &lease.id).as_deref(),
+        Some("provider_unavailable")
+    );
     assert!(!w.registered(&lease.id));
     assert_eq!(w.journal.launches().await.unwrap(), Vec::new());
     assert!(!r.holding());
@@ -2525,6 +2704,89 @@ async fn ends_in_one_tend(code: i64, oom_killed: bool, outcome: Phase, why: Opti
 #[tokio::test]
 async fn a_running_runner_killed_is_released_failed_killed_within_one_tend() {
     ends_in_one_tend(137, false, Phase::Failed, Some("killed")).await;
+}
+
+/// An operator's forced Destroy of a runner mid-job: its registration is
+/// asked to go first (GitHub refuses while the job is assigned: that goes
+/// to the removal backoff), its container goes, and the lease is released
+/// `failed` with the operator's reason as soon as its compute is proven
+/// gone, freeing its capacity; not left open until GitHub lets the job go,
+/// and never `done`.
+#[tokio::test]
+async fn a_forced_destroy_of_a_runner_mid_job_releases_its_lease_failed_with_the_operators_reason()
+{
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    r.destroy(RequestId(1), &DestroyOrder::forced("operator_x"))
+        .await
+        .expect("forced");
+    assert!(!w.exists(&lease.id), "the container is gone");
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("operator_x"));
+    assert_eq!(r.held_charge(), (0, 0), "its capacity is free");
+    assert!(
+        r.held().is_empty(),
+        "nothing is held for it: {:?}",
+        r.held()
+    );
+}
+
+/// A drain ends what cannot finish: a runner that has taken no job is
+/// retired, its registration removed first and then its compute, and its
+/// lease released `failed` `drained`; a runner GitHub says holds a job is
+/// kept to finish it. The node then holds only the working job.
+#[tokio::test]
+async fn a_drain_retires_runners_that_took_no_job_and_keeps_the_working_one() {
+    let w = World::new();
+    let r = w.runner();
+    let idle = w.launched(&r, 1).await;
+    let busy = w.launched(&r, 2).await;
+    w.core().job_starts(&name(&busy.id));
+    r.start_draining();
+    r.retire_idle_runners().await;
+    assert!(!w.registered(&idle.id), "the idle runner is still routable");
+    assert!(!w.exists(&idle.id), "the idle runner was kept");
+    assert_eq!(w.phase(&idle.id), Phase::Failed);
+    assert_eq!(reason(&w, &idle.id).as_deref(), Some("drained"));
+    assert!(
+        w.exists(&busy.id) && w.registered(&busy.id),
+        "the working job was touched"
+    );
+    assert_eq!(w.destroys_of(&busy.id), 0);
+    let held: Vec<LeaseId> = r.held().into_iter().map(|h| h.lease).collect();
+    assert_eq!(held, vec![busy.id.clone()]);
+    // Asked again, the working runner is not asked about again.
+    let removals = w.plane.count("remove ");
+    r.retire_idle_runners().await;
+    assert_eq!(w.plane.count("remove "), removals, "{:?}", w.plane.log());
+}
+
+/// GitHub recorded the runner's job succeeded (and removed its ephemeral
+/// registration); the runner, at its post-job work, is then killed. Its
+/// job ended before its compute did: the lease is released `done`, with no
+/// failure reason, however the container ended after.
+#[tokio::test]
+async fn a_runner_killed_after_github_recorded_its_job_is_released_done() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let runner_name = name(&lease.id);
+    w.core().job_starts(&runner_name);
+    w.core().completes_early(&runner_name);
+    assert!(!w.registered(&lease.id), "GitHub retired the registration");
+    assert!(w.fake.exit(&runner_name, 137, false));
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(
+        w.phase(&lease.id),
+        Phase::Done,
+        "{:?}",
+        reason(&w, &lease.id)
+    );
+    assert_eq!(reason(&w, &lease.id), None);
+    assert!(!r.holding());
 }
 
 #[tokio::test]

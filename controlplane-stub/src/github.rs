@@ -7,7 +7,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use scaleset::{
-    Client, ExposeSecret, JitRunnerSetting, RunnerGroupId, RunnerId, RunnerScaleSetSpec, ScaleSetId,
+    Client, ExposeSecret, JitRunnerSetting, RunnerGroupId, RunnerId, RunnerReference,
+    RunnerScaleSetSpec, ScaleSetId,
 };
 use thiserror::Error;
 
@@ -31,6 +32,20 @@ pub enum GithubError {
         /// The set's name (the tier label).
         set: String,
     },
+    /// GitHub already has a runner named `name` in another scale set than
+    /// the tier's (a mint answered 409 AgentExists): the name cannot be
+    /// minted, and asking again will not change that. Typed so callers
+    /// neither retry it as an outage nor touch that runner; the wire code
+    /// is `RUNNER_NAME_TAKEN`.
+    #[error(
+        "GitHub already has a runner named {name:?} in another scale set ({held_by}), so none can be minted under that name; the job needs another lease"
+    )]
+    RunnerNameTaken {
+        /// The runner name.
+        name: String,
+        /// Which scale set holds it, as far as GitHub said.
+        held_by: String,
+    },
     /// Any other failure of a call.
     #[error("GitHub {operation}: {source}")]
     Call {
@@ -52,6 +67,11 @@ impl GithubError {
     /// The scale set is missing.
     pub(crate) fn is_scale_set_not_found(&self) -> bool {
         matches!(self, GithubError::ScaleSetNotFound { .. })
+    }
+
+    /// Another scale set holds a runner of the name.
+    pub(crate) fn is_runner_name_taken(&self) -> bool {
+        matches!(self, GithubError::RunnerNameTaken { .. })
     }
 }
 
@@ -240,7 +260,11 @@ impl Github {
     ///
     /// [`GithubError::ScaleSetNotFound`] when the set is believed missing
     /// (no call is made) or GitHub answers 404 (the set is then believed
-    /// missing for the retry interval); [`GithubError::Call`] otherwise.
+    /// missing for the retry interval); [`GithubError::RunnerNameTaken`]
+    /// when GitHub answers 409 AgentExists and the runner of that name is
+    /// not in the tier's set (or cannot be found at all); [`GithubError::Call`]
+    /// otherwise, a name taken in the tier's own set included (a mint of
+    /// this plane whose answer was lost: the registration pass removes it).
     pub async fn mint(&self, tier: &str, runner_name: &str) -> Result<Minted, GithubError> {
         let set = self.scale_set(tier).await?;
         let mut setting = JitRunnerSetting::new(runner_name);
@@ -260,6 +284,25 @@ impl Github {
                 self.mark_missing(tier);
                 Err(GithubError::ScaleSetNotFound {
                     set: tier.to_owned(),
+                })
+            }
+            Err(source) if source.is_runner_exists() => {
+                let held_by = match self.client.get_runner_by_name(runner_name).await {
+                    Ok(Some(r)) if r.runner_scale_set_id == set => {
+                        return Err(GithubError::Call {
+                            operation: format!(
+                                "mint a JIT config for {runner_name}, which this scale set already has"
+                            ),
+                            source,
+                        });
+                    }
+                    Ok(Some(r)) => format!("scale set {}", r.runner_scale_set_id),
+                    Ok(None) => "one GitHub did not name".to_owned(),
+                    Err(e) => format!("one GitHub did not name: {e}"),
+                };
+                Err(GithubError::RunnerNameTaken {
+                    name: runner_name.to_owned(),
+                    held_by,
                 })
             }
             Err(source) => Err(GithubError::Call {
@@ -287,7 +330,9 @@ impl Github {
         }
     }
 
-    /// The id of the registration named `runner_name`, if GitHub has one.
+    /// The registration named `runner_name`, if GitHub has one, in
+    /// whichever scale set holds it (the caller checks the set: a name is
+    /// unique across sets, and another set's runner is not this plane's).
     ///
     /// # Errors
     ///
@@ -295,9 +340,9 @@ impl Github {
     pub(crate) async fn runner_by_name(
         &self,
         runner_name: &str,
-    ) -> Result<Option<i64>, GithubError> {
+    ) -> Result<Option<RunnerReference>, GithubError> {
         match self.client.get_runner_by_name(runner_name).await {
-            Ok(found) => Ok(found.map(|r| r.id.0)),
+            Ok(found) => Ok(found),
             Err(source) => Err(GithubError::Call {
                 operation: format!("look up runner {runner_name}"),
                 source,

@@ -952,3 +952,143 @@ async fn jobs_waiting_for_room_when_the_plane_restarts_are_covered_by_the_new_pl
     );
     cluster.shutdown().await
 }
+
+/// GitHub answers a launch's mint 409 AgentExists: another scale set holds
+/// a runner of the lease's name. The launch fails with its own code,
+/// `RUNNER_NAME_TAKEN`, never `UNSPECIFIED` nor an outage's; the lease
+/// ends `failed` naming the name; the job runs once on a fresh lease (a
+/// fresh name); and the other set's runner is never touched, not even by
+/// the registration pass that looks for an ended lease's registration by
+/// name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_name_held_by_another_scale_set_fails_the_launch_typed_and_the_job_runs_on_a_fresh_lease()
+-> Result<()> {
+    let cluster = Cluster::start(options(1500)).await?;
+    let starts = Starts::watch(&cluster);
+    let mut events = cluster.plane.subscribe();
+    // The mint waits: the name is taken meanwhile in another set.
+    cluster
+        .emulator
+        .inject(Fault::delay(Endpoint::GenerateJitConfig, Duration::from_secs(3)).times(1));
+    let jobs = cluster.queue_jobs(1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let lease = loop {
+        if let Some(l) = cluster
+            .plane
+            .ledger()
+            .leases()
+            .await?
+            .into_iter()
+            .find(|l| l.phase == Phase::Launching)
+        {
+            break l;
+        }
+        if Instant::now() > deadline {
+            bail!("no launch started minting");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let name = format!("billet-{}", lease.id);
+    let github = cluster.emulator.client();
+    let other = github
+        .create_runner_scale_set(&scaleset::RunnerScaleSetSpec::new("another-deployment"))
+        .await?
+        .id;
+    let taken = github
+        .generate_jit_config(other, &scaleset::JitRunnerSetting::new(&name))
+        .await?
+        .runner
+        .context("the other set's runner")?;
+    let typed = async {
+        loop {
+            match events.recv().await {
+                Ok(PlaneEvent::LaunchFailed {
+                    lease: failed,
+                    code,
+                    reason,
+                    ..
+                }) if failed == lease.id => {
+                    return Ok::<_, anyhow::Error>((code, reason));
+                }
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => bail!("plane events: {e}"),
+            }
+        }
+    };
+    let (code, reason) = tokio::time::timeout(Duration::from_secs(30), typed)
+        .await
+        .context("the launch never failed")??;
+    assert_eq!(
+        code,
+        Some(billet_proto::v1::ErrorCode::RunnerNameTaken),
+        "{reason}"
+    );
+    assert!(reason.contains(&name), "{reason}");
+    // The plane ends the lease just after it tells of the failure.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ended = loop {
+        let l = cluster
+            .plane
+            .ledger()
+            .get(&lease.id)
+            .await?
+            .context("the lease")?;
+        if l.phase.is_terminal() || Instant::now() > deadline {
+            break l;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert!(
+        ended
+            .failure_reason
+            .as_deref()
+            .is_some_and(|r| r.contains(&name)),
+        "{ended:?}"
+    );
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(120))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(60)).await?;
+    starts.assert_each_succeeded_once(&cluster, &jobs)?;
+    // The registration pass looks the failed lease's name up once its
+    // grace has passed, and, in the same pass or a later one, the job's own
+    // lease, which ended after it, by its recorded id: once that is asked,
+    // whatever the pass did with the name is done.
+    let fresh = cluster
+        .plane
+        .ledger()
+        .leases()
+        .await?
+        .into_iter()
+        .find(|l| l.id != lease.id)
+        .and_then(|l| l.runner_id)
+        .context("the fresh lease's runner")?;
+    let passed = || {
+        let requests = cluster.emulator.requests_to(Endpoint::Runners);
+        let by_name = requests.iter().position(|r| {
+            r.method == "GET" && r.query.as_deref().is_some_and(|q| q.contains(&name))
+        });
+        by_name.is_some_and(|at| {
+            requests[at..]
+                .iter()
+                .any(|r| r.method == "GET" && r.path.ends_with(&format!("/{fresh}")))
+        })
+    };
+    wait_until(
+        Duration::from_secs(60),
+        "the registration pass past both ended leases",
+        passed,
+    )
+    .await?;
+    let runners = cluster.emulator.state().runners;
+    assert_eq!(
+        runners
+            .iter()
+            .map(|r| (r.id, r.name.clone()))
+            .collect::<Vec<_>>(),
+        vec![(taken.id, name.clone())],
+        "only the other set's runner is left, untouched: {runners:?}"
+    );
+    cluster.shutdown().await
+}

@@ -136,6 +136,101 @@ async fn a_dropped_launch_result_leaves_the_lease_with_the_node_until_the_job_co
     cluster.shutdown().await
 }
 
+/// `billet node status --json` of the cluster's `node-1`.
+fn status_json(cluster: &Cluster) -> Result<serde_json::Value> {
+    let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
+        .args(["node", "status", "--json", "--state-dir"])
+        .arg(cluster.dir.join("state-node-1"))
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "billet node status exited {:?}: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// The `billet_leases_held` samples of a node's metrics, by state.
+fn leases_held(metrics: std::net::SocketAddr) -> Result<Vec<(String, f64)>> {
+    use std::io::{Read as _, Write as _};
+    let mut stream = std::net::TcpStream::connect_timeout(&metrics, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.0\r\nHost: {metrics}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    Ok(response
+        .lines()
+        .filter_map(|l| l.strip_prefix("billet_leases_held{state=\""))
+        .filter_map(|l| {
+            let (state, value) = l.split_once("\"} ")?;
+            Some((state.to_owned(), value.trim().parse().ok()?))
+        })
+        .collect())
+}
+
+/// A launch whose result the plane never acknowledged leaves its lease in
+/// the node's custody while the job runs: `billet node status` lists it
+/// once, in custody, and `billet_leases_held` counts it once, in every
+/// sample until the job is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_in_custody_while_its_job_runs_is_one_row_in_status_and_in_metrics() -> Result<()> {
+    let metrics = billet_tests::cluster::free_port()?;
+    let mut opts = options(8000);
+    opts.node_env
+        .push(("BILLET_METRICS_LISTEN".into(), metrics.to_string()));
+    let cluster = Cluster::start(opts).await?;
+    let node = cluster.plane.node("node-1").context("node")?;
+    node.faults.drop_launch_results.store(1, Ordering::SeqCst);
+    let jobs = cluster.queue_jobs(1);
+    wait_until(Duration::from_secs(30), "the node to hold custody", || {
+        cluster.nodes["node-1"]
+            .log_text()
+            .contains("assumed custody")
+    })
+    .await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut samples = 0;
+    loop {
+        let status = status_json(&cluster)?;
+        let leases = status["leases"].as_array().context("leases")?.clone();
+        let held = leases_held(metrics)?;
+        let counted: f64 = held.iter().map(|(_, n)| n).sum();
+        if leases.is_empty() {
+            break;
+        }
+        samples += 1;
+        let ids: BTreeSet<&str> = leases
+            .iter()
+            .filter_map(|l| l["lease_id"].as_str())
+            .collect();
+        assert_eq!(ids.len(), leases.len(), "a lease listed twice: {status}");
+        assert!(
+            counted <= 1.0,
+            "billet_leases_held counts one lease {counted} times: {held:?}"
+        );
+        if leases.iter().all(|l| l["state"] == "running") {
+            // Custody is taken when the ack times out; until then it runs.
+        } else {
+            assert!(
+                leases.iter().all(|l| l["custody"] == true),
+                "held on the node's authority, said once: {status}"
+            );
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the lease was still held after 60 s: {status}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(samples > 0, "no sample while the job ran");
+    end_done(&cluster, &jobs).await?;
+    assert_eq!(only_lease(&cluster).await?.phase, Phase::Done);
+    cluster.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_while_a_job_runs_adopts_the_container_after_restart() -> Result<()> {
     let mut cluster = Cluster::start(options(10_000)).await?;
@@ -218,6 +313,16 @@ async fn a_node_killed_mid_launch_leaks_nothing_and_starts_no_container_after_re
                 l.phase,
                 Phase::Failed,
                 "a launch that never finished must end failed"
+            );
+            // Said by whichever ended it: the plane, which lost the
+            // launch's result with nothing minted, or the restarted node,
+            // which found the launch it was cut short in.
+            assert!(
+                matches!(
+                    l.failure_reason.as_deref(),
+                    Some("launch_lost" | "launch_interrupted")
+                ),
+                "and say why: {l:?}"
             );
             break;
         }
@@ -518,5 +623,86 @@ async fn a_second_sigterm_ends_the_drain_at_once_and_destroys_nothing() -> Resul
             .is_some(),
         "stopping at once destroyed the running job's container"
     );
+    cluster.shutdown().await
+}
+
+/// A drain ends what cannot finish. One runner registered and never given
+/// a job, one drain of up to 60 s, SIGTERM: the idle runner is retired
+/// (its registration removed, then its container destroyed, its lease
+/// released `failed` `drained`, nothing left charged), and the node exits
+/// cleanly long before its drain timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_its_timeout()
+-> Result<()> {
+    let mut opts = options(60_000);
+    opts.node_env
+        .push(("BILLET_DRAIN_TIMEOUT_SECS".into(), "60".into()));
+    let mut cluster = Cluster::start(opts).await?;
+    let ledger = cluster.plane.ledger();
+    let lease = ledger
+        .reserve(
+            NewLease {
+                id: "idle1".into(),
+                tier: TIER.into(),
+                request_id: 5252,
+                vcpu: 1,
+                memory_bytes: 256 << 20,
+                runner_name: Some("billet-idle1".into()),
+            },
+            now_ms(),
+        )
+        .await?;
+    // No job is queued: the runner registers and waits, idle.
+    let node = cluster.plane.node("node-1").context("node")?;
+    let launched = node
+        .dispatch(
+            pb::command::Kind::Launch(pb::Launch {
+                registration: None,
+                lease: Some(billet_controlplane_stub::calls::lease_to_wire(&lease)),
+                tier: Some(pb::TierSpec {
+                    label: TIER.into(),
+                    image: billet_tests::cluster::STANDIN_IMAGE.into(),
+                    command: vec!["/billet-standin-runner".into()],
+                    trust: "trusted".into(),
+                    network: "host".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: lease.request_id,
+                    ..Default::default()
+                }),
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(launched.is_ok(), "{}", launched.describe());
+    assert_eq!(cluster.emulator.state().runners.len(), 1);
+    let stopping = tokio::time::Instant::now();
+    let process = cluster.nodes.get_mut("node-1").context("node")?;
+    process.terminate()?;
+    let status = process.wait(Duration::from_secs(30)).await?;
+    assert!(status.success(), "the node exited with {status}");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(30),
+        "the drain waited {:?} for a runner that had no job",
+        stopping.elapsed()
+    );
+    let ended = ledger.get("idle1").await?.context("the lease")?;
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("drained"),
+        "{ended:?}"
+    );
+    assert!(
+        container_id(&cluster, "billet-idle1").await.is_none(),
+        "the idle runner's container was left"
+    );
+    assert!(
+        cluster.emulator.state().runners.is_empty(),
+        "the idle runner's registration was left"
+    );
+    let charged = cluster.charged().await?;
+    assert_eq!((charged.vcpu, charged.memory_bytes), (0, 0), "{charged:?}");
     cluster.shutdown().await
 }

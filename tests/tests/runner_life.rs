@@ -358,7 +358,18 @@ async fn a_launch_whose_image_does_not_exist_mints_nothing_and_is_refused_image_
     );
     // The job is cancelled: coverage ends, and nothing is left.
     github_gives_up_on(&cluster, &jobs);
-    wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    // Each refused lease ended `failed` saying why: its image.
+    for lease in ended.iter().filter(|l| l.node.is_some()) {
+        assert_eq!(lease.phase, Phase::Failed, "{lease:?}");
+        assert!(
+            lease
+                .failure_reason
+                .as_deref()
+                .is_some_and(|r| r.contains("image_unavailable") && r.contains(&image)),
+            "a refused lease ended without its reason: {lease:?}"
+        );
+    }
     ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
@@ -641,6 +652,125 @@ async fn a_scale_down_while_the_runner_holds_a_job_is_answered_busy_and_the_job_
     assert!(!runs(&cluster, &name).await?);
     ends_clean(&cluster).await?;
     eprintln!("the scale-down was answered BUSY {busy} times");
+    cluster.shutdown().await
+}
+
+/// While the job runs, the plane dispatches `Launch` for its lease at the
+/// lease's epoch + 1. The node holds that lease's runner at the lease's
+/// epoch, so the launch is not what it holds: it answers `BUSY` with the
+/// typed code, names both epochs, logs them at warn, and starts nothing;
+/// the job runs to its end and the lease ends `done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launch_at_a_higher_epoch_for_a_working_runner_is_answered_busy_naming_both_epochs()
+-> Result<()> {
+    let cluster = Cluster::start(options(10_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let mut wire = billet_controlplane_stub::calls::lease_to_wire(&lease);
+    wire.epoch = lease.epoch + 1;
+    let node = cluster.plane.node("node-1").context("node-1")?;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Launch(pb::Launch {
+                lease: Some(wire),
+                tier: Some(pb::TierSpec {
+                    label: billet_tests::cluster::TIER.into(),
+                    image: billet_tests::cluster::STANDIN_IMAGE.into(),
+                    command: vec!["/billet-standin-runner".into()],
+                    trust: "trusted".into(),
+                    network: "host".into(),
+                    ..Default::default()
+                }),
+                job: Some(pb::Job {
+                    request_id: lease.request_id,
+                    ..Default::default()
+                }),
+                registration: None,
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    let billet_controlplane_stub::node_link::CommandOutcome::Answered(result) = &outcome else {
+        bail!("the launch was not answered: {}", outcome.describe());
+    };
+    assert_eq!(result.outcome, pb::Outcome::Busy as i32, "{result:?}");
+    assert!(!result.custody, "{result:?}");
+    let error = result.error.as_ref().context("an error")?;
+    assert_eq!(error.code, pb::ErrorCode::Busy as i32, "{result:?}");
+    let (held, sent) = (lease.epoch, lease.epoch + 1);
+    assert!(
+        error.message.contains(&format!("epoch {held}"))
+            && error.message.contains(&format!("epoch {sent}")),
+        "{result:?}"
+    );
+    let log = cluster.nodes["node-1"].log_text();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains(&format!("held_epoch={held}"))
+            && l.contains(&format!("launch_epoch={sent}"))),
+        "no warning naming both epochs:\n{log}"
+    );
+    // Nothing else started; the job runs to its end.
+    assert_eq!(cluster.containers().await?.len(), 1);
+    wait_jobs_completed(&cluster, &jobs, Duration::from_secs(60)).await?;
+    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
+/// An operator forces a runner out mid-job (`Destroy { force, reason:
+/// "operator_x" }`): the container goes at once, and so does the lease's
+/// charge: it is released `failed` with the operator's reason as soon as
+/// the compute is proven gone, not held until GitHub lets the job go, and
+/// never `done`. GitHub then fails the job, and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_destroy_of_a_runner_mid_job_frees_its_capacity_and_ends_it_failed_with_the_reason()
+-> Result<()> {
+    let cluster = Cluster::start(options(60_000)).await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let node = cluster.plane.node("node-1").context("node-1")?;
+    let outcome = node
+        .dispatch(
+            pb::command::Kind::Destroy(pb::Destroy {
+                request_id: lease.request_id,
+                job_result: None,
+                force: true,
+                reason: "operator_x".into(),
+            }),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(
+        !matches!(
+            outcome,
+            billet_controlplane_stub::node_link::CommandOutcome::Lost(_)
+        ),
+        "{}",
+        outcome.describe()
+    );
+    let ended = tend_until_ended(&cluster, &lease.id).await?;
+    assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
+    assert_eq!(
+        ended.failure_reason.as_deref(),
+        Some("operator_x"),
+        "{ended:?}"
+    );
+    let charged = cluster.charged().await?;
+    assert_eq!(
+        (charged.vcpu, charged.memory_bytes),
+        (0, 0),
+        "the forced-out lease is still charged: {charged:?}"
+    );
+    assert!(!runs(&cluster, &format!("billet-{}", lease.id)).await?);
+    // GitHub fails the job of the runner that went; nothing is left.
+    github_gives_up_on(&cluster, &jobs);
+    ends_clean(&cluster).await?;
     cluster.shutdown().await
 }
 

@@ -229,6 +229,84 @@ fn an_invalid_value_exits_2_naming_the_flag() -> Result<()> {
     Ok(())
 }
 
+/// A duration past its flag's bound is refused where it is parsed, by
+/// `billet node` and `billet check`, whether it came from the command line,
+/// the environment or the configuration file: exit 2, naming the flag and
+/// the largest value allowed. Taken, such a value would reach a deadline the
+/// node computes long after start-up (the drain's, at SIGTERM) and panic.
+#[test]
+fn a_duration_too_large_for_its_flag_exits_2_naming_the_flag_and_the_largest_value() -> Result<()> {
+    const HUGE: &str = "18446744073709551615";
+    const LARGEST: &str = "the largest value allowed is 315360000";
+    let (certs, state) = setup()?;
+    let socket = "/nonexistent/docker.sock";
+    for flag in [
+        "--drain-timeout-secs",
+        "--post-job-grace-secs",
+        "--max-lease-life-secs",
+        "--ack-timeout-secs",
+    ] {
+        let out = node(&[flag, HUGE], &certs, &state, socket)?;
+        assert_exit(&out, 2, flag);
+        assert_exit(&out, 2, LARGEST);
+    }
+
+    let files = certs.node("node-1").expect("node files");
+    let run = |sub: &str, env: Option<(&str, &str)>, config: Option<&Path>| -> Result<Output> {
+        let mut command = std::process::Command::new(binary_path("billet")?);
+        command.arg(sub);
+        match config {
+            Some(file) => {
+                command.arg("--config").arg(file);
+            }
+            None => {
+                command
+                    .args(["--listen", &free_port()?.to_string()])
+                    .arg("--cert")
+                    .arg(&files.cert)
+                    .arg("--key")
+                    .arg(&files.key)
+                    .arg("--ca")
+                    .arg(&certs.ca.cert)
+                    .arg("--state-dir")
+                    .arg(&state)
+                    .args(["--docker-socket", socket]);
+            }
+        }
+        if let Some((name, value)) = env {
+            command.env(name, value);
+        }
+        Ok(command.env("BILLET_LOG", "info").output()?)
+    };
+    let out = run("check", None, None)?;
+    assert_exit(&out, 5, socket);
+    let out = run("check", Some(("BILLET_DRAIN_TIMEOUT_SECS", HUGE)), None)?;
+    assert_exit(&out, 2, "--drain-timeout-secs");
+    assert_exit(&out, 2, LARGEST);
+    let out = run("node", Some(("BILLET_DRAIN_TIMEOUT_SECS", HUGE)), None)?;
+    assert_exit(&out, 2, "--drain-timeout-secs");
+    assert_exit(&out, 2, LARGEST);
+
+    let file = scratch_dir("duration-bound")?.join("node.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "listen = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\nca = \"{}\"\nstate_dir = \"{}\"\ndocker_socket = \"{socket}\"\ncert_expiry_warning_days = 9223372036854775807\n",
+            free_port()?,
+            files.cert.display(),
+            files.key.display(),
+            certs.ca.cert.display(),
+            state.display()
+        ),
+    )?;
+    for sub in ["node", "check"] {
+        let out = run(sub, None, Some(&file))?;
+        assert_exit(&out, 2, "`cert_expiry_warning_days`");
+        assert_exit(&out, 2, "the largest value allowed is 3650");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_registry_mirror_that_is_not_an_http_url_exits_2_naming_the_flag() -> Result<()> {
     let (certs, state) = setup()?;

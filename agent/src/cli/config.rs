@@ -9,12 +9,6 @@ use crate::edge::server::NodeConfig;
 use crate::tls::TlsPaths;
 use crate::upgrade::dispatch::{self, ExecUpgrader};
 
-/// The longest `--cache-retention-hours` and
-/// `--cache-image-store-retention-hours`: ten years.
-const MAX_CACHE_RETENTION_HOURS: u64 = 87_600;
-/// The longest `--cache-evict-interval-secs`: a day.
-const MAX_CACHE_EVICT_INTERVAL_SECS: u64 = 86_400;
-
 /// The host's memory from `/proc/meminfo`, 0 when it cannot be read.
 fn host_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
@@ -51,24 +45,6 @@ impl NodeArgs {
         }
         if args.cache_max_bytes == Some(0) {
             return Err("--cache-max-bytes (BILLET_CACHE_MAX_BYTES) must be positive; leave it unset for no bound".into());
-        }
-        if !(1..=MAX_CACHE_RETENTION_HOURS).contains(&args.cache_retention_hours) {
-            return Err(format!(
-                "--cache-retention-hours (BILLET_CACHE_RETENTION_HOURS) is {}; give 1 to {MAX_CACHE_RETENTION_HOURS} hours",
-                args.cache_retention_hours
-            ));
-        }
-        if !(1..=MAX_CACHE_RETENTION_HOURS).contains(&args.cache_image_store_retention_hours) {
-            return Err(format!(
-                "--cache-image-store-retention-hours (BILLET_CACHE_IMAGE_STORE_RETENTION_HOURS) is {}; give 1 to {MAX_CACHE_RETENTION_HOURS} hours",
-                args.cache_image_store_retention_hours
-            ));
-        }
-        if !(1..=MAX_CACHE_EVICT_INTERVAL_SECS).contains(&args.cache_evict_interval_secs) {
-            return Err(format!(
-                "--cache-evict-interval-secs (BILLET_CACHE_EVICT_INTERVAL_SECS) is {}; give 1 to {MAX_CACHE_EVICT_INTERVAL_SECS} seconds",
-                args.cache_evict_interval_secs
-            ));
         }
         let upgrader = match args.upgrader_binary {
             None => {
@@ -205,7 +181,10 @@ mod tests {
         ]
         .iter()
         .chain(extra);
-        let Command::Node(node) = Cli::try_parse_from(args).unwrap().command else {
+        let Command::Node(node) = Cli::try_parse_from(args)
+            .map_err(|e| e.to_string())?
+            .command
+        else {
             panic!("not node");
         };
         node.into_config().map(|(c, _)| c)
@@ -248,7 +227,7 @@ mod tests {
             ("--cache-evict-interval-secs", "86401"),
         ] {
             let e = config(&[flag, value]).unwrap_err();
-            assert!(e.starts_with(flag), "{flag} {value}: {e}");
+            assert!(e.contains(flag), "{flag} {value}: {e}");
         }
     }
 }

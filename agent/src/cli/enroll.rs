@@ -48,7 +48,7 @@ pub struct EnrollArgs {
     #[arg(long)]
     pub plane: String,
     /// Seconds to wait for the node's answer.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = super::within::<0, { super::MAX_FLAG_SECS }>)]
     pub timeout_secs: u64,
 }
 

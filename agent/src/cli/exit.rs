@@ -17,6 +17,10 @@ pub(crate) const UPGRADE_FAILED: u8 = 9;
 pub(crate) const NOT_RUNNING: u8 = 10;
 /// The gRPC server failed while serving.
 pub const SERVE: u8 = 1;
+/// A thread or task of the node panicked: a bug, stopped at once rather
+/// than left half alive ([`super::stop_on_panic`]). Rust's own code for a
+/// panic on the main thread, so every panic ends the same way.
+pub const PANIC: u8 = 101;
 
 /// The exit code for an error of [`crate::edge::server::prepare`] or
 /// [`crate::edge::server::run`].

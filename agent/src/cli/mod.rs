@@ -147,18 +147,21 @@ pub struct NodeArgs {
     /// after its last use (a job mounting or restoring it; a mounted one
     /// counts as used until its job ends); 1 to 87600. The Docker image
     /// store has its own (`--cache-image-store-retention-hours`).
-    #[arg(long, env = "BILLET_CACHE_RETENTION_HOURS", default_value_t = 168)]
+    #[arg(long, env = "BILLET_CACHE_RETENTION_HOURS", default_value_t = 168,
+          value_parser = within::<1, MAX_FLAG_HOURS>)]
     pub cache_retention_hours: u64,
     /// Hours a Docker image store's generation is kept after its last use,
     /// whatever `--cache-retention-hours` says; 1 to 87600.
     #[arg(
         long,
         env = "BILLET_CACHE_IMAGE_STORE_RETENTION_HOURS",
-        default_value_t = 192
+        default_value_t = 192,
+        value_parser = within::<1, MAX_FLAG_HOURS>
     )]
     pub cache_image_store_retention_hours: u64,
     /// Seconds between the cache's eviction passes; 1 to 86400.
-    #[arg(long, env = "BILLET_CACHE_EVICT_INTERVAL_SECS", default_value_t = crate::cache::lifecycle::DEFAULT_EVICT_INTERVAL.as_secs())]
+    #[arg(long, env = "BILLET_CACHE_EVICT_INTERVAL_SECS", default_value_t = crate::cache::lifecycle::DEFAULT_EVICT_INTERVAL.as_secs(),
+          value_parser = within::<1, MAX_CACHE_EVICT_INTERVAL_SECS>)]
     pub cache_evict_interval_secs: u64,
     /// The Docker engine's Unix socket.
     #[arg(
@@ -176,28 +179,31 @@ pub struct NodeArgs {
     /// Destroy and release compute held in custody longer than this many
     /// seconds. Off by default (0 is off too): time alone never kills a
     /// job.
-    #[arg(long, env = "BILLET_MAX_CUSTODY_SECS")]
+    #[arg(long, env = "BILLET_MAX_CUSTODY_SECS", value_parser = within::<0, MAX_FLAG_SECS>)]
     pub max_custody_secs: Option<u64>,
     /// Seconds an instance never seen must stay absent before its absence
     /// counts as proof it is gone.
-    #[arg(long, env = "BILLET_STRAY_GRACE_SECS", default_value_t = 300)]
+    #[arg(long, env = "BILLET_STRAY_GRACE_SECS", default_value_t = 300,
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub stray_grace_secs: u64,
     /// Seconds a runner may take from its container's creation to coming
     /// online (GitHub sees it take a job) before it is torn down with
     /// reason start_deadline, its registration removed first and its lease
     /// released failed. 0 is off.
-    #[arg(long, env = "BILLET_START_DEADLINE_SECS", default_value_t = crate::node::runner::START_DEADLINE.as_secs())]
+    #[arg(long, env = "BILLET_START_DEADLINE_SECS", default_value_t = crate::node::runner::START_DEADLINE.as_secs(),
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub start_deadline_secs: u64,
     /// Destroy and release as failed (reason max_lease_life) any lease
     /// older than this many seconds, running or in custody, busy or not.
     /// Off by default (0 is off too): time alone is not evidence a job
     /// stalled; each hour of a lease's life is warned about.
-    #[arg(long, env = "BILLET_MAX_LEASE_LIFE_SECS")]
+    #[arg(long, env = "BILLET_MAX_LEASE_LIFE_SECS", value_parser = within::<0, MAX_FLAG_SECS>)]
     pub max_lease_life_secs: Option<u64>,
     /// Seconds a runner still working when its job's completion arrives is
     /// left to exit on its own; then it is stopped (SIGTERM, SIGKILL 10 s
     /// later) and its lease released failed (post_job_timeout).
-    #[arg(long, env = "BILLET_POST_JOB_GRACE_SECS", default_value_t = crate::node::runner::POST_JOB_GRACE.as_secs())]
+    #[arg(long, env = "BILLET_POST_JOB_GRACE_SECS", default_value_t = crate::node::runner::POST_JOB_GRACE.as_secs(),
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub post_job_grace_secs: u64,
     /// This node's containers are isolated from the host's kernel by other
     /// means than Docker's defaults (such as gVisor's runsc set as dockerd's
@@ -211,18 +217,22 @@ pub struct NodeArgs {
     pub isolated_containers: bool,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
-    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs())]
+    #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs(),
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub ack_timeout_secs: u64,
     /// Seconds a drain (SIGTERM) waits for running jobs before the node
     /// exits anyway, destroying nothing.
-    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = crate::edge::server::DEFAULT_DRAIN_TIMEOUT.as_secs())]
+    #[arg(long, env = "BILLET_DRAIN_TIMEOUT_SECS", default_value_t = crate::edge::server::DEFAULT_DRAIN_TIMEOUT.as_secs(),
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub drain_timeout_secs: u64,
     /// Seconds between checks of the certificate, key and CA files for a
     /// replacement (SIGHUP checks at once).
-    #[arg(long, env = "BILLET_TLS_RELOAD_SECS", default_value_t = 10)]
+    #[arg(long, env = "BILLET_TLS_RELOAD_SECS", default_value_t = 10,
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub tls_reload_secs: u64,
     /// Warn daily when the node's certificate expires within this many days.
-    #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7)]
+    #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7,
+          value_parser = within::<0, MAX_FLAG_DAYS>)]
     pub cert_expiry_warning_days: u64,
     /// The updater StartUpgrade execs as `<binary> host-upgrade ...`,
     /// normally this billet. Unset, the node refuses upgrades.
@@ -232,7 +242,8 @@ pub struct NodeArgs {
     #[arg(long, env = "BILLET_UPGRADE_CONFIG")]
     pub upgrade_config: Option<PathBuf>,
     /// Seconds StartUpgrade waits for the updater's answer before refusing.
-    #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90)]
+    #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90,
+          value_parser = within::<0, MAX_FLAG_SECS>)]
     pub upgrade_ack_wait_secs: u64,
     /// Serve Prometheus metrics over plain HTTP at /metrics on this
     /// address; a bare port means 127.0.0.1:PORT. Off by default.
@@ -283,6 +294,41 @@ pub struct NodeArgs {
     /// object per line, one field per value) for collectors.
     #[arg(long, env = "BILLET_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+/// The largest value of a flag counted in seconds: ten years. No operator
+/// means a longer bound, and every deadline the node computes from one (an
+/// instant plus the duration) stays representable, so no flag can make the
+/// node panic long after it started.
+pub(crate) const MAX_FLAG_SECS: u64 = 10 * 365 * 86_400;
+/// The same ten years for a flag counted in hours.
+pub(crate) const MAX_FLAG_HOURS: u64 = 10 * 365 * 24;
+/// The same ten years for a flag counted in days.
+pub(crate) const MAX_FLAG_DAYS: u64 = 10 * 365;
+/// The longest `--cache-evict-interval-secs`: a day.
+pub(crate) const MAX_CACHE_EVICT_INTERVAL_SECS: u64 = 86_400;
+
+/// A duration flag's parser: a whole number of the unit its name carries,
+/// from `MIN` to `MAX`. Clap names the flag (or the configuration file's
+/// key) in front of the sentence, which names the bound that was passed.
+pub(crate) fn within<const MIN: u64, const MAX: u64>(value: &str) -> Result<u64, String> {
+    let n = match value.parse::<u64>() {
+        Ok(n) => n,
+        // Digits that do not fit a u64 are a number past every bound.
+        Err(_) if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) => u64::MAX,
+        Err(_) => return Err(format!("{value:?} is not a whole number")),
+    };
+    if n > MAX {
+        return Err(format!(
+            "{value} is too large: the largest value allowed is {MAX}"
+        ));
+    }
+    if n < MIN {
+        return Err(format!(
+            "{value} is too small: the smallest value allowed is {MIN}"
+        ));
+    }
+    Ok(n)
 }
 
 /// `--metrics-listen`: an address, or a bare port on loopback.
@@ -457,6 +503,38 @@ pub fn init_tracing(format: LogFormat) -> Result<(), ExitCode> {
     Ok(())
 }
 
+/// Makes a panic on any thread of this process stop it with exit code
+/// [`exit::PANIC`], after logging where and why at error (on stderr when the
+/// log filter drops errors). Without it a panic in a spawned task ends only
+/// that task: the runtime catches it, and the node serves on without its
+/// executor, KeepAlive or drain. A node stopped at once is restarted by its
+/// service manager and adopts what runs; one half alive holds leases it no
+/// longer tends.
+pub fn stop_on_panic() {
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        let thread = thread.name().unwrap_or("<unnamed>");
+        let backtrace = std::backtrace::Backtrace::capture();
+        let backtrace = match backtrace.status() {
+            std::backtrace::BacktraceStatus::Captured => format!("\n{backtrace}"),
+            _ => String::new(),
+        };
+        if tracing::enabled!(tracing::Level::ERROR) {
+            tracing::error!(
+                thread,
+                "a task of the node panicked, so the node stops (exit {}): {info}{backtrace}",
+                exit::PANIC
+            );
+        } else {
+            eprintln!(
+                "billet: a task of the node panicked on thread {thread}, so the node stops (exit {}): {info}{backtrace}",
+                exit::PANIC
+            );
+        }
+        std::process::exit(i32::from(exit::PANIC));
+    }));
+}
+
 /// `--spot-imds`: an instance-metadata base URL the IMDS reader accepts.
 fn parse_spot_imds(value: &str) -> Result<String, String> {
     crate::node::interruption::Imds::new(value)
@@ -489,6 +567,135 @@ mod tests {
             Command::Node(a) => Ok(a),
             other => panic!("not a node: {other:?}"),
         }
+    }
+
+    /// Every flag counted in seconds, hours or days, of `billet node`,
+    /// `billet check`, `billet node status` and `billet node enroll`,
+    /// refuses a value past its bound as it is parsed, naming the flag and
+    /// the largest value allowed; the largest is taken. A flag added later
+    /// is held to the same by its name.
+    #[test]
+    fn every_duration_flag_refuses_a_value_past_its_bound_naming_the_flag_and_the_largest() {
+        use clap::CommandFactory as _;
+        let node_base = [
+            "--listen",
+            "127.0.0.1:7443",
+            "--cert",
+            "n.pem",
+            "--key",
+            "n.key",
+            "--ca",
+            "ca.pem",
+        ];
+        let commands: [(clap::Command, &[&str]); 4] = [
+            (
+                Cli::command().find_subcommand("node").unwrap().clone(),
+                &node_base,
+            ),
+            (
+                Cli::command().find_subcommand("check").unwrap().clone(),
+                &node_base,
+            ),
+            (status::StatusArgs::command(), &[]),
+            (
+                enroll::EnrollArgs::command(),
+                &["--plane", "plane:7444", "--token", "t"],
+            ),
+        ];
+        let mut seen = 0;
+        for (command, base) in commands {
+            let name = command.get_name().to_owned();
+            let flags: Vec<String> = command
+                .get_arguments()
+                .filter_map(|a| a.get_long())
+                .filter(|l| ["-secs", "-hours", "-days"].iter().any(|u| l.ends_with(u)))
+                .map(str::to_owned)
+                .collect();
+            for flag in flags {
+                seen += 1;
+                let largest = if flag.ends_with("-days") {
+                    MAX_FLAG_DAYS
+                } else if flag.ends_with("-hours") {
+                    MAX_FLAG_HOURS
+                } else if flag == "cache-evict-interval-secs" {
+                    MAX_CACHE_EVICT_INTERVAL_SECS
+                } else {
+                    MAX_FLAG_SECS
+                };
+                let parse = |value: String| {
+                    let mut args: Vec<String> = base.iter().map(|a| (*a).to_owned()).collect();
+                    args.extend([format!("--{flag}"), value]);
+                    command
+                        .clone()
+                        .no_binary_name(true)
+                        .try_get_matches_from(args)
+                };
+                for value in [
+                    u64::MAX.to_string(),
+                    "18446744073709551616".to_owned(),
+                    (largest + 1).to_string(),
+                ] {
+                    let e = parse(value.clone())
+                        .expect_err(&format!("{name} --{flag} {value} was taken"))
+                        .to_string();
+                    assert!(
+                        e.contains(&format!("--{flag}")),
+                        "{name} --{flag} {value}: {e}"
+                    );
+                    assert!(
+                        e.contains(&format!("the largest value allowed is {largest}")),
+                        "{name} --{flag} {value}: {e}"
+                    );
+                }
+                parse(largest.to_string())
+                    .unwrap_or_else(|e| panic!("{name} --{flag} {largest}: {e}"));
+            }
+        }
+        assert!(seen >= 28, "only {seen} duration flags found");
+    }
+
+    /// Set in the copy of this test binary that
+    /// [`a_panic_in_a_spawned_task_stops_the_process_with_the_panic_exit_code`]
+    /// runs: that copy plays the node.
+    const PANIC_CHILD: &str = "BILLET_TEST_PANIC_CHILD";
+
+    /// With the hook `billet node` installs, a panic in one spawned task
+    /// stops the whole process with exit 101 and says so; the runtime
+    /// alone would catch it and keep serving without the task. The test
+    /// runs itself again as the child, which panics in a task.
+    #[test]
+    fn a_panic_in_a_spawned_task_stops_the_process_with_the_panic_exit_code() {
+        if std::env::var_os(PANIC_CHILD).is_some() {
+            stop_on_panic();
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            runtime.block_on(async {
+                let task = tokio::spawn(async { panic!("a planted panic") });
+                // The hook never returns, so this answers only when the
+                // runtime caught the panic and the process lives on.
+                let _ = task.await;
+            });
+            std::process::exit(3);
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "cli::tests::a_panic_in_a_spawned_task_stops_the_process_with_the_panic_exit_code",
+                "--nocapture",
+            ])
+            .env(PANIC_CHILD, "1")
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(i32::from(exit::PANIC)),
+            "stderr:\n{stderr}"
+        );
+        assert!(
+            stderr.contains("a task of the node panicked") && stderr.contains("a planted panic"),
+            "stderr:\n{stderr}"
+        );
     }
 
     /// Untrusted tiers run on Docker only where the operator says the

@@ -31,7 +31,7 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// Seconds to wait for the node's answer.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::within::<0, { super::MAX_FLAG_SECS }>)]
     pub timeout_secs: u64,
 }
 

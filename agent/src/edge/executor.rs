@@ -251,6 +251,9 @@ pub(super) async fn execute(
                 RunnerError::ScaleSetNotFound(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::ScaleSetNotFound)
                 }
+                RunnerError::RunnerNameTaken(_) => {
+                    (pb::Outcome::Failed, pb::ErrorCode::RunnerNameTaken)
+                }
                 RunnerError::Busy { .. } => (pb::Outcome::Busy, pb::ErrorCode::Busy),
                 RunnerError::Custody(_) | RunnerError::Failed(_) => {
                     (pb::Outcome::Failed, pb::ErrorCode::Unspecified)

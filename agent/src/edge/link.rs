@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::Observation;
 use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, Registration};
+use crate::node::ending::Ending;
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 
 /// Converts a wire error into the plane port's typed refusal.
@@ -32,6 +33,8 @@ pub(crate) fn plane_error(error: pb::Error) -> PlaneError {
         // A scale set GitHub no longer has: nothing this node can retry;
         // the plane decides when to launch again.
         pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
+        // A name another scale set holds: an answer, not an outage.
+        pb::ErrorCode::RunnerNameTaken => PlaneError::RunnerNameTaken(m),
         pb::ErrorCode::IdentityRefused => PlaneError::IdentityRefused(m),
         pb::ErrorCode::Unspecified
         | pb::ErrorCode::InvalidArgument
@@ -467,13 +470,24 @@ impl LeaseStore for PlaneLink {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &Ending,
     ) -> Result<(), PlaneError> {
+        if let Some(reason) = ending.reason() {
+            match self.mark_failure(lease, epoch, &reason.to_string()).await {
+                Ok(()) => {}
+                Err(e @ PlaneError::Unavailable(_)) => return Err(e),
+                // Another reason recorded first, or the lease is not ours
+                // at this epoch any more: the release decides.
+                Err(e) => {
+                    tracing::debug!(%lease, %reason, error = %e, "the failure reason was not recorded")
+                }
+            }
+        }
         let (lease_id, epoch) = lease_epoch(lease, epoch);
         self.call(pb::node_call::Call::Release(pb::Release {
             lease_id,
             epoch,
-            outcome: outcome.as_str().into(),
+            outcome: ending.phase().as_str().into(),
         }))
         .await
         .map(drop)
@@ -695,6 +709,7 @@ mod tests {
             pb::ErrorCode::ForceRelease => PlaneError::ForceRelease(m),
             pb::ErrorCode::ScaleSetNotFound => PlaneError::ScaleSetNotFound(m),
             pb::ErrorCode::Busy => PlaneError::Busy(m),
+            pb::ErrorCode::RunnerNameTaken => PlaneError::RunnerNameTaken(m),
             pb::ErrorCode::IdentityRefused => PlaneError::IdentityRefused(m),
             pb::ErrorCode::Unspecified
             | pb::ErrorCode::InvalidArgument
@@ -704,7 +719,7 @@ mod tests {
         }
     }
 
-    const ALL: [pb::ErrorCode; 15] = [
+    const ALL: [pb::ErrorCode; 16] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -720,6 +735,7 @@ mod tests {
         pb::ErrorCode::ResourceExhausted,
         pb::ErrorCode::Busy,
         pb::ErrorCode::IdentityRefused,
+        pb::ErrorCode::RunnerNameTaken,
     ];
 
     /// 7.O.6

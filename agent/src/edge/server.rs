@@ -45,6 +45,11 @@ pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// flight to finish and their results to be acknowledged before exiting.
 pub(crate) const DRAIN_SETTLE: Duration = Duration::from_secs(10);
 
+/// How often a drain asks again whether each running runner has taken a
+/// job, retiring those that have not ([`Runner::retire_idle_runners`]): a
+/// runner GitHub could not be asked about is asked again this much later.
+pub(crate) const DRAIN_RETIRE_EVERY: Duration = Duration::from_secs(5);
+
 /// Everything `billet node` needs, checked.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -764,10 +769,22 @@ pub async fn run(
                 notify(&[sd_notify::NotifyState::Stopping]);
                 info!(timeout_s = timeout.as_secs(), "draining: no new launches; waiting for held compute to finish");
                 let deadline = tokio::time::Instant::now() + timeout;
+                // Runners that have taken no job would hold the drain to its
+                // timeout: they are retired (registration first, then
+                // compute) at once and again every DRAIN_RETIRE_EVERY, so the
+                // drain ends when the working jobs do.
+                let mut retire_at = tokio::time::Instant::now();
                 while runner.holding() {
                     if tokio::time::Instant::now() >= deadline {
                         warn!("drain timed out; exiting without destroying anything (the next process adopts what runs)");
                         break;
+                    }
+                    if tokio::time::Instant::now() >= retire_at {
+                        retire_at = tokio::time::Instant::now() + DRAIN_RETIRE_EVERY;
+                        let retired = runner.retire_idle_runners().await;
+                        if retired > 0 {
+                            info!(retired, "draining: retired runners that had taken no job");
+                        }
                     }
                     tokio::select! {
                         () = shutdown.cancelled() => return,

@@ -95,6 +95,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::ResourceExhausted => "resource_exhausted",
         pb::ErrorCode::Busy => "busy",
         pb::ErrorCode::IdentityRefused => "identity_refused",
+        pb::ErrorCode::RunnerNameTaken => "runner_name_taken",
     }
 }
 

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use super::ending::EndReason;
+use super::ending::{EndReason, Ending, FailureReason};
 use super::plane::{PlaneError, Retired};
 use super::runner::{Runner, RunnerError, now_plus};
 use crate::journal::{BootStamp, CustodyRecord};
@@ -64,8 +64,9 @@ pub(super) struct CustodyEntry {
     pub(super) request_id: RequestId,
     /// A registration still to be removed: (runner id, runner name).
     pub(super) registration: Option<(i64, String)>,
-    /// What Release will record.
-    pub(super) outcome: Phase,
+    /// What Release will record: `done`, or `failed` with its reason.
+    /// Journaled with the reason, so a restart releases it as it was.
+    pub(super) outcome: Ending,
     /// Ledger phase to report each tick; `None` once quarantined.
     pub(super) phase: Option<Phase>,
     /// Destroy on sight, rather than let a running job finish.
@@ -77,9 +78,6 @@ pub(super) struct CustodyEntry {
     /// Not yet proven gone.
     pub(super) unconfirmed: bool,
     pub(super) since: Instant,
-    /// Why the compute ended, recorded as the lease's failure reason before
-    /// a `failed` release. Not journaled: a restart releases without it.
-    pub(super) reason: Option<EndReason>,
     /// The phase this process has reported to the ledger for the entry
     /// (advanced, or refused as a bad transition, which is an answer too);
     /// a tend reports `phase` only when it differs. Not journaled: a
@@ -89,9 +87,6 @@ pub(super) struct CustodyEntry {
     /// runner is left to exit on its own until the post-job grace (counted
     /// from `since`) passes. Journaled as a teardown that is not discarded.
     pub(super) ending: bool,
-    /// The reason a forced destroy gave, recorded as the failure reason
-    /// when there is no [`EndReason`]. Not journaled.
-    pub(super) forced: Option<String>,
     /// The journal may not hold the entry as it is: its last write failed
     /// (a full or failing disk). The next tend writes it again, changed or
     /// not ([`Runner::rejournal`]). Not journaled.
@@ -124,17 +119,15 @@ impl CustodyEntry {
             instance,
             request_id,
             registration: None,
-            outcome: Phase::Done,
+            outcome: Ending::Done,
             phase: Some(Phase::Custody),
             discard: false,
             observed,
             absent_since: None,
             unconfirmed: true,
             since: Instant::now(),
-            reason: None,
             reported: None,
             ending: false,
-            forced: None,
             unjournaled: false,
             online: false,
             retire_tried: false,
@@ -165,7 +158,7 @@ impl CustodyEntry {
         epoch: Epoch,
         instance: InstanceName,
         request_id: RequestId,
-        outcome: Phase,
+        outcome: Ending,
         observed: bool,
     ) -> Self {
         Self {
@@ -188,7 +181,7 @@ pub(super) fn custody_record(lease: &LeaseId, e: &CustodyEntry) -> CustodyRecord
         instance: e.instance.as_str().to_owned(),
         request_id: e.request_id.0,
         registration: e.registration.clone(),
-        outcome: e.outcome.as_str().to_owned(),
+        outcome: e.outcome.to_journal(),
         phase: e.phase.map(|p| p.as_str().to_owned()),
         discard: e.discard,
         observed: e.observed,
@@ -244,18 +237,16 @@ pub(super) fn custody_entry(r: &CustodyRecord) -> Option<(LeaseId, CustodyEntry)
         instance: InstanceName::for_lease(&lease),
         request_id: RequestId(r.request_id),
         registration: r.registration.clone(),
-        outcome: parse_phase("journal.custody.outcome", &r.outcome).ok()?,
+        outcome: Ending::from_journal(&r.outcome)?,
         phase,
         discard: r.discard,
         observed: r.observed,
         absent_since: None,
         unconfirmed: true,
         since: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
-        reason: None,
         reported: None,
         // A teardown that is not discarded is only ever an ending runner.
         ending: !r.discard && r.phase.as_deref() == Some(Phase::Teardown.as_str()),
-        forced: None,
         unjournaled: false,
         online: false,
         retire_tried: false,
@@ -609,16 +600,40 @@ impl Runner {
             return Ok(());
         }
         let (id, name) = exact.clone().unwrap_or((0, String::new()));
-        match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
+        // Compute that died holding its exact registration, asked for the
+        // first time: GitHub answering that it no longer has it means
+        // GitHub had already ended the runner's job (it retires an
+        // ephemeral runner's registration with its job), so the job ended
+        // before the compute did and the lease is `done`, however the
+        // container ended after. A runner killed mid-job keeps its
+        // registration until GitHub gives the job up, and an idle one
+        // keeps it too.
+        let judged = ended
+            && exact.is_some()
+            && !entry.retire_tried
+            && matches!(entry.outcome, Ending::Failed(FailureReason::Compute(_)));
+        let removed = if judged {
+            self.jit
+                .retire_runner(lease, entry.epoch, id, &name)
+                .await
+                .map(|retired| {
+                    if retired == Retired::AlreadyGone {
+                        info!(%lease, instance = %entry.instance, was = %entry.outcome,
+                              "GitHub had already ended the runner's job when its compute ended; releasing the lease done");
+                        entry.outcome = Ending::Done;
+                    }
+                })
+        } else {
+            self.jit.remove_runner(lease, entry.epoch, id, &name).await
+        };
+        match removed {
             Ok(()) => {
                 entry.registration = None;
                 Ok(())
             }
             Err(e) if ended => {
                 if matches!(e, PlaneError::Busy(_))
-                    && entry.outcome == Phase::Done
-                    && entry.reason.is_none()
-                    && entry.forced.is_none()
+                    && entry.outcome == Ending::Done
                     && !entry.ending
                 {
                     // A runner that exited 0 on its own, while GitHub still
@@ -626,8 +641,9 @@ impl Runner {
                     // that job, so its lease is not released `done`
                     // (a runner can crash with exit 0 mid-job).
                     warn!(%lease, instance = %entry.instance, "the runner exited 0 while GitHub still runs its job; releasing its lease as failed, exit 0");
-                    entry.reason = Some(EndReason::Exit(0));
-                    entry.outcome = Phase::Failed;
+                    entry
+                        .outcome
+                        .fail(FailureReason::Compute(EndReason::Exit(0)));
                 }
                 let wait = self.state().removals.failed(lease, entry.epoch, (id, name));
                 warn!(%lease, error = %e, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet; retrying with backoff");
@@ -686,8 +702,9 @@ impl Runner {
                       "a held runner did not come online within the start deadline; its registration is removed, tearing it down");
                 entry.registration = None;
                 entry.discard = true;
-                entry.outcome = Phase::Failed;
-                entry.reason = Some(EndReason::StartDeadline);
+                entry
+                    .outcome
+                    .fail(FailureReason::Compute(EndReason::StartDeadline));
                 if entry.phase.is_some() {
                     entry.phase = Some(Phase::Teardown);
                 }
@@ -731,8 +748,9 @@ impl Runner {
               %github, provider = ?instance.state, stop_timeout_s = self.options.stop_timeout.as_secs(),
               "the runner kept working past the post-job grace after its job's completion; stopping it (SIGTERM, then SIGKILL)");
         entry.discard = true;
-        entry.outcome = Phase::Failed;
-        entry.reason = Some(entry.grace_reason.unwrap_or(EndReason::PostJobTimeout));
+        entry.outcome.fail(FailureReason::Compute(
+            entry.grace_reason.unwrap_or(EndReason::PostJobTimeout),
+        ));
         if let Err(e) = self
             .provider
             .stop(&entry.instance, self.options.stop_timeout)
@@ -770,9 +788,8 @@ impl Runner {
         let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
         if order.force {
             if entry.discard {
-                if entry.forced.is_none() {
-                    entry.forced.clone_from(&order.reason);
-                }
+                // A teardown under way keeps the outcome it has: a failed
+                // one its first reason, a job that ended its `done`.
             } else {
                 let provider = match self.provider.find(&entry.instance).await {
                     Ok(Some(i)) => format!("{:?}", i.state),
@@ -792,8 +809,9 @@ impl Runner {
                 warn!(%lease, instance = %entry.instance, reason = order.reason.as_deref().unwrap_or("-"),
                       %github, %provider, "forced destroy of a held lease: ending the runner whatever it is doing");
                 teardown(&mut entry);
-                entry.outcome = Phase::Failed;
-                entry.forced.clone_from(&order.reason);
+                entry
+                    .outcome
+                    .fail(FailureReason::forced(order.reason.as_deref()));
             }
         } else if entry.discard || entry.ending {
             // A teardown, or an ending runner, is already under way.
@@ -812,8 +830,7 @@ impl Runner {
             // (a runner adopted after a restart included).
             warn!(%lease, instance = %entry.instance, reason = %died,
                   "scale-down of a held runner whose compute already ended; tearing it down and releasing the lease as failed");
-            entry.reason = Some(died);
-            entry.outcome = Phase::Failed;
+            entry.outcome.fail(FailureReason::Compute(died));
             teardown(&mut entry);
         } else {
             // A scale-down of a held job: routing first, a busy one is kept.
@@ -897,7 +914,7 @@ impl Runner {
             if age > max && !entry.discard {
                 error!(%lease, ?age, "custody exceeded max_custody; destroying and releasing as failed");
                 entry.discard = true;
-                entry.outcome = Phase::Failed;
+                entry.outcome.fail(FailureReason::MaxCustody);
                 if entry.phase.is_some() {
                     entry.phase = Some(Phase::Teardown);
                 }
@@ -913,8 +930,9 @@ impl Runner {
         {
             error!(%lease, age_s = age.as_secs(), max_s = max.as_secs(), "a lease in custody outlived max_lease_life; destroying on the operator's bound, busy or not, and releasing it as failed");
             entry.discard = true;
-            entry.outcome = Phase::Failed;
-            entry.reason = entry.reason.or(Some(EndReason::MaxLeaseLife));
+            entry
+                .outcome
+                .fail(FailureReason::Compute(EndReason::MaxLeaseLife));
             if entry.phase.is_some() {
                 entry.phase = Some(Phase::Teardown);
             }
@@ -934,7 +952,7 @@ impl Runner {
                 Some(Ok(())) => renewed = true,
                 Some(Err(PlaneError::ForceRelease(_))) => {
                     entry.discard = true;
-                    entry.outcome = Phase::Failed;
+                    entry.outcome.fail(FailureReason::ForceRelease);
                 }
                 Some(Err(e)) if e.is_gone() => match self.ledger.lease(lease).await {
                     Ok(l) if l.phase == Phase::Quarantine => {
@@ -997,13 +1015,12 @@ impl Runner {
         }
         let ended = found.as_ref().is_none_or(|i| !i.may_run());
         if !entry.discard
-            && entry.reason.is_none()
+            && entry.outcome == Ending::Done
             && let Some(reason) = self.end_reason(&entry, found.as_ref())
         {
             // A held job whose runner died: the job did not finish.
             warn!(%lease, instance = %entry.instance, %reason, "a held runner's compute ended; releasing its lease as failed");
-            entry.reason = Some(reason);
-            entry.outcome = Phase::Failed;
+            entry.outcome.fail(FailureReason::Compute(reason));
         }
         if let Err(e) = self.remove_registration(lease, &mut entry, ended).await {
             self.update(lease, entry).await;
@@ -1120,28 +1137,13 @@ impl Runner {
     }
 
     async fn finish(&self, lease: &LeaseId, entry: CustodyEntry) -> Result<(), String> {
-        if entry.outcome == Phase::Failed
-            && let Some(reason) = entry
-                .reason
-                .map(|r| r.to_string())
-                .or_else(|| entry.forced.clone())
+        match self
+            .ledger
+            .release(lease, entry.epoch, &entry.outcome)
+            .await
         {
-            match self.ledger.mark_failure(lease, entry.epoch, &reason).await {
-                Err(e @ PlaneError::Unavailable(_)) => {
-                    self.update(lease, entry).await;
-                    return Err(format!("record the failure reason {reason}: {e}"));
-                }
-                // Another reason recorded first, or the lease is not ours any
-                // more: the release decides.
-                Err(e) => {
-                    debug!(%lease, %reason, error = %e, "the failure reason was not recorded")
-                }
-                Ok(()) => {}
-            }
-        }
-        match self.ledger.release(lease, entry.epoch, entry.outcome).await {
             Ok(()) | Err(PlaneError::NotFound(_) | PlaneError::Fenced(_)) => {
-                info!(%lease, outcome = %entry.outcome, reason = ?entry.reason.map(|r| r.to_string()).or_else(|| entry.forced.clone()), "custody ended");
+                info!(%lease, outcome = %entry.outcome, "custody ended");
                 self.ended(lease).await;
                 Ok(())
             }

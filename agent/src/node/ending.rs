@@ -7,7 +7,14 @@
 //! `exit <code>`, `killed`, `removed`, `start_deadline`, `post_job_timeout`,
 //! `registration_lost`, `max_lease_life`, and
 //! `ec2 spot interruption: <action>` (the reference's spelling, spec/node.md
-//! §2.11).
+//! §2.11); a [`FailureReason`] adds the reasons that are not compute's
+//! (`image_unavailable <image>`, `provider_unavailable`, `launch_failed`,
+//! `launch_interrupted`, `max_custody`, `force_release`, an operator's).
+//!
+//! [`Ending`] is how the node releases a lease: `done`, or `failed` with a
+//! [`FailureReason`] (an [`EndReason`], an operator's forced reason, a
+//! refused or interrupted launch, ...). The ledger port takes an `Ending`,
+//! so no path can release a lease `failed` without a reason.
 //!
 //! [`Removals`] holds the registrations still to be removed once the compute
 //! is gone: a removal GitHub answers with 404 is done; one it refuses as
@@ -52,6 +59,10 @@ pub enum EndReason {
     RegistrationLost,
     /// The lease outlived the operator's bound on a lease's life.
     MaxLeaseLife,
+    /// The node was draining and the runner had taken no job: it was
+    /// retired (registration first, then compute), since it could only
+    /// hold the drain to its timeout.
+    Drained,
     /// The cloud is taking the host's spot capacity back
     /// ([`crate::node::interruption`]).
     SpotInterruption(SpotAction),
@@ -148,9 +159,155 @@ impl fmt::Display for EndReason {
             EndReason::PostJobTimeout => f.write_str("post_job_timeout"),
             EndReason::RegistrationLost => f.write_str("registration_lost"),
             EndReason::MaxLeaseLife => f.write_str("max_lease_life"),
+            EndReason::Drained => f.write_str("drained"),
             EndReason::SpotInterruption(action) => {
                 write!(f, "ec2 spot interruption: {}", action.as_str())
             }
+        }
+    }
+}
+
+/// Why a lease is released `failed`: what the ledger records as its
+/// failure reason. Every way the node fails a lease names one of these, and
+/// [`Ending::Failed`] cannot be built without one, so no lease this node
+/// ends is `failed` without a reason (and none has an empty one: each
+/// variant spells itself, and the texts that come from elsewhere are
+/// checked where they are made).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FailureReason {
+    /// The compute ended before its job did ([`EndReason`]).
+    Compute(EndReason),
+    /// An operator or the plane destroyed it by force, with this reason
+    /// ([`FailureReason::forced`]).
+    Forced(String),
+    /// The launch's image is not on this node; nothing was minted or
+    /// started.
+    ImageUnavailable(String),
+    /// The provider could not be asked about the launch's image; nothing
+    /// was minted or started.
+    ProviderUnavailable,
+    /// The launch failed once its lease was bound (the mint, the mounts or
+    /// the create), and what it started is gone.
+    LaunchFailed,
+    /// The node stopped mid-launch: the next process found the instance
+    /// never created, or its runner idle with its launch unconfirmed, and
+    /// retired it.
+    LaunchInterrupted,
+    /// The node held the lease past `--max-custody-secs`.
+    MaxCustody,
+    /// The plane asked the holder to give the lease up (a force release).
+    ForceRelease,
+    /// A reason recorded before this process (the journal's, or the
+    /// ledger's own for a lease it adopted), as text
+    /// ([`FailureReason::recorded`]).
+    Recorded(String),
+}
+
+impl FailureReason {
+    /// A forced destroy's reason: the order's, or `forced` when it gave
+    /// none (or only blanks).
+    pub(crate) fn forced(reason: Option<&str>) -> Self {
+        match reason.map(str::trim).filter(|r| !r.is_empty()) {
+            Some(r) => FailureReason::Forced(r.to_owned()),
+            None => FailureReason::Forced("forced".to_owned()),
+        }
+    }
+
+    /// A reason recorded earlier, as text; an empty one is a release whose
+    /// reason an older build did not journal, which is said as such.
+    pub(crate) fn recorded(text: &str) -> Self {
+        match text.trim() {
+            "" => FailureReason::Recorded("unrecorded_before_restart".to_owned()),
+            t => FailureReason::Recorded(t.to_owned()),
+        }
+    }
+}
+
+impl fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FailureReason::Compute(r) => r.fmt(f),
+            FailureReason::Forced(r) | FailureReason::Recorded(r) => f.write_str(r),
+            FailureReason::ImageUnavailable(image) => write!(f, "image_unavailable {image}"),
+            FailureReason::ProviderUnavailable => f.write_str("provider_unavailable"),
+            FailureReason::LaunchFailed => f.write_str("launch_failed"),
+            FailureReason::LaunchInterrupted => f.write_str("launch_interrupted"),
+            FailureReason::MaxCustody => f.write_str("max_custody"),
+            FailureReason::ForceRelease => f.write_str("force_release"),
+        }
+    }
+}
+
+/// How this node ends a lease: `done` (its job ended, as GitHub tells it),
+/// or `failed` for a [`FailureReason`]. What [`LeaseStore::release`]
+/// takes, so a failed release always carries its reason.
+///
+/// [`LeaseStore::release`]: super::plane::LeaseStore::release
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// The runner's job ended, or nothing of the lease was a job's.
+    Done,
+    /// The lease fails, for this reason.
+    Failed(FailureReason),
+}
+
+impl Ending {
+    /// The terminal phase it releases the lease into.
+    pub fn phase(&self) -> crate::model::Phase {
+        match self {
+            Ending::Done => crate::model::Phase::Done,
+            Ending::Failed(_) => crate::model::Phase::Failed,
+        }
+    }
+
+    /// Its failure reason, when it fails.
+    pub fn reason(&self) -> Option<&FailureReason> {
+        match self {
+            Ending::Done => None,
+            Ending::Failed(r) => Some(r),
+        }
+    }
+
+    /// Whether it fails.
+    pub fn is_failed(&self) -> bool {
+        matches!(self, Ending::Failed(_))
+    }
+
+    /// Fails it for `why`, unless it already fails: the first reason is
+    /// kept, as the ledger keeps it.
+    pub(crate) fn fail(&mut self, why: FailureReason) {
+        if *self == Ending::Done {
+            *self = Ending::Failed(why);
+        }
+    }
+
+    /// As the journal keeps it: `done`, or `failed: <reason>`.
+    pub(crate) fn to_journal(&self) -> String {
+        match self {
+            Ending::Done => "done".to_owned(),
+            Ending::Failed(r) => format!("failed: {r}"),
+        }
+    }
+
+    /// Reads [`Ending::to_journal`] back; a bare `failed`, from a build
+    /// that did not journal the reason, is [`FailureReason::recorded`] of
+    /// nothing. `None` for anything else.
+    pub(crate) fn from_journal(text: &str) -> Option<Self> {
+        match text {
+            "done" => Some(Ending::Done),
+            "failed" => Some(Ending::Failed(FailureReason::recorded(""))),
+            other => other
+                .strip_prefix("failed:")
+                .map(|r| Ending::Failed(FailureReason::recorded(r))),
+        }
+    }
+}
+
+impl fmt::Display for Ending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Ending::Done => f.write_str("done"),
+            Ending::Failed(r) => write!(f, "failed ({r})"),
         }
     }
 }
@@ -285,6 +442,48 @@ impl Removals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A failed ending always says why, in words, and keeps saying it
+    /// across the journal: an empty or blank reason cannot be made, and a
+    /// record of an older build without one reads as such.
+    #[test]
+    fn every_failure_reason_is_words_and_survives_the_journal() {
+        let reasons = [
+            FailureReason::Compute(EndReason::Killed),
+            FailureReason::Compute(EndReason::Exit(3)),
+            FailureReason::forced(None),
+            FailureReason::forced(Some("  ")),
+            FailureReason::forced(Some("operator_x")),
+            FailureReason::ImageUnavailable("runner:1".into()),
+            FailureReason::ProviderUnavailable,
+            FailureReason::LaunchFailed,
+            FailureReason::LaunchInterrupted,
+            FailureReason::MaxCustody,
+            FailureReason::ForceRelease,
+            FailureReason::recorded(""),
+            FailureReason::recorded("oom"),
+        ];
+        for reason in reasons {
+            let text = reason.to_string();
+            assert!(!text.trim().is_empty(), "{reason:?}");
+            let ending = Ending::Failed(reason);
+            let back = Ending::from_journal(&ending.to_journal()).expect("read back");
+            assert_eq!(back.reason().map(ToString::to_string), Some(text));
+        }
+        assert_eq!(Ending::from_journal("done"), Some(Ending::Done));
+        assert_eq!(
+            Ending::from_journal("failed").map(|e| e.to_journal()),
+            Some("failed: unrecorded_before_restart".to_owned())
+        );
+        assert_eq!(Ending::from_journal("lost"), None);
+        let mut first = Ending::Failed(FailureReason::Compute(EndReason::Oom));
+        first.fail(FailureReason::MaxCustody);
+        assert_eq!(
+            first.reason().map(ToString::to_string).as_deref(),
+            Some("oom"),
+            "the first reason stays"
+        );
+    }
 
     #[test]
     fn each_exit_reads_as_its_reason_and_exit_0_as_the_jobs_own_end() {

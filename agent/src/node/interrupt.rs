@@ -4,8 +4,8 @@
 
 use tracing::{error, info, warn};
 
-use super::custody::{CustodyEntry, custody_record};
-use super::ending::EndReason;
+use super::custody::{CustodyEntry, Seen, custody_record};
+use super::ending::{EndReason, Ending, FailureReason};
 use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, Running};
 use crate::model::{Epoch, LeaseId, Phase, RequestId};
@@ -69,10 +69,9 @@ impl Runner {
             if !still {
                 continue;
             }
-            let outcome = if reason.is_some() {
-                Phase::Failed
-            } else {
-                Phase::Done
+            let outcome = match reason {
+                Some(reason) => Ending::Failed(FailureReason::Compute(reason)),
+                None => Ending::Done,
             };
             match reason {
                 Some(reason) => {
@@ -85,7 +84,6 @@ impl Runner {
             self.hold(
                 r.lease.clone(),
                 CustodyEntry {
-                    reason,
                     registration: Some(r.registration.clone()),
                     ..CustodyEntry::teardown(
                         r.epoch,
@@ -180,6 +178,54 @@ impl Runner {
         }
     }
 
+    /// While the node drains: retires each running runner that has not
+    /// taken a job, so the drain ends when the working jobs do rather than
+    /// at its timeout. Routing first, asked through the removal itself: a
+    /// removal GitHub refuses holds a job (online for good, never asked
+    /// again); one that succeeds leaves a runner that took nothing and can
+    /// take nothing, torn down with reason `drained` and its lease released
+    /// `failed` once its compute is proven gone; GitHub no longer having
+    /// the registration is a job it ended, the runner left to exit on its
+    /// own; an outage leaves it to the next call. Runners held in custody
+    /// are custody's to judge. Returns how many it retired.
+    pub async fn retire_idle_runners(&self) -> usize {
+        let mut retired = 0;
+        for (request_id, r) in self.running_snapshot() {
+            if r.online || self.state().custody.contains_key(&r.lease) {
+                continue;
+            }
+            let (id, name) = &r.registration;
+            match self.jit.retire_runner(&r.lease, r.epoch, *id, name).await {
+                Ok(Retired::AlreadyGone) if !r.retire_tried => {
+                    self.leave_to_exit(request_id, &r).await;
+                }
+                Ok(_) => {
+                    info!(lease = %r.lease, instance = %r.instance,
+                          "draining: the runner has taken no job and its registration is removed; retiring it");
+                    self.end_running(request_id, &r, EndReason::Drained, None)
+                        .await;
+                    if let Err(e) = self.tend_one(&r.lease, Seen::Ask).await {
+                        warn!(lease = %r.lease, error = %e, "the retired runner is not gone yet; the next tend goes on");
+                    }
+                    retired += 1;
+                }
+                Err(e @ PlaneError::Unavailable(_)) => {
+                    warn!(lease = %r.lease, error = %e, "draining: cannot ask whether the runner has a job; asking again later");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.retire_tried = true;
+                    }
+                }
+                Err(e) => {
+                    info!(lease = %r.lease, answer = %e, "draining: the runner holds a job; it finishes it");
+                    if let Some(s) = self.state().running.get_mut(&request_id) {
+                        s.online = true;
+                    }
+                }
+            }
+        }
+        retired
+    }
+
     /// Acts on a notice that the host's capacity is being taken back (a spot
     /// interruption, [`crate::node::interruption`]; the reference's
     /// `WatchInterruptions` handling, spec/node.md §2.11, applied to the
@@ -234,8 +280,7 @@ impl Runner {
                 }
                 e.discard = true;
                 e.ending = false;
-                e.outcome = Phase::Failed;
-                e.reason = Some(reason);
+                e.outcome = Ending::Failed(FailureReason::Compute(reason));
                 if e.phase.is_some() {
                     e.phase = Some(Phase::Teardown);
                 }
@@ -294,13 +339,12 @@ impl Runner {
         self.hold(
             r.lease.clone(),
             CustodyEntry {
-                reason: Some(reason),
                 registration,
                 ..CustodyEntry::teardown(
                     r.epoch,
                     r.instance.clone(),
                     request_id,
-                    Phase::Failed,
+                    Ending::Failed(FailureReason::Compute(reason)),
                     true,
                 )
             },

@@ -542,6 +542,7 @@ fn plane_code(e: &PlaneError) -> &'static str {
         PlaneError::ForceRelease(_) => "force_release",
         PlaneError::Refused(_) => "refused",
         PlaneError::ScaleSetNotFound(_) => "scale_set_not_found",
+        PlaneError::RunnerNameTaken(_) => "runner_name_taken",
         PlaneError::Busy(_) => "busy",
         PlaneError::IdentityRefused(_) => "identity_refused",
     }
@@ -883,10 +884,10 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &crate::node::ending::Ending,
     ) -> Result<(), PlaneError> {
         let start = Instant::now();
-        let r = self.inner.release(lease, epoch, outcome).await;
+        let r = self.inner.release(lease, epoch, ending).await;
         self.observe("release", start, &r);
         r
     }

@@ -47,6 +47,12 @@ pub enum PlaneError {
     /// for the set again.
     #[error("scale set not found: {0}")]
     ScaleSetNotFound(String),
+    /// GitHub already has a runner of the name the mint asked for, in
+    /// another scale set (409 AgentExists): the name cannot be minted, and
+    /// asking again will not change that; the plane gives the job a fresh
+    /// lease with a fresh name.
+    #[error("runner name taken: {0}")]
+    RunnerNameTaken(String),
     /// GitHub says the runner is running a job (a registration removal
     /// answered JobStillRunning): an answer, not an outage.
     #[error("busy: {0}")]
@@ -173,12 +179,21 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         &self,
         leases: &[(LeaseId, Epoch)],
     ) -> Result<Vec<Result<(), PlaneError>>, PlaneError>;
-    /// Ends the lease with `done` or `failed`.
+    /// Ends the lease `done`, or `failed` with its reason: the reason is
+    /// recorded first (the ledger keeps the first one), then the lease is
+    /// released. A reason the ledger refuses because it already holds one,
+    /// or because the lease is not ours at this epoch, does not stop the
+    /// release, which decides.
+    ///
+    /// # Errors
+    ///
+    /// The release's refusal, or `Unavailable` when either call had no
+    /// answer.
     async fn release(
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &super::ending::Ending,
     ) -> Result<(), PlaneError>;
     /// Records why the lease's job will fail (`oom`, `exit 3`, ...), before
     /// it is released `failed`. The ledger keeps the first reason.

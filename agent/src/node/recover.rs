@@ -6,7 +6,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::custody::{CustodyEntry, custody_entry};
-use super::ending::EndReason;
+use super::ending::{EndReason, Ending, FailureReason};
 use super::plane::PlaneError;
 use super::runner::{Runner, RunnerError};
 use crate::cache::{Inventory, Listed};
@@ -20,7 +20,10 @@ use crate::provider::{Instance, InstanceState};
 fn adoption(lease: &Lease, instance: &InstanceName, phase: Option<Phase>) -> CustodyEntry {
     let failing = lease.failure_reason.is_some();
     CustodyEntry {
-        outcome: if failing { Phase::Failed } else { Phase::Done },
+        outcome: match &lease.failure_reason {
+            Some(why) => Ending::Failed(FailureReason::recorded(why)),
+            None => Ending::Done,
+        },
         phase: if lease.phase == Phase::Quarantine {
             None
         } else {
@@ -116,9 +119,13 @@ impl Runner {
                         // its record says: the earlier process died
                         // before its start answered, or before the record
                         // of a launch that created beside its bind was
-                        // synced, so there may be no record at all.
+                        // synced, so there may be no record at all. One
+                        // that has exited ran, whatever its record says:
+                        // it is adopted and its exit judged as any other
+                        // (an exit 0 is its job's end, and its lease
+                        // `done`), never retired as an idle runner.
                         let unconfirmed = instance.state == InstanceState::Created
-                            || record.is_some_and(|r| !r.created);
+                            || (record.is_some_and(|r| !r.created) && instance.may_run());
                         if unconfirmed
                             && self
                                 .retire_idle_runner(&lease, l.epoch, record)
@@ -137,7 +144,7 @@ impl Runner {
                                     l.epoch,
                                     name.clone(),
                                     l.request_id,
-                                    Phase::Failed,
+                                    Ending::Failed(FailureReason::LaunchInterrupted),
                                     true,
                                 ),
                             ));
@@ -188,12 +195,18 @@ impl Runner {
                     CustodyEntry {
                         registration,
                         absent_since: Some(Instant::now()),
-                        reason: observed.then_some(EndReason::Removed),
                         ..CustodyEntry::teardown(
                             Epoch(record.epoch),
                             InstanceName::for_lease(&lease),
                             RequestId(record.request_id),
-                            Phase::Failed,
+                            // Created and gone since: removed while the
+                            // node was down; never created: the launch was
+                            // cut short by the node's stop.
+                            Ending::Failed(if observed {
+                                FailureReason::Compute(EndReason::Removed)
+                            } else {
+                                FailureReason::LaunchInterrupted
+                            }),
                             observed,
                         )
                     },

@@ -23,8 +23,8 @@ use tokio::time::Instant;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use super::custody::CustodyEntry;
-use super::ending::{EndReason, Removals};
+use super::custody::{CustodyEntry, Seen};
+use super::ending::{EndReason, Ending, FailureReason, Removals};
 use super::plane::{JitSource, LeaseStore, PlaneError};
 use crate::cache::Store;
 use crate::journal::{Journal, LaunchRecord, MemoryJournal};
@@ -105,9 +105,17 @@ pub enum RunnerError {
     /// released (wire code `ERROR_CODE_SCALE_SET_NOT_FOUND`).
     #[error("{0}")]
     ScaleSetNotFound(String),
+    /// A launch whose mint the plane answered `RUNNER_NAME_TAKEN` (GitHub
+    /// has a runner of that name in another scale set): no registration
+    /// was made and nothing was created; the lease may be released (wire
+    /// code `ERROR_CODE_RUNNER_NAME_TAKEN`).
+    #[error("{0}")]
+    RunnerNameTaken(String),
     /// The runner is working, so nothing was destroyed and its instance runs
     /// on: GitHub refused to remove its registration (JobStillRunning) under
-    /// a scale-down, or it is still working after its job's completion.
+    /// a scale-down, or it is still working after its job's completion; or a
+    /// launch named a lease whose runner this node holds at another epoch,
+    /// and nothing was started.
     #[error("busy: {message}")]
     Busy {
         /// What GitHub and the provider said.
@@ -651,47 +659,71 @@ impl Runner {
     }
 
     /// Every lease this node holds, for status and metrics, ordered by lease
-    /// id.
+    /// id: one row per lease, whatever its state.
+    ///
+    /// The state keeps a lease in more than one place for a while (a running
+    /// request is also held in custody once the plane did not acknowledge
+    /// its launch, or its job's completion left its runner ending; a launch
+    /// is running before it stops counting as launching), so the rows are
+    /// gathered by lease, and each lease is told by the strongest claim the
+    /// node has on it: custody (the node's own authority, which outlives the
+    /// request), then running, then launching. The runner's name comes from
+    /// whichever place knows it.
     pub fn held(&self) -> Vec<HeldLease> {
         let s = self.state();
-        let mut held: Vec<HeldLease> = s
-            .launching
+        let mut held: std::collections::BTreeMap<String, HeldLease> = s
+            .custody
             .iter()
-            .map(|(lease, epoch)| HeldLease {
-                lease: lease.clone(),
-                epoch: *epoch,
-                state: HeldState::Launching,
-                instance: InstanceName::for_lease(lease),
-                runner: None,
-                age: None,
+            .map(|(lease, e)| {
+                let row = HeldLease {
+                    lease: lease.clone(),
+                    epoch: e.epoch,
+                    state: if e.discard {
+                        HeldState::Discard
+                    } else if e.ending {
+                        HeldState::Ending
+                    } else if e.phase.is_none() {
+                        HeldState::Quarantine
+                    } else {
+                        HeldState::Custody
+                    },
+                    instance: e.instance.clone(),
+                    runner: e.registration.as_ref().map(|(_, name)| name.clone()),
+                    age: Some(e.since.elapsed()),
+                };
+                (lease.as_str().to_owned(), row)
             })
-            .chain(s.running.values().map(|r| HeldLease {
-                lease: r.lease.clone(),
-                epoch: r.epoch,
-                state: HeldState::Running,
-                instance: r.instance.clone(),
-                runner: Some(r.registration.1.clone()),
-                age: Some(r.since.elapsed()),
-            }))
-            .chain(s.custody.iter().map(|(lease, e)| HeldLease {
-                lease: lease.clone(),
-                epoch: e.epoch,
-                state: if e.discard {
-                    HeldState::Discard
-                } else if e.ending {
-                    HeldState::Ending
-                } else if e.phase.is_none() {
-                    HeldState::Quarantine
-                } else {
-                    HeldState::Custody
-                },
-                instance: e.instance.clone(),
-                runner: e.registration.as_ref().map(|(_, name)| name.clone()),
-                age: Some(e.since.elapsed()),
-            }))
             .collect();
-        held.sort_by(|a, b| a.lease.as_str().cmp(b.lease.as_str()));
-        held
+        for r in s.running.values() {
+            match held.entry(r.lease.as_str().to_owned()) {
+                std::collections::btree_map::Entry::Occupied(mut held) => {
+                    let row = held.get_mut();
+                    row.runner.get_or_insert_with(|| r.registration.1.clone());
+                }
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    slot.insert(HeldLease {
+                        lease: r.lease.clone(),
+                        epoch: r.epoch,
+                        state: HeldState::Running,
+                        instance: r.instance.clone(),
+                        runner: Some(r.registration.1.clone()),
+                        age: Some(r.since.elapsed()),
+                    });
+                }
+            }
+        }
+        for (lease, epoch) in &s.launching {
+            held.entry(lease.as_str().to_owned())
+                .or_insert_with(|| HeldLease {
+                    lease: lease.clone(),
+                    epoch: *epoch,
+                    state: HeldState::Launching,
+                    instance: InstanceName::for_lease(lease),
+                    runner: None,
+                    age: None,
+                });
+        }
+        held.into_values().collect()
     }
 
     /// What the leases this node holds (launching, running, in custody)
@@ -775,12 +807,16 @@ impl Runner {
             }
             // The same lease again (a launch redelivered after a restart or a
             // lost reply): whatever it started is here already. Never mint
-            // or create twice; report what this node holds.
-            if s.running
+            // or create twice; report what this node holds, and only if it
+            // is what the launch names: at another epoch the plane believes
+            // something false about this lease, and an OK would confirm it.
+            let working = s
+                .running
                 .get(&lease.request_id)
-                .is_some_and(|r| r.lease == lease.id)
-            {
-                return Ok(());
+                .filter(|r| r.lease == lease.id)
+                .map(|r| r.epoch);
+            if let Some(held) = working {
+                return Self::launched_already(&lease, held);
             }
             if let Some(held) = s.custody.get(&lease.id) {
                 return if held.discard {
@@ -789,7 +825,7 @@ impl Runner {
                         lease.id
                     )))
                 } else {
-                    Ok(())
+                    Self::launched_already(&lease, held.epoch)
                 };
             }
             // Another lease for a request that already has compute here: the
@@ -883,6 +919,25 @@ impl Runner {
         self.launch_over(&lease.id, result).await
     }
 
+    /// The answer to a launch of `lease`, whose runner this node already
+    /// holds at `held`: OK at that epoch (a redelivery), else BUSY, with
+    /// nothing started and the plane keeping the lease, both epochs logged
+    /// and named.
+    fn launched_already(lease: &Lease, held: Epoch) -> Result<(), RunnerError> {
+        if held == lease.epoch {
+            return Ok(());
+        }
+        warn!(lease = %lease.id, held_epoch = %held, launch_epoch = %lease.epoch,
+              "a launch of a lease whose runner this node holds at another epoch: answered BUSY, nothing started");
+        Err(RunnerError::Busy {
+            message: format!(
+                "lease {} has a runner on this node at epoch {held}, and this launch is at epoch {}: nothing was started, and the runner runs on",
+                lease.id, lease.epoch
+            ),
+            held: false,
+        })
+    }
+
     /// A launch of `lease` has its answer: the lease is no longer
     /// launching here, and a launch that started nothing, or proved
     /// everything it started gone, forgets it.
@@ -946,21 +1001,27 @@ impl Runner {
             ))),
             (Some(refusal), Err(_)) => Err(refusal),
             (Some(refusal), Ok(())) => {
-                self.release_refused(lease).await;
+                let why = match &refusal {
+                    RunnerError::ImageUnavailable { image } => {
+                        FailureReason::ImageUnavailable(image.clone())
+                    }
+                    _ => FailureReason::ProviderUnavailable,
+                };
+                self.release_refused(lease, why).await;
                 Err(refusal)
             }
         }
     }
 
     /// Ends a lease this launch bound beside an image check that refused
-    /// it: released `failed` (nothing was minted or started), so it is
+    /// it: released `failed` with `why` (nothing was minted or started), so it is
     /// never left bound to this node. A release that fails is logged: the
     /// plane ends the lease itself on the refusal (the stub's ledger
     /// answers a release of a lease already `failed` as done).
-    async fn release_refused(&self, lease: &Lease) {
+    async fn release_refused(&self, lease: &Lease, why: FailureReason) {
         match self
             .ledger
-            .release(&lease.id, lease.epoch, Phase::Failed)
+            .release(&lease.id, lease.epoch, &Ending::Failed(why))
             .await
         {
             Ok(()) => {
@@ -1059,7 +1120,7 @@ impl Runner {
                                 lease.epoch,
                                 name.clone(),
                                 lease.request_id,
-                                Phase::Failed,
+                                Ending::Failed(FailureReason::LaunchFailed),
                                 false,
                             )
                         },
@@ -1072,6 +1133,7 @@ impl Runner {
                 let message = format!("mint a JIT config for {name}: {mint_error}");
                 return Err(match mint_error {
                     PlaneError::ScaleSetNotFound(_) => RunnerError::ScaleSetNotFound(message),
+                    PlaneError::RunnerNameTaken(_) => RunnerError::RunnerNameTaken(message),
                     _ => RunnerError::Failed(message),
                 });
             }
@@ -1267,7 +1329,7 @@ impl Runner {
                 lease.epoch,
                 name.clone(),
                 lease.request_id,
-                Phase::Failed,
+                Ending::Failed(FailureReason::LaunchFailed),
                 false,
             )
         };
@@ -1587,30 +1649,48 @@ impl Runner {
                 self.state().running.remove(&request_id);
                 info!(lease = %running.lease, request = %request_id, instance = %running.instance,
                       result = order.job_result.as_deref().unwrap_or("-"), force = order.force, %reason, ?teardown, "destroyed");
-                if teardown == Teardown::Requested {
+                // A runner forced out mid-work is the node's to end: its
+                // lease is released `failed` with the operator's reason once
+                // its compute is proven gone (now, or when a requested stop
+                // has taken), freeing its capacity, rather than left open
+                // until GitHub gives its job up. A custody half of the same
+                // lease was already given the reason by its own step.
+                let forced =
+                    order.force && runs && !self.state().custody.contains_key(&running.lease);
+                if teardown == Teardown::Requested || forced {
                     let outcome = if order.force && runs {
-                        Phase::Failed
+                        Ending::Failed(FailureReason::forced(order.reason.as_deref()))
                     } else {
-                        Phase::Done
+                        Ending::Done
                     };
                     self.hold(
                         running.lease.clone(),
-                        CustodyEntry {
-                            forced: order.force.then(|| order.reason.clone()).flatten(),
-                            ..CustodyEntry::teardown(
-                                running.epoch,
-                                running.instance.clone(),
-                                request_id,
-                                outcome,
-                                self.provider.runs_on_host(),
-                            )
-                        },
+                        CustodyEntry::teardown(
+                            running.epoch,
+                            running.instance.clone(),
+                            request_id,
+                            outcome,
+                            self.provider.runs_on_host(),
+                        ),
                     )
                     .await;
-                    return Err(RunnerError::Custody(format!(
-                        "{} was asked to stop and is not yet gone",
-                        running.instance
-                    )));
+                    if teardown == Teardown::Requested {
+                        return Err(RunnerError::Custody(format!(
+                            "{} was asked to stop and is not yet gone",
+                            running.instance
+                        )));
+                    }
+                    if let Err(e) = self.tend_one(&running.lease, Seen::Ask).await {
+                        warn!(lease = %running.lease, error = %e, "the forced-out runner's lease is not released yet; the next tend tries again");
+                    }
+                    return if self.state().custody.contains_key(&running.lease) {
+                        Err(RunnerError::Custody(format!(
+                            "{} is gone; this node releases lease {} failed once the plane takes the release",
+                            running.instance, running.lease
+                        )))
+                    } else {
+                        Ok(())
+                    };
                 }
                 let (held, pending) = {
                     let s = self.state();

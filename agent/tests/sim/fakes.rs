@@ -17,6 +17,7 @@ use async_trait::async_trait;
 use billet_agent::cache::Observation;
 use billet_agent::model::Registration;
 use billet_agent::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
+use billet_agent::node::ending::Ending;
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::provider::Instance;
 use billet_agent::provider::fake::FakeProvider;
@@ -1182,10 +1183,15 @@ impl LeaseStore for FakeLedger {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        outcome: Phase,
+        ending: &Ending,
     ) -> Result<(), PlaneError> {
         self.call(LOp::Release, std::slice::from_ref(lease), false, |c| {
-            c.release(lease, epoch, outcome)
+            if let Some(reason) = ending.reason() {
+                // As the link does: the first reason is kept, and a refusal
+                // of it leaves the release to decide.
+                let _ = c.mark_failure(lease, epoch, &reason.to_string());
+            }
+            c.release(lease, epoch, ending.phase())
         })
         .await
     }

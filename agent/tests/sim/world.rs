@@ -220,7 +220,11 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
     match r {
         Ok(()) => "ok",
         Err(RunnerError::Custody(_)) => "custody",
-        Err(RunnerError::Failed(_) | RunnerError::ScaleSetNotFound(_)) => "failed",
+        Err(
+            RunnerError::Failed(_)
+            | RunnerError::ScaleSetNotFound(_)
+            | RunnerError::RunnerNameTaken(_),
+        ) => "failed",
         Err(
             RunnerError::Refused(_)
             | RunnerError::ImageUnavailable { .. }

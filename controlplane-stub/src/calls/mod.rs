@@ -61,6 +61,8 @@ pub(crate) async fn mint_and_record(
     let minted = github.mint(&lease.tier, &runner_name).await.map_err(|e| {
         let code = if e.is_scale_set_not_found() {
             pb::ErrorCode::ScaleSetNotFound
+        } else if e.is_runner_name_taken() {
+            pb::ErrorCode::RunnerNameTaken
         } else {
             pb::ErrorCode::Unavailable
         };

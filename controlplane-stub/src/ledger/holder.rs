@@ -34,6 +34,10 @@ enum Unless {
     Bound,
 }
 
+/// The failure reason of a lease whose launch was lost (its result never
+/// came back) and that ends with no runner minted, or never bound.
+pub(crate) const LAUNCH_LOST: &str = "launch_lost";
+
 impl Ledger {
     /// Opens a lease for a job GitHub assigned: phase `assigned`, epoch 1,
     /// unbound and aimed at no node, expiring `now_ms + ttl`. Charges no
@@ -381,7 +385,8 @@ impl Ledger {
     }
 
     /// [`Ledger::release_unminted`] and [`Ledger::release_unbound`]: ends
-    /// the lease `failed` in one transaction unless `unless` holds.
+    /// the lease `failed`, with the failure reason [`LAUNCH_LOST`] unless it
+    /// has one, in one transaction unless `unless` holds.
     async fn release_unless(
         &self,
         id: &str,
@@ -404,12 +409,14 @@ impl Ledger {
         let (kept, update) = match unless {
             Unless::Minted => (
                 lease.runner_id.is_some(),
-                "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+                "UPDATE leases SET phase = $1, ended_at_ms = $2, \
+                 failure_reason = COALESCE(failure_reason, $5) \
                  WHERE id = $3 AND epoch = $4 AND runner_id IS NULL",
             ),
             Unless::Bound => (
                 lease.node.is_some(),
-                "UPDATE leases SET phase = $1, ended_at_ms = $2 \
+                "UPDATE leases SET phase = $1, ended_at_ms = $2, \
+                 failure_reason = COALESCE(failure_reason, $5) \
                  WHERE id = $3 AND epoch = $4 AND node IS NULL",
             ),
         };
@@ -421,6 +428,7 @@ impl Ledger {
             .bind(now_ms)
             .bind(id)
             .bind(db_epoch(epoch))
+            .bind(LAUNCH_LOST)
             .execute(&mut *tx)
             .await?;
         expect_one_row(done.rows_affected(), id)?;
@@ -1105,7 +1113,11 @@ mod tests {
             l.reserve(new_lease("a"), 0).await.unwrap();
             l.set_runner("a", 1, 7, "billet-a").await.unwrap();
             let ended = l.release_unbound("a", 1, 10).await.unwrap();
-            assert_eq!(ended.map(|e| e.phase), Some(Phase::Failed));
+            assert_eq!(
+                ended.map(|e| (e.phase, e.failure_reason)),
+                Some((Phase::Failed, Some(LAUNCH_LOST.to_owned()))),
+                "a lost launch's lease ends saying so"
+            );
             assert_eq!(code(l.bind_advance("a", 1, "n1", Phase::Launching, 20).await), "not_found");
             let again = l.release_unbound("a", 1, 30).await.unwrap();
             assert_eq!(again.map(|e| e.phase), Some(Phase::Failed), "repeats without effect");

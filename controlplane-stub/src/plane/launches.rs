@@ -126,10 +126,12 @@ impl Plane {
 
     /// What the plane does with a launch's outcome: a launched lease is
     /// covered; a lost one is the node's if it may have started a runner;
-    /// any other is failed, released and backed off. `registration` is the
+    /// one answered `BUSY` (a runner of the lease already works on the node)
+    /// is left open and covered; any other is failed, released and backed
+    /// off. `registration` is the
     /// one this plane minted before dispatching, removed here whenever the
     /// lease ends with nothing started.
-    async fn launch_ended(
+    pub(super) async fn launch_ended(
         self: Arc<Self>,
         lease: crate::ledger::Lease,
         node: Arc<NodeLink>,
@@ -166,6 +168,30 @@ impl Plane {
                 .and_then(|e| pb::ErrorCode::try_from(e.code).ok()),
             _ => None,
         };
+        if code == Some(pb::ErrorCode::Busy) {
+            // The node already holds a runner of this lease, at another
+            // epoch: the launch started nothing, and ending the lease now
+            // would free capacity a working runner uses and cover its job
+            // twice. The lease stays open, renewed and covered by that
+            // runner; its completion ends it as any other. A registration
+            // minted ahead for this launch carries the runner's own name
+            // (`billet-<lease>`), so it is not removed here, where the
+            // removal could take the working runner's: the registration
+            // pass removes what the lease's end leaves behind.
+            warn!(%reason, node = node.name(), "the node answered the launch BUSY: a runner of this lease already works there; the lease is left open");
+            self.cover
+                .lock()
+                .expect("cover")
+                .launched
+                .insert(lease.id.clone());
+            self.emit(PlaneEvent::LaunchBusy {
+                lease: lease.id.clone(),
+                node: node.name().to_owned(),
+                reason,
+            });
+            self.wake.notify_one();
+            return;
+        }
         self.emit(PlaneEvent::LaunchFailed {
             lease: lease.id.clone(),
             reason: reason.clone(),
@@ -254,16 +280,30 @@ impl Plane {
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
         }
+        // Another scale set holds a runner of the lease's name: neither the
+        // node nor GitHub is failing, so the launch is not backed off as an
+        // outage, and the node is not avoided. The name is the lease's, so
+        // the job's fresh lease mints a fresh one at once. An operator
+        // should know that another set names its runners as this plane
+        // does.
+        let name_taken = code == Some(pb::ErrorCode::RunnerNameTaken);
+        if name_taken {
+            tracing::error!(%reason, "another scale set holds a runner of this lease's name; the job gets a fresh lease (and name) now, without backoff");
+        }
         let delay = {
             let mut cover = self.cover.lock().expect("cover");
             cover.not_covering.insert(lease.id.clone());
-            let delay = cover.failed();
-            if refused {
-                cover
-                    .avoid
-                    .insert(node.name().to_owned(), Instant::now() + delay);
+            if name_taken {
+                std::time::Duration::ZERO
+            } else {
+                let delay = cover.failed();
+                if refused {
+                    cover
+                        .avoid
+                        .insert(node.name().to_owned(), Instant::now() + delay);
+                }
+                delay
             }
-            delay
         };
         warn!(%reason, custody, retry_in = ?delay, "the launch did not end with a runner; the job gets a fresh lease");
         if !matches!(outcome, CommandOutcome::Lost(_)) {

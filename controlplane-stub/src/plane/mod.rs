@@ -190,6 +190,17 @@ pub enum PlaneEvent {
         /// GitHub's result.
         result: String,
     },
+    /// A launch was answered `BUSY`: the node already holds a runner of
+    /// the lease, at another epoch than the launch's. Nothing was started
+    /// and nothing is ended; the lease stays open, covered by that runner.
+    LaunchBusy {
+        /// The lease.
+        lease: String,
+        /// The node.
+        node: String,
+        /// What the node said (both epochs).
+        reason: String,
+    },
     /// A scale-down's Destroy was answered `BUSY`: the runner has taken a
     /// job, nothing was destroyed, and the plane asks again later.
     ScaleDownBusy {

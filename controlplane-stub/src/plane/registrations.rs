@@ -96,11 +96,29 @@ impl Plane {
                 // ledger refused (the lease ended meanwhile) and whose
                 // immediate removal failed. It can only be named, so it is
                 // looked up by name, once, for leases that ended within
-                // UNRECORDED_LOOKBACK.
+                // UNRECORDED_LOOKBACK. Only a runner of the lease's own
+                // scale set is this plane's: a runner of that name in
+                // another set (a mint GitHub refused as AgentExists) belongs
+                // to someone else and is never removed.
                 None if now_ms.saturating_sub(ended) <= UNRECORDED_LOOKBACK_MS => {
-                    self.github
+                    match self
+                        .github
                         .runner_by_name(&format!("billet-{}", l.id))
                         .await?
+                    {
+                        None => None,
+                        Some(found) => match self.github.scale_set(&l.tier).await {
+                            Ok(set) if found.runner_scale_set_id == set => Some(found.id.0),
+                            Ok(_) => {
+                                info!(lease = %l.id, runner = %found.name, set = %found.runner_scale_set_id,
+                                      "a runner of an ended lease's name belongs to another scale set; left alone");
+                                None
+                            }
+                            // The tier's set is gone, and its runners with it.
+                            Err(e) if e.is_scale_set_not_found() => None,
+                            Err(e) => return Err(e.into()),
+                        },
+                    }
                 }
                 None => None,
             };

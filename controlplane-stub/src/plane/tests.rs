@@ -636,3 +636,130 @@ async fn a_recovered_job_github_no_longer_counts_is_dropped_after_quiet_polls() 
         let _ = std::fs::remove_file(path);
     }
 }
+
+/// A launch the node answers `BUSY` names a lease whose runner already
+/// works there (at another epoch): nothing was started, and nothing may be
+/// ended. The plane reads the code: the lease stays open, charged and
+/// covered by that runner, with no failure recorded; it is not a failed
+/// launch to release and replace.
+#[tokio::test]
+async fn a_launch_answered_busy_leaves_the_lease_open_and_covered() {
+    let (plane, _emulator) = plane(&["node-a"]).await;
+    let (_tx, _rx) = plane.nodes[0].attach_for_test(1, 16);
+    let lease = launched_on(&plane, 7, "node-a").await;
+    let mut events = plane.subscribe();
+    let busy = pb::CommandResult {
+        id: "c1".into(),
+        outcome: pb::Outcome::Busy.into(),
+        custody: false,
+        error: Some(pb::Error {
+            code: pb::ErrorCode::Busy.into(),
+            message: format!(
+                "lease {} has a runner on this node at epoch 1, and this launch is at epoch 2",
+                lease.id
+            ),
+        }),
+        instances: None,
+    };
+    Arc::clone(&plane)
+        .launch_ended(
+            lease.clone(),
+            Arc::clone(&plane.nodes[0]),
+            crate::node_link::CommandOutcome::Answered(busy),
+            None,
+        )
+        .await;
+    let after = plane
+        .ledger
+        .get(&lease.id)
+        .await
+        .expect("read")
+        .expect("lease");
+    assert_eq!(after.phase, Phase::Launching, "{after:?}");
+    assert_eq!(after.failure_reason, None, "{after:?}");
+    assert!(
+        plane
+            .cover
+            .lock()
+            .expect("cover")
+            .launched
+            .contains(&lease.id),
+        "the working runner covers the lease's job"
+    );
+    let mut saw = Vec::new();
+    while let Ok(event) = events.try_recv() {
+        saw.push(event);
+    }
+    assert!(
+        saw.iter()
+            .any(|e| matches!(e, PlaneEvent::LaunchBusy { lease: l, .. } if *l == lease.id))
+            && !saw
+                .iter()
+                .any(|e| matches!(e, PlaneEvent::LaunchFailed { .. })),
+        "{saw:?}"
+    );
+}
+
+/// A launch failed `RUNNER_NAME_TAKEN` (another scale set holds a runner of
+/// the lease's name) is ended, naming why, and is not read as an outage:
+/// no backoff before the job's fresh lease, the node not avoided. The same
+/// launch failed `UNAVAILABLE` is backed off.
+#[tokio::test]
+async fn a_launch_whose_runner_name_another_set_holds_is_replaced_without_backoff() {
+    let (plane, _emulator) = plane(&["node-a"]).await;
+    let (_tx, _rx) = plane.nodes[0].attach_for_test(1, 16);
+    let failed = |code: pb::ErrorCode, message: &str| pb::CommandResult {
+        id: "c1".into(),
+        outcome: pb::Outcome::Failed.into(),
+        custody: false,
+        error: Some(pb::Error {
+            code: code.into(),
+            message: message.into(),
+        }),
+        instances: None,
+    };
+    let taken = launched_on(&plane, 8, "node-a").await;
+    Arc::clone(&plane)
+        .launch_ended(
+            taken.clone(),
+            Arc::clone(&plane.nodes[0]),
+            crate::node_link::CommandOutcome::Answered(failed(
+                pb::ErrorCode::RunnerNameTaken,
+                "GitHub already has a runner named \"billet-x\" in another scale set",
+            )),
+            None,
+        )
+        .await;
+    let after = plane
+        .ledger
+        .get(&taken.id)
+        .await
+        .expect("read")
+        .expect("lease");
+    assert_eq!(after.phase, Phase::Failed, "{after:?}");
+    assert!(
+        after
+            .failure_reason
+            .as_deref()
+            .is_some_and(|r| r.contains("another scale set")),
+        "{after:?}"
+    );
+    {
+        let cover = plane.cover.lock().expect("cover");
+        assert_eq!(cover.retry_at, None, "backed off as an outage");
+        assert!(cover.avoid.is_empty(), "the node is avoided");
+    }
+    let outage = launched_on(&plane, 9, "node-a").await;
+    Arc::clone(&plane)
+        .launch_ended(
+            outage,
+            Arc::clone(&plane.nodes[0]),
+            crate::node_link::CommandOutcome::Answered(failed(
+                pb::ErrorCode::Unavailable,
+                "plane unavailable",
+            )),
+            None,
+        )
+        .await;
+    assert!(plane.cover.lock().expect("cover").retry_at.is_some());
+}

@@ -650,6 +650,14 @@ fn describe(
                 job_of_lease(lease, lease_job)
             ))
         }
+        PlaneEvent::LaunchBusy {
+            lease,
+            node,
+            reason,
+        } => Some(format!(
+            "{}  lease {lease}  launch answered BUSY by {node}: {reason}",
+            job_of_lease(lease, lease_job)
+        )),
         PlaneEvent::Started {
             request_id,
             runner_name,

@@ -711,8 +711,8 @@ async fn a_launch_whose_image_is_missing_is_refused_image_unavailable_and_its_bo
     assert!(error.message.contains(&image), "{error:?}");
     assert_eq!(
         plane.calls(),
-        ["bind_advance", "release"],
-        "the bound lease is released, and nothing is minted"
+        ["bind_advance", "mark_failure", "release"],
+        "the bound lease is released failed saying why, and nothing is minted"
     );
     assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
     assert!(!runner.holding());
@@ -930,6 +930,30 @@ async fn a_mint_for_a_missing_scale_set_fails_the_launch_with_its_code() {
     assert_eq!(
         result.error.map(|e| e.code),
         Some(pb::ErrorCode::ScaleSetNotFound as i32)
+    );
+    assert!(!result.custody && launched.is_none());
+    assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
+}
+
+/// A mint the plane answers `RUNNER_NAME_TAKEN` (another scale set holds
+/// a runner of the name) fails the launch with that code, never
+/// `UNSPECIFIED`: nothing was created, the lease may be released, and the
+/// plane reads the code rather than take it for an outage.
+#[tokio::test]
+async fn a_mint_whose_runner_name_another_set_holds_fails_the_launch_with_its_code() {
+    let provider = Arc::new(FakeProvider::new());
+    let (runner, link) = node(provider.clone());
+    let _plane = open_plane(&link, |call| match call {
+        pb::node_call::Call::MintJit(_) => Err(pb::ErrorCode::RunnerNameTaken),
+        other => default_answer(other),
+    });
+    let (id, command) = launch("c1");
+    let (result, launched) =
+        execute(&runner, None, pb::Capacity::default(), id.as_str(), command).await;
+    assert_eq!(result.outcome, pb::Outcome::Failed as i32, "{result:?}");
+    assert_eq!(
+        result.error.map(|e| e.code),
+        Some(pb::ErrorCode::RunnerNameTaken as i32)
     );
     assert!(!result.custody && launched.is_none());
     assert_eq!(provider.count(crate::provider::fake::Operation::Create), 0);
