@@ -1495,6 +1495,99 @@ async fn a_scale_down_of_a_runner_that_has_just_taken_its_job_answers_busy_and_d
     assert!(r.holding());
 }
 
+/// GitHub's busy flag lags behind the job, so it may accept the removal of
+/// a runner at work. The runner's job process is the node's own evidence:
+/// the scale-down is answered busy and nothing is destroyed, though the
+/// registration is gone; the job runs to its end and its lease ends `done`.
+#[tokio::test(start_paused = true)]
+async fn a_scale_down_github_accepts_while_the_job_process_runs_answers_busy_and_destroys_nothing()
+{
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let runner = name(&lease.id);
+    w.core().job_starts(&runner);
+    w.fake.set_working(&runner, true);
+    w.core().faults.removal_ignores_job = true;
+    let mints = w.plane.count("mint");
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("busy");
+    assert!(
+        matches!(err, RunnerError::Busy { held: false, .. }),
+        "{err}"
+    );
+    assert!(w.exists(&lease.id), "a runner at work was destroyed");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert!(!w.registered(&lease.id), "GitHub removed the registration");
+    assert!(!w.phase(&lease.id).is_terminal(), "the lease is held");
+    // Asked again, still busy, and nothing is minted.
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("busy");
+    assert!(matches!(err, RunnerError::Busy { .. }), "{err}");
+    assert_eq!(w.plane.count("mint"), mints, "{:?}", w.plane.log());
+    // The job ends; the ephemeral runner exits; its lease ends `done`.
+    w.core()
+        .job_ends(&runner, fakes::Job::Completed, "succeeded");
+    w.fake.set_working(&runner, false);
+    w.fake.exit(&runner, 0, false);
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert_eq!(reason(&w, &lease.id), None);
+    assert!(!r.holding());
+}
+
+/// The same lag in a drain: a runner whose removal GitHub accepts while its
+/// job process runs is kept to finish its job, not retired.
+#[tokio::test]
+async fn a_drain_keeps_a_runner_whose_job_process_runs_though_github_accepted_its_removal() {
+    let w = World::new();
+    let r = w.runner();
+    let idle = w.launched(&r, 1).await;
+    let busy = w.launched(&r, 2).await;
+    w.core().job_starts(&name(&busy.id));
+    w.fake.set_working(&name(&busy.id), true);
+    w.core().faults.removal_ignores_job = true;
+    r.start_draining();
+    assert_eq!(r.retire_idle_runners().await, 1);
+    assert!(!w.exists(&idle.id), "the idle runner was kept");
+    assert_eq!(reason(&w, &idle.id).as_deref(), Some("drained"));
+    assert!(w.exists(&busy.id), "a runner at work was retired");
+    assert_eq!(w.destroys_of(&busy.id), 0);
+    assert!(!w.phase(&busy.id).is_terminal());
+    // Online now: not asked about again.
+    let removals = w.plane.count("remove ");
+    r.retire_idle_runners().await;
+    assert_eq!(w.plane.count("remove "), removals, "{:?}", w.plane.log());
+}
+
+/// The same lag at the start deadline: a runner at work is online, not torn
+/// down, whatever GitHub answered the removal.
+#[tokio::test(start_paused = true)]
+async fn a_runner_whose_job_process_runs_at_the_start_deadline_is_online_though_github_accepted_its_removal()
+ {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    });
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    w.fake.set_working(&name(&lease.id), true);
+    w.core().faults.removal_ignores_job = true;
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    sleep(Duration::from_secs(600)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "a runner at work was torn down");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert!(!w.phase(&lease.id).is_terminal());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_scale_down_whose_registration_removal_fails_destroys_nothing_and_asks_to_be_sent_again()
 {

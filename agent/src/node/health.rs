@@ -30,7 +30,7 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::clock::PlaneClock;
 use crate::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::model::{ByteSize, InstanceName};
-use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
 
 /// How long a reason's cause must have been absent before the reason clears.
 pub(crate) const HEAL_AFTER: Duration = Duration::from_secs(10);
@@ -743,6 +743,15 @@ impl Provider for WatchedProvider {
             format!("find {name}"),
             self.call_timeout,
             self.inner.find(name),
+        )
+        .await
+    }
+
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError> {
+        self.bounded(
+            format!("read the processes of {name}"),
+            self.call_timeout,
+            self.inner.work(name),
         )
         .await
     }

@@ -105,7 +105,8 @@ impl Runner {
     /// reason `max_lease_life`; each whole hour of a lease's life is
     /// warned about. Past the start deadline and not known online, the
     /// registration is removed first: GitHub refuses to remove a runner
-    /// holding a job, which marks it online for good; a removal that
+    /// holding a job, which marks it online for good, as does a job process
+    /// running in it ([`Runner::at_work`]) whatever GitHub said; a removal that
     /// succeeds leaves a runner that took nothing and can take nothing, torn
     /// down with reason `start_deadline`; an outage leaves it to the next
     /// tend. Either teardown moves the request into custody, where this
@@ -155,6 +156,20 @@ impl Runner {
                     self.leave_to_exit(request_id, &r).await;
                 }
                 Ok(_) => {
+                    match self.at_work(&r.lease, &r.instance).await {
+                        Ok(true) => {
+                            self.mark_online(request_id);
+                            continue;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            warn!(lease = %r.lease, error = %e, "past the start deadline; the next tend asks again");
+                            if let Some(s) = self.state().running.get_mut(&request_id) {
+                                s.retire_tried = true;
+                            }
+                            continue;
+                        }
+                    }
                     warn!(lease = %r.lease, instance = %r.instance, deadline_s = deadline.as_secs(),
                           "the runner did not come online within the start deadline; its registration is removed, tearing it down");
                     self.end_running(request_id, &r, EndReason::StartDeadline, None)
@@ -200,6 +215,20 @@ impl Runner {
                     self.leave_to_exit(request_id, &r).await;
                 }
                 Ok(_) => {
+                    match self.at_work(&r.lease, &r.instance).await {
+                        Ok(true) => {
+                            self.mark_online(request_id);
+                            continue;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            warn!(lease = %r.lease, error = %e, "draining: asking again later");
+                            if let Some(s) = self.state().running.get_mut(&request_id) {
+                                s.retire_tried = true;
+                            }
+                            continue;
+                        }
+                    }
                     info!(lease = %r.lease, instance = %r.instance,
                           "draining: the runner has taken no job and its registration is removed; retiring it");
                     self.end_running(request_id, &r, EndReason::Drained, None)

@@ -37,7 +37,7 @@ use crate::model::Registration;
 use crate::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError};
 use crate::node::runner::HeldLease;
-use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
 
 /// The content type of the exposition (OpenMetrics text 1.0, which
 /// Prometheus scrapes natively).
@@ -763,6 +763,14 @@ impl Provider for MeteredProvider {
         let r = self.inner.find(name).await;
         let (took, ok) = timed(start, &r);
         self.observe("find", took, ok);
+        r
+    }
+
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.work(name).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("work", took, ok);
         r
     }
 }

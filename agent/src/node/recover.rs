@@ -128,7 +128,7 @@ impl Runner {
                             || (record.is_some_and(|r| !r.created) && instance.may_run());
                         if unconfirmed
                             && self
-                                .retire_idle_runner(&lease, l.epoch, record)
+                                .retire_idle_runner(&lease, l.epoch, record, instance)
                                 .await
                                 .map_err(|e| {
                                     fail(&format!("ask whether the runner of {lease} is idle"), &e)
@@ -253,23 +253,29 @@ impl Runner {
     /// that is running a job, so success means the runner was idle (or
     /// already gone) and is now unroutable: the reference's RecoverRunner
     /// question, asked through the removal itself. A refusal answers "keep
-    /// it", the conservative reading.
+    /// it", the conservative reading, and so does a running instance whose
+    /// job process runs ([`Runner::at_work`]) whatever GitHub answered.
     ///
     /// # Errors
     ///
-    /// [`PlaneError::Unavailable`] when the plane could not be asked: no
-    /// answer is not an answer, and Recover retries.
+    /// [`RunnerError::Failed`] when the plane or the provider could not be
+    /// asked: no answer is not an answer, and Recover retries.
     pub(super) async fn retire_idle_runner(
         &self,
         lease: &LeaseId,
         epoch: Epoch,
         record: Option<&&LaunchRecord>,
-    ) -> Result<bool, PlaneError> {
+        instance: &Instance,
+    ) -> Result<bool, RunnerError> {
         let (id, name) =
             record.map_or((0, String::new()), |r| (r.runner_id, r.runner_name.clone()));
         match self.jit.remove_runner(lease, epoch, id, &name).await {
+            Ok(()) if instance.may_run() => {
+                let name = InstanceName::for_lease(lease);
+                Ok(!self.at_work(lease, &name).await?)
+            }
             Ok(()) => Ok(true),
-            Err(e @ PlaneError::Unavailable(_)) => Err(e),
+            Err(e @ PlaneError::Unavailable(_)) => Err(RunnerError::Failed(e.to_string())),
             Err(e) => {
                 debug!(%lease, error = %e, "the registration stays; adopting the instance as a running job");
                 Ok(false)

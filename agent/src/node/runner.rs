@@ -33,7 +33,7 @@ use crate::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
     Trust,
 };
-use crate::provider::{Bind, Instance, InstanceSpec, Provider, ProviderError, Teardown};
+use crate::provider::{Bind, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
 
 /// Without evidence the instance ever existed, how long it must stay absent
 /// before absence counts as proof (spec/node.md §2.0, `strayGrace`).
@@ -1394,6 +1394,49 @@ impl Runner {
         false
     }
 
+    /// Whether the runner in `instance`, whose registration GitHub has just
+    /// let go without a finished job (a scale-down, a drain, the start
+    /// deadline, recovery), is at work all the same, by the node's own
+    /// evidence: its job process ([`Provider::work`]). GitHub's busy flag
+    /// lags behind the job it assigns, so its accepting the removal does
+    /// not prove the runner idle; either word that the runner works keeps
+    /// it. A provider that cannot see processes leaves GitHub's word alone.
+    /// The removed registration is never minted again: the runner finishes
+    /// its job and exits, and its lease ends as a finished job's does.
+    ///
+    /// # Errors
+    ///
+    /// [`RunnerError::Failed`] when the provider cannot be read: nothing is
+    /// proven, so nothing may be destroyed on this call.
+    pub(super) async fn at_work(
+        &self,
+        lease: &LeaseId,
+        instance: &InstanceName,
+    ) -> Result<bool, RunnerError> {
+        match self.provider.work(instance).await {
+            Ok(Work::Busy) => {
+                info!(%lease, %instance, "GitHub let the registration go, but the runner's job process runs: it is at work and keeps running");
+                Ok(true)
+            }
+            Ok(Work::Idle) => Ok(false),
+            Ok(Work::Unknown) => {
+                info!(%lease, %instance, "this provider cannot show whether the runner is at work; GitHub's removal is the only evidence");
+                Ok(false)
+            }
+            Err(e) => Err(RunnerError::Failed(format!(
+                "cannot read whether the runner in {instance} is at work ({e}); its registration is removed, so it takes no new job, and nothing was destroyed"
+            ))),
+        }
+    }
+
+    /// Marks a running request's runner online: it has taken a job, so the
+    /// start deadline and a drain's retirement no longer apply to it.
+    pub(super) fn mark_online(&self, request_id: RequestId) {
+        if let Some(s) = self.state().running.get_mut(&request_id) {
+            s.online = true;
+        }
+    }
+
     /// Ends whatever was started for a request, as `order` allows.
     /// Idempotent: a request nothing was started for, or whose compute is
     /// proven gone, is success.
@@ -1406,7 +1449,10 @@ impl Runner {
     ///   registration first. GitHub refusing it as busy (JobStillRunning)
     ///   answers [`RunnerError::Busy`] and leaves the instance running and
     ///   the lease held; a removal that fails for an outage destroys nothing
-    ///   either ([`RunnerError::Failed`], ask again).
+    ///   either ([`RunnerError::Failed`], ask again). A removal GitHub
+    ///   accepts is checked against the runner's job process
+    ///   ([`Runner::at_work`]): a runner at work is answered
+    ///   [`RunnerError::Busy`] and kept all the same.
     /// - A completion destroys an instance that no longer runs. One whose
     ///   runner still works is held in custody as *ending*, left to exit on
     ///   its own within the post-job grace and judged by every tend; the
@@ -1573,6 +1619,19 @@ impl Runner {
                 .remove_runner(&running.lease, running.epoch, id, &name)
                 .await
             {
+                Ok(()) if runs => {
+                    if self.at_work(&running.lease, &running.instance).await? {
+                        self.mark_online(request_id);
+                        info!(lease = %running.lease, request = %request_id, provider = %provider_says,
+                              "scale-down refused: the runner's job process runs; it keeps running");
+                        return Err(RunnerError::Busy {
+                            message: format!(
+                                "runner {name} is running a job (its job process runs, though GitHub let its registration go); nothing was destroyed"
+                            ),
+                            held: false,
+                        });
+                    }
+                }
                 Ok(()) => {}
                 Err(e) if !runs => {
                     // Its compute has ended: the removal policy's backoff.

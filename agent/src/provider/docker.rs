@@ -49,13 +49,14 @@ use bollard::models::{
 };
 use bollard::query_parameters::{
     CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
-    StopContainerOptionsBuilder,
+    StopContainerOptionsBuilder, TopOptionsBuilder,
 };
 use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
 use tokio::sync::OnceCell;
 
 use super::{
-    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
+    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, Work,
+    is_job_process, labels,
 };
 use crate::model::{ByteSize, InstanceName};
 
@@ -443,6 +444,38 @@ impl DockerProvider {
             })
     }
 
+    async fn work_unbounded(
+        &self,
+        operation: &str,
+        name: &InstanceName,
+    ) -> Result<Work, ProviderError> {
+        let docker = self.client(operation).await?;
+        let options = TopOptionsBuilder::new().ps_args("-o pid,args").build();
+        match docker.top_processes(name.as_str(), Some(options)).await {
+            Ok(top) => {
+                let args = top
+                    .titles
+                    .unwrap_or_default()
+                    .iter()
+                    .position(|t| t == "COMMAND" || t == "ARGS" || t == "CMD");
+                let busy = args.is_some_and(|column| {
+                    top.processes
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|row| row.get(column))
+                        .any(|line| is_job_process(line))
+                });
+                Ok(if busy { Work::Busy } else { Work::Idle })
+            }
+            // Gone (404), or present and not running (409): nothing runs.
+            Err(BollardError::DockerResponseServerError {
+                status_code: 404 | 409,
+                ..
+            }) => Ok(Work::Idle),
+            Err(err) => Err(self.engine_error(operation, &err, None)),
+        }
+    }
+
     async fn check_image_unbounded(&self, image: &str) -> Result<(), ProviderError> {
         let operation = format!("check image {image}");
         let docker = self.client(&operation).await?;
@@ -565,6 +598,20 @@ impl Provider for DockerProvider {
     async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
         let operation = format!("find {name}");
         self.bounded(&operation, self.find_exact(&operation, name))
+            .await
+    }
+
+    /// The container's processes as the engine lists them (`docker top`,
+    /// which runs `ps` on the engine's host): [`Work::Busy`] while one is
+    /// the runner's job process. A container that is gone or not running
+    /// runs nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`].
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError> {
+        let operation = format!("read the processes of {name}");
+        self.bounded(&operation, self.work_unbounded(&operation, name))
             .await
     }
 

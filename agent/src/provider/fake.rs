@@ -28,7 +28,8 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::{
-    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, labels,
+    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, Work,
+    labels,
 };
 use crate::model::{ByteSize, InstanceName, JitConfig, NodeName};
 
@@ -47,6 +48,8 @@ pub enum Operation {
     CheckImage,
     /// [`Provider::stop`].
     Stop,
+    /// [`Provider::work`].
+    Work,
     /// The start that follows a create ([`Provider::create_then_start`]):
     /// not a call of its own (never recorded), but
     /// [`FakeProvider::block`] holds a created instance, not yet running,
@@ -90,6 +93,8 @@ pub enum Call {
     CheckImage(String),
     /// `stop` of this instance, with its timeout.
     Stop(InstanceName, Duration),
+    /// `work` of this instance.
+    Work(InstanceName),
 }
 
 impl Call {
@@ -102,6 +107,7 @@ impl Call {
             Call::Find(_) => Operation::Find,
             Call::CheckImage(_) => Operation::CheckImage,
             Call::Stop(..) => Operation::Stop,
+            Call::Work(_) => Operation::Work,
         }
     }
 }
@@ -137,6 +143,8 @@ struct State {
     missing_images: BTreeSet<String>,
     engine: Engine,
     ignores_sigterm: BTreeSet<String>,
+    /// Instances whose runner runs its job process ([`Provider::work`]).
+    working: BTreeSet<String>,
     cpus: Option<u32>,
 }
 
@@ -295,6 +303,17 @@ impl FakeProvider {
         self.set_state(name, InstanceState::Exited(Exit { code, oom_killed }))
     }
 
+    /// Starts (`true`) or ends the instance's job process: while it runs,
+    /// [`Provider::work`] answers [`Work::Busy`] for a running instance.
+    pub fn set_working(&self, name: &str, working: bool) {
+        let mut s = self.state();
+        if working {
+            s.working.insert(name.to_owned());
+        } else {
+            s.working.remove(name);
+        }
+    }
+
     /// Makes the instance's runner ignore SIGTERM: [`Provider::stop`] then
     /// takes its whole timeout and ends it with SIGKILL (137).
     pub fn ignore_sigterm(&self, name: &str) {
@@ -348,6 +367,7 @@ impl FakeProvider {
             Call::Find(name) => format!("find {name}"),
             Call::CheckImage(image) => format!("check image {image}"),
             Call::Stop(name, _) => format!("stop {name}"),
+            Call::Work(name) => format!("read the processes of {name}"),
         };
         self.state().calls.push(call);
         let mut blocked = self.blocked.subscribe();
@@ -584,6 +604,18 @@ impl Provider for FakeProvider {
     async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError> {
         self.enter(Call::Find(name.clone())).await?;
         Ok(self.instance(name.as_str()))
+    }
+
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError> {
+        self.enter(Call::Work(name.clone())).await?;
+        let runs = self
+            .instance(name.as_str())
+            .is_some_and(|instance| instance.may_run());
+        Ok(if runs && self.state().working.contains(name.as_str()) {
+            Work::Busy
+        } else {
+            Work::Idle
+        })
     }
 }
 

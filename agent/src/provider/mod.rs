@@ -166,6 +166,34 @@ impl Instance {
     }
 }
 
+/// Whether the runner in an instance is working on a job, read from the
+/// instance's own processes ([`Provider::work`]): the node's evidence,
+/// beside GitHub's, before it removes compute a scale-down or a drain asks
+/// it to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// The runner's job process ([`JOB_PROCESS`]) runs in it.
+    Busy,
+    /// It runs no job process, or runs nothing at all.
+    Idle,
+    /// This provider cannot see the instance's processes: GitHub's word is
+    /// the only evidence.
+    Unknown,
+}
+
+/// The process the Actions runner starts for each job it takes and that
+/// ends with the job (`Runner.Worker`, beside the idle `Runner.Listener`).
+pub const JOB_PROCESS: &str = "Runner.Worker";
+
+/// Whether a process's command line (`args`, as `ps` prints it) is the
+/// runner's job process: its program's file name is [`JOB_PROCESS`].
+pub(crate) fn is_job_process(args: &str) -> bool {
+    args.split_whitespace()
+        .next()
+        .and_then(|program| program.rsplit('/').next())
+        .is_some_and(|file| file == JOB_PROCESS)
+}
+
 /// What a destroy achieved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Teardown {
@@ -354,6 +382,16 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     ///
     /// [`ProviderError`] when the engine cannot be read.
     async fn find(&self, name: &InstanceName) -> Result<Option<Instance>, ProviderError>;
+
+    /// Whether the runner in the instance named `name` is working on a job,
+    /// from its processes. An instance that is gone or not running is
+    /// [`Work::Idle`]. Required, with no default, so that a wrapper cannot
+    /// forget to ask the provider it wraps.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the engine cannot be read.
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError>;
 }
 
 /// Who owns an instance: used to label and to filter.

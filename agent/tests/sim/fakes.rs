@@ -205,6 +205,9 @@ pub struct Faults {
     pub list: u32,
     /// Every call of the tend under way takes this long.
     pub inside_tend: Option<Duration>,
+    /// GitHub accepts the removal of a runner at work (its busy flag lags
+    /// behind the job): the registration goes, the job runs on.
+    pub removal_ignores_job: bool,
 }
 
 /// A crash armed to happen at the `countdown`-th node-side call.
@@ -752,6 +755,12 @@ impl Core {
             .get(&name)
             .is_some_and(|r| runner_id <= 0 || r.id == runner_id);
         if exact {
+            if self.regs[&name].job && self.faults.removal_ignores_job {
+                self.regs.remove(&name);
+                self.tally("github: removal of a runner at work accepted");
+                self.event(|| format!("github: removed registration {name} of a runner at work"));
+                return Ok(Retired::Removed);
+            }
             if self.regs[&name].job {
                 // As GitHub does (400 JobStillRunning), whoever asks and
                 // whatever authority they hold: a runner GitHub records as

@@ -26,7 +26,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use billet_agent::model::{ByteSize, InstanceName};
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
-use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown};
+use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
 
 use crate::fakes::{Job, PFault, POST_JOB_GRACE, POp, Sabotage, Shared, may_run};
 
@@ -60,7 +60,7 @@ impl SimProvider {
             && may_run(&instance)
             && !c.authority.contains(&lease)
         {
-            if c.busy_at_github(n) {
+            if c.busy_at_github(n) || c.jobs.get(n) == Some(&Job::Live) {
                 c.violate(format!(
                     "invariant (4) no live job killed without authority: {how} of {n} while GitHub records its job running, with no operator release or cancellation"
                 ));
@@ -245,6 +245,20 @@ impl Provider for SimProvider {
             self.fake.fail_next(Operation::Find, 1);
         }
         let result = self.fake.find(name).await;
+        self.shared.leave(gate).await;
+        result
+    }
+
+    /// The runner's job process runs while its job does, and while it
+    /// finishes after an early completion.
+    async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError> {
+        let gate = self.enter(false).await;
+        let working = matches!(
+            self.shared.lock().jobs.get(name.as_str()),
+            Some(Job::Live | Job::Finishing)
+        );
+        self.fake.set_working(name.as_str(), working);
+        let result = self.fake.work(name).await;
         self.shared.leave(gate).await;
         result
     }

@@ -52,6 +52,10 @@
 //! (`registry mirrors: env <BILLET_REGISTRY_MIRRORS or unset>; daemon.json <the registry-mirrors
 //! of /etc/docker/daemon.json, or absent>`), for tests that a guest sees exactly those.
 //!
+//! While it holds a job, in every mode, a child process of this binary named `Runner.Worker` runs
+//! beside it, as `actions/runner` starts one per job: a node reads it from its engine's process
+//! list as its own evidence that the runner is at work. It ends when the job does.
+//!
 //! Once it has a job, every mode says so on stderr (`runner <name> took job <id>`) before doing
 //! what its mode does, so a test can wait for that line; a runner waiting for one says `waiting
 //! for a job`, and `never-connect` says `never connects`. Each line comes after the signal
@@ -78,6 +82,7 @@ mod mirrors;
 mod reports;
 mod run;
 mod sticky;
+mod worker;
 
 use std::process::ExitCode;
 
@@ -93,6 +98,9 @@ use run::{Failure, Stop, run, supervise};
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    if worker::is_job_process() {
+        return worker::job_process();
+    }
     if std::env::var_os(STEP_ENV).is_some() {
         return allocating_step();
     }

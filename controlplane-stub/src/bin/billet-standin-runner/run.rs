@@ -10,6 +10,7 @@ use crate::allocate::{allocate, run_allocating_step};
 use crate::cli::{Cli, Mode};
 use crate::emulator::EmulatorLink;
 use crate::jit::JitConfig;
+use crate::worker::Worker;
 
 /// Why the runner stopped without running a job.
 #[derive(Debug, PartialEq, Eq)]
@@ -72,6 +73,7 @@ pub(crate) async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, F
         "billet-standin-runner: runner {} took job {job}",
         config.runner_name
     );
+    let _worker = Worker::start(&config.runner_name);
     match cli.mode {
         Mode::Job | Mode::IgnoreSigterm => emulator.work_and_complete(cli, job).await,
         Mode::Hang => {
