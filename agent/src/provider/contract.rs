@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{Exit, Instance, InstanceSpec, InstanceState, Provider, ProviderError, Teardown};
+use super::{Exit, Instance, InstanceSpec, InstanceState, Provider, ProviderError, Teardown, Work};
 use crate::model::{InstanceName, LeaseId};
 
 /// How long a check waits for an instance to reach a state.
@@ -41,6 +41,9 @@ pub(crate) enum Behaviour {
     Exit(i64),
     /// Allocates memory until the OOM killer ends it under a 128 MiB limit.
     Allocate,
+    /// Works on a job: the runner's job process
+    /// ([`JOB_PROCESS`](super::JOB_PROCESS)) runs in it until it is stopped.
+    Job,
 }
 
 /// Plays, for one provider, what the checks need.
@@ -203,6 +206,33 @@ pub(crate) async fn a_killed_instance_is_exited_137_without_the_oom_flag(driver:
     .await;
 }
 
+/// An instance whose runner's job process runs is [`Work::Busy`]; one that
+/// runs no job process, one that has exited and one that is gone are
+/// [`Work::Idle`].
+///
+/// # Panics
+///
+/// When the provider breaks the contract.
+pub(crate) async fn a_runner_is_busy_exactly_while_its_job_process_runs(driver: &dyn Driver) {
+    let provider = driver.provider();
+    let job = driver.spec("job", Behaviour::Job);
+    let at_work = job.name.clone();
+    let idle = driver.spec("idle", Behaviour::Work);
+    let listening = idle.name.clone();
+    provider.create(job).await.expect("create");
+    driver.enact(&at_work, Behaviour::Job).await;
+    provider.create(idle).await.expect("create");
+    assert_eq!(provider.work(&at_work).await.expect("work"), Work::Busy);
+    assert_eq!(provider.work(&listening).await.expect("work"), Work::Idle);
+    driver.kill(&at_work).await;
+    settle(provider, &at_work, "exited", |s| s.exit().is_some()).await;
+    assert_eq!(provider.work(&at_work).await.expect("work"), Work::Idle);
+    for name in [&at_work, &listening] {
+        provider.destroy(name).await.expect("destroy");
+        assert_eq!(provider.work(name).await.expect("work"), Work::Idle);
+    }
+}
+
 /// An instance removed behind the provider's back is absent, and
 /// destroying it is success.
 ///
@@ -335,6 +365,7 @@ async fn every_call_fails(
     }
     check!("list", provider.list());
     check!("find", provider.find(&name));
+    check!("work", provider.work(&name));
     check!("destroy", provider.destroy(&name));
     check!("check_image", provider.check_image(&image));
     check!("create", provider.create(spec));

@@ -1134,7 +1134,8 @@ mod tests {
 
     const SOCKET: &str = "/var/run/docker.sock";
     const TEST_IMAGE_REPO: &str = "billet-test-shell";
-    const TEST_IMAGE: &str = "billet-test-shell:dev";
+    const TEST_IMAGE_TAG: &str = "job";
+    const TEST_IMAGE: &str = "billet-test-shell:job";
 
     fn owner(deployment: &str, node: &str) -> Owner {
         Owner {
@@ -1614,8 +1615,9 @@ mod tests {
 
         static TEST_IMAGE_READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
-        /// Imports `billet-test-shell:dev` (the host's `sleep` and `sh`, and the
-        /// shared libraries they need, nothing else) unless the engine has it:
+        /// Imports `billet-test-shell:job` (the host's `sleep` and `sh`, `sleep`
+        /// again as the runner's job process, and the shared libraries they
+        /// need, nothing else) unless the engine has it:
         /// no registry can be reached from here.
         async fn ensure_test_image(docker: &Docker) {
             TEST_IMAGE_READY
@@ -1627,7 +1629,7 @@ mod tests {
                     let options = CreateImageOptions {
                         from_src: Some("-".to_owned()),
                         repo: Some(TEST_IMAGE_REPO.to_owned()),
-                        tag: Some("dev".to_owned()),
+                        tag: Some(TEST_IMAGE_TAG.to_owned()),
                         ..Default::default()
                     };
                     docker
@@ -1665,6 +1667,12 @@ mod tests {
                         panic!("building the test image needs {tool} at /bin or /usr/bin")
                     });
                 copy(&found, &Path::new("/bin").join(tool));
+                if tool == "sleep" {
+                    copy(
+                        &found,
+                        &Path::new("/bin").join(crate::provider::JOB_PROCESS),
+                    );
+                }
                 let ldd = Command::new("ldd")
                     .arg(&found)
                     .output()
@@ -2088,6 +2096,13 @@ mod tests {
                         vec!["/bin/sh".into(), "-c".into(), format!("exit {code}")]
                     }
                     // The string doubles until the limit's OOM killer ends it.
+                    // The host's `sleep`, under the job process's name.
+                    contract::Behaviour::Job => {
+                        vec![
+                            format!("/bin/{}", crate::provider::JOB_PROCESS),
+                            "300".into(),
+                        ]
+                    }
                     contract::Behaviour::Allocate => vec![
                         "/bin/sh".into(),
                         "-c".into(),
@@ -2155,6 +2170,14 @@ mod tests {
             fn missing_image(&self) -> String {
                 "billet-test-no-such-image:none".to_owned()
             }
+        }
+
+        #[tokio::test]
+        async fn docker_reads_a_runner_busy_exactly_while_its_job_process_runs() {
+            contract::a_runner_is_busy_exactly_while_its_job_process_runs(
+                &DockerDriver::new().await,
+            )
+            .await;
         }
 
         #[tokio::test]

@@ -882,6 +882,7 @@ mod tests {
                 contract::Behaviour::Allocate => {
                     self.fake.exit(name.as_str(), 137, true);
                 }
+                contract::Behaviour::Job => self.fake.set_working(name.as_str(), true),
             }
         }
 
@@ -908,6 +909,11 @@ mod tests {
         fn missing_image(&self) -> String {
             MISSING_IMAGE.to_owned()
         }
+    }
+
+    #[tokio::test]
+    async fn the_fake_reads_a_runner_busy_exactly_while_its_job_process_runs() {
+        contract::a_runner_is_busy_exactly_while_its_job_process_runs(&FakeDriver::new()).await;
     }
 
     #[tokio::test]
