@@ -860,6 +860,38 @@ async fn a_completion_while_the_runner_still_works_for_30_s_does_not_kill_it() -
     cluster.shutdown().await
 }
 
+/// GitHub has recorded the job `succeeded`; the runner, at its post-job
+/// work, is then killed (`docker kill`). The job ended before its compute
+/// did: the lease ends `done` with no failure reason, not `failed killed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_after_its_job_succeeded_is_released_done() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        tier_env: vec!["BILLET_STANDIN_POST_JOB_MS=60000".into()],
+        ..options(2_000)
+    })
+    .await?;
+    let jobs = cluster.queue_jobs(1);
+    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
+    let lease = only_lease(&cluster).await?;
+    let name = format!("billet-{}", lease.id);
+    wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
+    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
+    // The completion reaches the node, which leaves the runner its post-job
+    // grace; then the runner is killed behind its back.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        runs(&cluster, &name).await?,
+        "the runner stopped on its own"
+    );
+    cluster.docker.kill_container(&name, None).await?;
+    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
+    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
+    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
+    assert!(!runs(&cluster, &name).await?);
+    ends_clean(&cluster).await?;
+    cluster.shutdown().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_ignoring_sigterm_past_the_post_job_grace_is_killed_and_released_failed_post_job_timeout()
 -> Result<()> {
