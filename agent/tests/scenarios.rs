@@ -1908,6 +1908,34 @@ async fn an_adopted_lease_is_kept_alive() {
     ka.await.unwrap();
 }
 
+/// A scale-down of an adopted runner at work: GitHub accepting the removal
+/// does not end it while its job process runs; the node holds it on.
+#[tokio::test]
+async fn a_scale_down_of_an_adopted_runner_whose_job_process_runs_answers_busy_and_keeps_it() {
+    let w = World::new();
+    let lease = w.launching_lease(1);
+    w.put_instance(&name(&lease.id), true);
+    w.fake.set_working(&name(&lease.id), true);
+    w.core().faults.removal_ignores_job = true;
+    let r = w.runner();
+    r.recover().await.unwrap();
+    let err = r
+        .destroy(lease.request_id, &DestroyOrder::scale_down())
+        .await
+        .expect_err("busy");
+    assert!(matches!(err, RunnerError::Busy { held: true, .. }), "{err}");
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "a runner at work was destroyed");
+    assert_eq!(w.fake.count(Operation::Destroy), 0);
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+    // Its job ends and the runner exits: the lease is `done`.
+    w.fake.set_working(&name(&lease.id), false);
+    w.fake.exit(&name(&lease.id), 0, false);
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
 #[tokio::test]
 async fn an_adopted_job_is_cleaned_up_when_it_finishes() {
     let w = World::new();

@@ -837,6 +837,20 @@ impl Runner {
             match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
                 Ok(()) => {
                     entry.registration = None;
+                    // GitHub's acceptance is not proof the runner is idle.
+                    let at_work = self.at_work(lease, &entry.instance).await;
+                    if !matches!(at_work, Ok(false)) {
+                        self.update(lease, entry).await;
+                        return Err(match at_work {
+                            Ok(_) => RunnerError::Busy {
+                                message: format!(
+                                    "the runner of lease {lease} is running a job (its job process runs, though GitHub let its registration go); nothing was destroyed, and this node holds the lease"
+                                ),
+                                held: true,
+                            },
+                            Err(e) => RunnerError::Custody(e.to_string()),
+                        });
+                    }
                     teardown(&mut entry);
                 }
                 Err(e @ (PlaneError::Busy(_) | PlaneError::Refused(_))) => {
