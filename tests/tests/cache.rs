@@ -509,7 +509,9 @@ async fn one_socket(cache: &Path, not: Option<&Path>) -> Result<PathBuf> {
     Ok(find().remove(0))
 }
 
-/// The cache token in the environment of the node's one runner container.
+/// The cache token in the environment of the node's one runner process
+/// (read from `/proc/<pid>/environ` on this host: the engine does not
+/// record it).
 async fn token_of_the_runner(cluster: &Cluster) -> Result<String> {
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     loop {
@@ -518,12 +520,15 @@ async fn token_of_the_runner(cluster: &Cluster) -> Result<String> {
             let Ok(inspected) = cluster.docker.inspect_container(&name, None).await else {
                 continue;
             };
-            let env = inspected.config.and_then(|c| c.env).unwrap_or_default();
-            if let Some(t) = env
-                .iter()
-                .find_map(|e| e.strip_prefix("BILLET_CACHE_TOKEN="))
+            let Some(pid) = inspected.state.and_then(|s| s.pid).filter(|p| *p > 0) else {
+                continue;
+            };
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            if let Some(t) = environ
+                .split(|b| *b == 0)
+                .find_map(|e| e.strip_prefix(b"BILLET_CACHE_TOKEN="))
             {
-                return Ok(t.to_owned());
+                return Ok(String::from_utf8_lossy(t).into_owned());
             }
         }
         anyhow::ensure!(

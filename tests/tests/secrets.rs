@@ -1,5 +1,7 @@
-//! Credentials never reach a log: the JIT configs handed to real containers
-//! appear nowhere in the node's or the plane's output, even at trace level.
+//! Credentials never reach a log or container metadata: the JIT configs
+//! handed to real containers appear nowhere in the node's or the plane's
+//! output, even at trace level, nor in what the engine records about the
+//! containers.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -30,17 +32,26 @@ impl<'a> MakeWriter<'a> for Buffer {
     }
 }
 
-/// The JIT configs the Docker engine holds for this cluster's containers,
-/// read while they run.
-async fn jit_configs(cluster: &Cluster) -> Result<Vec<String>> {
+/// The JIT configs this cluster's runners hold, read from each runner
+/// process's own environment on this host (`/proc/<pid>/environ`, as root),
+/// and what the engine records about each container (`docker inspect`, as
+/// JSON), read while they run.
+async fn jit_configs(cluster: &Cluster, recorded: &mut Vec<String>) -> Result<Vec<String>> {
     let mut found = Vec::new();
     for name in cluster.containers().await? {
         let Ok(inspect) = cluster.docker.inspect_container(&name, None).await else {
             continue;
         };
-        for var in inspect.config.and_then(|c| c.env).unwrap_or_default() {
-            if let Some(v) = var.strip_prefix("ACTIONS_RUNNER_INPUT_JITCONFIG=") {
-                found.push(v.to_owned());
+        recorded.push(serde_json::to_string(&inspect)?);
+        let Some(pid) = inspect.state.and_then(|s| s.pid).filter(|p| *p > 0) else {
+            continue;
+        };
+        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        for var in environ.split(|b| *b == 0) {
+            if let Some(v) = var.strip_prefix(b"ACTIONS_RUNNER_INPUT_JITCONFIG=") {
+                found.push(String::from_utf8_lossy(v).into_owned());
             }
         }
     }
@@ -48,7 +59,8 @@ async fn jit_configs(cluster: &Cluster) -> Result<Vec<String>> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_jit_config_appears_in_no_log_output_even_at_trace_level() -> Result<()> {
+async fn the_jit_config_appears_in_no_log_output_even_at_trace_level_nor_in_docker_inspect()
+-> Result<()> {
     let plane_log = Buffer::default();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new("trace"))
@@ -64,16 +76,32 @@ async fn the_jit_config_appears_in_no_log_output_even_at_trace_level() -> Result
     // The demo's loop: five jobs through the whole path.
     let jobs = cluster.queue_jobs(5);
     let mut configs = std::collections::BTreeSet::new();
+    let mut recorded = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while configs.len() < 5 && tokio::time::Instant::now() < deadline {
-        configs.extend(jit_configs(&cluster).await?);
+        configs.extend(jit_configs(&cluster, &mut recorded).await?);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(
         configs.len(),
         5,
-        "could not read every JIT config from the running containers"
+        "could not read every JIT config from the running runners"
     );
+    // What the engine records about a container (its environment, labels,
+    // command line, mounts) holds no JIT config: only the runner's own
+    // process does.
+    for inspect in &recorded {
+        for config in &configs {
+            assert!(
+                !inspect.contains(config.as_str()),
+                "docker inspect shows a JIT config"
+            );
+        }
+        assert!(
+            !inspect.contains("ACTIONS_RUNNER_INPUT_JITCONFIG"),
+            "{inspect}"
+        );
+    }
     cluster
         .wait_jobs_completed(&jobs, Duration::from_secs(60))
         .await?;

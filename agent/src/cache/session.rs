@@ -11,9 +11,9 @@
 //!
 //! **Credentials.** [`Sessions::prepare`] runs before the compute is
 //! created: 32 bytes from the operating system's CSPRNG, hex
-//! ([`CacheToken`], whose `Debug` is redacted), handed to the guest only
-//! in its environment ([`TOKEN_ENV`], beside [`ENDPOINT_ENV`]), never
-//! logged. The journal keeps its SHA-256, never the token; a request's
+//! ([`CacheToken`], whose `Debug` is redacted), handed to the guest once,
+//! through its handoff FIFO, as [`TOKEN_ENV`] (beside [`ENDPOINT_ENV`] in
+//! its plain environment), never logged or recorded by the engine. The journal keeps its SHA-256, never the token; a request's
 //! bearer is hashed and compared with it in constant time. The session is
 //! journaled before the compute starts and forgotten, its socket removed,
 //! when the compute is proven gone ([`Sessions::close`]); a restarted node

@@ -296,7 +296,9 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
             node: tls.node_name.clone(),
         },
     )?
-    .with_registry_mirrors(mirrors);
+    .with_registry_mirrors(mirrors)
+    .with_handoff_dir(config.state_dir.join(crate::provider::handoff::STATE_DIR));
+    docker.clear_handoffs();
     let engine_answered = match tokio::time::timeout(START_PING_BOUND, docker.ping()).await {
         Ok(Ok(())) => true,
         // Connected, and no answer: a hung engine. The node starts without

@@ -54,6 +54,7 @@ use bollard::query_parameters::{
 use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
 use tokio::sync::OnceCell;
 
+use super::handoff::{DELIVERY_BOUND, GUEST_DIR, Handoffs, SECRETS_ENV, SECRETS_FILE, Secrets};
 use super::{
     Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, Work,
     is_job_process, labels,
@@ -130,6 +131,8 @@ pub(crate) struct DockerProvider {
     /// How many CPUs the engine's host has (`docker info`'s `NCPU`), read
     /// by the first [`Provider::shape`] that reaches the engine.
     cpus: OnceCell<u32>,
+    /// Where each container's credentials wait for it (`handoff.rs`).
+    handoffs: Handoffs,
 }
 
 impl DockerProvider {
@@ -151,6 +154,10 @@ impl DockerProvider {
                 socket.display()
             )));
         }
+        let handoffs = Handoffs::new(std::env::temp_dir().join(format!(
+            "billet-handoff-{}-{}",
+            owner.deployment, owner.node
+        )));
         Ok(Self {
             socket: socket.to_owned(),
             owner,
@@ -158,7 +165,24 @@ impl DockerProvider {
             timeout: DEFAULT_TIMEOUT,
             mirrors: super::mirrors::GuestMirrors::default(),
             cpus: OnceCell::new(),
+            handoffs,
         })
+    }
+
+    /// The same provider keeping its containers' handoff directories
+    /// under `base` (a directory of the node's state; a temporary one
+    /// otherwise).
+    #[must_use]
+    pub(crate) fn with_handoff_dir(mut self, base: PathBuf) -> Self {
+        self.handoffs = Handoffs::new(base);
+        self
+    }
+
+    /// Removes the handoff directories an earlier process of this node
+    /// left ([`Handoffs::clear`]); called once at start-up, before any
+    /// launch.
+    pub(crate) fn clear_handoffs(&self) {
+        self.handoffs.clear();
     }
 
     /// The same provider handing `mirrors` to every container it creates:
@@ -659,10 +683,49 @@ impl DockerProvider {
         exists: tokio::sync::oneshot::Sender<()>,
         start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
-        let (name, body) = self.container_for(&spec)?;
+        let (name, body, secrets) = self.container_for(&spec)?;
         let operation = format!("create {name}");
         let secret = spec.jit_config.expose();
         let docker = self.client(&operation).await?;
+        self.handoffs.prepare(&spec.name).map_err(|e| {
+            ProviderError::Refused(format!(
+                "{name}: cannot prepare the handoff of its credentials: {e}"
+            ))
+        })?;
+        let created = self
+            .create_and_start(&spec, &name, body, secret, docker, exists, start)
+            .await;
+        match &created {
+            Ok(_) => {
+                // The guest asks for its credentials once it runs; the
+                // launch does not wait for that.
+                let handoffs = self.handoffs.clone();
+                let instance = spec.name.clone();
+                let lease = spec.lease.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = handoffs.deliver(&instance, &secrets, DELIVERY_BOUND).await {
+                        tracing::warn!(%instance, %lease, error = %e, "the runner was not handed its JIT config; it cannot come online, and the start deadline ends it");
+                    }
+                });
+            }
+            Err(_) => self.handoffs.remove(&spec.name),
+        }
+        created
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn create_and_start(
+        &self,
+        spec: &InstanceSpec,
+        name: &str,
+        body: ContainerCreateBody,
+        secret: &str,
+        docker: &Docker,
+        exists: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        let operation = format!("create {name}");
+        let name = name.to_owned();
 
         let created = docker
             .create_container(
@@ -716,12 +779,13 @@ impl DockerProvider {
             id: created.id,
             name,
             state: InstanceState::Running,
-            labels: self.labels_for(&spec).into_iter().collect(),
+            labels: self.labels_for(spec).into_iter().collect(),
         })
     }
 
     async fn destroy_unbounded(&self, name: &InstanceName) -> Result<Teardown, ProviderError> {
         let operation = format!("destroy {name}");
+        self.handoffs.remove(name);
         let Some(instance) = self.find_exact(&operation, name).await? else {
             return Ok(Teardown::Stopped);
         };
@@ -795,7 +859,7 @@ impl DockerProvider {
     fn container_for(
         &self,
         spec: &InstanceSpec,
-    ) -> Result<(String, ContainerCreateBody), ProviderError> {
+    ) -> Result<(String, ContainerCreateBody, Secrets), ProviderError> {
         let expected = InstanceName::for_lease(&spec.lease);
         if spec.name != expected {
             return Err(ProviderError::Refused(format!(
@@ -833,10 +897,10 @@ impl DockerProvider {
             if key == super::mirrors::MIRRORS_ENV && self.mirrors.env_value().is_some() {
                 continue;
             }
-            if key == JIT_CONFIG_ENV {
+            if key == JIT_CONFIG_ENV || key == SECRETS_ENV {
                 return Err(ProviderError::Refused(format!(
-                    "{}: the plain environment may not set {JIT_CONFIG_ENV}; the JIT config is \
-                     passed separately",
+                    "{}: the plain environment may not set {key}; the JIT config is passed \
+                     separately",
                     spec.name
                 )));
             }
@@ -852,21 +916,22 @@ impl DockerProvider {
         if let Some(mirrors) = self.mirrors.env_value() {
             env.push(format!("{}={mirrors}", super::mirrors::MIRRORS_ENV));
         }
-        env.push(format!("{JIT_CONFIG_ENV}={secret}"));
+        // The credentials go through the handoff FIFO, never into what the
+        // engine records; the environment names only where to read them.
+        let refused = |e: String| ProviderError::Refused(format!("{}: {e}", spec.name));
+        let mut secrets = Secrets::default();
+        secrets.add(JIT_CONFIG_ENV, secret).map_err(refused)?;
         if let Some(token) = &spec.cache_token {
-            env.push(format!(
-                "{}={}",
-                crate::cache::session::TOKEN_ENV,
-                token.expose()
-            ));
+            secrets
+                .add(crate::cache::session::TOKEN_ENV, token.expose())
+                .map_err(refused)?;
         }
         if let Some(url) = &spec.actions_proxy {
-            env.push(format!(
-                "{}={}",
-                crate::cache::actions::PROXY_ENV,
-                url.expose()
-            ));
+            secrets
+                .add(crate::cache::actions::PROXY_ENV, url.expose())
+                .map_err(refused)?;
         }
+        env.push(format!("{SECRETS_ENV}={GUEST_DIR}/{SECRETS_FILE}"));
 
         let bytes = |what: &str, size: u64| {
             i64::try_from(size).map_err(|_| {
@@ -909,7 +974,14 @@ impl DockerProvider {
                         ..Default::default()
                     });
                 }
-                (!mounts.is_empty()).then_some(mounts)
+                mounts.push(bollard::models::Mount {
+                    target: Some(GUEST_DIR.to_owned()),
+                    source: Some(self.handoffs.dir(&spec.name).to_string_lossy().into_owned()),
+                    typ: Some(bollard::models::MountType::BIND),
+                    read_only: Some(true),
+                    ..Default::default()
+                });
+                Some(mounts)
             },
             ..Default::default()
         };
@@ -924,7 +996,7 @@ impl DockerProvider {
             host_config: Some(host_config),
             ..Default::default()
         };
-        Ok((spec.name.as_str().to_owned(), body))
+        Ok((spec.name.as_str().to_owned(), body, secrets))
     }
 }
 
@@ -1375,14 +1447,20 @@ mod tests {
     fn registry_mirrors_reach_a_container_as_a_read_only_daemon_json_and_an_env_and_none_as_neither()
      {
         let plain = offline();
-        let (_, body) = plain.container_for(&spec("lease-1", "c2VjcmV0")).unwrap();
+        let (_, body, _) = plain.container_for(&spec("lease-1", "c2VjcmV0")).unwrap();
         let env = body.env.unwrap();
         assert!(
             !env.iter()
                 .any(|e| e.starts_with(super::super::mirrors::MIRRORS_ENV)),
             "{env:?}"
         );
-        assert_eq!(body.host_config.unwrap().mounts, None);
+        let mounts = body.host_config.unwrap().mounts.unwrap();
+        assert!(
+            mounts
+                .iter()
+                .all(|m| m.target.as_deref() == Some(GUEST_DIR)),
+            "{mounts:?}"
+        );
 
         let dir = std::env::temp_dir().join(unique("billet-mirrors-provider"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -1398,7 +1476,7 @@ mod tests {
             super::super::mirrors::MIRRORS_ENV.to_owned(),
             "https://the-tier.example".to_owned(),
         ));
-        let (_, body) = provider.container_for(&with_own).unwrap();
+        let (_, body, _) = provider.container_for(&with_own).unwrap();
         let env = body.env.unwrap();
         let given: Vec<&String> = env
             .iter()
@@ -1409,7 +1487,7 @@ mod tests {
             ["BILLET_REGISTRY_MIRRORS=https://m1.example,http://m2.example:5000"]
         );
         let mounts = body.host_config.unwrap().mounts.unwrap();
-        assert_eq!(mounts.len(), 1, "{mounts:?}");
+        assert_eq!(mounts.len(), 2, "{mounts:?}");
         assert_eq!(mounts[0].target.as_deref(), Some("/etc/docker/daemon.json"));
         assert_eq!(
             mounts[0].source.as_deref(),
@@ -1420,17 +1498,28 @@ mod tests {
     }
 
     #[test]
-    fn the_create_request_carries_the_jit_config_only_in_the_environment() {
+    fn the_create_request_carries_no_credential_only_where_to_read_them() {
         let provider = offline();
-        let (name, body) = provider
+        let (name, body, secrets) = provider
             .container_for(&spec("lease-1", "c2VjcmV0"))
             .unwrap();
         assert_eq!(name, "billet-lease-1");
         let env = body.env.clone().unwrap();
         assert_eq!(
             env,
-            ["RUNNER_TIER=small", &format!("{JIT_CONFIG_ENV}=c2VjcmV0")]
+            [
+                "RUNNER_TIER=small",
+                &format!("{SECRETS_ENV}={GUEST_DIR}/{SECRETS_FILE}")
+            ]
         );
+        assert_eq!(
+            format!("{secrets:?}"),
+            format!("Secrets {{ keys: [{JIT_CONFIG_ENV:?}] }}")
+        );
+        let mounts = body.host_config.clone().unwrap().mounts.unwrap();
+        assert_eq!(mounts.len(), 1, "{mounts:?}");
+        assert_eq!(mounts[0].target.as_deref(), Some(GUEST_DIR));
+        assert_eq!(mounts[0].read_only, Some(true));
         assert_eq!(body.entrypoint.clone().unwrap(), ["/bin/sleep"]);
         assert_eq!(body.cmd.clone().unwrap(), ["300"]);
         let host = body.host_config.clone().unwrap();
@@ -1444,14 +1533,8 @@ mod tests {
         assert_eq!(labels[labels::LEASE], "lease-1");
         assert_eq!(labels[labels::EPOCH], "7");
         assert_eq!(labels[labels::REQUEST], "1234");
-        // Nothing but the environment holds the secret.
-        let mut without_env = body;
-        without_env.env = None;
-        assert!(
-            !serde_json::to_string(&without_env)
-                .unwrap()
-                .contains("c2VjcmV0")
-        );
+        // Nothing the engine records holds the secret.
+        assert!(!serde_json::to_string(&body).unwrap().contains("c2VjcmV0"));
 
         let mut unlimited = spec("lease-1", "j");
         unlimited.vcpu = 0;
@@ -1773,7 +1856,7 @@ mod tests {
         }
 
         #[tokio::test]
-        async fn a_created_container_is_labelled_and_holds_the_jit_config_only_in_its_env() {
+        async fn a_created_container_is_labelled_and_the_engine_records_no_jit_config() {
             let deployment = unique("dep");
             let provider = provider(owner(&deployment, "node-a")).await;
             let lease = unique("t");
@@ -1807,9 +1890,14 @@ mod tests {
             assert_eq!(instance.labels, created.labels);
 
             let inspected = inspect(&provider, name.as_str()).await;
+            let recorded = serde_json::to_string(&inspected).unwrap();
+            assert!(!recorded.contains(&jit), "{recorded}");
             let config = inspected.config.unwrap();
             let env = config.env.unwrap();
-            assert!(env.contains(&format!("{JIT_CONFIG_ENV}={jit}")), "{env:?}");
+            assert!(
+                !env.iter().any(|e| e.starts_with(JIT_CONFIG_ENV)),
+                "{env:?}"
+            );
             assert!(env.contains(&"RUNNER_TIER=small".to_owned()), "{env:?}");
             assert_eq!(config.entrypoint.unwrap(), ["/bin/sleep"]);
             assert_eq!(config.cmd.unwrap(), ["300"]);
@@ -1818,6 +1906,37 @@ mod tests {
             assert_eq!(host.memory, Some(64 << 20));
             assert_eq!(host.shm_size, Some(16 << 20));
             assert_eq!(host.network_mode.as_deref(), Some("none"));
+        }
+
+        /// The guest reads its JIT config once from the file its
+        /// environment names; a second look finds no file.
+        #[tokio::test]
+        async fn a_guest_reads_its_jit_config_once_and_then_finds_no_file() {
+            let provider = provider(owner(&unique("dep"), "node-a")).await;
+            let mut spec = spec(&unique("t"), &unique("jit-secret"));
+            spec.command = vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                format!(
+                    "read -r first < \"${SECRETS_ENV}\"; sleep 1; \
+                     [ -e \"${SECRETS_ENV}\" ] && exit 9; \
+                     case \"$first\" in {JIT_CONFIG_ENV}=jit-secret-*) exit 0;; esac; exit 8"
+                ),
+            ];
+            let name = spec.name.clone();
+            let _leftovers = Leftovers(vec![name.to_string()]);
+            provider.create(spec).await.unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            let exit = loop {
+                let found = provider.find(&name).await.unwrap().expect("present");
+                if let InstanceState::Exited(exit) = found.state {
+                    break exit;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "{found:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            assert_eq!(exit.code, 0, "8: not the JIT config; 9: read twice");
+            provider.destroy(&name).await.unwrap();
         }
 
         #[tokio::test]

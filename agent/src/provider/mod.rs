@@ -21,6 +21,7 @@ mod contract;
 pub(crate) mod docker;
 #[cfg(any(test, feature = "testing"))]
 pub mod fake;
+pub(crate) mod handoff;
 pub(crate) mod mirrors;
 
 use std::collections::BTreeMap;
@@ -70,18 +71,19 @@ pub struct InstanceSpec {
     pub network: Option<String>,
     /// Plain environment; never a credential.
     pub env: Vec<(String, String)>,
-    /// The single-use registration. Reaches the instance only as
-    /// `ACTIONS_RUNNER_INPUT_JITCONFIG`.
+    /// The single-use registration. Reaches the instance only through its
+    /// handoff ([`handoff`]), as `ACTIONS_RUNNER_INPUT_JITCONFIG`.
     pub jit_config: JitConfig,
     /// Host directories bound read-write into the instance (its sticky
     /// disks' mounts and its cache session's directory).
     pub binds: Vec<Bind>,
     /// The instance's cache session credential. Reaches the instance only
-    /// as `BILLET_CACHE_TOKEN` ([`crate::cache::session::TOKEN_ENV`]).
+    /// through its handoff, as `BILLET_CACHE_TOKEN`
+    /// ([`crate::cache::session::TOKEN_ENV`]).
     pub cache_token: Option<crate::cache::session::CacheToken>,
     /// The instance's Actions cache proxy URL, with the token in it.
-    /// Reaches the instance only as `BILLET_ACTIONS_PROXY`
-    /// ([`crate::cache::actions::PROXY_ENV`]).
+    /// Reaches the instance only through its handoff, as
+    /// `BILLET_ACTIONS_PROXY` ([`crate::cache::actions::PROXY_ENV`]).
     pub actions_proxy: Option<crate::cache::actions::proxy::ProxyUrl>,
 }
 

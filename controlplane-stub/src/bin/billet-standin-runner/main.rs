@@ -11,7 +11,11 @@
 //! `POST /_emulator/jobs/{id}/complete {"result": <result>}`, prints one line and exits. A job the
 //! emulator itself started on this runner (`EmulatedRunner::job`) is worked the same way.
 //!
-//! The JIT config is a credential: it is never printed, not even in part.
+//! The JIT config is a credential: it is never printed, not even in part. A node hands it over
+//! once, with the other credentials, through the file `BILLET_SECRETS_FILE` names (a FIFO the
+//! node writes `KEY=VALUE` lines into): the runner reads it before anything else and runs itself
+//! again with those variables in its environment, so none of them is in the container's
+//! recorded configuration.
 //!
 //! Every option is a flag or an environment variable, so that the node's Docker provider can
 //! pass it through a tier's `env`:
@@ -19,6 +23,7 @@
 //! | variable | flag | default | meaning |
 //! |---|---|---|---|
 //! | `ACTIONS_RUNNER_INPUT_JITCONFIG` | `--jitconfig` | required | the encoded JIT config |
+//! | `BILLET_SECRETS_FILE` | none | none | a file of `KEY=VALUE` lines read once at start, before anything else, into the runner's own environment: how a node hands over the JIT config and the cache's credentials |
 //! | `BILLET_STANDIN_MODE` | `--mode` | `job` | what the runner does: the table below |
 //! | `BILLET_STANDIN_WORK_MS` | `--work-ms` | 2000 | how long a job is worked, in milliseconds |
 //! | `BILLET_STANDIN_RESULT` | `--result` | `succeeded` | the result a job is completed with |
@@ -81,6 +86,7 @@ mod jit;
 mod mirrors;
 mod reports;
 mod run;
+mod secrets;
 mod sticky;
 mod worker;
 
@@ -100,6 +106,10 @@ use run::{Failure, Stop, run, supervise};
 async fn main() -> ExitCode {
     if worker::is_job_process() {
         return worker::job_process();
+    }
+    if let Some(e) = secrets::exec_with_secrets() {
+        eprintln!("billet-standin-runner: {e}");
+        return ExitCode::from(2);
     }
     if std::env::var_os(STEP_ENV).is_some() {
         return allocating_step();
