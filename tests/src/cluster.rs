@@ -668,10 +668,53 @@ fn uuid_like() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
-/// A free port on 127.0.0.1 (bound and released; good enough for tests).
+/// The ports [`free_port`] hands out: below Linux's default ephemeral range
+/// (32768-60999), so neither an outgoing connection nor another process's
+/// bind to port 0 takes one between its release and its reuse by a node or
+/// a plane.
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// How long a port [`free_port`] handed out stays claimed.
+const PORT_CLAIM: Duration = Duration::from_secs(30 * 60);
+
+/// A port on 127.0.0.1 for a node or a plane to bind later: free now, and
+/// claimed for [`PORT_CLAIM`] so that no other test process on this machine
+/// is handed it meanwhile (a claim is a file created exclusively in
+/// `<temp>/billet-test-ports/`; an older one is taken back). Tests run side
+/// by side in processes of their own, so the kernel's "bind port 0, then
+/// release" is not enough: another test, or one of its outgoing
+/// connections, takes the port before it is bound again.
 pub fn free_port() -> Result<SocketAddr> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?)
+    let claims = std::env::temp_dir().join("billet-test-ports");
+    std::fs::create_dir_all(&claims).with_context(|| format!("create {}", claims.display()))?;
+    let span = u128::from(TEST_PORTS.end - TEST_PORTS.start);
+    for _ in 0..1000 {
+        let offset = u16::try_from(uuid::Uuid::new_v4().as_u128() % span).unwrap_or(0);
+        let port = TEST_PORTS.start + offset;
+        let claim = claims.join(port.to_string());
+        let stale = std::fs::metadata(&claim)
+            .and_then(|m| m.modified())
+            .is_ok_and(|at| at.elapsed().is_ok_and(|age| age > PORT_CLAIM));
+        if stale {
+            let _ = std::fs::remove_file(&claim);
+        }
+        if std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&claim)
+            .is_err()
+        {
+            continue;
+        }
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return Ok(l.local_addr()?);
+        }
+    }
+    bail!(
+        "no free port in {}..{} after 1000 tries",
+        TEST_PORTS.start,
+        TEST_PORTS.end
+    )
 }
 
 /// Removes every container of deployment `deployment`, in any state,
