@@ -609,72 +609,37 @@ fn result_of(cluster: &Cluster, job: JobRequestId) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scale_down_while_the_runner_holds_a_job_is_answered_busy_and_the_job_completes()
 -> Result<()> {
-    let cluster = Cluster::start(options(15_000)).await?;
-    let mut events = cluster.plane.subscribe();
-    let jobs = cluster.queue_jobs(1);
-    wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
-    let lease = only_lease(&cluster).await?;
-    let name = format!("billet-{}", lease.id);
-    // The plane scales the runner down as if its listing showed it idle.
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    let scaled = tokio::time::timeout(
-        Duration::from_secs(90),
-        cluster.plane.scale_down(&lease.id, &shutdown),
-    )
-    .await
-    .context("the scale-down never ended")??;
-    // Dropped when the completion arrived, or, when the runner had exited
-    // before the plane heard of the completion, the exited runner's
-    // container destroyed: never the job.
-    assert!(
-        matches!(scaled, ScaleDown::Completed | ScaleDown::Destroyed),
-        "the scale-down ended {scaled:?}; node log:\n{}",
-        cluster.nodes["node-1"].log_text()
-    );
-    let mut busy = 0;
-    while let Ok(event) = events.try_recv() {
-        if event
-            == (PlaneEvent::ScaleDownBusy {
-                lease: lease.id.clone(),
-            })
-        {
-            busy += 1;
-        }
-    }
-    assert!(busy >= 1, "the Destroy was never answered BUSY");
-    // Nothing was killed: the job ran to its end and completed as the
-    // runner reported it.
-    wait_jobs_completed(&cluster, &jobs, Duration::from_secs(30)).await?;
-    assert_eq!(result_of(&cluster, jobs[0]).as_deref(), Some("succeeded"));
-    let ended = wait_all_terminal(&cluster, Duration::from_secs(30)).await?;
-    assert_eq!(ended[0].phase, Phase::Done, "{ended:?}");
-    assert_eq!(ended[0].failure_reason, None, "{ended:?}");
-    assert!(!runs(&cluster, &name).await?);
-    ends_clean(&cluster).await?;
-    eprintln!("the scale-down was answered BUSY {busy} times");
-    cluster.shutdown().await
+    scale_down_of_a_working_runner(15_000, false).await
 }
 
 /// GitHub's busy flag lags behind the job it assigns, so the registration
 /// removal a scale-down starts with can be accepted (204) while the runner
 /// works. The node does not take that as proof the runner is idle: the
 /// runner's job process runs in its container, so the Destroy is answered
-/// `BUSY`, nothing is destroyed, and the job runs to its end: `succeeded` at
-/// GitHub, the lease `done` with no failure reason.
+/// `BUSY`, nothing is destroyed, and the job runs to its end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scale_down_github_accepts_while_the_runner_works_is_answered_busy_and_the_job_completes()
 -> Result<()> {
-    let cluster = Cluster::start(options(20_000)).await?;
+    scale_down_of_a_working_runner(20_000, true).await
+}
+
+/// The plane scales a runner down as if its listing showed it idle, while
+/// the runner works `work_ms` on its job (with `github_accepts`, every
+/// runner removal is accepted meanwhile). The Destroy is answered `BUSY`
+/// at least once and nothing is killed: the job ends `succeeded` at GitHub
+/// and its lease `done` with no failure reason, and nothing is left.
+async fn scale_down_of_a_working_runner(work_ms: u64, github_accepts: bool) -> Result<()> {
+    let cluster = Cluster::start(options(work_ms)).await?;
     let mut events = cluster.plane.subscribe();
     let jobs = cluster.queue_jobs(1);
     wait_jobs_running(&cluster, 1, Duration::from_secs(60)).await?;
     let lease = only_lease(&cluster).await?;
     let name = format!("billet-{}", lease.id);
-    // Every runner removal is now accepted, as a GitHub whose listing does
-    // not yet show the runner busy accepts it.
-    cluster
-        .emulator
-        .inject(Fault::status(Endpoint::Runners, 204));
+    if github_accepts {
+        cluster
+            .emulator
+            .inject(Fault::status(Endpoint::Runners, 204));
+    }
     let shutdown = tokio_util::sync::CancellationToken::new();
     let scaled = tokio::time::timeout(
         Duration::from_secs(90),
@@ -683,6 +648,9 @@ async fn a_scale_down_github_accepts_while_the_runner_works_is_answered_busy_and
     .await
     .context("the scale-down never ended")??;
     cluster.emulator.clear_faults();
+    // Dropped when the completion arrived, or, when the runner had exited
+    // before the plane heard of the completion, the exited runner's
+    // container destroyed: never the job.
     assert!(
         matches!(scaled, ScaleDown::Completed | ScaleDown::Destroyed),
         "the scale-down ended {scaled:?}; node log:\n{}",
@@ -710,6 +678,7 @@ async fn a_scale_down_github_accepts_while_the_runner_works_is_answered_busy_and
     assert_eq!(ended[0].failure_reason, None, "{ended:?}");
     assert!(!runs(&cluster, &name).await?);
     ends_clean(&cluster).await?;
+    eprintln!("the scale-down was answered BUSY {busy} times");
     cluster.shutdown().await
 }
 

@@ -156,19 +156,8 @@ impl Runner {
                     self.leave_to_exit(request_id, &r).await;
                 }
                 Ok(_) => {
-                    match self.at_work(&r.lease, &r.instance).await {
-                        Ok(true) => {
-                            self.mark_online(request_id);
-                            continue;
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            warn!(lease = %r.lease, error = %e, "past the start deadline; the next tend asks again");
-                            if let Some(s) = self.state().running.get_mut(&request_id) {
-                                s.retire_tried = true;
-                            }
-                            continue;
-                        }
+                    if !self.idle_after_removal(request_id, &r).await {
+                        continue;
                     }
                     warn!(lease = %r.lease, instance = %r.instance, deadline_s = deadline.as_secs(),
                           "the runner did not come online within the start deadline; its registration is removed, tearing it down");
@@ -189,6 +178,28 @@ impl Runner {
                         s.online = true;
                     }
                 }
+            }
+        }
+    }
+
+    /// After GitHub accepted the removal of a running runner's registration
+    /// (the start deadline, a drain): whether it may be torn down, by its
+    /// job process ([`Runner::at_work`]). One at work is online from now
+    /// on; one whose processes cannot be read is asked about again later
+    /// (a removal then proves nothing).
+    async fn idle_after_removal(&self, request_id: RequestId, r: &Running) -> bool {
+        match self.at_work(&r.lease, &r.instance).await {
+            Ok(false) => true,
+            Ok(true) => {
+                self.mark_online(request_id);
+                false
+            }
+            Err(e) => {
+                warn!(lease = %r.lease, error = %e, "asking again later");
+                if let Some(s) = self.state().running.get_mut(&request_id) {
+                    s.retire_tried = true;
+                }
+                false
             }
         }
     }
@@ -215,19 +226,8 @@ impl Runner {
                     self.leave_to_exit(request_id, &r).await;
                 }
                 Ok(_) => {
-                    match self.at_work(&r.lease, &r.instance).await {
-                        Ok(true) => {
-                            self.mark_online(request_id);
-                            continue;
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            warn!(lease = %r.lease, error = %e, "draining: asking again later");
-                            if let Some(s) = self.state().running.get_mut(&request_id) {
-                                s.retire_tried = true;
-                            }
-                            continue;
-                        }
+                    if !self.idle_after_removal(request_id, &r).await {
+                        continue;
                     }
                     info!(lease = %r.lease, instance = %r.instance,
                           "draining: the runner has taken no job and its registration is removed; retiring it");
