@@ -14,6 +14,7 @@
 //! updater's, `upgrade`).
 
 pub(crate) mod custody;
+mod destroy;
 pub mod ending;
 pub mod health;
 mod interrupt;
