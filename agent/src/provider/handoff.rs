@@ -13,7 +13,7 @@
 //! does what the stand-in runner does, or, in any image with a POSIX shell:
 //!
 //! ```sh
-//! while IFS= read -r line; do export "$line"; done < "$BILLET_SECRETS_FILE"
+//! while IFS= read -r line; do export "$line"; done < "$BILLET_SECRETS_FILE" || exit 1
 //! unset BILLET_SECRETS_FILE
 //! exec ./run.sh
 //! ```
