@@ -19,6 +19,10 @@
 //! - floor 6: [`cli`] (the command line and its exit codes).
 
 #![warn(unreachable_pub, missing_docs)]
+// These docs are a map for the crate's own developers, read with
+// `cargo doc --document-private-items`: public items may point at the
+// private ones that implement them.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod cache;
 mod claim;

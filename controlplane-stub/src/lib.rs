@@ -4,6 +4,10 @@
 //! It never depends on the agent crate: it speaks the wire like any plane.
 
 #![warn(unreachable_pub)]
+// These docs are a map for the crate's own developers, read with
+// `cargo doc --document-private-items`: public items may point at the
+// private ones that implement them.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod calls;
 pub(crate) mod enroll;

@@ -1,4 +1,4 @@
-//! [`Phase`], where a lease is in its life, and the table of legal moves
+//! [`Phase`](crate::phase::Phase), where a lease is in its life, and the table of legal moves
 //! between phases (the reference ledger's edges, `spec/ledger-and-github.md`
 //! §1.4).
 //!

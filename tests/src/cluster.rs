@@ -678,7 +678,7 @@ const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
 const PORT_CLAIM: Duration = Duration::from_secs(30 * 60);
 
 /// A port on 127.0.0.1 for a node or a plane to bind later: free now, and
-/// claimed for [`PORT_CLAIM`] so that no other test process on this machine
+/// claimed for `PORT_CLAIM` so that no other test process on this machine
 /// is handed it meanwhile (a claim is a file created exclusively in
 /// `<temp>/billet-test-ports/`; an older one is taken back). Tests run side
 /// by side in processes of their own, so the kernel's "bind port 0, then

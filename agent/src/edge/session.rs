@@ -1,7 +1,7 @@
 //! The gRPC face of the node: `Node.Attach`. A thin handler that checks the
 //! plane's `Open`, answers `Hello`, and then routes: commands to the single
 //! slot, acknowledgements and replies to whoever waits for them. The
-//! executor ([`execute_commands`]) takes commands off the slot one at a time
+//! executor ([`super::executor::execute_commands`]) takes commands off the slot one at a time
 //! and answers each on the session it came from.
 
 use std::pin::Pin;

@@ -87,7 +87,7 @@ pub struct CustodyRecord {
     pub request_id: i64,
     /// A registration still to remove: (runner id, runner name).
     pub registration: Option<(i64, String)>,
-    /// What Release will record: "done", or "failed: <reason>" (a bare
+    /// What Release will record: `done`, or `failed: <reason>` (a bare
     /// "failed" from an older build, whose reason was not kept).
     pub outcome: String,
     /// Ledger phase reported each tick, or `None` once quarantined.

@@ -95,7 +95,7 @@ pub(super) struct CustodyEntry {
     /// registration: it holds a job), so the start deadline no longer
     /// applies. Not journaled: a restarted node asks once more.
     pub(super) online: bool,
-    /// As [`Running`]'s: a removal at the start deadline failed without an
+    /// As [`super::runner::Running`]'s: a removal at the start deadline failed without an
     /// answer. Not journaled.
     pub(super) retire_tried: bool,
     /// The reason an ending runner that overruns its grace is stopped

@@ -39,7 +39,7 @@ impl Runner {
     /// Whether the runner in `instance`, whose registration GitHub has just
     /// let go without a finished job (a scale-down, a drain, the start
     /// deadline, recovery), is at work all the same, by the node's own
-    /// evidence: its job process ([`Provider::work`]). GitHub's busy flag
+    /// evidence: its job process ([`crate::provider::Provider::work`]). GitHub's busy flag
     /// lags behind the job it assigns, so its accepting the removal does
     /// not prove the runner idle; either word that the runner works keeps
     /// it. A provider that cannot see processes leaves GitHub's word alone.

@@ -18,7 +18,7 @@ pub struct LinkFaults {
     /// the node sees no plane, so it never finishes start-up recovery.
     pub hold_dial: AtomicBool,
     /// While true, the plane and the node cannot reach each other: the open
-    /// session is cut and nothing is dialed ([`NodeLink::partition`]).
+    /// session is cut and nothing is dialed ([`super::NodeLink::partition`]).
     pub(super) partitioned: watch::Sender<bool>,
     /// While set, send launches to the node even while it says it is
     /// degraded (to see it refuse them).

@@ -14,7 +14,7 @@
 //! - `mod.rs` (here): [`NodeLink`], its session (dial loop, `Hello`, the
 //!   inbound messages, results and their acknowledgements), [`NodeStatus`]
 //!   and [`CommandOutcome`].
-//! - `dial.rs`: [`NodeTarget`], [`PlaneTls`], [`Keepalive`] and [`dial`].
+//! - `dial.rs`: [`NodeTarget`], [`PlaneTls`], [`Keepalive`] and [`dial()`].
 //! - `dispatch.rs`: [`NodeLink::dispatch`], a command out and its result
 //!   back.
 //! - `faults.rs`: [`LinkFaults`], for tests.

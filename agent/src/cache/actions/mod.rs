@@ -7,7 +7,7 @@
 //! - this file: the vocabulary. [`CacheScope`] (the tier's static scope,
 //!   checked as the reference's `validateActionsScope`), [`ActionsPolicy`]
 //!   (the plane's kill switch, asked before every locally handled
-//!   operation; [`DenyAll`] until the plane answers it, [`FakePolicy`] for
+//!   operation; `DenyAll` until the plane answers it, [`FakePolicy`] for
 //!   tests), [`ActionsError`].
 //!
 //! Invariant: a denial or an unanswered policy question before a
@@ -131,7 +131,7 @@ pub struct FakePolicy {
 }
 
 impl FakePolicy {
-    /// A policy answering `answer` until [`FakePolicy::set`].
+    /// A policy answering `answer` until `FakePolicy::set`.
     #[must_use]
     pub fn new(answer: FakeAnswer) -> Self {
         Self {
