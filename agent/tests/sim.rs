@@ -482,6 +482,15 @@ const FOUND_BY_LONG_RUNS: &[(u64, &str)] = &[
     (957775, "million-seed run"),
     (962971, "million-seed run"),
     (976023, "million-seed run"),
+    // A million-seed run from 2,000,000: invariant (1), a lease left
+    // launching. A launch carrying its registration was cut short by a
+    // crash before its bind and its launch record; recovery destroyed the
+    // instance as an orphan and queued its registration's removal by lease
+    // at no known epoch, which the redelivered launch's bind (at epoch 1)
+    // did not supersede. The removal then took the relaunched runner's
+    // registration and, once done, its launch record, so after a restart
+    // nothing knew of the runner whose container was then removed.
+    (2942759, "million-seed run from 2,000,000"),
 ];
 
 #[test]

@@ -564,12 +564,17 @@ impl Runner {
     }
 
     /// A pending removal is over: its launch record, which kept it across
-    /// restarts, goes too, unless the lease is held again.
+    /// restarts, goes too, unless the lease is held again, in custody or
+    /// launched anew here (a launch redelivered after a restart, whose
+    /// record is now the live launch's: without it, a restart forgets the
+    /// runner, and a lease whose compute then vanishes is never ended).
     async fn removal_done(&self, lease: &LeaseId) {
         let held = {
             let mut s = self.state();
             s.removals.done(lease);
             s.custody.contains_key(lease)
+                || s.launching.contains_key(lease)
+                || s.running.values().any(|r| r.lease == *lease)
         };
         if !held && let Err(e) = self.journal.forget_launch(lease.as_str()).await {
             warn!(%lease, error = %e, "cannot clear the journal; a restart tries the removal again");
