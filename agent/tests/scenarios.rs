@@ -1588,6 +1588,53 @@ async fn a_runner_whose_job_process_runs_at_the_start_deadline_is_online_though_
     assert!(!w.phase(&lease.id).is_terminal());
 }
 
+/// The same lag for a runner the node holds in custody (adopted after a
+/// restart, or its launch unacknowledged): a scale-down GitHub accepts while
+/// its job process runs keeps it, held, answered BUSY; and a restart then
+/// past the start deadline, its registration gone, still finds it at work
+/// and keeps it. Its job's completion then ends the lease `done`.
+#[tokio::test(start_paused = true)]
+async fn a_held_runner_whose_job_process_runs_is_kept_by_a_scale_down_and_the_start_deadline_though_github_accepted_its_removal()
+ {
+    let w = World::new();
+    let options = RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    };
+    let r = w.runner_with(options.clone());
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    w.fake.set_working(&name(&lease.id), true);
+    w.core().faults.removal_ignores_job = true;
+    let r = w.runner_with(options);
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("a runner at work is kept");
+    assert!(err.is_busy() && err.is_custody(), "{err:?}");
+    assert!(!w.registered(&lease.id), "GitHub accepted the removal");
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    sleep(Duration::from_secs(600)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "a runner at work was torn down");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert!(!w.phase(&lease.id).is_terminal());
+
+    w.fake.set_working(&name(&lease.id), false);
+    w.fake.exit(&name(&lease.id), 0, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_scale_down_whose_registration_removal_fails_destroys_nothing_and_asks_to_be_sent_again()
 {
