@@ -1588,6 +1588,53 @@ async fn a_runner_whose_job_process_runs_at_the_start_deadline_is_online_though_
     assert!(!w.phase(&lease.id).is_terminal());
 }
 
+/// The same lag for a runner the node holds in custody (adopted after a
+/// restart, or its launch unacknowledged): a scale-down GitHub accepts while
+/// its job process runs keeps it, held, answered BUSY; and a restart then
+/// past the start deadline, its registration gone, still finds it at work
+/// and keeps it. Its job's completion then ends the lease `done`.
+#[tokio::test(start_paused = true)]
+async fn a_held_runner_whose_job_process_runs_is_kept_by_a_scale_down_and_the_start_deadline_though_github_accepted_its_removal()
+ {
+    let w = World::new();
+    let options = RunnerOptions {
+        start_deadline: Some(Duration::from_secs(60)),
+        ..RunnerOptions::default()
+    };
+    let r = w.runner_with(options.clone());
+    let lease = w.launched(&r, 1).await;
+    w.core().job_starts(&name(&lease.id));
+    w.fake.set_working(&name(&lease.id), true);
+    w.core().faults.removal_ignores_job = true;
+    let r = w.runner_with(options);
+    r.recover().await.unwrap();
+    assert_eq!(custody(&r), BTreeSet::from([lease.id.clone()]));
+
+    let err = r
+        .destroy(RequestId(1), &DestroyOrder::scale_down())
+        .await
+        .expect_err("a runner at work is kept");
+    assert!(err.is_busy() && err.is_custody(), "{err:?}");
+    assert!(!w.registered(&lease.id), "GitHub accepted the removal");
+    sleep(Duration::from_secs(61)).await;
+    r.tend().await.unwrap();
+    sleep(Duration::from_secs(600)).await;
+    r.tend().await.unwrap();
+    assert!(w.exists(&lease.id), "a runner at work was torn down");
+    assert_eq!(w.destroys_of(&lease.id), 0);
+    assert!(!w.phase(&lease.id).is_terminal());
+
+    w.fake.set_working(&name(&lease.id), false);
+    w.fake.exit(&name(&lease.id), 0, false);
+    r.destroy(RequestId(1), &DestroyOrder::completion("succeeded"))
+        .await
+        .unwrap();
+    r.tend().await.unwrap();
+    assert!(!w.exists(&lease.id));
+    assert_eq!(w.phase(&lease.id), Phase::Done);
+    assert!(!r.holding());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_scale_down_whose_registration_removal_fails_destroys_nothing_and_asks_to_be_sent_again()
 {
@@ -1977,6 +2024,134 @@ async fn recover_destroys_an_instance_nothing_is_waiting_for() {
     r.recover().await.unwrap();
     assert_eq!(w.destroys_of(&lease.id), 1);
     assert!(!w.exists(&lease.id));
+    assert!(!r.holding());
+}
+
+/// A launch carrying its registration creates beside its bind, so a node
+/// killed before the bind and before its launch record leaves an instance
+/// whose lease is not launched: recovery destroys it as an orphan, and,
+/// knowing no record, removes its registration by lease at no known epoch.
+/// The plane then redelivers the launch, which binds the lease: that
+/// pending removal was of a launch never bound, and must take neither the
+/// relaunched runner's registration (the same one, minted before dispatch)
+/// nor, once done, its launch record. So when the runner's compute is
+/// later removed behind the node's back, across a restart too, the lease
+/// still ends `failed` `removed`, and its capacity is freed.
+#[tokio::test(start_paused = true)]
+async fn a_launch_redelivered_after_recovery_destroyed_its_orphan_keeps_its_registration_and_its_vanished_compute_ends_the_lease()
+ {
+    let w = World::new();
+    let lease = w.reserve(1);
+    let registration = w.core().mint_ahead(&lease.id, lease.epoch).unwrap();
+    w.fake.insert_behind_back(Instance {
+        id: "left-created".into(),
+        name: name(&lease.id),
+        state: InstanceState::Created,
+        labels: BTreeMap::new(),
+    });
+    let r = w.runner();
+    r.recover().await.unwrap();
+    assert!(!w.exists(&lease.id), "recovery destroyed the orphan");
+
+    r.launch_with(
+        lease.clone(),
+        tier(Trust::Trusted),
+        job(1, "push"),
+        Some(registration),
+    )
+    .await
+    .expect("the redelivered launch starts its runner");
+    r.tend().await.unwrap();
+    assert!(
+        w.registered(&lease.id),
+        "the orphan's pending removal took the relaunched runner's registration: {:?}",
+        w.plane.log()
+    );
+    assert!(
+        w.journal
+            .launches()
+            .await
+            .unwrap()
+            .iter()
+            .any(|l| l.lease == lease.id.as_str()),
+        "the running lease's launch record is kept"
+    );
+
+    w.fake.remove_behind_back(&name(&lease.id));
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("removed"));
+    assert!(!w.registered(&lease.id));
+    assert!(!r.holding());
+}
+
+/// As above, but the orphan's removal by lease was already on its way to
+/// the plane when the redelivered launch bound the lease, so it takes the
+/// relaunched runner's registration (a call under way cannot be recalled).
+/// The launch record is the live launch's by the time the removal answers,
+/// and it stays: a restart after the runner's compute vanished still finds
+/// the lease and ends it, freeing its capacity.
+#[tokio::test(start_paused = true)]
+async fn a_removal_under_way_when_a_redelivered_launch_binds_its_lease_leaves_that_launchs_record()
+{
+    let w = World::new();
+    let lease = w.reserve(1);
+    let registration = w.core().mint_ahead(&lease.id, lease.epoch).unwrap();
+    w.fake.insert_behind_back(Instance {
+        id: "left-created".into(),
+        name: name(&lease.id),
+        state: InstanceState::Created,
+        labels: BTreeMap::new(),
+    });
+    let r = w.runner();
+    r.recover().await.unwrap();
+    // Every plane call now takes a second: the bind answers at 1 s and the
+    // advance at 2 s; the removal, asked at 1.5 s, lands at 2.5 s.
+    w.core().faults.inside_tend = Some(Duration::from_secs(1));
+    let launch = tokio::spawn({
+        let r = r.clone();
+        let lease = lease.clone();
+        async move {
+            r.launch_with(
+                lease,
+                tier(Trust::Trusted),
+                job(1, "push"),
+                Some(registration),
+            )
+            .await
+        }
+    });
+    sleep(Duration::from_millis(1500)).await;
+    r.tend().await.unwrap();
+    launch
+        .await
+        .unwrap()
+        .expect("the redelivered launch starts its runner");
+    w.core().faults.inside_tend = None;
+    assert!(
+        !w.registered(&lease.id),
+        "the removal under way took the registration: {:?}",
+        w.plane.log()
+    );
+    assert!(
+        w.journal
+            .launches()
+            .await
+            .unwrap()
+            .iter()
+            .any(|l| l.lease == lease.id.as_str()),
+        "the running lease's launch record is kept"
+    );
+
+    w.fake.remove_behind_back(&name(&lease.id));
+    let r = w.runner();
+    r.recover().await.unwrap();
+    r.tend().await.unwrap();
+    // Ended (GitHub no longer has the registration, which the node reads as
+    // a job GitHub ended before the compute did), its capacity freed.
+    assert!(w.phase(&lease.id).is_terminal(), "{:?}", w.phase(&lease.id));
     assert!(!r.holding());
 }
 

@@ -10,11 +10,17 @@
 //! exits as Docker does: an exited container stays present, exited with its
 //! code and OOM flag, until destroyed; a runner can die while its container
 //! stays. GitHub refuses to remove a runner it records as running a job
-//! (JobStillRunning, whoever asks); its listing's busy flag lags behind job
-//! start, so the plane may scale down a runner that has just taken its job;
-//! it can complete a job while the runner still works (an early
-//! completion); it notices a runner lost mid-job only later; and a runner
-//! that never took a job is never reported at all.
+//! (JobStillRunning, whoever asks), though for spells it accepts such a
+//! removal all the same, the registration then gone while the job runs to
+//! its end (the node must read the runner's job process and keep it); its
+//! listing's busy flag lags behind job start, so the plane may scale down
+//! a runner that has just taken its job; it can complete a job while the
+//! runner still works (an early completion); it notices a runner lost
+//! mid-job only later; and a runner that never took a job is never
+//! reported at all. The plane may dispatch a Launch for a lease whose
+//! runner works on the node at the epoch after the node's: the node
+//! answers BUSY and starts nothing, and the plane, as the stub does, keeps
+//! the lease open.
 //!
 //! After every step (and after a quiescence phase: faults off, jobs
 //! completed, time past every grace, tend and sweep until nothing changes)
@@ -32,8 +38,9 @@
 //!    ledger ends it, and after every step);
 //! 4. no live job killed without authority: wherever a destroy happens, the
 //!    provider checks it against GitHub's state: no destroy of a running
-//!    instance GitHub records as running a job, or whose runner still works
-//!    within the post-job grace after an early completion, unless an
+//!    instance GitHub records as running a job, or whose job runs (though
+//!    GitHub let its registration go), or whose runner still works within
+//!    the post-job grace after an early completion, unless an
 //!    operator force-released its lease or the plane cancelled its job;
 //! 5. no JIT config used twice (`FakeProvider::jit_configs_used`) and no
 //!    lease minted twice (the node never asks the plane to mint for a lease
@@ -70,7 +77,7 @@
 //! `BILLET_SIM_SEED=<n> cargo test -p billet-agent --test sim`.
 //!
 //! A million seeds, in release and at low priority (how long it took and
-//! what it found: ARCHITECTURE.md, the simulation's section):
+//! what it found: docs/benchmarks.md, "The simulation's long run"):
 //! `BILLET_SIM_SEEDS=1000000 nice -n 19 cargo test --release -p billet-agent --test sim -- --nocapture the_runner_keeps`
 //! (with `--nocapture`, a run of 100,000 seeds or more reports its
 //! progress every 50,000).
@@ -482,6 +489,15 @@ const FOUND_BY_LONG_RUNS: &[(u64, &str)] = &[
     (957775, "million-seed run"),
     (962971, "million-seed run"),
     (976023, "million-seed run"),
+    // A million-seed run from 2,000,000: invariant (1), a lease left
+    // launching. A launch carrying its registration was cut short by a
+    // crash before its bind and its launch record; recovery destroyed the
+    // instance as an orphan and queued its registration's removal by lease
+    // at no known epoch, which the redelivered launch's bind (at epoch 1)
+    // did not supersede. The removal then took the relaunched runner's
+    // registration and, once done, its launch record, so after a restart
+    // nothing knew of the runner whose container was then removed.
+    (2942759, "million-seed run from 2,000,000"),
 ];
 
 #[test]

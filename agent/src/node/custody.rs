@@ -95,7 +95,7 @@ pub(super) struct CustodyEntry {
     /// registration: it holds a job), so the start deadline no longer
     /// applies. Not journaled: a restarted node asks once more.
     pub(super) online: bool,
-    /// As [`super::runner::Running`]'s: a removal at the start deadline failed without an
+    /// As [`Running`]'s: a removal at the start deadline failed without an
     /// answer. Not journaled.
     pub(super) retire_tried: bool,
     /// The reason an ending runner that overruns its grace is stopped
@@ -564,12 +564,17 @@ impl Runner {
     }
 
     /// A pending removal is over: its launch record, which kept it across
-    /// restarts, goes too, unless the lease is held again.
+    /// restarts, goes too, unless the lease is held again, in custody or
+    /// launched anew here (a launch redelivered after a restart, whose
+    /// record is now the live launch's: without it, a restart forgets the
+    /// runner, and a lease whose compute then vanishes is never ended).
     async fn removal_done(&self, lease: &LeaseId) {
         let held = {
             let mut s = self.state();
             s.removals.done(lease);
             s.custody.contains_key(lease)
+                || s.launching.contains_key(lease)
+                || s.running.values().any(|r| r.lease == *lease)
         };
         if !held && let Err(e) = self.journal.forget_launch(lease.as_str()).await {
             warn!(%lease, error = %e, "cannot clear the journal; a restart tries the removal again");
@@ -673,9 +678,10 @@ impl Runner {
     /// running here, and an adopted runner that never connects is not held,
     /// its job waiting, for ever. As in [`Runner::judge_running`], the node
     /// asks GitHub by removing the registration: a refusal means it holds a
-    /// job (online, never asked again); an outage leaves it to the next
-    /// tend. An ending runner (its job complete) is the post-job grace's to
-    /// judge.
+    /// job (online, never asked again), and so does a job process running
+    /// in it whatever GitHub answered ([`Runner::at_work`]); an outage leaves
+    /// it to the next tend. An ending runner (its job complete) is the
+    /// post-job grace's to judge.
     async fn past_start_deadline(&self, lease: &LeaseId, entry: &mut CustodyEntry) -> bool {
         let Some(deadline) = self.options.start_deadline.filter(|d| !d.is_zero()) else {
             return false;
@@ -684,7 +690,28 @@ impl Runner {
             return false;
         }
         let (id, name) = entry.registration.clone().unwrap_or((0, String::new()));
-        match self.jit.retire_runner(lease, entry.epoch, id, &name).await {
+        let retired = self.jit.retire_runner(lease, entry.epoch, id, &name).await;
+        if retired.is_ok() {
+            // GitHub let the registration go, which its lagging busy flag
+            // allows for a runner that has just taken its job: the job
+            // process decides (`Runner::at_work`), and one that cannot be
+            // read decides nothing on this tend.
+            match self.at_work(lease, &entry.instance).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    entry.registration = None;
+                    entry.online = true;
+                    return false;
+                }
+                Err(e) => {
+                    warn!(%lease, error = %e, "a held runner is past the start deadline and its registration is removed, but whether it is at work is unknown; the next tend asks again");
+                    entry.registration = None;
+                    entry.retire_tried = true;
+                    return false;
+                }
+            }
+        }
+        match retired {
             Ok(Retired::AlreadyGone) if !entry.retire_tried => {
                 info!(%lease, instance = %entry.instance, grace_s = self.options.post_job_grace.as_secs(),
                       "a held runner is past the start deadline and GitHub no longer has its registration (a job it finished, or removed out of band); it can take no job and is left the post-job grace to exit");
@@ -833,22 +860,26 @@ impl Runner {
             entry.outcome.fail(FailureReason::Compute(died));
             teardown(&mut entry);
         } else {
-            // A scale-down of a held job: routing first, a busy one is kept.
+            // A scale-down of a held job: routing first, a busy one is kept,
+            // and so is one whose job process runs though GitHub let its
+            // registration go (its busy flag lags behind the job).
             match self.jit.remove_runner(lease, entry.epoch, id, &name).await {
                 Ok(()) => {
                     entry.registration = None;
-                    // GitHub's acceptance is not proof the runner is idle.
                     let at_work = self.at_work(lease, &entry.instance).await;
                     if !matches!(at_work, Ok(false)) {
+                        entry.online = matches!(at_work, Ok(true));
                         self.update(lease, entry).await;
                         return Err(match at_work {
-                            Ok(_) => RunnerError::Busy {
+                            Err(e) => RunnerError::Custody(format!(
+                                "the registration of held lease {lease} is removed; {e}"
+                            )),
+                            _ => RunnerError::Busy {
                                 message: format!(
                                     "the runner of lease {lease} is running a job (its job process runs, though GitHub let its registration go); nothing was destroyed, and this node holds the lease"
                                 ),
                                 held: true,
                             },
-                            Err(e) => RunnerError::Custody(e.to_string()),
                         });
                     }
                     teardown(&mut entry);

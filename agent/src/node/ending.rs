@@ -414,17 +414,25 @@ impl Removals {
 
     /// A launch of `lease` at `epoch` was just bound, so the lease is live
     /// at that epoch and a removal pending for it at the same epoch is of a
-    /// launch record whose lease was never bound (no mint can have
-    /// happened: the plane mints only for a bound, launching lease, and a
-    /// lease that ended since would have refused the bind). Drops that
-    /// removal, which would otherwise take the new runner's registration;
-    /// one at another epoch stays. Returns whether one was dropped.
+    /// launch record whose lease was never bound (the node minted nothing:
+    /// it mints only for a bound, launching lease, and a lease that ended
+    /// since would have refused the bind; a registration the plane minted
+    /// before dispatch is the one the launch carries again). So is one at
+    /// no known epoch: an orphan recovery destroyed without a launch
+    /// record, removed by lease, whose lease was not launched then and is
+    /// now; removed by lease, it would take whatever registration the plane
+    /// holds for the lease, which is the live launch's. Drops that removal,
+    /// which would otherwise take the new runner's registration; one at
+    /// another known epoch stays. Returns whether one was dropped.
     pub(crate) fn superseded(&mut self, lease: &LeaseId, epoch: Epoch) -> bool {
-        let same = self.pending.get(lease).is_some_and(|r| r.epoch == epoch);
-        if same {
+        let stale = self
+            .pending
+            .get(lease)
+            .is_some_and(|r| r.epoch == epoch || r.epoch == Epoch(0));
+        if stale {
             self.pending.remove(lease);
         }
-        same
+        stale
     }
 
     /// Whether a removal for `lease` is pending.
@@ -561,6 +569,23 @@ mod tests {
             last = last.max(d);
         }
         assert!(last >= REMOVAL_BACKOFF_MAX, "{last:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bind_supersedes_a_removal_at_its_epoch_or_at_none_known_and_keeps_one_at_another() {
+        let lease = LeaseId::parse("l", "a").unwrap();
+        let mut removals = Removals::default();
+        removals.pending_now(&lease, Epoch(2), (0, String::new()));
+        assert!(removals.superseded(&lease, Epoch(2)));
+        assert!(!removals.contains(&lease));
+        // An orphan destroyed without a launch record: removed by lease,
+        // at no known epoch.
+        removals.pending_now(&lease, Epoch(0), (0, String::new()));
+        assert!(removals.superseded(&lease, Epoch(1)));
+        assert!(!removals.contains(&lease));
+        removals.pending_now(&lease, Epoch(1), (7, "billet-a".into()));
+        assert!(!removals.superseded(&lease, Epoch(2)));
+        assert!(removals.contains(&lease));
     }
 
     #[tokio::test(start_paused = true)]

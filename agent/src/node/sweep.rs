@@ -197,7 +197,9 @@ impl Runner {
     ///
     /// Its lease has ended, so nothing else will remove its runner's
     /// registration: the removal is queued first (with the registration the
-    /// journal's launch record names, else by lease), and that launch record
+    /// journal's launch record names and its epoch, else by lease at epoch
+    /// 0, no epoch known; a lease never bound yet that a redelivered launch
+    /// binds drops such a removal, `Removals::superseded`), and that launch record
     /// is kept until the removal is done, so a restart tries it again. Before
     /// this, an orphan destroyed at recovery left its runner registered for
     /// ever (the million-seed run, seed 134578: a lease force-released while

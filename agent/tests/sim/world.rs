@@ -145,6 +145,8 @@ enum Step {
     ScaleDown,
     EarlyCompletion,
     GithubNotices,
+    RemovalAcceptedAtWork,
+    RelaunchAtHigherEpoch,
 }
 
 const STEPS: &[(Step, u64)] = &[
@@ -178,6 +180,8 @@ const STEPS: &[(Step, u64)] = &[
     (Step::ScaleDown, 2),
     (Step::EarlyCompletion, 2),
     (Step::GithubNotices, 2),
+    (Step::RemovalAcceptedAtWork, 2),
+    (Step::RelaunchAtHigherEpoch, 2),
 ];
 
 fn new_runner(
@@ -283,6 +287,8 @@ pub struct World {
     heal_down_at: Option<usize>,
     heal_slow_at: Option<usize>,
     heal_stall_at: Option<usize>,
+    /// When GitHub stops accepting the removal of a runner at work.
+    heal_removal_at: Option<usize>,
     stats: Stats,
     gates: Gates,
     /// Scale-downs the node refused or failed, which the plane sends again.
@@ -326,6 +332,7 @@ impl World {
             heal_down_at: None,
             heal_slow_at: None,
             heal_stall_at: None,
+            heal_removal_at: None,
             stats: Stats::new(),
             gates,
             scale_down_retry: Vec::new(),
@@ -756,6 +763,105 @@ impl World {
         self.scale_down_one(lease, request).await;
     }
 
+    /// The plane scales down a runner that has just taken its job, its
+    /// listing still showing it idle: the removal GitHub may then accept
+    /// (`Faults::removal_ignores_job`) is the node's only word from GitHub,
+    /// and the runner's job process must keep it.
+    async fn scale_down_at_work(&mut self) {
+        let candidates: Vec<(LeaseId, RequestId)> = {
+            let c = self.shared.lock();
+            c.regs
+                .iter()
+                .filter(|(n, r)| r.job && !r.busy && c.jobs.get(*n) == Some(&Job::Live))
+                .filter(|(n, _)| self.fake.instance(n).is_some_and(|i| may_run(&i)))
+                .filter_map(|(_, r)| {
+                    c.leases
+                        .get(&r.lease)
+                        .filter(|row| !row.phase.is_terminal())
+                        .map(|row| (row.id.clone(), row.request))
+                })
+                .collect()
+        };
+        if let Some((lease, request)) = self.rng.pick(&candidates) {
+            self.count("scale-downs of a runner at work");
+            self.scale_down_one(lease, request).await;
+        }
+    }
+
+    /// The plane dispatches a Launch for a lease whose runner works on the
+    /// node, at the epoch after the one the node holds it at (the plane
+    /// believes something false about the lease). The node answers BUSY
+    /// and starts nothing; the plane, as the stub's `launch_ended` does,
+    /// leaves the lease open and covered by the working runner, records no
+    /// failure and removes no registration. Any other answer is handled as
+    /// the stub handles it (a failure ends the lease), so a runner left
+    /// running under it breaks invariant (3), and a second mint or create
+    /// invariant (5).
+    async fn relaunch_at_higher_epoch(&mut self) {
+        let candidates: Vec<(LeaseId, Epoch, RequestId)> = {
+            let c = self.shared.lock();
+            self.runner
+                .held()
+                .into_iter()
+                .filter(|h| c.jobs.get(h.instance.as_str()) == Some(&Job::Live))
+                .filter_map(|h| {
+                    c.plane
+                        .get(&h.lease)
+                        .map(|p| (h.lease.clone(), h.epoch, p.request))
+                })
+                .collect()
+        };
+        let Some((lease, held, request)) = self.rng.pick(&candidates) else {
+            return;
+        };
+        let epoch = Epoch(held.0 + 1);
+        let command = Lease {
+            id: lease.clone(),
+            epoch,
+            tier: "sim".into(),
+            phase: Phase::Assigned,
+            vcpu: 2,
+            memory: ByteSize(1 << 30),
+            request_id: request,
+            providers: vec!["docker".into()],
+            failure_reason: None,
+        };
+        let job = GithubJob {
+            request_id: request,
+            ..GithubJob::default()
+        };
+        let runner = Arc::clone(&self.runner);
+        let Some(r) = guarded(&self.shared, runner.launch_with(command, tier(), job, None)).await
+        else {
+            self.note(
+                format!("plane: launch {lease} at epoch {epoch}: node crashed"),
+                None,
+            );
+            self.restart("crash").await;
+            return;
+        };
+        self.count(match kind(&r) {
+            "busy" => "relaunch at a higher epoch answered busy",
+            "custody" => "relaunch at a higher epoch answered custody",
+            "ok" => "relaunch at a higher epoch answered ok",
+            _ => "relaunch at a higher epoch failed or refused",
+        });
+        self.note(
+            format!(
+                "plane: launch {lease} (request {request}) at epoch {epoch}, its runner working at {held} -> {}",
+                kind(&r)
+            ),
+            r.as_ref().err().map(ToString::to_string),
+        );
+        let mut c = self.shared.lock();
+        match r {
+            // Launched, or BUSY: the working runner covers the lease.
+            Ok(()) | Err(RunnerError::Busy { held: false, .. }) => {}
+            Err(e) if e.is_custody() => c.unmanage(&lease),
+            Err(_) => c.plane_release(&lease, None, Phase::Failed, "plane after a failed launch"),
+        }
+    }
+
     async fn scale_down_one(&mut self, lease: LeaseId, request: RequestId) {
         self.scaled_down.insert(lease.clone());
         let runner = Arc::clone(&self.runner);
@@ -996,6 +1102,10 @@ impl World {
             self.heal_stall_at = None;
             c.faults.plane_stalled = false;
         }
+        if self.heal_removal_at.is_some_and(|s| s <= step) {
+            self.heal_removal_at = None;
+            c.faults.removal_ignores_job = false;
+        }
     }
 
     async fn run_step(&mut self, step: Step) {
@@ -1233,6 +1343,22 @@ impl World {
             Step::JobStarts => self.jobs_start(false),
             Step::GithubNotices => self.github_notices(),
             Step::ScaleDown => self.scale_down().await,
+            Step::RemovalAcceptedAtWork => {
+                let steps = self.rng.range(1, 8) as usize;
+                self.heal_removal_at = Some(self.step + steps);
+                self.shared.lock().faults.removal_ignores_job = true;
+                self.count("github accepts removals of runners at work");
+                self.note(
+                    format!(
+                        "fault: GitHub accepts the removal of a runner at work for {steps} steps"
+                    ),
+                    None,
+                );
+                if self.rng.chance(50) {
+                    self.scale_down_at_work().await;
+                }
+            }
+            Step::RelaunchAtHigherEpoch => self.relaunch_at_higher_epoch().await,
             Step::EarlyCompletion => {
                 if self.gates.allows(Bug::EarlyCompletionKillsRunner) {
                     let live = self.live_jobs();
@@ -1691,6 +1817,7 @@ impl World {
         self.heal_down_at = None;
         self.heal_slow_at = None;
         self.heal_stall_at = None;
+        self.heal_removal_at = None;
         self.note("quiescence: faults off".into(), None);
         for round in 0..40 {
             self.step += 1;
