@@ -79,6 +79,10 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long an idle connection to the engine is kept for the next call.
 pub(crate) const POOL_IDLE: Duration = Duration::from_secs(30);
 
+/// How long a create waits, by default, for its guest to read its
+/// credentials before it answers (`handoff.rs`).
+pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(20);
+
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
 
@@ -133,6 +137,8 @@ pub(crate) struct DockerProvider {
     cpus: OnceCell<u32>,
     /// Where each container's credentials wait for it (`handoff.rs`).
     handoffs: Handoffs,
+    /// How long a create waits for its guest to read its credentials.
+    handoff_wait: Duration,
 }
 
 impl DockerProvider {
@@ -166,6 +172,7 @@ impl DockerProvider {
             mirrors: super::mirrors::GuestMirrors::default(),
             cpus: OnceCell::new(),
             handoffs,
+            handoff_wait: HANDOFF_WAIT,
         })
     }
 
@@ -175,6 +182,15 @@ impl DockerProvider {
     #[must_use]
     pub(crate) fn with_handoff_dir(mut self, base: PathBuf) -> Self {
         self.handoffs = Handoffs::new(base);
+        self
+    }
+
+    /// The same provider answering a create without waiting for its guest
+    /// to read its credentials (for guests that never do, in tests).
+    #[must_use]
+    #[cfg(test)]
+    pub(crate) fn without_handoff_wait(mut self) -> Self {
+        self.handoff_wait = Duration::ZERO;
         self
     }
 
@@ -697,16 +713,26 @@ impl DockerProvider {
             .await;
         match &created {
             Ok(_) => {
-                // The guest asks for its credentials once it runs; the
-                // launch does not wait for that.
+                // The guest asks for its credentials once it runs. The
+                // create waits for that, within `handoff_wait`, so a node
+                // that dies once its launch is answered has handed the
+                // runner its config; a guest slower than that is served in
+                // the background.
                 let handoffs = self.handoffs.clone();
                 let instance = spec.name.clone();
                 let lease = spec.lease.clone();
-                tokio::spawn(async move {
+                let mut delivery = tokio::spawn(async move {
                     if let Err(e) = handoffs.deliver(&instance, &secrets, DELIVERY_BOUND).await {
                         tracing::warn!(%instance, %lease, error = %e, "the runner was not handed its JIT config; it cannot come online, and the start deadline ends it");
                     }
                 });
+                if tokio::time::timeout(self.handoff_wait, &mut delivery)
+                    .await
+                    .is_err()
+                {
+                    tracing::info!(instance = %spec.name, wait_s = self.handoff_wait.as_secs(),
+                                   "the runner has not read its credentials yet; handing them over in the background");
+                }
             }
             Err(_) => self.handoffs.remove(&spec.name),
         }

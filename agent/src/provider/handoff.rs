@@ -6,7 +6,8 @@
 //! Each instance gets a directory of its own on the host,
 //! `<base>/<instance>/`, bound into the guest at [`GUEST_DIR`], holding one
 //! FIFO, [`SECRETS_FILE`]. The guest's environment names only the path
-//! ([`SECRETS_ENV`]). Once the instance has started, the node opens the FIFO
+//! ([`SECRETS_ENV`]). Once the instance has started (the create waiting a
+//! little for it, `docker::HANDOFF_WAIT`), the node opens the FIFO
 //! as soon as the guest opens it to read, writes one `KEY=VALUE` line per
 //! credential, closes it, and removes the directory: the guest reads its
 //! credentials once, and a second read finds no file. A guest's entrypoint

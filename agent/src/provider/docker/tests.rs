@@ -46,6 +46,7 @@ fn offline() -> DockerProvider {
         owner("dep", "node-a"),
     )
     .unwrap()
+    .without_handoff_wait()
 }
 
 // ---- pure helpers -------------------------------------------------
@@ -181,6 +182,7 @@ async fn list_fails_on_a_malformed_entry_rather_than_answering_a_partial_invento
     let listing: &'static str = Box::leak(format!("[{good}]").into_boxed_str());
     let provider = DockerProvider::connect(&engine_listing(listing), owner.clone())
         .unwrap()
+        .without_handoff_wait()
         .with_timeout(Duration::from_secs(10));
     let listed = provider
         .list()
@@ -197,6 +199,7 @@ async fn list_fails_on_a_malformed_entry_rather_than_answering_a_partial_invento
         let listing: &'static str = Box::leak(format!("[{good},{bad}]").into_boxed_str());
         let provider = DockerProvider::connect(&engine_listing(listing), owner.clone())
             .unwrap()
+            .without_handoff_wait()
             .with_timeout(Duration::from_secs(10));
         match provider.list().await {
             Err(ProviderError::Engine { operation, .. }) => {
@@ -410,7 +413,9 @@ async fn create_refuses_a_spec_with_no_registration_before_reaching_the_engine()
 #[tokio::test]
 async fn ping_names_a_socket_that_cannot_be_reached() {
     let missing = Path::new("/nonexistent/billet-test.sock");
-    let provider = DockerProvider::connect(missing, owner("dep", "node-a")).unwrap();
+    let provider = DockerProvider::connect(missing, owner("dep", "node-a"))
+        .unwrap()
+        .without_handoff_wait();
     let err = provider.ping().await.unwrap_err().to_string();
     assert!(err.contains("/nonexistent/billet-test.sock"), "{err}");
     assert!(err.contains("cannot be reached"), "{err}");
@@ -418,7 +423,9 @@ async fn ping_names_a_socket_that_cannot_be_reached() {
     // A path that exists but where nothing listens.
     let not_a_socket = std::env::temp_dir().join(unique("billet-not-a-socket"));
     std::fs::write(&not_a_socket, b"").unwrap();
-    let provider = DockerProvider::connect(&not_a_socket, owner("dep", "node-a")).unwrap();
+    let provider = DockerProvider::connect(&not_a_socket, owner("dep", "node-a"))
+        .unwrap()
+        .without_handoff_wait();
     let err = provider.ping().await.unwrap_err().to_string();
     let _ = std::fs::remove_file(&not_a_socket);
     assert!(err.contains(&not_a_socket.display().to_string()), "{err}");
@@ -457,7 +464,8 @@ mod needs_docker {
                 runtime.block_on(async {
                     let provider =
                         DockerProvider::connect(Path::new(SOCKET), owner("cleanup", "cleanup"))
-                            .unwrap();
+                            .unwrap()
+                            .without_handoff_wait();
                     let Ok(docker) = provider.client("clean up").await else {
                         return;
                     };
@@ -483,7 +491,9 @@ mod needs_docker {
     ///
     /// Panics (failing the test) when the engine cannot be reached.
     async fn provider(owner: Owner) -> DockerProvider {
-        let provider = DockerProvider::connect(Path::new(SOCKET), owner).unwrap();
+        let provider = DockerProvider::connect(Path::new(SOCKET), owner)
+            .unwrap()
+            .without_handoff_wait();
         if let Err(err) = provider.ping().await {
             panic!("these tests need the Docker engine at {SOCKET}, and it cannot be used: {err}");
         }
@@ -1055,6 +1065,7 @@ mod needs_docker {
             Box::new(
                 DockerProvider::connect(&path, self.provider.owner().clone())
                     .unwrap()
+                    .without_handoff_wait()
                     .with_timeout(Duration::from_secs(5)),
             )
         }
@@ -1072,6 +1083,7 @@ mod needs_docker {
             Box::new(
                 DockerProvider::connect(&path, self.provider.owner().clone())
                     .unwrap()
+                    .without_handoff_wait()
                     .with_timeout(bound),
             )
         }
