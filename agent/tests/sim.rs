@@ -489,7 +489,7 @@ const FOUND_BY_LONG_RUNS: &[(u64, &str)] = &[
     (957775, "million-seed run"),
     (962971, "million-seed run"),
     (976023, "million-seed run"),
-    // A million-seed run from 2,000,000: invariant (1), a lease left
+    // A long run past the default range: invariant (1), a lease left
     // launching. A launch carrying its registration was cut short by a
     // crash before its bind and its launch record; recovery destroyed the
     // instance as an orphan and queued its registration's removal by lease
@@ -497,7 +497,7 @@ const FOUND_BY_LONG_RUNS: &[(u64, &str)] = &[
     // did not supersede. The removal then took the relaunched runner's
     // registration and, once done, its launch record, so after a restart
     // nothing knew of the runner whose container was then removed.
-    (2942759, "million-seed run from 2,000,000"),
+    (2942759, "long run"),
 ];
 
 #[test]
