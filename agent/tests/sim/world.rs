@@ -554,21 +554,7 @@ impl World {
             let p = &c.plane[&lease];
             (p.request, p.epoch)
         };
-        let command = Lease {
-            id: lease.clone(),
-            epoch,
-            tier: "sim".into(),
-            phase: Phase::Assigned,
-            vcpu: 2,
-            memory: ByteSize(1 << 30),
-            request_id: request,
-            providers: vec!["docker".into()],
-            failure_reason: None,
-        };
-        let job = GithubJob {
-            request_id: request,
-            ..GithubJob::default()
-        };
+        let (command, job) = assigned(&lease, epoch, request);
         let runner = Arc::clone(&self.runner);
         let Some(r) = guarded(
             &self.shared,
@@ -815,21 +801,7 @@ impl World {
             return;
         };
         let epoch = Epoch(held.0 + 1);
-        let command = Lease {
-            id: lease.clone(),
-            epoch,
-            tier: "sim".into(),
-            phase: Phase::Assigned,
-            vcpu: 2,
-            memory: ByteSize(1 << 30),
-            request_id: request,
-            providers: vec!["docker".into()],
-            failure_reason: None,
-        };
-        let job = GithubJob {
-            request_id: request,
-            ..GithubJob::default()
-        };
+        let (command, job) = assigned(&lease, epoch, request);
         let runner = Arc::clone(&self.runner);
         let Some(r) = guarded(&self.shared, runner.launch_with(command, tier(), job, None)).await
         else {
@@ -1993,4 +1965,25 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
         trace: world.trace,
         stats,
     }
+}
+
+/// The plane's Launch of `lease` at `epoch` for the job `request`: the
+/// lease as the plane sends it, and the job.
+fn assigned(lease: &LeaseId, epoch: Epoch, request: RequestId) -> (Lease, GithubJob) {
+    let command = Lease {
+        id: lease.clone(),
+        epoch,
+        tier: "sim".into(),
+        phase: Phase::Assigned,
+        vcpu: 2,
+        memory: ByteSize(1 << 30),
+        request_id: request,
+        providers: vec!["docker".into()],
+        failure_reason: None,
+    };
+    let job = GithubJob {
+        request_id: request,
+        ..GithubJob::default()
+    };
+    (command, job)
 }
