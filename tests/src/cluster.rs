@@ -1154,6 +1154,35 @@ impl Cluster {
         Ok(())
     }
 
+    /// Reserves lease `id` in the ledger for job `request_id` on the tier,
+    /// at 1 vCPU and 256 MiB, its runner named `billet-<id>`, as the plane
+    /// does before it sends the Launch a test then sends by hand.
+    ///
+    /// # Errors
+    ///
+    /// The ledger's.
+    pub async fn reserve(
+        &self,
+        id: &str,
+        request_id: i64,
+    ) -> Result<billet_controlplane_stub::ledger::Lease> {
+        Ok(self
+            .plane
+            .ledger()
+            .reserve(
+                billet_controlplane_stub::ledger::NewLease {
+                    id: id.into(),
+                    tier: TIER.into(),
+                    request_id,
+                    vcpu: 1,
+                    memory_bytes: 256 << 20,
+                    runner_name: Some(format!("billet-{id}")),
+                },
+                billet_controlplane_stub::now_ms(),
+            )
+            .await?)
+    }
+
     /// Queues `n` jobs on the tier's scale set.
     pub fn queue_jobs(&self, n: usize) -> Vec<scaleset::JobRequestId> {
         (0..n)

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use billet_controlplane_stub::calls::lease_to_wire;
-use billet_controlplane_stub::ledger::{NewLease, Phase};
+use billet_controlplane_stub::ledger::Phase;
 use billet_controlplane_stub::node_link::CommandOutcome;
 use billet_controlplane_stub::now_ms;
 use billet_proto::v1 as pb;
@@ -35,19 +35,7 @@ fn launch(lease: &billet_controlplane_stub::ledger::Lease) -> pb::command::Kind 
 async fn a_command_queued_past_its_deadline_is_answered_expired_and_starts_nothing() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let ledger = cluster.plane.ledger();
-    let lease = ledger
-        .reserve(
-            NewLease {
-                id: "expired1".into(),
-                tier: TIER.into(),
-                request_id: 424242,
-                vcpu: 1,
-                memory_bytes: 256 << 20,
-                runner_name: Some("billet-expired1".into()),
-            },
-            now_ms(),
-        )
-        .await?;
+    let lease = cluster.reserve("expired1", 424242).await?;
     let node = cluster.plane.node("node-1").expect("node");
     // The plane queued it a second ago with a deadline that has passed since.
     let outcome = node
@@ -282,19 +270,7 @@ async fn sweep_destroys_an_orphan_and_never_touches_an_unlabelled_container() ->
 async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_first() -> Result<()> {
     let cluster = Cluster::start(ClusterOptions::default()).await?;
     let ledger = cluster.plane.ledger();
-    let lease = ledger
-        .reserve(
-            NewLease {
-                id: "idle1".into(),
-                tier: TIER.into(),
-                request_id: 5151,
-                vcpu: 1,
-                memory_bytes: 256 << 20,
-                runner_name: Some("billet-idle1".into()),
-            },
-            now_ms(),
-        )
-        .await?;
+    let lease = cluster.reserve("idle1", 5151).await?;
     let node = cluster.plane.node("node-1").expect("node");
     // No job is queued: the runner registers and waits, idle.
     let launched = node.dispatch(launch(&lease), Duration::from_secs(30)).await;
@@ -365,21 +341,7 @@ async fn a_destroy_that_is_not_a_completion_removes_the_runner_registration_firs
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_launch_that_never_reaches_a_node_started_nothing_and_is_not_custody() -> Result<()> {
     let mut cluster = Cluster::start(ClusterOptions::default()).await?;
-    let lease = cluster
-        .plane
-        .ledger()
-        .reserve(
-            NewLease {
-                id: "undelivered1".into(),
-                tier: TIER.into(),
-                request_id: 6161,
-                vcpu: 1,
-                memory_bytes: 256 << 20,
-                runner_name: Some("billet-undelivered1".into()),
-            },
-            now_ms(),
-        )
-        .await?;
+    let lease = cluster.reserve("undelivered1", 6161).await?;
     cluster
         .nodes
         .get_mut("node-1")

@@ -639,19 +639,7 @@ async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_
         .push(("BILLET_DRAIN_TIMEOUT_SECS".into(), "60".into()));
     let mut cluster = Cluster::start(opts).await?;
     let ledger = cluster.plane.ledger();
-    let lease = ledger
-        .reserve(
-            NewLease {
-                id: "idle1".into(),
-                tier: TIER.into(),
-                request_id: 5252,
-                vcpu: 1,
-                memory_bytes: 256 << 20,
-                runner_name: Some("billet-idle1".into()),
-            },
-            now_ms(),
-        )
-        .await?;
+    let lease = cluster.reserve("drainidle1", 5252).await?;
     // No job is queued: the runner registers and waits, idle.
     let node = cluster.plane.node("node-1").context("node")?;
     let launched = node
@@ -687,7 +675,7 @@ async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_
         "the drain waited {:?} for a runner that had no job",
         stopping.elapsed()
     );
-    let ended = ledger.get("idle1").await?.context("the lease")?;
+    let ended = ledger.get("drainidle1").await?.context("the lease")?;
     assert_eq!(ended.phase, Phase::Failed, "{ended:?}");
     assert_eq!(
         ended.failure_reason.as_deref(),
@@ -695,7 +683,7 @@ async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_
         "{ended:?}"
     );
     assert!(
-        container_id(&cluster, "billet-idle1").await.is_none(),
+        container_id(&cluster, "billet-drainidle1").await.is_none(),
         "the idle runner's container was left"
     );
     assert!(
