@@ -174,9 +174,7 @@ impl Runner {
                     // GitHub will not remove a runner holding a job (or the
                     // plane answered for good): it is online.
                     info!(lease = %r.lease, answer = %e, "past the start deadline, the runner is busy at GitHub; it came online");
-                    if let Some(s) = self.state().running.get_mut(&request_id) {
-                        s.online = true;
-                    }
+                    self.mark_online(request_id);
                 }
             }
         }
@@ -246,9 +244,7 @@ impl Runner {
                 }
                 Err(e) => {
                     info!(lease = %r.lease, answer = %e, "draining: the runner holds a job; it finishes it");
-                    if let Some(s) = self.state().running.get_mut(&request_id) {
-                        s.online = true;
-                    }
+                    self.mark_online(request_id);
                 }
             }
         }
