@@ -700,17 +700,12 @@ impl DockerProvider {
         start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
         let (name, body, secrets) = self.container_for(&spec)?;
-        let operation = format!("create {name}");
-        let secret = spec.jit_config.expose();
-        let docker = self.client(&operation).await?;
         self.handoffs.prepare(&spec.name).map_err(|e| {
             ProviderError::Refused(format!(
                 "{name}: cannot prepare the handoff of its credentials: {e}"
             ))
         })?;
-        let created = self
-            .create_and_start(&spec, &name, body, secret, docker, exists, start)
-            .await;
+        let created = self.create_and_start(&spec, body, exists, start).await;
         match &created {
             Ok(_) => {
                 // The guest asks for its credentials once it runs. The
@@ -739,19 +734,17 @@ impl DockerProvider {
         created
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn create_and_start(
         &self,
         spec: &InstanceSpec,
-        name: &str,
         body: ContainerCreateBody,
-        secret: &str,
-        docker: &Docker,
         exists: tokio::sync::oneshot::Sender<()>,
         start: super::StartGate,
     ) -> Result<Instance, ProviderError> {
+        let name = spec.name.as_str().to_owned();
         let operation = format!("create {name}");
-        let name = name.to_owned();
+        let secret = spec.jit_config.expose();
+        let docker = self.client(&operation).await?;
 
         let created = docker
             .create_container(
