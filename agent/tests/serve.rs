@@ -178,7 +178,15 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         | Call::RemoveRunner(_)
         | Call::MarkFailure(_)
         | Call::Resize(_)
-        | Call::RecordCacheObservation(_) => (None, None),
+        | Call::RecordCacheObservation(_)
+        | Call::ReserveWarm(_)
+        | Call::ReleaseWarm(_) => (None, None),
+        Call::WarmRooms(w) => (
+            Some(R::WarmRooms(pb::WarmRoomsCharged {
+                charged: w.names.clone(),
+            })),
+            None,
+        ),
         Call::ActionsPolicy(_) => (
             Some(R::ActionsPolicy(pb::ActionsPolicyAnswer { allowed: true })),
             None,
@@ -634,6 +642,7 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
                     request_id: 12,
                     ..Default::default()
                 }),
+                warm_instance: String::new(),
             }),
         )
         .await;

@@ -808,6 +808,7 @@ impl Bench {
                 request_id: lease.request_id,
                 ..Default::default()
             }),
+            warm_instance: String::new(),
         });
         let outcome = self.node()?.dispatch(command, COMMAND_TIMEOUT).await;
         ensure!(

@@ -777,6 +777,7 @@ fn launch_command(lease: &Lease, registration: Option<pb::JitConfig>) -> pb::com
             request_id: lease.request_id,
             ..Default::default()
         }),
+        warm_instance: String::new(),
     })
 }
 

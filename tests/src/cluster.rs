@@ -114,6 +114,8 @@ pub struct ClusterOptions {
     pub node_vcpu: u32,
     /// How the plane's connections notice a silent node.
     pub node_keepalive: billet_controlplane_stub::node_link::Keepalive,
+    /// The warm runners each node keeps (none by default).
+    pub warm: billet_controlplane_stub::plane::WarmConfig,
 }
 
 /// Where a node runs when it has a network of its own: its namespace and
@@ -166,6 +168,7 @@ impl Default for ClusterOptions {
             hosts: HashMap::new(),
             node_vcpu: 8,
             node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
+            warm: billet_controlplane_stub::plane::WarmConfig::default(),
         }
     }
 }
@@ -1011,6 +1014,7 @@ impl Cluster {
                 )),
             },
             node_keepalive: options.node_keepalive,
+            warm: options.warm,
         };
         let plane = Plane::start(config.clone(), emulator.client(), shutdown.clone())
             .await

@@ -28,6 +28,7 @@ fn launch(lease: &billet_controlplane_stub::ledger::Lease) -> pb::command::Kind 
             request_id: lease.request_id,
             ..Default::default()
         }),
+        warm_instance: String::new(),
     })
 }
 

@@ -659,6 +659,7 @@ async fn a_drain_retires_a_runner_that_took_no_job_and_ends_without_waiting_for_
                     request_id: lease.request_id,
                     ..Default::default()
                 }),
+                warm_instance: String::new(),
             }),
             Duration::from_secs(30),
         )

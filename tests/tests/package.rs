@@ -346,6 +346,7 @@ async fn plane_for(
             )?,
         )),
         node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
+        warm: billet_controlplane_stub::plane::WarmConfig::default(),
     };
     let plane = Plane::start(config, github.client(), shutdown.clone())
         .await

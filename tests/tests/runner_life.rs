@@ -714,6 +714,7 @@ async fn a_launch_at_a_higher_epoch_for_a_working_runner_is_answered_busy_naming
                     ..Default::default()
                 }),
                 registration: None,
+                warm_instance: String::new(),
             }),
             Duration::from_secs(30),
         )

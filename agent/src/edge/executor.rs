@@ -211,7 +211,8 @@ fn result_durability(command: &NodeCommand) -> Option<Durability> {
         NodeCommand::Instances
         | NodeCommand::Sweep
         | NodeCommand::Tend
-        | NodeCommand::Superseded => None,
+        | NodeCommand::Superseded
+        | NodeCommand::WarmPool(_) => None,
     }
 }
 
@@ -270,13 +271,16 @@ pub(super) async fn execute(
             tier,
             job,
             registration,
+            warm,
         } => {
             let launched = Launched {
                 lease: lease.id.clone(),
                 epoch: lease.epoch,
                 request_id: lease.request_id,
             };
-            let r = runner.launch_with(lease, tier, job, registration).await;
+            let r = runner
+                .launch_onto(lease, tier, job, registration, warm)
+                .await;
             let success = r.is_ok();
             (from_runner(r), success.then_some(launched))
         }
@@ -366,6 +370,21 @@ pub(super) async fn execute(
             runner.superseded().await;
             (ok(), None)
         }
+        NodeCommand::WarmPool(targets) => match runner.warm() {
+            Some(pool) => {
+                pool.set_targets(targets);
+                (ok(), None)
+            }
+            None => (
+                failure(
+                    id,
+                    pb::Outcome::Refused,
+                    pb::ErrorCode::Refused,
+                    "this node keeps no warm runners".to_owned(),
+                ),
+                None,
+            ),
+        },
     }
 }
 

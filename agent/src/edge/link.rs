@@ -619,6 +619,51 @@ impl crate::cache::actions::ActionsPolicy for PlanePolicy {
 }
 
 #[async_trait]
+impl crate::node::warm::WarmRooms for PlaneLink {
+    async fn reserve(
+        &self,
+        name: &InstanceName,
+        tier: &str,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        self.call(pb::node_call::Call::ReserveWarm(pb::ReserveWarm {
+            name: name.as_str().to_owned(),
+            tier: tier.to_owned(),
+            vcpu,
+            memory_bytes: memory.0,
+        }))
+        .await
+        .map(drop)
+    }
+
+    async fn release(&self, name: &InstanceName) -> Result<(), PlaneError> {
+        self.call(pb::node_call::Call::ReleaseWarm(pb::ReleaseWarm {
+            name: name.as_str().to_owned(),
+        }))
+        .await
+        .map(drop)
+    }
+
+    async fn confirm(&self, names: &[InstanceName]) -> Result<Vec<InstanceName>, PlaneError> {
+        match self
+            .call(pb::node_call::Call::WarmRooms(pb::WarmRooms {
+                names: names.iter().map(|n| n.as_str().to_owned()).collect(),
+            }))
+            .await?
+        {
+            Some(pb::plane_reply::Result::WarmRooms(pb::WarmRoomsCharged { charged })) => {
+                Ok(charged
+                    .iter()
+                    .filter_map(|n| InstanceName::warm(n))
+                    .collect())
+            }
+            _ => Err(unexpected("a warm runners' confirmation")),
+        }
+    }
+}
+
+#[async_trait]
 impl JitSource for PlaneLink {
     async fn mint(
         &self,

@@ -577,6 +577,10 @@ pub async fn run(
     let journal: Arc<dyn Journal> = Arc::new(WatchedJournal::new(journal, health.clone()));
     let link = Arc::new(PlaneLink::default());
     let plane = Arc::new(MeteredPlane::new(link.clone(), metrics.clone()));
+    let warm = Arc::new(crate::node::warm::WarmPool::new(
+        provider.clone(),
+        link.clone(),
+    ));
     let runner = Arc::new(
         Runner::new(
             provider,
@@ -592,7 +596,8 @@ pub async fn run(
                 ..RunnerOptions::default()
             },
         )
-        .with_journal(journal.clone()),
+        .with_journal(journal.clone())
+        .with_warm(warm.clone()),
     );
     let cache_store = cache.clone();
     let mut cache_archives = None;
@@ -756,6 +761,10 @@ pub async fn run(
             async move { runner.keep_alive(cancel).await }.instrument(info_span!("keep_alive")),
         );
     }
+    tasks.spawn(
+        warm.run(shutdown.clone())
+            .instrument(info_span!("warm_pool")),
+    );
     {
         let runner = runner.clone();
         let shutdown = shutdown.clone();

@@ -146,6 +146,7 @@ impl NodeService {
             degraded: health.degraded(),
             degraded_reasons: wire::degraded_reasons(&health),
             launches_with_registration: true,
+            keeps_warm_pool: self.runner.warm().is_some(),
         }
     }
 

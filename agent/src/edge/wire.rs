@@ -8,8 +8,8 @@ use billet_proto::v1 as pb;
 use crate::cache::{Policy, StickyDisk};
 
 use crate::model::{
-    ByteSize, CommandId, DestroyOrder, Epoch, InvalidField, Job, Lease, LeaseId, NodeCommand,
-    RequestId, TierSpec, Trust, UpgradeSpec, parse_phase,
+    ByteSize, CommandId, DestroyOrder, Epoch, InstanceName, InvalidField, Job, Lease, LeaseId,
+    NodeCommand, RequestId, TierSpec, Trust, UpgradeSpec, WarmTarget, parse_phase,
 };
 
 /// Largest memory a lease may ask for (16 TiB): anything above is a typo.
@@ -145,6 +145,7 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             tier,
             job,
             registration,
+            warm_instance,
         }) => {
             let lease = lease.ok_or_else(|| InvalidField::new("launch.lease", "is missing"))?;
             let lease = self::lease(lease, "launch.lease")?;
@@ -163,11 +164,24 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
             let registration = registration
                 .map(|r| self::registration(r, &lease.id))
                 .transpose()?;
+            let warm = if warm_instance.is_empty() {
+                None
+            } else {
+                Some(InstanceName::warm(&warm_instance).ok_or_else(|| {
+                    InvalidField::new(
+                        "launch.warm_instance",
+                        format!(
+                            "{warm_instance:?} is not a warm runner's name (billet_warm-<16 hex>)"
+                        ),
+                    )
+                })?)
+            };
             NodeCommand::Launch {
                 lease,
                 tier,
                 job,
                 registration,
+                warm,
             }
         }
         Kind::Destroy(pb::Destroy {
@@ -253,8 +267,48 @@ fn node_command(kind: pb::command::Kind) -> Result<NodeCommand, InvalidField> {
         Kind::Sweep(pb::Sweep {}) => NodeCommand::Sweep,
         Kind::Tend(pb::Tend {}) => NodeCommand::Tend,
         Kind::Superseded(pb::Superseded {}) => NodeCommand::Superseded,
+        Kind::WarmPool(pb::WarmPool { tiers }) => NodeCommand::WarmPool(
+            tiers
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| warm_tier(t, &format!("warm_pool.tiers[{i}]")))
+                .collect::<Result<_, _>>()?,
+        ),
     })
 }
+
+/// Checks one tier of a `WarmPool`; `field` prefixes the names in errors.
+fn warm_tier(tier: pb::WarmTier, field: &str) -> Result<WarmTarget, InvalidField> {
+    let pb::WarmTier {
+        tier,
+        count,
+        vcpu,
+        memory_bytes,
+        idle_retire_secs,
+        max_age_secs,
+    } = tier;
+    let tier = tier
+        .ok_or_else(|| InvalidField::new(format!("{field}.tier"), "is missing"))
+        .and_then(tier_spec)
+        .map_err(|mut e| {
+            if let Some(rest) = e.field.strip_prefix("launch.tier") {
+                e.field = format!("{field}.tier{rest}");
+            }
+            e
+        })?;
+    let secs = |s: u64| (s > 0).then(|| std::time::Duration::from_secs(s.min(MAX_WARM_SECS)));
+    Ok(WarmTarget {
+        tier,
+        count,
+        vcpu,
+        memory: ByteSize(memory_bytes),
+        idle_retire: secs(idle_retire_secs),
+        max_age: secs(max_age_secs),
+    })
+}
+
+/// The longest idle or age bound a warm pool takes: a year.
+const MAX_WARM_SECS: u64 = 365 * 24 * 3600;
 
 /// Checks a lease; `field` prefixes the names in errors.
 ///
@@ -560,6 +614,7 @@ pub(crate) mod tests {
                     request_id: 7,
                     ..Default::default()
                 }),
+                warm_instance: String::new(),
             })),
         }
     }
@@ -627,6 +682,7 @@ pub(crate) mod tests {
                     repository: "widgets".into(),
                     workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main".into(),
                 }),
+                warm_instance: String::new(),
             })),
         }
     }
@@ -685,6 +741,7 @@ pub(crate) mod tests {
                 repository: "widgets".into(),
                 workflow_ref: "acme/widgets/.github/workflows/ci.yml@refs/heads/main".into(),
             },
+            warm: None,
         }
     }
 
@@ -1161,6 +1218,7 @@ pub(crate) mod properties {
                         request_id: r,
                         ..Default::default()
                     }),
+                    warm_instance: String::new(),
                 }))),
             (
                 any::<i64>(),

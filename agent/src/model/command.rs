@@ -1,7 +1,11 @@
 //! The closed set of commands the node's core accepts, checked: what the
 //! gRPC face hands the executor through the command slot.
 
-use super::{DestroyOrder, Job, Lease, LeaseId, Registration, RequestId, TierSpec};
+use std::time::Duration;
+
+use super::{
+    ByteSize, DestroyOrder, InstanceName, Job, Lease, LeaseId, Registration, RequestId, TierSpec,
+};
 
 /// What the node was asked to do, checked.
 // One command exists at a time per slot entry; boxing the launch buys nothing.
@@ -19,6 +23,9 @@ pub enum NodeCommand {
         /// The runner registration the plane minted before dispatching
         /// (`Launch.registration`); `None` when the node mints.
         registration: Option<Registration>,
+        /// The warm runner whose room the lease took over
+        /// (`Launch.warm_instance`); `None`: none named.
+        warm: Option<InstanceName>,
     },
     /// Tear down whatever was started for a request.
     Destroy {
@@ -44,6 +51,25 @@ pub enum NodeCommand {
     Tend,
     /// Another process took this node's name.
     Superseded,
+    /// The warm runners wanted, per tier: the whole wanted state.
+    WarmPool(Vec<WarmTarget>),
+}
+
+/// The warm runners wanted for one tier (`WarmTier`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmTarget {
+    /// The tier, as its launches carry it.
+    pub tier: TierSpec,
+    /// How many; zero retires them all.
+    pub count: u32,
+    /// What each charges, as a lease of the tier asks.
+    pub vcpu: u32,
+    /// What each charges, as a lease of the tier asks.
+    pub memory: ByteSize,
+    /// Retired once idle this long; `None`: never.
+    pub idle_retire: Option<Duration>,
+    /// Retired once this old; `None`: never.
+    pub max_age: Option<Duration>,
 }
 
 impl NodeCommand {
@@ -59,7 +85,8 @@ impl NodeCommand {
             | NodeCommand::Instances
             | NodeCommand::Sweep
             | NodeCommand::Tend
-            | NodeCommand::Superseded => None,
+            | NodeCommand::Superseded
+            | NodeCommand::WarmPool(_) => None,
         }
     }
 
@@ -74,6 +101,7 @@ impl NodeCommand {
             NodeCommand::Sweep => "sweep",
             NodeCommand::Tend => "tend",
             NodeCommand::Superseded => "superseded",
+            NodeCommand::WarmPool(_) => "warm_pool",
         }
     }
 }

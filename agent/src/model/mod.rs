@@ -13,7 +13,7 @@ use std::fmt;
 
 use thiserror::Error;
 
-pub use command::{NodeCommand, UpgradeSpec};
+pub use command::{NodeCommand, UpgradeSpec, WarmTarget};
 
 /// Longest id accepted for a lease, a command or a runner name, in bytes.
 pub(crate) const MAX_ID_LEN: usize = 128;
@@ -158,11 +158,30 @@ impl InstanceName {
         LeaseId::parse("instance name", lease).ok()
     }
 
+    /// A fresh warm runner's name, `billet_warm-<16 hex>`: never a lease's
+    /// (a lease's name has `-` after `billet`), so nothing that reads a
+    /// lease from a name takes a warm runner for one.
+    pub fn fresh_warm() -> Self {
+        let hex = uuid::Uuid::new_v4().simple().to_string();
+        Self(format!("{WARM_PREFIX}{}", &hex[..16]))
+    }
+
+    /// `name` when it is a warm runner's ([`InstanceName::fresh_warm`]).
+    pub fn warm(name: &str) -> Option<Self> {
+        let rest = name.strip_prefix('/').unwrap_or(name);
+        let hex = rest.strip_prefix(WARM_PREFIX)?;
+        (hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| Self(rest.to_owned()))
+    }
+
     /// The name as text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
 }
+
+/// What every warm runner's name starts with.
+const WARM_PREFIX: &str = "billet_warm-";
 
 impl fmt::Display for InstanceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -755,6 +755,43 @@ impl Provider for WatchedProvider {
         )
         .await
     }
+
+    async fn create_warm(
+        &self,
+        spec: crate::provider::WarmSpec,
+    ) -> Result<Instance, ProviderError> {
+        self.bounded(
+            format!("create {}", spec.name),
+            self.create_timeout,
+            self.inner.create_warm(spec),
+        )
+        .await
+    }
+
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.bounded(
+            "list warm runners".into(),
+            self.call_timeout,
+            self.inner.list_warm(),
+        )
+        .await
+    }
+
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: crate::provider::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        // Bounded as a create: the wait for `start` is the bind's.
+        self.bounded(
+            format!("claim {warm} as {}", spec.name),
+            self.create_timeout,
+            self.inner.claim_warm(warm, spec, created, start),
+        )
+        .await
+    }
 }
 
 /// A journal whose write failures raise [`Reason::JournalUnwritable`] and

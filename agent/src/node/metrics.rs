@@ -773,6 +773,54 @@ impl Provider for MeteredProvider {
         self.observe("work", took, ok);
         r
     }
+
+    async fn create_warm(
+        &self,
+        spec: crate::provider::WarmSpec,
+    ) -> Result<Instance, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.create_warm(spec).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("create_warm", took, ok);
+        r
+    }
+
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.list_warm().await;
+        let (took, ok) = timed(start, &r);
+        self.observe("list_warm", took, ok);
+        r
+    }
+
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        gate: crate::provider::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        let start = Instant::now();
+        let (exists, existed) = tokio::sync::oneshot::channel();
+        let forward = async {
+            let at = existed.await.ok().map(|()| start.elapsed());
+            if at.is_some() {
+                let _ = created.send(());
+            }
+            at
+        };
+        let (r, created_after) =
+            tokio::join!(self.inner.claim_warm(warm, spec, exists, gate), forward);
+        let (took, ok) = timed(start, &r);
+        self.observe("claim_warm", took, ok);
+        // A warm launch's `create` step is the claim: what stands on the
+        // job's path where a cold launch creates and starts.
+        self.metrics.step("create", took);
+        if let Some(at) = created_after {
+            self.metrics.step("created", at);
+        }
+        r
+    }
 }
 
 /// The plane seams ([`LeaseStore`], [`JitSource`]) timed per call: each

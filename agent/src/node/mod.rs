@@ -6,7 +6,8 @@
 //! why compute ended and how its registration is removed), start-up
 //! recovery's gate ([`recovery`]), the ports it asks the plane through
 //! ([`plane`]), its health and degraded reasons ([`health`]), its metrics
-//! ([`metrics`]), and spot interruption notices ([`interruption`]).
+//! ([`metrics`]), spot interruption notices ([`interruption`]), and the warm runners
+//! started ahead of their jobs ([`warm`]).
 //!
 //! May not touch: generated proto types (that is the gRPC face's, `edge`), the
 //! Docker engine except through [`crate::provider::Provider`], SQLite except
@@ -25,3 +26,4 @@ mod recover;
 pub(crate) mod recovery;
 pub mod runner;
 mod sweep;
+pub mod warm;

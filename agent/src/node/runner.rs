@@ -178,6 +178,8 @@ pub(super) struct State {
     /// disks, for the cache observation recorded when they are settled.
     /// In memory: a restarted node records none.
     pub(super) disk_epochs: HashMap<LeaseId, Epoch>,
+    /// The warm runner each launch in progress was told to take.
+    pub(super) warm_hints: HashMap<LeaseId, InstanceName>,
 }
 
 /// Where a held lease stands on this node.
@@ -315,6 +317,8 @@ pub struct Runner {
     /// The Actions cache proxy (`cache/actions/`); `None`: no guest gets
     /// one.
     pub(super) actions: Option<Arc<crate::cache::actions::proxy::ActionsProxy>>,
+    /// Runners started ahead of their jobs; `None`: every launch creates.
+    pub(super) warm: Option<Arc<super::warm::WarmPool>>,
 }
 
 /// Why a launch beside its bind did not start its instance.
@@ -391,6 +395,49 @@ impl Runner {
             cache: None,
             sessions: None,
             actions: None,
+            warm: None,
+        }
+    }
+
+    /// Launches of a tier that asks nothing of the cache take a runner
+    /// from `pool` when it has one.
+    #[must_use]
+    pub fn with_warm(mut self, pool: Arc<super::warm::WarmPool>) -> Self {
+        self.warm = Some(pool);
+        self
+    }
+
+    /// The warm pool, when this node keeps one.
+    pub fn warm(&self) -> Option<&Arc<super::warm::WarmPool>> {
+        self.warm.as_ref()
+    }
+
+    /// Creates `spec`'s instance for a launch of `lease` on `tier`, or,
+    /// for a tier that asks nothing of the cache, hands it to a warm runner
+    /// the pool gives (the one the plane named first): as
+    /// [`Provider::create_then_start`] either way.
+    async fn create_for(
+        &self,
+        lease: &Lease,
+        tier: &TierSpec,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: crate::provider::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        let hint = self.state().warm_hints.remove(&lease.id);
+        let warm = match &self.warm {
+            Some(pool) if asks_nothing_of_the_cache(tier) => {
+                pool.claim(hint.as_ref(), tier, (lease.vcpu, lease.memory))
+                    .await
+            }
+            _ => None,
+        };
+        match warm {
+            Some(warm) => {
+                info!(lease = %lease.id, %warm, "launching onto a warm runner");
+                self.provider.claim_warm(&warm, spec, created, start).await
+            }
+            None => self.provider.create_then_start(spec, created, start).await,
         }
     }
 
@@ -643,6 +690,9 @@ impl Runner {
     /// Stops taking launches (destroys, sweeps and tends still run).
     pub fn start_draining(&self) {
         self.state().draining = true;
+        if let Some(pool) = &self.warm {
+            pool.close();
+        }
     }
 
     /// Whether a drain has started.
@@ -774,6 +824,41 @@ impl Runner {
     ///
     /// As [`Runner::launch`].
     pub async fn launch_with(
+        &self,
+        lease: Lease,
+        tier: TierSpec,
+        job: Job,
+        registration: Option<Registration>,
+    ) -> Result<(), RunnerError> {
+        self.launch_onto(lease, tier, job, registration, None).await
+    }
+
+    /// [`Runner::launch_with`], naming the warm runner whose room the
+    /// lease took over (`Launch.warm_instance`): the launch hands its
+    /// registration to that runner when the pool still has it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Runner::launch`].
+    pub async fn launch_onto(
+        &self,
+        lease: Lease,
+        tier: TierSpec,
+        job: Job,
+        registration: Option<Registration>,
+        warm: Option<InstanceName>,
+    ) -> Result<(), RunnerError> {
+        if let Some(warm) = warm {
+            self.state().warm_hints.insert(lease.id.clone(), warm);
+        }
+        let result = self
+            .launch_checked(lease.clone(), tier, job, registration)
+            .await;
+        self.state().warm_hints.remove(&lease.id);
+        result
+    }
+
+    async fn launch_checked(
         &self,
         lease: Lease,
         tier: TierSpec,
@@ -1153,9 +1238,10 @@ impl Runner {
         // create needs only the JIT config, and a record that lost this
         // amendment (the node killed during both) removes the registration
         // by lease instead of by id, as after a power cut.
+        let (exists, _) = tokio::sync::oneshot::channel();
         let (amended, created) = tokio::join!(
             self.journal.amend_launch(record),
-            self.provider.create(spec)
+            self.create_for(lease, tier, spec, exists, crate::provider::start_now())
         );
         if let Err(e) = amended {
             warn!(error = %e, "cannot journal the runner registration; a restart removes it by lease");
@@ -1260,7 +1346,7 @@ impl Runner {
             ready
         };
         let (ready, created) =
-            tokio::join!(ready, self.provider.create_then_start(spec, created, gate));
+            tokio::join!(ready, self.create_for(lease, tier, spec, created, gate));
         let registered = (registration.runner_id, registration.runner_name);
         match (ready, created) {
             (Ok(()), Ok(instance)) => {

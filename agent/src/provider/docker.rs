@@ -83,6 +83,10 @@ pub(crate) const POOL_IDLE: Duration = Duration::from_secs(30);
 /// credentials before it answers (`handoff.rs`).
 pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(20);
 
+/// How long a claimed warm runner has to read its credentials: it has been
+/// waiting on its FIFO since it started, so it reads at once unless it died.
+const WARM_DELIVERY_BOUND: Duration = Duration::from_secs(5);
+
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
 
@@ -626,8 +630,11 @@ impl Provider for DockerProvider {
     /// list).
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
         let operation = "list containers";
-        self.bounded(operation, self.inventory(operation, None))
-            .await
+        let mut listed = self
+            .bounded(operation, self.inventory(operation, None))
+            .await?;
+        listed.retain(|i| InstanceName::warm(&i.name).is_none());
+        Ok(listed)
     }
 
     /// The container of this owner named exactly `name`.
@@ -684,12 +691,76 @@ impl Provider for DockerProvider {
             .await?;
         Ok((shaped_vcpu(vcpu, cpus), memory))
     }
+
+    /// Creates and starts `billet_warm-<hex>` from the tier's image, with
+    /// its handoff directory bound and empty of credentials.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::create`].
+    async fn create_warm(&self, spec: super::WarmSpec) -> Result<Instance, ProviderError> {
+        let operation = format!("create {}", spec.name);
+        self.bounded(&operation, self.create_warm_unbounded(spec))
+            .await
+    }
+
+    /// The warm runners: this owner's containers under a warm name.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`].
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
+        let operation = "list warm runners";
+        let mut listed = self
+            .bounded(operation, self.inventory(operation, None))
+            .await?;
+        listed.retain(|i| InstanceName::warm(&i.name).is_some());
+        Ok(listed)
+    }
+
+    /// Renames the warm container to `spec`'s name (its handoff directory
+    /// with it), then, once `start` opens, writes `spec`'s credentials to
+    /// the FIFO its runner already waits on.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::create_then_start`]; [`ProviderError::Engine`] when
+    /// the runner does not read its credentials within
+    /// [`WARM_DELIVERY_BOUND`] (it died while it waited).
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        let operation = format!("claim {warm} as {}", spec.name);
+        self.bounded(
+            &operation,
+            self.claim_warm_unbounded(warm, spec, created, start),
+        )
+        .await
+    }
 }
 
 /// `vcpu` as an engine whose host has `cpus` CPUs runs it: at most `cpus`;
 /// 0 (no limit) stays 0.
 fn shaped_vcpu(vcpu: u32, cpus: u32) -> u32 {
     vcpu.min(cpus)
+}
+
+/// What a container is made of, warm or cold: everything but its labels
+/// and its runner's credentials.
+struct Shape<'a> {
+    name: &'a InstanceName,
+    image: &'a str,
+    command: &'a [String],
+    vcpu: u32,
+    memory: ByteSize,
+    shm: ByteSize,
+    network: Option<&'a String>,
+    env: &'a [(String, String)],
+    binds: &'a [super::Bind],
 }
 
 impl DockerProvider {
@@ -825,6 +896,136 @@ impl DockerProvider {
     }
 }
 impl DockerProvider {
+    async fn create_warm_unbounded(
+        &self,
+        spec: super::WarmSpec,
+    ) -> Result<Instance, ProviderError> {
+        if InstanceName::warm(spec.name.as_str()).is_none() {
+            return Err(ProviderError::Refused(format!(
+                "{} is not a warm runner's name",
+                spec.name
+            )));
+        }
+        let labels = HashMap::from([
+            (labels::DEPLOYMENT.to_owned(), self.owner.deployment.clone()),
+            (labels::NODE.to_owned(), self.owner.node.to_string()),
+            (labels::WARM.to_owned(), spec.tier.clone()),
+        ]);
+        let body = self.body_for(
+            &Shape {
+                name: &spec.name,
+                image: &spec.image,
+                command: &spec.command,
+                vcpu: spec.vcpu,
+                memory: spec.memory,
+                shm: spec.shm,
+                network: spec.network.as_ref(),
+                env: &spec.env,
+                binds: &[],
+            },
+            labels.clone(),
+        )?;
+        self.handoffs.prepare(&spec.name).map_err(|e| {
+            ProviderError::Refused(format!("{}: cannot prepare its handoff: {e}", spec.name))
+        })?;
+        let name = spec.name.as_str().to_owned();
+        let operation = format!("create {name}");
+        let docker = self.client(&operation).await?;
+        let made = async {
+            let created = docker
+                .create_container(
+                    Some(CreateContainerOptions {
+                        name: Some(name.clone()),
+                        ..Default::default()
+                    }),
+                    body,
+                )
+                .await
+                .map_err(|err| match err {
+                    BollardError::DockerResponseServerError {
+                        status_code: 404, ..
+                    } => ProviderError::ImageUnavailable {
+                        image: spec.image.clone(),
+                    },
+                    err => self.engine_error(&operation, &err, None),
+                })?;
+            docker
+                .start_container(&created.id, None)
+                .await
+                .map_err(|err| self.engine_error(&format!("start {name}"), &err, None))?;
+            Ok(created.id)
+        };
+        match made.await {
+            Ok(id) => {
+                tracing::info!(instance = %name, tier = %spec.tier, %id, "started a warm runner");
+                Ok(Instance {
+                    id,
+                    name,
+                    state: InstanceState::Running,
+                    labels: labels.into_iter().collect(),
+                })
+            }
+            Err(e) => {
+                self.handoffs.remove(&spec.name);
+                Err(e)
+            }
+        }
+    }
+
+    async fn claim_warm_unbounded(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        let operation = format!("claim {warm} as {}", spec.name);
+        if spec.name != InstanceName::for_lease(&spec.lease)
+            || InstanceName::warm(warm.as_str()).is_none()
+        {
+            return Err(ProviderError::Refused(format!(
+                "{operation}: not a warm runner and its lease's name"
+            )));
+        }
+        let secrets = Self::secrets_for(&spec)?;
+        let docker = self.client(&operation).await?;
+        docker
+            .rename_container(
+                warm.as_str(),
+                bollard::query_parameters::RenameContainerOptions {
+                    name: spec.name.as_str().to_owned(),
+                },
+            )
+            .await
+            .map_err(|err| self.engine_error(&operation, &err, None))?;
+        // The bind mount follows the directory: the guest still sees it.
+        self.handoffs
+            .rename(warm, &spec.name)
+            .map_err(|e| ProviderError::Engine {
+                operation: operation.clone(),
+                message: format!("cannot move its handoff: {e}"),
+            })?;
+        let _ = created.send(());
+        super::await_start(start, &operation).await?;
+        self.handoffs
+            .deliver(&spec.name, &secrets, WARM_DELIVERY_BOUND)
+            .await
+            .map_err(|message| ProviderError::Engine {
+                operation: operation.clone(),
+                message: format!("the warm runner did not take its credentials: {message}"),
+            })?;
+        tracing::info!(instance = %spec.name, warm = %warm, lease = %spec.lease, epoch = %spec.epoch,
+                       "handed a warm runner its registration");
+        Ok(Instance {
+            id: String::new(),
+            name: spec.name.as_str().to_owned(),
+            state: InstanceState::Running,
+            labels: self.labels_for(&spec).into_iter().collect(),
+        })
+    }
+}
+
+impl DockerProvider {
     async fn stop_unbounded(
         &self,
         name: &InstanceName,
@@ -886,18 +1087,26 @@ impl DockerProvider {
                 spec.name, spec.lease
             )));
         }
-        if spec.command.is_empty() {
-            return Err(ProviderError::Refused(format!(
-                "{}: the runner command is empty",
-                spec.name
-            )));
-        }
-        if spec.image.trim().is_empty() {
-            return Err(ProviderError::Refused(format!(
-                "{}: the image is empty",
-                spec.name
-            )));
-        }
+        let secrets = Self::secrets_for(spec)?;
+        let body = self.body_for(
+            &Shape {
+                name: &spec.name,
+                image: &spec.image,
+                command: &spec.command,
+                vcpu: spec.vcpu,
+                memory: spec.memory,
+                shm: spec.shm,
+                network: spec.network.as_ref(),
+                env: &spec.env,
+                binds: &spec.binds,
+            },
+            self.labels_for(spec),
+        )?;
+        Ok((spec.name.as_str().to_owned(), body, secrets))
+    }
+
+    /// The credentials `spec`'s runner is handed through its handoff.
+    fn secrets_for(spec: &InstanceSpec) -> Result<Secrets, ProviderError> {
         let secret = spec.jit_config.expose();
         if secret.trim().is_empty() {
             return Err(ProviderError::Refused(format!(
@@ -905,38 +1114,6 @@ impl DockerProvider {
                 spec.name
             )));
         }
-        let mut env = Vec::with_capacity(spec.env.len() + 1);
-        for (key, value) in &spec.env {
-            if key.is_empty() || key.contains('=') || key.contains('\0') {
-                return Err(ProviderError::Refused(format!(
-                    "{}: environment key {key:?} is not a valid variable name",
-                    spec.name
-                )));
-            }
-            if key == super::mirrors::MIRRORS_ENV && self.mirrors.env_value().is_some() {
-                continue;
-            }
-            if key == JIT_CONFIG_ENV || key == SECRETS_ENV {
-                return Err(ProviderError::Refused(format!(
-                    "{}: the plain environment may not set {key}; the JIT config is passed \
-                     separately",
-                    spec.name
-                )));
-            }
-            if key == crate::cache::session::TOKEN_ENV || key == crate::cache::actions::PROXY_ENV {
-                return Err(ProviderError::Refused(format!(
-                    "{}: the plain environment may not set {key}; the cache's credentials are \
-                     passed separately",
-                    spec.name,
-                )));
-            }
-            env.push(format!("{key}={value}"));
-        }
-        if let Some(mirrors) = self.mirrors.env_value() {
-            env.push(format!("{}={mirrors}", super::mirrors::MIRRORS_ENV));
-        }
-        // The credentials go through the handoff FIFO, never into what the
-        // engine records; the environment names only where to read them.
         let refused = |e: String| ProviderError::Refused(format!("{}: {e}", spec.name));
         let mut secrets = Secrets::default();
         secrets.add(JIT_CONFIG_ENV, secret).map_err(refused)?;
@@ -950,30 +1127,76 @@ impl DockerProvider {
                 .add(crate::cache::actions::PROXY_ENV, url.expose())
                 .map_err(refused)?;
         }
-        env.push(format!("{SECRETS_ENV}={GUEST_DIR}/{SECRETS_FILE}"));
+        Ok(secrets)
+    }
 
+    /// Checks a container's shape and builds its create request, with
+    /// `labels`. Pure.
+    fn body_for(
+        &self,
+        shape: &Shape<'_>,
+        labels: HashMap<String, String>,
+    ) -> Result<ContainerCreateBody, ProviderError> {
+        let name = shape.name;
+        if shape.command.is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{name}: the runner command is empty"
+            )));
+        }
+        if shape.image.trim().is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{name}: the image is empty"
+            )));
+        }
+        let mut env = Vec::with_capacity(shape.env.len() + 2);
+        for (key, value) in shape.env {
+            if key.is_empty() || key.contains('=') || key.contains('\0') {
+                return Err(ProviderError::Refused(format!(
+                    "{name}: environment key {key:?} is not a valid variable name"
+                )));
+            }
+            if key == super::mirrors::MIRRORS_ENV && self.mirrors.env_value().is_some() {
+                continue;
+            }
+            if key == JIT_CONFIG_ENV || key == SECRETS_ENV {
+                return Err(ProviderError::Refused(format!(
+                    "{name}: the plain environment may not set {key}; the JIT config is passed \
+                     separately"
+                )));
+            }
+            if key == crate::cache::session::TOKEN_ENV || key == crate::cache::actions::PROXY_ENV {
+                return Err(ProviderError::Refused(format!(
+                    "{name}: the plain environment may not set {key}; the cache's credentials are \
+                     passed separately",
+                )));
+            }
+            env.push(format!("{key}={value}"));
+        }
+        if let Some(mirrors) = self.mirrors.env_value() {
+            env.push(format!("{}={mirrors}", super::mirrors::MIRRORS_ENV));
+        }
+        // The credentials go through the handoff FIFO, never into what the
+        // engine records; the environment names only where to read them.
+        env.push(format!("{SECRETS_ENV}={GUEST_DIR}/{SECRETS_FILE}"));
         let bytes = |what: &str, size: u64| {
             i64::try_from(size).map_err(|_| {
-                ProviderError::Refused(format!(
-                    "{}: {what} of {size} bytes is too large",
-                    spec.name
-                ))
+                ProviderError::Refused(format!("{}: {what} of {size} bytes is too large", name))
             })
         };
-        let memory = bytes("memory", spec.memory.0)?;
-        let shm = bytes("shm size", spec.shm.0)?;
+        let memory = bytes("memory", shape.memory.0)?;
+        let shm = bytes("shm size", shape.shm.0)?;
         let host_config = HostConfig {
-            nano_cpus: (spec.vcpu > 0).then(|| i64::from(spec.vcpu) * 1_000_000_000),
+            nano_cpus: (shape.vcpu > 0).then(|| i64::from(shape.vcpu) * 1_000_000_000),
             memory: (memory > 0).then_some(memory),
             // The limit is the lease's memory, swap included: without this
             // the engine lets a container swap as much again.
             memory_swap: (memory > 0).then_some(memory),
             shm_size: (shm > 0).then_some(shm),
-            network_mode: spec.network.clone(),
+            network_mode: shape.network.cloned(),
             // Structured mounts, not `binds` strings, so a path with a `:`
             // cannot be read as options.
             mounts: {
-                let mut mounts: Vec<bollard::models::Mount> = spec
+                let mut mounts: Vec<bollard::models::Mount> = shape
                     .binds
                     .iter()
                     .map(|b| bollard::models::Mount {
@@ -995,7 +1218,7 @@ impl DockerProvider {
                 }
                 mounts.push(bollard::models::Mount {
                     target: Some(GUEST_DIR.to_owned()),
-                    source: Some(self.handoffs.dir(&spec.name).to_string_lossy().into_owned()),
+                    source: Some(self.handoffs.dir(name).to_string_lossy().into_owned()),
                     typ: Some(bollard::models::MountType::BIND),
                     read_only: Some(true),
                     ..Default::default()
@@ -1005,17 +1228,17 @@ impl DockerProvider {
             ..Default::default()
         };
         let body = ContainerCreateBody {
-            image: Some(spec.image.clone()),
+            image: Some(shape.image.to_owned()),
             // The tier's command is the whole argv: it replaces the image's
             // entrypoint rather than becoming its arguments.
-            entrypoint: spec.command.first().map(|c| vec![c.clone()]),
-            cmd: Some(spec.command.iter().skip(1).cloned().collect()),
+            entrypoint: shape.command.first().map(|c| vec![c.clone()]),
+            cmd: Some(shape.command.iter().skip(1).cloned().collect()),
             env: Some(env),
-            labels: Some(self.labels_for(spec)),
+            labels: Some(labels),
             host_config: Some(host_config),
             ..Default::default()
         };
-        Ok((spec.name.as_str().to_owned(), body, secrets))
+        Ok(body)
     }
 }
 

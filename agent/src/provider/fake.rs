@@ -593,7 +593,11 @@ impl Provider for FakeProvider {
     /// [`ProviderError::Engine`] for an injected failure.
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
         self.enter(Call::List).await?;
-        Ok(self.instances())
+        Ok(self
+            .instances()
+            .into_iter()
+            .filter(|i| InstanceName::warm(&i.name).is_none())
+            .collect())
     }
 
     /// The instance named exactly `name`.
@@ -616,6 +620,103 @@ impl Provider for FakeProvider {
         } else {
             Work::Idle
         })
+    }
+
+    /// Creates the warm runner, running, labelled with its tier.
+    ///
+    /// # Errors
+    ///
+    /// As a create: an injected [`Operation::Create`] failure, a missing
+    /// image, a name in use.
+    async fn create_warm(&self, spec: super::WarmSpec) -> Result<Instance, ProviderError> {
+        self.enter(Call::Create(spec.name.clone())).await?;
+        if InstanceName::warm(spec.name.as_str()).is_none() || spec.command.is_empty() {
+            return Err(ProviderError::Refused(format!(
+                "{}: not a warm runner's name, or an empty command",
+                spec.name
+            )));
+        }
+        let mut state = self.state();
+        if state.missing_images.contains(&spec.image) {
+            return Err(ProviderError::ImageUnavailable { image: spec.image });
+        }
+        if state.instances.contains_key(spec.name.as_str()) {
+            return Err(ProviderError::Engine {
+                operation: format!("create {}", spec.name),
+                message: format!("the name {} is already in use", spec.name),
+            });
+        }
+        state.next_id += 1;
+        let instance = Instance {
+            id: format!("fake-{}", state.next_id),
+            name: spec.name.as_str().to_owned(),
+            state: InstanceState::Running,
+            labels: BTreeMap::from([
+                (labels::DEPLOYMENT.to_owned(), self.owner.deployment.clone()),
+                (labels::NODE.to_owned(), self.owner.node.to_string()),
+                (labels::WARM.to_owned(), spec.tier.clone()),
+            ]),
+        };
+        state
+            .instances
+            .insert(instance.name.clone(), instance.clone());
+        Ok(instance)
+    }
+
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
+        self.enter(Call::List).await?;
+        Ok(self
+            .instances()
+            .into_iter()
+            .filter(|i| InstanceName::warm(&i.name).is_some())
+            .collect())
+    }
+
+    /// Renames the warm runner to `spec`'s name, records the JIT config it
+    /// is handed once `start` opens.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError::Engine`] for an injected [`Operation::Create`]
+    /// failure or a warm runner that is gone or not running (nothing
+    /// renamed); [`ProviderError::StartWithheld`] when `start` closes.
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: super::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        self.enter(Call::Create(spec.name.clone())).await?;
+        let operation = format!("claim {warm} as {}", spec.name);
+        let instance = {
+            let mut state = self.state();
+            let runs = state
+                .instances
+                .get(warm.as_str())
+                .is_some_and(|i| i.state == InstanceState::Running);
+            if !runs || state.instances.contains_key(spec.name.as_str()) {
+                return Err(ProviderError::Engine {
+                    operation,
+                    message: "the warm runner is not running, or the name is in use".to_owned(),
+                });
+            }
+            let mut instance = state
+                .instances
+                .remove(warm.as_str())
+                .expect("checked above");
+            instance.name = spec.name.as_str().to_owned();
+            state
+                .instances
+                .insert(instance.name.clone(), instance.clone());
+            instance
+        };
+        let _ = created.send(());
+        super::await_start(start, &operation).await?;
+        let mut state = self.state();
+        state.jit_configs.push(spec.jit_config.clone());
+        state.specs.push(spec);
+        Ok(instance)
     }
 }
 

@@ -113,6 +113,19 @@ impl Handoffs {
         }
     }
 
+    /// Moves `from`'s directory to `to`'s: a warm runner taken by a lease.
+    /// The instance's bind mount follows the directory, so its guest still
+    /// finds its FIFO.
+    ///
+    /// # Errors
+    ///
+    /// The filesystem's, naming both paths.
+    pub(crate) fn rename(&self, from: &InstanceName, to: &InstanceName) -> Result<(), String> {
+        let (from, to) = (self.dir(from), self.dir(to));
+        std::fs::rename(&from, &to)
+            .map_err(|e| format!("rename {} to {}: {e}", from.display(), to.display()))
+    }
+
     /// Removes `name`'s directory, if any. Nothing to remove is success.
     pub(crate) fn remove(&self, name: &InstanceName) {
         let dir = self.dir(name);

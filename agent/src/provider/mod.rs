@@ -44,6 +44,34 @@ pub(crate) mod labels {
     pub(crate) const EPOCH: &str = "sh.billet.epoch";
     /// The request id it was launched for.
     pub(crate) const REQUEST: &str = "sh.billet.request";
+    /// The tier a warm runner was started for (it keeps the label once a
+    /// lease takes it).
+    pub(crate) const WARM: &str = "sh.billet.warm";
+}
+
+/// A warm runner: an instance started from a tier's image ahead of any
+/// job, holding no registration and no credential, its runner waiting on
+/// its handoff until a lease takes it ([`Provider::claim_warm`]).
+#[derive(Clone, Debug)]
+pub struct WarmSpec {
+    /// `billet_warm-<hex>` ([`InstanceName::fresh_warm`]).
+    pub name: InstanceName,
+    /// The tier's label.
+    pub tier: String,
+    /// Image reference.
+    pub image: String,
+    /// argv; never empty.
+    pub command: Vec<String>,
+    /// CPU limit in whole vCPUs; zero for none.
+    pub vcpu: u32,
+    /// Memory limit; zero for none.
+    pub memory: ByteSize,
+    /// `/dev/shm` size; zero for the default.
+    pub shm: ByteSize,
+    /// Network mode, if not the default.
+    pub network: Option<String>,
+    /// Plain environment; never a credential.
+    pub env: Vec<(String, String)>,
 }
 
 /// Everything a provider needs to create one instance.
@@ -394,6 +422,46 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
     ///
     /// [`ProviderError`] when the engine cannot be read.
     async fn work(&self, name: &InstanceName) -> Result<Work, ProviderError>;
+
+    /// Creates and starts a warm runner: what [`Provider::create`] makes of
+    /// a tier, under the warm runner's name, with no lease, no registration
+    /// and no credential; its runner waits on its handoff. Returns once it
+    /// runs. Required, with no default, so that a wrapper cannot forget to
+    /// pass it on.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::create`]; [`ProviderError::Refused`] from a provider
+    /// that keeps no warm runners.
+    async fn create_warm(&self, spec: WarmSpec) -> Result<Instance, ProviderError>;
+
+    /// Every warm runner not yet taken by a lease, in any state. Not in
+    /// [`Provider::list`], which holds only leases' instances.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`].
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError>;
+
+    /// Makes the running warm runner `warm` the instance `spec` describes
+    /// (of the same tier; its binds and size are the warm runner's): it
+    /// takes `spec`'s name, sends on `created`, waits for `start`, then its
+    /// runner is handed `spec`'s credentials. Nothing is created, and
+    /// nothing is on the job's path but a rename and a write.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::create_then_start`]: [`ProviderError::StartWithheld`]
+    /// leaves the instance, under `spec`'s name, for the caller to remove;
+    /// an error once `created` was sent does not prove the runner was not
+    /// handed its credentials.
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: StartGate,
+    ) -> Result<Instance, ProviderError>;
 }
 
 /// Who owns an instance: used to label and to filter.

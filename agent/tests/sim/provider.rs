@@ -262,4 +262,30 @@ impl Provider for SimProvider {
         self.shared.leave(gate).await;
         result
     }
+
+    async fn create_warm(
+        &self,
+        spec: billet_agent::provider::WarmSpec,
+    ) -> Result<Instance, ProviderError> {
+        Err(ProviderError::Refused(format!(
+            "{}: the simulation keeps no warm runners",
+            spec.name
+        )))
+    }
+
+    async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
+        Ok(Vec::new())
+    }
+
+    async fn claim_warm(
+        &self,
+        warm: &InstanceName,
+        _spec: InstanceSpec,
+        _created: tokio::sync::oneshot::Sender<()>,
+        _start: billet_agent::provider::StartGate,
+    ) -> Result<Instance, ProviderError> {
+        Err(ProviderError::Refused(format!(
+            "{warm}: the simulation keeps no warm runners"
+        )))
+    }
 }

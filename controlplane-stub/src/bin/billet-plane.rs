@@ -158,6 +158,23 @@ struct Args {
     #[arg(long, env = "BILLET_NODE_KEEPALIVE_TIMEOUT_SECS", value_name = "SECS",
           default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=3600))]
     node_keepalive_timeout_secs: u64,
+    /// Warm runners each node keeps for --tier: containers started from its
+    /// image ahead of any job, so a job's runner is already running when
+    /// the job arrives. Each takes a runner's room on its node. Overridden,
+    /// while this plane runs, by `billet-plane warm --count N`. 0: none.
+    #[arg(long, env = "BILLET_WARM", value_name = "N", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=1000))]
+    warm: u32,
+    /// Seconds a warm runner may wait for a job before it is retired (the
+    /// pool makes a fresh one); 0: never.
+    #[arg(long, env = "BILLET_WARM_IDLE_SECS", value_name = "SECS", default_value_t = 3600,
+          value_parser = clap::value_parser!(u64).range(0..=604_800))]
+    warm_idle_secs: u64,
+    /// Seconds after which a warm runner is retired and replaced whatever
+    /// it does; 0: never.
+    #[arg(long, env = "BILLET_WARM_MAX_AGE_SECS", value_name = "SECS", default_value_t = 86_400,
+          value_parser = clap::value_parser!(u64).range(0..=2_592_000))]
+    warm_max_age_secs: u64,
 }
 
 /// What `billet-plane` does instead of running a plane.
@@ -168,6 +185,14 @@ enum Action {
     Cache {
         #[command(subcommand)]
         switch: CacheSwitch,
+    },
+    /// Sets how many warm runners each node keeps for --tier, in the ledger
+    /// every plane of the tier reads (within a second, replacing --warm).
+    /// 0 retires them all.
+    Warm {
+        /// Warm runners per node.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
+        count: u32,
     },
 }
 
@@ -240,6 +265,38 @@ async fn cache_switch(
             let state = if disable { "disabled" } else { "enabled" };
             let news = if changed { "" } else { " (it was already)" };
             println!("the node-local Actions cache is {state} for {block}{news}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            error!("--ledger: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `billet-plane warm --count N`: records the wanted warm count of `tier`
+/// in the ledger at `location`.
+async fn warm_switch(
+    location: &LedgerLocation,
+    lease_ttl: Duration,
+    tier: &str,
+    count: u32,
+) -> ExitCode {
+    use billet_controlplane_stub::ledger::Ledger;
+    let ledger = match Ledger::connect(location, lease_ttl).await {
+        Ok(l) => l,
+        Err(e) => {
+            error!("--ledger: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let set = ledger
+        .set_warm_wanted(tier, count, billet_controlplane_stub::now_ms())
+        .await;
+    ledger.close().await;
+    match set {
+        Ok(()) => {
+            println!("each node keeps {count} warm runners of tier {tier}");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -346,6 +403,10 @@ async fn main() -> ExitCode {
     if let Some(Action::Cache { switch }) = &args.action {
         let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
         return cache_switch(&args.ledger, lease_ttl, switch).await;
+    }
+    if let Some(Action::Warm { count }) = &args.action {
+        let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
+        return warm_switch(&args.ledger, lease_ttl, &args.tier, *count).await;
     }
     if let Some(url) = &args.queue_job {
         return match queue_job(url, &args.tier).await {
@@ -510,6 +571,13 @@ async fn main() -> ExitCode {
         registration_grace: billet_controlplane_stub::plane::REGISTRATION_GRACE,
         node_ca,
         node_keepalive,
+        warm: billet_controlplane_stub::plane::WarmConfig {
+            count: args.warm,
+            idle_retire: (args.warm_idle_secs > 0)
+                .then(|| Duration::from_secs(args.warm_idle_secs)),
+            max_age: (args.warm_max_age_secs > 0)
+                .then(|| Duration::from_secs(args.warm_max_age_secs)),
+        },
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {

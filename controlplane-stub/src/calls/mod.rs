@@ -316,6 +316,50 @@ impl CallHandler {
                     pb::ActionsPolicyAnswer { allowed },
                 )))
             }
+            Call::ReserveWarm(pb::ReserveWarm {
+                name,
+                tier,
+                vcpu,
+                memory_bytes,
+            }) => {
+                if tier.is_empty() {
+                    return Err(error(
+                        pb::ErrorCode::InvalidArgument,
+                        "reserve_warm.tier: empty",
+                    ));
+                }
+                let capacity = capacity.ok_or_else(|| {
+                    error(
+                        pb::ErrorCode::Unavailable,
+                        format!(
+                            "reserve warm runner {name}: this plane does not know node {node}'s capacity yet"
+                        ),
+                    )
+                })?;
+                let room = crate::ledger::WarmRoom {
+                    name,
+                    node: node.to_owned(),
+                    tier,
+                    vcpu: u64::from(vcpu),
+                    memory_bytes,
+                };
+                let capacity = NodeCapacity {
+                    vcpu: u64::from(capacity.vcpu),
+                    memory_bytes: capacity.memory_bytes,
+                };
+                l.reserve_warm(&room, capacity, now).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::ReleaseWarm(pb::ReleaseWarm { name }) => {
+                l.release_warm(node, &name).await.map_err(le)?;
+                Ok(None)
+            }
+            Call::WarmRooms(pb::WarmRooms { names }) => {
+                let charged = l.confirm_warm(node, &names).await.map_err(le)?;
+                Ok(Some(pb::plane_reply::Result::WarmRooms(
+                    pb::WarmRoomsCharged { charged },
+                )))
+            }
             Call::Heartbeat(pb::Heartbeat { leases }) => {
                 let asked: Vec<(String, u64)> = leases
                     .into_iter()

@@ -72,6 +72,42 @@ impl Ledger {
         capacity: NodeCapacity,
         now_ms: i64,
     ) -> Result<Lease> {
+        Ok(self
+            .reserve_on_with(new, node, capacity, now_ms, false)
+            .await?
+            .0)
+    }
+
+    /// As [`Ledger::reserve_on`], taking over the room of one warm runner
+    /// of the lease's tier on `node` when the ledger charges one there
+    /// (the oldest): in the same transaction its room is dropped and the
+    /// lease charged instead, so a node full of warm runners still takes a
+    /// lease of their tier. Returns the lease and the warm runner's name,
+    /// for the launch to hand its registration to; `None` when `node` has
+    /// no warm runner of the tier (the lease then needs room of its own).
+    ///
+    /// # Errors
+    ///
+    /// As [`Ledger::reserve_on`].
+    pub async fn reserve_on_warm(
+        &self,
+        new: NewLease,
+        node: &str,
+        capacity: NodeCapacity,
+        now_ms: i64,
+    ) -> Result<(Lease, Option<String>)> {
+        self.reserve_on_with(new, node, capacity, now_ms, true)
+            .await
+    }
+
+    async fn reserve_on_with(
+        &self,
+        new: NewLease,
+        node: &str,
+        capacity: NodeCapacity,
+        now_ms: i64,
+        take_warm: bool,
+    ) -> Result<(Lease, Option<String>)> {
         if node.is_empty() {
             return Err(LedgerError::Invalid(format!(
                 "lease {} must be aimed at a named node",
@@ -80,6 +116,11 @@ impl Ledger {
         }
         let mut tx = self.begin_write().await?;
         lock_node(&mut tx, node).await?;
+        let warm = if take_warm {
+            super::warm::take_warm_in(&mut tx, node, &new.tier).await?
+        } else {
+            None
+        };
         let charged = charged_on_in(&mut tx, node).await?;
         let asked = NodeCapacity {
             vcpu: u64::from(new.vcpu),
@@ -87,7 +128,7 @@ impl Ledger {
         };
         check_fits(&new.id, node, asked, charged, capacity)?;
         self.insert_lease(&mut tx, &new, Some(node), now_ms).await?;
-        finish(tx, &new.id).await
+        Ok((finish(tx, &new.id).await?, warm))
     }
 
     async fn insert_lease(
@@ -641,7 +682,7 @@ impl Ledger {
 /// the first time): every write that adds to a node's charge takes it
 /// before summing, so on PostgreSQL they take turns. On SQLite the write
 /// transaction already excludes every other writer.
-async fn lock_node(conn: &mut AnyConnection, node: &str) -> Result<()> {
+pub(super) async fn lock_node(conn: &mut AnyConnection, node: &str) -> Result<()> {
     sqlx::query(
         "INSERT INTO nodes (name) VALUES ($1)
          ON CONFLICT (name) DO UPDATE SET name = excluded.name",
@@ -653,8 +694,9 @@ async fn lock_node(conn: &mut AnyConnection, node: &str) -> Result<()> {
 }
 
 /// What `node` is charged inside the transaction: every open lease bound
-/// to it, or aimed at it and not yet bound.
-async fn charged_on_in(conn: &mut AnyConnection, node: &str) -> Result<NodeCapacity> {
+/// to it, or aimed at it and not yet bound, and every warm runner's room
+/// on it.
+pub(super) async fn charged_on_in(conn: &mut AnyConnection, node: &str) -> Result<NodeCapacity> {
     let row = sqlx::query(
         "SELECT CAST(COALESCE(SUM(vcpu), 0) AS BIGINT) AS vcpu,
             CAST(COALESCE(SUM(memory_bytes), 0) AS BIGINT) AS memory_bytes
@@ -667,14 +709,16 @@ async fn charged_on_in(conn: &mut AnyConnection, node: &str) -> Result<NodeCapac
     .await?;
     let vcpu: i64 = row.try_get("vcpu")?;
     let memory_bytes: i64 = row.try_get("memory_bytes")?;
+    let warm = super::warm::warm_charged_in(conn, node).await?;
     Ok(NodeCapacity {
-        vcpu: from_db("vcpu", vcpu)?,
-        memory_bytes: from_db("memory_bytes", memory_bytes)?,
+        vcpu: from_db::<u64>("vcpu", vcpu)?.saturating_add(warm.vcpu),
+        memory_bytes: from_db::<u64>("memory_bytes", memory_bytes)?
+            .saturating_add(warm.memory_bytes),
     })
 }
 
 /// `asked` on top of `charged` fits in `capacity`, or `NoCapacity`.
-fn check_fits(
+pub(super) fn check_fits(
     lease: &str,
     node: &str,
     asked: NodeCapacity,

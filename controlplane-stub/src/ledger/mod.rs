@@ -102,6 +102,7 @@ pub mod scratch;
 mod test_support;
 mod tokens;
 mod wanted;
+mod warm;
 
 use std::time::Duration;
 
@@ -114,6 +115,7 @@ pub use observations::CacheObservation;
 pub use phase::Phase;
 use schema::{migrate, postgres_pools, sqlite_file_pools, sqlite_memory_pool};
 pub(crate) use wanted::WantedChange;
+pub use warm::WarmRoom;
 
 /// The TTL the reference ledger uses when none is configured (§1.7).
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(90);

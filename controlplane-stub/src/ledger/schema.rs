@@ -120,6 +120,26 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             PRIMARY KEY (tier, scale_set_id, request_id)
         ) STRICT"],
     ),
+    (
+        7,
+        "warm rooms",
+        &[
+            "CREATE TABLE warm_rooms (
+            name TEXT PRIMARY KEY NOT NULL,
+            node TEXT NOT NULL,
+            tier TEXT NOT NULL,
+            vcpu INTEGER NOT NULL CHECK (vcpu >= 0),
+            memory_bytes INTEGER NOT NULL CHECK (memory_bytes >= 0),
+            reserved_at_ms INTEGER NOT NULL
+        ) STRICT",
+            "CREATE INDEX warm_rooms_node_idx ON warm_rooms (node, tier)",
+            "CREATE TABLE warm_wanted (
+            tier TEXT PRIMARY KEY NOT NULL,
+            count INTEGER NOT NULL CHECK (count >= 0),
+            set_at_ms INTEGER NOT NULL
+        ) STRICT",
+        ],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -217,6 +237,26 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             assigned_at_ms BIGINT NOT NULL,
             PRIMARY KEY (tier, scale_set_id, request_id)
         )"],
+    ),
+    (
+        7,
+        "warm rooms",
+        &[
+            "CREATE TABLE warm_rooms (
+            name TEXT PRIMARY KEY NOT NULL,
+            node TEXT NOT NULL,
+            tier TEXT NOT NULL,
+            vcpu BIGINT NOT NULL CHECK (vcpu >= 0),
+            memory_bytes BIGINT NOT NULL CHECK (memory_bytes >= 0),
+            reserved_at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX warm_rooms_node_idx ON warm_rooms (node, tier)",
+            "CREATE TABLE warm_wanted (
+            tier TEXT PRIMARY KEY NOT NULL,
+            count BIGINT NOT NULL CHECK (count >= 0),
+            set_at_ms BIGINT NOT NULL
+        )",
+        ],
     ),
 ];
 

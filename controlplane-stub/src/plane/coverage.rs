@@ -240,6 +240,7 @@ impl Plane {
         if self.note_runners_ended_idle(&open).await? {
             return Ok(());
         }
+        let warm_rooms = self.ledger.warm_rooms().await?;
         let mut launches = Vec::new();
         {
             let mut cover = self.cover.lock().expect("cover");
@@ -275,11 +276,22 @@ impl Plane {
                     c.1 += l.memory_bytes;
                 }
             }
+            // Warm runners take room as leases do; those of this tier are
+            // room a lease of the tier takes over.
+            let mut warm: HashMap<String, u32> = HashMap::new();
+            for room in &warm_rooms {
+                let c = charged.entry(room.node.clone()).or_default();
+                c.0 += room.vcpu;
+                c.1 += room.memory_bytes;
+                if room.tier == tier.label {
+                    *warm.entry(room.node.clone()).or_default() += 1;
+                }
+            }
             let now = Instant::now();
             cover.avoid.retain(|_, until| *until > now);
             let wanted: Vec<i64> = cover.wanted.iter().copied().collect();
             for _ in 0..need {
-                let Some(node) = self.pick_node(&charged, &cover.avoid) else {
+                let Some(node) = self.pick_node(&charged, &warm, &cover.avoid) else {
                     if cover
                         .no_room_logged
                         .is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
@@ -315,9 +327,15 @@ impl Plane {
                     .or_else(|| wanted.iter().copied().find(|r| !has_cover(*r)))
                     .or_else(|| wanted.first().copied());
                 let Some(request_id) = request_id else { break };
-                let c = charged.entry(node.name().to_owned()).or_default();
-                c.0 += u64::from(tier.vcpu);
-                c.1 += tier.memory_bytes;
+                match warm.get_mut(node.name()).filter(|n| **n > 0) {
+                    // The lease takes the warm runner's room over.
+                    Some(n) => *n -= 1,
+                    None => {
+                        let c = charged.entry(node.name().to_owned()).or_default();
+                        c.0 += u64::from(tier.vcpu);
+                        c.1 += tier.memory_bytes;
+                    }
+                }
                 launches.push((node, request_id));
             }
         }
@@ -334,8 +352,8 @@ impl Plane {
                     memory_bytes: s.capacity.memory_bytes,
                 })
                 .unwrap_or_default();
-            let lease = match self.reserve(request_id, node.name(), capacity).await {
-                Ok(lease) => lease,
+            let (lease, warm) = match self.reserve(request_id, node.name(), capacity).await {
+                Ok(reserved) => reserved,
                 Err(e @ crate::ledger::LedgerError::NoCapacity { .. }) => {
                     info!(error = %e, "the ledger has no room on the node; the job waits");
                     continue;
@@ -350,7 +368,7 @@ impl Plane {
             let span = info_span!("launch", lease = %lease.id, node = node.name());
             let plane = Arc::clone(&self);
             self.tasks
-                .spawn(async move { plane.launch(lease, node).await }.instrument(span));
+                .spawn(async move { plane.launch(lease, node, warm).await }.instrument(span));
         }
         Ok(())
     }
@@ -392,17 +410,20 @@ impl Plane {
         ))
     }
 
-    /// The attached node with the most free capacity that fits one more
-    /// runner of the tier, never one that refused a launch within its
-    /// backoff nor one that says it is degraded. Free is what the node said
-    /// it may run less the larger of what the ledger charges on it and what
+    /// The attached node with a warm runner of the tier, else the one with
+    /// the most free capacity that fits one more runner of the tier, never
+    /// one that refused a launch within its backoff nor one that says it is
+    /// degraded. Free is what the node said it may run less the larger of
+    /// what the ledger charges on it (its leases and warm runners) and what
     /// the node said it holds (`Hello`, then every `Instances` and `Sweep`
     /// report): compute the node adopted counts even before the ledger
     /// charges it there, and a lease placed and not yet bound counts even
-    /// before the node reports it.
+    /// before the node reports it. A warm runner of the tier (`warm`, per
+    /// node) is room the lease takes over, however full the node.
     pub(super) fn pick_node(
         &self,
         charged: &HashMap<String, (u64, u64)>,
+        warm: &HashMap<String, u32>,
         avoid: &HashMap<String, Instant>,
     ) -> Option<Arc<NodeLink>> {
         let tier = &self.config.tier;
@@ -425,8 +446,10 @@ impl Plane {
                 let memory = memory.max(status.held.memory_bytes);
                 let free_vcpu = u64::from(capacity.vcpu).saturating_sub(vcpu);
                 let free_memory = capacity.memory_bytes.saturating_sub(memory);
-                (free_vcpu >= u64::from(tier.vcpu) && free_memory >= tier.memory_bytes)
-                    .then(|| (free_vcpu, Arc::clone(n)))
+                let has_warm = warm.get(n.name()).is_some_and(|c| *c > 0);
+                (has_warm
+                    || (free_vcpu >= u64::from(tier.vcpu) && free_memory >= tier.memory_bytes))
+                    .then(|| ((has_warm, free_vcpu), Arc::clone(n)))
             })
             .max_by_key(|(free, _)| *free)
             .map(|(_, n)| n)

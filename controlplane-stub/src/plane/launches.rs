@@ -26,8 +26,12 @@ pub(super) struct LostLaunch {
 }
 
 impl Plane {
-    pub(super) async fn launch(self: Arc<Self>, lease: crate::ledger::Lease, node: Arc<NodeLink>) {
-        let tier = &self.config.tier;
+    pub(super) async fn launch(
+        self: Arc<Self>,
+        lease: crate::ledger::Lease,
+        node: Arc<NodeLink>,
+        warm: Option<String>,
+    ) {
         let mut wire = lease_to_wire(&lease);
         wire.providers = vec!["docker".into()];
         let ahead = self.config.mint_before_dispatch
@@ -59,23 +63,12 @@ impl Plane {
         let command = pb::command::Kind::Launch(pb::Launch {
             registration: registration.clone(),
             lease: Some(wire),
-            tier: Some(pb::TierSpec {
-                label: tier.label.clone(),
-                image: tier.image.clone(),
-                command: tier.command.clone(),
-                trust: tier.trust.clone(),
-                shm_bytes: 0,
-                network: tier.network.clone(),
-                env: tier.env.clone(),
-                sticky_disks: tier.sticky_disks.clone(),
-                actions_cache: tier.actions_cache.is_some(),
-                cache_scope: tier.actions_cache.clone(),
-                docker_image_store: tier.docker_image_store,
-            }),
+            tier: Some(self.tier_spec()),
             job: Some(pb::Job {
                 request_id: lease.request_id,
                 ..Default::default()
             }),
+            warm_instance: warm.unwrap_or_default(),
         });
         let outcome = node.dispatch(command, self.config.launch_timeout).await;
         self.launch_ended(lease, node, outcome, registration).await;
@@ -409,20 +402,41 @@ impl Plane {
         }
     }
 
+    /// The tier's spec as a `Launch` or a `WarmPool` carries it.
+    pub(super) fn tier_spec(&self) -> pb::TierSpec {
+        let tier = &self.config.tier;
+        pb::TierSpec {
+            label: tier.label.clone(),
+            image: tier.image.clone(),
+            command: tier.command.clone(),
+            trust: tier.trust.clone(),
+            shm_bytes: 0,
+            network: tier.network.clone(),
+            env: tier.env.clone(),
+            sticky_disks: tier.sticky_disks.clone(),
+            actions_cache: tier.actions_cache.is_some(),
+            cache_scope: tier.actions_cache.clone(),
+            docker_image_store: tier.docker_image_store,
+        }
+    }
+
     /// Reserves a lease for `request_id` aimed at `node`, whose capacity is
     /// `capacity`, and starts renewing it: the ledger refuses it (`NoCapacity`)
-    /// when the node's open leases leave no room, whoever booked them.
+    /// when the node's open leases and warm runners leave no room, whoever
+    /// booked them. The lease takes over the room of one of the node's warm
+    /// runners of the tier when the ledger charges one there; its name comes
+    /// back with the lease, for the launch to name.
     pub(super) async fn reserve(
         &self,
         request_id: i64,
         node: &str,
         capacity: NodeCapacity,
-    ) -> Result<crate::ledger::Lease, crate::ledger::LedgerError> {
+    ) -> Result<(crate::ledger::Lease, Option<String>), crate::ledger::LedgerError> {
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let tier = &self.config.tier;
-        let lease = self
+        let (lease, warm) = self
             .ledger
-            .reserve_on(
+            .reserve_on_warm(
                 NewLease {
                     id: id.clone(),
                     tier: tier.label.clone(),
@@ -436,13 +450,13 @@ impl Plane {
                 crate::now_ms(),
             )
             .await?;
-        info!(lease = %id, request_id, node, "reserved a lease for an assigned job");
+        info!(lease = %id, request_id, node, warm = ?warm, "reserved a lease for an assigned job");
         self.managed.lock().expect("managed").insert(id.clone());
         self.emit(PlaneEvent::Reserved {
             request_id,
             lease: id,
         });
-        Ok(lease)
+        Ok((lease, warm))
     }
 }
 

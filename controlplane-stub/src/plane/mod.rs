@@ -19,6 +19,7 @@
 //! - `maintenance.rs`: `Tend` and `Sweep`, lease renewal, the reaper.
 //! - `registrations.rs`: the pass that reconciles GitHub's registrations
 //!   with the ledger.
+//! - `warm.rs`: the warm runners each node is told to keep.
 
 mod coverage;
 mod launches;
@@ -28,6 +29,7 @@ mod scaler;
 mod teardown;
 #[cfg(test)]
 mod tests;
+mod warm;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -49,6 +51,7 @@ use coverage::Cover;
 
 pub use registrations::REGISTRATION_LOST;
 pub use teardown::ScaleDown;
+pub use warm::WarmConfig;
 
 /// A tier: which scale set, and how to run its runner.
 #[derive(Debug, Clone)]
@@ -139,6 +142,8 @@ pub struct PlaneConfig {
     /// ([`crate::node_link::Keepalive`]; 20 s PINGs, 20 s to answer, by
     /// default).
     pub node_keepalive: crate::node_link::Keepalive,
+    /// The warm runners each node keeps for the tier (none by default).
+    pub warm: WarmConfig,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -354,6 +359,9 @@ impl Plane {
         plane
             .tasks
             .spawn(Arc::clone(&plane).reconcile_registrations(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).keep_warm(shutdown.clone()));
         Ok(plane)
     }
 

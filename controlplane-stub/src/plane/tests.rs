@@ -85,6 +85,7 @@ fn test_config(nodes: &[&str]) -> PlaneConfig {
         registration_grace: REGISTRATION_GRACE,
         node_ca: None,
         node_keepalive: crate::node_link::Keepalive::default(),
+        warm: crate::plane::WarmConfig::default(),
     }
 }
 
@@ -94,7 +95,7 @@ async fn launched_on(plane: &Plane, request_id: i64, node: &str) -> crate::ledge
         vcpu: 64,
         memory_bytes: 1 << 40,
     };
-    let lease = plane
+    let (lease, _) = plane
         .reserve(request_id, node, room)
         .await
         .expect("reserve");
@@ -400,7 +401,9 @@ async fn pick_node_skips_a_degraded_node_and_counts_what_the_node_says_it_holds(
     let (_tx_b, _rx_b) = plane.nodes[1].attach_for_test(1, 16);
     let none = HashMap::new();
     let picked = |charged: &HashMap<String, (u64, u64)>| {
-        plane.pick_node(charged, &none).map(|n| n.name().to_owned())
+        plane
+            .pick_node(charged, &HashMap::new(), &none)
+            .map(|n| n.name().to_owned())
     };
     // Both have 64 vCPU free; b holds 60 of them: a has more room.
     plane.nodes[1].report_for_test(
@@ -463,9 +466,13 @@ async fn a_sweep_report_updates_what_the_plane_believes_the_node_holds() {
     assert_eq!(status.capacity.vcpu, 4);
     // One vCPU left, and the tier needs one: still placeable, once.
     let none = HashMap::new();
-    assert!(plane.pick_node(&HashMap::new(), &none).is_some());
+    assert!(
+        plane
+            .pick_node(&HashMap::new(), &HashMap::new(), &none)
+            .is_some()
+    );
     let one_more = HashMap::from([("node-a".to_owned(), (4, 0))]);
-    assert!(plane.pick_node(&one_more, &none).is_none());
+    assert!(plane.pick_node(&one_more, &HashMap::new(), &none).is_none());
 }
 
 /// A plane that runs with `config` on `emulator`'s GitHub, dialing no

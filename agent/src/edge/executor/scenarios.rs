@@ -55,6 +55,9 @@ fn kind(call: &pb::node_call::Call) -> &'static str {
         Call::Resize(_) => "resize",
         Call::RecordCacheObservation(_) => "record_cache_observation",
         Call::ActionsPolicy(_) => "actions_policy",
+        Call::ReserveWarm(_) => "reserve_warm",
+        Call::ReleaseWarm(_) => "release_warm",
+        Call::WarmRooms(_) => "warm_rooms",
     }
 }
 
@@ -1020,6 +1023,7 @@ fn a_launch_without_a_lease_is_refused_naming_launch_lease() {
                 request_id: 7,
                 ..Default::default()
             }),
+            warm_instance: String::new(),
         })),
     });
     let invalid = incoming
@@ -1055,6 +1059,7 @@ async fn a_launch_without_a_lease_is_answered_invalid_and_never_queued() {
             lease: None,
             tier: None,
             job: None,
+            warm_instance: String::new(),
         })),
     };
     service

@@ -100,7 +100,12 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
         | Call::RemoveRunner(_)
         | Call::MarkFailure(_)
         | Call::RenewCertificate(_)
-        | Call::Resize(_) => None,
+        | Call::Resize(_)
+        | Call::ReserveWarm(_)
+        | Call::ReleaseWarm(_) => None,
+        Call::WarmRooms(w) => Some(R::WarmRooms(pb::WarmRoomsCharged {
+            charged: w.names.clone(),
+        })),
         Call::RecordCacheObservation(r) => r.observation.map(R::CacheObservation),
         Call::ActionsPolicy(_) => Some(R::ActionsPolicy(pb::ActionsPolicyAnswer { allowed: true })),
     }
