@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use billet_agent::journal::{Journal, LaunchRecord, MemoryJournal};
 use billet_agent::model::Registration;
 use billet_agent::model::{
-    ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId, TierSpec,
-    Trust,
+    ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId,
+    RunnerVersion, TierSpec, Trust,
 };
 use billet_agent::node::ending::{EndReason, Ending, SpotAction};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
@@ -468,6 +468,7 @@ fn tier(trust: Trust) -> TierSpec {
         sticky_disks: Vec::new(),
         actions_cache: None,
         docker_image_store: false,
+        min_runner_version: None,
     }
 }
 
@@ -4060,4 +4061,93 @@ async fn a_sticky_disk_left_by_a_failed_settle_goes_at_the_next_listed_sweep_nev
     r.sweep().await.unwrap();
     assert!(store.mounts().await.is_empty());
     assert!(!disk.exists());
+}
+
+/// A runner that exits before coming online saying GitHub refused its
+/// version ends `runner_version_rejected`, not `exit 1`; its image is then
+/// refused, typed, before anything is minted for the next launch, and runs
+/// again once it is rebuilt (another image id).
+#[tokio::test]
+async fn a_runner_refused_for_its_version_ends_runner_version_rejected_and_its_image_is_refused_until_rebuilt()
+ {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    let runner_name = name(&lease.id);
+    w.fake.set_output(
+        &InstanceName::for_lease(&lease.id),
+        "√ Connected to GitHub\nRunner version v2.331.0 is deprecated and cannot receive messages.\n",
+    );
+    assert!(w.fake.exit(&runner_name, 1, false));
+    r.tend().await.unwrap();
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(
+        reason(&w, &lease.id).as_deref(),
+        Some("runner_version_rejected")
+    );
+    let mints = w.plane.count("mint ");
+    let again = w.reserve(2);
+    let refused = r
+        .launch(again.clone(), tier(Trust::Trusted), job(2, "push"))
+        .await
+        .expect_err("an image a runner was refused on launches again");
+    assert!(
+        matches!(refused, RunnerError::RunnerOutdated(ref m) if m.contains("refused its version")),
+        "{refused:?}"
+    );
+    assert_eq!(w.plane.count("mint "), mints, "{:?}", w.plane.log());
+    assert!(!w.exists(&again.id));
+    assert_eq!(w.phase(&again.id), Phase::Failed);
+    assert_eq!(r.freshness().outdated().len(), 1);
+    w.fake.rebuild_image(&tier(Trust::Trusted).image);
+    w.launched(&r, 3).await;
+}
+
+/// A runner that exits 1 for any other reason ends `exit 1`, and its image
+/// launches again.
+#[tokio::test]
+async fn a_runner_that_exits_1_for_another_reason_ends_exit_1_and_its_image_runs_on() {
+    let w = World::new();
+    let r = w.runner();
+    let lease = w.launched(&r, 1).await;
+    w.fake.set_output(
+        &InstanceName::for_lease(&lease.id),
+        "An error occurred: Not configured\n",
+    );
+    assert!(w.fake.exit(&name(&lease.id), 1, false));
+    r.tend().await.unwrap();
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("exit 1"));
+    w.launched(&r, 2).await;
+}
+
+/// An image whose label names a runner older than the tier's minimum is
+/// refused, typed, naming both versions, before anything is minted.
+#[tokio::test]
+async fn a_launch_whose_image_is_labelled_older_than_the_minimum_is_refused_before_a_mint() {
+    let w = World::new();
+    let r = w.runner();
+    let mut old = tier(Trust::Trusted);
+    old.min_runner_version = Some(RunnerVersion::parse("2.331.0").unwrap());
+    w.fake.set_image_version(&old.image, "2.320.0");
+    let lease = w.reserve(1);
+    let refused = r
+        .launch(lease.clone(), old.clone(), job(1, "push"))
+        .await
+        .expect_err("an outdated runner launches");
+    let RunnerError::RunnerOutdated(message) = &refused else {
+        panic!("{refused:?}")
+    };
+    assert!(
+        message.contains("2.320.0") && message.contains("2.331.0"),
+        "{message}"
+    );
+    assert_eq!(w.plane.count("mint "), 0, "{:?}", w.plane.log());
+    assert_eq!(w.phase(&lease.id), Phase::Failed);
+    assert_eq!(reason(&w, &lease.id).as_deref(), Some("runner_outdated"));
+    // The same image labelled at the minimum runs.
+    w.fake.set_image_version(&old.image, "v2.331.0");
+    let lease = w.reserve(2);
+    r.launch(lease, old, job(2, "push"))
+        .await
+        .expect("a runner at the minimum launches");
 }

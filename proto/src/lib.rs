@@ -59,3 +59,6 @@ pub mod v1 {
 
 /// Lease phases and their legal moves.
 pub mod phase;
+
+/// Runner versions, and their order.
+pub mod runner_version;

@@ -89,6 +89,8 @@ pub struct ClusterOptions {
     pub tier_trust: String,
     /// Whether the tier's runners get the Docker image store.
     pub docker_image_store: bool,
+    /// The oldest runner version the tier runs ("" for none).
+    pub min_runner_version: String,
     /// The node certificates' lifetime from now, when short-lived ones are
     /// wanted (the CA's and the plane's stay as usual).
     pub node_cert_lifetime: Option<Duration>,
@@ -160,6 +162,7 @@ impl Default for ClusterOptions {
             actions_cache: None,
             tier_trust: "trusted".into(),
             docker_image_store: false,
+            min_runner_version: billet_controlplane_stub::plane::DEFAULT_MIN_RUNNER_VERSION.into(),
             node_cert_lifetime: None,
             plane_signs: None,
             enrollment: false,
@@ -991,6 +994,7 @@ impl Cluster {
                 sticky_disks: options.sticky_disks.clone(),
                 actions_cache: options.actions_cache.clone(),
                 docker_image_store: options.docker_image_store,
+                min_runner_version: options.min_runner_version.clone(),
             },
             launch_timeout: options.launch_timeout,
             mint_before_dispatch: options.mint_before_dispatch,

@@ -112,6 +112,49 @@ pub async fn build_standin_image(docker: &Docker, binary: &Path, tag: &str) -> a
     Ok(())
 }
 
+/// Builds `tag` as `from` plus `labels` (`key`, `value`): a distinct image
+/// whose parent is `from`, so `from` cannot be removed from under it. The
+/// same tag built again with other labels is another image (another id)
+/// under the same name, as a rebuilt runner image is.
+///
+/// # Errors
+///
+/// When the engine refuses the build or the image is missing after it.
+pub async fn derive_image(
+    docker: &Docker,
+    from: &str,
+    tag: &str,
+    labels: &[(&str, &str)],
+) -> anyhow::Result<()> {
+    let mut dockerfile = format!("FROM {from}\nLABEL sh.billet.test=derived\n");
+    for (key, value) in labels {
+        dockerfile.push_str(&format!("LABEL {key}=\"{value}\"\n"));
+    }
+    let mut context = tar::Builder::new(Vec::new());
+    append(
+        &mut context,
+        Path::new("Dockerfile"),
+        dockerfile.as_bytes(),
+        0o644,
+    )?;
+    let context = context.into_inner()?;
+    let options = BuildImageOptionsBuilder::default()
+        .dockerfile("Dockerfile")
+        .t(tag)
+        .rm(true)
+        .forcerm(true)
+        .build();
+    let mut build = docker.build_image(options, None, Some(bollard::body_full(context.into())));
+    while let Some(item) = build.next().await {
+        item.with_context(|| format!("build {tag} from {from}"))?;
+    }
+    docker
+        .inspect_image(tag)
+        .await
+        .with_context(|| format!("{tag} was not built"))?;
+    Ok(())
+}
+
 /// The build context of the stand-in runner's image, as an uncompressed tar.
 fn standin_build_context(binary: &Path) -> anyhow::Result<Vec<u8>> {
     let binary_bytes =
@@ -138,6 +181,11 @@ fn standin_build_context(binary: &Path) -> anyhow::Result<Vec<u8>> {
             .collect();
         dockerfile.push_str(&format!("ENV LD_LIBRARY_PATH={}\n", dirs.join(":")));
     }
+    // The runner version the stand-in plays, where a node reads an image's.
+    dockerfile.push_str(&format!(
+        "LABEL org.opencontainers.image.version={}\n",
+        billet_controlplane_stub::plane::STANDIN_RUNNER_VERSION
+    ));
     dockerfile.push_str(&format!(
         "COPY {ROOTFS}/ /\nENTRYPOINT [\"{STANDIN_ENTRYPOINT}\"]\n"
     ));

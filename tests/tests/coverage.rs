@@ -15,35 +15,6 @@ use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, Starts, wait
 use billet_tests::engine_proxy::EngineProxy;
 use scaleset::testing::{Endpoint, Fault, JobState};
 
-/// Builds `tag` as `from` plus a label: a distinct image whose parent is
-/// `from`, so `from` cannot be removed from under it.
-async fn derive_image(docker: &bollard::Docker, from: &str, tag: &str) -> Result<()> {
-    use futures::StreamExt as _;
-    let dockerfile = format!("FROM {from}\nLABEL sh.billet.test=coverage\n");
-    let mut header = tar::Header::new_gnu();
-    header.set_size(dockerfile.len() as u64);
-    header.set_mode(0o644);
-    header.set_cksum();
-    let mut context = tar::Builder::new(Vec::new());
-    context.append_data(&mut header, "Dockerfile", dockerfile.as_bytes())?;
-    let context = context.into_inner()?;
-    let options = bollard::query_parameters::BuildImageOptionsBuilder::default()
-        .dockerfile("Dockerfile")
-        .t(tag)
-        .rm(true)
-        .forcerm(true)
-        .build();
-    let mut build = docker.build_image(options, None, Some(bollard::body_full(context.into())));
-    while let Some(item) = build.next().await {
-        item.with_context(|| format!("build {tag} from {from}"))?;
-    }
-    docker
-        .inspect_image(tag)
-        .await
-        .with_context(|| format!("{tag} was not built"))?;
-    Ok(())
-}
-
 fn options(work_ms: u64) -> ClusterOptions {
     ClusterOptions {
         work_ms,
@@ -201,7 +172,7 @@ async fn an_image_missing_for_the_first_launch_runs_the_job_once_the_image_is_th
     // The operator pulls the image while the job waits. It is an image of
     // its own (the stand-in plus a label), so another test process that
     // rebuilds the stand-in and removes its previous image cannot take it.
-    derive_image(&cluster.docker, STANDIN_IMAGE, &image).await?;
+    billet_tests::image::derive_image(&cluster.docker, STANDIN_IMAGE, &image, &[]).await?;
     let outcome = all_done_once(&cluster, &jobs, &starts, Duration::from_secs(90)).await;
     let _ = cluster
         .docker

@@ -326,6 +326,7 @@ async fn plane_for(
             sticky_disks: Vec::new(),
             actions_cache: None,
             docker_image_store: false,
+            min_runner_version: String::new(),
         },
         launch_timeout: Duration::from_secs(60),
         mint_before_dispatch: true,

@@ -246,6 +246,9 @@ pub(super) async fn execute(
                 RunnerError::ImageUnavailable { .. } => {
                     (pb::Outcome::Refused, pb::ErrorCode::ImageUnavailable)
                 }
+                RunnerError::RunnerOutdated(_) => {
+                    (pb::Outcome::Refused, pb::ErrorCode::RunnerOutdated)
+                }
                 RunnerError::ProviderUnavailable(_) | RunnerError::JournalUnwritable(_) => {
                     (pb::Outcome::Refused, pb::ErrorCode::Unavailable)
                 }

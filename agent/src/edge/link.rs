@@ -40,7 +40,8 @@ pub(crate) fn plane_error(error: pb::Error) -> PlaneError {
         | pb::ErrorCode::InvalidArgument
         | pb::ErrorCode::Refused
         | pb::ErrorCode::Internal
-        | pb::ErrorCode::ImageUnavailable => PlaneError::Refused(m),
+        | pb::ErrorCode::ImageUnavailable
+        | pb::ErrorCode::RunnerOutdated => PlaneError::Refused(m),
     }
 }
 
@@ -760,11 +761,12 @@ mod tests {
             | pb::ErrorCode::InvalidArgument
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
-            | pb::ErrorCode::ImageUnavailable => PlaneError::Refused(m),
+            | pb::ErrorCode::ImageUnavailable
+            | pb::ErrorCode::RunnerOutdated => PlaneError::Refused(m),
         }
     }
 
-    const ALL: [pb::ErrorCode; 16] = [
+    const ALL: [pb::ErrorCode; 17] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -781,6 +783,7 @@ mod tests {
         pb::ErrorCode::Busy,
         pb::ErrorCode::IdentityRefused,
         pb::ErrorCode::RunnerNameTaken,
+        pb::ErrorCode::RunnerOutdated,
     ];
 
     /// 7.O.6

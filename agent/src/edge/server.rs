@@ -577,9 +577,11 @@ pub async fn run(
     let journal: Arc<dyn Journal> = Arc::new(WatchedJournal::new(journal, health.clone()));
     let link = Arc::new(PlaneLink::default());
     let plane = Arc::new(MeteredPlane::new(link.clone(), metrics.clone()));
+    let freshness = Arc::new(crate::node::freshness::Freshness::default());
     let warm = Arc::new(crate::node::warm::WarmPool::new(
         provider.clone(),
         link.clone(),
+        freshness.clone(),
     ));
     let runner = Arc::new(
         Runner::new(
@@ -597,6 +599,7 @@ pub async fn run(
             },
         )
         .with_journal(journal.clone())
+        .with_freshness(freshness)
         .with_warm(warm.clone()),
     );
     let cache_store = cache.clone();

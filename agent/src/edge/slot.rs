@@ -96,6 +96,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::Busy => "busy",
         pb::ErrorCode::IdentityRefused => "identity_refused",
         pb::ErrorCode::RunnerNameTaken => "runner_name_taken",
+        pb::ErrorCode::RunnerOutdated => "runner_outdated",
     }
 }
 

@@ -9,7 +9,7 @@ use crate::cache::{Policy, StickyDisk};
 
 use crate::model::{
     ByteSize, CommandId, DestroyOrder, Epoch, InstanceName, InvalidField, Job, Lease, LeaseId,
-    NodeCommand, RequestId, TierSpec, Trust, UpgradeSpec, WarmTarget, parse_phase,
+    NodeCommand, RequestId, RunnerVersion, TierSpec, Trust, UpgradeSpec, WarmTarget, parse_phase,
 };
 
 /// Largest memory a lease may ask for (16 TiB): anything above is a typo.
@@ -384,6 +384,7 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         actions_cache,
         cache_scope,
         docker_image_store,
+        min_runner_version,
     } = tier;
     if label.is_empty() {
         return Err(InvalidField::new("launch.tier.label", "must not be empty"));
@@ -433,7 +434,15 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
             Ok((k.to_owned(), v.to_owned()))
         })
         .collect::<Result<_, _>>()?;
+    let min_runner_version = match min_runner_version.trim() {
+        "" => None,
+        v => Some(
+            RunnerVersion::parse(v)
+                .map_err(|e| InvalidField::new("launch.tier.min_runner_version", e))?,
+        ),
+    };
     Ok(TierSpec {
+        min_runner_version,
         label,
         image,
         command,
@@ -673,6 +682,7 @@ pub(crate) mod tests {
                             .into(),
                     }),
                     docker_image_store: true,
+                    min_runner_version: "v2.331.0".into(),
                 }),
                 job: Some(pb::Job {
                     request_id: 4242,
@@ -732,6 +742,7 @@ pub(crate) mod tests {
                     .unwrap(),
                 ),
                 docker_image_store: true,
+                min_runner_version: Some(RunnerVersion::parse("2.331.0").unwrap()),
             },
             job: Job {
                 request_id: RequestId(4242),
@@ -870,6 +881,10 @@ pub(crate) mod tests {
         assert_eq!(
             edit(&|l| l.tier.as_mut().unwrap().trust = "maybe".into()),
             "launch.tier.trust"
+        );
+        assert_eq!(
+            edit(&|l| l.tier.as_mut().unwrap().min_runner_version = "latest".into()),
+            "launch.tier.min_runner_version"
         );
         assert_eq!(
             edit(
@@ -1197,6 +1212,7 @@ pub(crate) mod properties {
                     actions_cache: false,
                     cache_scope: None,
                     docker_image_store: false,
+                    min_runner_version: String::new(),
                 }
             })
     }

@@ -13,6 +13,7 @@ use std::fmt;
 
 use thiserror::Error;
 
+pub use billet_proto::runner_version::RunnerVersion;
 pub use command::{NodeCommand, UpgradeSpec, WarmTarget};
 
 /// Longest id accepted for a lease, a command or a runner name, in bytes.
@@ -294,6 +295,9 @@ pub struct TierSpec {
     /// The Docker image store: the guest's `/var/lib/docker` is the cache
     /// disk `docker-images/<arch>` in slot 0 (the cache's Docker image store).
     pub docker_image_store: bool,
+    /// The oldest runner the plane lets run: an image whose label says an
+    /// older one is refused before anything is minted. `None`: unchecked.
+    pub min_runner_version: Option<RunnerVersion>,
 }
 
 /// The GitHub job behind a launch; diagnostic only.

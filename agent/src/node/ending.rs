@@ -66,6 +66,9 @@ pub enum EndReason {
     /// The cloud is taking the host's spot capacity back
     /// ([`crate::node::interruption`]).
     SpotInterruption(SpotAction),
+    /// The runner exited before coming online, saying GitHub refused its
+    /// version ([`crate::node::freshness`]).
+    RunnerVersionRejected,
 }
 
 /// What EC2 will do to a spot instance it takes back: the `action` of the
@@ -160,6 +163,7 @@ impl fmt::Display for EndReason {
             EndReason::RegistrationLost => f.write_str("registration_lost"),
             EndReason::MaxLeaseLife => f.write_str("max_lease_life"),
             EndReason::Drained => f.write_str("drained"),
+            EndReason::RunnerVersionRejected => f.write_str("runner_version_rejected"),
             EndReason::SpotInterruption(action) => {
                 write!(f, "ec2 spot interruption: {}", action.as_str())
             }
@@ -186,6 +190,9 @@ pub enum FailureReason {
     /// The provider could not be asked about the launch's image; nothing
     /// was minted or started.
     ProviderUnavailable,
+    /// The launch's image carries a runner GitHub will not run; nothing
+    /// was minted or started.
+    RunnerOutdated,
     /// The launch failed once its lease was bound (the mint, the mounts or
     /// the create), and what it started is gone.
     LaunchFailed,
@@ -230,6 +237,7 @@ impl fmt::Display for FailureReason {
             FailureReason::Forced(r) | FailureReason::Recorded(r) => f.write_str(r),
             FailureReason::ImageUnavailable(image) => write!(f, "image_unavailable {image}"),
             FailureReason::ProviderUnavailable => f.write_str("provider_unavailable"),
+            FailureReason::RunnerOutdated => f.write_str("runner_outdated"),
             FailureReason::LaunchFailed => f.write_str("launch_failed"),
             FailureReason::LaunchInterrupted => f.write_str("launch_interrupted"),
             FailureReason::MaxCustody => f.write_str("max_custody"),

@@ -30,7 +30,9 @@ use tracing::{Instrument, info, info_span, warn};
 use crate::clock::PlaneClock;
 use crate::journal::{CustodyRecord, Durability, Journal, JournalError, LaunchRecord};
 use crate::model::{ByteSize, InstanceName};
-use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
+use crate::provider::{
+    ImageFacts, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work,
+};
 
 /// How long a reason's cause must have been absent before the reason clears.
 pub(crate) const HEAL_AFTER: Duration = Duration::from_secs(10);
@@ -678,11 +680,20 @@ impl Provider for WatchedProvider {
         self.inner.runs_on_host()
     }
 
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         self.bounded(
             format!("check image {image}"),
             LAUNCH_PROBE_TIMEOUT,
             self.inner.check_image(image),
+        )
+        .await
+    }
+
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError> {
+        self.bounded(
+            format!("read the output of {name}"),
+            LAUNCH_PROBE_TIMEOUT,
+            self.inner.output_tail(name),
         )
         .await
     }

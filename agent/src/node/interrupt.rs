@@ -6,6 +6,7 @@ use tracing::{error, info, warn};
 
 use super::custody::{CustodyEntry, Seen, custody_record};
 use super::ending::{EndReason, Ending, FailureReason};
+use super::freshness::says_version_refused;
 use super::plane::{PlaneError, Retired};
 use super::runner::{LEASE_LIFE_WARN_EVERY, Runner, Running};
 use crate::model::{Epoch, LeaseId, Phase, RequestId};
@@ -50,11 +51,17 @@ impl Runner {
                 // Held already: custody's own step decides.
                 continue;
             }
-            let reason = match inventory.iter().find(|i| i.name == r.instance.as_str()) {
+            let mut reason = match inventory.iter().find(|i| i.name == r.instance.as_str()) {
                 None => Some(EndReason::Removed),
                 Some(i) if !i.may_run() => EndReason::from_state(i.state),
                 Some(_) => continue,
             };
+            if matches!(reason, Some(EndReason::Exit(_)))
+                && !r.online
+                && self.version_refused(r).await
+            {
+                reason = Some(EndReason::RunnerVersionRejected);
+            }
             let still = {
                 let mut s = self.state();
                 let same = s
@@ -96,6 +103,34 @@ impl Runner {
             )
             .await;
         }
+    }
+
+    /// Whether the runner of `r`, which exited before coming online, said
+    /// GitHub refused its version; if so its image launches no more here
+    /// until it changes ([`Freshness::rejected`]). Output that cannot be
+    /// read says nothing.
+    ///
+    /// [`Freshness::rejected`]: super::freshness::Freshness::rejected
+    async fn version_refused(&self, r: &Running) -> bool {
+        let output = match self.provider.output_tail(&r.instance).await {
+            Ok(output) => output,
+            Err(e) => {
+                warn!(lease = %r.lease, instance = %r.instance, error = %e, "cannot read why the runner exited");
+                return false;
+            }
+        };
+        if !says_version_refused(&output) {
+            return false;
+        }
+        if let Some((image, id)) = &r.image {
+            error!(lease = %r.lease, %image, image_id = %id,
+                   "the runner exited before coming online saying GitHub refused its version; this image launches no more here until it changes: rebuild it on a newer actions/runner");
+            self.freshness.rejected(image, id, None);
+        } else {
+            error!(lease = %r.lease, instance = %r.instance,
+                   "the runner exited before coming online saying GitHub refused its version; rebuild its image on a newer actions/runner");
+        }
+        true
     }
 
     /// Running requests whose instance still runs, judged on time, by a

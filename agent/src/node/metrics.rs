@@ -37,7 +37,9 @@ use crate::model::Registration;
 use crate::model::{ByteSize, Epoch, InstanceName, Lease, LeaseId, Phase};
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError};
 use crate::node::runner::HeldLease;
-use crate::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
+use crate::provider::{
+    ImageFacts, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work,
+};
 
 /// The content type of the exposition (OpenMetrics text 1.0, which
 /// Prometheus scrapes natively).
@@ -685,11 +687,19 @@ impl Provider for MeteredProvider {
         self.inner.runs_on_host()
     }
 
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         let start = Instant::now();
         let r = self.inner.check_image(image).await;
         let (took, ok) = timed(start, &r);
         self.observe("check_image", took, ok);
+        r
+    }
+
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError> {
+        let start = Instant::now();
+        let r = self.inner.output_tail(name).await;
+        let (took, ok) = timed(start, &r);
+        self.observe("output_tail", took, ok);
         r
     }
 

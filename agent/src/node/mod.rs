@@ -6,8 +6,9 @@
 //! why compute ended and how its registration is removed), start-up
 //! recovery's gate ([`recovery`]), the ports it asks the plane through
 //! ([`plane`]), its health and degraded reasons ([`health`]), its metrics
-//! ([`metrics`]), spot interruption notices ([`interruption`]), and the warm runners
-//! started ahead of their jobs ([`warm`]).
+//! ([`metrics`]), spot interruption notices ([`interruption`]), the warm
+//! runners started ahead of their jobs ([`warm`]), and the runner versions
+//! it refuses to launch ([`freshness`]).
 //!
 //! May not touch: generated proto types (that is the gRPC face's, `edge`), the
 //! Docker engine except through [`crate::provider::Provider`], SQLite except
@@ -17,6 +18,7 @@
 pub(crate) mod custody;
 mod destroy;
 pub mod ending;
+pub mod freshness;
 pub mod health;
 mod interrupt;
 pub mod interruption;

@@ -86,6 +86,13 @@ pub enum RunnerError {
         /// The image reference the tier names.
         image: String,
     },
+    /// A launch whose image carries a runner GitHub will not run (its label
+    /// names a version older than the tier's minimum, or a runner of the
+    /// same image already exited saying its version was refused), found
+    /// before anything was minted; a lease bound meanwhile was released
+    /// `failed` (wire: `OUTCOME_REFUSED`, `ERROR_CODE_RUNNER_OUTDATED`).
+    #[error("{0}")]
+    RunnerOutdated(String),
     /// A launch the provider could not be asked about (its engine did not
     /// answer), found before anything was minted (a lease bound meanwhile
     /// was released `failed`): retry later.
@@ -161,6 +168,9 @@ pub(super) struct Running {
     pub(super) retire_tried: bool,
     /// Whole hours of the lease's life already warned about.
     pub(super) warned_hours: u64,
+    /// The image it runs and that image's id, as its launch checked them;
+    /// `None` for a runner adopted after a restart.
+    pub(super) image: Option<(String, String)>,
 }
 
 #[derive(Debug, Default)]
@@ -180,6 +190,8 @@ pub(super) struct State {
     pub(super) disk_epochs: HashMap<LeaseId, Epoch>,
     /// The warm runner each launch in progress was told to take.
     pub(super) warm_hints: HashMap<LeaseId, InstanceName>,
+    /// The image and image id each launch in progress checked.
+    pub(super) images: HashMap<LeaseId, (String, String)>,
 }
 
 /// Where a held lease stands on this node.
@@ -319,6 +331,8 @@ pub struct Runner {
     pub(super) actions: Option<Arc<crate::cache::actions::proxy::ActionsProxy>>,
     /// Runners started ahead of their jobs; `None`: every launch creates.
     pub(super) warm: Option<Arc<super::warm::WarmPool>>,
+    /// The images this node refuses for their runner's version.
+    pub(super) freshness: Arc<super::freshness::Freshness>,
 }
 
 /// Why a launch beside its bind did not start its instance.
@@ -396,7 +410,21 @@ impl Runner {
             sessions: None,
             actions: None,
             warm: None,
+            freshness: Arc::default(),
         }
+    }
+
+    /// Shares `freshness` (the warm pool's) as the images this node
+    /// refuses.
+    #[must_use]
+    pub fn with_freshness(mut self, freshness: Arc<super::freshness::Freshness>) -> Self {
+        self.freshness = freshness;
+        self
+    }
+
+    /// The images this node refuses for their runner's version.
+    pub fn freshness(&self) -> &Arc<super::freshness::Freshness> {
+        &self.freshness
     }
 
     /// Launches of a tier that asks nothing of the cache take a runner
@@ -854,7 +882,10 @@ impl Runner {
         let result = self
             .launch_checked(lease.clone(), tier, job, registration)
             .await;
-        self.state().warm_hints.remove(&lease.id);
+        let mut s = self.state();
+        s.warm_hints.remove(&lease.id);
+        s.images.remove(&lease.id);
+        drop(s);
         result
     }
 
@@ -1034,6 +1065,7 @@ impl Runner {
             result,
             Err(RunnerError::Failed(_)
                 | RunnerError::Refused(_)
+                | RunnerError::RunnerOutdated(_)
                 | RunnerError::JournalUnwritable(_))
         ) {
             self.forget(lease).await;
@@ -1057,7 +1089,24 @@ impl Runner {
                 .bind_advance(&lease.id, lease.epoch, Phase::Launching)
         );
         let refusal = match checked {
-            Ok(()) => None,
+            Ok(facts) => {
+                match self
+                    .freshness
+                    .judge(&tier.image, &facts, tier.min_runner_version.as_ref())
+                {
+                    Ok(()) => {
+                        self.state()
+                            .images
+                            .insert(lease.id.clone(), (tier.image.clone(), facts.id));
+                        None
+                    }
+                    Err(outdated) => {
+                        let why = outdated.explain();
+                        warn!(lease = %lease.id, image = %tier.image, reason = %why, "refusing a launch whose runner GitHub will not run");
+                        Some(RunnerError::RunnerOutdated(why))
+                    }
+                }
+            }
             Err(ProviderError::ImageUnavailable { image }) => {
                 warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
                 Some(RunnerError::ImageUnavailable { image })
@@ -1088,6 +1137,7 @@ impl Runner {
                     RunnerError::ImageUnavailable { image } => {
                         FailureReason::ImageUnavailable(image.clone())
                     }
+                    RunnerError::RunnerOutdated(_) => FailureReason::RunnerOutdated,
                     _ => FailureReason::ProviderUnavailable,
                 };
                 self.release_refused(lease, why).await;
@@ -1276,19 +1326,24 @@ impl Runner {
     ) {
         info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
               repository = %job.repository, "launched");
-        self.state().running.insert(
-            lease.request_id,
-            Running {
-                lease: lease.id.clone(),
-                epoch: lease.epoch,
-                instance: name.clone(),
-                registration: (record.runner_id, record.runner_name.clone()),
-                since: Instant::now(),
-                online: false,
-                retire_tried: false,
-                warned_hours: 0,
-            },
-        );
+        {
+            let mut s = self.state();
+            let image = s.images.remove(&lease.id);
+            s.running.insert(
+                lease.request_id,
+                Running {
+                    lease: lease.id.clone(),
+                    epoch: lease.epoch,
+                    instance: name.clone(),
+                    registration: (record.runner_id, record.runner_name.clone()),
+                    since: Instant::now(),
+                    online: false,
+                    retire_tried: false,
+                    warned_hours: 0,
+                    image,
+                },
+            );
+        }
         // Only once the start has answered: a record saying created
         // is adopted as a job by recovery without asking GitHub, so
         // it must not name an instance whose start may have failed

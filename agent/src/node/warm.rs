@@ -30,6 +30,7 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::freshness::Freshness;
 use super::plane::PlaneError;
 use crate::model::{ByteSize, InstanceName, TierSpec, WarmTarget};
 use crate::provider::{InstanceState, Provider, WarmSpec};
@@ -115,6 +116,9 @@ struct Entry {
     /// The size a lease of the tier asks (the provider may run it at
     /// less, as it runs the lease).
     size: (u32, ByteSize),
+    /// The id of the image it was started from: a rebuilt image retires
+    /// it.
+    image_id: String,
     stage: Stage,
     born: Instant,
     /// Set to `true` once it runs (or dropped when it failed to start).
@@ -147,16 +151,23 @@ pub struct WarmCounts {
 pub struct WarmPool {
     provider: Arc<dyn Provider>,
     rooms: Arc<dyn WarmRooms>,
+    freshness: Arc<Freshness>,
     inner: Mutex<Inner>,
     wake: Notify,
 }
 
 impl WarmPool {
-    /// An empty pool over `provider`, charging room through `rooms`.
-    pub fn new(provider: Arc<dyn Provider>, rooms: Arc<dyn WarmRooms>) -> Self {
+    /// An empty pool over `provider`, charging room through `rooms`,
+    /// starting no runner `freshness` refuses.
+    pub fn new(
+        provider: Arc<dyn Provider>,
+        rooms: Arc<dyn WarmRooms>,
+        freshness: Arc<Freshness>,
+    ) -> Self {
         Self {
             provider,
             rooms,
+            freshness,
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
         }
@@ -305,6 +316,55 @@ impl WarmPool {
         }
         let known: Vec<InstanceName> = self.inner().entries.keys().cloned().collect();
         self.retire_strays(&known).await;
+        self.retire_stale_images().await;
+    }
+
+    /// Retires the ready warm runners whose image changed since they
+    /// started (rebuilt or retagged under the tier's name: a different
+    /// id), or that the node now refuses for their runner's version.
+    async fn retire_stale_images(&self) {
+        let images: BTreeMap<String, TierSpec> = self
+            .inner()
+            .entries
+            .values()
+            .filter(|e| e.stage == Stage::Ready)
+            .map(|e| (e.spec.image.clone(), e.spec.clone()))
+            .collect();
+        let mut current: BTreeMap<String, (String, bool)> = BTreeMap::new();
+        for (image, spec) in images {
+            match self.provider.check_image(&image).await {
+                Ok(facts) => {
+                    let refused = self
+                        .freshness
+                        .judge(&image, &facts, spec.min_runner_version.as_ref())
+                        .is_err();
+                    current.insert(image, (facts.id, refused));
+                }
+                Err(e) => {
+                    debug!(%image, error = %e, "cannot check a warm runner's image; looking again later");
+                }
+            }
+        }
+        let doomed: Vec<InstanceName> = {
+            let inner = self.inner();
+            inner
+                .entries
+                .iter()
+                .filter(|(_, e)| e.stage == Stage::Ready)
+                .filter(|(_, e)| {
+                    current
+                        .get(&e.spec.image)
+                        .is_some_and(|(id, refused)| *id != e.image_id || *refused)
+                })
+                .map(|(n, _)| n.clone())
+                .collect()
+        };
+        for name in doomed {
+            info!(warm = %name, why = "its image changed", "retiring a warm runner");
+            self.inner().entries.remove(&name);
+            self.destroy(&name).await;
+            self.release(&name).await;
+        }
     }
 
     /// Destroys every warm runner the provider lists that is not in
@@ -454,6 +514,20 @@ impl WarmPool {
                 return Started::Failed;
             }
         };
+        let facts = match self.provider.check_image(&tier.image).await {
+            Ok(facts) => facts,
+            Err(e) => {
+                warn!(tier = %tier.label, error = %e, "cannot check a warm runner's image; the tier's jobs start cold meanwhile");
+                return Started::Failed;
+            }
+        };
+        if let Err(outdated) =
+            self.freshness
+                .judge(&tier.image, &facts, tier.min_runner_version.as_ref())
+        {
+            warn!(tier = %tier.label, reason = %outdated.explain(), "starting no warm runner of an image GitHub will not run");
+            return Started::Failed;
+        }
         let name = InstanceName::fresh_warm();
         let (ready, _) = watch::channel(false);
         self.inner().entries.insert(
@@ -462,6 +536,7 @@ impl WarmPool {
                 tier: tier.label.clone(),
                 spec: tier.clone(),
                 size: (target.vcpu, target.memory),
+                image_id: facts.id,
                 stage: Stage::Starting,
                 born: Instant::now(),
                 ready,

@@ -48,7 +48,7 @@ use bollard::models::{
     ContainerCreateBody, ContainerSummary, ContainerSummaryStateEnum, HostConfig,
 };
 use bollard::query_parameters::{
-    CreateContainerOptions, ListContainersOptions, RemoveContainerOptions,
+    CreateContainerOptions, ListContainersOptions, LogsOptionsBuilder, RemoveContainerOptions,
     StopContainerOptionsBuilder, TopOptionsBuilder,
 };
 use bollard::{API_DEFAULT_VERSION, BollardRequest, ClientVersion, Docker};
@@ -56,10 +56,13 @@ use tokio::sync::OnceCell;
 
 use super::handoff::{DELIVERY_BOUND, GUEST_DIR, Handoffs, SECRETS_ENV, SECRETS_FILE, Secrets};
 use super::{
-    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, Work,
-    is_job_process, labels,
+    Exit, ImageFacts, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError,
+    RUNNER_VERSION_LABEL, Teardown, Work, is_job_process, labels,
 };
 use crate::model::{ByteSize, InstanceName};
+
+/// How many lines of a runner's output [`Provider::output_tail`] reads.
+const OUTPUT_TAIL_LINES: u32 = 40;
 
 /// The environment variable through which the runner receives its JIT
 /// config (the only way it reaches the instance).
@@ -520,11 +523,45 @@ impl DockerProvider {
         }
     }
 
-    async fn check_image_unbounded(&self, image: &str) -> Result<(), ProviderError> {
+    async fn output_tail_unbounded(
+        &self,
+        operation: &str,
+        name: &InstanceName,
+    ) -> Result<String, ProviderError> {
+        use futures::StreamExt as _;
+        let docker = self.client(operation).await?;
+        let options = LogsOptionsBuilder::default()
+            .stdout(true)
+            .stderr(true)
+            .tail(&OUTPUT_TAIL_LINES.to_string())
+            .build();
+        let mut logs = docker.logs(name.as_str(), Some(options));
+        let mut text = String::new();
+        while let Some(chunk) = logs.next().await {
+            match chunk {
+                Ok(out) => text.push_str(&String::from_utf8_lossy(&out.into_bytes())),
+                Err(BollardError::DockerResponseServerError {
+                    status_code: 404, ..
+                }) => break,
+                Err(err) => return Err(self.engine_error(operation, &err, None)),
+            }
+        }
+        Ok(text)
+    }
+
+    async fn check_image_unbounded(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         let operation = format!("check image {image}");
         let docker = self.client(&operation).await?;
         match docker.inspect_image(image).await {
-            Ok(_) => Ok(()),
+            Ok(inspected) => Ok(ImageFacts {
+                id: inspected.id.unwrap_or_default(),
+                runner_version: inspected
+                    .config
+                    .and_then(|c| c.labels)
+                    .and_then(|mut l| l.remove(RUNNER_VERSION_LABEL))
+                    .map(|v| v.trim().to_owned())
+                    .filter(|v| !v.is_empty()),
+            }),
             Err(BollardError::DockerResponseServerError {
                 status_code: 404, ..
             }) => Err(ProviderError::ImageUnavailable {
@@ -669,9 +706,21 @@ impl Provider for DockerProvider {
     ///
     /// [`ProviderError::ImageUnavailable`] when the engine has no such image;
     /// otherwise as [`Provider::list`].
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         let operation = format!("check image {image}");
         self.bounded(&operation, self.check_image_unbounded(image))
+            .await
+    }
+
+    /// The last [`OUTPUT_TAIL_LINES`] lines of the container's log (`docker
+    /// logs --tail`), both streams.
+    ///
+    /// # Errors
+    ///
+    /// As [`Provider::list`]; a container already removed answers empty.
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError> {
+        let operation = format!("read the output of {name}");
+        self.bounded(&operation, self.output_tail_unbounded(&operation, name))
             .await
     }
 

@@ -28,8 +28,8 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::{
-    Exit, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError, Teardown, Work,
-    labels,
+    Exit, ImageFacts, Instance, InstanceSpec, InstanceState, Owner, Provider, ProviderError,
+    Teardown, Work, labels,
 };
 use crate::model::{ByteSize, InstanceName, JitConfig, NodeName};
 
@@ -141,6 +141,12 @@ struct State {
     destroy_mode: DestroyMode,
     next_id: u64,
     missing_images: BTreeSet<String>,
+    /// Images rebuilt under their name: how many times, for their id.
+    rebuilt: BTreeMap<String, u32>,
+    /// Runner versions images carry by their label.
+    image_versions: BTreeMap<String, String>,
+    /// What instances' runners wrote, by instance name.
+    outputs: BTreeMap<String, String>,
     engine: Engine,
     ignores_sigterm: BTreeSet<String>,
     /// Instances whose runner runs its job process ([`Provider::work`]).
@@ -208,6 +214,26 @@ impl FakeProvider {
     /// Makes `image` present again (built or loaded while a job waits).
     pub fn restore_image(&self, image: &str) {
         self.state().missing_images.remove(image);
+    }
+
+    /// Gives `image` a new id, as a rebuild under its name does.
+    pub fn rebuild_image(&self, image: &str) {
+        *self.state().rebuilt.entry(image.to_owned()).or_default() += 1;
+    }
+
+    /// Labels `image` as carrying runner `version`.
+    pub fn set_image_version(&self, image: &str, version: &str) {
+        self.state()
+            .image_versions
+            .insert(image.to_owned(), version.to_owned());
+    }
+
+    /// What the runner of instance `name` wrote, as
+    /// [`Provider::output_tail`] reads it.
+    pub fn set_output(&self, name: &InstanceName, output: &str) {
+        self.state()
+            .outputs
+            .insert(name.as_str().to_owned(), output.to_owned());
     }
 
     /// Runs every instance at no more than `cpus` vCPUs, as the Docker
@@ -430,14 +456,29 @@ impl Provider for FakeProvider {
     ///
     /// [`ProviderError::ImageUnavailable`] for a removed image; the
     /// engine's failures as for every call.
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         self.enter(Call::CheckImage(image.to_owned())).await?;
-        if self.state().missing_images.contains(image) {
+        let state = self.state();
+        if state.missing_images.contains(image) {
             return Err(ProviderError::ImageUnavailable {
                 image: image.to_owned(),
             });
         }
-        Ok(())
+        let built = state.rebuilt.get(image).copied().unwrap_or(0);
+        Ok(ImageFacts {
+            id: format!("fake:{image}#{built}"),
+            runner_version: state.image_versions.get(image).cloned(),
+        })
+    }
+
+    /// What [`FakeProvider::set_output`] set, else nothing.
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError> {
+        Ok(self
+            .state()
+            .outputs
+            .get(name.as_str())
+            .cloned()
+            .unwrap_or_default())
     }
 
     /// At most [`FakeProvider::set_cpus`] vCPUs, memory as asked.

@@ -285,6 +285,21 @@ pub enum ProviderError {
     },
 }
 
+/// The image label that says which runner version an image carries (the
+/// OCI annotation for a packaged software's version; decision 114).
+pub const RUNNER_VERSION_LABEL: &str = "org.opencontainers.image.version";
+
+/// What an image is, as a launch checks it ([`Provider::check_image`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImageFacts {
+    /// The provider's id of the image (a content digest for Docker): it
+    /// changes whenever the image does, under the same name or not.
+    pub id: String,
+    /// The runner version its [`RUNNER_VERSION_LABEL`] says, as written;
+    /// `None` when it has none.
+    pub runner_version: Option<String>,
+}
+
 /// Whether a created instance may start: `true` starts it; `false`, or the
 /// sender dropped, withholds the start ([`Provider::create_then_start`]).
 pub type StartGate = tokio::sync::oneshot::Receiver<bool>;
@@ -323,13 +338,23 @@ pub trait Provider: Send + Sync + std::fmt::Debug {
 
     /// Checks, before anything is registered for a launch, that an instance
     /// of `image` could be created now: the engine answers and the image is
-    /// present (providers never pull).
+    /// present (providers never pull). Answers what the image is: its id,
+    /// and the runner version its label says ([`RUNNER_VERSION_LABEL`]).
     ///
     /// # Errors
     ///
     /// [`ProviderError::ImageUnavailable`] when the image is missing; any
     /// other variant when the engine cannot be asked.
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError>;
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError>;
+
+    /// The last lines an instance's runner wrote (its standard output and
+    /// error), for telling why it exited. A provider that cannot read them
+    /// answers an empty text.
+    ///
+    /// # Errors
+    ///
+    /// [`ProviderError`] when the provider cannot be asked.
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError>;
 
     /// The size an instance asked for as `vcpu` and `memory` really runs
     /// at on this provider (0 is no limit, as in [`InstanceSpec`]): what a

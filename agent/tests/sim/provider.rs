@@ -26,7 +26,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use billet_agent::model::{ByteSize, InstanceName};
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
-use billet_agent::provider::{Instance, InstanceSpec, Provider, ProviderError, Teardown, Work};
+use billet_agent::provider::{
+    ImageFacts, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work,
+};
 
 use crate::fakes::{Job, PFault, POST_JOB_GRACE, POp, Sabotage, Shared, may_run};
 
@@ -231,8 +233,12 @@ impl Provider for SimProvider {
         result
     }
 
-    async fn check_image(&self, image: &str) -> Result<(), ProviderError> {
+    async fn check_image(&self, image: &str) -> Result<ImageFacts, ProviderError> {
         self.fake.check_image(image).await
+    }
+
+    async fn output_tail(&self, name: &InstanceName) -> Result<String, ProviderError> {
+        self.fake.output_tail(name).await
     }
 
     async fn shape(&self, vcpu: u32, memory: ByteSize) -> Result<(u32, ByteSize), ProviderError> {

@@ -217,6 +217,7 @@ fn tier() -> TierSpec {
         sticky_disks: Vec::new(),
         actions_cache: None,
         docker_image_store: false,
+        min_runner_version: None,
     }
 }
 
@@ -232,6 +233,7 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
         Err(
             RunnerError::Refused(_)
             | RunnerError::ImageUnavailable { .. }
+            | RunnerError::RunnerOutdated(_)
             | RunnerError::ProviderUnavailable(_)
             | RunnerError::JournalUnwritable(_),
         ) => "refused",

@@ -118,6 +118,14 @@ struct Args {
     /// Runner image.
     #[arg(long, default_value = "billet-standin-runner:dev")]
     image: String,
+    /// The oldest actions/runner version the tier runs: a node refuses,
+    /// before anything is minted, a launch whose image's
+    /// org.opencontainers.image.version label names an older one. Raise it
+    /// as GitHub raises its own floor; "" for none.
+    #[arg(long, env = "BILLET_MIN_RUNNER_VERSION", value_name = "VERSION",
+          default_value = billet_controlplane_stub::plane::DEFAULT_MIN_RUNNER_VERSION,
+          value_parser = runner_version)]
+    min_runner_version: String,
     /// Runner argv element; repeatable.
     #[arg(long = "command", default_value = "/billet-standin-runner")]
     command: Vec<String>,
@@ -557,6 +565,7 @@ async fn main() -> ExitCode {
             sticky_disks: Vec::new(),
             actions_cache: None,
             docker_image_store: false,
+            min_runner_version: args.min_runner_version,
         },
         launch_timeout: Duration::from_secs(300),
         mint_before_dispatch: args.mint_before_dispatch,
@@ -605,6 +614,14 @@ async fn main() -> ExitCode {
     plane.stopped().await;
     drop(emulator);
     ExitCode::SUCCESS
+}
+
+/// Reads `--min-runner-version`: a version such as 2.331.0, or "" for none.
+fn runner_version(text: &str) -> Result<String, String> {
+    if text.trim().is_empty() {
+        return Ok(String::new());
+    }
+    billet_proto::runner_version::RunnerVersion::parse(text).map(|v| v.to_string())
 }
 
 #[cfg(test)]
@@ -678,3 +695,4 @@ mod tests {
         }
     }
 }
+

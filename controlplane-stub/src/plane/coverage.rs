@@ -25,6 +25,19 @@ pub(crate) const RELAUNCH_MIN_DELAY: Duration = Duration::from_millis(500);
 /// The longest wait between two launches for the same uncovered jobs.
 pub(crate) const RELAUNCH_MAX_DELAY: Duration = Duration::from_secs(15);
 
+/// How long the tier's jobs are held after its image was found to carry a
+/// runner GitHub will not run, at first; each hold in a row doubles it, to
+/// [`OUTDATED_MAX_HOLD`]. The launch after a hold mints nothing unless the
+/// node finds the image changed.
+pub(crate) const OUTDATED_HOLD: Duration = Duration::from_secs(60);
+
+/// The longest hold of a tier whose image's runner is refused.
+pub(crate) const OUTDATED_MAX_HOLD: Duration = Duration::from_secs(15 * 60);
+
+/// The reason a node ends a lease whose runner exited saying GitHub
+/// refused its version.
+const RUNNER_VERSION_REJECTED: &str = "runner_version_rejected";
+
 /// How often the plane looks at coverage without being woken.
 const COVER_TICK: Duration = Duration::from_millis(500);
 
@@ -74,6 +87,9 @@ pub(super) struct Cover {
     /// without the image is asked to check it before anything is minted, and so
     /// is a node whose launch failed in any way, until one runs again.
     pub(super) image_ran: HashSet<String>,
+    /// The tier's image carries a runner GitHub will not run: no launch
+    /// until the instant, and how many holds in a row.
+    pub(super) outdated: Option<(Instant, u32)>,
 }
 
 impl Cover {
@@ -95,6 +111,7 @@ impl Cover {
             lost: HashMap::new(),
             no_room_logged: None,
             image_ran: HashSet::new(),
+            outdated: None,
         }
     }
 
@@ -123,6 +140,20 @@ impl Cover {
     pub(super) fn succeeded(&mut self) {
         self.backoff = None;
         self.retry_at = None;
+        self.outdated = None;
+    }
+
+    /// The tier's image carries a runner GitHub will not run: its jobs are
+    /// held, longer each time in a row, and the next launch is checked by
+    /// the node before anything is minted. Returns the hold.
+    pub(super) fn hold_outdated(&mut self) -> Duration {
+        let times = self.outdated.map_or(0, |(_, n)| n);
+        let hold = OUTDATED_HOLD
+            .saturating_mul(1 << times.min(10))
+            .min(OUTDATED_MAX_HOLD);
+        self.outdated = Some((Instant::now() + hold, times + 1));
+        self.image_ran.clear();
+        hold
     }
 
     /// A message arrived: it changes what is wanted, so a count from an
@@ -220,6 +251,12 @@ impl Plane {
                 return Ok(());
             }
             if cover.retry_at.is_some_and(|at| Instant::now() < at) {
+                return Ok(());
+            }
+            if cover
+                .outdated
+                .is_some_and(|(until, _)| Instant::now() < until)
+            {
                 return Ok(());
             }
         }
@@ -478,8 +515,18 @@ impl Plane {
         };
         let mut idle = Vec::new();
         for id in closed {
-            let runner = self.ledger.get(&id).await?.and_then(|l| l.runner_name);
+            let lease = self.ledger.get(&id).await?;
+            let rejected = lease
+                .as_ref()
+                .and_then(|l| l.failure_reason.as_deref())
+                .is_some_and(|r| r.starts_with(RUNNER_VERSION_REJECTED));
+            let runner = lease.and_then(|l| l.runner_name);
             let mut cover = self.cover.lock().expect("cover");
+            if rejected {
+                let hold = cover.hold_outdated();
+                tracing::error!(lease = %id, image = %self.config.tier.image, hold_s = hold.as_secs(),
+                    "a runner exited saying GitHub refused its version: no more runners of this image are minted; the tier's jobs wait until it is rebuilt on a newer actions/runner (asked again after the hold)");
+            }
             cover.launched.remove(&id);
             let served = runner
                 .as_ref()

@@ -273,6 +273,11 @@ impl Plane {
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
         }
+        if code == Some(pb::ErrorCode::RunnerOutdated) {
+            let hold = self.cover.lock().expect("cover").hold_outdated();
+            tracing::error!(image = %tier.image, node = node.name(), %reason, hold_s = hold.as_secs(),
+                "the tier's image carries a runner GitHub will not run; nothing was minted, and the tier's jobs wait until the image is rebuilt on a newer actions/runner (asked again after the hold)");
+        }
         // Another scale set holds a runner of the lease's name: neither the
         // node nor GitHub is failing, so the launch is not backed off as an
         // outage, and the node is not avoided. The name is the lease's, so
@@ -417,6 +422,7 @@ impl Plane {
             actions_cache: tier.actions_cache.is_some(),
             cache_scope: tier.actions_cache.clone(),
             docker_image_store: tier.docker_image_store,
+            min_runner_version: tier.min_runner_version.clone(),
         }
     }
 

@@ -80,7 +80,21 @@ pub struct Tier {
     /// Whether runners get the Docker image store at /var/lib/docker
     /// (`TierSpec.docker_image_store`).
     pub docker_image_store: bool,
+    /// The oldest runner version the tier may run (`2.331.0`): a node
+    /// refuses, before anything is minted, an image labelled older
+    /// (`TierSpec.min_runner_version`). Empty: no minimum.
+    pub min_runner_version: String,
 }
+
+/// The oldest `actions/runner` a tier runs unless the operator says
+/// otherwise (`billet-plane --min-runner-version`): GitHub's own floor
+/// moves (it refuses runners below a minimum, and releases older than 30
+/// days), so an operator raises it as GitHub does (decision 114).
+pub const DEFAULT_MIN_RUNNER_VERSION: &str = "2.330.0";
+
+/// The runner version the stand-in runner plays, as its image's
+/// `org.opencontainers.image.version` label says.
+pub const STANDIN_RUNNER_VERSION: &str = "2.333.0";
 
 /// Everything the plane needs.
 #[derive(Debug, Clone)]

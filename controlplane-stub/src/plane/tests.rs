@@ -71,6 +71,7 @@ fn test_config(nodes: &[&str]) -> PlaneConfig {
             sticky_disks: Vec::new(),
             actions_cache: None,
             docker_image_store: false,
+            min_runner_version: String::new(),
         },
         launch_timeout: Duration::from_secs(30),
         mint_before_dispatch: true,

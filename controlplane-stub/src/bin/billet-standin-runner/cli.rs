@@ -14,7 +14,8 @@ pub(crate) struct Cli {
     /// The encoded JIT config, as given to actions/runner.
     #[arg(long, env = "ACTIONS_RUNNER_INPUT_JITCONFIG", hide_env_values = true)]
     pub(crate) jitconfig: String,
-    /// What the runner does: job, never-connect, hang, ignore-sigterm, allocate, exit or oom-step
+    /// What the runner does: job, never-connect, hang, ignore-sigterm, allocate, exit, oom-step
+    /// or stale
     ///
     ///   job             take a job, work, complete it, exit 0
     ///   never-connect   never ask the emulator anything; wait for a signal
@@ -25,6 +26,8 @@ pub(crate) struct Cli {
     ///   exit            take a job and exit with --exit-code without completing it
     ///   oom-step        take a job, run a step (a child process) that allocates memory until
     ///                   killed, then work and complete the job and exit 0
+    ///   stale           play a runner GitHub refuses for its version: say so as
+    ///                   actions/runner does, and exit 1 before asking for a job
     #[arg(
         long,
         verbatim_doc_comment,
@@ -33,6 +36,10 @@ pub(crate) struct Cli {
         value_parser = Mode::parse
     )]
     pub(crate) mode: Mode,
+    /// The actions/runner version this runner plays (mode stale names it).
+    #[arg(long, env = "BILLET_STANDIN_RUNNER_VERSION",
+          default_value = billet_controlplane_stub::plane::STANDIN_RUNNER_VERSION)]
+    pub(crate) runner_version: String,
     /// How long to work on the job, in milliseconds.
     #[arg(long, env = "BILLET_STANDIN_WORK_MS", default_value_t = 2000)]
     pub(crate) work_ms: u64,
@@ -107,11 +114,14 @@ pub(crate) enum Mode {
     Exit,
     /// Take a job, run a step that is OOM-killed, then complete the job.
     OomStep,
+    /// Say, as `actions/runner` does, that GitHub refuses this runner's
+    /// version, and exit 1 before polling.
+    Stale,
 }
 
 impl Mode {
     /// Every mode, in the order the documentation lists them.
-    pub(crate) const ALL: [Self; 7] = [
+    pub(crate) const ALL: [Self; 8] = [
         Self::Job,
         Self::NeverConnect,
         Self::Hang,
@@ -119,6 +129,7 @@ impl Mode {
         Self::Allocate,
         Self::Exit,
         Self::OomStep,
+        Self::Stale,
     ];
 
     /// The mode's name in `BILLET_STANDIN_MODE`.
@@ -131,6 +142,7 @@ impl Mode {
             Self::Allocate => "allocate",
             Self::Exit => "exit",
             Self::OomStep => "oom-step",
+            Self::Stale => "stale",
         }
     }
 
@@ -202,7 +214,8 @@ pub(crate) mod tests {
                 "ignore-sigterm",
                 "allocate",
                 "exit",
-                "oom-step"
+                "oom-step",
+                "stale"
             ]
         );
         let cli = parse(&["--jitconfig", "x"]).unwrap();

@@ -25,6 +25,7 @@
 //! | `ACTIONS_RUNNER_INPUT_JITCONFIG` | `--jitconfig` | required | the encoded JIT config |
 //! | `BILLET_SECRETS_FILE` | none | none | a file of `KEY=VALUE` lines read once at start, before anything else, into the runner's own environment: how a node hands over the JIT config and the cache's credentials |
 //! | `BILLET_STANDIN_MODE` | `--mode` | `job` | what the runner does: the table below |
+//! | `BILLET_STANDIN_RUNNER_VERSION` | `--runner-version` | the stand-in's (its image's `org.opencontainers.image.version`) | the actions/runner version it plays, named by mode `stale` |
 //! | `BILLET_STANDIN_WORK_MS` | `--work-ms` | 2000 | how long a job is worked, in milliseconds |
 //! | `BILLET_STANDIN_RESULT` | `--result` | `succeeded` | the result a job is completed with |
 //! | `BILLET_STANDIN_IDLE_TIMEOUT_MS` | `--idle-timeout-ms` | 600000 | how long to wait for a job, in milliseconds |
@@ -52,6 +53,7 @@
 //! | `allocate` | takes a job, then allocates memory in 16 MiB chunks, writing every page, until killed: under a container memory limit it is OOM-killed (137). With `ALLOCATE_MIB` it stops there, holds the memory, and works and completes the job as `job` does |
 //! | `exit` | takes a job and exits with `EXIT_CODE` without completing it, as a runner that crashed mid-job: the emulator keeps the job running and the runner registered |
 //! | `oom-step` | takes a job and runs one step as a child process (this binary again, with `BILLET_STANDIN_STEP=allocate`) that allocates memory as `allocate` does until killed: under a container memory limit the OOM killer ends the step, not the runner, and Docker marks the container OOM-killed. The runner says how the step ended (`step ended: ...`), then works and completes the job as `job` does and exits 0, as `actions/runner` does when a step fails |
+//! | `stale` | plays a runner GitHub refuses for its version: prints `Runner version v<RUNNER_VERSION> is deprecated and cannot receive messages.` on stdout, as `actions/runner` does, and exits 1 before asking for a job |
 //!
 //! At start, before anything else, it says on stderr what registry mirrors its node handed it
 //! (`registry mirrors: env <BILLET_REGISTRY_MIRRORS or unset>; daemon.json <the registry-mirrors
@@ -69,7 +71,7 @@
 //! | exit code | meaning |
 //! |---|---|
 //! | 0 | a job was run and completed |
-//! | 1 | no job within the idle timeout, the runner was removed, or the completion failed |
+//! | 1 | no job within the idle timeout, the runner was removed, the completion failed, or mode `stale` |
 //! | 2 | usage error: no or malformed JIT config, unknown mode, bad option |
 //! | 3 | mode `exit`: took a job and left it uncompleted (the code is `EXIT_CODE`, 3 unless set) |
 //! | 130 | SIGINT |

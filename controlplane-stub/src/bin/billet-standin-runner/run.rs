@@ -67,6 +67,16 @@ pub(crate) async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, F
         );
         return std::future::pending().await;
     }
+    if cli.mode == Mode::Stale {
+        // What actions/runner prints when GitHub will not let its version
+        // take messages, before it polls: the node reads it from the
+        // container's output.
+        println!(
+            "Runner version v{} is deprecated and cannot receive messages.",
+            cli.runner_version
+        );
+        return Err(Failure::Code(1));
+    }
     let emulator = EmulatorLink::new(config)?;
     let job = emulator.wait_for_job(cli).await?;
     eprintln!(
@@ -100,7 +110,9 @@ pub(crate) async fn run(cli: &Cli, config: &JitConfig) -> Result<JobRequestId, F
             );
             Err(Failure::Code(cli.exit_code))
         }
-        Mode::NeverConnect => unreachable!("mode never-connect returns before connecting"),
+        Mode::NeverConnect | Mode::Stale => {
+            unreachable!("modes never-connect and stale return before connecting")
+        }
     }
 }
 
@@ -300,6 +312,17 @@ mod tests {
         let cli = gh.cli(&["--mode", "never-connect", "--idle-timeout-ms", "1"]);
         let outcome = tokio::time::timeout(QUIET, run(&cli, &gh.config)).await;
         assert!(outcome.is_err(), "the runner ended: {outcome:?}");
+        let asked = gh.emu.requests_to(scaleset::testing::Endpoint::Control);
+        assert!(asked.is_empty(), "{asked:#?}");
+        assert_eq!(gh.job().state, JobState::Assigned);
+    }
+
+    #[tokio::test]
+    async fn in_mode_stale_the_runner_exits_1_before_asking_the_emulator_anything() {
+        let gh = Emulated::start("standin-stale").await;
+        let cli = gh.cli(&["--mode", "stale", "--runner-version", "2.331.0"]);
+        let outcome = tokio::time::timeout(BOUND, run(&cli, &gh.config)).await;
+        assert_eq!(outcome.expect("the runner exits"), Err(Failure::Code(1)));
         let asked = gh.emu.requests_to(scaleset::testing::Endpoint::Control);
         assert!(asked.is_empty(), "{asked:#?}");
         assert_eq!(gh.job().state, JobState::Assigned);
