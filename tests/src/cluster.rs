@@ -1270,6 +1270,25 @@ impl Cluster {
         }
     }
 
+    /// `billet node status --json` of node `name`.
+    ///
+    /// # Errors
+    ///
+    /// When `billet` cannot be run or exits non-zero, or prints no JSON.
+    pub fn status_json(&self, name: &str) -> Result<serde_json::Value> {
+        let out = std::process::Command::new(crate::image::binary_path("billet")?)
+            .args(["node", "status", "--json", "--state-dir"])
+            .arg(self.dir.join(format!("state-{name}")))
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "billet node status exited {:?}: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
     /// What the ledger still charges.
     ///
     /// # Errors

@@ -136,21 +136,6 @@ async fn a_dropped_launch_result_leaves_the_lease_with_the_node_until_the_job_co
     cluster.shutdown().await
 }
 
-/// `billet node status --json` of the cluster's `node-1`.
-fn status_json(cluster: &Cluster) -> Result<serde_json::Value> {
-    let out = std::process::Command::new(billet_tests::image::binary_path("billet")?)
-        .args(["node", "status", "--json", "--state-dir"])
-        .arg(cluster.dir.join("state-node-1"))
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "billet node status exited {:?}: {}",
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
-
 /// The `billet_leases_held` samples of a node's metrics, by state.
 fn leases_held(metrics: std::net::SocketAddr) -> Result<Vec<(String, f64)>> {
     use std::io::{Read as _, Write as _};
@@ -195,7 +180,7 @@ async fn a_lease_in_custody_while_its_job_runs_is_one_row_in_status_and_in_metri
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let mut samples = 0;
     loop {
-        let status = status_json(&cluster)?;
+        let status = cluster.status_json("node-1")?;
         let leases = status["leases"].as_array().context("leases")?.clone();
         let held = leases_held(metrics)?;
         let counted: f64 = held.iter().map(|(_, n)| n).sum();

@@ -191,6 +191,8 @@ pub(crate) fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde
         slot_busy_ms,
         cache_filesystem,
         cache_clone,
+        warm,
+        outdated_images,
         // The other health fields are shown once they exist.
         ..
     } = s;
@@ -214,6 +216,18 @@ pub(crate) fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde
         "slot_busy_ms": slot_busy_ms,
         "cache_filesystem": cache_filesystem,
         "cache_clone": cache_clone,
+        "warm": warm.as_ref().map(|w| serde_json::json!({
+            "ready": w.ready,
+            "starting": w.starting,
+            "wanted": w.wanted,
+        })),
+        "outdated_images": outdated_images.iter().map(|o| serde_json::json!({
+            "image": o.image,
+            "id": o.id,
+            "version": o.version,
+            "minimum": o.minimum,
+            "reason": o.reason,
+        })).collect::<Vec<_>>(),
         "leases": leases.iter().map(|l| {
             let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
             serde_json::json!({
@@ -269,6 +283,18 @@ fn cache(s: &pb::LocalStatus) -> String {
             s.cache_filesystem
         ),
         clone => format!("{}, {clone}", s.cache_filesystem),
+    }
+}
+
+/// The warm pool line: how many runners wait, start, and are wanted.
+fn warm(s: &pb::LocalStatus) -> String {
+    match &s.warm {
+        None => "none".into(),
+        Some(w) if w.wanted == 0 && w.ready == 0 && w.starting == 0 => "none wanted".into(),
+        Some(w) => format!(
+            "{} ready, {} starting, {} wanted",
+            w.ready, w.starting, w.wanted
+        ),
     }
 }
 
@@ -332,6 +358,10 @@ pub(crate) fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> Stri
     let _ = writeln!(out, "certificate  {cert}");
     let _ = writeln!(out, "identity     {}", identity(s, now));
     let _ = writeln!(out, "cache        {}", cache(s));
+    let _ = writeln!(out, "warm         {}", warm(s));
+    for o in &s.outdated_images {
+        let _ = writeln!(out, "refused      {}", o.reason);
+    }
     let _ = writeln!(out, "leases       {}", s.leases.len());
     if s.leases.is_empty() {
         return out;

@@ -208,6 +208,27 @@ impl pb::local_server::Local for LocalService {
             identity_expired: health
                 .reasons
                 .contains(&crate::node::health::Reason::IdentityExpired),
+            warm: self.runner.warm().map(|pool| {
+                let counts = pool.counts();
+                pb::WarmStatus {
+                    ready: counts.ready,
+                    starting: counts.starting,
+                    wanted: counts.wanted,
+                }
+            }),
+            outdated_images: self
+                .runner
+                .freshness()
+                .outdated()
+                .into_iter()
+                .map(|o| pb::OutdatedImage {
+                    reason: o.explain(),
+                    image: o.image,
+                    id: o.id,
+                    version: o.version.unwrap_or_default(),
+                    minimum: o.minimum.unwrap_or_default(),
+                })
+                .collect(),
             slot_busy_ms: self
                 .slot
                 .as_ref()

@@ -855,6 +855,10 @@ pub async fn run(
         let plane_clock = health.plane_clock();
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {
             m.observe_runner(&runner.held());
+            m.observe_warm(
+                runner.warm().map(|pool| pool.counts()),
+                runner.freshness().outdated().len(),
+            );
             if let Some(cache) = &cache_store {
                 m.set_cache_totals(&cache.totals());
                 m.set_cache_evicted(&cache.evicted());

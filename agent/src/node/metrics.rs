@@ -117,6 +117,9 @@ struct BuildLabels {
 #[derive(Debug)]
 pub(crate) struct Metrics {
     leases_held: Family<StateLabel, Gauge>,
+    warm_runners: Family<StateLabel, Gauge>,
+    warm_claims: Counter,
+    images_refused: Gauge,
     custody_entries: Gauge,
     custody_oldest_age: FloatGauge,
     commands: Family<CommandLabels, Counter>,
@@ -170,6 +173,9 @@ impl Metrics {
     pub(crate) fn new(registry: &mut Registry, version: &str, commit: &str) -> Self {
         let m = Self {
             leases_held: Family::default(),
+            warm_runners: Family::default(),
+            warm_claims: Counter::default(),
+            images_refused: Gauge::default(),
             custody_entries: Gauge::default(),
             custody_oldest_age: FloatGauge::default(),
             commands: Family::default(),
@@ -209,6 +215,21 @@ impl Metrics {
             "leases_held",
             "Leases this node holds, by state (launching, running, custody, quarantine, discard)",
             m.leases_held.clone(),
+        );
+        r.register(
+            "warm_runners",
+            "Warm runners (started ahead of their jobs), by state: ready, starting, and wanted as the plane said",
+            m.warm_runners.clone(),
+        );
+        r.register(
+            "warm_claims",
+            "Launches handed to a warm runner instead of creating one",
+            m.warm_claims.clone(),
+        );
+        r.register(
+            "runner_images_refused",
+            "Images this node refuses to launch for their runner's version (labelled older than the minimum, or refused by GitHub)",
+            m.images_refused.clone(),
         );
         r.register(
             "custody_entries",
@@ -338,6 +359,9 @@ impl Metrics {
         for state in LEASE_STATES {
             m.leases_held.get_or_create(&StateLabel { state }).set(0);
         }
+        for state in ["ready", "starting", "wanted"] {
+            m.warm_runners.get_or_create(&StateLabel { state }).set(0);
+        }
         for event in CACHE_EVENTS {
             m.cache_events
                 .get_or_create(&CacheEventLabel { event })
@@ -374,6 +398,28 @@ impl Metrics {
         raise_to(&self.cache_evicted_generations, evicted.generations);
         raise_to(&self.cache_evicted_archives, evicted.archives);
         raise_to(&self.cache_evicted_bytes, evicted.bytes);
+    }
+
+    /// Sets the warm pool's gauges and claim count, and the refused
+    /// images' gauge, from one reading of each.
+    pub(crate) fn observe_warm(
+        &self,
+        counts: Option<crate::node::warm::WarmCounts>,
+        refused: usize,
+    ) {
+        let counts = counts.unwrap_or_default();
+        for (state, n) in [
+            ("ready", counts.ready),
+            ("starting", counts.starting),
+            ("wanted", counts.wanted),
+        ] {
+            self.warm_runners
+                .get_or_create(&StateLabel { state })
+                .set(i64::from(n));
+        }
+        raise_to(&self.warm_claims, counts.claimed);
+        self.images_refused
+            .set(i64::try_from(refused).unwrap_or(i64::MAX));
     }
 
     /// Sets the held-lease gauges from one reading of the runner's state:

@@ -144,6 +144,8 @@ pub struct WarmCounts {
     pub starting: u32,
     /// Wanted in all.
     pub wanted: u32,
+    /// Launches handed a warm runner since the pool was made.
+    pub claimed: u64,
 }
 
 /// This node's warm runners.
@@ -154,6 +156,7 @@ pub struct WarmPool {
     freshness: Arc<Freshness>,
     inner: Mutex<Inner>,
     wake: Notify,
+    claimed: std::sync::atomic::AtomicU64,
 }
 
 impl WarmPool {
@@ -170,6 +173,7 @@ impl WarmPool {
             freshness,
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
+            claimed: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -207,6 +211,7 @@ impl WarmPool {
             } else {
                 inner.targets.values().map(|t| t.count).sum()
             },
+            claimed: self.claimed.load(std::sync::atomic::Ordering::Relaxed),
             ..WarmCounts::default()
         };
         for entry in inner.entries.values() {
@@ -251,6 +256,8 @@ impl WarmPool {
             {
                 inner.entries.remove(hint);
                 drop(inner);
+                self.claimed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.wake.notify_one();
                 return Some(hint.clone());
             }
@@ -265,6 +272,8 @@ impl WarmPool {
             inner.entries.remove(&name);
             name
         };
+        self.claimed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.wake.notify_one();
         // Its room is still charged as a warm runner's; the lease has its own.
         if let Err(e) = self.rooms.release(&other).await {
