@@ -281,7 +281,10 @@ impl WarmPool {
         self.retire_strays(&[]).await;
         let mut last_confirm: Option<Instant> = None;
         loop {
+            // Biased: a wake and a tick due together make one turn, not one
+            // or two as tokio's random branch order would choose.
             tokio::select! {
+                biased;
                 () = shutdown.cancelled() => break,
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(TICK) => {}
