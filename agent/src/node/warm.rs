@@ -147,6 +147,15 @@ pub struct WarmCounts {
     pub wanted: u32,
 }
 
+/// Where warm runners' names come from.
+struct Names(Box<dyn Fn() -> InstanceName + Send + Sync>);
+
+impl std::fmt::Debug for Names {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Names")
+    }
+}
+
 /// This node's warm runners.
 #[derive(Debug)]
 pub struct WarmPool {
@@ -155,6 +164,7 @@ pub struct WarmPool {
     freshness: Arc<Freshness>,
     inner: Mutex<Inner>,
     wake: Notify,
+    names: Names,
 }
 
 impl WarmPool {
@@ -171,7 +181,18 @@ impl WarmPool {
             freshness,
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
+            names: Names(Box::new(InstanceName::fresh_warm)),
         }
+    }
+
+    /// The same pool naming its warm runners with `names` rather than
+    /// fresh random names: a test that replays a run needs the same names,
+    /// since the pool visits its runners in name order.
+    #[cfg(any(test, feature = "testing"))]
+    #[must_use]
+    pub fn with_names(mut self, names: impl Fn() -> InstanceName + Send + Sync + 'static) -> Self {
+        self.names = Names(Box::new(names));
+        self
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -532,7 +553,7 @@ impl WarmPool {
             warn!(tier = %tier.label, reason = %outdated.explain(), "starting no warm runner of an image GitHub will not run");
             return Started::Failed;
         }
-        let name = InstanceName::fresh_warm();
+        let name = (self.names.0)();
         let (ready, _) = watch::channel(false);
         self.inner().entries.insert(
             name.clone(),
