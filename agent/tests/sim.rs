@@ -646,6 +646,30 @@ fn a_lease_minted_twice_fails_the_seed() {
 }
 
 #[test]
+fn a_config_held_by_a_waiting_warm_runner_fails_the_seed() {
+    assert_caught(
+        Sabotage::WarmStartsRegistered,
+        "invariant (7) no registration before a claim",
+    );
+}
+
+#[test]
+fn a_warm_runner_created_without_its_room_fails_the_seed() {
+    assert_caught(
+        Sabotage::WarmReserveChargesNothing,
+        "invariant (8) capacity conserved",
+    );
+}
+
+#[test]
+fn a_config_handed_twice_to_a_claimed_warm_runner_fails_the_seed() {
+    assert_caught(
+        Sabotage::ClaimHandsConfigTwice,
+        "invariant (9) no config handed twice",
+    );
+}
+
+#[test]
 fn a_panic_in_a_spawned_task_fails_the_seed() {
     assert_caught(
         Sabotage::PanicInPlaneTask,

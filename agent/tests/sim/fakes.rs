@@ -152,6 +152,14 @@ pub enum Sabotage {
     PanicInDetachedTask,
     /// A lease whose runner exited 0 is recorded `failed`, reason `oom`.
     FailCleanExit,
+    /// Every warm runner is started holding a registration's config, as a
+    /// provider that bakes it into the container would.
+    WarmStartsRegistered,
+    /// The ledger answers a warm runner's reservation OK and charges
+    /// nothing.
+    WarmReserveChargesNothing,
+    /// A claimed warm runner is handed its config twice.
+    ClaimHandsConfigTwice,
 }
 
 /// One lease row of the ledger.
@@ -1043,6 +1051,9 @@ impl Core {
             return Err(PlaneError::Refused(format!(
                 "no room on the node for warm runner {name}"
             )));
+        }
+        if self.sabotage == Some(Sabotage::WarmReserveChargesNothing) {
+            return Ok(());
         }
         self.warm.rooms.insert(
             name.to_owned(),

@@ -314,8 +314,15 @@ impl Provider for SimProvider {
         {
             let mut c = self.shared.lock();
             match &result {
-                Ok(_) => {
+                Ok(instance) => {
                     c.tally("provider: warm runner started");
+                    if c.sabotage == Some(Sabotage::WarmStartsRegistered) {
+                        c.warm
+                            .handed
+                            .entry(instance.id.clone())
+                            .or_default()
+                            .push(format!("jit-baked-into-{}", instance.id));
+                    }
                     if c.verbose {
                         c.events
                             .push(format!("provider: warm runner {name} started"));
@@ -409,10 +416,13 @@ impl SimProvider {
         name: &str,
         container: Option<String>,
         existed: bool,
-        handed: Vec<String>,
+        mut handed: Vec<String>,
         ok: bool,
     ) {
         let mut c = self.shared.lock();
+        if c.sabotage == Some(Sabotage::ClaimHandsConfigTwice) {
+            handed.extend(handed.clone());
+        }
         for config in &handed {
             // Invariant (9): a config reaches one runner, once.
             if c.warm.handed.values().flatten().any(|h| h == config) {
