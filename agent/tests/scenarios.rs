@@ -306,6 +306,9 @@ impl World {
     fn new() -> Self {
         let fake = Arc::new(FakeProvider::new());
         let shared = Shared::new(Core::new(Arc::clone(&fake), false));
+        // A scenario holds as many leases as it needs: the node's room is
+        // the simulation's to exercise.
+        shared.lock().capacity = (u64::MAX, u64::MAX);
         let plane = Arc::new(Plane {
             inner: FakeLedger(Arc::clone(&shared)),
             fake: Arc::clone(&fake),
@@ -344,7 +347,10 @@ impl World {
 
     /// The plane reserves a lease for `request` (assigned, epoch 1, unbound).
     fn reserve(&self, request: i64) -> Lease {
-        let id = self.core().reserve(RequestId(request));
+        let id = self
+            .core()
+            .reserve(RequestId(request), false)
+            .expect("the node has room for the lease");
         Lease {
             id,
             epoch: Epoch(1),

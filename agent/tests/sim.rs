@@ -4,7 +4,11 @@
 //! (`sim/fakes.rs`), the crate's `FakeProvider` (`sim/provider.rs`) and a
 //! model of the plane and of GitHub (`sim/world.rs`), under seeded random
 //! faults, restarts and crashes, in paused tokio time on a current-thread
-//! runtime per seed.
+//! runtime per seed. The node keeps a warm pool (the crate's `WarmPool`,
+//! on its own task): the plane states the warm runners it wants, the fake
+//! ledger charges their room beside the leases' and lets a lease take a
+//! warm runner's room over, launches name the warm runner they took, and
+//! the seed kills warm runners while they wait and fails their creates.
 //!
 //! The model is meant to behave as the real parts do. The provider reports
 //! exits as Docker does: an exited container stays present, exited with its
@@ -45,8 +49,21 @@
 //! 5. no JIT config used twice (`FakeProvider::jit_configs_used`) and no
 //!    lease minted twice (the node never asks the plane to mint for a lease
 //!    again, whatever the first answer was);
+//! 6. no finished runner read as dead: a lease whose runner exited 0 is
+//!    never marked failed for an exit, a kill or the OOM killer;
+//! 7. no registration before a claim: no warm runner holds a JIT config
+//!    while it waits (the provider hands one only to the runner a launch
+//!    claimed, renamed for its lease);
+//! 8. capacity conserved: the ledger never charges more than the node's
+//!    room (leases' and warm runners'); a warm runner is created only once
+//!    the ledger charged its room, and its room is handed back only once it
+//!    no longer runs, or to the launch that claims it; at rest, once the
+//!    pool has confirmed, the ledger charges exactly the warm runners that
+//!    run, and nothing once none is wanted;
+//! 9. no config handed twice: a warm runner is claimed by one launch, and
+//!    a config reaches one runner, once;
 //!
-//! and that no task panicked: the KeepAlive and plane tasks' handles are
+//! and that no task panicked: the KeepAlive, plane and warm pool tasks' handles are
 //! checked after every step and at the end, and a panic the hook recorded
 //! in a task nobody joins fails the seed after `block_on` returns. Each
 //! check is proven able to fail by a test that plants its violation
@@ -110,7 +127,21 @@ use fakes::Sabotage;
 /// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
 /// seeds named reproduce each bug with it (as of this version of the world:
 /// any change to the step generator renumbers them).
-const KNOWN_BUGS: &[(Bug, &str)] = &[];
+const KNOWN_BUGS: &[(Bug, &str)] = &[
+    (
+        Bug::WarmRoomReleasedWhileRunning,
+        "invariant (8), 125 of 10000 seeds, e.g. 3, 28, 129: the warm pool retires a warm runner \
+         whose destroy fails and hands its room back all the same; the container runs on while \
+         the ledger lends its room out, until a later look removes it",
+    ),
+    (
+        Bug::WithheldClaimLeftRunning,
+        "invariant (3), 54 of 10000 seeds, e.g. 278, 289, 406: a launch onto a warm runner whose \
+         bind is refused withholds the start, but the claimed runner already runs; the node \
+         treats it as never started, so when its destroy does not confirm it answers without \
+         holding the lease, and the plane frees the lease of a container that still runs",
+    ),
+];
 
 fn gates() -> Gates {
     let all = [
@@ -124,6 +155,8 @@ fn gates() -> Gates {
         Bug::VanishedIdleRunnerKeepsRegistration,
         Bug::DestroyLeaksUnremovedRegistration,
         Bug::DestroyForgottenAfterRestart,
+        Bug::WarmRoomReleasedWhileRunning,
+        Bug::WithheldClaimLeftRunning,
     ];
     // `1` or `all` includes every known bug's injection; otherwise a comma
     // list of names, such as `MintReplyLost,RelaunchAfterRestart`.
@@ -610,6 +643,30 @@ fn a_finished_runner_read_as_dead_fails_the_seed() {
 #[test]
 fn a_lease_minted_twice_fails_the_seed() {
     assert_caught(Sabotage::MintTwice, "invariant (5) no lease minted twice");
+}
+
+#[test]
+fn a_config_held_by_a_waiting_warm_runner_fails_the_seed() {
+    assert_caught(
+        Sabotage::WarmStartsRegistered,
+        "invariant (7) no registration before a claim",
+    );
+}
+
+#[test]
+fn a_warm_runner_created_without_its_room_fails_the_seed() {
+    assert_caught(
+        Sabotage::WarmReserveChargesNothing,
+        "invariant (8) capacity conserved",
+    );
+}
+
+#[test]
+fn a_config_handed_twice_to_a_claimed_warm_runner_fails_the_seed() {
+    assert_caught(
+        Sabotage::ClaimHandsConfigTwice,
+        "invariant (9) no config handed twice",
+    );
 }
 
 #[test]

@@ -23,10 +23,11 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -148,6 +149,15 @@ pub struct WarmCounts {
     pub claimed: u64,
 }
 
+/// Where warm runners' names come from.
+struct Names(Box<dyn Fn() -> InstanceName + Send + Sync>);
+
+impl std::fmt::Debug for Names {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Names")
+    }
+}
+
 /// This node's warm runners.
 #[derive(Debug)]
 pub struct WarmPool {
@@ -157,6 +167,7 @@ pub struct WarmPool {
     inner: Mutex<Inner>,
     wake: Notify,
     claimed: std::sync::atomic::AtomicU64,
+    names: Names,
 }
 
 impl WarmPool {
@@ -174,7 +185,18 @@ impl WarmPool {
             inner: Mutex::new(Inner::default()),
             wake: Notify::new(),
             claimed: std::sync::atomic::AtomicU64::new(0),
+            names: Names(Box::new(InstanceName::fresh_warm)),
         }
+    }
+
+    /// The same pool naming its warm runners with `names` rather than
+    /// fresh random names: a test that replays a run needs the same names,
+    /// since the pool visits its runners in name order.
+    #[cfg(any(test, feature = "testing"))]
+    #[must_use]
+    pub fn with_names(mut self, names: impl Fn() -> InstanceName + Send + Sync + 'static) -> Self {
+        self.names = Names(Box::new(names));
+        self
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -289,7 +311,10 @@ impl WarmPool {
         self.retire_strays(&[]).await;
         let mut last_confirm: Option<Instant> = None;
         loop {
+            // Biased: a wake and a tick due together make one turn, not one
+            // or two as tokio's random branch order would choose.
             tokio::select! {
+                biased;
                 () = shutdown.cancelled() => break,
                 () = self.wake.notified() => {}
                 () = tokio::time::sleep(TICK) => {}
@@ -537,7 +562,7 @@ impl WarmPool {
             warn!(tier = %tier.label, reason = %outdated.explain(), "starting no warm runner of an image GitHub will not run");
             return Started::Failed;
         }
-        let name = InstanceName::fresh_warm();
+        let name = (self.names.0)();
         let (ready, _) = watch::channel(false);
         self.inner().entries.insert(
             name.clone(),

@@ -2,12 +2,19 @@
 //! registrations, the ground truth about jobs, and the faults the seed
 //! injects. One mutex guards all of it and is never held across an await.
 //!
-//! [`FakeLedger`] is the node's view of this world through the two seams the
-//! runner calls ([`LeaseStore`] and [`JitSource`]); every call it answers can
-//! be made slow, refused (`Unavailable`, nothing done), or have its reply
-//! lost (done, then `Unavailable`). The plane's own writes (reserve, renew,
+//! [`FakeLedger`] is the node's view of this world through the three seams
+//! the node calls ([`LeaseStore`] and [`JitSource`] from the runner,
+//! [`WarmRooms`] from the warm pool); every call it answers can be made
+//! slow, refused (`Unavailable`, nothing done), or have its reply lost
+//! (done, then `Unavailable`). The plane's own writes (reserve, renew,
 //! release, reap, reconcile, operator force release) are methods on [`Core`]
 //! and never fail.
+//!
+//! The ledger charges the node's room as the stub's does: every open lease
+//! ([`LEASE_VCPU`], [`LEASE_MEMORY`]) and every warm runner's row, within
+//! [`CAPACITY`]; a reservation that does not fit is refused, and a lease
+//! takes over the room of the oldest warm runner charged when the plane
+//! reserves it so.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,9 +23,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use billet_agent::cache::Observation;
 use billet_agent::model::Registration;
-use billet_agent::model::{Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId};
+use billet_agent::model::{
+    ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId,
+};
 use billet_agent::node::ending::Ending;
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
+use billet_agent::node::warm::WarmRooms;
 use billet_agent::provider::Instance;
 use billet_agent::provider::fake::FakeProvider;
 use tokio::sync::Notify;
@@ -50,6 +60,19 @@ pub const PLANE_TICK: Duration = secs(30);
 /// grace, 2 min by default).
 pub const POST_JOB_GRACE: Duration = secs(120);
 
+/// What every lease charges (its tier's size).
+pub const LEASE_VCPU: u32 = 2;
+/// What every lease charges (its tier's size).
+pub const LEASE_MEMORY: ByteSize = ByteSize(1 << 30);
+/// The node's room in the simulation: eight leases' worth of CPU, and of
+/// memory.
+pub const CAPACITY: (u64, u64) = (16, 8 << 30);
+
+/// Whether `name` is a warm runner's (`billet_warm-<hex>`), not a lease's.
+pub fn is_warm(name: &str) -> bool {
+    InstanceName::warm(name).is_some()
+}
+
 /// Whether an instance may still run, read the way the Docker provider
 /// reports it: an exited container is present and not running.
 pub fn may_run(instance: &Instance) -> bool {
@@ -71,6 +94,9 @@ pub enum LOp {
     Reconcile,
     Mint,
     RemoveRunner,
+    ReserveWarm,
+    ReleaseWarm,
+    ConfirmWarm,
 }
 
 /// What an injected ledger fault does.
@@ -126,6 +152,14 @@ pub enum Sabotage {
     PanicInDetachedTask,
     /// A lease whose runner exited 0 is recorded `failed`, reason `oom`.
     FailCleanExit,
+    /// Every warm runner is started holding a registration's config, as a
+    /// provider that bakes it into the container would.
+    WarmStartsRegistered,
+    /// The ledger answers a warm runner's reservation OK and charges
+    /// nothing.
+    WarmReserveChargesNothing,
+    /// A claimed warm runner is handed its config twice.
+    ClaimHandsConfigTwice,
 }
 
 /// One lease row of the ledger.
@@ -190,6 +224,45 @@ pub struct PlaneLease {
     /// The plane renews it (it is not held by the node).
     pub managed: bool,
     pub last_renew: Instant,
+    /// The warm runner whose room the lease took over at its reservation:
+    /// its launch names it.
+    pub warm: Option<InstanceName>,
+}
+
+/// A warm runner's row in the ledger: its room.
+#[derive(Debug, Clone)]
+pub struct WarmRoom {
+    pub tier: String,
+    pub vcpu: u32,
+    pub memory: ByteSize,
+}
+
+/// Warm runners, as the ledger, the engine and GitHub know them.
+#[derive(Debug, Default)]
+pub struct Warm {
+    /// The ledger's warm rooms, by warm runner name.
+    pub rooms: BTreeMap<String, WarmRoom>,
+    /// Warm runners whose room a lease took over when the plane reserved
+    /// it: their room is that lease's while it is open.
+    pub taken: BTreeMap<String, LeaseId>,
+    /// The JIT configs handed to each container, by the engine's id, which
+    /// a claim keeps through its rename: a warm runner's runner holds a
+    /// registration from the moment it is handed one.
+    pub handed: BTreeMap<String, Vec<String>>,
+    /// How many times a launch asked the provider to claim each warm
+    /// runner.
+    pub claims: BTreeMap<String, u32>,
+    /// Warm runners whose room was handed back while they still ran and
+    /// that no claim named since: room the ledger lends out again while
+    /// the container still takes it.
+    pub released_running: BTreeSet<String>,
+    /// Claimed containers whose runner was never handed its config (the
+    /// start was withheld): it waits on its handoff and never exits on its
+    /// own, so only the node removes it.
+    pub waiting: BTreeSet<String>,
+    /// The names the pool has given so far (the next one is this plus
+    /// one): a counter, so names sort in the order they were given.
+    pub named: u64,
 }
 
 /// Armed faults and degraded modes.
@@ -208,6 +281,10 @@ pub struct Faults {
     /// GitHub accepts the removal of a runner at work (its busy flag lags
     /// behind the job): the registration goes, the job runs on.
     pub removal_ignores_job: bool,
+    /// How many warm runners' creates fail next.
+    pub warm_create: u32,
+    /// How many listings of the warm runners fail next.
+    pub warm_list: u32,
 }
 
 /// A crash armed to happen at the `countdown`-th node-side call.
@@ -284,6 +361,13 @@ pub struct Core {
     /// `owner` or `owner/repository` names the kill switch blocks from the
     /// node-local Actions cache, as the stub's ledger keeps them.
     pub cache_blocks: std::collections::BTreeSet<String>,
+    /// Warm runners' rooms, and what the world knows of the runners.
+    pub warm: Warm,
+    /// The node's room, as (vCPUs, memory bytes).
+    pub capacity: (u64, u64),
+    /// Whether a destroy fault may land on a claimed runner never handed
+    /// its config (`Warm::waiting`): a known bug's injection.
+    pub withheld_claim_faults: bool,
 }
 
 fn name_of(lease: &LeaseId) -> String {
@@ -326,6 +410,9 @@ impl Core {
             sabotage: None,
             cache_observations: BTreeMap::new(),
             cache_blocks: std::collections::BTreeSet::new(),
+            warm: Warm::default(),
+            capacity: CAPACITY,
+            withheld_claim_faults: false,
         }
     }
 
@@ -478,8 +565,8 @@ impl Core {
             epoch: Epoch(row.epoch),
             tier: "sim".into(),
             phase: row.phase,
-            vcpu: 2,
-            memory: billet_agent::model::ByteSize(1 << 30),
+            vcpu: LEASE_VCPU,
+            memory: LEASE_MEMORY,
             request_id: row.request,
             providers: Vec::new(),
             failure_reason: row.failure_reason.clone(),
@@ -856,10 +943,65 @@ impl Core {
         self.event(|| format!("ledger: {id} {from} -> {outcome} at epoch {epoch} ({who})"));
     }
 
-    pub fn reserve(&mut self, request: RequestId) -> LeaseId {
+    /// What the ledger charges on the node: every open lease and every
+    /// warm runner's row, as (vCPUs, memory bytes).
+    pub fn charged(&self) -> (u64, u64) {
+        let leases = self.open.len() as u64;
+        let warm = self
+            .warm
+            .rooms
+            .values()
+            .fold((0, 0), |(v, m), r| (v + u64::from(r.vcpu), m + r.memory.0));
+        (
+            leases * u64::from(LEASE_VCPU) + warm.0,
+            leases * LEASE_MEMORY.0 + warm.1,
+        )
+    }
+
+    fn fits(&self, freed: (u64, u64), asked: (u64, u64)) -> bool {
+        let (vcpu, memory) = self.charged();
+        vcpu - freed.0 + asked.0 <= self.capacity.0 && memory - freed.1 + asked.1 <= self.capacity.1
+    }
+
+    /// Whether the ledger charged the room of warm runner `name`: it holds
+    /// its row, or a lease took that over (the lease may have ended since:
+    /// the pool learns so only at its next confirmation).
+    pub fn warm_reserved(&self, name: &str) -> bool {
+        self.warm.rooms.contains_key(name) || self.warm.taken.contains_key(name)
+    }
+
+    /// Reserves a lease for `request` on the node, as the stub's
+    /// `reserve_on_warm` does: with `take_warm`, the lease takes over the
+    /// room of the oldest warm runner charged there and its launch names
+    /// that runner. `None`: the node has no room.
+    pub fn reserve(&mut self, request: RequestId, take_warm: bool) -> Option<LeaseId> {
+        let warm = if take_warm {
+            self.warm
+                .rooms
+                .iter()
+                .find(|(_, r)| r.tier == "sim")
+                .map(|(n, _)| n.clone())
+        } else {
+            None
+        };
+        let freed = warm.as_ref().map_or((0, 0), |n| {
+            let r = &self.warm.rooms[n];
+            (u64::from(r.vcpu), r.memory.0)
+        });
+        if !self.fits(freed, (u64::from(LEASE_VCPU), LEASE_MEMORY.0)) {
+            self.tally("plane: no room on the node for a lease");
+            self.event(|| format!("plane: no room on the node for request {request}"));
+            return None;
+        }
         let id = self.peek_lease();
         self.next_lease += 1;
         let now = Instant::now();
+        if let Some(name) = &warm {
+            self.warm.rooms.remove(name);
+            self.warm.taken.insert(name.clone(), id.clone());
+            self.tally("plane: a lease took over a warm runner's room");
+            self.event(|| format!("plane: {id} takes over the room of warm runner {name}"));
+        }
         self.open.insert(id.clone());
         self.leases.insert(
             id.clone(),
@@ -883,10 +1025,81 @@ impl Core {
                 epoch: Epoch(1),
                 managed: true,
                 last_renew: now,
+                warm: warm.map(|n| InstanceName::warm(&n).expect("a warm runner's name")),
             },
         );
         self.event(|| format!("plane: reserved {id} for request {request}"));
-        id
+        Some(id)
+    }
+
+    // ----- warm runners' room, as the pool asks for it -----
+
+    /// Charges a warm runner's room unless the node has none left; the
+    /// same name again changes nothing.
+    pub fn reserve_warm(
+        &mut self,
+        name: &str,
+        tier: &str,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        if self.warm.rooms.contains_key(name) {
+            return Ok(());
+        }
+        if !self.fits((0, 0), (u64::from(vcpu), memory.0)) {
+            self.tally("ledger: warm runner refused, no room");
+            return Err(PlaneError::Refused(format!(
+                "no room on the node for warm runner {name}"
+            )));
+        }
+        if self.sabotage == Some(Sabotage::WarmReserveChargesNothing) {
+            return Ok(());
+        }
+        self.warm.rooms.insert(
+            name.to_owned(),
+            WarmRoom {
+                tier: tier.to_owned(),
+                vcpu,
+                memory,
+            },
+        );
+        self.event(|| format!("ledger: charged the room of warm runner {name}"));
+        Ok(())
+    }
+
+    /// Drops a warm runner's room. One that may still run has its room
+    /// lent out again while it takes it: kept for the world's check, which
+    /// allows it only to a claim that names the runner next.
+    pub fn release_warm(&mut self, name: &str) {
+        if self.fake.instance(name).is_some_and(|i| may_run(&i)) {
+            self.warm.released_running.insert(name.to_owned());
+        }
+        if self.warm.rooms.remove(name).is_some() {
+            self.event(|| format!("ledger: released the room of warm runner {name}"));
+        }
+    }
+
+    /// The node holds exactly `names`: every other warm row goes; answers
+    /// those of `names` still charged.
+    pub fn confirm_warm(&mut self, names: &[InstanceName]) -> Vec<InstanceName> {
+        let held: BTreeSet<&str> = names.iter().map(InstanceName::as_str).collect();
+        let dropped: Vec<String> = self
+            .warm
+            .rooms
+            .keys()
+            .filter(|n| !held.contains(n.as_str()))
+            .cloned()
+            .collect();
+        for name in dropped {
+            self.warm.rooms.remove(&name);
+            self.tally("ledger: warm room dropped by a confirmation");
+            self.event(|| format!("ledger: dropped the room of warm runner {name}, not held"));
+        }
+        names
+            .iter()
+            .filter(|n| self.warm.rooms.contains_key(n.as_str()))
+            .cloned()
+            .collect()
     }
 
     /// The plane gives up renewing a lease (the node holds it, or it ended).
@@ -1049,6 +1262,8 @@ impl Core {
     /// connection drops).
     pub fn gone(&mut self, name: &str) {
         self.pending_removal.remove(name);
+        self.warm.released_running.remove(name);
+        self.warm.waiting.remove(name);
         match self.jobs.get(name) {
             Some(Job::Live) => self.job_ends(name, Job::Dead, "failed"),
             Some(Job::Finishing) => {
@@ -1309,5 +1524,36 @@ impl JitSource for FakeLedger {
             c.remove_runner(lease, runner_id, runner_name)
         })
         .await
+    }
+}
+
+/// The pool calls from its own task, in an order it fixes (one turn at a
+/// time, its runners by name), so these calls may be slow too.
+#[async_trait]
+impl WarmRooms for FakeLedger {
+    async fn reserve(
+        &self,
+        name: &InstanceName,
+        tier: &str,
+        vcpu: u32,
+        memory: ByteSize,
+    ) -> Result<(), PlaneError> {
+        self.call(LOp::ReserveWarm, &[], true, |c| {
+            c.reserve_warm(name.as_str(), tier, vcpu, memory)
+        })
+        .await
+    }
+
+    async fn release(&self, name: &InstanceName) -> Result<(), PlaneError> {
+        self.call(LOp::ReleaseWarm, &[], true, |c| {
+            c.release_warm(name.as_str());
+            Ok(())
+        })
+        .await
+    }
+
+    async fn confirm(&self, names: &[InstanceName]) -> Result<Vec<InstanceName>, PlaneError> {
+        self.call(LOp::ConfirmWarm, &[], true, |c| Ok(c.confirm_warm(names)))
+            .await
     }
 }

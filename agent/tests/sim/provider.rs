@@ -19,6 +19,13 @@
 //! records a job running on it, or its runner is still finishing within the
 //! post-job grace after an early completion, and no operator released or
 //! plane cancelled it.
+//!
+//! Warm runners are the fake's too: created running with no registration,
+//! listed apart, and claimed by a rename and the handoff of the lease's
+//! config. The ground truth the world checks is kept here, by the engine's
+//! container id (which a claim keeps): every config a container was handed
+//! (invariants 7 and 9), every claim of a warm runner (9), and whether the
+//! ledger charged a warm runner's room when it was created (8).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,10 +34,11 @@ use async_trait::async_trait;
 use billet_agent::model::{ByteSize, InstanceName};
 use billet_agent::provider::fake::{DestroyMode, FakeProvider, Operation};
 use billet_agent::provider::{
-    ImageFacts, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work,
+    ImageFacts, Instance, InstanceSpec, InstanceState, Provider, ProviderError, StartGate,
+    Teardown, WarmSpec, Work,
 };
 
-use crate::fakes::{Job, PFault, POST_JOB_GRACE, POp, Sabotage, Shared, may_run};
+use crate::fakes::{Job, PFault, POST_JOB_GRACE, POp, Sabotage, Shared, is_warm, may_run};
 
 /// [`FakeProvider`] with per-instance faults, slowness and crash points.
 #[derive(Debug)]
@@ -57,6 +65,10 @@ impl SimProvider {
     /// the post-job grace after an early completion, without an operator
     /// release or a cancellation.
     fn check_kill(&self, c: &mut crate::fakes::Core, n: &str, how: &str) {
+        // A warm runner waiting for its launch runs no job.
+        if is_warm(n) {
+            return;
+        }
         let lease = InstanceName::lease(n).expect("billet names only");
         if let Some(instance) = self.fake.instance(n)
             && may_run(&instance)
@@ -93,7 +105,7 @@ impl Provider for SimProvider {
         &self,
         mut spec: InstanceSpec,
         created: tokio::sync::oneshot::Sender<()>,
-        start: billet_agent::provider::StartGate,
+        start: StartGate,
     ) -> Result<Instance, ProviderError> {
         let gate = self.enter(true).await;
         if self.shared.lock().sabotage == Some(Sabotage::ReuseJitConfig)
@@ -124,7 +136,7 @@ impl Provider for SimProvider {
             && self
                 .fake
                 .instance(&name)
-                .is_some_and(|i| i.state != billet_agent::provider::InstanceState::Created);
+                .is_some_and(|i| i.state != InstanceState::Created);
         if ran {
             self.shared.lock().configs_run.push(config.clone());
         }
@@ -184,7 +196,17 @@ impl Provider for SimProvider {
         {
             let mut c = self.shared.lock();
             self.check_kill(&mut c, &n, "destroy");
-            match c.take_pfault(&n, POp::Destroy) {
+            if c.verbose {
+                let present = self.fake.instance(&n).map(|i| i.state);
+                c.events
+                    .push(format!("provider: destroy {n} ({present:?})"));
+            }
+            // A destroy that does not confirm, of a claimed runner never
+            // handed its config, reaches a known bug: left out unless its
+            // gate is open.
+            let fault = c.take_pfault(&n, POp::Destroy);
+            let fault = fault.filter(|_| c.withheld_claim_faults || !c.warm.waiting.contains(&n));
+            match fault {
                 Some(PFault::Fail) => self.fake.fail_next(Operation::Destroy, 1),
                 Some(PFault::Requested) if self.fake.instance(&n).is_some() => {
                     c.pending_removal.insert(n.clone());
@@ -269,29 +291,183 @@ impl Provider for SimProvider {
         result
     }
 
-    async fn create_warm(
-        &self,
-        spec: billet_agent::provider::WarmSpec,
-    ) -> Result<Instance, ProviderError> {
-        Err(ProviderError::Refused(format!(
-            "{}: the simulation keeps no warm runners",
-            spec.name
-        )))
+    /// Creates the warm runner; the ledger must have charged its room
+    /// first (invariant 8).
+    async fn create_warm(&self, spec: WarmSpec) -> Result<Instance, ProviderError> {
+        let gate = self.enter(true).await;
+        let name = spec.name.as_str().to_owned();
+        {
+            let mut c = self.shared.lock();
+            // Invariant (8): the room is charged before the container
+            // takes it.
+            if !c.warm_reserved(&name) {
+                c.violate(format!(
+                    "invariant (8) capacity conserved: warm runner {name} is created though the ledger never charged its room"
+                ));
+            }
+            if c.faults.warm_create > 0 {
+                c.faults.warm_create -= 1;
+                self.fake.fail_next(Operation::Create, 1);
+            }
+        }
+        let result = self.fake.create_warm(spec).await;
+        {
+            let mut c = self.shared.lock();
+            match &result {
+                Ok(instance) => {
+                    c.tally("provider: warm runner started");
+                    if c.sabotage == Some(Sabotage::WarmStartsRegistered) {
+                        c.warm
+                            .handed
+                            .entry(instance.id.clone())
+                            .or_default()
+                            .push(format!("jit-baked-into-{}", instance.id));
+                    }
+                    if c.verbose {
+                        c.events
+                            .push(format!("provider: warm runner {name} started"));
+                    }
+                }
+                Err(_) => c.tally("provider: warm runner's create failed"),
+            }
+        }
+        self.shared.leave(gate).await;
+        result
     }
 
     async fn list_warm(&self) -> Result<Vec<Instance>, ProviderError> {
-        Ok(Vec::new())
+        let gate = self.enter(true).await;
+        {
+            let mut c = self.shared.lock();
+            if c.faults.warm_list > 0 {
+                c.faults.warm_list -= 1;
+                self.fake.fail_next(Operation::List, 1);
+            }
+        }
+        let result = self.fake.list_warm().await;
+        self.shared.leave(gate).await;
+        result
     }
 
+    /// Claims the warm runner through the fake, then reads from the fake's
+    /// own record which configs that handed over, and to which container.
     async fn claim_warm(
         &self,
         warm: &InstanceName,
-        _spec: InstanceSpec,
-        _created: tokio::sync::oneshot::Sender<()>,
-        _start: billet_agent::provider::StartGate,
+        spec: InstanceSpec,
+        created: tokio::sync::oneshot::Sender<()>,
+        start: StartGate,
     ) -> Result<Instance, ProviderError> {
-        Err(ProviderError::Refused(format!(
-            "{warm}: the simulation keeps no warm runners"
-        )))
+        let gate = self.enter(true).await;
+        let w = warm.as_str().to_owned();
+        let name = spec.name.as_str().to_owned();
+        let container = self.fake.instance(&w).map(|i| i.id);
+        let existed = self.fake.instance(&name).is_some();
+        let before = self.fake.jit_configs_used().len();
+        let fault = {
+            let mut c = self.shared.lock();
+            c.create_called = true;
+            // Named by a launch: a room handed back just before is the
+            // claim's (the lease charges its own).
+            c.warm.released_running.remove(&w);
+            let claims = c.warm.claims.entry(w.clone()).or_default();
+            *claims += 1;
+            if *claims > 1 {
+                let n = *claims;
+                c.violate(format!(
+                    "invariant (9) no config handed twice: warm runner {w} was claimed {n} times (now for {name})"
+                ));
+            }
+            match c.take_pfault(&name, POp::Create) {
+                Some(PFault::Fail) => {
+                    self.fake.fail_next(Operation::Create, 1);
+                    None
+                }
+                other => other,
+            }
+        };
+        let mut result = self.fake.claim_warm(warm, spec, created, start).await;
+        let handed: Vec<String> = self.fake.jit_configs_used()[before..]
+            .iter()
+            .map(|j| j.expose().to_owned())
+            .collect();
+        if fault == Some(PFault::FailAfterStart) && result.is_ok() {
+            // As a create that fails after starting: the runner has its
+            // config, and the node reads an error.
+            result = Err(ProviderError::Engine {
+                operation: format!("claim {w} as {name}"),
+                message: "injected failure after the handoff".to_owned(),
+            });
+        }
+        self.record_claim(&w, &name, container, existed, handed, result.is_ok());
+        self.shared.leave(gate).await;
+        result
+    }
+}
+
+impl SimProvider {
+    /// What a claim did, as GitHub and the world's checks see it: the
+    /// configs `handed` over went to `container` (the warm runner's, by the
+    /// engine's id), whose runner connects with the first, and a claimed
+    /// runner handed none waits on its handoff.
+    fn record_claim(
+        &self,
+        w: &str,
+        name: &str,
+        container: Option<String>,
+        existed: bool,
+        mut handed: Vec<String>,
+        ok: bool,
+    ) {
+        let mut c = self.shared.lock();
+        if c.sabotage == Some(Sabotage::ClaimHandsConfigTwice) {
+            handed.extend(handed.clone());
+        }
+        for config in &handed {
+            // Invariant (9): a config reaches one runner, once.
+            if c.warm.handed.values().flatten().any(|h| h == config) {
+                c.violate(format!(
+                    "invariant (9) no config handed twice: the config of {name} was handed over again when {w} was claimed"
+                ));
+            }
+            if let Some(id) = &container {
+                c.warm
+                    .handed
+                    .entry(id.clone())
+                    .or_default()
+                    .push(config.clone());
+            }
+            c.configs_run.push(config.clone());
+        }
+        let now = self.fake.instance(name);
+        if !existed && let Some(instance) = now.filter(may_run) {
+            c.created_since_check = true;
+            let job = match handed.first() {
+                // Its runner connects with the config it was handed; that
+                // of a claim that failed runs no job, and its registration
+                // is removed.
+                Some(config) => {
+                    let registered = c.connect(config);
+                    c.tally("provider: launch onto a warm runner");
+                    if ok && registered {
+                        Job::Idle
+                    } else {
+                        Job::Stray
+                    }
+                }
+                // Never handed its config: it waits on its handoff.
+                None => {
+                    c.warm.waiting.insert(name.to_owned());
+                    Job::Stray
+                }
+            };
+            c.jobs.insert(name.to_owned(), job);
+            if c.verbose {
+                c.events.push(format!(
+                    "provider: warm runner {w} claimed as {} ({job:?})",
+                    instance.name
+                ));
+            }
+        }
     }
 }

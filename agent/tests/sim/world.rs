@@ -5,6 +5,13 @@
 //! (jobs complete, ephemeral registrations go away with their job), and the
 //! faults and restarts the seed chooses. Invariants are checked after every
 //! step and again after a quiescence phase.
+//!
+//! The node keeps a warm pool, the crate's own [`WarmPool`], run on its
+//! own task as the node runs it: the plane states the warm runners it
+//! wants (sometimes none, sometimes of a changed tier or size), reserves
+//! leases onto warm runners' room and names them in launches, and the
+//! seed kills warm runners while they wait and fails their creates,
+//! listings, destroys and the pool's calls to the ledger.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
@@ -13,17 +20,20 @@ use std::time::Duration;
 
 use billet_agent::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job as GithubJob, Lease, LeaseId, Phase,
-    RequestId, TierSpec, Trust,
+    RequestId, TierSpec, Trust, WarmTarget,
 };
+use billet_agent::node::freshness::Freshness;
 use billet_agent::node::runner::{Runner, RunnerError, RunnerOptions};
+use billet_agent::node::warm::WarmPool;
 use billet_agent::provider::Exit;
 use billet_agent::provider::fake::FakeProvider;
 use futures::FutureExt as _;
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::fakes::{
-    Core, Crash, FakeLedger, Fault, Job, LOp, PFault, POST_JOB_GRACE, POp, STRAY_GRACE, Sabotage,
-    Shared, may_run, secs,
+    Core, Crash, FakeLedger, Fault, Job, LEASE_MEMORY, LEASE_VCPU, LOp, PFault, POST_JOB_GRACE,
+    POp, STRAY_GRACE, Sabotage, Shared, is_warm, may_run, secs,
 };
 use crate::journal::SimJournal;
 use crate::provider::SimProvider;
@@ -86,6 +96,16 @@ pub enum Bug {
     /// memory only: a restart before its next journal write holds the
     /// runner again as a job, and an idle one is kept for ever.
     DestroyForgottenAfterRestart,
+    /// The warm pool hands a warm runner's room back after its destroy
+    /// failed: the container still runs, and the ledger lends its room out
+    /// again until a later look removes it.
+    WarmRoomReleasedWhileRunning,
+    /// A launch onto a warm runner whose bind is refused withholds the
+    /// start, but the claimed runner already runs (waiting on its
+    /// handoff); the node treats it as an instance never started, so when
+    /// its destroy does not confirm the node answers without holding the
+    /// lease, and the plane frees a lease whose container still runs.
+    WithheldClaimLeftRunning,
 }
 
 /// Which known bugs' injections a run includes.
@@ -147,6 +167,9 @@ enum Step {
     GithubNotices,
     RemovalAcceptedAtWork,
     RelaunchAtHigherEpoch,
+    WarmTargets,
+    WarmDies,
+    WarmFault,
 }
 
 const STEPS: &[(Step, u64)] = &[
@@ -182,14 +205,45 @@ const STEPS: &[(Step, u64)] = &[
     (Step::GithubNotices, 2),
     (Step::RemovalAcceptedAtWork, 2),
     (Step::RelaunchAtHigherEpoch, 2),
+    (Step::WarmTargets, 2),
+    (Step::WarmDies, 2),
+    (Step::WarmFault, 3),
 ];
 
-fn new_runner(
+/// How long the warm pool takes to come to rest once faults are off: past
+/// its confirmation period (`warm::CONFIRM_EVERY`, 10 s), then the grace a
+/// taken warm runner waits for its launch (`warm::TAKEN_GRACE`, 60 s), then
+/// a turn. Real seconds of the pool's own clock, not `secs`.
+const WARM_SETTLE: Duration = Duration::from_secs(75);
+
+/// A quiescence round while a claimed runner waits on its handoff: forty
+/// of them outlast the runner's start deadline (`RunnerOptions`' default,
+/// 300 s, which the world does not scale) and the post-job grace after it.
+const START_DEADLINE_ROUND: Duration = Duration::from_secs(30);
+
+/// A few of the warm pool's turns (one a second, or at once when woken).
+const WARM_TURNS: Duration = Duration::from_secs(3);
+
+/// One process of the node: its warm pool and its runner, sharing what
+/// the node knows of its images' freshness, as the server wires them. The
+/// pool names its runners from a counter the world keeps across restarts,
+/// so a seed replays with the same names in the same order.
+fn new_node(
     provider: &Arc<SimProvider>,
     ledger: &Arc<FakeLedger>,
     journal: &Arc<SimJournal>,
-) -> Arc<Runner> {
-    Arc::new(
+    shared: &Arc<Shared>,
+) -> (Arc<WarmPool>, Arc<Runner>) {
+    let freshness = Arc::new(Freshness::default());
+    let names = Arc::clone(shared);
+    let pool = Arc::new(
+        WarmPool::new(provider.clone(), ledger.clone(), freshness.clone()).with_names(move || {
+            let mut c = names.lock();
+            c.warm.named += 1;
+            warm_name(c.warm.named)
+        }),
+    );
+    let runner = Arc::new(
         Runner::new(
             provider.clone(),
             ledger.clone(),
@@ -201,8 +255,16 @@ fn new_runner(
                 ..RunnerOptions::default()
             },
         )
-        .with_journal(journal.clone()),
-    )
+        .with_journal(journal.clone())
+        .with_freshness(freshness)
+        .with_warm(pool.clone()),
+    );
+    (pool, runner)
+}
+
+/// The `n`-th warm runner's name.
+fn warm_name(n: u64) -> InstanceName {
+    InstanceName::warm(&format!("billet_warm-{n:016x}")).expect("a warm runner's name")
 }
 
 fn tier() -> TierSpec {
@@ -302,6 +364,13 @@ pub struct World {
     held_for_teardown: std::collections::BTreeSet<LeaseId>,
     /// The plane's background task.
     plane_task: Option<JoinHandle<()>>,
+    /// The node's warm pool, its task and what stops that gracefully.
+    pool: Arc<WarmPool>,
+    pool_task: Option<JoinHandle<()>>,
+    pool_shutdown: CancellationToken,
+    /// The warm runners the plane last stated, stated again to a restarted
+    /// node (the plane does on every new session).
+    warm_targets: Vec<WarmTarget>,
 }
 
 impl World {
@@ -314,7 +383,8 @@ impl World {
         });
         let ledger = Arc::new(FakeLedger(Arc::clone(&shared)));
         let journal = Arc::new(SimJournal::default());
-        let runner = new_runner(&provider, &ledger, &journal);
+        let (pool, runner) = new_node(&provider, &ledger, &journal, &shared);
+        shared.lock().withheld_claim_faults = gates.allows(Bug::WithheldClaimLeftRunning);
         let mut world = Self {
             seed,
             rng: Rng::new(seed),
@@ -341,8 +411,13 @@ impl World {
             scaled_down: std::collections::BTreeSet::new(),
             held_for_teardown: std::collections::BTreeSet::new(),
             plane_task: None,
+            pool,
+            pool_task: None,
+            pool_shutdown: CancellationToken::new(),
+            warm_targets: Vec::new(),
         };
         world.spawn_keep_alive();
+        world.spawn_pool();
         let plane = Arc::clone(&world.shared);
         let panics = world.gates.sabotage == Some(Sabotage::PanicInPlaneTask);
         world.plane_task = Some(tokio::spawn(async move {
@@ -367,6 +442,41 @@ impl World {
         let runner = Arc::clone(&self.runner);
         let cancel = tokio_util::sync::CancellationToken::new();
         self.keep_alive = Some(tokio::spawn(async move { runner.keep_alive(cancel).await }));
+    }
+
+    fn spawn_pool(&mut self) {
+        self.pool_shutdown = CancellationToken::new();
+        let pool = Arc::clone(&self.pool);
+        self.pool_task = Some(tokio::spawn(pool.run(self.pool_shutdown.clone())));
+    }
+
+    /// Ends the warm pool's task: `graceful`, as a node that shuts down
+    /// (it retires what it holds), else as a process killed mid-call.
+    async fn stop_pool(&mut self, graceful: bool) {
+        let Some(mut handle) = self.pool_task.take() else {
+            return;
+        };
+        let ended = if graceful {
+            self.pool_shutdown.cancel();
+            match tokio::time::timeout(secs(600), &mut handle).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    handle.abort();
+                    handle.await
+                }
+            }
+        } else {
+            handle.abort();
+            handle.await
+        };
+        if let Err(e) = ended
+            && e.is_panic()
+        {
+            self.fail(&format!(
+                "a task panicked: the warm pool: {}",
+                panic_text(e)
+            ));
+        }
     }
 
     fn count(&mut self, what: &'static str) {
@@ -423,10 +533,15 @@ impl World {
                 self.fail(&format!("a task panicked: KeepAlive: {}", panic_text(e)));
             }
         }
+        let graceful = why == "restart" && self.rng.chance(50);
+        self.stop_pool(graceful).await;
         {
             let mut c = self.shared.lock();
             c.crashed = false;
             c.crash = None;
+            // The next process's pool retires every warm runner it finds,
+            // whatever room the last one handed back.
+            c.warm.released_running.clear();
         }
         // Forget a crash signal nobody consumed.
         let _ = self.shared.crash.notified().now_or_never();
@@ -438,8 +553,12 @@ impl World {
         if !downtime.is_zero() {
             tokio::time::sleep(downtime).await;
         }
-        self.runner = new_runner(&self.provider, &self.ledger, &self.journal);
+        (self.pool, self.runner) =
+            new_node(&self.provider, &self.ledger, &self.journal, &self.shared);
         self.spawn_keep_alive();
+        self.spawn_pool();
+        // The plane states its warm runners on the node's new session.
+        self.pool.set_targets(self.warm_targets.clone());
         self.count("restarts");
         self.note(
             format!("restart ({why}), down {}ms", downtime.as_millis()),
@@ -544,6 +663,24 @@ impl World {
         self.send_launch(lease, what, registration).await;
     }
 
+    /// The plane reserves a lease for `request` on the node, mostly onto a
+    /// warm runner's room when one is charged (as the stub does), and
+    /// launches it; a node without room gets nothing.
+    async fn reserve_and_launch(&mut self, request: RequestId, what: &'static str) {
+        let take_warm = self.rng.chance(80);
+        let reserved = self.shared.lock().reserve(request, take_warm);
+        match reserved {
+            Some(lease) => self.launch(lease, what).await,
+            None => {
+                self.count("no room for a lease");
+                self.note(
+                    format!("plane: no room on the node for request {request}"),
+                    None,
+                );
+            }
+        }
+    }
+
     async fn send_launch(
         &mut self,
         lease: LeaseId,
@@ -551,16 +688,25 @@ impl World {
         registration: Option<billet_agent::model::Registration>,
     ) {
         let minted = registration.is_some();
-        let (request, epoch) = {
+        let (request, epoch, mut warm, named) = {
             let c = self.shared.lock();
             let p = &c.plane[&lease];
-            (p.request, p.epoch)
+            (p.request, p.epoch, p.warm.clone(), c.warm.named)
         };
+        if warm.is_none() && named > 0 && self.rng.chance(5) {
+            // A plane whose view of the node's warm runners is stale names
+            // one that is gone.
+            let stale = warm_name(self.rng.range(1, named));
+            if self.fake.instance(stale.as_str()).is_none() {
+                self.count("launches naming a warm runner that is gone");
+                warm = Some(stale);
+            }
+        }
         let (command, job) = assigned(&lease, epoch, request);
         let runner = Arc::clone(&self.runner);
         let Some(r) = guarded(
             &self.shared,
-            runner.launch_with(command, tier(), job, registration.clone()),
+            runner.launch_onto(command, tier(), job, registration.clone(), warm.clone()),
         )
         .await
         else {
@@ -601,8 +747,9 @@ impl World {
                 _ => "launch refused",
             })
             .or_default() += 1;
+        let onto = warm.map(|w| format!(" naming {w}")).unwrap_or_default();
         self.note(
-            format!("{what} {lease} (request {request}) -> {}", kind(&r)),
+            format!("{what} {lease} (request {request}){onto} -> {}", kind(&r)),
             r.as_ref().err().map(ToString::to_string),
         );
         if self.rng.chance(8) {
@@ -1020,7 +1167,12 @@ impl World {
                 .instances()
                 .into_iter()
                 .filter(|i| {
+                    // A warm runner, or one claimed and never handed its
+                    // config, waits on its handoff and never exits for
+                    // want of a registration.
                     may_run(i)
+                        && !is_warm(&i.name)
+                        && !c.warm.waiting.contains(&i.name)
                         && !matches!(c.jobs.get(&i.name), Some(Job::Live | Job::Finishing))
                         && !c.regs.contains_key(&i.name)
                 })
@@ -1087,8 +1239,7 @@ impl World {
         match step {
             Step::NewJob => {
                 let request = self.next_request();
-                let lease = self.shared.lock().reserve(request);
-                self.launch(lease, "launch").await;
+                self.reserve_and_launch(request, "launch").await;
             }
             Step::Complete => {
                 self.finishing_exit(false);
@@ -1245,6 +1396,7 @@ impl World {
                     self.fake
                         .instances()
                         .into_iter()
+                        .filter(|i| !is_warm(&i.name))
                         .filter(|i| {
                             idle_too
                                 || c.jobs.get(&i.name) != Some(&Job::Idle)
@@ -1274,6 +1426,7 @@ impl World {
                         .instances()
                         .into_iter()
                         .filter(may_run)
+                        .filter(|i| !is_warm(&i.name))
                         .filter(|i| {
                             idle_too
                                 || c.jobs.get(&i.name) != Some(&Job::Idle)
@@ -1333,6 +1486,9 @@ impl World {
                 }
             }
             Step::RelaunchAtHigherEpoch => self.relaunch_at_higher_epoch().await,
+            Step::WarmTargets => self.set_warm_targets(false),
+            Step::WarmDies => self.warm_dies(),
+            Step::WarmFault => self.arm_warm_fault(),
             Step::EarlyCompletion => {
                 if self.gates.allows(Bug::EarlyCompletionKillsRunner) {
                     let live = self.live_jobs();
@@ -1496,18 +1652,162 @@ impl World {
                         .collect()
                 };
                 if let Some(request) = self.rng.pick(&candidates) {
-                    let lease = self.shared.lock().reserve(request);
                     self.count("launch for a running request");
-                    self.launch(lease, "second launch for a running request")
+                    self.reserve_and_launch(request, "second launch for a running request")
                         .await;
                 }
             }
         }
     }
 
+    /// The plane states the warm runners it wants: `some` wants at least
+    /// one. Now and then of a tier or a size no launch of the world's
+    /// matches (a tier changed under the pool), or retired when idle or
+    /// old.
+    fn set_warm_targets(&mut self, some: bool) {
+        let count = self.rng.range(u64::from(some), 3) as u32;
+        let mut tier = tier();
+        if self.rng.chance(15) {
+            tier.image = "runner:sim-next".into();
+        }
+        let (vcpu, memory) = if self.rng.chance(15) {
+            (1, ByteSize(512 << 20))
+        } else {
+            (LEASE_VCPU, LEASE_MEMORY)
+        };
+        let idle_retire = self
+            .rng
+            .chance(20)
+            .then(|| Duration::from_secs(self.rng.range(5, 60)));
+        let max_age = self
+            .rng
+            .chance(15)
+            .then(|| Duration::from_secs(self.rng.range(20, 120)));
+        self.warm_targets = if count == 0 && self.rng.chance(50) {
+            Vec::new()
+        } else {
+            vec![WarmTarget {
+                tier,
+                count,
+                vcpu,
+                memory,
+                idle_retire,
+                max_age,
+            }]
+        };
+        let stated = self
+            .warm_targets
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} x{} ({}, {} vCPU, {} B, idle {:?}, age {:?})",
+                    t.tier.label,
+                    t.count,
+                    t.tier.image,
+                    t.vcpu,
+                    t.memory.0,
+                    t.idle_retire,
+                    t.max_age
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        self.pool.set_targets(self.warm_targets.clone());
+        self.count("warm targets stated");
+        self.note(format!("plane: wants warm runners [{stated}]"), None);
+    }
+
+    /// The warm runners waiting for a launch, by name.
+    fn waiting_warm(&self) -> Vec<String> {
+        self.fake
+            .instances()
+            .into_iter()
+            .filter(|i| is_warm(&i.name) && may_run(i))
+            .map(|i| i.name)
+            .collect()
+    }
+
+    /// A warm runner dies while it waits: its runner exits (the container
+    /// stays, exited) or its container is removed out of band.
+    fn warm_dies(&mut self) {
+        let Some(name) = self.rng.pick(&self.waiting_warm()) else {
+            return;
+        };
+        let how = if self.rng.chance(50) {
+            let (code, oom_killed) = if self.rng.chance(30) {
+                (137, true)
+            } else {
+                (1, false)
+            };
+            self.fake.exit(&name, code, oom_killed);
+            format!("exits {code}")
+        } else {
+            self.fake.remove_behind_back(&name);
+            self.shared.lock().gone(&name);
+            "is removed behind the node's back".to_owned()
+        };
+        self.count("warm runners died while waiting");
+        self.note(format!("fault: warm runner {name} {how}"), None);
+    }
+
+    /// Arms a fault of the warm pool's: its creates or its listing fail, a
+    /// waiting warm runner's destroy fails, or one of its calls to the
+    /// ledger is refused or loses its reply.
+    fn arm_warm_fault(&mut self) {
+        let waiting = self.waiting_warm();
+        let mut c = self.shared.lock();
+        let what = match self.rng.below(5) {
+            0 | 1 => {
+                let n = self.rng.range(1, 2) as u32;
+                c.faults.warm_create += n;
+                format!("the next {n} warm runners' creates fail")
+            }
+            2 => {
+                c.faults.warm_list += 1;
+                "the next listing of the warm runners fails".to_owned()
+            }
+            3 => {
+                let op = self
+                    .rng
+                    .pick(&[LOp::ReserveWarm, LOp::ReleaseWarm, LOp::ConfirmWarm])
+                    .expect("ops");
+                let fault = if self.rng.chance(50) {
+                    Fault::Refuse
+                } else {
+                    Fault::LoseReply
+                };
+                c.faults.global.entry(op).or_default().push_back(fault);
+                format!("the next {op:?} will {fault:?}")
+            }
+            _ => {
+                let Some(name) = self.rng.pick(&waiting) else {
+                    return;
+                };
+                if !self.gates.allows(Bug::WarmRoomReleasedWhileRunning) {
+                    return;
+                }
+                c.faults
+                    .instance
+                    .entry((name.clone(), POp::Destroy))
+                    .or_default()
+                    .push_back(PFault::Fail);
+                format!("the destroy of warm runner {name} will fail")
+            }
+        };
+        drop(c);
+        self.count("warm faults");
+        self.note(format!("fault: {what}"), None);
+    }
+
     fn arm_provider_fault(&mut self) {
         let next = name_of(&self.shared.lock().peek_lease());
-        let existing: Vec<String> = self.fake.instances().into_iter().map(|i| i.name).collect();
+        let existing: Vec<String> = self
+            .fake
+            .instances()
+            .into_iter()
+            .map(|i| i.name)
+            .filter(|n| !is_warm(n))
+            .collect();
         let mut c = self.shared.lock();
         let (name, op, fault) = match self.rng.below(8) {
             0 | 1 => (next, POp::Create, PFault::Fail),
@@ -1665,6 +1965,21 @@ impl World {
         let mut found = std::mem::take(&mut c.violations);
         c.created_since_check = false;
         for instance in self.fake.instances() {
+            if is_warm(&instance.name) {
+                if c.warm.handed.contains_key(&instance.id) {
+                    found.push(format!(
+                        "invariant (7) no registration before a claim: warm runner {} holds a JIT config while it waits",
+                        instance.name
+                    ));
+                }
+                if may_run(&instance) && c.warm.released_running.contains(&instance.name) {
+                    found.push(format!(
+                        "invariant (8) capacity conserved: the room of warm runner {} was handed back while it still runs, and no launch claimed it",
+                        instance.name
+                    ));
+                }
+                continue;
+            }
             let Some(lease) = instance.lease() else {
                 found.push(format!("{} is not a billet instance", instance.name));
                 continue;
@@ -1684,6 +1999,13 @@ impl World {
                 // sweep removes; an open lease accounts for the rest.
                 Some(_) => {}
             }
+        }
+        let (vcpu, memory) = c.charged();
+        if vcpu > c.capacity.0 || memory > c.capacity.1 {
+            found.push(format!(
+                "invariant (8) capacity conserved: the ledger charges {vcpu} vCPUs and {memory} B on a node of {} and {} B",
+                c.capacity.0, c.capacity.1
+            ));
         }
         // A registration outlives its lease only while something will still
         // remove it: GitHub itself, once the job it records ends (an
@@ -1732,6 +2054,7 @@ impl World {
         for (what, slot) in [
             ("KeepAlive", &mut self.keep_alive),
             ("the plane", &mut self.plane_task),
+            ("the warm pool", &mut self.pool_task),
         ] {
             if slot.as_ref().is_some_and(JoinHandle::is_finished) {
                 let handle = slot.take().expect("finished");
@@ -1774,7 +2097,7 @@ impl World {
 
     fn settled(&self) -> bool {
         let c = self.shared.lock();
-        self.fake.instances().is_empty()
+        self.fake.instances().iter().all(|i| is_warm(&i.name))
             && c.regs.is_empty()
             && c.completions.is_empty()
             && c.leases.values().all(|r| r.phase.is_terminal())
@@ -1830,8 +2153,72 @@ impl World {
             if round >= 2 && self.settled() {
                 return;
             }
-            tokio::time::sleep(secs(30)).await;
+            // A claimed runner never handed its config waits on its
+            // handoff for ever; a node that adopted it as a job ends it only
+            // at its start deadline.
+            let waiting = !self.shared.lock().warm.waiting.is_empty();
+            tokio::time::sleep(if waiting {
+                START_DEADLINE_ROUND
+            } else {
+                secs(30)
+            })
+            .await;
         }
+    }
+
+    /// The warm pool at rest, then emptied. Once it has confirmed its
+    /// runners with the ledger since the faults went off and every taken
+    /// runner's grace has passed, the ledger charges the room of exactly
+    /// the warm runners that run (invariant 8). Then the plane wants none,
+    /// or the node drains, or it shuts down, and the pool retires them all
+    /// ([`World::final_check`] sees nothing left).
+    async fn quiesce_warm(&mut self) {
+        tokio::time::sleep(WARM_SETTLE).await;
+        self.step += 1;
+        self.note("quiescence: the warm pool at rest".into(), None);
+        self.check();
+        let mut found = Vec::new();
+        {
+            let c = self.shared.lock();
+            let running: std::collections::BTreeSet<String> =
+                self.waiting_warm().into_iter().collect();
+            for name in c.warm.rooms.keys() {
+                if !running.contains(name) {
+                    found.push(format!(
+                        "invariant (8) capacity conserved: at rest, the pool confirmed, the ledger still charges the room of warm runner {name}, which does not run"
+                    ));
+                }
+            }
+            for name in &running {
+                if !c.warm.rooms.contains_key(name) {
+                    found.push(format!(
+                        "invariant (8) capacity conserved: at rest, the pool confirmed, warm runner {name} runs with no room charged"
+                    ));
+                }
+            }
+        }
+        if let Some(first) = found.first() {
+            self.fail(first);
+        }
+        let how = match self.rng.below(3) {
+            0 => {
+                self.warm_targets.clear();
+                self.pool.set_targets(Vec::new());
+                "the plane wants no warm runners"
+            }
+            1 => {
+                self.runner.start_draining();
+                "the node drains"
+            }
+            _ => {
+                self.stop_pool(true).await;
+                "the node shuts down"
+            }
+        };
+        tokio::time::sleep(WARM_TURNS).await;
+        self.step += 1;
+        self.note(format!("quiescence: {how}"), None);
+        self.check();
     }
 
     fn final_check(&mut self) {
@@ -1867,6 +2254,7 @@ impl World {
             .filter(|r| !r.phase.is_terminal())
             .map(|r| format!("{} {} epoch {}", r.id, r.phase, r.epoch))
             .collect();
+        let warm_rooms: Vec<String> = c.warm.rooms.keys().cloned().collect();
         drop(c);
         if !instances.is_empty() {
             self.fail(&format!(
@@ -1886,6 +2274,12 @@ impl World {
                 charged.join(", ")
             ));
         }
+        if !warm_rooms.is_empty() {
+            self.fail(&format!(
+                "invariant (8) capacity conserved: at quiescence, no warm runner wanted, the ledger still charges the room of {}",
+                warm_rooms.join(", ")
+            ));
+        }
         if self.runner.holding() {
             self.fail(&format!(
                 "invariant (1) the runner holds nothing at quiescence: it still holds custody of {:?}, so a draining node would never stop",
@@ -1902,6 +2296,9 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
     let mut world = World::new(seed, verbose, gates);
     world.shared.lock().sabotage = sabotage;
     world.recover().await;
+    if world.rng.chance(60) {
+        world.set_warm_targets(true);
+    }
     let steps = 30 + world.rng.below(200) as usize;
     while world.step < steps {
         world.step += 1;
@@ -1944,6 +2341,7 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
     }
     world.jit_configs_unique();
     world.quiesce().await;
+    world.quiesce_warm().await;
     world.final_check();
     let mut stats = std::mem::take(&mut world.stats);
     stats.insert("seeds", 1);
@@ -1956,9 +2354,13 @@ pub async fn run(seed: u64, verbose: bool, gates: Gates) -> Outcome {
         }
     }
     world.check_tasks();
-    for handle in [world.keep_alive.take(), world.plane_task.take()]
-        .into_iter()
-        .flatten()
+    for handle in [
+        world.keep_alive.take(),
+        world.plane_task.take(),
+        world.pool_task.take(),
+    ]
+    .into_iter()
+    .flatten()
     {
         handle.abort();
     }
@@ -1977,8 +2379,8 @@ fn assigned(lease: &LeaseId, epoch: Epoch, request: RequestId) -> (Lease, Github
         epoch,
         tier: "sim".into(),
         phase: Phase::Assigned,
-        vcpu: 2,
-        memory: ByteSize(1 << 30),
+        vcpu: LEASE_VCPU,
+        memory: LEASE_MEMORY,
         request_id: request,
         providers: vec!["docker".into()],
         failure_reason: None,
