@@ -127,21 +127,7 @@ use fakes::Sabotage;
 /// run. `BILLET_SIM_KNOWN_BUGS=<name>` puts one back (`all`: every one); the
 /// seeds named reproduce each bug with it (as of this version of the world:
 /// any change to the step generator renumbers them).
-const KNOWN_BUGS: &[(Bug, &str)] = &[
-    (
-        Bug::WarmRoomReleasedWhileRunning,
-        "invariant (8), 125 of 10000 seeds, e.g. 3, 28, 129: the warm pool retires a warm runner \
-         whose destroy fails and hands its room back all the same; the container runs on while \
-         the ledger lends its room out, until a later look removes it",
-    ),
-    (
-        Bug::WithheldClaimLeftRunning,
-        "invariant (3), 54 of 10000 seeds, e.g. 278, 289, 406: a launch onto a warm runner whose \
-         bind is refused withholds the start, but the claimed runner already runs; the node \
-         treats it as never started, so when its destroy does not confirm it answers without \
-         holding the lease, and the plane frees the lease of a container that still runs",
-    ),
-];
+const KNOWN_BUGS: &[(Bug, &str)] = &[];
 
 fn gates() -> Gates {
     let all = [

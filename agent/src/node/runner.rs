@@ -443,7 +443,10 @@ impl Runner {
     /// Creates `spec`'s instance for a launch of `lease` on `tier`, or,
     /// for a tier that asks nothing of the cache, hands it to a warm runner
     /// the pool gives (the one the plane named first): as
-    /// [`Provider::create_then_start`] either way.
+    /// [`Provider::create_then_start`] either way. A warm runner is taken
+    /// only once `start` opens: it is already running, so taking it beside
+    /// a bind that is then refused would leave a running runner the launch
+    /// never started; and there is nothing to create beside the bind.
     async fn create_for(
         &self,
         lease: &Lease,
@@ -453,19 +456,31 @@ impl Runner {
         start: crate::provider::StartGate,
     ) -> Result<Instance, ProviderError> {
         let hint = self.state().warm_hints.remove(&lease.id);
-        let warm = match &self.warm {
-            Some(pool) if asks_nothing_of_the_cache(tier) => {
-                pool.claim(hint.as_ref(), tier, (lease.vcpu, lease.memory))
-                    .await
+        let pool = match &self.warm {
+            Some(pool)
+                if asks_nothing_of_the_cache(tier)
+                    && pool.has(hint.as_ref(), tier, (lease.vcpu, lease.memory)) =>
+            {
+                pool
             }
-            _ => None,
+            _ => return self.provider.create_then_start(spec, created, start).await,
         };
-        match warm {
+        crate::provider::await_start(start, &format!("launch {}", spec.name)).await?;
+        match pool
+            .claim(hint.as_ref(), tier, (lease.vcpu, lease.memory))
+            .await
+        {
             Some(warm) => {
                 info!(lease = %lease.id, %warm, "launching onto a warm runner");
-                self.provider.claim_warm(&warm, spec, created, start).await
+                self.provider
+                    .claim_warm(&warm, spec, created, crate::provider::start_now())
+                    .await
             }
-            None => self.provider.create_then_start(spec, created, start).await,
+            None => {
+                self.provider
+                    .create_then_start(spec, created, crate::provider::start_now())
+                    .await
+            }
         }
     }
 

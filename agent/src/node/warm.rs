@@ -34,7 +34,7 @@ use tracing::{debug, info, warn};
 use super::freshness::Freshness;
 use super::plane::PlaneError;
 use crate::model::{ByteSize, InstanceName, TierSpec, WarmTarget};
-use crate::provider::{InstanceState, Provider, WarmSpec};
+use crate::provider::{InstanceState, Provider, Teardown, WarmSpec};
 
 /// How often the pool looks at its runners and refills when nothing wakes
 /// it sooner.
@@ -134,6 +134,11 @@ struct Inner {
     paused: BTreeMap<String, Instant>,
     /// No more refills: the node drains or stops.
     closed: bool,
+    /// Warm runners retired whose removal is not confirmed yet: still
+    /// held (their room stays charged), removed again every turn, and
+    /// handed back (when the flag says the room is still theirs) once
+    /// gone.
+    retiring: BTreeMap<InstanceName, bool>,
 }
 
 /// What the pool did, for status and metrics.
@@ -246,6 +251,19 @@ impl WarmPool {
         counts
     }
 
+    /// Whether [`WarmPool::claim`] may find a runner for a launch of
+    /// `tier` at `size` now: the one the plane named (`hint`) is here, or
+    /// a ready one of the tier is.
+    pub fn has(&self, hint: Option<&InstanceName>, tier: &TierSpec, size: (u32, ByteSize)) -> bool {
+        let inner = self.inner();
+        let fits = |e: &Entry| e.tier == tier.label && e.spec == *tier && e.size == size;
+        hint.and_then(|h| inner.entries.get(h)).is_some_and(fits)
+            || inner
+                .entries
+                .values()
+                .any(|e| fits(e) && e.stage == Stage::Ready)
+    }
+
     /// A warm runner for a launch of `tier` at `size`, taken out of the
     /// pool: the one the plane named (`hint`, waited for while it starts)
     /// when it is here and fits, else any ready one of the tier that fits.
@@ -323,18 +341,28 @@ impl WarmPool {
                 self.confirm().await;
                 last_confirm = Some(Instant::now());
             }
+            self.retry_retiring().await;
             self.retire_unwanted().await;
             self.refill(&shutdown).await;
         }
         self.close();
         self.retire_unwanted().await;
+        self.retry_retiring().await;
     }
 
     /// Tells the ledger which warm runners this node holds, marks those
     /// whose room it no longer charges as taken, and retires any the
     /// engine no longer runs and any it runs that the pool does not know.
     async fn confirm(&self) {
-        let held: Vec<InstanceName> = self.inner().entries.keys().cloned().collect();
+        let held: Vec<InstanceName> = {
+            let inner = self.inner();
+            inner
+                .entries
+                .keys()
+                .chain(inner.retiring.keys())
+                .cloned()
+                .collect()
+        };
         match self.rooms.confirm(&held).await {
             Ok(charged) => {
                 let mut inner = self.inner();
@@ -348,7 +376,15 @@ impl WarmPool {
                 debug!(error = %e, "cannot confirm the warm runners with the plane; trying again")
             }
         }
-        let known: Vec<InstanceName> = self.inner().entries.keys().cloned().collect();
+        let known: Vec<InstanceName> = {
+            let inner = self.inner();
+            inner
+                .entries
+                .keys()
+                .chain(inner.retiring.keys())
+                .cloned()
+                .collect()
+        };
         self.retire_strays(&known).await;
         self.retire_stale_images().await;
     }
@@ -395,9 +431,7 @@ impl WarmPool {
         };
         for name in doomed {
             info!(warm = %name, why = "its image changed", "retiring a warm runner");
-            self.inner().entries.remove(&name);
-            self.destroy(&name).await;
-            self.release(&name).await;
+            self.retire(&name, true).await;
         }
     }
 
@@ -418,7 +452,7 @@ impl WarmPool {
             };
             if !known.contains(&name) {
                 info!(warm = %name, "retiring a warm runner this process did not start");
-                self.destroy(&name).await;
+                self.retire(&name, true).await;
             }
         }
         let dead: Vec<InstanceName> = {
@@ -437,9 +471,7 @@ impl WarmPool {
         };
         for name in dead {
             warn!(warm = %name, "a warm runner stopped while it waited; replacing it");
-            self.inner().entries.remove(&name);
-            self.destroy(&name).await;
-            self.release(&name).await;
+            self.retire(&name, true).await;
         }
     }
 
@@ -483,11 +515,7 @@ impl WarmPool {
         };
         for (name, why, release) in doomed {
             info!(warm = %name, why, "retiring a warm runner");
-            self.inner().entries.remove(&name);
-            self.destroy(&name).await;
-            if release {
-                self.release(&name).await;
-            }
+            self.retire(&name, release).await;
         }
     }
 
@@ -616,17 +644,65 @@ impl WarmPool {
             }
             Err(e) => {
                 warn!(warm = %name, tier = %tier.label, error = %e, "cannot start a warm runner; the tier's jobs start cold meanwhile");
-                self.inner().entries.remove(&name);
-                self.destroy(&name).await;
-                self.release(&name).await;
+                self.retire(&name, true).await;
                 Started::Failed
             }
         }
     }
 
-    async fn destroy(&self, name: &InstanceName) {
-        if let Err(e) = self.provider.destroy(name).await {
-            warn!(warm = %name, error = %e, "cannot remove a warm runner; the next look removes it");
+    /// Takes `name` out of the pool and removes it; its room is handed
+    /// back (when `release`: it is still a warm runner's) only once the
+    /// provider confirms it gone. Until then it stays held and charged
+    /// ([`Inner::retiring`]).
+    async fn retire(&self, name: &InstanceName, release: bool) {
+        self.inner().entries.remove(name);
+        match self.provider.destroy(name).await {
+            Ok(Teardown::Stopped) => self.retired(name, release).await,
+            Ok(Teardown::Requested) => {
+                self.inner().retiring.insert(name.clone(), release);
+            }
+            Err(e) => {
+                warn!(warm = %name, error = %e, "cannot remove a warm runner; its room stays charged and the next turn removes it");
+                self.inner().retiring.insert(name.clone(), release);
+            }
+        }
+    }
+
+    /// `name` is gone: it is no longer held, and its room goes back.
+    async fn retired(&self, name: &InstanceName, release: bool) {
+        self.inner().retiring.remove(name);
+        if release {
+            self.release(name).await;
+        }
+    }
+
+    /// Removes again the warm runners whose removal was not confirmed; one
+    /// the provider no longer lists is gone.
+    async fn retry_retiring(&self) {
+        let retiring: Vec<(InstanceName, bool)> = self
+            .inner()
+            .retiring
+            .iter()
+            .map(|(n, r)| (n.clone(), *r))
+            .collect();
+        if retiring.is_empty() {
+            return;
+        }
+        let Ok(listed) = self.provider.list_warm().await else {
+            return;
+        };
+        for (name, release) in retiring {
+            if !listed.iter().any(|i| i.name == name.as_str()) {
+                self.retired(&name, release).await;
+                continue;
+            }
+            match self.provider.destroy(&name).await {
+                Ok(Teardown::Stopped) => self.retired(&name, release).await,
+                Ok(Teardown::Requested) => {}
+                Err(e) => {
+                    debug!(warm = %name, error = %e, "cannot remove a warm runner yet; trying again");
+                }
+            }
         }
     }
 
