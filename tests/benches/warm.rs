@@ -541,7 +541,9 @@ impl Bench {
                 return Ok(took);
             }
             if Instant::now() > deadline {
-                bail!("{n} warm runners not ready after {PATIENCE:?}: wanted {wanted}, ready {ready}");
+                bail!(
+                    "{n} warm runners not ready after {PATIENCE:?}: wanted {wanted}, ready {ready}"
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -550,9 +552,7 @@ impl Bench {
     /// Fills the pool to `n`, reads the node's RSS and the containers' memory, and empties it.
     async fn memory(&mut self, n: usize) -> Result<Memory> {
         self.set_warm(0).await?;
-        let pid = self.cluster.nodes[NODE]
-            .pid()
-            .context("the node's pid")?;
+        let pid = self.cluster.nodes[NODE].pid().context("the node's pid")?;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let node_idle = rss_bytes(pid)?;
         self.set_warm(u32::try_from(n)?).await?;
@@ -729,7 +729,10 @@ struct Job {
 
 /// Waits until each job is running on a runner (or done), and returns how long after its
 /// `Instant` each was first seen so. The emulator wakes the wait on every change.
-async fn wait_taken(emulator: &Emulator, jobs: &[(JobRequestId, Instant)]) -> Result<Vec<Duration>> {
+async fn wait_taken(
+    emulator: &Emulator,
+    jobs: &[(JobRequestId, Instant)],
+) -> Result<Vec<Duration>> {
     let mut taken: Vec<Option<Duration>> = vec![None; jobs.len()];
     let seen = |state: &EmulatorState| {
         let now = Instant::now();
@@ -745,10 +748,12 @@ async fn wait_taken(emulator: &Emulator, jobs: &[(JobRequestId, Instant)]) -> Re
         taken.iter().all(Option::is_some)
     };
     // The emulator's own wait panics at its bound; this one ends first.
-    let waited =
-        tokio::time::timeout(PATIENCE, emulator.wait_until(PATIENCE * 2, seen)).await;
+    let waited = tokio::time::timeout(PATIENCE, emulator.wait_until(PATIENCE * 2, seen)).await;
     if waited.is_err() {
-        bail!("jobs not taken within {PATIENCE:?}: {:?}", emulator.state().jobs);
+        bail!(
+            "jobs not taken within {PATIENCE:?}: {:?}",
+            emulator.state().jobs
+        );
     }
     Ok(taken.into_iter().flatten().collect())
 }
@@ -769,7 +774,9 @@ struct Floor {
 
 impl std::fmt::Debug for Floor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Floor").field("set", &self.set).finish_non_exhaustive()
+        f.debug_struct("Floor")
+            .field("set", &self.set)
+            .finish_non_exhaustive()
     }
 }
 
@@ -809,9 +816,7 @@ impl Floor {
         use scaleset::ExposeSecret as _;
         let mut runners = Vec::with_capacity(n);
         for _ in 0..n {
-            let fifo = self
-                .dir
-                .join(uuid::Uuid::new_v4().simple().to_string());
+            let fifo = self.dir.join(uuid::Uuid::new_v4().simple().to_string());
             let made = std::process::Command::new("mkfifo")
                 .arg(&fifo)
                 .status()
@@ -834,7 +839,10 @@ impl Floor {
         let jobs: Vec<(JobRequestId, Instant)> = (0..n)
             .map(|_| {
                 let queued = Instant::now();
-                (self.emulator.queue_job(self.set, Vec::<String>::new()), queued)
+                (
+                    self.emulator.queue_job(self.set, Vec::<String>::new()),
+                    queued,
+                )
             })
             .collect();
         let ids: Vec<JobRequestId> = jobs.iter().map(|(j, _)| *j).collect();
@@ -853,7 +861,9 @@ impl Floor {
                 jit.encoded_jit_config.expose_secret()
             );
             let fifo = fifo.clone();
-            writes.push(tokio::task::spawn_blocking(move || std::fs::write(fifo, line)));
+            writes.push(tokio::task::spawn_blocking(move || {
+                std::fs::write(fifo, line)
+            }));
         }
         let taken = wait_taken(&self.emulator, &jobs).await?;
         for write in writes {
@@ -874,23 +884,29 @@ impl Report {
     fn print(&self, knobs: Knobs) {
         let n = knobs.iterations;
         println!();
-        println!("1. the launch in the node against Docker's create + start ({n} jobs per mode, each beside one baseline)");
+        println!(
+            "1. the launch in the node against Docker's create + start ({n} jobs per mode, each beside one baseline)"
+        );
         println!(
             "  {:<56} {:>8} {:>8} {:>8} {:>8}",
             "ms", "median", "p90", "min", "max"
         );
         for (label, s) in [
             ("warm: Launch command in the node", &self.warm.launch),
-            ("  its baseline: bollard create + start", &self.warm.baseline),
+            (
+                "  its baseline: bollard create + start",
+                &self.warm.baseline,
+            ),
             ("cold: Launch command in the node", &self.cold.launch),
-            ("  its baseline: bollard create + start", &self.cold.baseline),
+            (
+                "  its baseline: bollard create + start",
+                &self.cold.baseline,
+            ),
         ] {
             row(label, s);
         }
-        for (label, singles, goal) in [
-            ("warm", &self.warm, Some(0.05)),
-            ("cold", &self.cold, None),
-        ] {
+        for (label, singles, goal) in [("warm", &self.warm, Some(0.05)), ("cold", &self.cold, None)]
+        {
             let mut ratios: Vec<f64> = singles
                 .launch
                 .0
@@ -925,7 +941,10 @@ impl Report {
         let mean = |family: &str, labels: &[(&str, &str)]| {
             let count = node.sum(&format!("{family}_count"), labels);
             if count > 0.0 {
-                format!("{:.2}", node.sum(&format!("{family}_sum"), labels) * 1000.0 / count)
+                format!(
+                    "{:.2}",
+                    node.sum(&format!("{family}_sum"), labels) * 1000.0 / count
+                )
             } else {
                 "-".into()
             }
@@ -975,7 +994,10 @@ impl Report {
         }
         let bursts = format!("{} bursts of {}", knobs.burst_rounds, knobs.burst);
         for (label, s) in [
-            (format!("burst, warm ({} ready), {bursts}", knobs.burst), &self.warm_burst),
+            (
+                format!("burst, warm ({} ready), {bursts}", knobs.burst),
+                &self.warm_burst,
+            ),
             (format!("burst, cold, {bursts}"), &self.cold_burst),
             (format!("burst, floor, {bursts}"), &self.floor_burst),
         ] {
@@ -1012,8 +1034,14 @@ impl Report {
             );
         }
         let r = &self.refill_node;
-        let create = r.sum("billet_provider_call_duration_seconds_sum", &[("call", "create_warm")]);
-        let count = r.sum("billet_provider_call_duration_seconds_count", &[("call", "create_warm")]);
+        let create = r.sum(
+            "billet_provider_call_duration_seconds_sum",
+            &[("call", "create_warm")],
+        );
+        let count = r.sum(
+            "billet_provider_call_duration_seconds_count",
+            &[("call", "create_warm")],
+        );
         if count > 0.0 {
             println!(
                 "  the node's create_warm (create + start) mean {:.1} ms over {count} runners",
