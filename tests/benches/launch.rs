@@ -51,7 +51,7 @@ use billet_controlplane_stub::ledger::{Charge, Lease, NewLease, Phase};
 use billet_controlplane_stub::node_link::NodeLink;
 use billet_controlplane_stub::now_ms;
 use billet_proto::v1 as pb;
-use billet_tests::bench::{MetricsReading, Samples};
+use billet_tests::bench::{MetricsReading, Samples, median_interval};
 use billet_tests::cluster::{Cluster, ClusterOptions, STANDIN_IMAGE, TIER, free_port};
 use billet_tests::image::{STANDIN_ENTRYPOINT, connect_docker, profile_dir};
 use bollard::Docker;
@@ -338,26 +338,6 @@ async fn run(iterations: usize, warmup: usize, measuring: bool) -> Result<()> {
         measuring_took.as_secs_f64()
     );
     Ok(())
-}
-
-/// The distribution-free 95% confidence interval of the median of `sorted`
-/// (ascending): the values at ranks `n/2 - 0.98 sqrt(n)` and `n/2 + 0.98 sqrt(n)`
-/// (the normal approximation to the binomial order statistics), clamped to
-/// the samples. With one sample, that sample twice.
-fn median_interval(sorted: &[f64]) -> (f64, f64) {
-    let n = sorted.len();
-    #[allow(clippy::cast_precision_loss)]
-    let half_width = 0.98 * (n as f64).sqrt();
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let (low, high) = (
-        ((n as f64 / 2.0 - half_width).floor().max(0.0) as usize).min(n - 1),
-        ((n as f64 / 2.0 + half_width).ceil() as usize).min(n - 1),
-    );
-    (sorted[low], sorted[high])
 }
 
 /// Where a launch's time goes, as the node's own metrics saw it over the measured iterations,

@@ -68,6 +68,30 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// The distribution-free 95% confidence interval of the median of `sorted`
+/// (ascending): the values at ranks `n/2 - 0.98 sqrt(n)` and `n/2 + 0.98 sqrt(n)`
+/// (the normal approximation to the binomial order statistics), clamped to
+/// the samples. With one sample, that sample twice.
+///
+/// # Panics
+///
+/// When `sorted` is empty.
+pub fn median_interval(sorted: &[f64]) -> (f64, f64) {
+    let n = sorted.len();
+    #[allow(clippy::cast_precision_loss)]
+    let half_width = 0.98 * (n as f64).sqrt();
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let (low, high) = (
+        ((n as f64 / 2.0 - half_width).floor().max(0.0) as usize).min(n - 1),
+        ((n as f64 / 2.0 + half_width).ceil() as usize).min(n - 1),
+    );
+    (sorted[low], sorted[high])
+}
+
 /// One reading of a node's metrics: every sample line, keyed by its name
 /// with labels exactly as exposed (`billet_commands_total{kind="tend",...}`).
 #[derive(Debug, Clone, Default)]
