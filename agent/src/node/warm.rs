@@ -354,15 +354,7 @@ impl WarmPool {
     /// whose room it no longer charges as taken, and retires any the
     /// engine no longer runs and any it runs that the pool does not know.
     async fn confirm(&self) {
-        let held: Vec<InstanceName> = {
-            let inner = self.inner();
-            inner
-                .entries
-                .keys()
-                .chain(inner.retiring.keys())
-                .cloned()
-                .collect()
-        };
+        let held = self.held();
         match self.rooms.confirm(&held).await {
             Ok(charged) => {
                 let mut inner = self.inner();
@@ -376,15 +368,7 @@ impl WarmPool {
                 debug!(error = %e, "cannot confirm the warm runners with the plane; trying again")
             }
         }
-        let known: Vec<InstanceName> = {
-            let inner = self.inner();
-            inner
-                .entries
-                .keys()
-                .chain(inner.retiring.keys())
-                .cloned()
-                .collect()
-        };
+        let known = self.held();
         self.retire_strays(&known).await;
         self.retire_stale_images().await;
     }
@@ -666,6 +650,18 @@ impl WarmPool {
                 self.inner().retiring.insert(name.clone(), release);
             }
         }
+    }
+
+    /// Every warm runner this pool holds: in the pool, or retired and not
+    /// yet confirmed gone.
+    fn held(&self) -> Vec<InstanceName> {
+        let inner = self.inner();
+        inner
+            .entries
+            .keys()
+            .chain(inner.retiring.keys())
+            .cloned()
+            .collect()
     }
 
     /// `name` is gone: it is no longer held, and its room goes back.
