@@ -42,7 +42,15 @@ async fn warm_running(cluster: &Cluster) -> Result<Vec<String>> {
         .containers_labelled(vec![WARM_LABEL.to_owned()])
         .await?
     {
-        let inspected = cluster.docker.inspect_container(&name, None).await?;
+        // The pool retires runners while this looks: one listed a moment
+        // ago may be gone by its inspect, and is then not running.
+        let inspected = match cluster.docker.inspect_container(&name, None).await {
+            Ok(inspected) => inspected,
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => continue,
+            Err(e) => return Err(e.into()),
+        };
         let up = inspected.state.and_then(|s| s.running).unwrap_or(false);
         if up && name.starts_with("billet_warm-") {
             running.push(name);
