@@ -69,8 +69,12 @@ impl<'a> EmulatorLink<'a> {
         let mut last_error = String::new();
         loop {
             match take_job(&self.http, self.base, config).await {
-                Ok(Some(job)) => return Ok(job),
-                Ok(None) => {}
+                Ok(Taken::Job(job)) => return Ok(job),
+                // Another runner took the job this one chose: the others
+                // still assigned are looked at again at once, as a runner
+                // GitHub hands its own job would not wait for a poll.
+                Ok(Taken::Lost) => continue,
+                Ok(Taken::Nothing) => {}
                 Err(Failure::Transient(e)) => {
                     // Say so once per distinct error, not every 200 ms.
                     if e != last_error {
@@ -191,11 +195,21 @@ impl<'a> EmulatorLink<'a> {
 /// One look at the emulator: the job this runner now runs, if it got one.
 ///
 /// A [`Failure::Transient`] is worth another look; a [`Failure::Runtime`] ends the runner.
+/// What one look at the emulator's jobs found.
+enum Taken {
+    /// This runner has this job.
+    Job(JobRequestId),
+    /// No job of its scale set is assigned.
+    Nothing,
+    /// Another runner took the job this one chose first.
+    Lost,
+}
+
 async fn take_job(
     http: &reqwest::Client,
     base: &str,
     config: &JitConfig,
-) -> Result<Option<JobRequestId>, Failure> {
+) -> Result<Taken, Failure> {
     let state: EmulatorState = http
         .get(format!("{base}/_emulator/state"))
         .send()
@@ -216,15 +230,19 @@ async fn take_job(
     };
     if let Some(job) = me.job {
         // Started on this runner by someone else (the emulator's auto-run, or a test).
-        return Ok(Some(job));
+        return Ok(Taken::Job(job));
     }
-    let Some(job) = state
+    // Runners started together would all choose the first job and all but
+    // one lose it: each starts from its own place in the list instead.
+    let assigned: Vec<JobRequestId> = state
         .jobs_in(config.scale_set_id, JobState::Assigned)
         .map(|j| j.id)
-        .next()
-    else {
-        return Ok(None);
-    };
+        .collect();
+    if assigned.is_empty() {
+        return Ok(Taken::Nothing);
+    }
+    let place = usize::try_from(i64::from(config.runner_id).unsigned_abs()).unwrap_or(0);
+    let job = assigned[place % assigned.len()];
 
     let response = http
         .post(format!("{base}/_emulator/jobs/{job}/start"))
@@ -233,9 +251,9 @@ async fn take_job(
         .await
         .map_err(|e| Failure::Transient(format!("cannot start job {job}: {}", chain(&e))))?;
     match response.status() {
-        s if s.is_success() => Ok(Some(job)),
+        s if s.is_success() => Ok(Taken::Job(job)),
         // Taken by another runner, or no longer assigned, between the read and the start.
-        reqwest::StatusCode::CONFLICT | reqwest::StatusCode::NOT_FOUND => Ok(None),
+        reqwest::StatusCode::CONFLICT | reqwest::StatusCode::NOT_FOUND => Ok(Taken::Lost),
         s => Err(Failure::Transient(format!(
             "starting job {job} answered {s}"
         ))),
