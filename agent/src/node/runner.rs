@@ -472,9 +472,12 @@ impl Runner {
         {
             Some(warm) => {
                 info!(lease = %lease.id, %warm, "launching onto a warm runner");
-                self.provider
+                let claimed = self
+                    .provider
                     .claim_warm(&warm, spec, created, crate::provider::start_now())
-                    .await
+                    .await;
+                pool.taken(&warm);
+                claimed
             }
             None => {
                 self.provider

@@ -139,6 +139,10 @@ struct Inner {
     /// handed back (when the flag says the room is still theirs) once
     /// gone.
     retiring: BTreeMap<InstanceName, bool>,
+    /// Warm runners a launch claimed and is handing its config to (they
+    /// keep their warm name until the provider renames them): out of the
+    /// pool, and no strays.
+    taking: std::collections::BTreeSet<InstanceName>,
 }
 
 /// What the pool did, for status and metrics.
@@ -269,7 +273,8 @@ impl WarmPool {
     /// when it is here and fits, else any ready one of the tier that fits.
     /// `None`: the launch creates its instance. A runner taken without the
     /// plane naming it still has its room charged as a warm runner's, which
-    /// is handed back here.
+    /// is handed back here. The launch says [`WarmPool::taken`] once the
+    /// provider has renamed it, or failed to.
     pub async fn claim(
         &self,
         hint: Option<&InstanceName>,
@@ -295,6 +300,7 @@ impl WarmPool {
                 .is_some_and(|e| fits(e) && matches!(e.stage, Stage::Ready | Stage::Taken(_)))
             {
                 inner.entries.remove(hint);
+                inner.taking.insert(hint.clone());
                 drop(inner);
                 self.claimed
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -310,6 +316,7 @@ impl WarmPool {
                 .find(|(_, e)| fits(e) && e.stage == Stage::Ready)
                 .map(|(n, _)| n.clone())?;
             inner.entries.remove(&name);
+            inner.taking.insert(name.clone());
             name
         };
         self.claimed
@@ -320,6 +327,12 @@ impl WarmPool {
             debug!(warm = %other, error = %e, "cannot hand back a taken warm runner's room; the next confirmation drops it");
         }
         Some(other)
+    }
+
+    /// The launch that claimed `warm` is done with it: renamed for its
+    /// lease, or failed and left to the launch's own cleanup.
+    pub fn taken(&self, warm: &InstanceName) {
+        self.inner().taking.remove(warm);
     }
 
     /// Retires every warm runner the provider lists (those of an earlier
@@ -368,7 +381,8 @@ impl WarmPool {
                 debug!(error = %e, "cannot confirm the warm runners with the plane; trying again")
             }
         }
-        let known = self.held();
+        let taking: Vec<InstanceName> = self.inner().taking.iter().cloned().collect();
+        let known = [self.held(), taking].concat();
         self.retire_strays(&known).await;
         self.retire_stale_images().await;
     }
@@ -706,5 +720,95 @@ impl WarmPool {
         if let Err(e) = self.rooms.release(name).await {
             debug!(warm = %name, error = %e, "cannot hand back a warm runner's room; the next confirmation drops it");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Trust;
+    use crate::provider::fake::FakeProvider;
+
+    /// Rooms that charge whatever is asked and confirm what the pool says
+    /// it holds.
+    #[derive(Debug, Default)]
+    struct Unbounded;
+
+    #[async_trait]
+    impl WarmRooms for Unbounded {
+        async fn reserve(
+            &self,
+            _: &InstanceName,
+            _: &str,
+            _: u32,
+            _: ByteSize,
+        ) -> Result<(), PlaneError> {
+            Ok(())
+        }
+
+        async fn release(&self, _: &InstanceName) -> Result<(), PlaneError> {
+            Ok(())
+        }
+
+        async fn confirm(&self, names: &[InstanceName]) -> Result<Vec<InstanceName>, PlaneError> {
+            Ok(names.to_vec())
+        }
+    }
+
+    fn tier() -> TierSpec {
+        TierSpec {
+            label: "warm-test".into(),
+            image: "runner:test".into(),
+            command: vec!["/run.sh".into()],
+            trust: Trust::Trusted,
+            shm: ByteSize(0),
+            network: None,
+            env: Vec::new(),
+            sticky_disks: Vec::new(),
+            actions_cache: None,
+            docker_image_store: false,
+            min_runner_version: None,
+        }
+    }
+
+    /// A warm runner a launch claimed keeps its warm name until the
+    /// provider renames it; the pool's confirmation turn meanwhile must
+    /// not take it for a stray and remove it under the launch. Once the
+    /// launch is done with it, one still under its warm name is a stray.
+    #[tokio::test]
+    async fn a_claimed_runner_is_no_stray_while_its_launch_takes_it() {
+        let provider = Arc::new(FakeProvider::new());
+        let pool = WarmPool::new(
+            provider.clone(),
+            Arc::new(Unbounded),
+            Arc::new(Freshness::default()),
+        );
+        let size = (2, ByteSize(1 << 30));
+        pool.set_targets(vec![WarmTarget {
+            tier: tier(),
+            count: 1,
+            vcpu: size.0,
+            memory: size.1,
+            idle_retire: None,
+            max_age: None,
+        }]);
+        pool.refill(&CancellationToken::new()).await;
+        let warm = pool
+            .claim(None, &tier(), size)
+            .await
+            .expect("the pool has a ready runner");
+
+        pool.confirm().await;
+        assert!(
+            provider.instance(warm.as_str()).is_some(),
+            "the confirmation turn removed {warm} while its launch was taking it"
+        );
+
+        pool.taken(&warm);
+        pool.confirm().await;
+        assert!(
+            provider.instance(warm.as_str()).is_none(),
+            "{warm}, left under its warm name once its launch was done, was not retired"
+        );
     }
 }
