@@ -17,6 +17,9 @@ use crate::sticky::{count, fill_beside};
 
 /// How often the emulator's state is read.
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// How many jobs lost to other runners in a row are followed by another
+/// look at once, before the next waits for the poll.
+const LOST_AGAIN_AT_ONCE: u32 = 8;
 /// Bound of one request to the emulator.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a failing completion is retried.
@@ -67,14 +70,19 @@ impl<'a> EmulatorLink<'a> {
         }
 
         let mut last_error = String::new();
+        let mut lost = 0_u32;
         loop {
             match take_job(&self.http, self.base, config).await {
                 Ok(Taken::Job(job)) => return Ok(job),
                 // Another runner took the job this one chose: the others
                 // still assigned are looked at again at once, as a runner
-                // GitHub hands its own job would not wait for a poll.
-                Ok(Taken::Lost) => continue,
-                Ok(Taken::Nothing) => {}
+                // GitHub hands its own job would not wait for a poll (a
+                // few times in a row, then at the poll's pace).
+                Ok(Taken::Lost) if lost < LOST_AGAIN_AT_ONCE => {
+                    lost += 1;
+                    continue;
+                }
+                Ok(Taken::Lost | Taken::Nothing) => {}
                 Err(Failure::Transient(e)) => {
                     // Say so once per distinct error, not every 200 ms.
                     if e != last_error {
@@ -84,6 +92,7 @@ impl<'a> EmulatorLink<'a> {
                 }
                 Err(fatal) => return Err(fatal),
             }
+            lost = 0;
             if tokio::time::Instant::now() >= idle_deadline {
                 let also = if last_error.is_empty() {
                     String::new()
