@@ -22,7 +22,7 @@ use billet_agent::model::{
     ByteSize, DestroyOrder, Epoch, InstanceName, Job, Lease, LeaseId, Phase, RequestId,
     RunnerVersion, TierSpec, Trust,
 };
-use billet_agent::node::ending::{EndReason, Ending, SpotAction};
+use billet_agent::node::ending::{EndReason, Ending, FailureReason, SpotAction};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::node::runner::{
     HeldState, POST_JOB_GRACE, Runner, RunnerError, RunnerOptions, STRAY_GRACE,
@@ -198,10 +198,11 @@ impl LeaseStore for Plane {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        reason: &str,
+        why: &FailureReason,
     ) -> Result<(), PlaneError> {
+        let reason = &why.to_string();
         self.note(format!("mark_failure {lease} {reason}"));
-        self.inner.mark_failure(lease, epoch, reason).await?;
+        self.inner.mark_failure(lease, epoch, why).await?;
         self.reasons
             .lock()
             .unwrap()
@@ -4156,4 +4157,114 @@ async fn a_launch_whose_image_is_labelled_older_than_the_minimum_is_refused_befo
     r.launch(lease, old, job(2, "push"))
         .await
         .expect("a runner at the minimum launches");
+}
+
+/// A failed launch's compute still being torn down (its create refused,
+/// its absence not yet proven) does not refuse the next launch of its job:
+/// that compute has no registration and is destroyed on sight.
+#[tokio::test]
+async fn a_launch_is_not_refused_while_its_jobs_failed_launch_is_still_torn_down() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 1);
+    let first = w.reserve(1);
+    let err = r
+        .launch(first.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect_err("the create failed");
+    assert!(
+        r.holding(),
+        "the failed launch is held until proven gone: {err}"
+    );
+    let second = w.reserve(1);
+    r.launch(second.clone(), tier(Trust::Trusted), job(1, "push"))
+        .await
+        .expect("the job's next launch goes on beside the teardown");
+    assert!(w.exists(&second.id));
+}
+
+/// A tier whose creates the engine keeps refusing is refused after three
+/// in a row, before anything is bound, minted or created, and says so; a
+/// changed tier is let through at once, and its success starts the count
+/// over.
+#[tokio::test]
+async fn a_tier_the_engine_refuses_three_times_in_a_row_is_refused_before_any_bind_or_mint() {
+    let w = World::new();
+    let r = w.runner();
+    w.fake.fail_next(Operation::Create, 3);
+    for request in 1..=3 {
+        let lease = w.reserve(request);
+        let err = r
+            .launch(lease, tier(Trust::Trusted), job(request, "push"))
+            .await
+            .expect_err("the create failed");
+        assert!(
+            !matches!(err, RunnerError::TierUnhealthy(_)),
+            "refused before the third failure: {err}"
+        );
+    }
+    let mints = |w: &World| {
+        w.plane
+            .log()
+            .iter()
+            .filter(|l| l.starts_with("mint ") || l.starts_with("bind"))
+            .count()
+    };
+    let before = (mints(&w), w.fake.count(Operation::Create));
+    let lease = w.reserve(4);
+    let err = r
+        .launch(lease.clone(), tier(Trust::Trusted), job(4, "push"))
+        .await
+        .expect_err("the tier is refused");
+    let RunnerError::TierUnhealthy(unhealthy) = &err else {
+        panic!("not refused as unhealthy: {err}");
+    };
+    assert_eq!(unhealthy.failures, 3);
+    assert!(unhealthy.last_error.contains("injected failure"), "{err}");
+    assert!(
+        unhealthy.retry_after > Duration::from_secs(20)
+            && unhealthy.retry_after <= Duration::from_secs(30),
+        "{err}"
+    );
+    assert_eq!(
+        (mints(&w), w.fake.count(Operation::Create)),
+        before,
+        "the refused launch bound, minted or created"
+    );
+    assert!(!w.bound(&lease.id));
+    let shown = r.unhealthy_tiers();
+    assert_eq!(shown.len(), 1);
+    assert_eq!(shown[0].tier, "t");
+
+    // The operator fixes the tier: another definition goes through at once.
+    let mut fixed = tier(Trust::Trusted);
+    fixed.env.push(("FIXED".into(), "1".into()));
+    let lease = w.reserve(5);
+    r.launch(lease.clone(), fixed, job(5, "push"))
+        .await
+        .expect("a changed tier is let through");
+    assert!(r.unhealthy_tiers().is_empty());
+}
+
+/// A threshold of 0 never refuses a tier.
+#[tokio::test]
+async fn with_the_threshold_at_zero_a_tier_is_never_refused() {
+    let w = World::new();
+    let r = w.runner_with(RunnerOptions {
+        tier_failures_before_unhealthy: 0,
+        ..RunnerOptions::default()
+    });
+    w.fake.fail_next(Operation::Create, 5);
+    for request in 1..=5 {
+        let err = r
+            .launch(
+                w.reserve(request),
+                tier(Trust::Trusted),
+                job(request, "push"),
+            )
+            .await
+            .expect_err("the create failed");
+        assert!(!matches!(err, RunnerError::TierUnhealthy(_)), "{err}");
+    }
+    assert!(r.unhealthy_tiers().is_empty());
 }

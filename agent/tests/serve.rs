@@ -119,6 +119,8 @@ fn lease(id: &str, epoch: u64, phase: &str, request_id: i64) -> pb::Lease {
         request_id,
         providers: Vec::new(),
         failure_reason: String::new(),
+        end_reason: 0,
+        end_detail: String::new(),
     }
 }
 
@@ -141,6 +143,7 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
             None => (
                 None,
                 Some(pb::Error {
+                    retry_after_ms: 0,
                     code: pb::ErrorCode::NotFound.into(),
                     message: format!("no lease {}", g.lease_id),
                 }),
@@ -195,6 +198,7 @@ fn answer(leases: &Leases, call: &pb::node_call::Call) -> pb::PlaneReply {
         Call::RenewCertificate(_) => (
             None,
             Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Unavailable.into(),
                 message: "this test plane signs nothing".into(),
             }),
@@ -423,6 +427,7 @@ impl Node {
             max_lease_life: None,
             post_job_grace: Duration::from_secs(120),
             isolated_containers: false,
+            tier_failures_before_unhealthy: 3,
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),

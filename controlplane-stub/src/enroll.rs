@@ -36,10 +36,12 @@ impl EnrollmentService {
 
     async fn answer(&self, request: pb::EnrollmentRequest) -> Result<String, pb::Error> {
         let refused = |message: String| pb::Error {
+            retry_after_ms: 0,
             code: pb::ErrorCode::IdentityRefused.into(),
             message,
         };
         let unavailable = |message: String| pb::Error {
+            retry_after_ms: 0,
             code: pb::ErrorCode::Unavailable.into(),
             message,
         };

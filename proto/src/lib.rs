@@ -1,10 +1,11 @@
 //! Generated code for the billet node wire (`billet.node.v1`).
 //!
 //! The agent and the stub plane convert these messages into their own types
-//! at the edge. The one piece of logic here is [`phase`]: the lease phases
-//! `Lease.phase` spells and the edges between them, which both ends judge
-//! moves by and so must share. The protocol version both ends must agree on
-//! is [`PROTOCOL_VERSION`].
+//! at the edge. The logic here is what both ends judge by and so must
+//! share: [`phase`], the lease phases `Lease.phase` spells and the edges
+//! between them, and [`ending`], the closed set of reasons a lease ends for
+//! and the class of each, which the node records and the plane reads. The
+//! protocol version both ends must agree on is [`PROTOCOL_VERSION`].
 
 #![allow(missing_docs, clippy::all, missing_debug_implementations)]
 
@@ -62,3 +63,6 @@ pub mod phase;
 
 /// Runner versions, and their order.
 pub mod runner_version;
+
+/// Why a lease ended, and whose outcome that was.
+pub mod ending;

@@ -215,6 +215,14 @@ pub struct NodeArgs {
           num_args = 0..=1, default_value_t = false, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     pub isolated_containers: bool,
+    /// Consecutive start failures of a tier (the engine refusing its
+    /// instance, its image missing, its runner exiting before coming
+    /// online) after which this node refuses the tier's launches (30 s,
+    /// doubling to 10 min, then one is tried again; at once when the tier's
+    /// definition changes). 0: never.
+    #[arg(long, env = "BILLET_TIER_FAILURES_BEFORE_UNHEALTHY", default_value_t = crate::node::tiers::FAILURES_BEFORE_UNHEALTHY,
+          value_parser = clap::value_parser!(u32).range(0..=1000))]
+    pub tier_failures_before_unhealthy: u32,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs(),

@@ -193,6 +193,7 @@ pub(crate) fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde
         cache_clone,
         warm,
         outdated_images,
+        unhealthy_tiers,
         // The other health fields are shown once they exist.
         ..
     } = s;
@@ -227,6 +228,12 @@ pub(crate) fn json(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> serde
             "version": o.version,
             "minimum": o.minimum,
             "reason": o.reason,
+        })).collect::<Vec<_>>(),
+        "unhealthy_tiers": unhealthy_tiers.iter().map(|t| serde_json::json!({
+            "tier": t.tier,
+            "failures": t.failures,
+            "last_error": t.last_error,
+            "retry_in_ms": t.retry_in_ms,
         })).collect::<Vec<_>>(),
         "leases": leases.iter().map(|l| {
             let pb::LeaseStatus { lease_id, epoch, state, instance, runner_name, age_ms, custody } = l;
@@ -361,6 +368,18 @@ pub(crate) fn table(serving: bool, s: &pb::LocalStatus, now: SystemTime) -> Stri
     let _ = writeln!(out, "warm         {}", warm(s));
     for o in &s.outdated_images {
         let _ = writeln!(out, "refused      {}", o.reason);
+    }
+    for t in &s.unhealthy_tiers {
+        let again = if t.retry_in_ms == 0 {
+            "launches let through again".to_owned()
+        } else {
+            format!("refused for {}", human_ms(t.retry_in_ms))
+        };
+        let _ = writeln!(
+            out,
+            "unhealthy    tier {}: {} start failures in a row, {again}; last: {}",
+            t.tier, t.failures, t.last_error
+        );
     }
     let _ = writeln!(out, "leases       {}", s.leases.len());
     if s.leases.is_empty() {

@@ -249,6 +249,9 @@ pub(super) async fn execute(
                 RunnerError::RunnerOutdated(_) => {
                     (pb::Outcome::Refused, pb::ErrorCode::RunnerOutdated)
                 }
+                RunnerError::TierUnhealthy(_) => {
+                    (pb::Outcome::Refused, pb::ErrorCode::TierUnhealthy)
+                }
                 RunnerError::ProviderUnavailable(_) | RunnerError::JournalUnwritable(_) => {
                     (pb::Outcome::Refused, pb::ErrorCode::Unavailable)
                 }
@@ -265,6 +268,10 @@ pub(super) async fn execute(
             };
             let mut result = failure(id, outcome, code, e.to_string());
             result.custody = e.is_custody();
+            if let (RunnerError::TierUnhealthy(unhealthy), Some(error)) = (&e, &mut result.error) {
+                error.retry_after_ms =
+                    u64::try_from(unhealthy.retry_after.as_millis()).unwrap_or(u64::MAX);
+            }
             result
         }
     };

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::Observation;
 use crate::model::{ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, Registration};
-use crate::node::ending::Ending;
+use crate::node::ending::{Ending, FailureReason};
 use crate::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 
 /// Converts a wire error into the plane port's typed refusal.
@@ -41,7 +41,8 @@ pub(crate) fn plane_error(error: pb::Error) -> PlaneError {
         | pb::ErrorCode::Refused
         | pb::ErrorCode::Internal
         | pb::ErrorCode::ImageUnavailable
-        | pb::ErrorCode::RunnerOutdated => PlaneError::Refused(m),
+        | pb::ErrorCode::RunnerOutdated
+        | pb::ErrorCode::TierUnhealthy => PlaneError::Refused(m),
     }
 }
 
@@ -315,13 +316,16 @@ impl LeaseStore for PlaneLink {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        reason: &str,
+        reason: &FailureReason,
     ) -> Result<(), PlaneError> {
         let (lease_id, epoch) = lease_epoch(lease, epoch);
+        let (code, detail) = reason.code();
         self.call(pb::node_call::Call::MarkFailure(pb::MarkFailure {
             lease_id,
             epoch,
-            reason: reason.to_owned(),
+            reason: reason.to_string(),
+            code: pb::EndReason::from(code).into(),
+            detail,
         }))
         .await
         .map(drop)
@@ -474,7 +478,7 @@ impl LeaseStore for PlaneLink {
         ending: &Ending,
     ) -> Result<(), PlaneError> {
         if let Some(reason) = ending.reason() {
-            match self.mark_failure(lease, epoch, &reason.to_string()).await {
+            match self.mark_failure(lease, epoch, reason).await {
                 Ok(()) => {}
                 Err(e @ PlaneError::Unavailable(_)) => return Err(e),
                 // Another reason recorded first, or the lease is not ours
@@ -485,10 +489,13 @@ impl LeaseStore for PlaneLink {
             }
         }
         let (lease_id, epoch) = lease_epoch(lease, epoch);
+        let (code, detail) = ending.code();
         self.call(pb::node_call::Call::Release(pb::Release {
             lease_id,
             epoch,
             outcome: ending.phase().as_str().into(),
+            code: pb::EndReason::from(code).into(),
+            detail,
         }))
         .await
         .map(drop)
@@ -736,6 +743,7 @@ mod tests {
 
     fn wire_error(code: i32) -> pb::Error {
         pb::Error {
+            retry_after_ms: 0,
             code,
             message: format!("code {code}"),
         }
@@ -762,11 +770,12 @@ mod tests {
             | pb::ErrorCode::Refused
             | pb::ErrorCode::Internal
             | pb::ErrorCode::ImageUnavailable
-            | pb::ErrorCode::RunnerOutdated => PlaneError::Refused(m),
+            | pb::ErrorCode::RunnerOutdated
+            | pb::ErrorCode::TierUnhealthy => PlaneError::Refused(m),
         }
     }
 
-    const ALL: [pb::ErrorCode; 17] = [
+    const ALL: [pb::ErrorCode; 18] = [
         pb::ErrorCode::Unspecified,
         pb::ErrorCode::Fenced,
         pb::ErrorCode::NotFound,
@@ -784,6 +793,7 @@ mod tests {
         pb::ErrorCode::IdentityRefused,
         pb::ErrorCode::RunnerNameTaken,
         pb::ErrorCode::RunnerOutdated,
+        pb::ErrorCode::TierUnhealthy,
     ];
 
     /// 7.O.6
@@ -923,6 +933,7 @@ mod tests {
         let old = answering(|call_id| pb::PlaneReply {
             call_id,
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::InvalidArgument.into(),
                 message: "node call: the call is missing".into(),
             }),
@@ -964,6 +975,7 @@ mod tests {
         let down = PlanePolicy::new(answering(|call_id| pb::PlaneReply {
             call_id,
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Unavailable.into(),
                 message: "the ledger is down".into(),
             }),
@@ -1005,6 +1017,7 @@ mod tests {
         let link = answering(|call_id| pb::PlaneReply {
             call_id,
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Fenced.into(),
                 message: "stale".into(),
             }),
@@ -1072,6 +1085,7 @@ mod tests {
         let refused = answering(|call_id| pb::PlaneReply {
             call_id,
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Refused.into(),
                 message: "the runner is running a job".into(),
             }),
@@ -1123,6 +1137,8 @@ mod tests {
                     request_id: 7,
                     providers: Vec::new(),
                     failure_reason: reason.into(),
+                    end_reason: 0,
+                    end_detail: String::new(),
                 })),
             }
         }

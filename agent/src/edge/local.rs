@@ -216,6 +216,17 @@ impl pb::local_server::Local for LocalService {
                     wanted: counts.wanted,
                 }
             }),
+            unhealthy_tiers: self
+                .runner
+                .unhealthy_tiers()
+                .into_iter()
+                .map(|t| pb::UnhealthyTier {
+                    tier: t.tier,
+                    failures: t.failures,
+                    last_error: t.last_error,
+                    retry_in_ms: u64::try_from(t.retry_in.as_millis()).unwrap_or(u64::MAX),
+                })
+                .collect(),
             outdated_images: self
                 .runner
                 .freshness()

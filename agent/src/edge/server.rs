@@ -87,6 +87,8 @@ pub struct NodeConfig {
     pub post_job_grace: Duration,
     /// See [`RunnerOptions::isolated_containers`].
     pub isolated_containers: bool,
+    /// See [`RunnerOptions::tier_failures_before_unhealthy`].
+    pub tier_failures_before_unhealthy: u32,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -595,6 +597,7 @@ pub async fn run(
                 max_lease_life: config.max_lease_life,
                 post_job_grace: config.post_job_grace,
                 isolated_containers: config.isolated_containers,
+                tier_failures_before_unhealthy: config.tier_failures_before_unhealthy,
                 ..RunnerOptions::default()
             },
         )
@@ -855,6 +858,12 @@ pub async fn run(
         let plane_clock = health.plane_clock();
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {
             m.observe_runner(&runner.held());
+            let unhealthy: Vec<String> = runner
+                .unhealthy_tiers()
+                .into_iter()
+                .map(|t| t.tier)
+                .collect();
+            m.set_unhealthy_tiers(&unhealthy);
             m.observe_warm(
                 runner.warm().map(|pool| pool.counts()),
                 runner.freshness().outdated().len(),

@@ -378,6 +378,7 @@ impl NodeService {
                             outcome: pb::Outcome::InvalidArgument.into(),
                             custody: false,
                             error: Some(pb::Error {
+                                retry_after_ms: 0,
                                 code: pb::ErrorCode::InvalidArgument.into(),
                                 message: invalid.to_string(),
                             }),
@@ -447,6 +448,7 @@ pub(super) fn failure(
         outcome: outcome.into(),
         custody: false,
         error: Some(pb::Error {
+            retry_after_ms: 0,
             code: code.into(),
             message,
         }),

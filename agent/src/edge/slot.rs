@@ -97,6 +97,7 @@ fn error_name(c: pb::ErrorCode) -> &'static str {
         pb::ErrorCode::IdentityRefused => "identity_refused",
         pb::ErrorCode::RunnerNameTaken => "runner_name_taken",
         pb::ErrorCode::RunnerOutdated => "runner_outdated",
+        pb::ErrorCode::TierUnhealthy => "tier_unhealthy",
     }
 }
 
@@ -455,6 +456,7 @@ mod tests {
         let slot = CommandSlot::new();
         let big = |i: usize| pb::CommandResult {
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Internal.into(),
                 message: "x".repeat(16 << 10),
             }),
@@ -469,6 +471,7 @@ mod tests {
         // One result larger than the whole bound is still kept, alone.
         let huge = pb::CommandResult {
             error: Some(pb::Error {
+                retry_after_ms: 0,
                 code: pb::ErrorCode::Internal.into(),
                 message: "x".repeat(RESULT_MEMORY_BYTES),
             }),

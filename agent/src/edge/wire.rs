@@ -327,6 +327,10 @@ pub(crate) fn lease(lease: pb::Lease, field: &str) -> Result<Lease, InvalidField
         request_id,
         providers,
         failure_reason,
+        // How a lease ended is the plane's record; the node names it when
+        // it ends one, and reads no lease it has ended.
+        end_reason: _,
+        end_detail: _,
     } = lease;
     let f = |name: &str| format!("{field}.{name}");
     let id = LeaseId::parse(&f("id"), &id)?;
@@ -653,6 +657,8 @@ pub(crate) mod tests {
                     request_id: 4242,
                     providers: vec!["docker".into(), "firecracker".into()],
                     failure_reason: "image pull failed".into(),
+                    end_reason: 0,
+                    end_detail: String::new(),
                 }),
                 tier: Some(pb::TierSpec {
                     label: "linux-xl".into(),
@@ -1185,6 +1191,8 @@ pub(crate) mod properties {
                     request_id,
                     providers,
                     failure_reason: String::new(),
+                    end_reason: 0,
+                    end_detail: String::new(),
                 },
             )
     }

@@ -1120,6 +1120,7 @@ impl Runner {
     /// Forgets a lease's launch and custody records, once its compute is
     /// proven gone (or was never started), and settles its sticky disks.
     pub(super) async fn forget(&self, lease: &LeaseId) {
+        self.state().tiers.ended(lease);
         self.settle_disks(lease).await;
         let forgot = async {
             self.journal.forget_custody(lease.as_str()).await?;
@@ -1136,6 +1137,7 @@ impl Runner {
     pub(super) async fn ended(&self, lease: &LeaseId) {
         let pending = {
             let mut s = self.state();
+            s.tiers.ended(lease);
             s.custody.remove(lease);
             s.running.retain(|_, r| r.lease != *lease);
             s.removals.contains(lease)

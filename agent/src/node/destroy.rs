@@ -227,7 +227,11 @@ impl Runner {
                 if let Some(why) = &order.reason
                     && let Err(e) = self
                         .ledger
-                        .mark_failure(&running.lease, running.epoch, why)
+                        .mark_failure(
+                            &running.lease,
+                            running.epoch,
+                            &FailureReason::forced(Some(why)),
+                        )
                         .await
                 {
                     warn!(lease = %running.lease, error = %e, "the forced destroy's reason was not recorded");

@@ -14,7 +14,11 @@
 //! [`Ending`] is how the node releases a lease: `done`, or `failed` with a
 //! [`FailureReason`] (an [`EndReason`], an operator's forced reason, a
 //! refused or interrupted launch, ...). The ledger port takes an `Ending`,
-//! so no path can release a lease `failed` without a reason.
+//! so no path can release a lease `failed` without a reason. Each ending
+//! names its [`ReasonCode`] and detail ([`Ending::code`]), which travel on
+//! the wire beside the words and give its [`EndClass`]; the mapping is an
+//! exhaustive match, so a new way to end names its code or does not
+//! compile (docs/lease-ends.md has the table).
 //!
 //! [`Removals`] holds the registrations still to be removed once the compute
 //! is gone: a removal GitHub answers with 404 is done; one it refuses as
@@ -32,6 +36,8 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder as _, ExponentialBuilder};
 use tokio::time::Instant;
+
+pub use billet_proto::ending::{EndClass, ReasonCode};
 
 use crate::model::{Epoch, LeaseId};
 use crate::provider::{Exit, Instance, InstanceState};
@@ -151,6 +157,28 @@ impl EndReason {
     }
 }
 
+impl EndReason {
+    /// The reason's code and its detail (an exit code, a spot notice's
+    /// action; empty when it has none).
+    pub fn code(self) -> (ReasonCode, String) {
+        match self {
+            EndReason::Oom => (ReasonCode::Oom, String::new()),
+            EndReason::Exit(code) => (ReasonCode::RunnerExit, code.to_string()),
+            EndReason::Killed => (ReasonCode::Killed, String::new()),
+            EndReason::Removed => (ReasonCode::Removed, String::new()),
+            EndReason::StartDeadline => (ReasonCode::StartDeadline, String::new()),
+            EndReason::PostJobTimeout => (ReasonCode::PostJobTimeout, String::new()),
+            EndReason::RegistrationLost => (ReasonCode::RegistrationLost, String::new()),
+            EndReason::MaxLeaseLife => (ReasonCode::MaxLeaseLife, String::new()),
+            EndReason::Drained => (ReasonCode::Drained, String::new()),
+            EndReason::SpotInterruption(action) => {
+                (ReasonCode::SpotInterruption, action.as_str().to_owned())
+            }
+            EndReason::RunnerVersionRejected => (ReasonCode::RunnerVersionRejected, String::new()),
+        }
+    }
+}
+
 impl fmt::Display for EndReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -220,12 +248,71 @@ impl FailureReason {
         }
     }
 
-    /// A reason recorded earlier, as text; an empty one is a release whose
-    /// reason an older build did not journal, which is said as such.
+    /// A reason recorded earlier, as text: the reason it spells when it
+    /// spells one ([`ReasonCode::parse_legacy`]), so a restarted node
+    /// still names its code; other words as they are; and an empty one, a
+    /// release whose reason an older build did not journal, said as such.
     pub(crate) fn recorded(text: &str) -> Self {
-        match text.trim() {
-            "" => FailureReason::Recorded("unrecorded_before_restart".to_owned()),
-            t => FailureReason::Recorded(t.to_owned()),
+        let text = text.trim();
+        if text.is_empty() {
+            return FailureReason::Recorded("unrecorded_before_restart".to_owned());
+        }
+        let (code, detail) = ReasonCode::parse_legacy(text);
+        let compute = |r| Some(FailureReason::Compute(r));
+        let typed = match code {
+            ReasonCode::Oom => compute(EndReason::Oom),
+            ReasonCode::RunnerExit => detail
+                .parse()
+                .ok()
+                .and_then(|code| compute(EndReason::Exit(code))),
+            ReasonCode::Killed => compute(EndReason::Killed),
+            ReasonCode::Removed => compute(EndReason::Removed),
+            ReasonCode::StartDeadline => compute(EndReason::StartDeadline),
+            ReasonCode::PostJobTimeout => compute(EndReason::PostJobTimeout),
+            ReasonCode::RegistrationLost => compute(EndReason::RegistrationLost),
+            ReasonCode::MaxLeaseLife => compute(EndReason::MaxLeaseLife),
+            ReasonCode::Drained => compute(EndReason::Drained),
+            ReasonCode::RunnerVersionRejected => compute(EndReason::RunnerVersionRejected),
+            ReasonCode::SpotInterruption => {
+                SpotAction::parse(&detail).and_then(|a| compute(EndReason::SpotInterruption(a)))
+            }
+            ReasonCode::ImageUnavailable => Some(FailureReason::ImageUnavailable(detail)),
+            ReasonCode::ProviderUnavailable => Some(FailureReason::ProviderUnavailable),
+            ReasonCode::RunnerOutdated => Some(FailureReason::RunnerOutdated),
+            ReasonCode::LaunchFailed if detail.is_empty() => Some(FailureReason::LaunchFailed),
+            ReasonCode::LaunchInterrupted => Some(FailureReason::LaunchInterrupted),
+            ReasonCode::MaxCustody => Some(FailureReason::MaxCustody),
+            ReasonCode::ForceRelease => Some(FailureReason::ForceRelease),
+            ReasonCode::Forced if !detail.is_empty() => Some(FailureReason::Forced(detail)),
+            // The node never fails a lease for these (the plane's own, or
+            // the job's own end): kept as the words they were.
+            ReasonCode::Completed
+            | ReasonCode::LaunchFailed
+            | ReasonCode::Forced
+            | ReasonCode::LaunchLost
+            | ReasonCode::NodeLost
+            | ReasonCode::TierUnhealthy
+            | ReasonCode::Unrecorded => None,
+        };
+        typed.unwrap_or_else(|| FailureReason::Recorded(text.to_owned()))
+    }
+
+    /// The reason's code and detail. A forced reason's detail is the
+    /// operator's text; a [`FailureReason::Recorded`] one is read from its
+    /// words ([`ReasonCode::parse_legacy`]), which is `unrecorded` only
+    /// for words that name no reason.
+    pub fn code(&self) -> (ReasonCode, String) {
+        match self {
+            FailureReason::Compute(r) => r.code(),
+            FailureReason::Forced(text) => (ReasonCode::Forced, text.clone()),
+            FailureReason::ImageUnavailable(image) => (ReasonCode::ImageUnavailable, image.clone()),
+            FailureReason::ProviderUnavailable => (ReasonCode::ProviderUnavailable, String::new()),
+            FailureReason::RunnerOutdated => (ReasonCode::RunnerOutdated, String::new()),
+            FailureReason::LaunchFailed => (ReasonCode::LaunchFailed, String::new()),
+            FailureReason::LaunchInterrupted => (ReasonCode::LaunchInterrupted, String::new()),
+            FailureReason::MaxCustody => (ReasonCode::MaxCustody, String::new()),
+            FailureReason::ForceRelease => (ReasonCode::ForceRelease, String::new()),
+            FailureReason::Recorded(text) => ReasonCode::parse_legacy(text),
         }
     }
 }
@@ -289,10 +376,21 @@ impl Ending {
         }
     }
 
-    /// As the journal keeps it: `done`, or `failed: <reason>`.
+    /// Its reason's code and detail: `completed` for `done`.
+    pub fn code(&self) -> (ReasonCode, String) {
+        match self {
+            Ending::Done => (ReasonCode::Completed, String::new()),
+            Ending::Failed(r) => r.code(),
+        }
+    }
+
+    /// As the journal keeps it: `done`, or `failed: <reason>`; a forced
+    /// reason as `failed: forced: <text>`, so that its words, which could
+    /// be any, read back as forced.
     pub(crate) fn to_journal(&self) -> String {
         match self {
             Ending::Done => "done".to_owned(),
+            Ending::Failed(FailureReason::Forced(text)) => format!("failed: forced: {text}"),
             Ending::Failed(r) => format!("failed: {r}"),
         }
     }
@@ -498,6 +596,88 @@ mod tests {
             first.reason().map(ToString::to_string).as_deref(),
             Some("oom"),
             "the first reason stays"
+        );
+    }
+
+    /// Every way the node fails a lease names a code, whose class is the
+    /// docs' table's; a forced reason stays forced across the journal,
+    /// whatever its words; done is the job's `completed`.
+    #[test]
+    fn every_ending_names_its_code_and_class_and_keeps_it_across_the_journal() {
+        use billet_proto::ending::{EndClass, ReasonCode};
+        let cases = [
+            (Ending::Done, ReasonCode::Completed, "", EndClass::Job),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::Exit(3))),
+                ReasonCode::RunnerExit,
+                "3",
+                EndClass::Job,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::Oom)),
+                ReasonCode::Oom,
+                "",
+                EndClass::Job,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::StartDeadline)),
+                ReasonCode::StartDeadline,
+                "",
+                EndClass::Runner,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::Killed)),
+                ReasonCode::Killed,
+                "",
+                EndClass::Infra,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::SpotInterruption(
+                    SpotAction::Stop,
+                ))),
+                ReasonCode::SpotInterruption,
+                "stop",
+                EndClass::Infra,
+            ),
+            (
+                Ending::Failed(FailureReason::ImageUnavailable("runner:1".into())),
+                ReasonCode::ImageUnavailable,
+                "runner:1",
+                EndClass::Infra,
+            ),
+            (
+                Ending::Failed(FailureReason::forced(Some("oom"))),
+                ReasonCode::Forced,
+                "oom",
+                EndClass::Operator,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::MaxLeaseLife)),
+                ReasonCode::MaxLeaseLife,
+                "",
+                EndClass::Operator,
+            ),
+            (
+                Ending::Failed(FailureReason::Compute(EndReason::Drained)),
+                ReasonCode::Drained,
+                "",
+                EndClass::Operator,
+            ),
+        ];
+        for (ending, code, detail, class) in cases {
+            assert_eq!(ending.code(), (code, detail.to_owned()), "{ending}");
+            assert_eq!(code.class(), class, "{ending}");
+            let back = Ending::from_journal(&ending.to_journal()).expect("read back");
+            assert_eq!(back.code(), ending.code(), "{ending} across the journal");
+        }
+        // A reason an older build journaled only as words.
+        assert_eq!(
+            Ending::from_journal("failed").map(|e| e.code().0),
+            Some(ReasonCode::Unrecorded)
+        );
+        assert_eq!(
+            FailureReason::recorded("ec2 spot interruption: terminate"),
+            FailureReason::Compute(EndReason::SpotInterruption(SpotAction::Terminate))
         );
     }
 

@@ -62,6 +62,22 @@ impl Runner {
             {
                 reason = Some(EndReason::RunnerVersionRejected);
             }
+            if let Some(why @ (EndReason::Exit(_) | EndReason::RunnerVersionRejected)) = reason
+                && !r.online
+            {
+                // An ephemeral runner exits 0 after its job: one that exits
+                // otherwise before it was seen online never became a runner.
+                let threshold = self.options.tier_failures_before_unhealthy;
+                let error = format!("its runner exited before coming online ({why})");
+                let tripped = self
+                    .state()
+                    .tiers
+                    .exited_before_online(&r.lease, &error, threshold);
+                if let Some(unhealthy) = tripped {
+                    warn!(tier = %unhealthy.tier, failures = unhealthy.failures, retry_after = ?unhealthy.retry_after,
+                          "the tier keeps failing to start here; refusing its launches until the wait passes or its definition changes");
+                }
+            }
             let still = {
                 let mut s = self.state();
                 let same = s
@@ -301,7 +317,7 @@ impl Runner {
     /// lease fenced, ended, or already holding another reason) is an answer
     /// from the ledger: the lease is ended all the same. Idempotent.
     pub async fn interrupt(&self, reason: EndReason) -> Interrupted {
-        let why = reason.to_string();
+        let why = FailureReason::Compute(reason);
         let mut done = Interrupted::default();
         let mut destroy = Vec::new();
         for (request_id, r) in self.running_snapshot() {
@@ -367,7 +383,7 @@ impl Runner {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        why: &str,
+        why: &FailureReason,
     ) -> bool {
         match self.ledger.mark_failure(lease, epoch, why).await {
             Ok(()) => true,

@@ -106,6 +106,22 @@ struct ReasonLabel {
     reason: String,
 }
 
+/// A lease's end: its class and reason, both from
+/// [`billet_proto::ending`]'s closed sets.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndLabels {
+    class: &'static str,
+    reason: &'static str,
+}
+
+/// A tier the node refuses after consecutive start failures. Tier labels
+/// come from the plane's configuration, a set its operator bounds, and a
+/// tier is labelled only while it is unhealthy.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabel {
+    tier: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
     version: String,
@@ -145,6 +161,8 @@ pub(crate) struct Metrics {
     cache_evicted_generations: Counter,
     cache_evicted_archives: Counter,
     cache_evicted_bytes: Counter,
+    lease_ends: Family<EndLabels, Counter>,
+    tiers_unhealthy: Family<TierLabel, Gauge>,
 }
 
 /// Raises a counter that mirrors a sum kept elsewhere to `to`; a smaller
@@ -201,6 +219,8 @@ impl Metrics {
             cache_evicted_generations: Counter::default(),
             cache_evicted_archives: Counter::default(),
             cache_evicted_bytes: Counter::default(),
+            lease_ends: Family::default(),
+            tiers_unhealthy: Family::default(),
         };
         let r = registry.sub_registry_with_prefix("billet");
         r.register(
@@ -356,6 +376,16 @@ impl Metrics {
             "Bytes freed on the cache directory's disk by eviction, generations and archives (allocated blocks)",
             m.cache_evicted_bytes.clone(),
         );
+        r.register(
+            "lease_ends",
+            "Leases this node released, by the class and reason of their end (docs/lease-ends.md)",
+            m.lease_ends.clone(),
+        );
+        r.register(
+            "tier_unhealthy",
+            "1 for each tier this node refuses after consecutive start failures, until a launch of it starts again",
+            m.tiers_unhealthy.clone(),
+        );
         for state in LEASE_STATES {
             m.leases_held.get_or_create(&StateLabel { state }).set(0);
         }
@@ -420,6 +450,29 @@ impl Metrics {
         raise_to(&self.warm_claims, counts.claimed);
         self.images_refused
             .set(i64::try_from(refused).unwrap_or(i64::MAX));
+    }
+
+    /// A lease was released with `ending`: counts its class and reason.
+    pub(crate) fn lease_ended(&self, ending: &crate::node::ending::Ending) {
+        let (code, _) = ending.code();
+        self.lease_ends
+            .get_or_create(&EndLabels {
+                class: code.class().as_str(),
+                reason: code.as_str(),
+            })
+            .inc();
+    }
+
+    /// Sets the unhealthy-tier gauge to exactly `tiers`: a tier no longer
+    /// listed is dropped rather than kept at 0, so the label set stays
+    /// what is unhealthy now.
+    pub(crate) fn set_unhealthy_tiers(&self, tiers: &[String]) {
+        self.tiers_unhealthy.clear();
+        for tier in tiers {
+            self.tiers_unhealthy
+                .get_or_create(&TierLabel { tier: tier.clone() })
+                .set(1);
+        }
     }
 
     /// Sets the held-lease gauges from one reading of the runner's state:
@@ -1001,6 +1054,9 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         let start = Instant::now();
         let r = self.inner.release(lease, epoch, ending).await;
         self.observe("release", start, &r);
+        if r.is_ok() {
+            self.metrics.lease_ended(ending);
+        }
         r
     }
 
@@ -1008,7 +1064,7 @@ impl<P: LeaseStore + 'static> LeaseStore for MeteredPlane<P> {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        reason: &str,
+        reason: &crate::node::ending::FailureReason,
     ) -> Result<(), PlaneError> {
         let start = Instant::now();
         let r = self.inner.mark_failure(lease, epoch, reason).await;
@@ -1229,6 +1285,37 @@ mod tests {
         );
         m.set_leases(&[], 0, Duration::ZERO);
         assert!(encoded(&registry).contains("billet_leases_held{state=\"running\"} 0"));
+    }
+
+    /// Each release is counted by its class and reason, both from closed
+    /// sets; an unhealthy tier is a series only while it is unhealthy.
+    #[test]
+    fn lease_ends_are_counted_by_class_and_reason_and_unhealthy_tiers_come_and_go() {
+        use crate::node::ending::{EndReason, Ending, FailureReason, SpotAction};
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry, "1.2.3", "abc");
+        m.lease_ended(&Ending::Done);
+        m.lease_ended(&Ending::Done);
+        m.lease_ended(&Ending::Failed(FailureReason::Compute(
+            EndReason::SpotInterruption(SpotAction::Terminate),
+        )));
+        m.lease_ended(&Ending::Failed(FailureReason::forced(Some("cancelled"))));
+        let text = encoded(&registry);
+        for line in [
+            "billet_lease_ends_total{class=\"job\",reason=\"completed\"} 2",
+            "billet_lease_ends_total{class=\"infra\",reason=\"spot_interruption\"} 1",
+            "billet_lease_ends_total{class=\"operator\",reason=\"forced\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        m.set_unhealthy_tiers(&["small".to_owned()]);
+        assert!(
+            encoded(&registry).contains("billet_tier_unhealthy{tier=\"small\"} 1"),
+            "{}",
+            encoded(&registry)
+        );
+        m.set_unhealthy_tiers(&[]);
+        assert!(!encoded(&registry).contains("tier=\"small\""));
     }
 
     /// An ending lease (its runner within the post-job grace) is

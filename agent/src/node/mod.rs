@@ -7,8 +7,9 @@
 //! recovery's gate ([`recovery`]), the ports it asks the plane through
 //! ([`plane`]), its health and degraded reasons ([`health`]), its metrics
 //! ([`metrics`]), spot interruption notices ([`interruption`]), the warm
-//! runners started ahead of their jobs ([`warm`]), and the runner versions
-//! it refuses to launch ([`freshness`]).
+//! runners started ahead of their jobs ([`warm`]), the runner versions
+//! it refuses to launch ([`freshness`]), and the tiers it refuses after
+//! consecutive start failures ([`tiers`]).
 //!
 //! May not touch: generated proto types (that is the gRPC face's, `edge`), the
 //! Docker engine except through [`crate::provider::Provider`], SQLite except
@@ -28,4 +29,5 @@ mod recover;
 pub(crate) mod recovery;
 pub mod runner;
 mod sweep;
+pub mod tiers;
 pub mod warm;

@@ -195,13 +195,14 @@ pub trait LeaseStore: Send + Sync + std::fmt::Debug {
         epoch: Epoch,
         ending: &super::ending::Ending,
     ) -> Result<(), PlaneError>;
-    /// Records why the lease's job will fail (`oom`, `exit 3`, ...), before
-    /// it is released `failed`. The ledger keeps the first reason.
+    /// Records why the lease's job will fail (`oom`, `exit 3`, ...), with
+    /// its code, before it is released `failed`. The ledger keeps the
+    /// first reason.
     async fn mark_failure(
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        reason: &str,
+        reason: &super::ending::FailureReason,
     ) -> Result<(), PlaneError>;
     /// Reads a lease.
     async fn lease(&self, lease: &LeaseId) -> Result<Lease, PlaneError>;

@@ -25,6 +25,7 @@ use tracing::{info, warn};
 use super::custody::CustodyEntry;
 use super::ending::{Ending, FailureReason, Removals};
 use super::plane::{JitSource, LeaseStore, PlaneError};
+use super::tiers::Definition;
 use crate::cache::Store;
 use crate::journal::{Journal, LaunchRecord, MemoryJournal};
 use crate::model::Registration;
@@ -116,6 +117,11 @@ pub enum RunnerError {
     /// code `ERROR_CODE_RUNNER_NAME_TAKEN`).
     #[error("{0}")]
     RunnerNameTaken(String),
+    /// A launch of a tier that failed to start here too many times in a
+    /// row, refused before anything was bound, minted or started (wire:
+    /// `OUTCOME_REFUSED`, `ERROR_CODE_TIER_UNHEALTHY`, with the wait).
+    #[error("{0}")]
+    TierUnhealthy(super::tiers::Unhealthy),
     /// The runner is working, so nothing was destroyed and its instance runs
     /// on: GitHub refused to remove its registration (JobStillRunning) under
     /// a scale-down, or it is still working after its job's completion; or a
@@ -192,6 +198,8 @@ pub(super) struct State {
     pub(super) warm_hints: HashMap<LeaseId, InstanceName>,
     /// The image and image id each launch in progress checked.
     pub(super) images: HashMap<LeaseId, (String, String)>,
+    /// Each tier's consecutive start failures here.
+    pub(super) tiers: super::tiers::TierHealth,
 }
 
 /// Where a held lease stands on this node.
@@ -293,6 +301,9 @@ pub struct RunnerOptions {
     /// untrusted tier may run on a provider that shares the host's kernel.
     /// False by default: such a tier is refused.
     pub isolated_containers: bool,
+    /// Consecutive start failures after which a tier's launches are
+    /// refused here for a backoff ([`super::tiers`]); 0: never.
+    pub tier_failures_before_unhealthy: u32,
 }
 
 impl Default for RunnerOptions {
@@ -305,6 +316,7 @@ impl Default for RunnerOptions {
             post_job_grace: POST_JOB_GRACE,
             stop_timeout: STOP_TIMEOUT,
             isolated_containers: false,
+            tier_failures_before_unhealthy: super::tiers::FAILURES_BEFORE_UNHEALTHY,
         }
     }
 }
@@ -930,8 +942,9 @@ impl Runner {
                 tier.label
             )));
         }
+        let definition = Definition::new(&tier, lease.vcpu, lease.memory.0);
         {
-            let s = self.state();
+            let mut s = self.state();
             if s.draining {
                 return Err(RunnerError::Refused(
                     "this node is draining and takes no new launches".into(),
@@ -960,9 +973,30 @@ impl Runner {
                     Self::launched_already(&lease, held.epoch)
                 };
             }
+            if let Err(unhealthy) = s.tiers.admit(&definition) {
+                return Err(RunnerError::TierUnhealthy(unhealthy));
+            }
+            // Compute being torn down for the request (a failed launch's
+            // instance still being removed) whose registration is gone takes
+            // no job and is destroyed on sight: the job's next runner goes
+            // on beside it. One whose registration is not yet removed could
+            // still take the job, and waits for its removal.
+            let teardown = s
+                .custody
+                .values()
+                .filter(|e| e.request_id == lease.request_id && e.discard)
+                .find(|e| e.registration.is_some());
+            if let Some(e) = teardown {
+                return Err(RunnerError::Failed(format!(
+                    "request {} has a failed launch's compute ({}) being torn down on this node, whose runner registration is not removed yet; release lease {}, and launch again once it is",
+                    lease.request_id, e.instance, lease.id
+                )));
+            }
             // Another lease for a request that already has compute here: the
             // job is running under the first lease, so this one may go.
-            if s.custody.values().any(|e| e.request_id == lease.request_id)
+            if s.custody
+                .values()
+                .any(|e| e.request_id == lease.request_id && !e.discard)
                 || s.running.contains_key(&lease.request_id)
             {
                 return Err(RunnerError::Failed(format!(
@@ -1127,6 +1161,11 @@ impl Runner {
             }
             Err(ProviderError::ImageUnavailable { image }) => {
                 warn!(lease = %lease.id, %image, "refusing a launch whose image is not on this node");
+                self.tier_failed_to_start(
+                    lease,
+                    tier,
+                    &format!("image {image} is not on this node"),
+                );
                 Some(RunnerError::ImageUnavailable { image })
             }
             Err(e) => {
@@ -1316,11 +1355,13 @@ impl Runner {
         }
         match created {
             Ok(instance) => {
-                self.started(lease, name, job, record, &instance).await;
+                self.started(lease, tier, name, job, record, &instance)
+                    .await;
                 Ok(())
             }
             Err(create_error) => {
                 warn!(lease = %lease.id, error = %create_error, "create failed; removing the registration, then any stray");
+                self.create_failed(lease, tier, &create_error);
                 self.fail_launch(
                     lease,
                     name,
@@ -1337,6 +1378,7 @@ impl Runner {
     async fn started(
         &self,
         lease: &Lease,
+        tier: &TierSpec,
         name: &InstanceName,
         job: &Job,
         record: &mut LaunchRecord,
@@ -1346,6 +1388,10 @@ impl Runner {
               repository = %job.repository, "launched");
         {
             let mut s = self.state();
+            s.tiers.started(
+                &lease.id,
+                &Definition::new(tier, lease.vcpu, lease.memory.0),
+            );
             let image = s.images.remove(&lease.id);
             s.running.insert(
                 lease.request_id,
@@ -1423,11 +1469,13 @@ impl Runner {
         let registered = (registration.runner_id, registration.runner_name);
         match (ready, created) {
             (Ok(()), Ok(instance)) => {
-                self.started(lease, name, job, record, &instance).await;
+                self.started(lease, tier, name, job, record, &instance)
+                    .await;
                 Ok(())
             }
             (Ok(()), Err(create_error)) => {
                 warn!(lease = %lease.id, error = %create_error, "create failed; removing the registration, then any stray");
+                self.create_failed(lease, tier, &create_error);
                 self.fail_launch(
                     lease,
                     name,
@@ -1467,6 +1515,41 @@ impl Runner {
                 Err(refused)
             }
         }
+    }
+
+    /// A launch's create or start failed with `error`: a start failure of
+    /// its tier when the engine refused the instance (not when it could not
+    /// be asked, which degrades the node instead, nor when the start was
+    /// withheld for a refused bind).
+    fn create_failed(&self, lease: &Lease, tier: &TierSpec, error: &ProviderError) {
+        match error {
+            ProviderError::Engine { .. }
+            | ProviderError::Refused(_)
+            | ProviderError::ImageUnavailable { .. } => {
+                self.tier_failed_to_start(lease, tier, &error.to_string());
+            }
+            ProviderError::Unreachable { .. }
+            | ProviderError::Timeout { .. }
+            | ProviderError::StartWithheld { .. } => {}
+        }
+    }
+
+    /// Counts a start failure of `tier`, launched for `lease`, and says so
+    /// when it makes the tier unhealthy.
+    pub(super) fn tier_failed_to_start(&self, lease: &Lease, tier: &TierSpec, error: &str) {
+        let definition = Definition::new(tier, lease.vcpu, lease.memory.0);
+        let threshold = self.options.tier_failures_before_unhealthy;
+        let tripped = self.state().tiers.failed(&definition, error, threshold);
+        if let Some(unhealthy) = tripped {
+            warn!(tier = %unhealthy.tier, failures = unhealthy.failures, retry_after = ?unhealthy.retry_after,
+                  last_error = %unhealthy.last_error, "the tier keeps failing to start here; refusing its launches until the wait passes or its definition changes");
+        }
+    }
+
+    /// The tiers this node refuses after consecutive start failures, by
+    /// label, for status and metrics.
+    pub fn unhealthy_tiers(&self) -> Vec<super::tiers::UnhealthyTier> {
+        self.state().tiers.unhealthy()
     }
 
     /// spec/node.md §2.2 step 14: routing first, then compute, and hold

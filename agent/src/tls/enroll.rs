@@ -161,7 +161,12 @@ pub(crate) async fn enroll(
         .map_err(|s| unavailable(format!("{}: {}", s.code(), s.message())))?
         .into_inner();
     let pb::EnrollmentReply { error, certificate } = reply;
-    if let Some(pb::Error { code, message }) = error {
+    if let Some(pb::Error {
+        code,
+        message,
+        retry_after_ms: _,
+    }) = error
+    {
         return Err(
             match pb::ErrorCode::try_from(code).unwrap_or(pb::ErrorCode::Unspecified) {
                 pb::ErrorCode::Unavailable | pb::ErrorCode::ResourceExhausted => {

@@ -26,7 +26,7 @@ use billet_agent::model::Registration;
 use billet_agent::model::{
     ByteSize, Epoch, InstanceName, JitConfig, Lease, LeaseId, Phase, RequestId,
 };
-use billet_agent::node::ending::Ending;
+use billet_agent::node::ending::{Ending, FailureReason};
 use billet_agent::node::plane::{JitSource, LaunchedSet, LeaseStore, PlaneError, Retired};
 use billet_agent::node::warm::WarmRooms;
 use billet_agent::provider::Instance;
@@ -1424,10 +1424,11 @@ impl LeaseStore for FakeLedger {
         &self,
         lease: &LeaseId,
         epoch: Epoch,
-        reason: &str,
+        reason: &FailureReason,
     ) -> Result<(), PlaneError> {
+        let reason = reason.to_string();
         self.call(LOp::MarkFailure, std::slice::from_ref(lease), false, |c| {
-            c.mark_failure(lease, epoch, reason)
+            c.mark_failure(lease, epoch, &reason)
         })
         .await
     }

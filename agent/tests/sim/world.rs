@@ -297,7 +297,8 @@ fn kind(r: &Result<(), RunnerError>) -> &'static str {
             | RunnerError::ImageUnavailable { .. }
             | RunnerError::RunnerOutdated(_)
             | RunnerError::ProviderUnavailable(_)
-            | RunnerError::JournalUnwritable(_),
+            | RunnerError::JournalUnwritable(_)
+            | RunnerError::TierUnhealthy(_),
         ) => "refused",
         Err(RunnerError::Busy { held: true, .. }) => "busy (held)",
         Err(RunnerError::Busy { held: false, .. }) => "busy",

@@ -14,6 +14,7 @@ mod wire;
 use std::sync::Arc;
 use std::time::Duration;
 
+use billet_proto::ending::ReasonCode;
 use billet_proto::v1 as pb;
 use tracing::warn;
 
@@ -383,6 +384,8 @@ impl CallHandler {
                 lease_id,
                 epoch,
                 outcome,
+                code,
+                detail,
             }) => {
                 let outcome = Phase::parse(&outcome)
                     .filter(|p| p.is_terminal())
@@ -392,7 +395,13 @@ impl CallHandler {
                             format!("release.outcome: {outcome:?} is neither done nor failed"),
                         )
                     })?;
-                l.release(&lease_id, epoch, Some(node), outcome, now)
+                // A node that predates codes names none; the ledger reads
+                // the lease's words then.
+                let end = match ReasonCode::from_wire(code) {
+                    ReasonCode::Unrecorded => None,
+                    code => Some((code, detail.as_str())),
+                };
+                l.release_ending(&lease_id, epoch, Some(node), outcome, end, now)
                     .await
                     .map_err(le)?;
                 Ok(None)
@@ -401,11 +410,18 @@ impl CallHandler {
                 lease_id,
                 epoch,
                 reason,
+                code,
+                detail,
             }) => {
                 self.owned(node, &lease_id, "mark").await?;
-                l.mark_failure(&lease_id, epoch, &reason, now)
-                    .await
-                    .map_err(le)?;
+                let marked = match ReasonCode::from_wire(code) {
+                    ReasonCode::Unrecorded => l.mark_failure(&lease_id, epoch, &reason, now).await,
+                    code => {
+                        l.mark_failure_as(&lease_id, epoch, &reason, (code, &detail), now)
+                            .await
+                    }
+                };
+                marked.map_err(le)?;
                 Ok(None)
             }
             Call::GetLease(pb::GetLease { lease_id }) => {

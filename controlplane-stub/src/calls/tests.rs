@@ -431,6 +431,7 @@ async fn a_node_asking_for_another_nodes_lease_is_refused_and_the_lease_is_untou
             lease_id: "theirs".into(),
             epoch: lease.epoch,
             outcome: "failed".into(),
+            ..Default::default()
         }),
         pb::node_call::Call::Bind(pb::Bind {
             lease_id: "theirs".into(),
@@ -457,6 +458,7 @@ async fn a_node_asking_for_another_nodes_lease_is_refused_and_the_lease_is_untou
             lease_id: "theirs".into(),
             epoch: lease.epoch,
             reason: "x".into(),
+            ..Default::default()
         }),
     ];
     for attempt in attempts {
@@ -532,6 +534,7 @@ async fn a_failure_reason_marked_over_the_wire_reaches_the_ledger_and_comes_back
                 lease_id: "mine".into(),
                 epoch: lease.epoch,
                 reason: "the host lost its disk".into(),
+                ..Default::default()
             })),
         )
         .await;
@@ -573,6 +576,85 @@ async fn a_failure_reason_marked_over_the_wire_reaches_the_ledger_and_comes_back
         panic!("no lease in the reply: {:?}", read.error);
     };
     assert_eq!(l.failure_reason, "");
+}
+
+/// A lease's end travels as a code: the node's code and detail reach the
+/// ledger and come back on a read with their class; the first code stays;
+/// a node that names no code (one that predates them) has its words read.
+#[tokio::test]
+async fn an_end_named_over_the_wire_is_kept_as_its_code_and_read_back_with_its_class() {
+    use billet_proto::ending::{EndClass, ReasonCode};
+    let (handler, ledger, _emulator) = handler().await;
+    let lease = launching_on(&ledger, "spot", "node-a").await;
+    let send = |call_body| handler.handle("node-a", call(call_body));
+    let marked = send(pb::node_call::Call::MarkFailure(pb::MarkFailure {
+        lease_id: "spot".into(),
+        epoch: lease.epoch,
+        reason: "ec2 spot interruption: terminate".into(),
+        code: pb::EndReason::SpotInterruption.into(),
+        detail: "terminate".into(),
+    }))
+    .await;
+    assert!(marked.error.is_none(), "{marked:?}");
+    let released = send(pb::node_call::Call::Release(pb::Release {
+        lease_id: "spot".into(),
+        epoch: lease.epoch,
+        outcome: "failed".into(),
+        code: pb::EndReason::Killed.into(),
+        detail: String::new(),
+    }))
+    .await;
+    assert!(released.error.is_none(), "{released:?}");
+    let ended = ledger.get("spot").await.unwrap().expect("the lease");
+    let end = ended.end().expect("ended");
+    assert_eq!(end, (ReasonCode::SpotInterruption, "terminate".to_owned()));
+    assert_eq!(end.0.class(), EndClass::Infra);
+    let read = send(pb::node_call::Call::GetLease(pb::GetLease {
+        lease_id: "spot".into(),
+    }))
+    .await;
+    let Some(pb::plane_reply::Result::Lease(l)) = read.result else {
+        panic!("no lease in the reply: {:?}", read.error);
+    };
+    assert_eq!(l.end_reason, pb::EndReason::SpotInterruption as i32);
+    assert_eq!(l.end_detail, "terminate");
+
+    // Done, named as completed; and an older node's words, read.
+    let done = launching_on(&ledger, "done", "node-a").await;
+    let released = send(pb::node_call::Call::Release(pb::Release {
+        lease_id: "done".into(),
+        epoch: done.epoch,
+        outcome: "done".into(),
+        code: pb::EndReason::Completed.into(),
+        detail: String::new(),
+    }))
+    .await;
+    assert!(released.error.is_none(), "{released:?}");
+    let done = ledger.get("done").await.unwrap().expect("the lease");
+    assert_eq!(done.end(), Some((ReasonCode::Completed, String::new())));
+    let old = launching_on(&ledger, "old", "node-a").await;
+    for body in [
+        pb::node_call::Call::MarkFailure(pb::MarkFailure {
+            lease_id: "old".into(),
+            epoch: old.epoch,
+            reason: "exit 3".into(),
+            ..Default::default()
+        }),
+        pb::node_call::Call::Release(pb::Release {
+            lease_id: "old".into(),
+            epoch: old.epoch,
+            outcome: "failed".into(),
+            ..Default::default()
+        }),
+    ] {
+        let reply = send(body).await;
+        assert!(reply.error.is_none(), "{reply:?}");
+    }
+    let old = ledger.get("old").await.unwrap().expect("the lease");
+    assert_eq!(old.end(), Some((ReasonCode::RunnerExit, "3".to_owned())));
+    assert_eq!(old.end().map(|(c, _)| c.class()), Some(EndClass::Job));
+    let open = launching_on(&ledger, "open", "node-a").await;
+    assert_eq!(open.end(), None, "an open lease has not ended");
 }
 
 /// 7.O.21: only a verdict is permanent. GitHub refusing to remove a

@@ -8,6 +8,7 @@ use crate::ledger::LedgerError;
 
 pub(super) fn error(code: pb::ErrorCode, message: impl Into<String>) -> pb::Error {
     pb::Error {
+        retry_after_ms: 0,
         code: code.into(),
         message: message.into(),
     }
@@ -50,5 +51,10 @@ pub fn lease_to_wire(l: &crate::ledger::Lease) -> pb::Lease {
         request_id: l.request_id,
         providers: Vec::new(),
         failure_reason: l.failure_reason.clone().unwrap_or_default(),
+        end_reason: l
+            .end()
+            .map_or(pb::EndReason::Unspecified, |(code, _)| code.into())
+            .into(),
+        end_detail: l.end().map(|(_, detail)| detail).unwrap_or_default(),
     }
 }

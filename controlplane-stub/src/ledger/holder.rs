@@ -13,6 +13,7 @@
 //! row in `nodes`, then sums what the node is charged and decides, so two
 //! handles placing on one node take turns.
 
+use billet_proto::ending::ReasonCode;
 use sqlx::{Any, Row, Transaction};
 use sqlx::{AnyConnection, Connection as _};
 
@@ -339,6 +340,27 @@ impl Ledger {
         outcome: Phase,
         now_ms: i64,
     ) -> Result<Lease> {
+        self.release_ending(id, epoch, node, outcome, None, now_ms)
+            .await
+    }
+
+    /// [`Ledger::release`], recording why it ended (`end`: its code and
+    /// detail) unless a code is recorded already (the first one stays, as
+    /// the failure reason's does). `None`: the holder named no code (a node
+    /// that predates codes); [`Lease::end`] reads the lease's words then.
+    ///
+    /// # Errors
+    ///
+    /// As [`Ledger::release`].
+    pub async fn release_ending(
+        &self,
+        id: &str,
+        epoch: u64,
+        node: Option<&str>,
+        outcome: Phase,
+        end: Option<(ReasonCode, &str)>,
+        now_ms: i64,
+    ) -> Result<Lease> {
         if !outcome.is_terminal() {
             return Err(LedgerError::Invalid(format!(
                 "lease {id} can only be released as done or failed, not {outcome}"
@@ -361,13 +383,20 @@ impl Ledger {
                 )))
             };
         }
+        // The right-hand sides read the row as it was, so the detail is
+        // written only with the code it belongs to.
         let done = sqlx::query(
-            "UPDATE leases SET phase = $1, ended_at_ms = $2 WHERE id = $3 AND epoch = $4",
+            "UPDATE leases SET phase = $1, ended_at_ms = $2, \
+             end_reason = COALESCE(end_reason, $5), \
+             end_detail = CASE WHEN end_reason IS NULL THEN $6 ELSE end_detail END \
+             WHERE id = $3 AND epoch = $4",
         )
         .bind(outcome.as_str())
         .bind(now_ms)
         .bind(id)
         .bind(db_epoch(epoch))
+        .bind(end.map(|(code, _)| code.as_str()))
+        .bind(end.map(|(_, detail)| detail))
         .execute(&mut *tx)
         .await?;
         expect_one_row(done.rows_affected(), id)?;
@@ -451,13 +480,15 @@ impl Ledger {
             Unless::Minted => (
                 lease.runner_id.is_some(),
                 "UPDATE leases SET phase = $1, ended_at_ms = $2, \
-                 failure_reason = COALESCE(failure_reason, $5) \
+                 failure_reason = COALESCE(failure_reason, $5), \
+                 end_reason = COALESCE(end_reason, $6) \
                  WHERE id = $3 AND epoch = $4 AND runner_id IS NULL",
             ),
             Unless::Bound => (
                 lease.node.is_some(),
                 "UPDATE leases SET phase = $1, ended_at_ms = $2, \
-                 failure_reason = COALESCE(failure_reason, $5) \
+                 failure_reason = COALESCE(failure_reason, $5), \
+                 end_reason = COALESCE(end_reason, $6) \
                  WHERE id = $3 AND epoch = $4 AND node IS NULL",
             ),
         };
@@ -470,6 +501,7 @@ impl Ledger {
             .bind(id)
             .bind(db_epoch(epoch))
             .bind(LAUNCH_LOST)
+            .bind(ReasonCode::LaunchLost.as_str())
             .execute(&mut *tx)
             .await?;
         expect_one_row(done.rows_affected(), id)?;
@@ -488,6 +520,26 @@ impl Ledger {
         id: &str,
         epoch: u64,
         reason: &str,
+        now_ms: i64,
+    ) -> Result<Lease> {
+        let (code, detail) = ReasonCode::parse_legacy(reason);
+        self.mark_failure_as(id, epoch, reason, (code, &detail), now_ms)
+            .await
+    }
+
+    /// [`Ledger::mark_failure`] with the reason's code and detail as its
+    /// holder named them (`end`), recorded with the words; the first
+    /// reason stays, code and all.
+    ///
+    /// # Errors
+    ///
+    /// As [`Ledger::mark_failure`].
+    pub(crate) async fn mark_failure_as(
+        &self,
+        id: &str,
+        epoch: u64,
+        reason: &str,
+        end: (ReasonCode, &str),
         _now_ms: i64,
     ) -> Result<Lease> {
         if reason.trim().is_empty() {
@@ -511,13 +563,19 @@ impl Ledger {
             }
             None => {}
         }
-        let done =
-            sqlx::query("UPDATE leases SET failure_reason = $1 WHERE id = $2 AND epoch = $3")
-                .bind(reason)
-                .bind(id)
-                .bind(db_epoch(epoch))
-                .execute(&mut *tx)
-                .await?;
+        let done = sqlx::query(
+            "UPDATE leases SET failure_reason = $1, \
+             end_reason = COALESCE(end_reason, $4), \
+             end_detail = CASE WHEN end_reason IS NULL THEN $5 ELSE end_detail END \
+             WHERE id = $2 AND epoch = $3",
+        )
+        .bind(reason)
+        .bind(id)
+        .bind(db_epoch(epoch))
+        .bind(end.0.as_str())
+        .bind(end.1)
+        .execute(&mut *tx)
+        .await?;
         expect_one_row(done.rows_affected(), id)?;
         finish(tx, id).await
     }
@@ -1421,6 +1479,74 @@ mod tests {
                     assert_eq!(setting, "on");
                 }
             }
+        }
+    }
+
+    on_both_backends! {
+        /// The first end's code stays, with its detail, as the first
+        /// failure reason does; a release names a code only where none is
+        /// recorded; and a lease whose holder named none is read from its
+        /// words, done as `completed`.
+        async fn a_lease_keeps_the_first_end_code_and_reads_older_words(db) {
+            use billet_proto::ending::{EndClass, ReasonCode};
+            let l = db.ledger().await;
+            lease_in(&l, "a", "n1", &[Phase::Launching, Phase::Online], 0).await;
+            l.mark_failure_as(
+                "a",
+                1,
+                "ec2 spot interruption: terminate",
+                (ReasonCode::SpotInterruption, "terminate"),
+                1,
+            )
+            .await
+            .unwrap();
+            assert_eq!(l.get("a").await.unwrap().unwrap().end(), None, "still open");
+            l.release_ending(
+                "a",
+                1,
+                Some("n1"),
+                Phase::Failed,
+                Some((ReasonCode::Killed, "")),
+                2,
+            )
+            .await
+            .unwrap();
+            let a = l.get("a").await.unwrap().unwrap();
+            let end = a.end().unwrap();
+            assert_eq!(end, (ReasonCode::SpotInterruption, "terminate".to_owned()));
+            assert_eq!(end.0.class(), EndClass::Infra);
+
+            lease_in(&l, "b", "n1", &[Phase::Launching, Phase::Online], 0).await;
+            l.release_ending(
+                "b",
+                1,
+                Some("n1"),
+                Phase::Done,
+                Some((ReasonCode::Completed, "")),
+                2,
+            )
+            .await
+            .unwrap();
+            let b = l.get("b").await.unwrap().unwrap();
+            assert_eq!(b.end(), Some((ReasonCode::Completed, String::new())));
+
+            // Written as before codes: the words are read.
+            lease_in(&l, "c", "n1", &[Phase::Launching], 0).await;
+            l.mark_failure("c", 1, "exit 3", 1).await.unwrap();
+            l.release("c", 1, Some("n1"), Phase::Failed, 2).await.unwrap();
+            let c = l.get("c").await.unwrap().unwrap();
+            assert_eq!(c.end(), Some((ReasonCode::RunnerExit, "3".to_owned())));
+            lease_in(&l, "d", "n1", &[Phase::Launching], 0).await;
+            l.release("d", 1, Some("n1"), Phase::Failed, 2).await.unwrap();
+            let d = l.get("d").await.unwrap().unwrap();
+            assert_eq!(d.end(), Some((ReasonCode::Unrecorded, String::new())));
+            assert_eq!(d.end().map(|(c, _)| c.class()), Some(EndClass::Unknown));
+
+            // A lost launch ends `launch_lost`.
+            l.reserve(new_lease("e"), 0).await.unwrap();
+            l.release_unminted("e", 1, 3).await.unwrap();
+            let e = l.get("e").await.unwrap().unwrap();
+            assert_eq!(e.end().map(|(c, _)| c), Some(ReasonCode::LaunchLost));
         }
     }
 }

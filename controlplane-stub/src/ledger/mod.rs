@@ -106,6 +106,7 @@ mod warm;
 
 use std::time::Duration;
 
+use billet_proto::ending::ReasonCode;
 use sqlx::{Any, AnyPool, Transaction};
 use thiserror::Error;
 
@@ -252,11 +253,39 @@ pub struct Lease {
     pub(crate) held_at_ms: Option<i64>,
     /// A reason the job will fail, first one recorded.
     pub failure_reason: Option<String>,
+    /// Why it ended, as the holder named it (the first code recorded);
+    /// `None` while open, and for a lease that ended before codes existed
+    /// or whose holder named none: [`Lease::end`] reads those.
+    pub(crate) end_reason: Option<ReasonCode>,
+    /// The end's detail (an exit code, an operator's text, an image).
+    pub(crate) end_detail: Option<String>,
     /// An operator asked the custody holder to let go.
     pub(crate) force_release: bool,
     pub(crate) created_at_ms: i64,
     /// When the lease reached done or failed.
     pub ended_at_ms: Option<i64>,
+}
+
+impl Lease {
+    /// Why the lease ended, and the detail, once it has (`None` while
+    /// open): the code its holder recorded; else, for a lease that ended
+    /// before codes existed or whose holder named none, `completed` for
+    /// `done` and what its `failure_reason` words spell for `failed`
+    /// ([`ReasonCode::parse_legacy`]; no words at all is `unrecorded`).
+    /// Its class is [`ReasonCode::class`].
+    pub fn end(&self) -> Option<(ReasonCode, String)> {
+        if !self.phase.is_terminal() {
+            return None;
+        }
+        if let Some(code) = self.end_reason {
+            return Some((code, self.end_detail.clone().unwrap_or_default()));
+        }
+        Some(match (self.phase, self.failure_reason.as_deref()) {
+            (Phase::Done, _) => (ReasonCode::Completed, String::new()),
+            (_, Some(words)) => ReasonCode::parse_legacy(words),
+            (_, None) => (ReasonCode::Unrecorded, String::new()),
+        })
+    }
 }
 
 /// What [`Ledger::reserve`] needs to open a lease.

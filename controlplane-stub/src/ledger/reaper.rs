@@ -19,6 +19,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use billet_proto::ending::ReasonCode;
 use sqlx::Row;
 
 use super::schema::{db_epoch, duration_ms, lease_from_row, load_for_write};
@@ -138,13 +139,15 @@ impl Ledger {
             }
             let done = sqlx::query(
                 "UPDATE leases SET phase = 'failed', epoch = epoch + 1, ended_at_ms = $1,
-                    failure_reason = COALESCE(failure_reason, $2)
+                    failure_reason = COALESCE(failure_reason, $2),
+                    end_reason = COALESCE(end_reason, $5)
                  WHERE id = $3 AND epoch = $4",
             )
             .bind(now_ms)
             .bind(INVENTORY_ABSENCE)
             .bind(&id)
             .bind(epoch)
+            .bind(ReasonCode::NodeLost.as_str())
             .execute(&mut *tx)
             .await?;
             expect_one_row(done.rows_affected(), &id)?;

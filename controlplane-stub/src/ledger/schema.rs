@@ -11,6 +11,8 @@
 
 use std::collections::HashSet;
 use std::path::Path;
+
+use billet_proto::ending::ReasonCode;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -140,6 +142,14 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
         ) STRICT",
         ],
     ),
+    (
+        8,
+        "lease end reasons",
+        &[
+            "ALTER TABLE leases ADD COLUMN end_reason TEXT",
+            "ALTER TABLE leases ADD COLUMN end_detail TEXT",
+        ],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -256,6 +266,14 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
             count BIGINT NOT NULL CHECK (count >= 0),
             set_at_ms BIGINT NOT NULL
         )",
+        ],
+    ),
+    (
+        8,
+        "lease end reasons",
+        &[
+            "ALTER TABLE leases ADD COLUMN end_reason TEXT",
+            "ALTER TABLE leases ADD COLUMN end_detail TEXT",
         ],
     ),
 ];
@@ -562,6 +580,11 @@ pub(super) fn lease_from_row(row: &AnyRow) -> Result<Lease> {
     let vcpu: i64 = row.try_get("vcpu")?;
     let memory_bytes: i64 = row.try_get("memory_bytes")?;
     let force_release: i64 = row.try_get("force_release")?;
+    let end_reason: Option<String> = row.try_get("end_reason")?;
+    // A code this build does not know (a newer plane's) reads as
+    // unrecorded, whose words are still in `failure_reason`.
+    let end_reason =
+        end_reason.map(|code| ReasonCode::parse(&code).unwrap_or(ReasonCode::Unrecorded));
     Ok(Lease {
         epoch: from_db("epoch", epoch)?,
         phase,
@@ -577,6 +600,8 @@ pub(super) fn lease_from_row(row: &AnyRow) -> Result<Lease> {
         heartbeat_at_ms: row.try_get("heartbeat_at_ms")?,
         held_at_ms: row.try_get("held_at_ms")?,
         failure_reason: row.try_get("failure_reason")?,
+        end_reason,
+        end_detail: row.try_get("end_detail")?,
         force_release: force_release != 0,
         created_at_ms: row.try_get("created_at_ms")?,
         ended_at_ms: row.try_get("ended_at_ms")?,

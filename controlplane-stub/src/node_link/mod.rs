@@ -435,6 +435,7 @@ impl NodeLink {
                             body: Some(pb::plane_message::Body::Reply(pb::PlaneReply {
                                 call_id: call.call_id,
                                 error: Some(pb::Error {
+                                    retry_after_ms: 0,
                                     code: pb::ErrorCode::Unavailable.into(),
                                     message: "fault injection: this plane signs nothing for now"
                                         .into(),

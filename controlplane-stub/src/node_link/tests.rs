@@ -26,6 +26,7 @@ fn result(id: &str, outcome: pb::Outcome, custody: bool) -> pb::CommandResult {
         outcome: outcome.into(),
         custody,
         error: (outcome != pb::Outcome::Ok).then(|| pb::Error {
+            retry_after_ms: 0,
             code: pb::ErrorCode::Unspecified.into(),
             message: "the node says no".into(),
         }),

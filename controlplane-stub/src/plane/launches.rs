@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use billet_proto::ending::ReasonCode;
 use billet_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, warn};
@@ -161,6 +162,15 @@ impl Plane {
                 .and_then(|e| pb::ErrorCode::try_from(e.code).ok()),
             _ => None,
         };
+        // How long the node said it goes on refusing the tier (with
+        // `TIER_UNHEALTHY`): the node is avoided at least that long.
+        let tier_refused_for = match &outcome {
+            CommandOutcome::Answered(r) if code == Some(pb::ErrorCode::TierUnhealthy) => r
+                .error
+                .as_ref()
+                .map(|e| std::time::Duration::from_millis(e.retry_after_ms)),
+            _ => None,
+        };
         if code == Some(pb::ErrorCode::Busy) {
             // The node already holds a runner of this lease, at another
             // epoch: the launch started nothing, and ending the lease now
@@ -273,6 +283,10 @@ impl Plane {
         if code == Some(pb::ErrorCode::ImageUnavailable) {
             warn!(image = %tier.image, node = node.name(), "the node does not have the tier's image; the job waits until it does");
         }
+        if let Some(wait) = tier_refused_for {
+            warn!(node = node.name(), %reason, retry_after_s = wait.as_secs(),
+                "the node refuses the tier after consecutive start failures; not placing it there until it tries again");
+        }
         if code == Some(pb::ErrorCode::RunnerOutdated) {
             let hold = self.cover.lock().expect("cover").hold_outdated();
             tracing::error!(image = %tier.image, node = node.name(), %reason, hold_s = hold.as_secs(),
@@ -296,9 +310,13 @@ impl Plane {
             } else {
                 let delay = cover.failed();
                 if refused {
+                    // A tier the node refuses is not placed there until the
+                    // node's own wait passes: sooner would only be refused
+                    // again.
+                    let avoid = delay.max(tier_refused_for.unwrap_or_default());
                     cover
                         .avoid
-                        .insert(node.name().to_owned(), Instant::now() + delay);
+                        .insert(node.name().to_owned(), Instant::now() + avoid);
                 }
                 delay
             }
@@ -310,12 +328,20 @@ impl Plane {
             // engine refuses) fails on: one the plane ends now, and one the
             // node holds until what it started is proven gone (it ends it
             // `failed` then; the job has a fresh lease meanwhile).
+            let words = launch_failure_reason(&reason);
+            let code = if tier_refused_for.is_some() {
+                ReasonCode::TierUnhealthy
+            } else {
+                ReasonCode::LaunchFailed
+            };
+            let detail = words.strip_prefix("launch: ").unwrap_or(&words);
             if let Err(e) = self
                 .ledger
-                .mark_failure(
+                .mark_failure_as(
                     &lease.id,
                     lease.epoch,
-                    &launch_failure_reason(&reason),
+                    &words,
+                    (code, detail),
                     crate::now_ms(),
                 )
                 .await

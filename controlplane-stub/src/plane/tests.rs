@@ -661,6 +661,7 @@ async fn a_launch_answered_busy_leaves_the_lease_open_and_covered() {
         outcome: pb::Outcome::Busy.into(),
         custody: false,
         error: Some(pb::Error {
+            retry_after_ms: 0,
             code: pb::ErrorCode::Busy.into(),
             message: format!(
                 "lease {} has a runner on this node at epoch 1, and this launch is at epoch 2",
@@ -721,6 +722,7 @@ async fn a_launch_whose_runner_name_another_set_holds_is_replaced_without_backof
         outcome: pb::Outcome::Failed.into(),
         custody: false,
         error: Some(pb::Error {
+            retry_after_ms: 0,
             code: code.into(),
             message: message.into(),
         }),

@@ -98,6 +98,7 @@ fn open_plane(
                         Err(code) => (
                             None,
                             Some(pb::Error {
+                                retry_after_ms: 0,
                                 code: code.into(),
                                 message: format!("the test plane refuses {}", kind(&call)),
                             }),

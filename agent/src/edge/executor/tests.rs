@@ -90,6 +90,8 @@ fn agree(call: &pb::node_call::Call) -> Option<pb::plane_reply::Result> {
             request_id: REQUEST,
             providers: Vec::new(),
             failure_reason: String::new(),
+            end_reason: 0,
+            end_detail: String::new(),
         })),
         Call::Launched(_) => Some(R::Launched(pb::LaunchedSet::default())),
         Call::Reconcile(_) => Some(R::Reconciled(pb::ReconcileResult { freed: 0 })),
