@@ -1059,6 +1059,21 @@ impl Cluster {
     ///
     /// When the new plane cannot start or a node does not attach in time.
     pub async fn restart_plane(&mut self) -> Result<()> {
+        self.restart_plane_with(|_| {}).await
+    }
+
+    /// [`Cluster::restart_plane`], with its configuration changed by
+    /// `change` first (an operator redefining the tier, say); later
+    /// restarts keep the change.
+    ///
+    /// # Errors
+    ///
+    /// As [`Cluster::restart_plane`].
+    pub async fn restart_plane_with(
+        &mut self,
+        change: impl FnOnce(&mut PlaneConfig),
+    ) -> Result<()> {
+        change(&mut self.plane_config);
         self.shutdown.cancel();
         self.plane.stopped().await;
         self.shutdown = CancellationToken::new();
