@@ -32,6 +32,9 @@ async fn plane_configured(
         wake: Notify::new(),
         pass: tokio::sync::Mutex::new(()),
         scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+        jobs: Mutex::new(super::jobs::JobBook::default()),
+        metrics: super::metrics::registry("linux").1,
+        registry: super::metrics::registry("linux").0,
         tasks: TaskTracker::new(),
         config,
     });
@@ -87,6 +90,7 @@ fn test_config(nodes: &[&str]) -> PlaneConfig {
         node_ca: None,
         node_keepalive: crate::node_link::Keepalive::default(),
         warm: crate::plane::WarmConfig::default(),
+        jobs: crate::plane::JobsConfig::default(),
     }
 }
 
@@ -250,6 +254,9 @@ async fn a_registration_that_outlived_its_lease_is_removed_once() {
         wake: Notify::new(),
         pass: tokio::sync::Mutex::new(()),
         scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+        jobs: Mutex::new(super::jobs::JobBook::default()),
+        metrics: super::metrics::registry("linux").1,
+        registry: super::metrics::registry("linux").0,
         tasks: TaskTracker::new(),
     };
     plane
