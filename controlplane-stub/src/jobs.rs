@@ -160,8 +160,11 @@ pub fn state(job: &JobRecord) -> String {
     }
     let open = job.waits.iter().rev().find(|w| w.until_ms.is_none());
     if let (Some(at), Some(reason)) = (job.stuck_at_ms, &job.stuck_reason) {
-        // Stuck until a lease is placed again.
-        let placed_since = job.attempts.iter().any(|a| a.placed_at_ms > at);
+        // Stuck until a node answers a launch for it again.
+        let placed_since = job
+            .attempts
+            .iter()
+            .any(|a| a.launched_at_ms.is_some_and(|l| l > at));
         let waiting_placed = open
             .and_then(|w| WaitKind::parse(&w.reason))
             .is_some_and(WaitKind::placed);
