@@ -207,3 +207,45 @@ pub(super) async fn serve(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_the_plane_dashboard_queries_is_one_the_plane_serves() {
+        let (registry, metrics) = registry("linux");
+        // A family shows once it has a sample: give every one of them one.
+        metrics.job_started(Duration::from_secs(1));
+        metrics.job_completed(Duration::from_secs(1));
+        metrics.lease_ended("job", "done");
+        metrics.stuck();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        let dashboard = include_str!("../../../deploy/grafana-billet-plane.json");
+        let mut names: Vec<&str> = dashboard
+            .match_indices("billet_")
+            .map(|(i, _)| {
+                let rest = &dashboard[i..];
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                    .unwrap_or(rest.len());
+                &rest[..end]
+            })
+            .filter(|n| *n != "billet_")
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        assert!(names.len() >= 5, "{names:?}");
+        for name in names {
+            let family = ["_bucket", "_count", "_sum", "_total"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .unwrap_or(name);
+            assert!(
+                text.contains(&format!("# TYPE {family} ")),
+                "the dashboard queries {name}, which the plane does not serve:\n{text}"
+            );
+        }
+    }
+}
