@@ -16,7 +16,7 @@ use crate::ledger::{JobAttempt, JobRecord};
 
 /// Why a job has no runner yet, as the plane's placement decision says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum WaitKind {
+pub(crate) enum WaitKind {
     /// No node is attached.
     NoNode,
     /// No attached node has room for the tier's runner.
@@ -41,7 +41,7 @@ pub enum WaitKind {
 
 impl WaitKind {
     /// Every kind, for gauges that show each.
-    pub const ALL: [WaitKind; 10] = [
+    pub(crate) const ALL: [WaitKind; 10] = [
         WaitKind::NoNode,
         WaitKind::NoCapacity,
         WaitKind::NodeDegraded,
@@ -55,7 +55,7 @@ impl WaitKind {
     ];
 
     /// The kind as stored and as a metric label.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             WaitKind::NoNode => "no_node",
             WaitKind::NoCapacity => "no_capacity",
@@ -71,12 +71,12 @@ impl WaitKind {
     }
 
     /// The kind [`WaitKind::as_str`] spells.
-    pub fn parse(text: &str) -> Option<WaitKind> {
+    pub(crate) fn parse(text: &str) -> Option<WaitKind> {
         WaitKind::ALL.into_iter().find(|k| k.as_str() == text)
     }
 
     /// The kind in words.
-    pub fn words(self) -> &'static str {
+    pub(crate) fn words(self) -> &'static str {
         match self {
             WaitKind::NoNode => "no node attached",
             WaitKind::NoCapacity => "no capacity",
@@ -93,7 +93,7 @@ impl WaitKind {
 
     /// Whether the job has a lease placed for it: every other kind means
     /// it cannot be placed anywhere now.
-    pub fn placed(self) -> bool {
+    pub(crate) fn placed(self) -> bool {
         matches!(self, WaitKind::RunnerStarting | WaitKind::WarmRunner)
     }
 }
@@ -101,7 +101,7 @@ impl WaitKind {
 /// The class of an attempt's end. Until ends carry a typed reason with its
 /// class on the wire, a lease that ended `done` is the job's own outcome and
 /// any other end is `unclassified`; the typed class replaces this function.
-pub fn attempt_class(phase: Option<&str>, _reason: Option<&str>) -> &'static str {
+pub(crate) fn attempt_class(phase: Option<&str>, _reason: Option<&str>) -> &'static str {
     match phase {
         Some("done") => "job",
         _ => "unclassified",
@@ -128,7 +128,7 @@ const END_REASONS: &[&str] = &[
 ];
 
 /// The label a lease's end is counted under: see [`END_REASONS`].
-pub fn end_reason_label(phase: Option<&str>, reason: Option<&str>) -> &'static str {
+pub(crate) fn end_reason_label(phase: Option<&str>, reason: Option<&str>) -> &'static str {
     let Some(reason) = reason.filter(|r| !r.is_empty()) else {
         return if phase == Some("done") {
             "done"
@@ -151,7 +151,7 @@ pub fn end_reason_label(phase: Option<&str>, reason: Option<&str>) -> &'static s
 
 /// Where a job is, in words: `completed: <result>`, `running`,
 /// `stuck: <reason>`, `waiting: <reason>`, or `queued`.
-pub fn state(job: &JobRecord) -> String {
+pub(crate) fn state(job: &JobRecord) -> String {
     if job.completed_at_ms.is_some() {
         return format!("completed: {}", job.result.as_deref().unwrap_or("?"));
     }
@@ -193,7 +193,7 @@ fn origin(job: &JobRecord) -> i64 {
 
 /// How long the job waited for a runner: from queued to started, or to
 /// `now_ms` while it waits; `None` when it ended without starting.
-pub fn waited_ms(job: &JobRecord, now_ms: i64) -> Option<i64> {
+pub(crate) fn waited_ms(job: &JobRecord, now_ms: i64) -> Option<i64> {
     match (job.started_at_ms, job.completed_at_ms) {
         (Some(started), _) => Some(started - origin(job)),
         (None, Some(_)) => None,
@@ -202,7 +202,7 @@ pub fn waited_ms(job: &JobRecord, now_ms: i64) -> Option<i64> {
 }
 
 /// A length in milliseconds as `850ms`, `7.2s`, `3m05s` or `2h03m`.
-pub fn length(ms: i64) -> String {
+pub(crate) fn length(ms: i64) -> String {
     let ms = ms.max(0);
     if ms < 1000 {
         format!("{ms}ms")
