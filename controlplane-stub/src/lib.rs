@@ -13,6 +13,7 @@ pub mod calls;
 pub(crate) mod enroll;
 pub mod github;
 pub mod identity;
+pub mod jobs;
 pub mod ledger;
 pub mod node_link;
 pub mod plane;

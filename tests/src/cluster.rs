@@ -118,6 +118,8 @@ pub struct ClusterOptions {
     pub node_keepalive: billet_controlplane_stub::node_link::Keepalive,
     /// The warm runners each node keeps (none by default).
     pub warm: billet_controlplane_stub::plane::WarmConfig,
+    /// How long the plane keeps job records, and when a job is stuck.
+    pub jobs: billet_controlplane_stub::plane::JobsConfig,
 }
 
 /// Where a node runs when it has a network of its own: its namespace and
@@ -172,6 +174,7 @@ impl Default for ClusterOptions {
             node_vcpu: 8,
             node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
             warm: billet_controlplane_stub::plane::WarmConfig::default(),
+            jobs: billet_controlplane_stub::plane::JobsConfig::default(),
         }
     }
 }
@@ -1019,6 +1022,7 @@ impl Cluster {
             },
             node_keepalive: options.node_keepalive,
             warm: options.warm,
+            jobs: options.jobs,
         };
         let plane = Plane::start(config.clone(), emulator.client(), shutdown.clone())
             .await

@@ -217,3 +217,68 @@ async fn prometheus_scrapes_a_nodes_launches_and_lease_state_while_a_job_runs() 
     drop(prometheus);
     cluster.shutdown().await
 }
+
+/// The plane's figures about jobs, as Prometheus scrapes them: how long a
+/// job waited and ran per tier, how its lease ended by class and reason,
+/// jobs waiting by reason (every reason a series), none stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_planes_job_wait_and_run_times_and_lease_ends() -> Result<()> {
+    let cluster = Cluster::start(ClusterOptions {
+        work_ms: 2000,
+        ..ClusterOptions::default()
+    })
+    .await?;
+    let addr = free_port()?;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    cluster.plane.serve_metrics(listener, stop.clone());
+    let dir = scratch_dir("prometheus-plane")?;
+    let prometheus = Prometheus::start(&dir, addr)?;
+    let (status, text) = get(addr, "/metrics")?;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("billet_plane_jobs_waiting{"), "{text}");
+    prometheus
+        .wait_value("up{job=\"billet-node\"} == 1", Duration::from_secs(60))
+        .await?;
+    let jobs = cluster.queue_jobs(1);
+    cluster
+        .wait_jobs_completed(&jobs, Duration::from_secs(90))
+        .await?;
+    cluster.wait_clean(Duration::from_secs(30)).await?;
+    for (query, want) in [
+        ("billet_plane_job_queued_to_started_seconds_count", 1.0),
+        ("billet_plane_job_started_to_completed_seconds_count", 1.0),
+        (
+            "billet_plane_lease_ends_total{class=\"job\",reason=\"done\"}",
+            1.0,
+        ),
+        ("count(billet_plane_jobs_waiting)", 10.0),
+        ("sum(billet_jobs_stuck_total)", 0.0),
+    ] {
+        let got = prometheus
+            .wait_value(&format!("{query} == {want}"), Duration::from_secs(30))
+            .await
+            .with_context(|| {
+                format!(
+                    "{query}: {}",
+                    get(addr, "/metrics").map(|r| r.1).unwrap_or_default()
+                )
+            })?;
+        assert_eq!(got, want, "{query}");
+    }
+    prometheus
+        .wait_value(
+            "billet_plane_job_started_to_completed_seconds_sum >= 1",
+            Duration::from_secs(10),
+        )
+        .await?;
+    prometheus
+        .wait_value(
+            "sum(billet_plane_jobs_waiting) == 0",
+            Duration::from_secs(10),
+        )
+        .await?;
+    drop(prometheus);
+    stop.cancel();
+    cluster.shutdown().await
+}

@@ -348,6 +348,7 @@ async fn plane_for(
         )),
         node_keepalive: billet_controlplane_stub::node_link::Keepalive::default(),
         warm: billet_controlplane_stub::plane::WarmConfig::default(),
+        jobs: billet_controlplane_stub::plane::JobsConfig::default(),
     };
     let plane = Plane::start(config, github.client(), shutdown.clone())
         .await

@@ -14,6 +14,9 @@
 //! [--lease-ttl-secs N] --join-token NODE` prints a one-time join token for that node (recorded
 //! in the ledger the running plane reads) and exits.
 //!
+//! `billet-plane --ledger PATH jobs [--json] [--job ID]` lists the recent
+//! jobs the plane recorded, or tells one job's story (exit 3: no such job).
+//!
 //! `billet-plane --ledger PATH cache disable|enable --org ORG | --repository OWNER/NAME` turns
 //! the node-local Actions cache off or back on for an organisation or a repository (the kill
 //! switch, spec/cache.md §5.2): it writes the ledger the running planes read and exits, and the
@@ -183,6 +186,23 @@ struct Args {
     #[arg(long, env = "BILLET_WARM_MAX_AGE_SECS", value_name = "SECS", default_value_t = 86_400,
           value_parser = clap::value_parser!(u64).range(0..=2_592_000))]
     warm_max_age_secs: u64,
+    /// Hours each job's record (its times, attempts and waits, read with
+    /// `billet-plane jobs`) is kept after it was last written; a job still
+    /// waiting is kept whatever its age.
+    #[arg(long, env = "BILLET_JOB_RETENTION_HOURS", value_name = "HOURS", default_value_t = 168,
+          value_parser = clap::value_parser!(u64).range(1..=87_600))]
+    job_retention_hours: u64,
+    /// Seconds a job may be unplaceable (no node can take its runner, for
+    /// whatever reason) before it is logged at warn once, counted in
+    /// billet_jobs_stuck_total and shown `stuck: <reason>` by `billet-plane jobs`.
+    #[arg(long, env = "BILLET_STUCK_AFTER_SECS", value_name = "SECS", default_value_t = 300,
+          value_parser = clap::value_parser!(u64).range(1..=604_800))]
+    stuck_after_secs: u64,
+    /// Serve the plane's metrics (job wait and run times, lease ends, jobs
+    /// waiting and stuck) at http://ADDR/metrics, such as 127.0.0.1:9465.
+    /// Off unless given; bind to loopback or a trusted network.
+    #[arg(long, env = "BILLET_PLANE_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 /// What `billet-plane` does instead of running a plane.
@@ -201,6 +221,20 @@ enum Action {
         /// Warm runners per node.
         #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1000))]
         count: u32,
+    },
+    /// Lists the recent jobs from the ledger (state, when queued, how long
+    /// each waited, attempts, the last reason), or tells one job's story
+    /// from first to last line with --job.
+    Jobs {
+        /// One job's story: its runner request id.
+        #[arg(long, value_name = "ID")]
+        job: Option<i64>,
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// How many jobs to list, the latest queued first.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        limit: u32,
     },
 }
 
@@ -314,6 +348,50 @@ async fn warm_switch(
     }
 }
 
+/// `billet-plane jobs`: reads the job records from the ledger at
+/// `location` and prints them. Exit codes: 0 printed, 1 the ledger cannot
+/// be read, 3 no such job.
+async fn jobs(
+    location: &LedgerLocation,
+    lease_ttl: Duration,
+    job: Option<i64>,
+    json: bool,
+    limit: u32,
+) -> ExitCode {
+    use billet_controlplane_stub::jobs as text;
+    use billet_controlplane_stub::ledger::Ledger;
+    let ledger = match Ledger::connect(location, lease_ttl).await {
+        Ok(l) => l,
+        Err(e) => {
+            error!("--ledger: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let read = match job {
+        Some(id) => ledger.job_record(id).await.map(|j| j.into_iter().collect()),
+        None => ledger.recent_jobs(limit).await,
+    };
+    ledger.close().await;
+    let records: Vec<_> = match read {
+        Ok(r) => r,
+        Err(e) => {
+            error!("--ledger: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let now = billet_controlplane_stub::now_ms();
+    match (job, records.first()) {
+        (Some(id), None) => {
+            error!("the ledger has no record of job {id} (never seen, or pruned)");
+            return ExitCode::from(3);
+        }
+        (Some(_), Some(record)) if !json => print!("{}", text::story(record, now)),
+        _ if json => println!("{}", text::json(&records, now)),
+        _ => print!("{}", text::table(&records, now)),
+    }
+    ExitCode::SUCCESS
+}
+
 impl Args {
     /// The keepalive the flags give.
     fn node_keepalive(&self) -> Keepalive {
@@ -411,6 +489,10 @@ async fn main() -> ExitCode {
     if let Some(Action::Cache { switch }) = &args.action {
         let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
         return cache_switch(&args.ledger, lease_ttl, switch).await;
+    }
+    if let Some(Action::Jobs { job, json, limit }) = &args.action {
+        let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
+        return jobs(&args.ledger, lease_ttl, *job, *json, *limit).await;
     }
     if let Some(Action::Warm { count }) = &args.action {
         let lease_ttl = Duration::from_secs(args.lease_ttl_secs.max(1));
@@ -587,6 +669,20 @@ async fn main() -> ExitCode {
             max_age: (args.warm_max_age_secs > 0)
                 .then(|| Duration::from_secs(args.warm_max_age_secs)),
         },
+        jobs: billet_controlplane_stub::plane::JobsConfig {
+            retention: Duration::from_secs(args.job_retention_hours * 3600),
+            stuck_after: Duration::from_secs(args.stuck_after_secs),
+        },
+    };
+    let metrics_listener = match args.metrics_listen {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                error!("--metrics-listen: cannot listen on {addr}: {e}");
+                return ExitCode::from(4);
+            }
+        },
     };
     let shutdown = CancellationToken::new();
     let plane = match Plane::start(config, github, shutdown.clone()).await {
@@ -596,6 +692,9 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(listener) = metrics_listener {
+        plane.serve_metrics(listener, shutdown.clone());
+    }
     if let Some(listener) = enroll_listener {
         plane.serve_enrollment(listener, shutdown.clone());
     }

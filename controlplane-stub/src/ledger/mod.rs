@@ -86,11 +86,15 @@
 //! - `wanted.rs`: [`WantedChange`], the jobs a plane keeps covered (assigned
 //!   to its scale set, not taken, not ended), durable across a plane's
 //!   restart; no lease rule.
+//! - `jobs.rs`: [`JobRecord`], each GitHub job's timestamps, the leases
+//!   placed for it and the intervals it waited with their reasons, pruned
+//!   after a retention bound; no lease rule.
 //! - `scratch.rs`: [`scratch::ScratchPostgres`], a throwaway PostgreSQL
 //!   database for tests and the benchmark.
 
 mod cache_policy;
 mod holder;
+mod jobs;
 mod location;
 mod observations;
 mod phase;
@@ -111,6 +115,8 @@ use sqlx::{Any, AnyPool, Transaction};
 use thiserror::Error;
 
 pub use cache_policy::CacheBlock;
+pub use jobs::{JobAttempt, JobRecord, JobWait};
+pub(crate) use jobs::{JobMeta, JobNote, JobStep, WaitChange};
 pub use location::LedgerLocation;
 pub use observations::CacheObservation;
 pub use phase::Phase;

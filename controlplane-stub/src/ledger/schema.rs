@@ -150,6 +150,51 @@ const SQLITE_MIGRATIONS: &[Migration] = &[
             "ALTER TABLE leases ADD COLUMN end_detail TEXT",
         ],
     ),
+    (
+        9,
+        "job records",
+        &[
+            "CREATE TABLE jobs (
+            request_id INTEGER PRIMARY KEY NOT NULL,
+            tier TEXT NOT NULL,
+            github_job_id TEXT,
+            run_id INTEGER,
+            repository TEXT,
+            workflow TEXT,
+            queued_at_ms INTEGER,
+            acquired_at_ms INTEGER,
+            assigned_at_ms INTEGER,
+            started_at_ms INTEGER,
+            runner_name TEXT,
+            completed_at_ms INTEGER,
+            result TEXT,
+            stuck_at_ms INTEGER,
+            stuck_reason TEXT,
+            first_seen_at_ms INTEGER NOT NULL,
+            updated_at_ms INTEGER NOT NULL
+        ) STRICT",
+            "CREATE INDEX jobs_updated_idx ON jobs (updated_at_ms)",
+            "CREATE TABLE job_attempts (
+            lease_id TEXT PRIMARY KEY NOT NULL,
+            request_id INTEGER NOT NULL,
+            attempt INTEGER NOT NULL CHECK (attempt >= 1),
+            node TEXT NOT NULL,
+            warm_runner TEXT,
+            placed_at_ms INTEGER NOT NULL,
+            launched_at_ms INTEGER
+        ) STRICT",
+            "CREATE INDEX job_attempts_request_idx ON job_attempts (request_id)",
+            "CREATE TABLE job_waits (
+            id INTEGER PRIMARY KEY,
+            request_id INTEGER NOT NULL,
+            reason TEXT NOT NULL,
+            detail TEXT NOT NULL,
+            since_ms INTEGER NOT NULL,
+            until_ms INTEGER
+        ) STRICT",
+            "CREATE INDEX job_waits_request_idx ON job_waits (request_id, since_ms)",
+        ],
+    ),
 ];
 
 /// PostgreSQL's schema migrations, append-only, with the same versions and
@@ -274,6 +319,51 @@ const POSTGRES_MIGRATIONS: &[Migration] = &[
         &[
             "ALTER TABLE leases ADD COLUMN end_reason TEXT",
             "ALTER TABLE leases ADD COLUMN end_detail TEXT",
+        ],
+    ),
+    (
+        9,
+        "job records",
+        &[
+            "CREATE TABLE jobs (
+            request_id BIGINT PRIMARY KEY NOT NULL,
+            tier TEXT NOT NULL,
+            github_job_id TEXT,
+            run_id BIGINT,
+            repository TEXT,
+            workflow TEXT,
+            queued_at_ms BIGINT,
+            acquired_at_ms BIGINT,
+            assigned_at_ms BIGINT,
+            started_at_ms BIGINT,
+            runner_name TEXT,
+            completed_at_ms BIGINT,
+            result TEXT,
+            stuck_at_ms BIGINT,
+            stuck_reason TEXT,
+            first_seen_at_ms BIGINT NOT NULL,
+            updated_at_ms BIGINT NOT NULL
+        )",
+            "CREATE INDEX jobs_updated_idx ON jobs (updated_at_ms)",
+            "CREATE TABLE job_attempts (
+            lease_id TEXT PRIMARY KEY NOT NULL,
+            request_id BIGINT NOT NULL,
+            attempt BIGINT NOT NULL CHECK (attempt >= 1),
+            node TEXT NOT NULL,
+            warm_runner TEXT,
+            placed_at_ms BIGINT NOT NULL,
+            launched_at_ms BIGINT
+        )",
+            "CREATE INDEX job_attempts_request_idx ON job_attempts (request_id)",
+            "CREATE TABLE job_waits (
+            id BIGSERIAL PRIMARY KEY,
+            request_id BIGINT NOT NULL,
+            reason TEXT NOT NULL,
+            detail TEXT NOT NULL,
+            since_ms BIGINT NOT NULL,
+            until_ms BIGINT
+        )",
+            "CREATE INDEX job_waits_request_idx ON job_waits (request_id, since_ms)",
         ],
     ),
 ];

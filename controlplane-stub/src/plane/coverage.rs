@@ -11,10 +11,12 @@ use billet_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
+use crate::jobs::WaitKind;
 use crate::ledger::{NodeCapacity, Phase};
 use crate::node_link::NodeLink;
 
 use super::Plane;
+use super::jobs::Decision;
 use super::launches::LostLaunch;
 
 /// The first wait after a launch that did not end with a runner; it grows
@@ -90,6 +92,11 @@ pub(super) struct Cover {
     /// The tier's image carries a runner GitHub will not run: no launch
     /// until the instant, and how many holds in a row.
     pub(super) outdated: Option<(Instant, u32)>,
+    /// Launches in a row that did not end with a runner.
+    pub(super) failures: u32,
+    /// Why the last launch that did not end with a runner failed, as a
+    /// job's wait names it during the backoff after it.
+    pub(super) last_failure: Option<(WaitKind, String)>,
 }
 
 impl Cover {
@@ -112,6 +119,8 @@ impl Cover {
             no_room_logged: None,
             image_ran: HashSet::new(),
             outdated: None,
+            failures: 0,
+            last_failure: None,
         }
     }
 
@@ -129,7 +138,22 @@ impl Cover {
         });
         let delay = backoff.next().unwrap_or(RELAUNCH_MAX_DELAY);
         self.retry_at = Some(Instant::now() + delay);
+        self.failures = self.failures.saturating_add(1);
         delay
+    }
+
+    /// Why the jobs wait during a backoff: the last failure, numbered.
+    fn backing_off(&self) -> (WaitKind, String) {
+        match &self.last_failure {
+            Some((kind, why)) => (*kind, format!("after failure {}: {why}", self.failures)),
+            None => (
+                WaitKind::BackingOff,
+                format!(
+                    "after failure {}: a launch did not end with a runner",
+                    self.failures
+                ),
+            ),
+        }
     }
 
     /// A runner took a job: launches work, and the next failure waits the
@@ -141,6 +165,8 @@ impl Cover {
         self.backoff = None;
         self.retry_at = None;
         self.outdated = None;
+        self.failures = 0;
+        self.last_failure = None;
     }
 
     /// The tier's image carries a runner GitHub will not run: its jobs are
@@ -242,43 +268,84 @@ impl Plane {
     /// assigned jobs no runner has taken, bounded by the set's maximum and
     /// by the nodes' free capacity. Nothing is launched during a backoff or
     /// while the scale set is believed missing.
+    ///
+    /// Each wanted job's wait reason, as the pass decided it, is recorded
+    /// when it changed ([`Plane::note_waits`]).
     pub(super) async fn cover_once(self: Arc<Self>) -> Result<(), crate::ledger::LedgerError> {
         let _pass = self.pass.lock().await;
+        let decisions = Arc::clone(&self).cover_pass().await?;
+        self.note_waits(decisions).await;
+        Ok(())
+    }
+
+    /// The body of [`Plane::cover_once`]; returns why each wanted job has
+    /// no runner yet, or which lease it waits on.
+    async fn cover_pass(self: Arc<Self>) -> Result<Vec<Decision>, crate::ledger::LedgerError> {
         let tier = self.config.tier.clone();
+        let wanted_now: Vec<i64>;
         {
             let cover = self.cover.lock().expect("cover");
+            wanted_now = cover.wanted.iter().copied().collect();
+            let all = |(kind, detail): (WaitKind, String)| -> Vec<Decision> {
+                wanted_now
+                    .iter()
+                    .map(|r| (*r, kind, detail.clone()))
+                    .collect()
+            };
             if cover.wanted.is_empty() {
-                return Ok(());
+                return Ok(Vec::new());
             }
             if cover.retry_at.is_some_and(|at| Instant::now() < at) {
-                return Ok(());
+                return Ok(all(cover.backing_off()));
             }
-            if cover
-                .outdated
-                .is_some_and(|(until, _)| Instant::now() < until)
+            if let Some((until, _)) = cover.outdated
+                && Instant::now() < until
             {
-                return Ok(());
+                return Ok(all((
+                    WaitKind::TierHeld,
+                    format!(
+                        "image {} carries a runner GitHub refuses; asked again in {}s",
+                        tier.image,
+                        until.saturating_duration_since(Instant::now()).as_secs()
+                    ),
+                )));
             }
         }
+        let all = |(kind, detail): (WaitKind, String)| -> Vec<Decision> {
+            wanted_now
+                .iter()
+                .map(|r| (*r, kind, detail.clone()))
+                .collect()
+        };
         // The plane is the tier authority: it asks whether the set exists
         // (from the cache; one lookup per retry interval while missing)
         // before it mints anything through a node.
         match self.github.scale_set(&tier.label).await {
             Ok(_) => {}
-            Err(e) if e.is_scale_set_not_found() => return Ok(()),
+            Err(e) if e.is_scale_set_not_found() => {
+                return Ok(all((
+                    WaitKind::ScaleSetMissing,
+                    format!("GitHub has no scale set named {}", tier.label),
+                )));
+            }
             Err(e) => {
                 warn!(error = %e, "cannot ask GitHub for the scale set; not launching");
                 let mut cover = self.cover.lock().expect("cover");
+                cover.last_failure = Some((
+                    WaitKind::BackingOff,
+                    format!("cannot ask GitHub for the scale set: {e}"),
+                ));
                 cover.failed();
-                return Ok(());
+                return Ok(all(cover.backing_off()));
             }
         }
         let open = self.ledger.open_leases().await?;
         if self.note_runners_ended_idle(&open).await? {
-            return Ok(());
+            return Ok(all(self.cover.lock().expect("cover").backing_off()));
         }
         let warm_rooms = self.ledger.warm_rooms().await?;
         let mut launches = Vec::new();
+        let mut decisions: HashMap<i64, (WaitKind, String)> = HashMap::new();
         {
             let mut cover = self.cover.lock().expect("cover");
             // Forget what the ledger has closed.
@@ -290,14 +357,11 @@ impl Plane {
                 .iter()
                 .filter(|l| l.tier == tier.label && cover.covers(l))
                 .collect();
-            let need = cover.wanted.len().saturating_sub(covering.len());
+            let uncovered = cover.wanted.len().saturating_sub(covering.len());
             let live = u32::try_from(open.iter().filter(|l| l.tier == tier.label).count())
                 .unwrap_or(u32::MAX);
             let room = usize::try_from(self.config.max_runners.saturating_sub(live)).unwrap_or(0);
-            let need = need.min(room);
-            if need == 0 {
-                return Ok(());
-            }
+            let need = uncovered.min(room);
             // What each node has charged: its open leases, plus leases placed
             // on it and not yet bound.
             let mut charged: HashMap<String, (u64, u64)> = HashMap::new();
@@ -327,8 +391,10 @@ impl Plane {
             let now = Instant::now();
             cover.avoid.retain(|_, until| *until > now);
             let wanted: Vec<i64> = cover.wanted.iter().copied().collect();
+            let mut unplaced = None;
             for _ in 0..need {
                 let Some(node) = self.pick_node(&charged, &warm, &cover.avoid) else {
+                    unplaced = Some(self.why_unplaced(&charged, &cover));
                     if cover
                         .no_room_logged
                         .is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
@@ -375,6 +441,43 @@ impl Plane {
                 }
                 launches.push((node, request_id));
             }
+            let waits_on = |l: &crate::ledger::Lease| {
+                let node = l
+                    .node
+                    .clone()
+                    .or_else(|| l.target_node.clone())
+                    .unwrap_or_default();
+                let kind = if self.jobs.lock().expect("jobs").warm_leases.contains(&l.id) {
+                    WaitKind::WarmRunner
+                } else {
+                    WaitKind::RunnerStarting
+                };
+                (kind, format!("lease {} on node {node}", l.id))
+            };
+            for r in &wanted {
+                if launches.iter().any(|(_, p)| p == r) {
+                    continue;
+                }
+                let decision = if let Some(l) = covering.iter().find(|l| l.request_id == *r) {
+                    waits_on(l)
+                } else if let Some(why) = &unplaced {
+                    why.clone()
+                } else if uncovered > room {
+                    (
+                        WaitKind::AtMaximum,
+                        format!(
+                            "the scale set has {live} runners, its maximum of {}",
+                            self.config.max_runners
+                        ),
+                    )
+                } else {
+                    (
+                        WaitKind::RunnerStarting,
+                        "runners of the scale set are starting; any of them may take it".to_owned(),
+                    )
+                };
+                decisions.insert(*r, decision);
+            }
         }
         for (node, request_id) in launches {
             // The ledger checks the node's room again, in the reservation's
@@ -393,10 +496,26 @@ impl Plane {
                 Ok(reserved) => reserved,
                 Err(e @ crate::ledger::LedgerError::NoCapacity { .. }) => {
                     info!(error = %e, "the ledger has no room on the node; the job waits");
+                    decisions.insert(
+                        request_id,
+                        (
+                            WaitKind::NoCapacity,
+                            format!("the ledger has no room on node {}", node.name()),
+                        ),
+                    );
                     continue;
                 }
                 Err(e) => return Err(e),
             };
+            let kind = if warm.is_some() {
+                WaitKind::WarmRunner
+            } else {
+                WaitKind::RunnerStarting
+            };
+            decisions.insert(
+                request_id,
+                (kind, format!("lease {} on node {}", lease.id, node.name())),
+            );
             self.cover
                 .lock()
                 .expect("cover")
@@ -407,7 +526,89 @@ impl Plane {
             self.tasks
                 .spawn(async move { plane.launch(lease, node, warm).await }.instrument(span));
         }
-        Ok(())
+        Ok(decisions
+            .into_iter()
+            .map(|(r, (kind, detail))| (r, kind, detail))
+            .collect())
+    }
+
+    /// Why no attached node takes another runner of the tier now: no node
+    /// attached, every one degraded (with its reasons), every one avoided
+    /// after a refusal (the image missing, or another), or no room.
+    fn why_unplaced(
+        &self,
+        charged: &HashMap<String, (u64, u64)>,
+        cover: &Cover,
+    ) -> (WaitKind, String) {
+        let tier = &self.config.tier;
+        if let Some(why) = self.too_large_for_every_node() {
+            return (WaitKind::NoCapacity, why);
+        }
+        let mut parts = Vec::new();
+        let (mut attached, mut degraded, mut avoided) = (0, 0, 0);
+        for n in &self.nodes {
+            let Some(status) = n.status().borrow().clone() else {
+                continue;
+            };
+            attached += 1;
+            if status.degraded() {
+                degraded += 1;
+                let reasons: Vec<&str> = status
+                    .health
+                    .reasons
+                    .iter()
+                    .map(|r| {
+                        pb::DegradedReason::try_from(*r)
+                            .map_or("unknown", |r| r.as_str_name())
+                            .trim_start_matches("DEGRADED_REASON_")
+                    })
+                    .collect();
+                parts.push(format!(
+                    "{} degraded ({})",
+                    n.name(),
+                    reasons.join(", ").to_lowercase()
+                ));
+            } else if cover.avoid.contains_key(n.name()) {
+                avoided += 1;
+                parts.push(format!("{} avoided after refusing a launch", n.name()));
+            } else {
+                let (vcpu, memory) = charged.get(n.name()).copied().unwrap_or_default();
+                let vcpu = vcpu.max(u64::from(status.held.vcpu));
+                let memory = memory.max(status.held.memory_bytes);
+                parts.push(format!(
+                    "{} full ({} vCPU and {} MiB free)",
+                    n.name(),
+                    u64::from(status.capacity.vcpu).saturating_sub(vcpu),
+                    status.capacity.memory_bytes.saturating_sub(memory) >> 20
+                ));
+            }
+        }
+        if attached == 0 {
+            return (
+                WaitKind::NoNode,
+                format!("none of {} nodes is attached", self.nodes.len()),
+            );
+        }
+        let kind = if degraded == attached {
+            WaitKind::NodeDegraded
+        } else if degraded + avoided == attached {
+            match &cover.last_failure {
+                Some((WaitKind::ImageMissing, _)) => WaitKind::ImageMissing,
+                _ if degraded > 0 => WaitKind::NodeDegraded,
+                _ => WaitKind::BackingOff,
+            }
+        } else {
+            WaitKind::NoCapacity
+        };
+        (
+            kind,
+            format!(
+                "a runner takes {} vCPU and {} MiB: {}",
+                tier.vcpu,
+                tier.memory_bytes >> 20,
+                parts.join("; ")
+            ),
+        )
     }
 
     /// Why no runner of the tier can ever be placed, when that is so: it asks
@@ -520,6 +721,10 @@ impl Plane {
                 .as_ref()
                 .and_then(|l| l.failure_reason.as_deref())
                 .is_some_and(|r| r.starts_with(RUNNER_VERSION_REJECTED));
+            let why = lease
+                .as_ref()
+                .and_then(|l| l.failure_reason.clone())
+                .unwrap_or_else(|| "no reason recorded".to_owned());
             let runner = lease.and_then(|l| l.runner_name);
             let mut cover = self.cover.lock().expect("cover");
             if rejected {
@@ -532,6 +737,10 @@ impl Plane {
                 .as_ref()
                 .is_some_and(|n| cover.taken.contains(n) || cover.completed.contains(n));
             if !served && !cover.not_covering.contains(&id) {
+                cover.last_failure = Some((
+                    WaitKind::BackingOff,
+                    format!("lease {id}'s runner ended without taking a job: {why}"),
+                ));
                 idle.push(id);
             }
         }

@@ -140,6 +140,7 @@ impl Plane {
             .remove(&lease.id);
         if outcome.is_ok() {
             info!("launched");
+            self.note_launched(&lease).await;
             {
                 let mut cover = self.cover.lock().expect("cover");
                 cover.launched.insert(lease.id.clone());
@@ -305,6 +306,22 @@ impl Plane {
         let delay = {
             let mut cover = self.cover.lock().expect("cover");
             cover.not_covering.insert(lease.id.clone());
+            cover.last_failure = Some(if code == Some(pb::ErrorCode::ImageUnavailable) {
+                (
+                    crate::jobs::WaitKind::ImageMissing,
+                    format!("node {} does not have image {}", node.name(), tier.image),
+                )
+            } else {
+                (
+                    crate::jobs::WaitKind::BackingOff,
+                    format!(
+                        "lease {} on node {}: {}",
+                        lease.id,
+                        node.name(),
+                        launch_failure_reason(&reason)
+                    ),
+                )
+            });
             if name_taken {
                 std::time::Duration::ZERO
             } else {
@@ -483,6 +500,7 @@ impl Plane {
             )
             .await?;
         info!(lease = %id, request_id, node, warm = ?warm, "reserved a lease for an assigned job");
+        self.note_placed(&lease, node, warm.as_deref()).await;
         self.managed.lock().expect("managed").insert(id.clone());
         self.emit(PlaneEvent::Reserved {
             request_id,

@@ -23,6 +23,7 @@ impl Plane {
                 () = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
+            self.prune_job_records().await;
             for node in &self.nodes {
                 if node.status().borrow().is_none() {
                     continue;

@@ -20,10 +20,15 @@
 //! - `registrations.rs`: the pass that reconciles GitHub's registrations
 //!   with the ledger.
 //! - `warm.rs`: the warm runners each node is told to keep.
+//! - `jobs.rs`: each job's record (messages, attempts, waits), the ends
+//!   counted, stuck jobs, pruning; `metrics.rs`: the figures about jobs on
+//!   `--metrics-listen`.
 
 mod coverage;
+mod jobs;
 mod launches;
 mod maintenance;
+mod metrics;
 mod registrations;
 mod scaler;
 mod teardown;
@@ -49,6 +54,7 @@ use crate::node_link::{NodeLink, NodeTarget, PlaneTls};
 
 use coverage::Cover;
 
+pub use jobs::{DEFAULT_JOB_RETENTION, DEFAULT_STUCK_AFTER, JobsConfig};
 pub use registrations::REGISTRATION_LOST;
 pub use teardown::ScaleDown;
 pub use warm::WarmConfig;
@@ -158,6 +164,8 @@ pub struct PlaneConfig {
     pub node_keepalive: crate::node_link::Keepalive,
     /// The warm runners each node keeps for the tier (none by default).
     pub warm: WarmConfig,
+    /// How long job records are kept, and when a job is stuck.
+    pub jobs: JobsConfig,
 }
 
 /// What happened to a job, for progress displays and tests.
@@ -275,6 +283,10 @@ pub struct Plane {
     /// One coverage pass at a time, so two never reserve for the same gap.
     pass: tokio::sync::Mutex<()>,
     scale_set: Mutex<scaleset::ScaleSetId>,
+    /// The jobs' waits and starts between passes (`jobs.rs`).
+    jobs: Mutex<jobs::JobBook>,
+    metrics: Arc<metrics::PlaneMetrics>,
+    registry: Arc<prometheus_client::registry::Registry>,
     tasks: TaskTracker,
 }
 
@@ -313,6 +325,7 @@ impl Plane {
             .map(|target| NodeLink::with_keepalive(target, config.node_keepalive))
             .collect();
         let (events, _) = broadcast::channel(1024);
+        let (registry, metrics) = metrics::registry(&config.tier.label);
         let plane = Arc::new(Plane {
             ledger: ledger.clone(),
             github: github.clone(),
@@ -323,6 +336,9 @@ impl Plane {
             wake: Notify::new(),
             pass: tokio::sync::Mutex::new(()),
             scale_set: Mutex::new(scale_set),
+            jobs: Mutex::new(jobs::JobBook::default()),
+            metrics,
+            registry,
             tasks: TaskTracker::new(),
             config,
         });
@@ -376,6 +392,9 @@ impl Plane {
         plane
             .tasks
             .spawn(Arc::clone(&plane).keep_warm(shutdown.clone()));
+        plane
+            .tasks
+            .spawn(Arc::clone(&plane).observe_ends(shutdown.clone()));
         Ok(plane)
     }
 
@@ -397,6 +416,15 @@ impl Plane {
                 }
             }
             .instrument(info_span!("enrollment")),
+        );
+    }
+
+    /// Serves the plane's metrics (`GET /metrics`, `metrics.rs`) on
+    /// `listener` until `shutdown`.
+    pub fn serve_metrics(&self, listener: tokio::net::TcpListener, shutdown: CancellationToken) {
+        self.tasks.spawn(
+            metrics::serve(listener, self.registry.clone(), shutdown)
+                .instrument(info_span!("metrics")),
         );
     }
 

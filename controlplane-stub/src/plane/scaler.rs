@@ -192,6 +192,7 @@ impl Scaler for PlaneScaler {
             )
             .await?;
         plane.cover.lock().expect("cover").message_seen();
+        plane.note_messages(&message.jobs).await;
         let mut assigned = false;
         for job in &message.jobs {
             match job {

@@ -22,6 +22,7 @@ async fn plane_configured(
     configure(&mut config);
     let lease_ttl = config.lease_ttl;
     let targets = config.nodes.clone();
+    let (registry, metrics) = super::metrics::registry("linux");
     let plane = Arc::new(Plane {
         ledger: Arc::new(Ledger::open_in_memory(lease_ttl).await.expect("ledger")),
         github: Arc::new(Github::new(emulator.client())),
@@ -32,6 +33,9 @@ async fn plane_configured(
         wake: Notify::new(),
         pass: tokio::sync::Mutex::new(()),
         scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+        jobs: Mutex::new(super::jobs::JobBook::default()),
+        metrics: Arc::clone(&metrics),
+        registry: Arc::clone(&registry),
         tasks: TaskTracker::new(),
         config,
     });
@@ -87,6 +91,7 @@ fn test_config(nodes: &[&str]) -> PlaneConfig {
         node_ca: None,
         node_keepalive: crate::node_link::Keepalive::default(),
         warm: crate::plane::WarmConfig::default(),
+        jobs: crate::plane::JobsConfig::default(),
     }
 }
 
@@ -239,6 +244,7 @@ async fn a_registration_that_outlived_its_lease_is_removed_once() {
     );
     let mut config = plane.config.clone();
     config.registration_grace = Duration::ZERO;
+    let (registry, metrics) = super::metrics::registry("linux");
     let plane = Plane {
         config,
         ledger: Arc::clone(&plane.ledger),
@@ -250,6 +256,9 @@ async fn a_registration_that_outlived_its_lease_is_removed_once() {
         wake: Notify::new(),
         pass: tokio::sync::Mutex::new(()),
         scale_set: Mutex::new(scaleset::ScaleSetId(1)),
+        jobs: Mutex::new(super::jobs::JobBook::default()),
+        metrics: Arc::clone(&metrics),
+        registry: Arc::clone(&registry),
         tasks: TaskTracker::new(),
     };
     plane
@@ -772,4 +781,93 @@ async fn a_launch_whose_runner_name_another_set_holds_is_replaced_without_backof
         )
         .await;
     assert!(plane.cover.lock().expect("cover").retry_at.is_some());
+}
+
+/// The number of wait spans recorded for `request_id`, and the open one's
+/// reason.
+async fn waits_of(plane: &Plane, request_id: i64) -> (usize, Option<String>) {
+    let job = plane
+        .ledger
+        .job_record(request_id)
+        .await
+        .expect("read")
+        .expect("recorded");
+    let open = job
+        .waits
+        .iter()
+        .find(|w| w.until_ms.is_none())
+        .map(|w| w.reason.clone());
+    (job.waits.len(), open)
+}
+
+/// A job on a full node waits for capacity, recorded once however many
+/// passes decide the same; a degraded node is named with its reason; past
+/// the bound the job is judged stuck once, counted and shown so; room
+/// places it.
+#[tokio::test]
+async fn a_wait_is_recorded_when_its_reason_changes_and_a_job_unplaceable_past_the_bound_is_stuck_once()
+ {
+    let (plane, _emulator) = plane_configured(&["node-a"], |c| {
+        c.jobs.stuck_after = Duration::from_millis(200);
+    })
+    .await;
+    plane.github.ensure_scale_set("linux").await.expect("set");
+    let (_tx, mut rx) = plane.nodes[0].attach_for_test(1, 64);
+    let full = pb::Capacity {
+        vcpu: 64,
+        memory_bytes: 1 << 40,
+    };
+    plane.nodes[0].report_for_test(full, false);
+    plane.cover.lock().expect("cover").wanted.insert(41);
+    for _ in 0..3 {
+        Arc::clone(&plane).cover_once().await.expect("pass");
+    }
+    assert_eq!(waits_of(&plane, 41).await, (1, Some("no_capacity".into())));
+    let job = plane.ledger.job_record(41).await.unwrap().unwrap();
+    assert!(
+        job.waits[0].detail.contains("node-a full (0 vCPU"),
+        "{:?}",
+        job.waits
+    );
+    plane.nodes[0].report_for_test(full, true);
+    Arc::clone(&plane).cover_once().await.expect("pass");
+    assert_eq!(
+        waits_of(&plane, 41).await,
+        (2, Some("node_degraded".into()))
+    );
+    let job = plane.ledger.job_record(41).await.unwrap().unwrap();
+    assert!(
+        job.waits[1].detail.contains("node-a degraded"),
+        "{:?}",
+        job.waits
+    );
+    assert!(job.stuck_at_ms.is_none());
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    Arc::clone(&plane).cover_once().await.expect("pass");
+    Arc::clone(&plane).cover_once().await.expect("pass");
+    let job = plane.ledger.job_record(41).await.unwrap().unwrap();
+    assert_eq!(job.stuck_reason.as_deref(), Some("node_degraded"));
+    assert_eq!(crate::jobs::state(&job), "stuck: node degraded");
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &plane.registry).unwrap();
+    assert!(
+        text.contains("billet_jobs_stuck_total{tier=\"linux\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("billet_plane_jobs_waiting{tier=\"linux\",reason=\"node_degraded\"} 1\n"),
+        "{text}"
+    );
+    // Room again: a lease is placed and the job waits on its runner.
+    plane.nodes[0].report_for_test(pb::Capacity::default(), false);
+    Arc::clone(&plane).cover_once().await.expect("pass");
+    tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .expect("a launch")
+        .expect("sent");
+    let (spans, open) = waits_of(&plane, 41).await;
+    assert_eq!((spans, open.as_deref()), (3, Some("runner_starting")));
+    let job = plane.ledger.job_record(41).await.unwrap().unwrap();
+    assert_eq!(job.attempts.len(), 1);
+    assert_eq!(job.attempts[0].node, "node-a");
 }
