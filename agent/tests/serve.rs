@@ -423,6 +423,7 @@ impl Node {
             max_lease_life: None,
             post_job_grace: Duration::from_secs(120),
             isolated_containers: false,
+            guest_pids_limit: 4096,
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),

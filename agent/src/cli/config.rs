@@ -126,6 +126,7 @@ impl NodeArgs {
                     .map(Duration::from_secs),
                 post_job_grace: Duration::from_secs(args.post_job_grace_secs),
                 isolated_containers: args.isolated_containers,
+                guest_pids_limit: args.guest_pids_limit,
                 ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
                 tls_reload: crate::tls::ReloadPolicy {

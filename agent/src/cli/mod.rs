@@ -215,6 +215,11 @@ pub struct NodeArgs {
           num_args = 0..=1, default_value_t = false, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     pub isolated_containers: bool,
+    /// The most processes (threads included) one guest may run at once; a
+    /// tier may ask for fewer, never more.
+    #[arg(long, env = "BILLET_GUEST_PIDS_LIMIT", default_value_t = crate::provider::docker::DEFAULT_GUEST_PIDS_LIMIT,
+          value_parser = clap::value_parser!(u32).range(64..=4_194_304))]
+    pub guest_pids_limit: u32,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs(),

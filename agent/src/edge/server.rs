@@ -87,6 +87,8 @@ pub struct NodeConfig {
     pub post_job_grace: Duration,
     /// See [`RunnerOptions::isolated_containers`].
     pub isolated_containers: bool,
+    /// The most processes one guest may run (`--guest-pids-limit`).
+    pub guest_pids_limit: u32,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -297,6 +299,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         },
     )?
     .with_registry_mirrors(mirrors)
+    .with_guest_pids_limit(config.guest_pids_limit)
     .with_handoff_dir(config.state_dir.join(crate::provider::handoff::STATE_DIR));
     docker.clear_handoffs();
     let engine_answered = match tokio::time::timeout(START_PING_BOUND, docker.ping()).await {

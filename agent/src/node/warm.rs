@@ -614,6 +614,8 @@ impl WarmPool {
                 shm: tier.shm,
                 network: tier.network.clone(),
                 env: tier.env.clone(),
+                host: tier.host.clone(),
+                pids_limit: tier.pids_limit,
             })
             .await;
         match created {
