@@ -623,6 +623,10 @@ pub async fn run(
                 )
                 .await
                 .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                archives.set_stage_limits(crate::cache::actions::staging::StageLimits {
+                    budget_bytes: config.cache_eviction.budget_bytes,
+                    ..Default::default()
+                });
                 cache_archives = Some(archives.clone());
                 let addr = parts
                     .listener
