@@ -10,6 +10,11 @@
 //!   finish their work in milliseconds, so that one dialed into a flood is
 //!   served long before it is the oldest; one answering a request, marked
 //!   by [`Admitted::busy`], is passed over while an idle one remains).
+//!   A cap may also bound each peer address ([`ConnectionCap::per_peer`]):
+//!   a peer at its bound loses its own oldest idle connection to its
+//!   newcomer, and at the listener's cap the victim is taken from the peer
+//!   holding the most, so a flood from one address costs that address,
+//!   never another's connections.
 //!   Nothing is ever queued. Why:
 //!   every open connection is a file descriptor, and the node's plane
 //!   session, journal and Docker connections need theirs; a secondary port
@@ -23,6 +28,7 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -157,6 +163,8 @@ pub(crate) enum AtCap {
 struct Place {
     dropped: CancellationToken,
     busy: Arc<AtomicUsize>,
+    /// Where it came from, when the listener counts per peer.
+    peer: Option<IpAddr>,
 }
 
 #[derive(Debug, Default)]
@@ -172,6 +180,8 @@ struct Open {
 pub(crate) struct ConnectionCap {
     listener: &'static str,
     max: usize,
+    /// The most one peer address may hold; `usize::MAX` for no bound.
+    per_peer: usize,
     at_cap: AtCap,
     open: Arc<Mutex<Open>>,
 }
@@ -227,9 +237,21 @@ impl ConnectionCap {
         Self {
             listener,
             max: max.max(1),
+            per_peer: usize::MAX,
             at_cap,
             open: Arc::default(),
         }
+    }
+
+    /// The same cap, holding at most `max` (at least 1) connections from
+    /// any one peer address ([`Self::admit_from`]); past it the peer's own
+    /// oldest idle connection (else its oldest) is dropped for its
+    /// newcomer, whatever [`AtCap`] says, since it competes only with
+    /// itself.
+    #[must_use]
+    pub(crate) fn per_peer(mut self, max: usize) -> Self {
+        self.per_peer = max.max(1);
+        self
     }
 
     /// How many connections are open under it.
@@ -248,8 +270,37 @@ impl ConnectionCap {
     /// the count since the last line.
     #[must_use]
     pub(crate) fn admit(&self) -> Option<Admitted> {
+        self.admit_peer(None)
+    }
+
+    /// [`Self::admit`] for a connection from `peer`, counted against the
+    /// peer's bound ([`Self::per_peer`]); at the listener's cap under
+    /// [`AtCap::DropOldest`] the connection dropped is one of the peer
+    /// holding the most.
+    #[must_use]
+    pub(crate) fn admit_from(&self, peer: IpAddr) -> Option<Admitted> {
+        self.admit_peer(Some(peer))
+    }
+
+    fn admit_peer(&self, peer: Option<IpAddr>) -> Option<Admitted> {
         let mut open = self.open.lock().expect("open");
-        if open.by_age.len() >= self.max {
+        let mine = peer.map_or(0, |p| {
+            open.by_age
+                .values()
+                .filter(|place| place.peer == Some(p))
+                .count()
+        });
+        if peer.is_some() && mine >= self.per_peer {
+            if let Some(suppressed) = open.log.admit(Instant::now()) {
+                warn!(
+                    listener = self.listener,
+                    cap = self.per_peer,
+                    suppressed,
+                    "dropped a peer's oldest idle connection to make room for its new one: it holds as many as one address may"
+                );
+            }
+            Self::drop_one_of(&mut open, peer);
+        } else if open.by_age.len() >= self.max {
             let logged = open.log.admit(Instant::now());
             match self.at_cap {
                 AtCap::Refuse => {
@@ -272,15 +323,8 @@ impl ConnectionCap {
                             "dropped the oldest open connection to make room for a new one: this listener holds as many as it may"
                         );
                     }
-                    let victim = open
-                        .by_age
-                        .iter()
-                        .find(|(_, p)| p.busy.load(Ordering::Acquire) == 0)
-                        .or_else(|| open.by_age.first_key_value())
-                        .map(|(seq, _)| *seq);
-                    if let Some(place) = victim.and_then(|seq| open.by_age.remove(&seq)) {
-                        place.dropped.cancel();
-                    }
+                    let heaviest = Self::heaviest(&open);
+                    Self::drop_one_of(&mut open, heaviest);
                 }
             }
         }
@@ -292,6 +336,7 @@ impl ConnectionCap {
             Place {
                 dropped: dropped.clone(),
                 busy: Arc::clone(&busy),
+                peer,
             },
         );
         Some(Admitted {
@@ -303,9 +348,64 @@ impl ConnectionCap {
     }
 }
 
+impl ConnectionCap {
+    /// The peer holding the most open connections (connections of no
+    /// known peer count as one peer).
+    fn heaviest(open: &Open) -> Option<IpAddr> {
+        let mut counts: BTreeMap<Option<IpAddr>, usize> = BTreeMap::new();
+        for place in open.by_age.values() {
+            *counts.entry(place.peer).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .max_by_key(|(_, n)| *n)
+            .and_then(|(peer, _)| peer)
+    }
+
+    /// Drops `peer`'s oldest idle connection, else its oldest.
+    fn drop_one_of(open: &mut Open, peer: Option<IpAddr>) {
+        let theirs = || open.by_age.iter().filter(|(_, p)| p.peer == peer);
+        let victim = theirs()
+            .find(|(_, p)| p.busy.load(Ordering::Acquire) == 0)
+            .or_else(|| theirs().next())
+            .map(|(seq, _)| *seq);
+        if let Some(place) = victim.and_then(|seq| open.by_age.remove(&seq)) {
+            place.dropped.cancel();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_at_its_bound_loses_its_own_oldest_idle_connection_and_a_full_listener_takes_from_the_heaviest_peer()
+     {
+        let flooder: IpAddr = "172.17.0.9".parse().unwrap();
+        let guest: IpAddr = "172.17.0.5".parse().unwrap();
+        let cap = ConnectionCap::new("test", 6, AtCap::DropOldest).per_peer(4);
+        let working = cap.admit_from(guest).expect("a place");
+        let _answering = working.busy();
+        let idle_guest = cap.admit_from(guest).expect("a place");
+        let flood: Vec<_> = (0..4)
+            .map(|_| cap.admit_from(flooder).expect("a place"))
+            .collect();
+        // The flooder's fifth costs it its own oldest.
+        let fifth = cap.admit_from(flooder).expect("a place");
+        assert!(flood[0].dropped.is_cancelled());
+        assert!(flood[1..].iter().all(|a| !a.dropped.is_cancelled()));
+        assert!(!working.dropped.is_cancelled() && !idle_guest.dropped.is_cancelled());
+        assert_eq!(cap.open(), 6);
+        // Full: another guest's newcomer takes from the flooder, who holds
+        // the most, never from the guest's idle connection.
+        let other = cap
+            .admit_from("172.17.0.6".parse().unwrap())
+            .expect("a place");
+        assert!(flood[1].dropped.is_cancelled());
+        assert!(!idle_guest.dropped.is_cancelled() && !working.dropped.is_cancelled());
+        assert!(!fifth.dropped.is_cancelled() && !other.dropped.is_cancelled());
+    }
 
     #[test]
     fn at_the_cap_a_refusing_listener_closes_the_newcomer_and_a_freed_place_is_used_again() {

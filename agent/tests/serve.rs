@@ -428,6 +428,7 @@ impl Node {
             post_job_grace: Duration::from_secs(120),
             isolated_containers: false,
             tier_failures_before_unhealthy: 3,
+            guest_pids_limit: 4096,
             ack_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(60),
             tls_reload: ReloadPolicy::default(),

@@ -87,6 +87,10 @@ pub struct ClusterOptions {
     /// The tier's trust class, `trusted` or `untrusted` (an untrusted tier
     /// needs the node's `--isolated-containers`, e.g. in `node_env`).
     pub tier_trust: String,
+    /// The tier's network: `host` by default. Any other (an untrusted
+    /// tier may not have the host's) puts the emulator on Docker's bridge
+    /// gateway ([`bridge_gateway`]), where the runners reach it.
+    pub tier_network: String,
     /// Whether the tier's runners get the Docker image store.
     pub docker_image_store: bool,
     /// The oldest runner version the tier runs ("" for none).
@@ -120,6 +124,40 @@ pub struct ClusterOptions {
     pub warm: billet_controlplane_stub::plane::WarmConfig,
     /// How long the plane keeps job records, and when a job is stuck.
     pub jobs: billet_controlplane_stub::plane::JobsConfig,
+}
+
+/// The IPv4 gateway of Docker's default bridge: an address of this host
+/// that runners on the bridge reach.
+///
+/// # Errors
+///
+/// The engine cannot be asked, or the bridge has no IPv4 gateway.
+pub async fn bridge_gateway(docker: &Docker) -> Result<std::net::IpAddr> {
+    let network = docker
+        .inspect_network(
+            "bridge",
+            None::<bollard::query_parameters::InspectNetworkOptions>,
+        )
+        .await
+        .context("inspect Docker's bridge network")?;
+    // An engine that chose the gateway itself may not say it: it is then
+    // the subnet's first address.
+    network
+        .ipam
+        .and_then(|i| i.config)
+        .unwrap_or_default()
+        .into_iter()
+        .find_map(|c| {
+            c.gateway
+                .and_then(|g| g.parse::<std::net::Ipv4Addr>().ok())
+                .or_else(|| {
+                    let subnet = c.subnet?;
+                    let base: std::net::Ipv4Addr = subnet.split_once('/')?.0.parse().ok()?;
+                    Some(std::net::Ipv4Addr::from(u32::from(base) + 1))
+                })
+        })
+        .map(std::net::IpAddr::V4)
+        .context("Docker's bridge network has no IPv4 gateway or subnet")
 }
 
 /// Where a node runs when it has a network of its own: its namespace and
@@ -163,6 +201,7 @@ impl Default for ClusterOptions {
             sticky_disks: Vec::new(),
             actions_cache: None,
             tier_trust: "trusted".into(),
+            tier_network: "host".into(),
             docker_image_store: false,
             min_runner_version: billet_controlplane_stub::plane::DEFAULT_MIN_RUNNER_VERSION.into(),
             node_cert_lifetime: None,
@@ -907,10 +946,14 @@ impl Cluster {
             .unwrap_or_else(|| format!("dep{}", &uuid_like()[..8]));
         let certs = cluster_certs(&dir, &options)?;
 
-        let emulator = Emulator::builder()
-            .long_poll(Duration::from_millis(300))
-            .start()
-            .await;
+        let mut emulator = Emulator::builder().long_poll(Duration::from_millis(300));
+        if options.tier_network != "host" {
+            emulator = emulator.bind(SocketAddr::new(bridge_gateway(&docker).await?, 0));
+        }
+        let emulator = emulator
+            .try_start()
+            .await
+            .context("start the scale-set emulator")?;
 
         let mut nodes = HashMap::new();
         let mut targets = Vec::new();
@@ -986,7 +1029,7 @@ impl Cluster {
                 trust: options.tier_trust.clone(),
                 vcpu: options.tier_vcpu,
                 memory_bytes: options.tier_memory_bytes,
-                network: "host".into(),
+                network: options.tier_network.clone(),
                 env: [
                     format!("BILLET_STANDIN_WORK_MS={}", options.work_ms),
                     "BILLET_STANDIN_IDLE_TIMEOUT_MS=120000".into(),

@@ -71,7 +71,17 @@ impl GuestReports {
     ///
     /// The port cannot be bound.
     pub async fn start() -> Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0")
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST.into()).await
+    }
+
+    /// Serves on a free port of `ip` (Docker's bridge gateway, for runners
+    /// that do not share the host's network).
+    ///
+    /// # Errors
+    ///
+    /// The port cannot be bound.
+    pub async fn start_on(ip: std::net::IpAddr) -> Result<Self> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
             .await
             .context("bind the guest report sink")?;
         let addr = listener.local_addr()?;

@@ -368,8 +368,8 @@ fn published(s: &Setup) -> Vec<PathBuf> {
 /// so the job's proxy URL stays good) and passes keep the archive, because
 /// the session's download link came back from the journal; the job's held
 /// download is still served locally. Once the job has ended (its session
-/// closed) the archive goes, and the next job's lookup misses and saves it
-/// again.
+/// closed) the archive goes, and the next job's lookup misses; its save,
+/// over the budget, is refused before it is written.
 #[tokio::test]
 async fn under_pressure_an_archive_a_running_job_reads_stays_across_a_restart_and_goes_once_the_job_ends()
 -> Result<()> {
@@ -436,12 +436,14 @@ async fn under_pressure_an_archive_a_running_job_reads_stays_across_a_restart_an
         s.node_log()
     );
 
-    // The next job misses and saves it again.
+    // The next job misses, and its save does not fit the budget: it is
+    // refused before a byte is written, and nothing is published.
     let next = s.cluster.queue_jobs(1);
     let saved = s.report("actions-save", 2).await?;
     assert_eq!(saved["hit"], false, "{saved}");
     assert_eq!(saved["local"], true, "{saved}");
-    assert_eq!(saved["ok"], true, "{saved}");
+    assert_eq!(saved["put_status"], 507, "{saved}");
+    assert!(published(&s).is_empty());
     s.reports.open("actions-round-1");
     s.cluster.wait_jobs_completed(&next, TIMEOUT).await?;
     s.cluster.wait_clean(TIMEOUT).await

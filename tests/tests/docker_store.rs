@@ -42,6 +42,8 @@ struct Setup<'a> {
     /// Shared with clusters run before or after: the deployment and the
     /// node's cache directory.
     shared: Option<(&'a str, &'a Path)>,
+    /// The tier's network; an untrusted tier may not have the host's.
+    network: &'a str,
 }
 
 impl Default for Setup<'_> {
@@ -51,6 +53,7 @@ impl Default for Setup<'_> {
             guest: "ready",
             env: &[],
             shared: None,
+            network: "host",
         }
     }
 }
@@ -72,6 +75,7 @@ async fn start(setup: &Setup<'_>, reports: &GuestReports) -> Result<Cluster> {
         }],
         docker_image_store: true,
         tier_trust: setup.trust.into(),
+        tier_network: setup.network.into(),
         deployment: setup.shared.map(|(d, _)| d.to_owned()),
         node_env,
         tier_env: [
@@ -255,7 +259,11 @@ async fn a_guest_that_never_says_ready_publishes_no_image_store() -> Result<()> 
 #[tokio::test]
 async fn an_untrusted_job_publishes_nothing_and_the_next_trusted_job_finds_the_old_heads()
 -> Result<()> {
-    let reports = GuestReports::start().await?;
+    // Both tiers on the bridge, where the untrusted one must be, so the
+    // emulator and the sink are where both reach them.
+    let docker = billet_tests::image::connect_docker().await?;
+    let gateway = billet_tests::cluster::bridge_gateway(&docker).await?;
+    let reports = GuestReports::start_on(gateway).await?;
     let shared_dir = std::env::temp_dir().join(format!(
         "billet-e2e-trust-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -266,6 +274,7 @@ async fn an_untrusted_job_publishes_nothing_and_the_next_trusted_job_finds_the_o
     let outcome = async {
         let trusted = Setup {
             shared: Some((&deployment, &cache)),
+            network: "bridge",
             ..Setup::default()
         };
         let cluster = start(&trusted, &reports).await?;
@@ -277,6 +286,7 @@ async fn an_untrusted_job_publishes_nothing_and_the_next_trusted_job_finds_the_o
         let untrusted = Setup {
             trust: "untrusted",
             shared: Some((&deployment, &cache)),
+            network: "bridge",
             ..Setup::default()
         };
         let cluster = start(&untrusted, &reports).await?;

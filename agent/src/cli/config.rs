@@ -127,6 +127,7 @@ impl NodeArgs {
                 post_job_grace: Duration::from_secs(args.post_job_grace_secs),
                 isolated_containers: args.isolated_containers,
                 tier_failures_before_unhealthy: args.tier_failures_before_unhealthy,
+                guest_pids_limit: args.guest_pids_limit,
                 ack_timeout: Duration::from_secs(args.ack_timeout_secs.max(1)),
                 drain_timeout: Duration::from_secs(args.drain_timeout_secs),
                 tls_reload: crate::tls::ReloadPolicy {

@@ -223,6 +223,11 @@ pub struct NodeArgs {
     #[arg(long, env = "BILLET_TIER_FAILURES_BEFORE_UNHEALTHY", default_value_t = crate::node::tiers::FAILURES_BEFORE_UNHEALTHY,
           value_parser = clap::value_parser!(u32).range(0..=1000))]
     pub tier_failures_before_unhealthy: u32,
+    /// The most processes (threads included) one guest may run at once; a
+    /// tier may ask for fewer, never more.
+    #[arg(long, env = "BILLET_GUEST_PIDS_LIMIT", default_value_t = crate::provider::docker::DEFAULT_GUEST_PIDS_LIMIT,
+          value_parser = clap::value_parser!(u32).range(64..=4_194_304))]
+    pub guest_pids_limit: u32,
     /// Seconds a launch result waits for the plane's acknowledgement before
     /// the node takes custody of the lease.
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs(),

@@ -89,6 +89,8 @@ pub struct NodeConfig {
     pub isolated_containers: bool,
     /// See [`RunnerOptions::tier_failures_before_unhealthy`].
     pub tier_failures_before_unhealthy: u32,
+    /// The most processes one guest may run (`--guest-pids-limit`).
+    pub guest_pids_limit: u32,
     /// How long a successful launch's result waits for the plane's
     /// acknowledgement before the node takes custody.
     pub ack_timeout: Duration,
@@ -299,6 +301,7 @@ pub async fn prepare(config: &NodeConfig) -> Result<Prepared, NodeError> {
         },
     )?
     .with_registry_mirrors(mirrors)
+    .with_guest_pids_limit(config.guest_pids_limit)
     .with_handoff_dir(config.state_dir.join(crate::provider::handoff::STATE_DIR));
     docker.clear_handoffs();
     let engine_answered = match tokio::time::timeout(START_PING_BOUND, docker.ping()).await {
@@ -623,6 +626,10 @@ pub async fn run(
                 )
                 .await
                 .map_err(|e| NodeError::ActionsProxy(e.to_string()))?;
+                archives.set_stage_limits(crate::cache::actions::staging::StageLimits {
+                    budget_bytes: config.cache_eviction.budget_bytes,
+                    ..Default::default()
+                });
                 cache_archives = Some(archives.clone());
                 let addr = parts
                     .listener

@@ -389,6 +389,8 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         cache_scope,
         docker_image_store,
         min_runner_version,
+        host,
+        pids_limit,
     } = tier;
     if label.is_empty() {
         return Err(InvalidField::new("launch.tier.label", "must not be empty"));
@@ -445,7 +447,11 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
                 .map_err(|e| InvalidField::new("launch.tier.min_runner_version", e))?,
         ),
     };
+    let host = host_access(host)?;
+    host.check_trust(trust, network.as_deref(), "launch.tier")?;
     Ok(TierSpec {
+        host,
+        pids_limit: (pids_limit > 0).then_some(pids_limit),
         min_runner_version,
         label,
         image,
@@ -461,6 +467,60 @@ fn tier_spec(tier: pb::TierSpec) -> Result<TierSpec, InvalidField> {
         } else {
             None
         },
+    })
+}
+
+/// Converts and checks what a tier asks of the host, naming the part at
+/// fault (`launch.tier.host.devices`). Whether the tier may ask is checked
+/// apart ([`crate::model::HostAccess::check_trust`]).
+fn host_access(host: Option<pb::HostAccess>) -> Result<crate::model::HostAccess, InvalidField> {
+    use crate::model::host::{absolute_path, capability};
+    let Some(pb::HostAccess {
+        pid,
+        ipc,
+        uts,
+        privileged,
+        devices,
+        capabilities,
+        mounts,
+        new_privileges,
+    }) = host
+    else {
+        return Ok(crate::model::HostAccess::default());
+    };
+    for device in &devices {
+        absolute_path("launch.tier.host.devices", device)?;
+    }
+    let capabilities = capabilities
+        .iter()
+        .map(|c| capability("launch.tier.host.capabilities", c))
+        .collect::<Result<_, _>>()?;
+    let mounts = mounts
+        .into_iter()
+        .map(|m| {
+            let pb::HostMount {
+                source,
+                target,
+                read_only,
+            } = m;
+            absolute_path("launch.tier.host.mounts.source", &source)?;
+            absolute_path("launch.tier.host.mounts.target", &target)?;
+            Ok(crate::model::HostMount {
+                source,
+                target,
+                read_only,
+            })
+        })
+        .collect::<Result<_, InvalidField>>()?;
+    Ok(crate::model::HostAccess {
+        pid,
+        ipc,
+        uts,
+        privileged,
+        devices,
+        capabilities,
+        mounts,
+        new_privileges,
     })
 }
 
@@ -689,6 +749,8 @@ pub(crate) mod tests {
                     }),
                     docker_image_store: true,
                     min_runner_version: "v2.331.0".into(),
+                    host: None,
+                    pids_limit: 0,
                 }),
                 job: Some(pb::Job {
                     request_id: 4242,
@@ -749,6 +811,8 @@ pub(crate) mod tests {
                 ),
                 docker_image_store: true,
                 min_runner_version: Some(RunnerVersion::parse("2.331.0").unwrap()),
+                host: Default::default(),
+                pids_limit: None,
             },
             job: Job {
                 request_id: RequestId(4242),
@@ -1221,6 +1285,8 @@ pub(crate) mod properties {
                     cache_scope: None,
                     docker_image_store: false,
                     min_runner_version: String::new(),
+                    host: None,
+                    pids_limit: 0,
                 }
             })
     }

@@ -7,6 +7,7 @@
 
 mod command;
 pub(crate) mod disk;
+pub(crate) mod host;
 pub(crate) mod scope;
 
 use std::fmt;
@@ -15,6 +16,7 @@ use thiserror::Error;
 
 pub use billet_proto::runner_version::RunnerVersion;
 pub use command::{NodeCommand, UpgradeSpec, WarmTarget};
+pub use host::{HostAccess, HostMount};
 
 /// Longest id accepted for a lease, a command or a runner name, in bytes.
 pub(crate) const MAX_ID_LEN: usize = 128;
@@ -298,6 +300,12 @@ pub struct TierSpec {
     /// The oldest runner the plane lets run: an image whose label says an
     /// older one is refused before anything is minted. `None`: unchecked.
     pub min_runner_version: Option<RunnerVersion>,
+    /// What the guests are given of the host beyond the node's hardened
+    /// default; nothing unless the tier is trusted ([`host`]).
+    pub host: HostAccess,
+    /// The tier's own pids limit per guest; the provider takes the lower
+    /// of it and the node's. `None`: the node's.
+    pub pids_limit: Option<u32>,
 }
 
 /// The GitHub job behind a launch; diagnostic only.

@@ -383,6 +383,8 @@ fn instance_spec(
         shm: tier.shm,
         network: tier.network.clone(),
         env: tier.env.clone(),
+        host: tier.host.clone(),
+        pids_limit: tier.pids_limit,
         jit_config,
         binds: Vec::new(),
         cache_token: None,

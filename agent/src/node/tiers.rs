@@ -279,6 +279,8 @@ mod tests {
             actions_cache: None,
             docker_image_store: false,
             min_runner_version: None,
+            host: Default::default(),
+            pids_limit: None,
         }
     }
 

@@ -628,6 +628,8 @@ impl WarmPool {
                 shm: tier.shm,
                 network: tier.network.clone(),
                 env: tier.env.clone(),
+                host: tier.host.clone(),
+                pids_limit: tier.pids_limit,
             })
             .await;
         match created {
@@ -768,6 +770,8 @@ mod tests {
             actions_cache: None,
             docker_image_store: false,
             min_runner_version: None,
+            host: Default::default(),
+            pids_limit: None,
         }
     }
 

@@ -93,6 +93,37 @@ const WARM_DELIVERY_BOUND: Duration = Duration::from_secs(5);
 /// What an error message carries in place of a credential.
 const REDACTED: &str = "<redacted>";
 
+/// The capabilities every guest runs with (decision 126): Docker's default
+/// set less `NET_RAW` (raw sockets: spoofed packets, ARP on the bridge),
+/// `MKNOD` (device nodes), `AUDIT_WRITE` (the host's audit log) and
+/// `SETFCAP` (file capabilities, which `no-new-privileges` makes useless
+/// anyway). Every other capability is dropped, so an engine whose default
+/// set grows gives guests nothing more. A trusted tier may add to it.
+pub(crate) const GUEST_CAPABILITIES: [&str; 10] = [
+    // Package installs and checkouts change owners and modes of files
+    // they did not create.
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    // A runner signals the job processes it started under other users.
+    "KILL",
+    // `su`, `sudo` and apt's unprivileged download user switch identities,
+    // and drop capabilities from their bounding set as they do.
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    // Test services on ports below 1024.
+    "NET_BIND_SERVICE",
+    // chroot-based builds (debootstrap, some packagers).
+    "SYS_CHROOT",
+];
+
+/// The most processes (threads included) one guest may run when the
+/// operator says nothing (`--guest-pids-limit`): far above what a runner
+/// and a parallel build use, far below what starves the host's PID space.
+pub(crate) const DEFAULT_GUEST_PIDS_LIMIT: u32 = 4096;
+
 /// A bollard client for the engine at `socket` whose connections outlive
 /// their request: hyper's pool over the same Unix connector bollard uses,
 /// keeping idle connections for [`POOL_IDLE`]. Addressed as bollard
@@ -146,6 +177,8 @@ pub(crate) struct DockerProvider {
     handoffs: Handoffs,
     /// How long a create waits for its guest to read its credentials.
     handoff_wait: Duration,
+    /// The most processes one guest may run; a tier may only lower it.
+    guest_pids_limit: u32,
 }
 
 impl DockerProvider {
@@ -180,7 +213,17 @@ impl DockerProvider {
             cpus: OnceCell::new(),
             handoffs,
             handoff_wait: HANDOFF_WAIT,
+            guest_pids_limit: DEFAULT_GUEST_PIDS_LIMIT,
         })
+    }
+
+    /// The same provider giving each guest at most `limit` processes
+    /// ([`DEFAULT_GUEST_PIDS_LIMIT`] otherwise); a tier's own limit can
+    /// only lower it.
+    #[must_use]
+    pub(crate) fn with_guest_pids_limit(mut self, limit: u32) -> Self {
+        self.guest_pids_limit = limit;
+        self
     }
 
     /// The same provider keeping its containers' handoff directories
@@ -810,6 +853,8 @@ struct Shape<'a> {
     network: Option<&'a String>,
     env: &'a [(String, String)],
     binds: &'a [super::Bind],
+    host: &'a crate::model::HostAccess,
+    pids_limit: Option<u32>,
 }
 
 impl DockerProvider {
@@ -971,6 +1016,8 @@ impl DockerProvider {
                 network: spec.network.as_ref(),
                 env: &spec.env,
                 binds: &[],
+                host: &spec.host,
+                pids_limit: spec.pids_limit,
             },
             labels.clone(),
         )?;
@@ -1148,6 +1195,8 @@ impl DockerProvider {
                 network: spec.network.as_ref(),
                 env: &spec.env,
                 binds: &spec.binds,
+                host: &spec.host,
+                pids_limit: spec.pids_limit,
             },
             self.labels_for(spec),
         )?;
@@ -1242,6 +1291,39 @@ impl DockerProvider {
             memory_swap: (memory > 0).then_some(memory),
             shm_size: (shm > 0).then_some(shm),
             network_mode: shape.network.cloned(),
+            // The hardened default (decision 126). The engine's seccomp
+            // profile and masked paths are kept by never naming them.
+            security_opt: (!shape.host.new_privileges)
+                .then(|| vec!["no-new-privileges:true".to_owned()]),
+            pids_limit: Some(i64::from(
+                shape
+                    .pids_limit
+                    .map_or(self.guest_pids_limit, |p| p.min(self.guest_pids_limit)),
+            )),
+            cap_drop: (!shape.host.privileged).then(|| vec!["ALL".to_owned()]),
+            cap_add: (!shape.host.privileged).then(|| {
+                GUEST_CAPABILITIES
+                    .iter()
+                    .map(|c| (*c).to_owned())
+                    .chain(shape.host.capabilities.iter().cloned())
+                    .collect()
+            }),
+            privileged: shape.host.privileged.then_some(true),
+            pid_mode: shape.host.pid.then(|| "host".to_owned()),
+            ipc_mode: shape.host.ipc.then(|| "host".to_owned()),
+            uts_mode: shape.host.uts.then(|| "host".to_owned()),
+            devices: (!shape.host.devices.is_empty()).then(|| {
+                shape
+                    .host
+                    .devices
+                    .iter()
+                    .map(|d| bollard::models::DeviceMapping {
+                        path_on_host: Some(d.clone()),
+                        path_in_container: Some(d.clone()),
+                        cgroup_permissions: Some("rwm".to_owned()),
+                    })
+                    .collect()
+            }),
             // Structured mounts, not `binds` strings, so a path with a `:`
             // cannot be read as options.
             mounts: {
@@ -1255,6 +1337,13 @@ impl DockerProvider {
                         read_only: Some(false),
                         ..Default::default()
                     })
+                    .chain(shape.host.mounts.iter().map(|m| bollard::models::Mount {
+                        target: Some(m.target.clone()),
+                        source: Some(m.source.clone()),
+                        typ: Some(bollard::models::MountType::BIND),
+                        read_only: Some(m.read_only),
+                        ..Default::default()
+                    }))
                     .collect();
                 if let Some(daemon_json) = self.mirrors.daemon_json() {
                     mounts.push(bollard::models::Mount {

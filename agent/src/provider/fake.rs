@@ -789,6 +789,8 @@ mod tests {
             binds: Vec::new(),
             cache_token: None,
             actions_proxy: None,
+            host: Default::default(),
+            pids_limit: None,
         }
     }
 

@@ -72,6 +72,12 @@ pub struct WarmSpec {
     pub network: Option<String>,
     /// Plain environment; never a credential.
     pub env: Vec<(String, String)>,
+    /// What the tier's guests are given of the host beyond the hardened
+    /// default (only a trusted tier's is ever more than nothing).
+    pub host: crate::model::HostAccess,
+    /// The tier's pids limit; the provider runs the lower of it and its
+    /// own. `None`: its own.
+    pub pids_limit: Option<u32>,
 }
 
 /// Everything a provider needs to create one instance.
@@ -99,6 +105,12 @@ pub struct InstanceSpec {
     pub network: Option<String>,
     /// Plain environment; never a credential.
     pub env: Vec<(String, String)>,
+    /// What the tier's guests are given of the host beyond the hardened
+    /// default (only a trusted tier's is ever more than nothing).
+    pub host: crate::model::HostAccess,
+    /// The tier's pids limit; the provider runs the lower of it and its
+    /// own. `None`: its own.
+    pub pids_limit: Option<u32>,
     /// The single-use registration. Reaches the instance only through its
     /// handoff ([`handoff`]), as `ACTIONS_RUNNER_INPUT_JITCONFIG`.
     pub jit_config: JitConfig,

@@ -280,6 +280,8 @@ fn tier() -> TierSpec {
         actions_cache: None,
         docker_image_store: false,
         min_runner_version: None,
+        host: Default::default(),
+        pids_limit: None,
     }
 }
 

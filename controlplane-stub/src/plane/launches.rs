@@ -466,6 +466,8 @@ impl Plane {
             cache_scope: tier.actions_cache.clone(),
             docker_image_store: tier.docker_image_store,
             min_runner_version: tier.min_runner_version.clone(),
+            host: None,
+            pids_limit: 0,
         }
     }
 

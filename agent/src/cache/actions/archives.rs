@@ -279,6 +279,9 @@ pub struct Archives {
     /// so a direct download finds its session, and a forged one is
     /// refused, without waiting on any session's lock.
     download_index: std::sync::Mutex<HashMap<String, Indexed>>,
+    /// What unfinished uploads hold on the disk, and their bounds
+    /// ([`super::staging`]).
+    staged: std::sync::Mutex<super::staging::Staged>,
 }
 
 /// A download in [`Archives`]'s index: the lease whose session holds it
@@ -389,6 +392,7 @@ impl Archives {
         }
         let mut sessions = HashMap::new();
         let mut named = BTreeSet::new();
+        let mut staged = super::staging::Staged::default();
         let mut download_index = HashMap::new();
         for (lease, record) in journal.actions_sessions().await? {
             let Ok(record) = serde_json::from_str::<Record>(&record) else {
@@ -399,6 +403,10 @@ impl Archives {
                 continue;
             };
             named.extend(record.held.uploads.iter().map(|u| u.id.clone()));
+            for u in &record.held.uploads {
+                let bytes = super::staging::bytes_under(&root.join("uploads").join(&u.id));
+                staged.found(&lease, &u.id, bytes);
+            }
             named.extend(record.held.downloads.iter().map(|d| d.id.clone()));
             for d in &record.held.downloads {
                 download_index.insert(
@@ -443,7 +451,22 @@ impl Archives {
             entries_lock: tokio::sync::RwLock::new(()),
             direct: std::sync::OnceLock::new(),
             download_index: std::sync::Mutex::new(download_index),
+            staged: std::sync::Mutex::new(staged),
         }))
+    }
+
+    /// Holds unfinished uploads to `limits` from now on
+    /// ([`super::staging::StageLimits`]; the defaults until called).
+    pub(crate) fn set_stage_limits(&self, limits: super::staging::StageLimits) {
+        self.staged.lock().expect("staged").set_limits(limits);
+    }
+
+    fn stage<'a>(&'a self, lease: &'a str, upload: &'a str) -> Stage<'a> {
+        Stage {
+            archives: self,
+            lease,
+            upload,
+        }
     }
 
     /// Opens `lease`'s intercepting session under `scope`, authenticated
@@ -500,6 +523,7 @@ impl Archives {
         let held = session.held.lock().await;
         for u in &held.uploads {
             remove_any(&self.root.join("uploads").join(&u.id)).await;
+            self.staged.lock().expect("staged").forget(&u.id);
         }
         {
             let mut index = self.download_index.lock().expect("download index");
@@ -778,7 +802,12 @@ impl Archives {
         if !self.allowed(session).await {
             return Answer::Unavailable("Actions cache reservation is unavailable");
         }
-        match self.publish(session, &upload, size).await {
+        let published = self.publish(session, &upload, size).await;
+        if published.is_ok() {
+            // Its bytes are an entry now (or gone), counted by eviction.
+            self.staged.lock().expect("staged").forget(&upload.id);
+        }
+        match published {
             Ok(receipt) => {
                 let mut next = held.clone();
                 next.uploads.retain(|u| u.id != upload.id);
@@ -1068,6 +1097,7 @@ impl Archives {
         req: Request<Incoming>,
     ) -> Response<Body> {
         let dir = self.root.join("uploads").join(&upload.id);
+        let stage = self.stage(&session.lease, &upload.id);
         if req.method() == Method::HEAD {
             return plain(StatusCode::OK, "");
         }
@@ -1093,7 +1123,7 @@ impl Archives {
                         "a whole upload needs x-ms-blob-type: BlockBlob",
                     );
                 }
-                receive(&dir, "archive", req.into_body(), MAX_ARCHIVE_BYTES).await
+                receive(&dir, "archive", req, MAX_ARCHIVE_BYTES, &stage).await
             }
             Some("block") => {
                 let Some(block) = query
@@ -1108,7 +1138,7 @@ impl Archives {
                     );
                 };
                 let name = format!("blocks/{}", sha(block.as_bytes()));
-                receive(&dir, &name, req.into_body(), MAX_ARCHIVE_BYTES).await
+                receive(&dir, &name, req, MAX_ARCHIVE_BYTES, &stage).await
             }
             Some("blocklist") => {
                 let body = match http_body_util::Limited::new(req.into_body(), MAX_BLOCK_LIST_BYTES)
@@ -1124,7 +1154,7 @@ impl Archives {
                     }
                 };
                 match parse_block_list(&body) {
-                    Ok(ids) => assemble(&dir, &ids).await,
+                    Ok(ids) => assemble(&dir, &ids, &stage).await,
                     Err(e) => return plain(StatusCode::BAD_REQUEST, &e),
                 }
             }
@@ -1158,6 +1188,14 @@ impl Archives {
                 plain(StatusCode::BAD_GATEWAY, "storage is unavailable")
             }
             Err(Received::Refused(why)) => plain(StatusCode::BAD_REQUEST, &why),
+            Err(Received::NoRoom(why)) => {
+                warn!(lease = %session.lease, key = %upload.key, reason = %why, "an Actions cache upload was refused for room");
+                plain(StatusCode::INSUFFICIENT_STORAGE, &why)
+            }
+            Err(Received::TooSlow) => plain(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body came too slowly",
+            ),
         }
     }
 }
@@ -1283,44 +1321,129 @@ enum Received {
     TooLarge,
     Refused(String),
     Failed(std::io::Error),
+    /// A bound of [`super::staging`] would be crossed.
+    NoRoom(String),
+    /// The body stalled or came below the minimum rate.
+    TooSlow,
+}
+
+/// One upload's reservations ([`super::staging::Staged`]).
+struct Stage<'a> {
+    archives: &'a Archives,
+    lease: &'a str,
+    upload: &'a str,
+}
+
+impl Stage<'_> {
+    fn reserve(&self, bytes: u64) -> Result<(), Received> {
+        self.archives
+            .staged
+            .lock()
+            .expect("staged")
+            .reserve(&self.archives.root, self.lease, self.upload, bytes)
+            .map_err(|e| Received::NoRoom(e.0))
+    }
+
+    fn release(&self, bytes: u64) {
+        self.archives
+            .staged
+            .lock()
+            .expect("staged")
+            .release(self.upload, bytes);
+    }
 }
 
 /// Writes a request body to `<dir>/<name>` through a temporary file:
 /// synced and renamed when whole; removed unsynced when the body fails.
-async fn receive(dir: &Path, name: &str, mut body: Incoming, limit: u64) -> Result<(), Received> {
+/// Its bytes are reserved first (a declared `Content-Length` before any is
+/// read, else frame by frame), less those of a file it replaces, and given
+/// back when they are not kept. A body that sends nothing for
+/// [`super::staging::BODY_STALL`], or averages less than
+/// [`super::staging::MIN_BODY_BYTES_PER_SEC`] once
+/// [`super::staging::BODY_RATE_GRACE`] has passed, is cut.
+async fn receive(
+    dir: &Path,
+    name: &str,
+    req: Request<Incoming>,
+    limit: u64,
+    stage: &Stage<'_>,
+) -> Result<(), Received> {
+    use super::staging::{BODY_RATE_GRACE, BODY_STALL, MIN_BODY_BYTES_PER_SEC};
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|d| d > limit) {
+        return Err(Received::TooLarge);
+    }
     let target = dir.join(name);
+    // A file put again (a retried block) is replaced: its bytes count
+    // toward the new one's.
+    let existing = tokio::fs::metadata(&target).await.map_or(0, |m| m.len());
+    let mut reserved = declared.unwrap_or(0).saturating_sub(existing);
+    stage.reserve(reserved)?;
+    let mut allowance = reserved + existing;
+    let mut body = req.into_body();
     let tmp = dir.join(format!(".tmp-{}", uuid::Uuid::new_v4().simple()));
-    let mut file = tokio::fs::File::create(&tmp)
-        .await
-        .map_err(Received::Failed)?;
+    let mut file = match tokio::fs::File::create(&tmp).await {
+        Ok(f) => f,
+        Err(e) => {
+            stage.release(reserved);
+            return Err(Received::Failed(e));
+        }
+    };
     let mut written = 0u64;
+    let began = tokio::time::Instant::now();
     let outcome = async {
-        while let Some(frame) = body.frame().await {
+        loop {
+            let frame = match tokio::time::timeout(BODY_STALL, body.frame()).await {
+                Err(_) => return Err(Received::TooSlow),
+                Ok(None) => break,
+                Ok(Some(frame)) => frame,
+            };
             let frame = frame.map_err(|e| Received::Failed(std::io::Error::other(e)))?;
             if let Ok(data) = frame.into_data() {
                 written += data.len() as u64;
                 if written > limit {
                     return Err(Received::TooLarge);
                 }
+                if written > allowance {
+                    stage.reserve(written - allowance)?;
+                    reserved += written - allowance;
+                    allowance = written;
+                }
                 file.write_all(&data).await.map_err(Received::Failed)?;
+            }
+            let elapsed = began.elapsed();
+            if elapsed >= BODY_RATE_GRACE
+                && u128::from(written) * 1000
+                    < u128::from(MIN_BODY_BYTES_PER_SEC) * elapsed.as_millis()
+            {
+                return Err(Received::TooSlow);
             }
         }
         file.sync_all().await.map_err(Received::Failed)?;
         tokio::fs::rename(&tmp, &target)
             .await
-            .map_err(Received::Failed)
+            .map_err(Received::Failed)?;
+        // Held now: `written` bytes in place of `existing`.
+        stage.release(allowance - written);
+        Ok(())
     }
     .await;
     if outcome.is_err() {
         drop(file);
         let _ = tokio::fs::remove_file(&tmp).await;
+        stage.release(reserved);
     }
     outcome
 }
 
 /// Concatenates the staged blocks `ids` in declared order into `archive`.
-async fn assemble(dir: &Path, ids: &[String]) -> Result<(), Received> {
+async fn assemble(dir: &Path, ids: &[String], stage: &Stage<'_>) -> Result<(), Received> {
     let tmp = dir.join(format!(".tmp-{}", uuid::Uuid::new_v4().simple()));
+    let mut reserved = 0u64;
     let outcome = async {
         let mut out = tokio::fs::File::create(&tmp)
             .await
@@ -1331,6 +1454,11 @@ async fn assemble(dir: &Path, ids: &[String]) -> Result<(), Received> {
             let mut block = tokio::fs::File::open(&path)
                 .await
                 .map_err(|_| Received::Refused(format!("block {id:?} was never staged")))?;
+            // The archive is a second copy of its blocks until it is
+            // published, so it is reserved as they are.
+            let len = block.metadata().await.map_or(0, |m| m.len());
+            stage.reserve(len)?;
+            reserved += len;
             total += tokio::io::copy(&mut block, &mut out)
                 .await
                 .map_err(Received::Failed)?;
@@ -1339,13 +1467,18 @@ async fn assemble(dir: &Path, ids: &[String]) -> Result<(), Received> {
             }
         }
         out.sync_all().await.map_err(Received::Failed)?;
-        tokio::fs::rename(&tmp, dir.join("archive"))
+        let target = dir.join("archive");
+        let replaced = tokio::fs::metadata(&target).await.map_or(0, |m| m.len());
+        tokio::fs::rename(&tmp, &target)
             .await
-            .map_err(Received::Failed)
+            .map_err(Received::Failed)?;
+        stage.release(replaced);
+        Ok(())
     }
     .await;
     if outcome.is_err() {
         let _ = tokio::fs::remove_file(&tmp).await;
+        stage.release(reserved);
     }
     outcome
 }

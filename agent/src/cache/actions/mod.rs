@@ -17,6 +17,7 @@
 pub mod archives;
 pub mod ca;
 pub mod proxy;
+pub(crate) mod staging;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -72,13 +72,19 @@ pub(crate) const BLOB_TLS_BUFFER_BYTES: usize = 1 << 20;
 /// The user a proxy credential names.
 pub(crate) const PROXY_USER: &str = "billet";
 /// Most connections the proxy holds open at once, tunnels included (each
-/// may hold a second descriptor, its splice to the upstream); past it a new
-/// connection is closed at once ([`crate::listen::ConnectionCap`]),
-/// which a guest's cache client takes for a miss. Refused rather than the
-/// oldest dropped, because the oldest is a download in progress. Room for
-/// a few concurrent transfers of every guest, without letting the guests
+/// may hold a second descriptor, its splice to the upstream): room for a
+/// few concurrent transfers of every guest, without letting the guests
 /// take the descriptors the plane's session, the journal and Docker need.
+/// Past it the newcomer is kept and an idle connection of the peer holding
+/// the most is dropped ([`crate::listen::ConnectionCap`], decision 127), as
+/// the gRPC and metrics listeners do: a request, download or tunnel in
+/// progress is busy and passed over while an idle one is open, so a flood
+/// of idle connections (which needs no token) costs its sender alone.
 pub(crate) const MAX_PROXY_CONNECTIONS: usize = 128;
+/// Most connections one peer address holds open; past it the peer's own
+/// oldest idle one goes. Guests on the host's network share the address
+/// they reach the proxy from, and share this bound.
+pub(crate) const MAX_PROXY_CONNECTIONS_PER_PEER: usize = 32;
 
 /// Why the proxy cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -265,13 +271,14 @@ impl ActionsProxy {
         stop: CancellationToken,
     ) {
         use crate::listen::{AcceptErrors, AtCap, ConnectionCap};
-        let cap = ConnectionCap::new("actions_proxy", MAX_PROXY_CONNECTIONS, AtCap::Refuse);
+        let cap = ConnectionCap::new("actions_proxy", MAX_PROXY_CONNECTIONS, AtCap::DropOldest)
+            .per_peer(MAX_PROXY_CONNECTIONS_PER_PEER);
         let mut errors = AcceptErrors::new("actions_proxy");
         loop {
-            let stream = tokio::select! {
+            let (stream, peer) = tokio::select! {
                 () = stop.cancelled() => return,
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => stream,
+                    Ok(accepted) => accepted,
                     Err(e) => {
                         errors.back_off(&e).await;
                         continue;
@@ -281,9 +288,10 @@ impl ActionsProxy {
             errors.accepted();
             // Shared with the tunnel the connection may become, which
             // outlives the HTTP connection: the place is held until both end.
-            let Some(admitted) = cap.admit().map(Arc::new) else {
+            let Some(admitted) = cap.admit_from(peer.ip()).map(Arc::new) else {
                 continue;
             };
+            let dropped = admitted.clone();
             let _ = stream.set_nodelay(true);
             let proxy = self.clone();
             let stop = stop.clone();
@@ -296,8 +304,18 @@ impl ActionsProxy {
                     let stop = stop.clone();
                     let admitted = admitted.clone();
                     async move {
+                        // Busy while answered, and a download while its
+                        // body is sent: an idle connection goes first.
+                        let busy = admitted.busy();
                         if proxy.is_direct_download(&req) {
-                            return Ok::<_, Infallible>(proxy.archives.direct_download(req).await);
+                            let response = proxy.archives.direct_download(req).await;
+                            return Ok::<_, Infallible>(response.map(|body| {
+                                body.map_frame(move |frame| {
+                                    let _ = &busy;
+                                    frame
+                                })
+                                .boxed()
+                            }));
                         }
                         Ok(proxy
                             .connect(req, stop, admitted)
@@ -312,6 +330,7 @@ impl ActionsProxy {
                     .with_upgrades();
                 tokio::select! {
                     () = cut.cancelled() => {}
+                    () = dropped.dropped() => {}
                     _ = connection => {}
                 }
             });
@@ -356,7 +375,9 @@ impl ActionsProxy {
         }
         let proxy = self.clone();
         tokio::spawn(async move {
-            let _admitted = admitted;
+            // A tunnel is busy for its life; dropped only when its peer
+            // holds nothing idle to give up.
+            let _busy = admitted.busy();
             let upgraded = match hyper::upgrade::on(req).await {
                 Ok(u) => u,
                 Err(e) => {
@@ -366,6 +387,7 @@ impl ActionsProxy {
             };
             tokio::select! {
                 () = stop.cancelled() => {}
+                () = admitted.dropped() => {}
                 () = proxy.tunnel(hyper_util::rt::TokioIo::new(upgraded), &session) => {}
             }
         });

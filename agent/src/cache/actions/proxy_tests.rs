@@ -1302,37 +1302,107 @@ async fn archives_are_evicted_by_retention_and_least_recent_use_and_never_while_
     );
 }
 
-/// Idle connections cannot take more than the proxy's cap of descriptors:
-/// the one past it is closed at once, those under it go on, and a place
-/// freed is used again.
+/// A connection from `source` (a loopback address other than 127.0.0.1,
+/// to play another guest).
+async fn connect_from(source: &str, at: &str) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+    socket.connect(at.parse().unwrap()).await.unwrap()
+}
+
+/// Whether `stream` was closed by the proxy within `wait`.
+async fn closed_within(stream: &mut tokio::net::TcpStream, wait: std::time::Duration) -> bool {
+    let mut buf = [0_u8; 16];
+    matches!(
+        tokio::time::timeout(wait, stream.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+/// 140 idle connections from one guest, which need no token, neither keep
+/// another guest's CONNECTs out nor hold more than the per-peer bound: the
+/// flooder loses its own oldest, and the proxy never holds more than its
+/// cap.
 #[tokio::test]
-async fn a_connection_past_the_cap_is_closed_at_once_and_a_freed_place_is_used_again() {
-    const CAP: usize = super::proxy::MAX_PROXY_CONNECTIONS;
+async fn a_flood_of_idle_connections_from_one_guest_costs_that_guest_and_another_guests_connects_go_through()
+ {
+    const PER_PEER: usize = super::proxy::MAX_PROXY_CONNECTIONS_PER_PEER;
     let (addr, pem, _) = fake_upstream(UpstreamMode::KeepAlive).await;
     let node = node((addr, &pem), Arc::new(MemoryJournal::default()), scratch()).await;
     let url = node.proxy.guest_url(&node.token);
     let at = url.expose().rsplit_once('@').unwrap().1.to_owned();
-    let mut idle = Vec::new();
-    for _ in 0..CAP {
-        idle.push(tokio::net::TcpStream::connect(&at).await.unwrap());
+    let mut flood = Vec::new();
+    for _ in 0..140 {
+        flood.push(connect_from("127.0.0.2", &at).await);
     }
-    let mut over = tokio::net::TcpStream::connect(&at).await.unwrap();
-    let mut buf = [0_u8; 16];
-    let closed = tokio::time::timeout(std::time::Duration::from_secs(2), over.read(&mut buf)).await;
-    assert!(
-        matches!(closed, Ok(Ok(0) | Err(_))),
-        "past the cap: closed at once, not after the first request's timeout: {closed:?}"
+    let mut refused = 0;
+    for _ in 0..20 {
+        let (status, _) = connect(&node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
+        if status != 200 {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 0, "another guest's CONNECTs were refused");
+    let wait = std::time::Duration::from_millis(500);
+    let mut gone = 0;
+    for stream in &mut flood[..140 - PER_PEER] {
+        if closed_within(stream, wait).await {
+            gone += 1;
+        }
+    }
+    assert_eq!(
+        gone,
+        140 - PER_PEER,
+        "the flooder's oldest were not dropped"
     );
-    let still = tokio::time::timeout(
-        std::time::Duration::from_millis(200),
-        idle[0].read(&mut buf),
-    )
-    .await;
-    assert!(still.is_err(), "those under the cap go on: {still:?}");
-    drop(idle.pop());
+    for stream in &mut flood[140 - PER_PEER..] {
+        assert!(
+            !closed_within(stream, std::time::Duration::from_millis(50)).await,
+            "the flooder's newest {PER_PEER} stay"
+        );
+    }
+}
+
+/// At the proxy's cap, a newcomer is kept and an idle connection of the
+/// peer holding the most goes; a tunnel in progress stays.
+#[tokio::test]
+async fn at_the_cap_a_newcomer_takes_an_idle_place_of_the_heaviest_peer_and_a_tunnel_in_progress_stays()
+ {
+    const CAP: usize = super::proxy::MAX_PROXY_CONNECTIONS;
+    const PER_PEER: usize = super::proxy::MAX_PROXY_CONNECTIONS_PER_PEER;
+    let (addr, pem, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((addr, &pem), Arc::new(MemoryJournal::default()), scratch()).await;
+    let url = node.proxy.guest_url(&node.token);
+    let at = url.expose().rsplit_once('@').unwrap().1.to_owned();
+    // A working tunnel from 127.0.0.1, then the listener filled by four
+    // other addresses, the last holding the most.
+    let mut working = tunnel(&node).await;
+    let mut idle = Vec::new();
+    let peers = CAP.div_ceil(PER_PEER);
+    for p in 0..peers {
+        for _ in 0..PER_PEER {
+            if idle.len() + 1 < CAP {
+                idle.push(connect_from(&format!("127.0.1.{}", p + 1), &at).await);
+            }
+        }
+    }
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let (status, _) = connect(&node, &format!("{RESULTS_HOST}:443"), node.token.expose()).await;
-    assert_eq!(status, 200, "a freed place is used again");
+    assert_eq!(status, 200, "the newcomer is kept");
+    let lookup = serde_json::json!({"key": "k", "version": "v1"});
+    let reply = send(
+        &mut working,
+        &twirp_as("GetCacheEntryDownloadURL", UA, &lookup),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "the tunnel in progress stays");
+    let mut gone = 0;
+    for stream in &mut idle {
+        if closed_within(stream, std::time::Duration::from_millis(20)).await {
+            gone += 1;
+        }
+    }
+    assert!(gone >= 1, "no idle connection made room");
 }
 
 // ---------------------------------------------------------------------------
@@ -1959,4 +2029,157 @@ async fn a_direct_download_arrives_byte_for_byte_whole_and_ranged_on_a_kept_conn
     );
     assert_eq!(rest.len(), end + length, "nothing after the range");
     assert!(rest[end..] == archive[from..=to], "the range differs");
+}
+
+// ---------------------------------------------------------------------------
+// What unfinished uploads may hold, and how slowly they may come.
+// ---------------------------------------------------------------------------
+
+/// A reservation's signed upload path for `key`.
+async fn reserved(node: &Node, key: &str) -> String {
+    let created = call(
+        node,
+        "CreateCacheEntry",
+        serde_json::json!({"key": key, "version": "v1"}),
+    )
+    .await;
+    signed_path(created.json()["signed_upload_url"].as_str().unwrap())
+}
+
+/// PUTs `body` to `target` in a fresh tunnel and answers the status: a
+/// refusal before the body is read may close the connection while it is
+/// still being written, and is read all the same.
+async fn put_refusable(node: &Node, target: &str, body: &[u8]) -> u16 {
+    let mut t = tunnel(node).await;
+    let raw = request("PUT", target, &[], body);
+    let _ = t.write_all(&raw).await;
+    let _ = t.flush().await;
+    let (head, _) = read_message(&mut t).await.expect("an answer");
+    head.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+fn limits(budget: Option<u64>, per_session: u64) -> super::staging::StageLimits {
+    super::staging::StageLimits {
+        budget_bytes: budget,
+        per_session_bytes: per_session,
+        free_floor_bytes: Some(0),
+    }
+}
+
+/// Staged blocks count against `--cache-max-bytes` before they are
+/// accepted: with a 50 MiB budget, six 8 MiB blocks are taken and the
+/// seventh is refused, writing nothing; a session's end gives the room
+/// back.
+#[tokio::test]
+async fn staged_blocks_count_against_the_cache_budget_before_they_are_accepted() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    node.proxy
+        .archives()
+        .set_stage_limits(limits(Some(50 << 20), u64::MAX));
+    let path = reserved(&node, "k").await;
+    let block = vec![7_u8; 8 << 20];
+    let mut statuses = Vec::new();
+    for n in 0..7 {
+        let target = format!("{path}&comp=block&blockid=YmxvY2s{n}");
+        statuses.push(put_refusable(&node, &target, &block).await);
+    }
+    assert_eq!(statuses, [201, 201, 201, 201, 201, 201, 507]);
+    let blocks = super::staging::bytes_under(&node.dir.join("actions").join("uploads"));
+    assert_eq!(blocks, 6 * (8 << 20), "the refused block left nothing");
+    // Putting a block again replaces it, within the same room.
+    let r = blob(
+        &node,
+        "PUT",
+        &format!("{path}&comp=block&blockid=YmxvY2s0"),
+        &[],
+        &block,
+    )
+    .await;
+    assert_eq!(r.status, 201, "a block put again reuses its own room");
+    node.proxy.archives().close("lease-1").await;
+    assert_eq!(
+        super::staging::bytes_under(&node.dir.join("actions").join("uploads")),
+        0
+    );
+}
+
+/// One session's unfinished uploads are bounded whatever the budget.
+#[tokio::test]
+async fn one_sessions_staged_uploads_are_bounded() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    node.proxy
+        .archives()
+        .set_stage_limits(limits(None, 20 << 20));
+    let first = reserved(&node, "a").await;
+    let second = reserved(&node, "b").await;
+    let block = vec![1_u8; 8 << 20];
+    let put = |path: String| {
+        let block = block.clone();
+        let node = &node;
+        async move { put_refusable(node, &format!("{path}&comp=block&blockid=eA"), &block).await }
+    };
+    assert_eq!(put(first.clone()).await, 201);
+    assert_eq!(put(second.clone()).await, 201);
+    let third = reserved(&node, "c").await;
+    assert_eq!(put(third).await, 507, "the session's third block is over");
+}
+
+/// A body declaring more than an archive may be is refused at once; one
+/// that trickles is cut once its rate is judged, not held for minutes.
+#[tokio::test]
+async fn a_body_declaring_20_gib_is_refused_at_once_and_a_trickling_one_is_cut() {
+    let (up, up_ca, _) = fake_upstream(UpstreamMode::KeepAlive).await;
+    let node = node((up, &up_ca), Arc::default(), scratch()).await;
+    node.proxy
+        .archives()
+        .set_stage_limits(limits(None, u64::MAX));
+    let path = reserved(&node, "k").await;
+    let head = |declared: u64| {
+        format!(
+            "PUT {path}&comp=block&blockid=eA HTTP/1.1\r\nHost: {RESULTS_HOST}\r\nContent-Length: {declared}\r\n\r\n"
+        )
+    };
+    let mut t = tunnel(&node).await;
+    t.write_all(head(20 << 30).as_bytes()).await.unwrap();
+    t.write_all(&vec![0_u8; 1 << 20]).await.unwrap();
+    t.flush().await.unwrap();
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(5), read_message(&mut t))
+        .await
+        .expect("answered at once")
+        .expect("an answer");
+    assert!(answered.0.contains(" 413 "), "{}", answered.0);
+
+    let mut t = tunnel(&node).await;
+    t.write_all(head(64 << 20).as_bytes()).await.unwrap();
+    t.flush().await.unwrap();
+    let began = std::time::Instant::now();
+    let trickle = async {
+        loop {
+            if t.write_all(&[0_u8; 1024]).await.is_err() || t.flush().await.is_err() {
+                return None;
+            }
+            tokio::select! {
+                answer = read_message(&mut t) => return answer,
+                () = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+            }
+        }
+    };
+    let answered = tokio::time::timeout(std::time::Duration::from_secs(30), trickle)
+        .await
+        .expect("a trickling body was held for more than 30 s");
+    let waited = began.elapsed();
+    assert!(
+        waited >= super::staging::BODY_RATE_GRACE && waited < std::time::Duration::from_secs(15),
+        "cut after {waited:?}"
+    );
+    if let Some((head, _)) = answered {
+        assert!(head.contains(" 408 "), "{head}");
+    }
+    assert_eq!(
+        super::staging::bytes_under(&node.dir.join("actions").join("uploads")),
+        0,
+        "the cut body left nothing"
+    );
 }

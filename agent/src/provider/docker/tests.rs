@@ -37,6 +37,8 @@ fn spec(lease: &str, jit: &str) -> InstanceSpec {
         binds: Vec::new(),
         cache_token: None,
         actions_proxy: None,
+        host: Default::default(),
+        pids_limit: None,
     }
 }
 

@@ -56,6 +56,9 @@
 //! | `oom-step` | takes a job and runs one step as a child process (this binary again, with `BILLET_STANDIN_STEP=allocate`) that allocates memory as `allocate` does until killed: under a container memory limit the OOM killer ends the step, not the runner, and Docker marks the container OOM-killed. The runner says how the step ended (`step ended: ...`), then works and completes the job as `job` does and exits 0, as `actions/runner` does when a step fails |
 //! | `stale` | plays a runner GitHub refuses for its version: prints `Runner version v<RUNNER_VERSION> is deprecated and cannot receive messages.` on stdout, as `actions/runner` does, and exits 1 before asking for a job |
 //!
+//! At start it says on stderr what it may do to its host (`confinement: raw socket <opened or
+//! refused: ...>; no_new_privs <0 or 1>; pids.max <limit>`), for tests that a guest is confined.
+//!
 //! At start, before anything else, it says on stderr what registry mirrors its node handed it
 //! (`registry mirrors: env <BILLET_REGISTRY_MIRRORS or unset>; daemon.json <the registry-mirrors
 //! of /etc/docker/daemon.json, or absent>`), for tests that a guest sees exactly those.
@@ -84,6 +87,7 @@ mod actions_cache;
 mod allocate;
 mod cache_api;
 mod cli;
+mod confinement;
 mod emulator;
 mod jit;
 mod mirrors;
@@ -129,6 +133,10 @@ async fn main() -> ExitCode {
         eprintln!("billet-standin-runner: the result must not be empty");
         return ExitCode::from(2);
     }
+    eprintln!(
+        "billet-standin-runner: confinement: {}",
+        confinement::confinement()
+    );
     eprintln!(
         "billet-standin-runner: registry mirrors: {}",
         registry_mirrors(
