@@ -1587,6 +1587,32 @@ mod tests {
         }
     }
 
+    /// The other way round: an operator who imports the dashboard sees
+    /// every family the node serves, the cache's among them.
+    #[test]
+    fn the_grafana_dashboard_has_a_panel_for_every_family_the_node_serves() {
+        let mut registry = Registry::default();
+        let _m = Metrics::new(&mut registry, "v", "c");
+        let text = Exposition::OpenMetrics.encode(&registry).unwrap();
+        let dashboard = include_str!("../../../deploy/grafana-billet-node.json");
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        assert!(families.len() > 20, "{families:?}");
+        let missing: Vec<&str> = families
+            .into_iter()
+            .filter(|family| {
+                !dashboard.match_indices(family).any(|(i, _)| {
+                    let rest = &dashboard[i + family.len()..];
+                    !rest.starts_with(|c: char| c.is_ascii_lowercase())
+                })
+            })
+            .collect();
+        assert!(missing.is_empty(), "no panel queries {missing:?}");
+    }
+
     #[test]
     fn the_cache_counters_follow_the_stores_totals_from_zero_and_never_go_back() {
         let mut registry = Registry::default();
