@@ -105,18 +105,23 @@ fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(exit::SERVE);
         }
     };
+    // A start that fails before it serves removes what it made.
+    let footprint = server::Footprint::before(&config);
     runtime.block_on(async move {
         let mut prepared = match server::prepare(&config).await {
             Ok(p) => p,
             Err(e) => {
                 fatal!("{e}");
+                footprint.undo();
                 return ExitCode::from(exit::for_node_error(&e));
             }
         };
         let listener = match tokio::net::TcpListener::bind(listen).await {
             Ok(l) => l,
             Err(e) => {
-                fatal!("cannot listen on {listen}: {e}");
+                fatal!("cannot listen on {listen} (--listen): {e}");
+                drop(prepared);
+                footprint.undo();
                 return ExitCode::from(exit::BIND);
             }
         };
@@ -125,6 +130,8 @@ fn node(args: NodeArgs) -> ExitCode {
                 Ok(l) => prepared.metrics = Some(l),
                 Err(e) => {
                     fatal!("cannot listen for metrics (--metrics-listen) on {addr}: {e}");
+                    drop(prepared);
+                    footprint.undo();
                     return ExitCode::from(exit::BIND);
                 }
             }
@@ -132,6 +139,8 @@ fn node(args: NodeArgs) -> ExitCode {
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         if let Err(e) = server::stop_on_signals(drain.clone(), shutdown.clone()) {
             fatal!("cannot handle SIGTERM: {e}");
+            drop(prepared);
+            footprint.undo();
             return ExitCode::from(exit::SERVE);
         }
         match server::run(config, prepared, listener, drain, shutdown).await {

@@ -322,9 +322,11 @@ fn a_registry_mirror_that_is_not_an_http_url_exits_2_naming_the_flag() -> Result
 }
 
 #[test]
-fn the_state_directory_is_created_private() -> Result<()> {
+fn the_state_directory_is_made_private() -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let (certs, state) = setup()?;
+    std::fs::create_dir_all(&state)?;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755))?;
     // Fails later on the engine, after the state directory is prepared.
     let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
     assert_eq!(out.status.code(), Some(5));
@@ -333,6 +335,114 @@ fn the_state_directory_is_created_private() -> Result<()> {
         0o700
     );
     Ok(())
+}
+
+/// A start that fails once the state directory is made (a taken port, an
+/// unreachable engine) leaves nothing behind: not the directory it made,
+/// nor, in one that was there, the socket, the journal or the cache
+/// directory it made.
+#[test]
+fn a_start_that_fails_after_making_its_state_removes_what_it_made() -> Result<()> {
+    let (certs, state) = setup()?;
+    let held = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let taken = held.local_addr()?.to_string();
+    // A state directory it made.
+    let out = node(
+        &["--listen", &taken],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 4, &format!("cannot listen on {taken}"));
+    assert!(!state.exists(), "{} is left", state.display());
+    let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
+    assert!(!state.exists(), "{} is left", state.display());
+    // One that was there, empty, and stays so.
+    std::fs::create_dir_all(&state)?;
+    let out = node(
+        &["--metrics-listen", &taken],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 4, "--metrics-listen");
+    let left: Vec<_> = std::fs::read_dir(&state)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    for made in ["node.sock", "journal.db", "cache"] {
+        assert!(
+            !left.iter().any(|n| n == made),
+            "{made} is left in {}: {left:?}",
+            state.display()
+        );
+    }
+    Ok(())
+}
+
+/// A node whose state directory is another user's says whose, its mode,
+/// who the node runs as and what to change, not the bare "Operation not
+/// permitted".
+#[test]
+fn a_state_directory_owned_by_another_user_exits_6_naming_its_owner_mode_and_what_to_change()
+-> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let (uid, gid) = billet_tests::cluster::other_user()?;
+    let (certs, state) = setup()?;
+    // The node runs as the other user and may read its TLS material; the
+    // state directory is root's, and open to all, so only its mode cannot
+    // be set.
+    let root = state.parent().context("parent")?;
+    for entry in walk(root)? {
+        std::os::unix::fs::chown(&entry, Some(uid), Some(gid))?;
+    }
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::create_dir_all(&state)?;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777))?;
+    build_process_binaries()?;
+    let files = certs.node("node-1").expect("node files");
+    let out = std::process::Command::new(binary_path("billet")?)
+        .arg("node")
+        .args(["--listen", &free_port()?.to_string()])
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--ca")
+        .arg(&certs.ca.cert)
+        .arg("--state-dir")
+        .arg(&state)
+        .env("BILLET_LOG", "info")
+        .uid(uid)
+        .gid(gid)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_exit(&out, 6, "cannot chmod 0700");
+    for said in [
+        format!("{} is owned by root (uid 0)", state.display()),
+        "mode 0777".to_owned(),
+        "this process runs as billet-test-other".to_owned(),
+        "chown it to the node's user".to_owned(),
+    ] {
+        assert!(stderr.contains(&said), "no {said:?} in:\n{stderr}");
+    }
+    Ok(())
+}
+
+/// Every path under `dir`, `dir` first.
+fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut all = vec![dir.to_owned()];
+    let mut i = 0;
+    while i < all.len() {
+        if all[i].is_dir() {
+            for entry in std::fs::read_dir(&all[i])? {
+                all.push(entry?.path());
+            }
+        }
+        i += 1;
+    }
+    Ok(all)
 }
 
 #[test]

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::edge::executor::{Executor, execute_commands};
 use crate::edge::link::PlaneLink;
@@ -203,8 +203,31 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
             "exists and is not a directory; give --state-dir a directory (it is created if missing)",
         )));
     }
-    std::fs::create_dir_all(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)
+    // A refusal names the owner and mode in the way and the user asking:
+    // the bare error ("Operation not permitted") names neither.
+    fn explained(path: &std::path::Path, what: &str, e: std::io::Error, change: &str) -> NodeError {
+        let source = if crate::access::is_refusal(&e) {
+            std::io::Error::new(e.kind(), crate::access::refused(path, what, &e, change))
+        } else {
+            e
+        };
+        NodeError::StateDir {
+            path: path.to_owned(),
+            source,
+        }
+    }
+    std::fs::create_dir_all(path).map_err(|e| explained(
+        path,
+        "create",
+        e,
+        "create the directory and give it to the node's user (install -d -m 0700 -o USER DIR), or give --state-dir one it may write",
+    ))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(|e| explained(
+        path,
+        "chmod 0700",
+        e,
+        "the node must own its state directory: chown it to the node's user, or run the node as its owner",
+    ))
 }
 
 /// Warns when the private key can be read by anyone but its owner.
@@ -453,6 +476,82 @@ pub struct Prepared {
     pub metrics: Option<TcpListener>,
     /// The Actions cache proxy's parts; `None`: it is off.
     pub actions: Option<ActionsParts>,
+}
+
+/// What a start finds absent and may create: the state directory (the
+/// topmost of its missing ancestors), its journal, the cache directory.
+/// Taken before [`prepare`]; [`Footprint::undo`] removes, after a start
+/// that failed, what that start made, so a failed start leaves the host as
+/// it found it (a half-made state directory would be taken for a node's).
+#[derive(Debug)]
+pub struct Footprint {
+    state_dir: PathBuf,
+    made_state: Option<PathBuf>,
+    made_journal: bool,
+    made_cache: Option<PathBuf>,
+}
+
+/// The topmost ancestor of `path` (itself included) that does not exist.
+fn topmost_absent(path: &std::path::Path) -> Option<PathBuf> {
+    path.ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_err())
+        .last()
+        .map(std::path::Path::to_path_buf)
+}
+
+impl Footprint {
+    /// What is absent now, before a start.
+    #[must_use]
+    pub fn before(config: &NodeConfig) -> Self {
+        Self {
+            state_dir: config.state_dir.clone(),
+            made_state: topmost_absent(&config.state_dir),
+            made_journal: std::fs::symlink_metadata(
+                config.state_dir.join(crate::journal::JOURNAL_FILE),
+            )
+            .is_err(),
+            made_cache: topmost_absent(&config.cache_dir),
+        }
+    }
+
+    /// Removes what the failed start made. The local socket goes unless a
+    /// node answers on it (another node's, which refused this start); the
+    /// caller drops what the start bound first. Nothing is in the journal
+    /// yet: it is removed only if this start created it.
+    pub fn undo(self) {
+        let socket = crate::local::socket_path(&self.state_dir);
+        if std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            remove(&socket, false);
+        }
+        if self.made_journal {
+            let journal = self.state_dir.join(crate::journal::JOURNAL_FILE);
+            for suffix in ["", "-wal", "-shm", "-journal", ".new"] {
+                let mut name = journal.clone().into_os_string();
+                name.push(suffix);
+                remove(std::path::Path::new(&name), false);
+            }
+        }
+        for dir in [self.made_cache, self.made_state].into_iter().flatten() {
+            remove(&dir, true);
+        }
+    }
+}
+
+/// Removes the file `path`, or the directory and everything in it;
+/// already gone is fine, anything else a warning.
+fn remove(path: &std::path::Path, directory: bool) {
+    let removed = if directory {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    match removed {
+        Ok(()) => debug!(path = %path.display(), "removed what the failed start made"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "cannot remove what the failed start made")
+        }
+    }
 }
 
 /// Below this many open files the node warns at start: room for the
