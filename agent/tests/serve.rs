@@ -409,6 +409,7 @@ impl Node {
         let config = NodeConfig {
             tls,
             plane_name: PLANE.into(),
+            allow_readable_key: false,
             deployment: "dev".into(),
             cache_dir: state_dir.join("cache"),
             cache_eviction: billet_agent::cache::Eviction::default(),

@@ -481,6 +481,82 @@ fn a_configuration_file_supplies_the_flags_and_its_errors_name_the_file_and_key(
     let unknown = dir.join("unknown.toml");
     std::fs::write(&unknown, "lisen = \"127.0.0.1:1\"\n")?;
     assert_exit(&run(&unknown)?, 2, "`lisen`");
+
+    // A negative number is the key's value, judged by its parser, not a
+    // flag; a float in an integer key says what it is.
+    for (text, said) in [
+        ("max_custody_secs = -5\n", "\"-5\" is not a whole number"),
+        ("ack_timeout_secs = 1.5\n", "\"1.5\" is not a whole number"),
+        (
+            "memory_bytes = 1\n",
+            "the smallest value allowed is 67108864",
+        ),
+    ] {
+        let path = dir.join("number.toml");
+        std::fs::write(&path, text)?;
+        let out = run(&path)?;
+        assert_exit(&out, 2, said);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let key = text.split(' ').next().unwrap_or_default();
+        assert!(stderr.contains(&path.display().to_string()), "{stderr}");
+        assert!(stderr.contains(&format!("`{key}`")), "{stderr}");
+        assert!(!stderr.contains("unexpected argument"), "{stderr}");
+    }
+    Ok(())
+}
+
+/// Numbers out of their bounds, and a plane name no certificate can carry,
+/// stop start-up naming the flag (exit 2), rather than a node that runs
+/// wrong.
+#[test]
+fn a_number_out_of_bounds_or_a_plane_name_that_is_no_dns_name_exits_2_naming_the_flag() -> Result<()>
+{
+    let (certs, state) = setup()?;
+    for (args, said) in [
+        (
+            ["--ack-timeout-secs", "0"],
+            "the smallest value allowed is 1",
+        ),
+        (
+            ["--memory-bytes", "1"],
+            "the smallest value allowed is 67108864",
+        ),
+        (["--vcpu", "100000"], "the largest value allowed is 4096"),
+        (
+            ["--tls-reload-secs", "0"],
+            "the smallest value allowed is 1",
+        ),
+        (["--plane-name", "not a dns name!"], "is not a DNS name"),
+    ] {
+        let out = node(&args, &certs, &state, "/var/run/docker.sock")?;
+        assert_exit(&out, 2, said);
+        assert_exit(&out, 2, args[0]);
+    }
+    Ok(())
+}
+
+/// A private key its group or others may read is refused (exit 3, naming
+/// the file, its mode and the flag that takes it anyway), as ssh refuses
+/// one; with the flag the start goes on, here to the missing engine.
+#[test]
+fn a_private_key_readable_beyond_its_owner_exits_3_unless_the_operator_allows_it() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let (certs, state) = setup()?;
+    let key = certs.node("node-1").expect("node files").key.clone();
+    for mode in [0o640, 0o644] {
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode))?;
+        let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+        assert_exit(&out, 3, &key.display().to_string());
+        assert_exit(&out, 3, &format!("mode {mode:04o}"));
+        assert_exit(&out, 3, "--allow-readable-key");
+        let out = node(
+            &["--allow-readable-key", "true"],
+            &certs,
+            &state,
+            "/nonexistent/docker.sock",
+        )?;
+        assert_exit(&out, 5, "readable beyond its owner");
+    }
     Ok(())
 }
 

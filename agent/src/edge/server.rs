@@ -57,6 +57,9 @@ pub struct NodeConfig {
     pub tls: TlsPaths,
     /// The name the plane's client certificate must carry.
     pub plane_name: String,
+    /// Whether a private key its group or others may read is taken
+    /// (`--allow-readable-key`); refused at start otherwise.
+    pub allow_readable_key: bool,
     /// The deployment this node belongs to.
     pub deployment: String,
     /// Where the node keeps its state (mode 0700).
@@ -230,18 +233,34 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
     ))
 }
 
-/// Warns when the private key can be read by anyone but its owner.
-fn warn_if_key_is_readable(key: &std::path::Path) {
+/// Refuses a private key its group or others may read or write, as ssh
+/// and Nomad do: a key another user may have read is no proof of this
+/// node's identity. `allow` (`--allow-readable-key`) takes it with a
+/// warning.
+fn check_key_is_private(key: &std::path::Path, allow: bool) -> Result<(), NodeError> {
     use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(key)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+    let Ok(meta) = std::fs::metadata(key) else {
+        return Ok(());
+    };
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 == 0 {
+        return Ok(());
+    }
+    if allow {
         warn!(
             key = %key.display(),
-            mode = format!("{:o}", meta.permissions().mode() & 0o777),
-            "the node's private key is readable by others; chmod 600 it"
+            mode = format!("{mode:04o}"),
+            "the node's private key is readable beyond its owner; taken because --allow-readable-key is set"
         );
+        return Ok(());
     }
+    Err(NodeError::Tls(TlsError::Content {
+        path: key.to_owned(),
+        problem: format!(
+            "the private key is readable beyond its owner ({}); chmod 600 it, or pass --allow-readable-key (BILLET_ALLOW_READABLE_KEY=true) to start anyway",
+            crate::access::ownership(key)
+        ),
+    }))
 }
 
 /// Loads and checks the node's TLS material as [`prepare`] does: a
@@ -249,7 +268,8 @@ fn warn_if_key_is_readable(key: &std::path::Path) {
 /// naming a node that is not the plane. A certificate that has expired but
 /// verifies otherwise is accepted with a warning ([`NodeTls::load_at_start`]):
 /// the node starts, keeps what it holds, and waits to be re-enrolled
-/// (`billet node enroll`). Warns when the key is readable by others.
+/// (`billet node enroll`). Refuses a key readable beyond its owner unless
+/// the configuration allows it.
 ///
 /// # Errors
 ///
@@ -265,7 +285,7 @@ pub(crate) fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
             ),
         }));
     }
-    warn_if_key_is_readable(&config.tls.key);
+    check_key_is_private(&config.tls.key, config.allow_readable_key)?;
     if tls.expired {
         warn!(
             cert = %config.tls.cert.display(),
