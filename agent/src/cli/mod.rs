@@ -115,8 +115,9 @@ pub struct NodeArgs {
     /// The node's certificate (PEM); its DNS name is the node's name.
     #[arg(long, env = "BILLET_CERT")]
     pub cert: PathBuf,
-    /// The node's private key (PEM), readable by its owner alone (0600 or
-    /// 0400): a key its group or others may read is refused at start.
+    /// The node's private key (PEM), mode 0600 (or 0640 owned by root):
+    /// a key others may read, or its group when root does not own it, is
+    /// refused at start.
     #[arg(long, env = "BILLET_KEY")]
     pub key: PathBuf,
     /// Start even when the private key is readable by its group or others

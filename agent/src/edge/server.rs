@@ -233,17 +233,20 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
     ))
 }
 
-/// Refuses a private key its group or others may read or write, as ssh
-/// and Nomad do: a key another user may have read is no proof of this
-/// node's identity. `allow` (`--allow-readable-key`) takes it with a
-/// warning.
+/// Refuses a private key others may read or write, or its group when root
+/// does not own it, as ssh, Nomad and PostgreSQL do: a key another user may
+/// have read is no proof of this node's identity. A root-owned key its
+/// group may read (0640 root:billet) is root sharing it with the node's
+/// group, as PostgreSQL allows. `allow` (`--allow-readable-key`) takes any
+/// key, with a warning.
 fn check_key_is_private(key: &std::path::Path, allow: bool) -> Result<(), NodeError> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let Ok(meta) = std::fs::metadata(key) else {
         return Ok(());
     };
     let mode = meta.permissions().mode() & 0o7777;
-    if mode & 0o077 == 0 {
+    let shared = if meta.uid() == 0 { 0o037 } else { 0o077 };
+    if mode & shared == 0 {
         return Ok(());
     }
     if allow {
@@ -257,7 +260,7 @@ fn check_key_is_private(key: &std::path::Path, allow: bool) -> Result<(), NodeEr
     Err(NodeError::Tls(TlsError::Content {
         path: key.to_owned(),
         problem: format!(
-            "the private key is readable beyond its owner ({}); chmod 600 it, or pass --allow-readable-key (BILLET_ALLOW_READABLE_KEY=true) to start anyway",
+            "the private key is readable beyond its owner ({}); chmod 600 it (or 640 with root as its owner and the node's group), or pass --allow-readable-key (BILLET_ALLOW_READABLE_KEY=true) to start anyway",
             crate::access::ownership(key)
         ),
     }))
