@@ -567,3 +567,105 @@ fn a_private_key_readable_beyond_its_owner_exits_3_unless_the_operator_allows_it
     assert_exit(&out, 5, "/nonexistent/docker.sock");
     Ok(())
 }
+
+#[test]
+fn a_node_started_with_the_planes_certificate_exits_3() -> Result<()> {
+    let (certs, state) = setup()?;
+    let cert = certs.plane.cert.display().to_string();
+    let key = certs.plane.key.display().to_string();
+    let out = node(
+        &["--cert", &cert, "--key", &key],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 3, "plane's name");
+    Ok(())
+}
+
+#[test]
+fn an_updater_without_its_configuration_exits_2_naming_both_flags() -> Result<()> {
+    let (certs, state) = setup()?;
+    let billet = binary_path("billet")?.display().to_string();
+    let out = node(
+        &["--upgrader-binary", &billet],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 2, "--upgrader-binary");
+    assert_exit(&out, 2, "set both or neither");
+    Ok(())
+}
+
+/// A node started with systemd's default soft limit of 1,024 open files
+/// (and a higher hard one) runs with the hard one, and says so once (a
+/// flood of idle connections can run a node at 1,024 out of descriptors).
+/// `BILLET_TEST_NODE_BINARY` runs another build (one that does not raise
+/// it, to see it fail).
+#[test]
+fn the_node_raises_its_soft_open_files_limit_to_the_hard_one_and_logs_it() -> Result<()> {
+    build_process_binaries()?;
+    let (certs, state) = setup()?;
+    let files = certs.node("node-1").context("node files")?;
+    let binary = match std::env::var_os("BILLET_TEST_NODE_BINARY") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => binary_path("billet")?,
+    };
+    let log = state.with_extension("log");
+    let mut child = std::process::Command::new("prlimit")
+        .arg("--nofile=1024:4096")
+        .arg(binary)
+        .args(["node", "--listen", &free_port()?.to_string()])
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--ca")
+        .arg(&certs.ca.cert)
+        .arg("--state-dir")
+        .arg(&state)
+        .args(["--docker-socket", "/var/run/docker.sock"])
+        .env("BILLET_LOG", "info")
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::fs::File::create(state.with_extension("err"))?)
+        .spawn()
+        .context("prlimit (util-linux) runs the node")?;
+    // prlimit execs the node in place: the child is the node.
+    let limits = format!("/proc/{}/limits", child.id());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let (mut seen, mut logged) = (String::new(), String::new());
+    while std::time::Instant::now() < deadline {
+        // The log first: the limit is raised before the line is written.
+        logged = std::fs::read_to_string(&log)?;
+        seen = std::fs::read_to_string(&limits)
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap_or_default()
+            .to_owned();
+        if logged.contains("open files limit") || child.try_wait()?.is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let stderr = std::fs::read_to_string(state.with_extension("err")).unwrap_or_default();
+    let fields: Vec<&str> = seen.split_whitespace().collect();
+    assert_eq!(
+        fields.get(3..5),
+        Some(&["4096", "4096"][..]),
+        "soft and hard limit of the running node: {seen:?}\nlog:\n{logged}{stderr}"
+    );
+    let line = logged
+        .lines()
+        .chain(stderr.lines())
+        .find(|l| l.contains("open files limit"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("soft=4096") && line.contains("was=1024"),
+        "the limit it runs with, logged once: {line:?}\nlog:\n{logged}{stderr}"
+    );
+    Ok(())
+}
