@@ -78,17 +78,18 @@ fn node(args: NodeArgs) -> ExitCode {
     // Before anything opens a file or a socket; logged once.
     match server::raise_open_files_limit() {
         Ok(files) => {
-            let shown =
-                |n: Option<u64>| n.map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+            // Numbers, so a collector reads them as such; an unlimited
+            // limit is an absent field and `unlimited = true`.
             info!(
-                soft = %shown(files.soft),
-                hard = %shown(files.hard),
-                was = %shown(files.was),
+                soft = files.soft,
+                hard = files.hard,
+                was = files.was,
+                unlimited = files.hard.is_none(),
                 "open files limit (RLIMIT_NOFILE): the soft limit is raised to the hard one"
             );
             if files.soft.is_some_and(|n| n < server::OPEN_FILES_WANTED) {
                 warn!(
-                    soft = %shown(files.soft),
+                    soft = files.soft,
                     wanted = server::OPEN_FILES_WANTED,
                     "the node may open few files; raise its hard limit (the unit's LimitNOFILE=)"
                 );

@@ -292,7 +292,7 @@ pub(crate) fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
     if tls.expired {
         warn!(
             cert = %config.tls.cert.display(),
-            not_after = ?tls.not_after,
+            not_after_unix_s = tls.not_after.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_secs()),
             "the node's certificate has expired: starting anyway to keep the compute it holds, \
              but no plane can attach until it is re-enrolled \
              (billet node enroll --plane HOST:PORT --token-file FILE, with a join token from the plane)"
@@ -790,7 +790,7 @@ pub async fn run(
         version: crate::upgrade::version::version().to_owned(),
     };
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
-          addr = ?listener.local_addr().ok(), "billet node serving");
+          addr = listener.local_addr().ok().map(tracing::field::display), "billet node serving");
     let recovery = Arc::new(Recovery::default());
     let (tls_config, identity_files) = crate::tls::watch_files(
         config.tls.clone(),
@@ -972,7 +972,10 @@ pub async fn run(
         );
     }
     if let Some(listener) = metrics_listener {
-        info!(addr = ?listener.local_addr().ok(), "serving metrics at /metrics");
+        info!(
+            addr = listener.local_addr().ok().map(tracing::field::display),
+            "serving metrics at /metrics"
+        );
         let (runner, cert) = (runner.clone(), config.tls.cert.clone());
         let plane_clock = health.plane_clock();
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {

@@ -249,7 +249,11 @@ impl pb::node_server::Node for NodeService {
             }
         };
         let ttl = self.check_open(&open).inspect_err(|status| {
-            warn!(?peer, reason = status.message(), "refused a session");
+            warn!(
+                peer = peer.map(tracing::field::display),
+                reason = status.message(),
+                "refused a session"
+            );
         })?;
 
         let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER);
@@ -295,7 +299,7 @@ impl pb::node_server::Node for NodeService {
         }
         info!(
             session = id,
-            ?peer,
+            peer = peer.map(tracing::field::display),
             lease_ttl_ms = ttl.as_millis() as u64,
             "plane session open"
         );
