@@ -40,8 +40,8 @@ fn main() -> ExitCode {
             command: Command::Completions { shell },
         }) => cli::docs::completions(shell),
         Ok(Cli {
-            command: Command::Man,
-        }) => cli::docs::man(),
+            command: Command::Man { dir },
+        }) => cli::docs::man(dir.as_deref()),
         Ok(Cli {
             command: Command::NodeStatus(args),
         }) => cli::status::status(args),

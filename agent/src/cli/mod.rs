@@ -52,10 +52,10 @@ pub enum Command {
     /// `billet node enroll` (parsed on its own, like `status`).
     #[command(skip)]
     NodeEnroll(enroll::EnrollArgs),
-    /// Check a node's configuration as `billet node` would before binding
+    /// Check a node's configuration as `billet node` would before serving
     /// (flags, TLS material, state directory and journal, Docker engine,
-    /// upgrade configuration), exiting with the same codes; binds and
-    /// changes nothing.
+    /// upgrade configuration, and every address it binds, bound and
+    /// released at once), exiting with the same codes; changes nothing.
     Check(NodeArgs),
     /// Print a shell completion script for `billet` (bash, zsh, fish,
     /// elvish, powershell) to stdout.
@@ -63,8 +63,14 @@ pub enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Print `billet`'s man page (roff, section 1) to stdout.
-    Man,
+    /// Print `billet`'s man pages (roff, section 1) to stdout, or write
+    /// one file per command (`billet.1`, `billet-node.1`,
+    /// `billet-node-status.1`, ...) into a directory.
+    Man {
+        /// Write `<command>.1` files here instead of printing them.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Replace this node's billet. Started by `billet node` on StartUpgrade,
     /// which reads the answer on --ack-fd; run by hand it answers nothing.
     HostUpgrade(HostUpgradeArgs),
