@@ -358,6 +358,23 @@ fn a_start_that_fails_after_making_its_state_removes_what_it_made() -> Result<()
     let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
     assert_exit(&out, 5, "/nonexistent/docker.sock");
     assert!(!state.exists(), "{} is left", state.display());
+    // An unusable cache directory, found after the journal is made.
+    let not_a_dir = state.parent().context("parent")?.join("cache-file");
+    std::fs::write(&not_a_dir, b"not a directory")?;
+    let shown = not_a_dir.display().to_string();
+    let out = node(
+        &["--cache-dir", &shown],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!state.exists(), "{} is left", state.display());
     // One that was there, empty, and stays so.
     std::fs::create_dir_all(&state)?;
     let out = node(
