@@ -24,6 +24,7 @@
 // private ones that implement them.
 #![allow(rustdoc::private_intra_doc_links)]
 
+mod access;
 pub mod cache;
 mod claim;
 pub mod cli;

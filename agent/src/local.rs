@@ -108,8 +108,36 @@ pub(crate) async fn enroll(
         .map_err(|_| EnrollFailure::Failed(format!("no answer on {shown} within {timeout:?}")))?
 }
 
+/// Why this user may not use the node's socket, when the kernel refuses
+/// it (the state directory or the socket is another user's); `None` when
+/// it may, or when the socket is absent or dead.
+pub(crate) fn refusal(state_dir: &Path) -> Option<String> {
+    refusal_at(&socket_path(state_dir))
+}
+
+fn refusal_at(path: &Path) -> Option<String> {
+    let refused = match std::fs::symlink_metadata(path) {
+        Err(e) if crate::access::is_refusal(&e) => e,
+        Err(_) => return None,
+        Ok(_) => match std::os::unix::net::UnixStream::connect(path) {
+            Err(e) if crate::access::is_refusal(&e) => e,
+            _ => return None,
+        },
+    };
+    Some(crate::access::refused(
+        path,
+        "use",
+        &refused,
+        "whether a node runs there cannot be told by this user; run the command as that owner or as root (sudo -u OWNER, or sudo)",
+    ))
+}
+
 async fn connect(path: PathBuf) -> Result<tonic::transport::Channel, String> {
     let shown = path.display().to_string();
+    // Asked first: a socket this user may not look at is not an absent one.
+    if let Some(why) = refusal_at(&path) {
+        return Err(why);
+    }
     if !path.exists() {
         return Err(format!(
             "{shown} does not exist: no node is running on this state directory"

@@ -40,8 +40,8 @@ fn main() -> ExitCode {
             command: Command::Completions { shell },
         }) => cli::docs::completions(shell),
         Ok(Cli {
-            command: Command::Man,
-        }) => cli::docs::man(),
+            command: Command::Man { dir },
+        }) => cli::docs::man(dir.as_deref()),
         Ok(Cli {
             command: Command::NodeStatus(args),
         }) => cli::status::status(args),
@@ -78,17 +78,18 @@ fn node(args: NodeArgs) -> ExitCode {
     // Before anything opens a file or a socket; logged once.
     match server::raise_open_files_limit() {
         Ok(files) => {
-            let shown =
-                |n: Option<u64>| n.map_or_else(|| "unlimited".to_owned(), |n| n.to_string());
+            // Numbers, so a collector reads them as such; an unlimited
+            // limit is an absent field and `unlimited = true`.
             info!(
-                soft = %shown(files.soft),
-                hard = %shown(files.hard),
-                was = %shown(files.was),
+                soft = files.soft,
+                hard = files.hard,
+                was = files.was,
+                unlimited = files.hard.is_none(),
                 "open files limit (RLIMIT_NOFILE): the soft limit is raised to the hard one"
             );
             if files.soft.is_some_and(|n| n < server::OPEN_FILES_WANTED) {
                 warn!(
-                    soft = %shown(files.soft),
+                    soft = files.soft,
                     wanted = server::OPEN_FILES_WANTED,
                     "the node may open few files; raise its hard limit (the unit's LimitNOFILE=)"
                 );
@@ -105,18 +106,23 @@ fn node(args: NodeArgs) -> ExitCode {
             return ExitCode::from(exit::SERVE);
         }
     };
+    // A start that fails before it serves removes what it made.
+    let footprint = server::Footprint::before(&config);
     runtime.block_on(async move {
         let mut prepared = match server::prepare(&config).await {
             Ok(p) => p,
             Err(e) => {
                 fatal!("{e}");
+                footprint.undo();
                 return ExitCode::from(exit::for_node_error(&e));
             }
         };
         let listener = match tokio::net::TcpListener::bind(listen).await {
             Ok(l) => l,
             Err(e) => {
-                fatal!("cannot listen on {listen}: {e}");
+                fatal!("cannot listen on {listen} (--listen): {e}");
+                drop(prepared);
+                footprint.undo();
                 return ExitCode::from(exit::BIND);
             }
         };
@@ -125,6 +131,8 @@ fn node(args: NodeArgs) -> ExitCode {
                 Ok(l) => prepared.metrics = Some(l),
                 Err(e) => {
                     fatal!("cannot listen for metrics (--metrics-listen) on {addr}: {e}");
+                    drop(prepared);
+                    footprint.undo();
                     return ExitCode::from(exit::BIND);
                 }
             }
@@ -132,6 +140,8 @@ fn node(args: NodeArgs) -> ExitCode {
         let (drain, shutdown) = (CancellationToken::new(), CancellationToken::new());
         if let Err(e) = server::stop_on_signals(drain.clone(), shutdown.clone()) {
             fatal!("cannot handle SIGTERM: {e}");
+            drop(prepared);
+            footprint.undo();
             return ExitCode::from(exit::SERVE);
         }
         match server::run(config, prepared, listener, drain, shutdown).await {

@@ -413,6 +413,7 @@ impl Node {
         let config = NodeConfig {
             tls,
             plane_name: PLANE.into(),
+            allow_readable_key: false,
             deployment: "dev".into(),
             cache_dir: state_dir.join("cache"),
             cache_eviction: billet_agent::cache::Eviction::default(),
@@ -714,4 +715,169 @@ async fn a_command_that_reaches_the_slot_after_the_drain_began_gets_drain_semant
     assert!(!plane.leases.lock().expect("leases").contains_key(HELD));
     // Nothing held any more: the drain ends and the node stops.
     node.stopped().await;
+}
+
+/// A plane that sends each message's bytes as it is given them, unchecked,
+/// and reads the node's messages: it can send what no plane should.
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCodec;
+
+#[derive(Debug)]
+struct RawEncoder;
+
+#[derive(Debug)]
+struct NodeDecoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        prost::bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for NodeDecoder {
+    type Item = pb::NodeMessage;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<pb::NodeMessage>, tonic::Status> {
+        prost::Message::decode(src)
+            .map(Some)
+            .map_err(|e| tonic::Status::internal(e.to_string()))
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = pb::NodeMessage;
+    type Encoder = RawEncoder;
+    type Decoder = NodeDecoder;
+
+    fn encoder(&mut self) -> RawEncoder {
+        RawEncoder
+    }
+
+    fn decoder(&mut self) -> NodeDecoder {
+        NodeDecoder
+    }
+}
+
+/// What this process logs, for a test that reads it.
+static LOGGED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOGGED.lock().expect("log").extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Opens a session as a plane, then sends `malformed` as one message's
+/// bytes; answers the status the node ended the session with.
+async fn attach_and_send(node: &Node, malformed: Vec<u8>) -> tonic::Status {
+    let certs = &node.plane;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&certs.ca))
+        .identity(Identity::from_pem(&certs.cert, &certs.key))
+        .domain_name(NODE);
+    let channel = Endpoint::from_shared(format!("https://{}", node.addr))
+        .expect("endpoint")
+        .tls_config(tls)
+        .expect("tls")
+        .connect()
+        .await
+        .expect("the node accepts the plane");
+    let open = prost::Message::encode_to_vec(&pb::PlaneMessage {
+        body: Some(pb::plane_message::Body::Open(pb::Open {
+            protocol_version: billet_proto::PROTOCOL_VERSION,
+            deployment: "dev".into(),
+            lease_ttl_ms: u64::try_from(TTL.as_millis()).expect("ttl"),
+            plane_clock_unix_ms: 0,
+        })),
+    });
+    let (tx, rx) = mpsc::channel::<Vec<u8>>(4);
+    tx.send(open).await.expect("open");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let mut inbound = grpc
+        .streaming(
+            tonic::Request::new(ReceiverStream::new(rx)),
+            tonic::codegen::http::uri::PathAndQuery::from_static("/billet.node.v1.Node/Attach"),
+            RawCodec,
+        )
+        .await
+        .expect("attach")
+        .into_inner();
+    match inbound.message().await {
+        Ok(Some(pb::NodeMessage {
+            body: Some(pb::node_message::Body::Hello(_)),
+        })) => {}
+        other => panic!("no Hello: {other:?}"),
+    }
+    tx.send(malformed).await.expect("send");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the session ended with OK"),
+                Err(status) => return status,
+            }
+        }
+    })
+    .await
+    .expect("the session ended within 10s")
+}
+
+/// A message the node cannot read (past the size limit, or nested past
+/// what the decoder follows) ends the session with a status that says
+/// what was wrong, never OK, and is logged once at warn with the peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_node_cannot_read_ends_the_session_with_a_status_saying_what_was_wrong() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .with_writer(|| LogWriter)
+        .with_ansi(false)
+        .try_init();
+    let node = Node::start().await;
+    // A field the message does not have (1000), as a group (wire type 3)
+    // opened 100,000 times: each level is a recursion for the decoder.
+    let nested: Vec<u8> = [0xC3u8, 0x3E].repeat(100_000);
+    for (malformed, code, said) in [
+        (
+            vec![0u8; 5 << 20],
+            tonic::Code::ResourceExhausted,
+            "larger than the node reads",
+        ),
+        (nested, tonic::Code::InvalidArgument, "could not be decoded"),
+    ] {
+        let status = attach_and_send(&node, malformed).await;
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains(said), "{status:?}");
+    }
+    let logged = String::from_utf8_lossy(&LOGGED.lock().expect("log")).into_owned();
+    let warned: Vec<&str> = logged
+        .lines()
+        .filter(|l| l.contains("a message from the plane could not be read"))
+        .collect();
+    assert_eq!(warned.len(), 2, "{logged}");
+    for line in warned {
+        assert!(line.contains("WARN"), "{line}");
+        assert!(line.contains("peer=127.0.0.1:"), "{line}");
+    }
+    node.shutdown.cancel();
 }

@@ -1560,3 +1560,48 @@ impl Starts {
         Ok(())
     }
 }
+
+/// A system user the tests run a command as, to see what another user
+/// sees (the machine runs the tests as root, which every permission
+/// admits): created once if absent, with no home and no shell. Answers its
+/// uid and gid.
+///
+/// # Errors
+///
+/// When the user neither exists nor can be created (`useradd`, from
+/// Debian's passwd, as root).
+pub fn other_user() -> Result<(u32, u32)> {
+    const NAME: &str = "billet-test-other";
+    let id = |flag: &str| -> Result<Option<u32>> {
+        let out = std::process::Command::new("id")
+            .args([flag, NAME])
+            .output()?;
+        Ok(if out.status.success() {
+            Some(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+        } else {
+            None
+        })
+    };
+    if id("-u")?.is_none() {
+        let out = std::process::Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                NAME,
+            ])
+            .output()
+            .context("run useradd (Debian's passwd) to make a second user")?;
+        // 9: made meanwhile by a test beside this one.
+        anyhow::ensure!(
+            out.status.success() || out.status.code() == Some(9),
+            "useradd {NAME}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok((
+        id("-u")?.context("the other user's uid")?,
+        id("-g")?.context("the other user's gid")?,
+    ))
+}

@@ -1,5 +1,5 @@
-//! `billet check`: what `billet node` checks before binding, with the same
-//! exit codes (README "Exit codes"), binding and creating nothing; and a
+//! `billet check`: what `billet node` checks before serving, with the same
+//! exit codes (README "Exit codes"), holding and creating nothing; and a
 //! configuration file's relative paths resolve against its own directory.
 
 use std::path::{Path, PathBuf};
@@ -69,27 +69,65 @@ fn assert_exit(out: &Output, code: i32, mentions: &str) {
 }
 
 #[test]
-fn check_accepts_a_good_configuration_without_binding_its_port_or_creating_its_state_directory()
+fn check_accepts_a_good_configuration_releasing_its_ports_and_creating_no_state_directory()
 -> Result<()> {
     let s = setup()?;
-    // The port is taken while the check runs: a check that bound it would fail.
-    let held = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let listen = held.local_addr()?.to_string();
-    let out = s.run("check", &listen, &[])?;
+    let listen = billet_tests::cluster::free_port()?;
+    let metrics = billet_tests::cluster::free_port()?;
+    let out = s.run(
+        "check",
+        &listen.to_string(),
+        &["--metrics-listen", &metrics.to_string()],
+    )?;
     assert_exit(&out, 0, "ok: billet node would start");
     assert_exit(&out, 0, "node node-1");
+    assert_exit(
+        &out,
+        0,
+        &format!("--metrics-listen: {metrics} can be bound"),
+    );
     assert!(
         !s.state.exists(),
         "check created the state directory {}",
         s.state.display()
     );
+    // Released: the node can have them.
+    drop(std::net::TcpListener::bind(listen)?);
+    drop(std::net::TcpListener::bind(metrics)?);
+    Ok(())
+}
+
+/// A taken port is found by the check, not by the node's start (exit 4,
+/// naming the flag and the address).
+#[test]
+fn check_exits_4_naming_the_flag_when_an_address_the_node_would_bind_is_taken() -> Result<()> {
+    let s = setup()?;
+    let held = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let taken = held.local_addr()?.to_string();
+    let free = billet_tests::cluster::free_port()?.to_string();
+    let out = s.run("check", &taken, &[])?;
+    assert_exit(&out, 4, &format!("cannot listen on {taken} (--listen)"));
+    let out = s.run("check", &free, &["--metrics-listen", &taken])?;
+    assert_exit(
+        &out,
+        4,
+        &format!("cannot listen on {taken} (--metrics-listen)"),
+    );
+    let out = s.run("check", &free, &["--cache-proxy-listen", &taken])?;
+    assert_exit(
+        &out,
+        4,
+        &format!("cannot listen on {taken} (--cache-proxy-listen)"),
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("would start"));
     Ok(())
 }
 
 #[test]
 fn check_exits_with_the_code_billet_node_would_for_each_fault() -> Result<()> {
     let s = setup()?;
-    let listen = "127.0.0.1:1";
+    // A port of its own: the check binds it, beside other tests' checks.
+    let listen = &billet_tests::cluster::free_port()?.to_string();
     // 2: a bad value, naming the flag.
     assert_exit(&s.run("check", listen, &["--vcpu", "0"])?, 2, "--vcpu");
     // 3: a certificate that cannot be read, naming it.
@@ -172,12 +210,25 @@ fn check_reads_a_journal_a_node_wrote_and_notes_a_running_node() -> Result<()> {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let out = s.run("check", "127.0.0.1:1", &[]);
+    // Its port is bound after its socket.
+    while std::net::TcpStream::connect(&port).is_err() {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the node never listened on {port}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = s.run("check", &port, &[]);
     let _ = child.kill();
     let _ = child.wait();
     let out = out?;
     assert_exit(&out, 0, "journal: readable");
     assert_exit(&out, 0, "a node is running on this state directory");
+    assert_exit(
+        &out,
+        0,
+        &format!("--listen {port} is in use, perhaps by the node running"),
+    );
     Ok(())
 }
 
@@ -221,7 +272,8 @@ fn relative_paths_in_a_configuration_file_resolve_against_its_directory() -> Res
 fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_flags() -> Result<()>
 {
     let s = setup()?;
-    let listen = "127.0.0.1:1";
+    // A port of its own: the check binds it, beside other tests' checks.
+    let listen = &billet_tests::cluster::free_port()?.to_string();
     let plain = s.dir.join("cache-plain");
     std::fs::create_dir_all(&plain)?;
     let kind = billet_agent::cache::clone::filesystem_kind(&plain)?;
@@ -289,7 +341,8 @@ fn check_says_whether_the_cache_directory_has_reflinks_and_checks_the_eviction_f
 #[test]
 fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Result<()> {
     let s = setup()?;
-    let listen = "127.0.0.1:1";
+    // A port of its own: the check binds it, beside other tests' checks.
+    let listen = &billet_tests::cluster::free_port()?.to_string();
     let ro = billet_tests::scratchfs::ScratchFs::tmpfs(1)?;
     std::fs::create_dir(ro.path.join("present"))?;
     let remounted = std::process::Command::new("mount")
@@ -322,7 +375,8 @@ fn check_refuses_a_state_directory_it_could_not_write_as_the_node_would() -> Res
 #[test]
 fn check_and_the_node_refuse_a_cache_directory_too_long_for_the_guests_sockets() -> Result<()> {
     let s = setup()?;
-    let listen = "127.0.0.1:1";
+    // A port of its own: the check binds it, beside other tests' checks.
+    let listen = &billet_tests::cluster::free_port()?.to_string();
     let suffix = "/guests/00000000/cache.sock".len();
     let base = s.dir.display().to_string();
     let pad = |total: usize| format!("{base}/{}", "c".repeat(total - base.len() - 1));

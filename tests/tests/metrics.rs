@@ -1,7 +1,8 @@
 //! Metrics as an operator collects them: a real Prometheus server (Debian's
 //! `prometheus` package, started here on loopback with a generated
 //! configuration) scrapes a node's `--metrics-listen` endpoint while a job
-//! runs, and its HTTP API answers for the node's metrics afterwards.
+//! runs, and its HTTP API answers for the node's metrics afterwards; the
+//! text a plain scraper gets passes `promtool check metrics`.
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -12,14 +13,27 @@ use anyhow::{Context, Result, bail, ensure};
 use billet_tests::cluster::{Cluster, ClusterOptions, free_port, scratch_dir};
 
 const PROMETHEUS: &str = "/usr/bin/prometheus";
+const PROMTOOL: &str = "/usr/bin/promtool";
 
 /// A plain HTTP/1.0 GET (no client library needed): status and body.
 fn get(addr: SocketAddr, path_and_query: &str) -> Result<(u16, String)> {
+    let (status, _, body) = get_accepting(addr, path_and_query, None)?;
+    Ok((status, body))
+}
+
+/// A GET with an `Accept` header when one is given: status, the
+/// `Content-Type` answered (empty when none) and body.
+fn get_accepting(
+    addr: SocketAddr,
+    path_and_query: &str,
+    accept: Option<&str>,
+) -> Result<(u16, String, String)> {
     let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let accept = accept.map_or_else(String::new, |a| format!("Accept: {a}\r\n"));
     write!(
         stream,
-        "GET {path_and_query} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path_and_query} HTTP/1.0\r\nHost: {addr}\r\n{accept}Connection: close\r\n\r\n"
     )?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
@@ -31,7 +45,42 @@ fn get(addr: SocketAddr, path_and_query: &str) -> Result<(u16, String)> {
         .nth(1)
         .context("a status")?
         .parse()?;
-    Ok((status, body.to_owned()))
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-type")
+                .then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default();
+    Ok((status, content_type, body.to_owned()))
+}
+
+/// What `promtool check metrics` says of `text`: its exit status and output.
+fn promtool_check(text: &str) -> Result<(bool, String)> {
+    ensure!(
+        Path::new(PROMTOOL).exists(),
+        "{PROMTOOL} is missing: install Debian's prometheus package (scripts/test does)"
+    );
+    let mut child = std::process::Command::new(PROMTOOL)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("start promtool")?;
+    child
+        .stdin
+        .take()
+        .context("promtool's stdin")?
+        .write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((out.status.success(), said))
 }
 
 /// Prometheus, killed when dropped.
@@ -249,7 +298,7 @@ async fn prometheus_scrapes_the_planes_job_wait_and_run_times_and_lease_ends() -
         ("billet_plane_job_queued_to_started_seconds_count", 1.0),
         ("billet_plane_job_started_to_completed_seconds_count", 1.0),
         (
-            "billet_plane_lease_ends_total{class=\"job\",reason=\"done\"}",
+            "billet_plane_lease_ends_total{class=\"job\",reason=\"completed\"}",
             1.0,
         ),
         ("count(billet_plane_jobs_waiting)", 10.0),
@@ -280,5 +329,71 @@ async fn prometheus_scrapes_the_planes_job_wait_and_run_times_and_lease_ends() -
         .await?;
     drop(prometheus);
     stop.cancel();
+    cluster.shutdown().await
+}
+
+/// The exposition is negotiated: the Prometheus text format 0.0.4 unless
+/// the scraper prefers OpenMetrics, and the text passes `promtool check
+/// metrics`. Every error family has its series from the start, at zero, so
+/// a healthy node's error panels read 0 and an alert on `increase()` sees
+/// the first error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scraper_gets_the_format_it_asks_for_the_text_passes_promtool_and_every_error_family_reads_zero()
+-> Result<()> {
+    let metrics = free_port()?;
+    let cluster = Cluster::start(ClusterOptions {
+        node_env: vec![("BILLET_METRICS_LISTEN".into(), metrics.to_string())],
+        ..ClusterOptions::default()
+    })
+    .await?;
+    const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+    const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    // What Prometheus 2.x sends: OpenMetrics preferred.
+    const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+    for (accept, wanted) in [
+        (None, TEXT),
+        (Some("*/*"), TEXT),
+        (Some("text/plain;version=0.0.4"), TEXT),
+        (
+            Some("text/plain;version=0.0.4;q=0.9,application/openmetrics-text;q=0.1"),
+            TEXT,
+        ),
+        (
+            Some("application/openmetrics-text; version=1.0.0"),
+            OPENMETRICS,
+        ),
+        (Some(PROMETHEUS_ACCEPT), OPENMETRICS),
+    ] {
+        let (status, content_type, text) = get_accepting(metrics, "/metrics", accept)?;
+        assert_eq!(status, 200, "{accept:?}: {text}");
+        assert_eq!(content_type, wanted, "Accept: {accept:?}");
+        if wanted == TEXT {
+            assert!(!text.contains("# EOF"), "{accept:?}: {text}");
+            assert!(!text.contains(" info\n"), "{accept:?}: {text}");
+            let (clean, said) = promtool_check(&text)?;
+            assert!(clean, "promtool check metrics: {said}\n{text}");
+            assert!(said.trim().is_empty(), "promtool check metrics: {said}");
+            assert!(
+                text.contains("billet_build_info{version=\""),
+                "{accept:?}: {text}"
+            );
+        } else {
+            assert!(text.ends_with("# EOF\n"), "{accept:?}: {text}");
+        }
+    }
+
+    let (_, _, text) = get_accepting(metrics, "/metrics", None)?;
+    for series in [
+        "billet_plane_call_errors_total{call=\"heartbeat\",code=\"unavailable\"} 0",
+        "billet_plane_call_errors_total{call=\"mint\",code=\"refused\"} 0",
+        "billet_provider_call_errors_total{call=\"create\"} 0",
+        "billet_provider_call_errors_total{call=\"list\"} 0",
+        "billet_journal_write_errors_total{call=\"put_launch\"} 0",
+        "billet_journal_write_errors_total{call=\"put_custody\"} 0",
+        "billet_certificate_renewals_total{outcome=\"renewed\"} 0",
+        "billet_certificate_renewals_total{outcome=\"failed\"} 0",
+    ] {
+        assert!(text.contains(series), "no {series} in:\n{text}");
+    }
     cluster.shutdown().await
 }

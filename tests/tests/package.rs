@@ -17,12 +17,13 @@ use billet_tests::image::{binary_path, build_process_binaries, profile_dir};
 use billet_tests::systemd::SystemdHost;
 
 /// The package's files an operator relies on, beside the binary.
-const INSTALLED: [&str; 8] = [
+const INSTALLED: [&str; 9] = [
     "/usr/bin/billet",
     "/lib/systemd/system/billet-node.service",
     "/lib/systemd/system/billet-node.service.d/package.conf",
     "/etc/billet/node.env",
     "/usr/share/man/man1/billet.1.gz",
+    "/usr/share/man/man1/billet-node.1.gz",
     "/usr/share/bash-completion/completions/billet",
     "/usr/share/zsh/vendor-completions/_billet",
     "/usr/share/fish/vendor_completions.d/billet.fish",
@@ -117,6 +118,15 @@ async fn the_debian_package_installs_a_billet_user_the_docs_and_a_unit_that_star
     assert!(man.contains(".TH billet"), "{man}");
     for needle in ["billet\\-node", "billet\\-check", "\\-\\-state\\-dir"] {
         assert!(man.contains(needle), "the man page lacks {needle}");
+    }
+    let node_man = host.run(&["gzip", "-dc", "/usr/share/man/man1/billet-node.1.gz"])?;
+    for needle in [
+        ".SH ENVIRONMENT",
+        ".SH FILES",
+        ".SH EXIT STATUS",
+        "BILLET_LISTEN",
+    ] {
+        assert!(node_man.contains(needle), "billet-node(1) lacks {needle}");
     }
     let bash = host.run(&["cat", "/usr/share/bash-completion/completions/billet"])?;
     assert!(bash.contains("--metrics-listen") && bash.contains("host-upgrade"));

@@ -1,6 +1,6 @@
 //! gRPC server reflection, as `grpcurl list` and `grpcurl describe` use it:
-//! on the local socket (`grpcurl -plaintext -unix <state_dir>/node.sock
-//! list`) and on the mTLS port with the plane's certificate, over both the
+//! on the local socket (`grpcurl -plaintext -authority localhost -unix
+//! <state_dir>/node.sock list`) and on the mTLS port with the plane's certificate, over both the
 //! `v1` and the older `v1alpha` reflection service; the descriptors it serves
 //! describe the node's services and their methods.
 
@@ -172,4 +172,20 @@ async fn reflection_lists_and_describes_the_services_on_the_local_socket_and_the
         ["Check", "Watch"]
     );
     cluster.shutdown().await
+}
+
+/// Every grpcurl line the README gives for the local socket names an
+/// authority: grpcurl otherwise sends the socket's path as `:authority`,
+/// which the HTTP/2 server refuses as malformed (a stream reset).
+#[test]
+fn the_readmes_grpcurl_lines_for_the_local_socket_name_an_authority() {
+    let readme = include_str!("../../README.md");
+    let lines: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("grpcurl") && l.contains(" -unix "))
+        .collect();
+    assert!(lines.len() >= 3, "{lines:?}");
+    for line in lines {
+        assert!(line.contains("-authority localhost"), "{line}");
+    }
 }

@@ -322,9 +322,11 @@ fn a_registry_mirror_that_is_not_an_http_url_exits_2_naming_the_flag() -> Result
 }
 
 #[test]
-fn the_state_directory_is_created_private() -> Result<()> {
+fn the_state_directory_is_made_private() -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let (certs, state) = setup()?;
+    std::fs::create_dir_all(&state)?;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755))?;
     // Fails later on the engine, after the state directory is prepared.
     let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
     assert_eq!(out.status.code(), Some(5));
@@ -333,6 +335,131 @@ fn the_state_directory_is_created_private() -> Result<()> {
         0o700
     );
     Ok(())
+}
+
+/// A start that fails once the state directory is made (a taken port, an
+/// unreachable engine) leaves nothing behind: not the directory it made,
+/// nor, in one that was there, the socket, the journal or the cache
+/// directory it made.
+#[test]
+fn a_start_that_fails_after_making_its_state_removes_what_it_made() -> Result<()> {
+    let (certs, state) = setup()?;
+    let held = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let taken = held.local_addr()?.to_string();
+    // A state directory it made.
+    let out = node(
+        &["--listen", &taken],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 4, &format!("cannot listen on {taken}"));
+    assert!(!state.exists(), "{} is left", state.display());
+    let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
+    assert!(!state.exists(), "{} is left", state.display());
+    // An unusable cache directory, found after the journal is made.
+    let not_a_dir = state.parent().context("parent")?.join("cache-file");
+    std::fs::write(&not_a_dir, b"not a directory")?;
+    let shown = not_a_dir.display().to_string();
+    let out = node(
+        &["--cache-dir", &shown],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!state.exists(), "{} is left", state.display());
+    // One that was there, empty, and stays so.
+    std::fs::create_dir_all(&state)?;
+    let out = node(
+        &["--metrics-listen", &taken],
+        &certs,
+        &state,
+        "/var/run/docker.sock",
+    )?;
+    assert_exit(&out, 4, "--metrics-listen");
+    let left: Vec<_> = std::fs::read_dir(&state)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()?;
+    for made in ["node.sock", "journal.db", "cache"] {
+        assert!(
+            !left.iter().any(|n| n == made),
+            "{made} is left in {}: {left:?}",
+            state.display()
+        );
+    }
+    Ok(())
+}
+
+/// A node whose state directory is another user's says whose, its mode,
+/// who the node runs as and what to change, not the bare "Operation not
+/// permitted".
+#[test]
+fn a_state_directory_owned_by_another_user_exits_6_naming_its_owner_mode_and_what_to_change()
+-> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let (uid, gid) = billet_tests::cluster::other_user()?;
+    let (certs, state) = setup()?;
+    // The node runs as the other user and may read its TLS material; the
+    // state directory is root's, and open to all, so only its mode cannot
+    // be set.
+    let root = state.parent().context("parent")?;
+    for entry in walk(root)? {
+        std::os::unix::fs::chown(&entry, Some(uid), Some(gid))?;
+    }
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::create_dir_all(&state)?;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777))?;
+    build_process_binaries()?;
+    let files = certs.node("node-1").expect("node files");
+    let out = std::process::Command::new(binary_path("billet")?)
+        .arg("node")
+        .args(["--listen", &free_port()?.to_string()])
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--ca")
+        .arg(&certs.ca.cert)
+        .arg("--state-dir")
+        .arg(&state)
+        .env("BILLET_LOG", "info")
+        .uid(uid)
+        .gid(gid)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_exit(&out, 6, "cannot chmod 0700");
+    for said in [
+        format!("{} is owned by root (uid 0)", state.display()),
+        "mode 0777".to_owned(),
+        "this process runs as billet-test-other".to_owned(),
+        "chown it to the node's user".to_owned(),
+    ] {
+        assert!(stderr.contains(&said), "no {said:?} in:\n{stderr}");
+    }
+    Ok(())
+}
+
+/// Every path under `dir`, `dir` first.
+fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut all = vec![dir.to_owned()];
+    let mut i = 0;
+    while i < all.len() {
+        if all[i].is_dir() {
+            for entry in std::fs::read_dir(&all[i])? {
+                all.push(entry?.path());
+            }
+        }
+        i += 1;
+    }
+    Ok(all)
 }
 
 #[test]
@@ -371,6 +498,90 @@ fn a_configuration_file_supplies_the_flags_and_its_errors_name_the_file_and_key(
     let unknown = dir.join("unknown.toml");
     std::fs::write(&unknown, "lisen = \"127.0.0.1:1\"\n")?;
     assert_exit(&run(&unknown)?, 2, "`lisen`");
+
+    // A negative number is the key's value, judged by its parser, not a
+    // flag; a float in an integer key says what it is.
+    for (text, said) in [
+        ("max_custody_secs = -5\n", "\"-5\" is not a whole number"),
+        ("ack_timeout_secs = 1.5\n", "\"1.5\" is not a whole number"),
+        (
+            "memory_bytes = 1\n",
+            "the smallest value allowed is 67108864",
+        ),
+    ] {
+        let path = dir.join("number.toml");
+        std::fs::write(&path, text)?;
+        let out = run(&path)?;
+        assert_exit(&out, 2, said);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let key = text.split(' ').next().unwrap_or_default();
+        assert!(stderr.contains(&path.display().to_string()), "{stderr}");
+        assert!(stderr.contains(&format!("`{key}`")), "{stderr}");
+        assert!(!stderr.contains("unexpected argument"), "{stderr}");
+    }
+    Ok(())
+}
+
+/// Numbers out of their bounds, and a plane name no certificate can carry,
+/// stop start-up naming the flag (exit 2), rather than a node that runs
+/// wrong.
+#[test]
+fn a_number_out_of_bounds_or_a_plane_name_that_is_no_dns_name_exits_2_naming_the_flag() -> Result<()>
+{
+    let (certs, state) = setup()?;
+    for (args, said) in [
+        (
+            ["--ack-timeout-secs", "0"],
+            "the smallest value allowed is 1",
+        ),
+        (
+            ["--memory-bytes", "1"],
+            "the smallest value allowed is 67108864",
+        ),
+        (["--vcpu", "100000"], "the largest value allowed is 4096"),
+        (
+            ["--tls-reload-secs", "0"],
+            "the smallest value allowed is 1",
+        ),
+        (["--plane-name", "not a dns name!"], "is not a DNS name"),
+    ] {
+        let out = node(&args, &certs, &state, "/var/run/docker.sock")?;
+        assert_exit(&out, 2, said);
+        assert_exit(&out, 2, args[0]);
+    }
+    Ok(())
+}
+
+/// A private key others may read, or its group when root does not own it,
+/// is refused (exit 3, naming the file, its mode and the flag that takes
+/// it anyway), as ssh refuses one; with the flag the start goes on, here
+/// to the missing engine. A root-owned key its group may read is root
+/// sharing it with the node's group, as PostgreSQL allows.
+#[test]
+fn a_private_key_readable_beyond_its_owner_exits_3_unless_the_operator_allows_it() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let (uid, gid) = billet_tests::cluster::other_user()?;
+    let (certs, state) = setup()?;
+    let key = certs.node("node-1").expect("node files").key.clone();
+    for (mode, owner) in [(0o640, Some((uid, gid))), (0o644, None)] {
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(mode))?;
+        std::os::unix::fs::chown(&key, owner.map(|o| o.0), owner.map(|o| o.1))?;
+        let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+        assert_exit(&out, 3, &key.display().to_string());
+        assert_exit(&out, 3, &format!("mode {mode:04o}"));
+        assert_exit(&out, 3, "--allow-readable-key");
+        let out = node(
+            &["--allow-readable-key", "true"],
+            &certs,
+            &state,
+            "/nonexistent/docker.sock",
+        )?;
+        assert_exit(&out, 5, "readable beyond its owner");
+    }
+    std::os::unix::fs::chown(&key, Some(0), Some(0))?;
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o640))?;
+    let out = node(&[], &certs, &state, "/nonexistent/docker.sock")?;
+    assert_exit(&out, 5, "/nonexistent/docker.sock");
     Ok(())
 }
 

@@ -124,3 +124,53 @@ async fn node_status_lists_the_lease_of_a_running_job_and_nothing_once_it_is_don
     assert!(text.contains("node.sock"), "{text}");
     Ok(())
 }
+
+/// A user who may not look in the state directory is told so, with its
+/// owner and mode (exit 6), not that no node runs; a directory with no
+/// socket is "not running" (exit 10).
+#[test]
+fn status_tells_a_state_directory_it_cannot_read_from_one_where_no_node_runs() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    billet_tests::image::build_process_binaries()?;
+    let (uid, gid) = billet_tests::cluster::other_user()?;
+    let dir = billet_tests::cluster::scratch_dir("status")?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state)?;
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o700))?;
+    // A socket someone listens on, as a node's would be.
+    let _node = std::os::unix::net::UnixListener::bind(state.join("node.sock"))?;
+    let as_other = |state: &Path| -> Result<(i32, String)> {
+        let out = std::process::Command::new(binary_path("billet")?)
+            .args(["node", "status", "--timeout-secs", "2", "--state-dir"])
+            .arg(state)
+            .uid(uid)
+            .gid(gid)
+            .output()?;
+        Ok((
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let (code, said) = as_other(&state)?;
+    assert_eq!(code, 6, "{said}");
+    for part in [
+        "cannot use",
+        "Permission denied",
+        &format!("{} is owned by root (uid 0)", state.display()),
+        "mode 0700",
+        "runs as billet-test-other",
+    ] {
+        assert!(said.contains(part), "no {part:?} in: {said}");
+    }
+    assert!(!said.contains("no node is running"), "{said}");
+
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty)?;
+    std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o755))?;
+    let (code, said) = as_other(&empty)?;
+    assert_eq!(code, 10, "{said}");
+    assert!(said.contains("no node is running"), "{said}");
+    Ok(())
+}

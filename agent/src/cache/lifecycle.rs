@@ -293,7 +293,7 @@ pub(crate) async fn keep_evicting(
     info!(
         retention_hours = rules.retention.as_secs() / 3600,
         image_store_retention_hours = rules.image_store_retention.as_secs() / 3600,
-        max_bytes = ?rules.budget_bytes,
+        max_bytes = rules.budget_bytes,
         interval_s = interval.as_secs(),
         actions_archives = archives.is_some(),
         "evicting the cache periodically"

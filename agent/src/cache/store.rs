@@ -660,7 +660,7 @@ impl Store {
             committable: record.committable,
             method,
         };
-        info!(%lease, %key, mount = %id, parent = ?mount.parent, committable = mount.committable, ?method, "sticky disk mounted");
+        info!(%lease, %key, mount = %id, parent = mount.parent.map(|g| g.0), committable = mount.committable, ?method, "sticky disk mounted");
         self.observe(
             lease.as_str(),
             &if !mount.committable {
@@ -813,7 +813,7 @@ impl Store {
                 info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed")
             }
             Ok(Committed::Conflict { parent, head }) => {
-                warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
+                warn!(mount, key = %record.key, parent = parent.map(|g| g.0), head = head.map(|g| g.0), "sticky disk not committed: another job committed its key since this one mounted it")
             }
             Ok(Committed::NotCommittable) | Err(_) => {}
         }
@@ -993,7 +993,7 @@ impl Store {
                 info!(mount, key = %record.key, parent = record.parent, generation = %g, "sticky disk committed at its guest's request")
             }
             Ok(Committed::Conflict { parent, head }) => {
-                warn!(mount, key = %record.key, ?parent, ?head, "sticky disk not committed: another job committed its key since this one mounted it")
+                warn!(mount, key = %record.key, parent = parent.map(|g| g.0), head = head.map(|g| g.0), "sticky disk not committed: another job committed its key since this one mounted it")
             }
             Ok(Committed::NotCommittable) => {}
             Err(e) => {

@@ -1,11 +1,13 @@
-//! `billet check`: everything `billet node` checks before it binds (the
+//! `billet check`: everything `billet node` checks before it serves (the
 //! flags, the upgrade configuration, the TLS material, the state directory
-//! and its journal, the Docker engine), with the same exit codes
-//! ([`super::exit`]), binding nothing, creating nothing, settling nothing.
+//! and its journal, the Docker engine, and every address it would bind,
+//! bound and released at once), with the same exit codes ([`super::exit`]),
+//! holding nothing, creating nothing, settling nothing.
 //!
 //! A node already running on the state directory is not a fault of the
 //! configuration (an operator checks a new configuration before restarting
-//! onto it), so it is reported, not refused.
+//! onto it), so it is reported, not refused, and an address it may hold is
+//! noted rather than refused.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -42,8 +44,15 @@ pub fn check(args: NodeArgs) -> ExitCode {
     };
     match runtime.block_on(inspect(&config)) {
         Ok(lines) => {
-            println!("listen: {listen} (not bound)");
-            for line in lines {
+            let running = runtime.block_on(node_running(&config.state_dir));
+            let addresses = match bind_and_release(&addresses(&config, listen), running) {
+                Ok(lines) => lines,
+                Err(e) => {
+                    error!("{e}");
+                    return ExitCode::from(exit::BIND);
+                }
+            };
+            for line in addresses.into_iter().chain(lines) {
                 println!("{line}");
             }
             println!("ok: billet node would start with this configuration");
@@ -54,6 +63,58 @@ pub fn check(args: NodeArgs) -> ExitCode {
             ExitCode::from(exit::for_node_error(&e))
         }
     }
+}
+
+/// Every address `billet node` binds with this configuration, with the
+/// flag that names it: the plane's, the metrics', and the Actions cache
+/// proxy's when the operator named one (its default, Docker's bridge
+/// gateway, is given up with a warning when taken, never refused).
+fn addresses(
+    config: &NodeConfig,
+    listen: std::net::SocketAddr,
+) -> Vec<(&'static str, std::net::SocketAddr)> {
+    let mut addresses = vec![("--listen", listen)];
+    if let Some(addr) = config.metrics_listen {
+        addresses.push(("--metrics-listen", addr));
+    }
+    if let server::ProxyListen::At(addr) = config.actions_proxy.listen {
+        addresses.push(("--cache-proxy-listen", addr));
+    }
+    addresses
+}
+
+/// Binds each address and releases it at once, a line each. An address in
+/// use while a node runs on the state directory (`running`) is noted: that
+/// node may hold it, and frees it when it stops.
+///
+/// # Errors
+///
+/// The sentence `billet node` would stop with (exit 4), naming the flag.
+fn bind_and_release(
+    addresses: &[(&'static str, std::net::SocketAddr)],
+    running: bool,
+) -> Result<Vec<String>, String> {
+    let mut lines = Vec::new();
+    for (flag, addr) in addresses {
+        match std::net::TcpListener::bind(addr) {
+            Ok(listener) => {
+                drop(listener);
+                lines.push(format!("{flag}: {addr} can be bound (bound and released)"));
+            }
+            Err(e) if running && e.kind() == std::io::ErrorKind::AddrInUse => lines.push(
+                format!("note: {flag} {addr} is in use, perhaps by the node running on this state directory; it must be free when the new node starts"),
+            ),
+            Err(e) => return Err(format!("cannot listen on {addr} ({flag}): {e}")),
+        }
+    }
+    Ok(lines)
+}
+
+/// Whether a node answers on the state directory's local socket.
+async fn node_running(state_dir: &Path) -> bool {
+    tokio::net::UnixStream::connect(crate::local::socket_path(state_dir))
+        .await
+        .is_ok()
 }
 
 /// What [`server::prepare`] checks, in its order, without its side effects:
@@ -92,11 +153,10 @@ pub(crate) async fn inspect(config: &NodeConfig) -> Result<Vec<String>, NodeErro
                 "absent; the node creates it"
             }
         ));
-        let socket = crate::local::socket_path(&config.state_dir);
-        if tokio::net::UnixStream::connect(&socket).await.is_ok() {
+        if node_running(&config.state_dir).await {
             lines.push(format!(
                 "note: a node is running on this state directory ({}); a second one would be refused (exit {})",
-                socket.display(),
+                crate::local::socket_path(&config.state_dir).display(),
                 exit::STATE
             ));
         }

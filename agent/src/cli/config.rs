@@ -99,6 +99,7 @@ impl NodeArgs {
                     key: args.key,
                     ca: args.ca,
                 },
+                allow_readable_key: args.allow_readable_key,
                 plane_name: args.plane_name,
                 deployment: args.deployment,
                 cache_dir: args
@@ -179,7 +180,7 @@ mod tests {
             "--vcpu",
             "2",
             "--memory-bytes",
-            "1024",
+            "1073741824",
         ]
         .iter()
         .chain(extra);

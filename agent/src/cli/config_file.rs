@@ -86,6 +86,8 @@ pub(crate) fn apply(
         let values: Vec<String> = match value {
             toml::Value::String(s) => vec![s.clone()],
             toml::Value::Integer(i) => vec![i.to_string()],
+            // Judged by the flag's parser, which says what it takes.
+            toml::Value::Float(f) => vec![f.to_string()],
             toml::Value::Boolean(b) => vec![b.to_string()],
             toml::Value::Array(items) if matches!(arg.get_action(), clap::ArgAction::Append) => {
                 items
@@ -113,7 +115,9 @@ pub(crate) fn apply(
             Command::new("check")
                 .no_binary_name(true)
                 .arg(arg.clone().required(false))
-                .try_get_matches_from([format!("--{long}"), value.clone()])
+                // `--flag=value`: a value that starts with `-` (`-5`) is the
+                // flag's, not another flag.
+                .try_get_matches_from([format!("--{long}={value}")])
                 .map_err(|e| {
                     let why = e.to_string();
                     let why = why

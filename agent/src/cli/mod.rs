@@ -52,10 +52,10 @@ pub enum Command {
     /// `billet node enroll` (parsed on its own, like `status`).
     #[command(skip)]
     NodeEnroll(enroll::EnrollArgs),
-    /// Check a node's configuration as `billet node` would before binding
+    /// Check a node's configuration as `billet node` would before serving
     /// (flags, TLS material, state directory and journal, Docker engine,
-    /// upgrade configuration), exiting with the same codes; binds and
-    /// changes nothing.
+    /// upgrade configuration, and every address it binds, bound and
+    /// released at once), exiting with the same codes; changes nothing.
     Check(NodeArgs),
     /// Print a shell completion script for `billet` (bash, zsh, fish,
     /// elvish, powershell) to stdout.
@@ -63,8 +63,14 @@ pub enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Print `billet`'s man page (roff, section 1) to stdout.
-    Man,
+    /// Print `billet`'s man pages (roff, section 1) to stdout, or write
+    /// one file per command (`billet.1`, `billet-node.1`,
+    /// `billet-node-status.1`, ...) into a directory.
+    Man {
+        /// Write `<command>.1` files here instead of printing them.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Replace this node's billet. Started by `billet node` on StartUpgrade,
     /// which reads the answer on --ack-fd; run by hand it answers nothing.
     HostUpgrade(HostUpgradeArgs),
@@ -115,14 +121,23 @@ pub struct NodeArgs {
     /// The node's certificate (PEM); its DNS name is the node's name.
     #[arg(long, env = "BILLET_CERT")]
     pub cert: PathBuf,
-    /// The node's private key (PEM).
+    /// The node's private key (PEM), mode 0600 (or 0640 owned by root):
+    /// a key others may read, or its group when root does not own it, is
+    /// refused at start.
     #[arg(long, env = "BILLET_KEY")]
     pub key: PathBuf,
+    /// Start even when the private key is readable by its group or others
+    /// (a key shared through a group, on a host whose every user is
+    /// trusted). Off by default.
+    #[arg(long, env = "BILLET_ALLOW_READABLE_KEY", value_name = "BOOL",
+          num_args = 0..=1, default_value_t = false, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    pub allow_readable_key: bool,
     /// The deployment CA bundle (PEM) the plane's certificate must chain to.
     #[arg(long, env = "BILLET_CA")]
     pub ca: PathBuf,
     /// The DNS name the plane's client certificate must carry.
-    #[arg(long, env = "BILLET_PLANE_NAME", default_value = "plane")]
+    #[arg(long, env = "BILLET_PLANE_NAME", default_value = "plane", value_parser = parse_dns_name)]
     pub plane_name: String,
     /// The deployment this node belongs to.
     #[arg(long, env = "BILLET_DEPLOYMENT", default_value = "dev")]
@@ -170,11 +185,12 @@ pub struct NodeArgs {
         default_value = "/var/run/docker.sock"
     )]
     pub docker_socket: PathBuf,
-    /// vCPUs to offer; defaults to the host's.
-    #[arg(long, env = "BILLET_VCPU")]
+    /// vCPUs to offer, 1 to 4096; defaults to the host's.
+    #[arg(long, env = "BILLET_VCPU", value_parser = parse_vcpu)]
     pub vcpu: Option<u32>,
-    /// Memory to offer, in bytes; defaults to the host's.
-    #[arg(long, env = "BILLET_MEMORY_BYTES")]
+    /// Memory to offer, in bytes, 64 MiB (67108864) to 1 PiB; defaults to
+    /// the host's.
+    #[arg(long, env = "BILLET_MEMORY_BYTES", value_parser = within::<MIN_MEMORY_BYTES, MAX_BYTES>)]
     pub memory_bytes: Option<u64>,
     /// Destroy and release compute held in custody longer than this many
     /// seconds. Off by default (0 is off too): time alone never kills a
@@ -229,9 +245,10 @@ pub struct NodeArgs {
           value_parser = clap::value_parser!(u32).range(64..=4_194_304))]
     pub guest_pids_limit: u32,
     /// Seconds a launch result waits for the plane's acknowledgement before
-    /// the node takes custody of the lease.
+    /// the node takes custody of the lease; at least 1 (0 would put every
+    /// launch in custody).
     #[arg(long, env = "BILLET_ACK_TIMEOUT_SECS", default_value_t = crate::edge::session::ACK_TIMEOUT.as_secs(),
-          value_parser = within::<0, MAX_FLAG_SECS>)]
+          value_parser = within::<1, MAX_FLAG_SECS>)]
     pub ack_timeout_secs: u64,
     /// Seconds a drain (SIGTERM) waits for running jobs before the node
     /// exits anyway, destroying nothing.
@@ -239,9 +256,9 @@ pub struct NodeArgs {
           value_parser = within::<0, MAX_FLAG_SECS>)]
     pub drain_timeout_secs: u64,
     /// Seconds between checks of the certificate, key and CA files for a
-    /// replacement (SIGHUP checks at once).
+    /// replacement (SIGHUP checks at once); at least 1.
     #[arg(long, env = "BILLET_TLS_RELOAD_SECS", default_value_t = 10,
-          value_parser = within::<0, MAX_FLAG_SECS>)]
+          value_parser = within::<1, MAX_FLAG_SECS>)]
     pub tls_reload_secs: u64,
     /// Warn daily when the node's certificate expires within this many days.
     #[arg(long, env = "BILLET_CERT_EXPIRY_WARNING_DAYS", default_value_t = 7,
@@ -254,9 +271,10 @@ pub struct NodeArgs {
     /// Passed to the updater as --config.
     #[arg(long, env = "BILLET_UPGRADE_CONFIG")]
     pub upgrade_config: Option<PathBuf>,
-    /// Seconds StartUpgrade waits for the updater's answer before refusing.
+    /// Seconds StartUpgrade waits for the updater's answer before
+    /// refusing; at least 1.
     #[arg(long, env = "BILLET_UPGRADE_ACK_WAIT_SECS", default_value_t = 90,
-          value_parser = within::<0, MAX_FLAG_SECS>)]
+          value_parser = within::<1, MAX_FLAG_SECS>)]
     pub upgrade_ack_wait_secs: u64,
     /// Serve Prometheus metrics over plain HTTP at /metrics on this
     /// address; a bare port means 127.0.0.1:PORT. Off by default.
@@ -264,8 +282,9 @@ pub struct NodeArgs {
     pub metrics_listen: Option<SocketAddr>,
     /// Below this many free bytes on the state directory's file system the
     /// node is degraded: it refuses launches (RESOURCE_EXHAUSTED) until
-    /// space is freed.
-    #[arg(long, env = "BILLET_MIN_FREE_DISK_BYTES", default_value_t = crate::node::health::DEFAULT_MIN_FREE_DISK_BYTES)]
+    /// space is freed. 0 (no floor) to 1 PiB.
+    #[arg(long, env = "BILLET_MIN_FREE_DISK_BYTES", default_value_t = crate::node::health::DEFAULT_MIN_FREE_DISK_BYTES,
+          value_parser = within::<0, MAX_BYTES>)]
     pub min_free_disk_bytes: u64,
     /// Watch the EC2 spot interruption notice at this instance-metadata
     /// base URL (IMDSv2; on EC2, http://169.254.169.254): a notice makes
@@ -320,6 +339,31 @@ pub(crate) const MAX_FLAG_HOURS: u64 = 10 * 365 * 24;
 pub(crate) const MAX_FLAG_DAYS: u64 = 10 * 365;
 /// The longest `--cache-evict-interval-secs`: a day.
 pub(crate) const MAX_CACHE_EVICT_INTERVAL_SECS: u64 = 86_400;
+/// The least memory a node may offer: 64 MiB, below which no runner
+/// starts, so a smaller value is a slip (a unit left off).
+pub(crate) const MIN_MEMORY_BYTES: u64 = 64 << 20;
+/// The largest byte count a flag takes: 1 PiB, beyond any one host's
+/// memory or disk.
+pub(crate) const MAX_BYTES: u64 = 1 << 50;
+/// The most vCPUs a node may offer.
+pub(crate) const MAX_VCPU: u64 = 4096;
+
+/// `--vcpu`: 1 to [`MAX_VCPU`].
+fn parse_vcpu(value: &str) -> Result<u32, String> {
+    within::<1, MAX_VCPU>(value).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// `--plane-name`: a DNS name, as a certificate's subject alternative
+/// name carries it; anything else can never match the plane's certificate.
+fn parse_dns_name(value: &str) -> Result<String, String> {
+    rustls::pki_types::DnsName::try_from(value)
+        .map(|_| value.to_owned())
+        .map_err(|_| {
+            format!(
+                "{value:?} is not a DNS name (letters, digits and hyphens in dot-separated labels, as the plane's certificate names it)"
+            )
+        })
+}
 
 /// A duration flag's parser: a whole number of the unit its name carries,
 /// from `MIN` to `MAX`. Clap names the flag (or the configuration file's
@@ -714,6 +758,22 @@ mod tests {
     /// Untrusted tiers run on Docker only where the operator says the
     /// containers are isolated by other means; off unless said, by flag
     /// or by the configuration file.
+    #[test]
+    fn the_plane_name_is_a_dns_name_and_nothing_else() {
+        for good in ["plane", "plane.example.com", "plane-1.billet.internal"] {
+            assert_eq!(node(&["--plane-name", good]).unwrap().plane_name, good);
+        }
+        for bad in ["not a dns name!", "", "plane..example", "-plane"] {
+            assert!(parse_dns_name(bad).is_err(), "{bad:?} was taken");
+        }
+    }
+
+    #[test]
+    fn the_key_is_refused_readable_beyond_its_owner_unless_allowed() {
+        assert!(!node(&[]).unwrap().allow_readable_key);
+        assert!(node(&["--allow-readable-key"]).unwrap().allow_readable_key);
+    }
+
     #[test]
     fn isolated_containers_is_off_unless_the_operator_says_so() {
         assert!(!node(&[]).unwrap().isolated_containers);

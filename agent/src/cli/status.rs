@@ -83,8 +83,9 @@ pub(crate) fn resolve_state_dir(
 }
 
 /// Runs `billet node status`: 0 when the node answered, [`exit::CONFIG`]
-/// for a configuration file it cannot read, [`exit::NOT_RUNNING`] when no
-/// node answers on the socket.
+/// for a configuration file it cannot read, [`exit::STATE`] when this user
+/// may not use the socket, [`exit::NOT_RUNNING`] when no node answers on
+/// it.
 pub fn status(args: StatusArgs) -> ExitCode {
     let state_dir = match args.state_dir() {
         Ok(d) => d,
@@ -116,6 +117,11 @@ pub fn status(args: StatusArgs) -> ExitCode {
                 print!("{}", table(o.serving, &o.status, now));
             }
             ExitCode::SUCCESS
+        }
+        // Not "not running": this user cannot tell.
+        Err(_) if let Some(why) = crate::local::refusal(&state_dir) => {
+            eprintln!("error: {why}");
+            ExitCode::from(exit::STATE)
         }
         Err(e) => {
             eprintln!("error: {e}");

@@ -251,7 +251,7 @@ impl IdentityKeeper {
         };
         let installed = self.install(&chain, &request.key_pem).await;
         if let Ok(not_after) = &installed {
-            info!(node = %self.node_name, not_after = ?not_after, "re-enrolled: a new certificate is in force");
+            info!(node = %self.node_name, not_after_unix_s = unix_s(*not_after), "re-enrolled: a new certificate is in force");
         }
         self.count(if installed.is_ok() {
             "enrolled"
@@ -307,7 +307,7 @@ impl IdentityKeeper {
                 info!(node = %self.node_name, "asking the plane to renew the node's certificate");
                 match self.renew_once().await {
                     Ok(not_after) => {
-                        info!(node = %self.node_name, not_after = ?not_after,
+                        info!(node = %self.node_name, not_after_unix_s = unix_s(not_after),
                               "certificate renewed through the plane; new connections use it");
                         break;
                     }
@@ -326,6 +326,13 @@ impl IdentityKeeper {
             validity.borrow_and_update();
         }
     }
+}
+
+/// A time as whole seconds since the Unix epoch, for a log field a
+/// collector reads as a number; 0 before the epoch.
+fn unix_s(t: SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::edge::executor::{Executor, execute_commands};
 use crate::edge::link::PlaneLink;
@@ -57,6 +57,9 @@ pub struct NodeConfig {
     pub tls: TlsPaths,
     /// The name the plane's client certificate must carry.
     pub plane_name: String,
+    /// Whether a private key its group or others may read is taken
+    /// (`--allow-readable-key`); refused at start otherwise.
+    pub allow_readable_key: bool,
     /// The deployment this node belongs to.
     pub deployment: String,
     /// Where the node keeps its state (mode 0700).
@@ -207,22 +210,64 @@ fn prepare_state_dir(path: &std::path::Path) -> Result<(), NodeError> {
             "exists and is not a directory; give --state-dir a directory (it is created if missing)",
         )));
     }
-    std::fs::create_dir_all(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)
+    // A refusal names the owner and mode in the way and the user asking:
+    // the bare error ("Operation not permitted") names neither.
+    fn explained(path: &std::path::Path, what: &str, e: std::io::Error, change: &str) -> NodeError {
+        let source = if crate::access::is_refusal(&e) {
+            std::io::Error::new(e.kind(), crate::access::refused(path, what, &e, change))
+        } else {
+            e
+        };
+        NodeError::StateDir {
+            path: path.to_owned(),
+            source,
+        }
+    }
+    std::fs::create_dir_all(path).map_err(|e| explained(
+        path,
+        "create",
+        e,
+        "create the directory and give it to the node's user (install -d -m 0700 -o USER DIR), or give --state-dir one it may write",
+    ))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(|e| explained(
+        path,
+        "chmod 0700",
+        e,
+        "the node must own its state directory: chown it to the node's user, or run the node as its owner",
+    ))
 }
 
-/// Warns when the private key can be read by anyone but its owner.
-fn warn_if_key_is_readable(key: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(key)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+/// Refuses a private key others may read or write, or its group when root
+/// does not own it, as ssh, Nomad and PostgreSQL do: a key another user may
+/// have read is no proof of this node's identity. A root-owned key its
+/// group may read (0640 root:billet) is root sharing it with the node's
+/// group, as PostgreSQL allows. `allow` (`--allow-readable-key`) takes any
+/// key, with a warning.
+fn check_key_is_private(key: &std::path::Path, allow: bool) -> Result<(), NodeError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let Ok(meta) = std::fs::metadata(key) else {
+        return Ok(());
+    };
+    let mode = meta.permissions().mode() & 0o7777;
+    let shared = if meta.uid() == 0 { 0o037 } else { 0o077 };
+    if mode & shared == 0 {
+        return Ok(());
+    }
+    if allow {
         warn!(
             key = %key.display(),
-            mode = format!("{:o}", meta.permissions().mode() & 0o777),
-            "the node's private key is readable by others; chmod 600 it"
+            mode = format!("{mode:04o}"),
+            "the node's private key is readable beyond its owner; taken because --allow-readable-key is set"
         );
+        return Ok(());
     }
+    Err(NodeError::Tls(TlsError::Content {
+        path: key.to_owned(),
+        problem: format!(
+            "the private key is readable beyond its owner ({}); chmod 600 it (or 640 with root as its owner and the node's group), or pass --allow-readable-key (BILLET_ALLOW_READABLE_KEY=true) to start anyway",
+            crate::access::ownership(key)
+        ),
+    }))
 }
 
 /// Loads and checks the node's TLS material as [`prepare`] does: a
@@ -230,7 +275,8 @@ fn warn_if_key_is_readable(key: &std::path::Path) {
 /// naming a node that is not the plane. A certificate that has expired but
 /// verifies otherwise is accepted with a warning ([`NodeTls::load_at_start`]):
 /// the node starts, keeps what it holds, and waits to be re-enrolled
-/// (`billet node enroll`). Warns when the key is readable by others.
+/// (`billet node enroll`). Refuses a key readable beyond its owner unless
+/// the configuration allows it.
 ///
 /// # Errors
 ///
@@ -246,11 +292,11 @@ pub(crate) fn load_tls(config: &NodeConfig) -> Result<NodeTls, NodeError> {
             ),
         }));
     }
-    warn_if_key_is_readable(&config.tls.key);
+    check_key_is_private(&config.tls.key, config.allow_readable_key)?;
     if tls.expired {
         warn!(
             cert = %config.tls.cert.display(),
-            not_after = ?tls.not_after,
+            not_after_unix_s = tls.not_after.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_secs()),
             "the node's certificate has expired: starting anyway to keep the compute it holds, \
              but no plane can attach until it is re-enrolled \
              (billet node enroll --plane HOST:PORT --token-file FILE, with a join token from the plane)"
@@ -458,6 +504,82 @@ pub struct Prepared {
     pub metrics: Option<TcpListener>,
     /// The Actions cache proxy's parts; `None`: it is off.
     pub actions: Option<ActionsParts>,
+}
+
+/// What a start finds absent and may create: the state directory (the
+/// topmost of its missing ancestors), its journal, the cache directory.
+/// Taken before [`prepare`]; [`Footprint::undo`] removes, after a start
+/// that failed, what that start made, so a failed start leaves the host as
+/// it found it (a half-made state directory would be taken for a node's).
+#[derive(Debug)]
+pub struct Footprint {
+    state_dir: PathBuf,
+    made_state: Option<PathBuf>,
+    made_journal: bool,
+    made_cache: Option<PathBuf>,
+}
+
+/// The topmost ancestor of `path` (itself included) that does not exist.
+fn topmost_absent(path: &std::path::Path) -> Option<PathBuf> {
+    path.ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_err())
+        .last()
+        .map(std::path::Path::to_path_buf)
+}
+
+impl Footprint {
+    /// What is absent now, before a start.
+    #[must_use]
+    pub fn before(config: &NodeConfig) -> Self {
+        Self {
+            state_dir: config.state_dir.clone(),
+            made_state: topmost_absent(&config.state_dir),
+            made_journal: std::fs::symlink_metadata(
+                config.state_dir.join(crate::journal::JOURNAL_FILE),
+            )
+            .is_err(),
+            made_cache: topmost_absent(&config.cache_dir),
+        }
+    }
+
+    /// Removes what the failed start made. The local socket goes unless a
+    /// node answers on it (another node's, which refused this start); the
+    /// caller drops what the start bound first. Nothing is in the journal
+    /// yet: it is removed only if this start created it.
+    pub fn undo(self) {
+        let socket = crate::local::socket_path(&self.state_dir);
+        if std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            remove(&socket, false);
+        }
+        if self.made_journal {
+            let journal = self.state_dir.join(crate::journal::JOURNAL_FILE);
+            for suffix in ["", "-wal", "-shm", "-journal", ".new"] {
+                let mut name = journal.clone().into_os_string();
+                name.push(suffix);
+                remove(std::path::Path::new(&name), false);
+            }
+        }
+        for dir in [self.made_cache, self.made_state].into_iter().flatten() {
+            remove(&dir, true);
+        }
+    }
+}
+
+/// Removes the file `path`, or the directory and everything in it;
+/// already gone is fine, anything else a warning.
+fn remove(path: &std::path::Path, directory: bool) {
+    let removed = if directory {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    match removed {
+        Ok(()) => debug!(path = %path.display(), "removed what the failed start made"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "cannot remove what the failed start made")
+        }
+    }
 }
 
 /// Below this many open files the node warns at start: room for the
@@ -678,7 +800,7 @@ pub async fn run(
         version: crate::upgrade::version::version().to_owned(),
     };
     info!(node = %identity.node_name, incarnation = %identity.incarnation,
-          addr = ?listener.local_addr().ok(), "billet node serving");
+          addr = listener.local_addr().ok().map(tracing::field::display), "billet node serving");
     let recovery = Arc::new(Recovery::default());
     let (tls_config, identity_files) = crate::tls::watch_files(
         config.tls.clone(),
@@ -860,7 +982,10 @@ pub async fn run(
         );
     }
     if let Some(listener) = metrics_listener {
-        info!(addr = ?listener.local_addr().ok(), "serving metrics at /metrics");
+        info!(
+            addr = listener.local_addr().ok().map(tracing::field::display),
+            "serving metrics at /metrics"
+        );
         let (runner, cert) = (runner.clone(), config.tls.cert.clone());
         let plane_clock = health.plane_clock();
         let scrape: crate::node::metrics::Scrape = Arc::new(move |m: &Metrics| {

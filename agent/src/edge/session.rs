@@ -249,7 +249,11 @@ impl pb::node_server::Node for NodeService {
             }
         };
         let ttl = self.check_open(&open).inspect_err(|status| {
-            warn!(?peer, reason = status.message(), "refused a session");
+            warn!(
+                peer = peer.map(tracing::field::display),
+                reason = status.message(),
+                "refused a session"
+            );
         })?;
 
         let (tx, rx) = mpsc::channel(OUTBOUND_BUFFER);
@@ -295,7 +299,7 @@ impl pb::node_server::Node for NodeService {
         }
         info!(
             session = id,
-            ?peer,
+            peer = peer.map(tracing::field::display),
             lease_ttl_ms = ttl.as_millis() as u64,
             "plane session open"
         );
@@ -325,6 +329,10 @@ impl pb::node_server::Node for NodeService {
         }
 
         let session_closed = session.closed.clone();
+        // Set when the plane's stream could not be read: the session ends
+        // with it, so the plane sees what it sent wrong, not OK.
+        let ended_with: Arc<std::sync::Mutex<Option<Status>>> = Arc::default();
+        let end = Arc::clone(&ended_with);
         let this = self.clone();
         tokio::spawn(
             async move {
@@ -345,7 +353,18 @@ impl pb::node_server::Node for NodeService {
                         }
                         Ok(None) => break,
                         Err(status) => {
-                            debug!(error = %status, "session stream ended");
+                            match unreadable(&status) {
+                                Some(answer) => {
+                                    warn!(
+                                        peer = peer.map(tracing::field::display),
+                                        error = %status,
+                                        "closed the session: a message from the plane could not be read"
+                                    );
+                                    *end.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+                                        Some(answer);
+                                }
+                                None => debug!(error = %status, "session stream ended"),
+                            }
                             break;
                         }
                     }
@@ -356,12 +375,46 @@ impl pb::node_server::Node for NodeService {
             }
             .instrument(info_span!("session", id)),
         );
-        // The stream ends when the session closes: replaced, or the node stopping.
+        // The stream ends when the session closes: replaced, or the node
+        // stopping; then with the status that says why, when it was the
+        // plane's message.
         let closed = session_closed.cancelled_owned();
-        Ok(Response::new(Box::pin(futures::StreamExt::take_until(
-            ReceiverStream::new(rx),
-            closed,
+        let last = futures::stream::once(async move {
+            ended_with
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+                .map(Err)
+        });
+        let last = futures::StreamExt::filter_map(last, std::future::ready);
+        Ok(Response::new(Box::pin(futures::StreamExt::chain(
+            futures::StreamExt::take_until(ReceiverStream::new(rx), closed),
+            last,
         ))))
+    }
+}
+
+/// The status to end a session with when reading the plane's stream
+/// failed on the plane's message itself (too large, or not a message this
+/// node can decode); `None` for the transport failing (a reset, a closed
+/// connection), which carries its cause as a source and has no one to
+/// answer.
+fn unreadable(status: &Status) -> Option<Status> {
+    if std::error::Error::source(status).is_some() {
+        return None;
+    }
+    match status.code() {
+        tonic::Code::OutOfRange | tonic::Code::ResourceExhausted => {
+            Some(Status::resource_exhausted(format!(
+                "a message from the plane is larger than the node reads ({}); the session is closed",
+                status.message()
+            )))
+        }
+        tonic::Code::Internal => Some(Status::invalid_argument(format!(
+            "a message from the plane could not be decoded ({}); the session is closed",
+            status.message()
+        ))),
+        _ => None,
     }
 }
 

@@ -957,7 +957,7 @@ impl Runner {
         let age = entry.since.elapsed();
         if let Some(max) = self.options.max_custody.filter(|max| !max.is_zero()) {
             if age > max && !entry.discard {
-                error!(%lease, ?age, "custody exceeded max_custody; destroying and releasing as failed");
+                error!(%lease, age_s = age.as_secs(), "custody exceeded max_custody; destroying and releasing as failed");
                 entry.discard = true;
                 entry.outcome.fail(FailureReason::MaxCustody);
                 if entry.phase.is_some() {

@@ -221,7 +221,7 @@ impl Runner {
                 }
             };
             if runs {
-                warn!(lease = %running.lease, request = %request_id, instance = %running.instance,
+                warn!(lease = %running.lease, request = request_id.0, instance = %running.instance,
                       %reason, github = %github_says, provider = %provider_says,
                       "forced destroy: ending the runner whatever it is doing");
                 if let Some(why) = &order.reason
@@ -246,7 +246,7 @@ impl Runner {
                 // Its compute ended before its job did (killed, OOM, a
                 // crash, removed): a scale-down must not turn that into a
                 // `done`. Torn down as a tend would, released `failed`.
-                warn!(lease = %running.lease, request = %request_id, instance = %running.instance, reason = %died,
+                warn!(lease = %running.lease, request = request_id.0, instance = %running.instance, reason = %died,
                       "scale-down of a runner whose compute already ended; tearing it down and releasing the lease as failed");
                 self.end_running(
                     request_id,
@@ -268,7 +268,7 @@ impl Runner {
                 Ok(()) if runs => {
                     if self.at_work(&running.lease, &running.instance).await? {
                         self.mark_online(request_id);
-                        info!(lease = %running.lease, request = %request_id, provider = %provider_says,
+                        info!(lease = %running.lease, request = request_id.0, provider = %provider_says,
                               "scale-down refused: the runner's job process runs; it keeps running");
                         return Err(RunnerError::Busy {
                             message: format!(
@@ -289,7 +289,7 @@ impl Runner {
                     warn!(lease = %running.lease, error = %e, retry_in_s = wait.as_secs_f32(), "the registration of ended compute is not removed yet; retrying with backoff");
                 }
                 Err(e @ (PlaneError::Busy(_) | PlaneError::Refused(_))) => {
-                    info!(lease = %running.lease, request = %request_id, github = %e, provider = %provider_says,
+                    info!(lease = %running.lease, request = request_id.0, github = %e, provider = %provider_says,
                           "scale-down refused: the runner is busy; it keeps running");
                     return Err(RunnerError::Busy {
                         message: format!(
@@ -332,7 +332,7 @@ impl Runner {
                 )
                 .await;
             }
-            info!(lease = %running.lease, request = %request_id, instance = %running.instance,
+            info!(lease = %running.lease, request = request_id.0, instance = %running.instance,
                   result = order.job_result.as_deref().unwrap_or("-"), grace_s = self.options.post_job_grace.as_secs(),
                   "the job is complete and its runner still works; leaving it the post-job grace to exit");
             return Err(RunnerError::Busy {
@@ -352,7 +352,7 @@ impl Runner {
             ))),
             Ok(teardown) => {
                 self.state().running.remove(&request_id);
-                info!(lease = %running.lease, request = %request_id, instance = %running.instance,
+                info!(lease = %running.lease, request = request_id.0, instance = %running.instance,
                       result = order.job_result.as_deref().unwrap_or("-"), force = order.force, %reason, ?teardown, "destroyed");
                 // A runner forced out mid-work is the node's to end: its
                 // lease is released `failed` with the operator's reason once

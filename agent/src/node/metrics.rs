@@ -1,6 +1,7 @@
-//! The node's metrics, in the Prometheus/OpenMetrics text exposition format
-//! (`prometheus-client`), served on an opt-in HTTP listener
-//! (`--metrics-listen`, [`serve`]) at `/metrics`.
+//! The node's metrics, in the Prometheus text format 0.0.4 or OpenMetrics
+//! text 1.0 as the scraper asks ([`Exposition`], `prometheus-client`),
+//! served on an opt-in HTTP listener (`--metrics-listen`, [`serve`]) at
+//! `/metrics`.
 //!
 //! [`Metrics`] registers its families in a [`Registry`] it is given (no
 //! globals). It is fed three ways: decorators at the seams
@@ -41,9 +42,67 @@ use crate::provider::{
     ImageFacts, Instance, InstanceSpec, Provider, ProviderError, Teardown, Work,
 };
 
-/// The content type of the exposition (OpenMetrics text 1.0, which
-/// Prometheus scrapes natively).
-pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The two text expositions the endpoint serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Exposition {
+    /// The Prometheus text format 0.0.4: what `promtool check metrics` and
+    /// every text scraper read. `billet_build_info` is a gauge here, and
+    /// there is no `# EOF`.
+    Text,
+    /// OpenMetrics text 1.0, which Prometheus asks for first.
+    OpenMetrics,
+}
+
+impl Exposition {
+    /// Chooses by the request's `Accept` header: OpenMetrics only when the
+    /// client names `application/openmetrics-text` with a quality above 0
+    /// and at least that of any other type it names; otherwise (no header,
+    /// `*/*`, `text/plain`, anything unparsable) the text format, which
+    /// every scraper reads.
+    fn negotiate(accept: Option<&str>) -> Self {
+        let Some(accept) = accept else {
+            return Self::Text;
+        };
+        let (mut openmetrics, mut other) = (0.0_f64, 0.0_f64);
+        for range in accept.split(',') {
+            let mut parts = range.split(';');
+            let media = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            let quality = parts
+                .filter_map(|p| p.split_once('='))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+                .map_or(Some(1.0), |(_, v)| v.trim().parse::<f64>().ok())
+                .unwrap_or(0.0);
+            if media == "application/openmetrics-text" {
+                openmetrics = openmetrics.max(quality);
+            } else {
+                other = other.max(quality);
+            }
+        }
+        if openmetrics > 0.0 && openmetrics >= other {
+            Self::OpenMetrics
+        } else {
+            Self::Text
+        }
+    }
+
+    fn content_type(self) -> &'static str {
+        match self {
+            Self::Text => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+            Self::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+
+    fn encode(self, registry: &Registry) -> Result<String, std::fmt::Error> {
+        let mut body = String::new();
+        match self {
+            Self::Text => {
+                prometheus_client::encoding::prometheus_text::encode(&mut body, registry)?
+            }
+            Self::OpenMetrics => prometheus_client::encoding::text::encode(&mut body, registry)?,
+        }
+        Ok(body)
+    }
+}
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -173,6 +232,72 @@ fn raise_to(counter: &Counter, to: u64) {
         counter.inc_by(to - now);
     }
 }
+
+/// Every call [`MeteredProvider`] names: each has its error series from the
+/// start, at zero.
+const PROVIDER_CALLS: [&str; 12] = [
+    "check_image",
+    "output_tail",
+    "shape",
+    "create",
+    "destroy",
+    "stop",
+    "list",
+    "find",
+    "work",
+    "create_warm",
+    "list_warm",
+    "claim_warm",
+];
+
+/// Every call [`MeteredPlane`] names.
+const PLANE_CALLS: [&str; 14] = [
+    "bind",
+    "advance",
+    "bind_advance",
+    "resize",
+    "record_cache_observation",
+    "actions_policy",
+    "heartbeat",
+    "release",
+    "mark_failure",
+    "lease",
+    "launched",
+    "reconcile",
+    "mint",
+    "remove_runner",
+];
+
+/// Every code [`plane_code`] answers. Every call has a series per code
+/// from the start, so `increase()` sees a call's first error of a kind: a
+/// counter series born at 1 shows no increase.
+const PLANE_CODES: [&str; 11] = [
+    "fenced",
+    "not_found",
+    "bad_transition",
+    "wrong_node",
+    "unavailable",
+    "force_release",
+    "refused",
+    "scale_set_not_found",
+    "runner_name_taken",
+    "busy",
+    "identity_refused",
+];
+
+/// Every write [`MeteredJournal`] names.
+const JOURNAL_WRITES: [&str; 7] = [
+    "put_launch",
+    "amend_launch",
+    "forget_launch",
+    "put_custody",
+    "forget_custody",
+    "put_result",
+    "put_result_committed",
+];
+
+/// Every outcome [`Metrics::certificate_renewal`] counts.
+const RENEWAL_OUTCOMES: [&str; 4] = ["renewed", "enrolled", "refused", "failed"];
 
 /// The lease states [`Metrics::set_leases`] reports, always all of them (a
 /// state with no lease reads 0, not absent).
@@ -397,6 +522,31 @@ impl Metrics {
                 .get_or_create(&CacheEventLabel { event })
                 .inc_by(0);
         }
+        // Every error family with a closed vocabulary has its series at
+        // zero before the first error: a healthy node's error panels read
+        // 0, not "No data", and the first error is an increase.
+        for call in PROVIDER_CALLS {
+            m.provider_errors
+                .get_or_create(&CallLabel { call })
+                .inc_by(0);
+        }
+        for call in PLANE_CALLS {
+            for code in PLANE_CODES {
+                m.plane_errors
+                    .get_or_create(&CallErrorLabels { call, code })
+                    .inc_by(0);
+            }
+        }
+        for call in JOURNAL_WRITES {
+            m.journal_errors
+                .get_or_create(&CallLabel { call })
+                .inc_by(0);
+        }
+        for outcome in RENEWAL_OUTCOMES {
+            m.certificate_renewals
+                .get_or_create(&OutcomeLabel { outcome })
+                .inc_by(0);
+        }
         m
     }
 
@@ -595,12 +745,17 @@ impl Metrics {
     /// `enrolled`, `refused` (the plane will not sign) or `failed` (no
     /// answer, or a certificate that did not verify).
     pub(crate) fn certificate_renewal(&self, outcome: &'static str) {
+        debug_assert!(
+            RENEWAL_OUTCOMES.contains(&outcome),
+            "{outcome} is not in RENEWAL_OUTCOMES"
+        );
         self.certificate_renewals
             .get_or_create(&OutcomeLabel { outcome })
             .inc();
     }
 
     fn plane_call(&self, call: &'static str, took: Duration, result: Result<(), &PlaneError>) {
+        debug_assert!(PLANE_CALLS.contains(&call), "{call} is not in PLANE_CALLS");
         self.plane_calls
             .get_or_create(&CallLabel { call })
             .observe(took.as_secs_f64());
@@ -713,11 +868,16 @@ pub(crate) async fn serve(
                 async move {
                     let _busy = busy;
                     if req.uri().path() == "/metrics" {
+                        let exposition = Exposition::negotiate(
+                            req.headers()
+                                .get(hyper::header::ACCEPT)
+                                .and_then(|v| v.to_str().ok()),
+                        );
                         scrape(&metrics);
-                        let mut body = String::new();
-                        match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                            Ok(()) => Response::builder()
-                                .header(hyper::header::CONTENT_TYPE, CONTENT_TYPE)
+                        match exposition.encode(&registry) {
+                            Ok(body) => Response::builder()
+                                .header(hyper::header::CONTENT_TYPE, exposition.content_type())
+                                .header(hyper::header::VARY, "accept")
                                 .body(Full::new(Bytes::from(body))),
                             Err(_) => Response::builder()
                                 .status(StatusCode::INTERNAL_SERVER_ERROR)
@@ -763,6 +923,10 @@ impl MeteredProvider {
     }
 
     fn observe(&self, call: &'static str, took: Duration, ok: bool) {
+        debug_assert!(
+            PROVIDER_CALLS.contains(&call),
+            "{call} is not in PROVIDER_CALLS"
+        );
         self.metrics
             .provider_calls
             .get_or_create(&CallLabel { call })
@@ -1161,6 +1325,10 @@ impl MeteredJournal {
     }
 
     fn observe(&self, call: &'static str, start: Instant, r: &Result<(), JournalError>) {
+        debug_assert!(
+            JOURNAL_WRITES.contains(&call),
+            "{call} is not in JOURNAL_WRITES"
+        );
         self.metrics
             .journal_writes
             .get_or_create(&CallLabel { call })
@@ -1359,6 +1527,107 @@ mod tests {
     }
 
     #[test]
+    fn the_text_format_is_served_unless_openmetrics_is_preferred() {
+        use Exposition::{OpenMetrics, Text};
+        for (accept, wanted) in [
+            (None, Text),
+            (Some(""), Text),
+            (Some("*/*"), Text),
+            (Some("text/plain"), Text),
+            (Some("text/plain;version=0.0.4"), Text),
+            (Some("application/openmetrics-text;q=0"), Text),
+            (Some("application/openmetrics-text;q=x"), Text),
+            (
+                Some("text/plain;version=0.0.4;q=0.9, application/openmetrics-text;q=0.5"),
+                Text,
+            ),
+            (
+                Some("application/openmetrics-text; version=1.0.0"),
+                OpenMetrics,
+            ),
+            (Some("Application/OpenMetrics-Text"), OpenMetrics),
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                OpenMetrics,
+            ),
+        ] {
+            assert_eq!(Exposition::negotiate(accept), wanted, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn the_text_format_has_no_openmetrics_only_parts_and_openmetrics_ends_in_eof() {
+        let mut registry = Registry::default();
+        let _m = Metrics::new(&mut registry, "1.2.3", "abc");
+        let text = Exposition::Text.encode(&registry).unwrap();
+        assert!(!text.contains("# EOF"), "{text}");
+        assert!(!text.contains(" info\n"), "{text}");
+        assert!(!text.contains("_created"), "{text}");
+        assert!(
+            text.contains("# TYPE billet_build_info gauge\nbillet_build_info{version=\"1.2.3\",commit=\"abc\"} 1\n"),
+            "{text}"
+        );
+        let open = Exposition::OpenMetrics.encode(&registry).unwrap();
+        assert!(open.ends_with("# EOF\n"), "{open}");
+        assert!(open.contains("# TYPE billet_build info"), "{open}");
+    }
+
+    #[test]
+    fn every_error_family_has_every_known_series_at_zero_before_any_error() {
+        let mut registry = Registry::default();
+        let _m = Metrics::new(&mut registry, "v", "c");
+        let text = Exposition::Text.encode(&registry).unwrap();
+        let mut wanted: Vec<String> = Vec::new();
+        for call in PROVIDER_CALLS {
+            wanted.push(format!(
+                "billet_provider_call_errors_total{{call=\"{call}\"}} 0"
+            ));
+        }
+        for call in PLANE_CALLS {
+            for code in PLANE_CODES {
+                wanted.push(format!(
+                    "billet_plane_call_errors_total{{call=\"{call}\",code=\"{code}\"}} 0"
+                ));
+            }
+        }
+        for call in JOURNAL_WRITES {
+            wanted.push(format!(
+                "billet_journal_write_errors_total{{call=\"{call}\"}} 0"
+            ));
+        }
+        for outcome in RENEWAL_OUTCOMES {
+            wanted.push(format!(
+                "billet_certificate_renewals_total{{outcome=\"{outcome}\"}} 0"
+            ));
+        }
+        for series in wanted {
+            assert!(text.contains(&series), "no {series} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn every_plane_error_has_a_code_in_the_known_vocabulary() {
+        let x = || String::from("x");
+        for e in [
+            PlaneError::Fenced(x()),
+            PlaneError::NotFound(x()),
+            PlaneError::BadTransition(x()),
+            PlaneError::WrongNode(x()),
+            PlaneError::Unavailable(x()),
+            PlaneError::ForceRelease(x()),
+            PlaneError::Refused(x()),
+            PlaneError::ScaleSetNotFound(x()),
+            PlaneError::RunnerNameTaken(x()),
+            PlaneError::Busy(x()),
+            PlaneError::IdentityRefused(x()),
+        ] {
+            assert!(PLANE_CODES.contains(&plane_code(&e)), "{e:?}");
+        }
+    }
+
+    #[test]
     fn every_metric_the_grafana_dashboard_queries_is_one_the_node_serves() {
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry, "v", "c");
@@ -1403,6 +1672,32 @@ mod tests {
                 "the dashboard queries {name}, which the node does not serve:\n{text}"
             );
         }
+    }
+
+    /// The other way round: an operator who imports the dashboard sees
+    /// every family the node serves, the cache's among them.
+    #[test]
+    fn the_grafana_dashboard_has_a_panel_for_every_family_the_node_serves() {
+        let mut registry = Registry::default();
+        let _m = Metrics::new(&mut registry, "v", "c");
+        let text = Exposition::OpenMetrics.encode(&registry).unwrap();
+        let dashboard = include_str!("../../../deploy/grafana-billet-node.json");
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        assert!(families.len() > 20, "{families:?}");
+        let missing: Vec<&str> = families
+            .into_iter()
+            .filter(|family| {
+                !dashboard.match_indices(family).any(|(i, _)| {
+                    let rest = &dashboard[i + family.len()..];
+                    !rest.starts_with(|c: char| c.is_ascii_lowercase())
+                })
+            })
+            .collect();
+        assert!(missing.is_empty(), "no panel queries {missing:?}");
     }
 
     #[test]

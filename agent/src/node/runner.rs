@@ -718,11 +718,11 @@ impl Runner {
                         .await
                     {
                         Ok(kept) if kept != observation => {
-                            info!(%lease, %epoch, "the ledger keeps an earlier cache observation for the lease");
+                            info!(%lease, epoch = epoch.0, "the ledger keeps an earlier cache observation for the lease");
                         }
                         Ok(_) => {}
                         Err(e) => {
-                            warn!(%lease, %epoch, error = %e, "the cache observation was not recorded in the ledger");
+                            warn!(%lease, epoch = epoch.0, error = %e, "the cache observation was not recorded in the ledger");
                         }
                     }
                 });
@@ -1095,7 +1095,7 @@ impl Runner {
         if held == lease.epoch {
             return Ok(());
         }
-        warn!(lease = %lease.id, held_epoch = %held, launch_epoch = %lease.epoch,
+        warn!(lease = %lease.id, held_epoch = held.0, launch_epoch = lease.epoch.0,
               "a launch of a lease whose runner this node holds at another epoch: answered BUSY, nothing started");
         Err(RunnerError::Busy {
             message: format!(
@@ -1386,7 +1386,7 @@ impl Runner {
         record: &mut LaunchRecord,
         instance: &Instance,
     ) {
-        info!(lease = %lease.id, request = %lease.request_id, instance = %instance.name,
+        info!(lease = %lease.id, request = lease.request_id.0, instance = %instance.name,
               repository = %job.repository, "launched");
         {
             let mut s = self.state();

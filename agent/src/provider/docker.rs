@@ -954,7 +954,7 @@ impl DockerProvider {
         tracing::info!(
             instance = %name,
             lease = %spec.lease,
-            epoch = %spec.epoch,
+            epoch = spec.epoch.0,
             id = %created.id,
             "started container"
         );
@@ -1110,7 +1110,7 @@ impl DockerProvider {
                 operation: operation.clone(),
                 message: format!("the warm runner did not take its credentials: {message}"),
             })?;
-        tracing::info!(instance = %spec.name, warm = %warm, lease = %spec.lease, epoch = %spec.epoch,
+        tracing::info!(instance = %spec.name, warm = %warm, lease = %spec.lease, epoch = spec.epoch.0,
                        "handed a warm runner its registration");
         Ok(Instance {
             id: String::new(),

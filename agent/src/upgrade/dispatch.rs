@@ -274,7 +274,7 @@ pub(crate) async fn start(
             version: spec.version.clone(),
         });
     };
-    info!(version = %spec.version, rollout = ?spec.rollout_id, generation = spec.generation,
+    info!(version = %spec.version, rollout = spec.rollout_id.as_deref(), generation = spec.generation,
           "starting the updater");
     let result = upgrader.start_upgrade(spec).await;
     match &result {
@@ -546,8 +546,8 @@ impl ExecUpgrader {
             // so the updater's exit is seen as end of file.
         };
         let pid = child.id();
-        info!(?pid, binary = %self.binary.display(), ?argv, "the updater is running");
-        reap(child, info_span!("updater", ?pid, version = %spec.version));
+        info!(pid, binary = %self.binary.display(), ?argv, "the updater is running");
+        reap(child, info_span!("updater", pid, version = %spec.version));
         let ack_error = |source| UpgradeError::Ack {
             version: spec.version.clone(),
             source,
@@ -588,7 +588,7 @@ impl ExecUpgrader {
             })?
         };
         let pid = child.id();
-        info!(?pid, systemd_run = %systemd_run.display(), ?args, "starting the updater in its own unit");
+        info!(pid, systemd_run = %systemd_run.display(), ?args, "starting the updater in its own unit");
         // `--no-block`: it returns once the unit's start is queued. Its
         // failure (no such unit manager, a unit of that name already running,
         // no permission) is reported now, not at the end of the ack wait.
@@ -611,7 +611,7 @@ impl ExecUpgrader {
                 // updater, so it is left to finish, and reaped.
                 reap(
                     child,
-                    info_span!("systemd-run", ?pid, version = %spec.version),
+                    info_span!("systemd-run", pid, version = %spec.version),
                 );
                 return Answer::Timeout.into_result(&spec.version, self.ack_wait);
             }
