@@ -463,7 +463,10 @@ mod tests {
             end_reason_label(Some("failed"), Some("launch: refused")),
             "launch_failed"
         );
-        assert_eq!(end_reason_label(Some("failed"), Some("exit 1")), "runner_exit");
+        assert_eq!(
+            end_reason_label(Some("failed"), Some("exit 1")),
+            "runner_exit"
+        );
         assert_eq!(
             end_reason_label(Some("failed"), Some("ec2 spot interruption: terminate")),
             "spot_interruption"
