@@ -983,10 +983,15 @@ impl Runner {
             // no job and is destroyed on sight: the job's next runner goes
             // on beside it. One whose registration is not yet removed could
             // still take the job, and waits for its removal.
+            let failed_launch = |e: &CustodyEntry| {
+                e.request_id == lease.request_id
+                    && e.discard
+                    && e.outcome == Ending::Failed(FailureReason::LaunchFailed)
+            };
             let teardown = s
                 .custody
                 .values()
-                .filter(|e| e.request_id == lease.request_id && e.discard)
+                .filter(|e| failed_launch(e))
                 .find(|e| e.registration.is_some());
             if let Some(e) = teardown {
                 return Err(RunnerError::Failed(format!(
@@ -996,9 +1001,12 @@ impl Runner {
             }
             // Another lease for a request that already has compute here: the
             // job is running under the first lease, so this one may go.
+            // Any other teardown (a runner that may have taken the job, its
+            // registration removed once its compute is gone) still holds the
+            // request.
             if s.custody
                 .values()
-                .any(|e| e.request_id == lease.request_id && !e.discard)
+                .any(|e| e.request_id == lease.request_id && !failed_launch(e))
                 || s.running.contains_key(&lease.request_id)
             {
                 return Err(RunnerError::Failed(format!(

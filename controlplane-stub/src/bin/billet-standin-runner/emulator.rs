@@ -241,17 +241,15 @@ async fn take_job(
         // Started on this runner by someone else (the emulator's auto-run, or a test).
         return Ok(Taken::Job(job));
     }
-    // Runners started together would all choose the first job and all but
-    // one lose it: each starts from its own place in the list instead.
-    let assigned: Vec<JobRequestId> = state
+    // The first assigned job, as the emulator orders them: the test
+    // harnesses read a job's runner from the order its launches were made.
+    let Some(job) = state
         .jobs_in(config.scale_set_id, JobState::Assigned)
         .map(|j| j.id)
-        .collect();
-    if assigned.is_empty() {
+        .next()
+    else {
         return Ok(Taken::Nothing);
-    }
-    let place = usize::try_from(i64::from(config.runner_id).unsigned_abs()).unwrap_or(0);
-    let job = assigned[place % assigned.len()];
+    };
 
     let response = http
         .post(format!("{base}/_emulator/jobs/{job}/start"))

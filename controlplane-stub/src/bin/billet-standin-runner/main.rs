@@ -5,9 +5,8 @@
 //! `--jitconfig <value>`). The emulator's JIT config is base64 of JSON
 //! `{"runnerId", "runnerName", "scaleSetId", "emulator": <base URL>}` (scaleset 0.1
 //! `testing/state.rs`, `generate_jit_config`). Through the emulator's control API it then polls
-//! `GET /_emulator/state` every 200 ms for a job of its scale set in state `assigned` (each runner
-//! starting from its own place in the list, so runners started together choose different jobs),
-//! takes it with `POST /_emulator/jobs/{id}/start {"runnerName": <its name>}` (409: another runner
+//! `GET /_emulator/state` every 200 ms for a job of its scale set in state `assigned`, takes the first
+//! with `POST /_emulator/jobs/{id}/start {"runnerName": <its name>}` (409: another runner
 //! took it, or it is no longer assigned; look again at once), works for `--work-ms`, completes it with
 //! `POST /_emulator/jobs/{id}/complete {"result": <result>}`, prints one line and exits. A job the
 //! emulator itself started on this runner (`EmulatedRunner::job`) is worked the same way.
